@@ -1,0 +1,5 @@
+"""Graphs: the CSR container, statistics, loaders (and, later, partitioners and reordering)."""
+
+from .core import Graph, GraphStats
+
+__all__ = ["Graph", "GraphStats"]

@@ -1,0 +1,631 @@
+"""`Graph`: the in-edge CSR container every part of gnncompile reads.
+
+Layout
+------
+Edges are stored grouped by **destination** (in-edge CSR, i.e. the CSR of the matrix ``A`` with
+``A[dst, src] = w``): the in-edges of vertex ``v`` are positions ``indptr[v]:indptr[v+1]`` and their
+sources are ``indices[indptr[v]:indptr[v+1]]``. Within a row sources are sorted ascending; duplicate
+edges are allowed (they count twice in sums, as in PyG). The edge id of an edge is its position in
+this order, so edge-wise tensors (``[E, ...]``) are aligned with ``indices``.
+
+A `Graph` is treated as immutable: every transformation returns a new graph. Derived structures
+(destination of each edge, degrees, the transposed CSR used by backward passes, normalization
+coefficients, int32 copies for kernels) are computed once on first use and cached on the instance.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from ..errors import GraphError
+
+__all__ = ["Graph", "GraphStats"]
+
+ArrayLike = Any  # numpy array, torch tensor or nested sequence
+
+
+def _as_tensor(value: ArrayLike, field: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Convert ``value`` to a torch tensor without copying where possible."""
+    if isinstance(value, torch.Tensor):
+        t = value
+    elif isinstance(value, np.ndarray):
+        if value.dtype == np.object_:
+            raise GraphError(f"{field}: object arrays are not supported (got dtype=object)")
+        t = torch.from_numpy(np.ascontiguousarray(value))
+    else:
+        try:
+            t = torch.as_tensor(np.asarray(value))
+        except (TypeError, ValueError) as exc:
+            raise GraphError(f"{field}: cannot convert {type(value).__name__} to a tensor: {exc}") from exc
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t
+
+
+def _check_index_dtype(t: torch.Tensor, field: str) -> torch.Tensor:
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise GraphError(f"{field}: expected an integer dtype, got {t.dtype}")
+    return t.to(torch.int64)
+
+
+def _first_true(mask: torch.Tensor) -> int:
+    return int(torch.nonzero(mask.reshape(-1), as_tuple=False)[0, 0])
+
+
+class Graph:
+    """A graph for full-graph GNN training: in-edge CSR structure plus node data.
+
+    Parameters
+    ----------
+    indptr:
+        int64 ``[num_nodes + 1]``, non-decreasing, ``indptr[0] == 0``, ``indptr[-1] == num_edges``.
+    indices:
+        int64 ``[num_edges]``: the source vertex of each in-edge, grouped by destination.
+    num_nodes:
+        Defaults to ``len(indptr) - 1``.
+    edge_weight:
+        Optional float ``[num_edges]`` aligned with ``indices``.
+    x:
+        Optional node features, float ``[num_nodes, num_features]``; dense, or a torch sparse CSR
+        tensor for bag-of-words style features (the first layer then multiplies sparse by dense).
+    y:
+        Optional int64 labels ``[num_nodes]``; ``-1`` marks an unlabeled vertex.
+    train_mask, val_mask, test_mask:
+        Optional bool ``[num_nodes]``.
+    num_classes:
+        Defaults to ``y.max() + 1`` when ``y`` is given.
+    name:
+        Free-form name shown in reprs and reports.
+    validate:
+        Check every invariant above and raise :class:`GraphError` naming the field and the first
+        bad index. Turn off only for graphs built by gnncompile itself from a validated graph.
+    """
+
+    def __init__(
+        self,
+        indptr: ArrayLike,
+        indices: ArrayLike,
+        num_nodes: Optional[int] = None,
+        *,
+        edge_weight: Optional[ArrayLike] = None,
+        x: Optional[ArrayLike] = None,
+        y: Optional[ArrayLike] = None,
+        train_mask: Optional[ArrayLike] = None,
+        val_mask: Optional[ArrayLike] = None,
+        test_mask: Optional[ArrayLike] = None,
+        num_classes: Optional[int] = None,
+        name: str = "graph",
+        validate: bool = True,
+    ) -> None:
+        self.indptr = _check_index_dtype(_as_tensor(indptr, "indptr"), "indptr")
+        self.indices = _check_index_dtype(_as_tensor(indices, "indices"), "indices")
+        if num_nodes is None:
+            num_nodes = self.indptr.numel() - 1
+        self.num_nodes = int(num_nodes)
+        self.edge_weight = None if edge_weight is None else _as_tensor(edge_weight, "edge_weight")
+        if self.edge_weight is not None and not self.edge_weight.is_floating_point():
+            self.edge_weight = self.edge_weight.to(torch.float32)
+        self.x = None if x is None else self._convert_features(x)
+        self.y = None if y is None else _check_index_dtype(_as_tensor(y, "y"), "y")
+        self.train_mask = None if train_mask is None else _as_tensor(train_mask, "train_mask")
+        self.val_mask = None if val_mask is None else _as_tensor(val_mask, "val_mask")
+        self.test_mask = None if test_mask is None else _as_tensor(test_mask, "test_mask")
+        self.name = name
+        self._num_classes = num_classes
+        self._cache: dict[str, Any] = {}
+        if validate:
+            self.validate()
+
+    # ------------------------------------------------------------------ construction helpers
+    @staticmethod
+    def _convert_features(x: ArrayLike) -> torch.Tensor:
+        try:
+            import scipy.sparse as sp
+        except ImportError:  # pragma: no cover - scipy is a hard dependency
+            sp = None
+        if sp is not None and sp.issparse(x):
+            csr = sp.csr_matrix(x)
+            csr.sort_indices()
+            return torch.sparse_csr_tensor(
+                torch.from_numpy(csr.indptr.astype(np.int64)),
+                torch.from_numpy(csr.indices.astype(np.int64)),
+                torch.from_numpy(csr.data.astype(np.float32, copy=False)),
+                size=csr.shape,
+            )
+        t = _as_tensor(x, "x")
+        if t.layout == torch.sparse_coo:
+            t = t.coalesce().to_sparse_csr()
+        if t.layout == torch.strided and not t.is_floating_point():
+            t = t.to(torch.float32)
+        return t
+
+    @classmethod
+    def from_edge_index(
+        cls,
+        edge_index: ArrayLike,
+        num_nodes: Optional[int] = None,
+        *,
+        edge_weight: Optional[ArrayLike] = None,
+        **node_data: Any,
+    ) -> "Graph":
+        """Build from a ``[2, E]`` edge list of ``(source, destination)`` pairs (PyG convention).
+
+        Edges keep their multiplicity; they are reordered by (destination, source) and
+        ``edge_weight`` is permuted with them. ``num_nodes`` defaults to ``max id + 1`` (or the
+        number of rows of ``x`` when given).
+        """
+        ei = _check_index_dtype(_as_tensor(edge_index, "edge_index"), "edge_index")
+        if ei.dim() != 2 or ei.shape[0] != 2:
+            raise GraphError(f"edge_index: expected shape [2, E], got {list(ei.shape)}")
+        x = node_data.get("x")
+        if num_nodes is None:
+            if x is not None:
+                num_nodes = int(x.shape[0])
+            else:
+                num_nodes = int(ei.max()) + 1 if ei.numel() else 0
+        if num_nodes < 0:
+            raise GraphError(f"num_nodes: must be >= 0, got {num_nodes}")
+        if ei.numel():
+            bad = (ei < 0) | (ei >= num_nodes)
+            if bool(bad.any()):
+                flat = _first_true(bad.any(dim=0))
+                raise GraphError(
+                    f"edge_index: edge {flat} = ({int(ei[0, flat])}, {int(ei[1, flat])}) has a vertex id "
+                    f"outside [0, {num_nodes})"
+                )
+        src, dst = ei[0], ei[1]
+        ew = None
+        if edge_weight is not None:
+            ew = _as_tensor(edge_weight, "edge_weight")
+            if ew.dim() != 1 or ew.shape[0] != src.shape[0]:
+                raise GraphError(
+                    f"edge_weight: expected shape [{src.shape[0]}] (one per edge), got {list(ew.shape)}"
+                )
+        # Sort by (dst, src); the stable sort keeps parallel edges in input order.
+        key = dst * max(num_nodes, 1) + src
+        order = torch.argsort(key, stable=True)
+        src, dst = src[order], dst[order]
+        if ew is not None:
+            ew = ew[order]
+        counts = torch.bincount(dst, minlength=num_nodes) if dst.numel() else torch.zeros(num_nodes, dtype=torch.int64)
+        indptr = torch.zeros(num_nodes + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=indptr[1:])
+        return cls(indptr, src.contiguous(), num_nodes, edge_weight=ew, **node_data)
+
+    @classmethod
+    def from_scipy(cls, matrix: Any, **node_data: Any) -> "Graph":
+        """Build from a scipy sparse adjacency where ``matrix[u, v] != 0`` is an edge ``u -> v``.
+
+        Stored values become edge weights unless all are 1. See :func:`gnncompile.graph.io.from_scipy`.
+        """
+        from .io import from_scipy
+
+        return from_scipy(matrix, **node_data)
+
+    @classmethod
+    def from_networkx(cls, nx_graph: Any, **kwargs: Any) -> "Graph":
+        """Build from a networkx graph; see :func:`gnncompile.graph.io.from_networkx`."""
+        from .io import from_networkx
+
+        return from_networkx(nx_graph, **kwargs)
+
+    @classmethod
+    def from_pyg(cls, data: Any, **kwargs: Any) -> "Graph":
+        """Build from a PyG ``Data`` object; see :func:`gnncompile.graph.io.from_pyg`."""
+        from .io import from_pyg
+
+        return from_pyg(data, **kwargs)
+
+    @classmethod
+    def from_npz(cls, path: Any, **kwargs: Any) -> "Graph":
+        """Read the npz format of ``shared/datasets``; see :func:`gnncompile.graph.io.from_npz`."""
+        from .io import from_npz
+
+        return from_npz(path, **kwargs)
+
+    @classmethod
+    def from_planetoid(cls, folder: Any, name: str, **kwargs: Any) -> "Graph":
+        """Read the Planetoid raw layout (``ind.<name>.x`` ...); see :func:`gnncompile.graph.io.from_planetoid`."""
+        from .io import from_planetoid
+
+        return from_planetoid(folder, name, **kwargs)
+
+    def replace(self, **changes: Any) -> "Graph":
+        """A copy with some fields replaced (structure fields reset the derived caches)."""
+        fields = dict(
+            indptr=self.indptr,
+            indices=self.indices,
+            num_nodes=self.num_nodes,
+            edge_weight=self.edge_weight,
+            x=self.x,
+            y=self.y,
+            train_mask=self.train_mask,
+            val_mask=self.val_mask,
+            test_mask=self.test_mask,
+            num_classes=self._num_classes,
+            name=self.name,
+        )
+        validate = changes.pop("validate", True)
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"Graph.replace: unknown fields {sorted(unknown)}; valid: {sorted(fields)}")
+        fields.update(changes)
+        g = Graph(validate=validate, **fields)
+        structural = {"indptr", "indices", "num_nodes", "edge_weight"}
+        if not structural & set(changes):
+            g._cache = self._cache  # derived structure is unchanged: share it
+        return g
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> "Graph":
+        """Check every invariant; raise :class:`GraphError` naming the field and first bad index."""
+        n = self.num_nodes
+        if n < 0:
+            raise GraphError(f"num_nodes: must be >= 0, got {n}")
+        ip, ix = self.indptr, self.indices
+        if ip.dim() != 1 or ip.numel() != n + 1:
+            raise GraphError(f"indptr: expected shape [{n + 1}] (num_nodes + 1), got {list(ip.shape)}")
+        if ix.dim() != 1:
+            raise GraphError(f"indices: expected a 1-d tensor, got shape {list(ix.shape)}")
+        if int(ip[0]) != 0:
+            raise GraphError(f"indptr: indptr[0] must be 0, got {int(ip[0])}")
+        if n > 0:
+            dec = ip[1:] < ip[:-1]
+            if bool(dec.any()):
+                i = _first_true(dec)
+                raise GraphError(
+                    f"indptr: negative in-degree at vertex {i} (indptr[{i}]={int(ip[i])} > "
+                    f"indptr[{i + 1}]={int(ip[i + 1])})"
+                )
+        if int(ip[-1]) != ix.numel():
+            raise GraphError(f"indptr: indptr[-1]={int(ip[-1])} must equal len(indices)={ix.numel()}")
+        if ix.numel():
+            bad = (ix < 0) | (ix >= n)
+            if bool(bad.any()):
+                e = _first_true(bad)
+                raise GraphError(f"indices: edge {e} has source id {int(ix[e])} outside [0, {n})")
+        if self.edge_weight is not None:
+            w = self.edge_weight
+            if w.dim() != 1 or w.numel() != ix.numel():
+                raise GraphError(f"edge_weight: expected shape [{ix.numel()}] (one per edge), got {list(w.shape)}")
+            if not w.is_floating_point():
+                raise GraphError(f"edge_weight: expected a floating dtype, got {w.dtype}")
+            nf = ~torch.isfinite(w)
+            if bool(nf.any()):
+                e = _first_true(nf)
+                raise GraphError(f"edge_weight: non-finite value {float(w[e])} at edge {e}")
+        if self.x is not None:
+            x = self.x
+            if x.dim() != 2:
+                raise GraphError(f"x: expected shape [num_nodes, num_features], got {list(x.shape)}")
+            if x.shape[0] != n:
+                raise GraphError(f"x: has {x.shape[0]} rows but the graph has num_nodes={n}")
+            vals = x.values() if x.layout == torch.sparse_csr else x
+            if not vals.is_floating_point():
+                raise GraphError(f"x: expected a floating dtype, got {vals.dtype}")
+            nf = ~torch.isfinite(vals)
+            if bool(nf.any()):
+                if x.layout == torch.sparse_csr:
+                    k = _first_true(nf)
+                    row = int(torch.searchsorted(x.crow_indices(), torch.tensor(k), right=True)) - 1
+                    col = int(x.col_indices()[k])
+                else:
+                    row, col = (int(v) for v in torch.nonzero(nf, as_tuple=False)[0])
+                raise GraphError(f"x: non-finite value {float(vals.reshape(-1)[_first_true(nf)])} at row {row}, column {col}")
+        if self.y is not None:
+            if self.y.dim() != 1 or self.y.numel() != n:
+                raise GraphError(f"y: expected shape [{n}] (one label per vertex), got {list(self.y.shape)}")
+            bad = self.y < -1
+            if bool(bad.any()):
+                i = _first_true(bad)
+                raise GraphError(f"y: label {int(self.y[i])} at vertex {i} is negative (only -1 = unlabeled is allowed)")
+            if self._num_classes is not None and self.y.numel():
+                bad = self.y >= self._num_classes
+                if bool(bad.any()):
+                    i = _first_true(bad)
+                    raise GraphError(f"y: label {int(self.y[i])} at vertex {i} >= num_classes={self._num_classes}")
+        for field in ("train_mask", "val_mask", "test_mask"):
+            m = getattr(self, field)
+            if m is None:
+                continue
+            if m.dim() != 1 or m.numel() != n:
+                raise GraphError(f"{field}: expected shape [{n}] (one entry per vertex), got {list(m.shape)}")
+            if m.dtype != torch.bool:
+                if m.is_floating_point() or bool(((m != 0) & (m != 1)).any()):
+                    raise GraphError(f"{field}: expected a bool mask, got dtype {m.dtype} with non-0/1 values")
+                setattr(self, field, m.to(torch.bool))
+            if self.y is not None:
+                unl = getattr(self, field) & (self.y < 0)
+                if bool(unl.any()):
+                    i = _first_true(unl)
+                    raise GraphError(f"{field}: vertex {i} is in the mask but has no label (y=-1)")
+        if self._num_classes is not None and self._num_classes < 0:
+            raise GraphError(f"num_classes: must be >= 0, got {self._num_classes}")
+        return self
+
+    # ------------------------------------------------------------------ basic properties
+    @property
+    def num_edges(self) -> int:
+        return int(self.indices.numel())
+
+    @property
+    def num_features(self) -> int:
+        return 0 if self.x is None else int(self.x.shape[1])
+
+    @property
+    def num_classes(self) -> int:
+        if self._num_classes is not None:
+            return int(self._num_classes)
+        if self.y is None or self.y.numel() == 0:
+            return 0
+        return int(self.y.max()) + 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.indptr.device
+
+    def __repr__(self) -> str:
+        feat = "none" if self.x is None else f"{self.num_features}" + (
+            " (sparse)" if self.x.layout == torch.sparse_csr else ""
+        )
+        return (
+            f"Graph(name={self.name!r}, num_nodes={self.num_nodes:,}, num_edges={self.num_edges:,}, "
+            f"features={feat}, classes={self.num_classes}, weighted={self.edge_weight is not None})"
+        )
+
+    # ------------------------------------------------------------------ derived, cached structure
+    def cached(self, key: str, build: Callable[[], Any]) -> Any:
+        """Return ``self._cache[key]``, building it with ``build()`` on first use."""
+        try:
+            return self._cache[key]
+        except KeyError:
+            value = self._cache[key] = build()
+            return value
+
+    @property
+    def dst(self) -> torch.Tensor:
+        """int64 ``[E]``: the destination vertex of every edge (the CSR row of each entry)."""
+        return self.cached(
+            "dst",
+            lambda: torch.repeat_interleave(
+                torch.arange(self.num_nodes, device=self.device), self.in_degree()
+            ),
+        )
+
+    @property
+    def src(self) -> torch.Tensor:
+        """int64 ``[E]``: the source vertex of every edge (alias of ``indices``)."""
+        return self.indices
+
+    def in_degree(self) -> torch.Tensor:
+        """int64 ``[N]``: number of in-edges per vertex (parallel edges counted)."""
+        return self.cached("in_degree", lambda: self.indptr[1:] - self.indptr[:-1])
+
+    def out_degree(self) -> torch.Tensor:
+        """int64 ``[N]``: number of out-edges per vertex."""
+        return self.cached("out_degree", lambda: torch.bincount(self.indices, minlength=self.num_nodes))
+
+    def weighted_in_degree(self) -> torch.Tensor:
+        """float ``[N]``: sum of in-edge weights (the in-degree when unweighted)."""
+        def build() -> torch.Tensor:
+            if self.edge_weight is None:
+                return self.in_degree().to(torch.float32)
+            return torch.zeros(self.num_nodes, dtype=self.edge_weight.dtype, device=self.device).index_add_(
+                0, self.dst, self.edge_weight
+            )
+        return self.cached("weighted_in_degree", build)
+
+    def transpose(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Out-edge CSR: ``(indptr_t, indices_t, perm)``.
+
+        ``indices_t[indptr_t[u]:indptr_t[u+1]]`` are the destinations of ``u``'s out-edges and
+        ``perm[k]`` is the edge id (position in the in-edge order) of transposed entry ``k``, so an
+        edge-wise tensor ``w`` is re-ordered for the transposed product by ``w[perm]``. Backward
+        passes of P ops use this instead of materializing ``A^T``.
+        """
+        def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            n = self.num_nodes
+            src = self.indices
+            perm = torch.argsort(src * max(n, 1) + self.dst, stable=True)
+            counts = self.out_degree()
+            indptr_t = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
+            torch.cumsum(counts, 0, out=indptr_t[1:])
+            return indptr_t, self.dst[perm].contiguous(), perm
+        return self.cached("transpose", build)
+
+    def is_symmetric(self) -> bool:
+        """Whether every edge ``u -> v`` also appears as ``v -> u`` (with equal multiplicity)."""
+        def build() -> bool:
+            indptr_t, indices_t, _ = self.transpose()
+            return bool(torch.equal(indptr_t, self.indptr) and torch.equal(indices_t, self.indices))
+        return self.cached("is_symmetric", build)
+
+    def has_self_loops(self) -> bool:
+        return bool((self.indices == self.dst).any()) if self.num_edges else False
+
+    def norm_coefficients(self, norm: str) -> Optional[torch.Tensor]:
+        """Per-edge coefficients of a normalized propagation ``out[v] = sum_e c_e * w_e * x[src_e]``.
+
+        - ``"gcn"``: ``1 / sqrt(deg_in(v) * deg_out(u))`` with weighted degrees (Kipf & Welling's
+          symmetric normalization; self loops are not added here, see :meth:`add_self_loops`).
+          On a symmetric graph ``deg_out == deg_in``, matching PyG's ``gcn_norm``.
+        - ``"mean"``: ``1 / deg_in(v)`` (weighted).
+        - ``"sum"`` / ``"none"``: ``None`` (the edge weights alone).
+
+        The coefficients include the edge weights. Vertices of zero degree get zero coefficients.
+        """
+        if norm in ("sum", "none"):
+            return self.edge_weight
+        if norm not in ("gcn", "mean"):
+            raise GraphError(f"norm: unknown normalization {norm!r}; valid: 'gcn', 'mean', 'sum', 'none'")
+
+        def build() -> torch.Tensor:
+            w = self.edge_weight
+            deg_in = self.weighted_in_degree()
+            if norm == "mean":
+                inv = torch.where(deg_in > 0, 1.0 / deg_in.clamp_min(1e-30), torch.zeros_like(deg_in))
+                c = inv[self.dst]
+            else:
+                if w is None:
+                    deg_out = self.out_degree().to(deg_in.dtype)
+                else:
+                    deg_out = torch.zeros(self.num_nodes, dtype=w.dtype, device=self.device).index_add_(
+                        0, self.indices, w
+                    )
+                inv_in = torch.where(deg_in > 0, deg_in.clamp_min(1e-30).rsqrt(), torch.zeros_like(deg_in))
+                inv_out = torch.where(deg_out > 0, deg_out.clamp_min(1e-30).rsqrt(), torch.zeros_like(deg_out))
+                c = inv_in[self.dst] * inv_out[self.indices]
+            return c if w is None else c * w
+        return self.cached(f"norm:{norm}", build)
+
+    # ------------------------------------------------------------------ transformations
+    def edge_index(self) -> torch.Tensor:
+        """int64 ``[2, E]`` ``(source, destination)`` pairs in edge-id order."""
+        return torch.stack([self.indices, self.dst])
+
+    def to_scipy(self, weighted: bool = True):
+        """scipy CSR matrix ``A`` with ``A[dst, src] = w`` (the in-edge CSR itself; duplicates summed)."""
+        import scipy.sparse as sp
+
+        data = (
+            self.edge_weight.detach().cpu().numpy()
+            if weighted and self.edge_weight is not None
+            else np.ones(self.num_edges, dtype=np.float32)
+        )
+        return sp.csr_matrix(
+            (data, self.indices.cpu().numpy(), self.indptr.cpu().numpy()), shape=(self.num_nodes, self.num_nodes)
+        )
+
+    def _node_data(self) -> dict[str, Any]:
+        return dict(
+            x=self.x, y=self.y, train_mask=self.train_mask, val_mask=self.val_mask,
+            test_mask=self.test_mask, num_classes=self._num_classes, name=self.name,
+        )
+
+    def _rebuild(self, src: torch.Tensor, dst: torch.Tensor, w: Optional[torch.Tensor]) -> "Graph":
+        return Graph.from_edge_index(
+            torch.stack([src, dst]), self.num_nodes, edge_weight=w, **self._node_data()
+        )
+
+    def to_undirected(self, reduce: str = "max") -> "Graph":
+        """Add the reverse of every edge and merge duplicates into single edges.
+
+        Parallel edges (from the input or created by symmetrizing) are merged; their weights are
+        combined with ``reduce`` (``"max"``, ``"sum"`` or ``"mean"``). The result is symmetric.
+        """
+        if reduce not in ("max", "sum", "mean"):
+            raise GraphError(f"reduce: unknown {reduce!r}; valid: 'max', 'sum', 'mean'")
+        src = torch.cat([self.indices, self.dst])
+        dst = torch.cat([self.dst, self.indices])
+        w = None if self.edge_weight is None else torch.cat([self.edge_weight, self.edge_weight])
+        n = max(self.num_nodes, 1)
+        key = dst * n + src
+        uniq, inverse = torch.unique(key, sorted=True, return_inverse=True)
+        new_w = None
+        if w is not None:
+            red = {"max": "amax", "sum": "sum", "mean": "mean"}[reduce]
+            new_w = torch.zeros(uniq.numel(), dtype=w.dtype).scatter_reduce_(0, inverse, w, red, include_self=False)
+        return self._rebuild(uniq % n, uniq // n, new_w)
+
+    def add_self_loops(self, fill_value: float = 1.0) -> "Graph":
+        """Add one self loop ``v -> v`` to every vertex (weight ``fill_value`` when weighted).
+
+        Existing self loops are kept (PyG's ``add_self_loops`` behaves the same); use
+        :meth:`remove_self_loops` first to replace them.
+        """
+        ar = torch.arange(self.num_nodes, device=self.device)
+        src = torch.cat([self.indices, ar])
+        dst = torch.cat([self.dst, ar])
+        w = None
+        if self.edge_weight is not None:
+            w = torch.cat([self.edge_weight, torch.full((self.num_nodes,), fill_value, dtype=self.edge_weight.dtype)])
+        return self._rebuild(src, dst, w)
+
+    def remove_self_loops(self) -> "Graph":
+        keep = self.indices != self.dst
+        w = None if self.edge_weight is None else self.edge_weight[keep]
+        return self._rebuild(self.indices[keep], self.dst[keep], w)
+
+    def to(self, device: torch.device | str) -> "Graph":
+        """Move structure and node data to ``device`` (derived caches are rebuilt there on demand)."""
+        def mv(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to(device)
+        return Graph(
+            mv(self.indptr), mv(self.indices), self.num_nodes, edge_weight=mv(self.edge_weight),
+            x=mv(self.x), y=mv(self.y), train_mask=mv(self.train_mask), val_mask=mv(self.val_mask),
+            test_mask=mv(self.test_mask), num_classes=self._num_classes, name=self.name, validate=False,
+        )
+
+    def dense_features(self) -> torch.Tensor:
+        """``x`` as a dense tensor (materializes sparse features)."""
+        if self.x is None:
+            raise GraphError("x: the graph has no node features")
+        return self.x.to_dense() if self.x.layout == torch.sparse_csr else self.x
+
+    def stats(self) -> "GraphStats":
+        return GraphStats.from_graph(self)
+
+    # Graphs are passed to fx-traced modules as inputs; make them hash by identity.
+    __hash__ = object.__hash__
+
+
+@dataclass(frozen=True)
+class GraphStats:
+    """Size and degree statistics: everything planning needs, without the graph itself.
+
+    ``num_edges`` counts directed edges as stored (an undirected edge counts twice).
+    ``degree_skew`` is the sample skewness of the in-degree distribution (0 for regular graphs).
+    ``replication`` optionally maps a part count to a measured replication factor alpha.
+    """
+
+    num_nodes: int
+    num_edges: int
+    num_features: int
+    num_classes: int
+    degree_mean: float = math.nan
+    degree_max: int = -1
+    degree_skew: float = math.nan
+    replication: Optional[dict[int, float]] = None
+    name: str = "stats"
+
+    def __post_init__(self) -> None:
+        for field in ("num_nodes", "num_edges", "num_features", "num_classes"):
+            v = getattr(self, field)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+                raise GraphError(f"GraphStats.{field}: expected an int, got {type(v).__name__}")
+            if v < 0:
+                raise GraphError(f"GraphStats.{field}: must be >= 0, got {v}")
+        if math.isnan(self.degree_mean) and self.num_nodes > 0:
+            object.__setattr__(self, "degree_mean", self.num_edges / self.num_nodes)
+
+    @classmethod
+    def from_graph(cls, g: Graph) -> "GraphStats":
+        deg = g.in_degree().to(torch.float64)
+        n = g.num_nodes
+        if n:
+            mean = float(deg.mean())
+            std = float(deg.std(unbiased=False))
+            skew = float(((deg - mean) ** 3).mean() / std**3) if std > 0 else 0.0
+            dmax = int(deg.max())
+        else:
+            mean, skew, dmax = 0.0, 0.0, 0
+        return cls(
+            num_nodes=n, num_edges=g.num_edges, num_features=g.num_features, num_classes=g.num_classes,
+            degree_mean=mean, degree_max=dmax, degree_skew=skew, name=g.name,
+        )
+
+    @property
+    def avg_degree(self) -> float:
+        return self.degree_mean
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name}: |V|={self.num_nodes:,} |E|={self.num_edges:,} d={self.num_features} "
+            f"classes={self.num_classes} deg mean={self.degree_mean:.2f} max={self.degree_max} "
+            f"skew={self.degree_skew:.2f}"
+        )
