@@ -1,0 +1,1 @@
+"""Frontend: graph primitives (fx leaves), nn layers built on them, and the torch.fx tracer."""

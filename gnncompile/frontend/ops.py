@@ -1,0 +1,369 @@
+"""Graph primitives: the P and E operators every gnncompile layer is written with.
+
+| op | kind | rows in -> out | computes |
+|---|---|---|---|
+| ``propagate(g, x, norm, edge_weight)`` | P | V -> V | ``out[v] = sum_{u->v} c_uv * x[u]`` |
+| ``gather_src(g, x)`` | E | V -> E | ``out[e] = x[src(e)]`` |
+| ``gather_dst(g, x)`` | E | V -> E | ``out[e] = x[dst(e)]`` |
+| ``edge_softmax(g, e)`` | E | E -> E | softmax of ``e`` over the in-edges of each destination |
+| ``aggregate(g, msg, reduce)`` | E | E -> V | ``out[v] = reduce_{e into v} msg[e]`` |
+
+Each is a plain function usable eagerly on tensors, differentiable (hand-written backward for
+``propagate`` and ``edge_softmax`` that reuses the graph's cached transposed CSR; no dense
+adjacency is ever built) and a **torch.fx leaf**: when any argument is an fx ``Proxy`` the call is
+recorded as one ``call_function`` node whatever way the user imported the function, so the tracer
+sees exactly one node per primitive.
+
+Edge tensors (``[E, ...]``) are aligned with the graph's edge order (in-edge CSR by destination).
+
+Implicit self loops
+-------------------
+Every primitive takes ``add_self_loops``. When true it behaves as if each vertex ``v`` had one
+extra edge ``v -> v`` of weight 1, without building a new graph: the edge space becomes
+``E' = E + N`` rows, the self loop of ``v`` at row ``E + v``. This is the renormalization trick of
+GCN (``A + I``) and GAT's self attention, as PyG's layers do by default, at the cost of one
+vertex-wise term instead of a rebuilt CSR (the graph, its partitions and caches stay the same).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+import torch.fx
+
+from ..errors import GraphError, KernelError
+from ..graph.core import Graph
+from ..runtime import kernels
+from ..runtime.kernels import CSR
+
+__all__ = [
+    "propagate",
+    "gather_src",
+    "gather_dst",
+    "edge_softmax",
+    "aggregate",
+    "PRIMITIVES",
+    "NORMS",
+    "REDUCES",
+    "is_primitive",
+]
+
+NORMS = ("gcn", "mean", "sum", "none")
+REDUCES = ("sum", "mean", "max")
+
+F = TypeVar("F", bound=Callable[..., Any])
+PRIMITIVES: dict[str, Callable[..., Any]] = {}
+
+
+def _has_proxy(args: tuple, kwargs: dict) -> Optional[torch.fx.Proxy]:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.fx.Proxy):
+            return a
+    return None
+
+
+def fx_leaf(kind: str) -> Callable[[F], F]:
+    """Register ``fn`` as a primitive of ``kind`` ("P" or "E") and make it an fx leaf."""
+
+    def deco(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            proxy = _has_proxy(args, kwargs)
+            if proxy is not None:
+                return proxy.tracer.create_proxy("call_function", wrapper, args, kwargs)
+            return fn(*args, **kwargs)
+
+        wrapper.__gnncompile_kind__ = kind  # type: ignore[attr-defined]
+        PRIMITIVES[fn.__name__] = wrapper
+        return wrapper  # type: ignore[return-value]
+
+    return deco
+
+
+def is_primitive(target: Any) -> bool:
+    """Whether an fx node target is one of the graph primitives."""
+    return getattr(target, "__gnncompile_kind__", None) is not None
+
+
+# --------------------------------------------------------------------------- CSR handles
+def _csr(g: Graph) -> CSR:
+    return g.cached("csr", lambda: CSR(g.indptr, g.indices, g.num_nodes, g.num_nodes))
+
+
+def _csr_t(g: Graph) -> tuple[CSR, torch.Tensor]:
+    """Transposed CSR (rows = sources) and the permutation from transposed position to edge id."""
+    def build() -> tuple[CSR, torch.Tensor]:
+        if g.is_symmetric():
+            # A^T has the same structure; perm maps each transposed entry to its reverse edge.
+            indptr_t, indices_t, perm = g.transpose()
+            return CSR(g.indptr, g.indices, g.num_nodes, g.num_nodes, _csr(g).cache), perm
+        indptr_t, indices_t, perm = g.transpose()
+        return CSR(indptr_t, indices_t, g.num_nodes, g.num_nodes), perm
+    return g.cached("csr_t", build)
+
+
+def _check_graph(g: Any, op: str) -> Graph:
+    if not isinstance(g, Graph):
+        raise GraphError(f"{op}: expected a gnncompile.Graph as first argument, got {type(g).__name__}")
+    return g
+
+
+def _check_rows(t: torch.Tensor, n: int, op: str, what: str, space: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise KernelError(f"{op}: {what} must be a tensor, got {type(t).__name__}")
+    if t.dim() == 0 or t.shape[0] != n:
+        raise KernelError(f"{op}: {what} must have {n} rows (one per {space}), got shape {list(t.shape)}")
+
+
+# --------------------------------------------------------------------------- propagate (P)
+class _SpMM(torch.autograd.Function):
+    """``out = A_c x`` with edge values ``c``; gradients for ``x`` and (optionally) ``c``."""
+
+    @staticmethod
+    def forward(ctx: Any, g: Graph, values: Optional[torch.Tensor], x: torch.Tensor,
+                backend: Optional[str]) -> torch.Tensor:
+        ctx.g, ctx.backend = g, backend
+        ctx.save_for_backward(values, x)
+        return kernels.spmm(_csr(g), values, x, backend)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+        values, x = ctx.saved_tensors
+        g: Graph = ctx.g
+        grad_values = grad_x = None
+        grad_out = grad_out.contiguous()
+        if ctx.needs_input_grad[2]:
+            csr_t, perm = _csr_t(g)
+            vt = None if values is None else values[perm]
+            grad_x = kernels.spmm(csr_t, vt, grad_out, ctx.backend)
+        if values is not None and ctx.needs_input_grad[1]:
+            heads = values.shape[1] if values.dim() == 2 else 1
+            gv = kernels.sddmm(_csr(g), grad_out, x, heads, ctx.backend)
+            grad_values = gv.reshape(values.shape)
+        return None, grad_values, grad_x, None
+
+
+def _norm_values(g: Graph, norm: str, edge_weight: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    if norm not in NORMS:
+        raise KernelError(f"propagate: unknown norm {norm!r}; valid: {', '.join(repr(n) for n in NORMS)}")
+    if edge_weight is None:
+        if norm == "none":
+            return None
+        c = g.norm_coefficients(norm)
+        return None if c is None else g.cached(f"norm:{norm}:{dtype}", lambda: c.to(dtype))
+    # Normalization computed from the given weights, differentiably (PyG gcn_norm semantics).
+    w = edge_weight
+    if norm in ("sum", "none"):
+        return w
+    if w.dim() != 1:
+        raise KernelError(f"propagate: norm={norm!r} needs 1-d edge weights, got shape {list(w.shape)}")
+    deg_in = torch.zeros(g.num_nodes, dtype=w.dtype, device=w.device).index_add(0, g.dst, w)
+    if norm == "mean":
+        inv = torch.where(deg_in > 0, 1.0 / deg_in.clamp_min(1e-30), torch.zeros_like(deg_in))
+        return w * inv[g.dst]
+    deg_out = torch.zeros(g.num_nodes, dtype=w.dtype, device=w.device).index_add(0, g.indices, w)
+    inv_in = torch.where(deg_in > 0, deg_in.clamp_min(1e-30).rsqrt(), torch.zeros_like(deg_in))
+    inv_out = torch.where(deg_out > 0, deg_out.clamp_min(1e-30).rsqrt(), torch.zeros_like(deg_out))
+    return inv_in[g.dst] * w * inv_out[g.indices]
+
+
+@fx_leaf("P")
+def propagate(g: Graph, x: torch.Tensor, norm: str = "gcn", edge_weight: Optional[torch.Tensor] = None,
+              add_self_loops: bool = False, backend: Optional[str] = None) -> torch.Tensor:
+    """Graph propagation (P op): ``out[v] = sum_{e = u->v} c_e * x[u]``.
+
+    Parameters
+    ----------
+    g:
+        The graph.
+    x:
+        ``[N, ...]`` vertex features. With multi-head ``edge_weight`` of shape ``[E, H]``,
+        ``x`` must be ``[N, H, C]`` and head ``h`` uses ``edge_weight[:, h]``.
+    norm:
+        ``"gcn"``: ``c_e = w_e / sqrt(deg_in(v) deg_out(u))``; ``"mean"``: ``w_e / deg_in(v)``;
+        ``"sum"``: ``w_e``; ``"none"``: the ``edge_weight`` argument alone (the graph's stored
+        weights are ignored), for attention coefficients. Degrees are weighted; zero-degree
+        vertices get zero coefficients.
+    edge_weight:
+        Optional ``[E]`` or ``[E, H]`` weights aligned with the graph's edges, replacing the
+        graph's stored weights; differentiable (the backward is an SDDMM). With
+        ``add_self_loops`` it has ``E + N`` rows (self-loop weights last).
+    add_self_loops:
+        Propagate over ``A + I`` (see the module docstring); degrees include the self loop.
+    backend:
+        Kernel backend override (see :mod:`gnncompile.runtime.kernels`).
+    """
+    g = _check_graph(g, "propagate")
+    _check_rows(x, g.num_nodes, "propagate", "x", "vertex")
+    if not x.is_floating_point():
+        raise KernelError(f"propagate: x must be floating point, got {x.dtype}")
+    if edge_weight is not None:
+        _check_rows(edge_weight, _edge_rows(g, add_self_loops), "propagate", "edge_weight", "edge")
+        if edge_weight.dtype != x.dtype:
+            edge_weight = edge_weight.to(x.dtype)
+    if not add_self_loops:
+        values = _norm_values(g, norm, edge_weight, x.dtype)
+        return _SpMM.apply(g, values, x, backend)
+    values, loop = _norm_values_with_loops(g, norm, edge_weight, x.dtype)
+    if values is None:
+        values = g.cached(f"ones:{x.dtype}", lambda: torch.ones(g.num_edges, dtype=x.dtype, device=x.device))
+    loop = loop.reshape(loop.shape + (1,) * (x.dim() - loop.dim()))
+    return _SpMM.apply(g, values, x, backend) + loop * x
+
+
+def _edge_rows(g: Graph, add_self_loops: bool) -> int:
+    return g.num_edges + g.num_nodes if add_self_loops else g.num_edges
+
+
+def _norm_values_with_loops(g: Graph, norm: str, edge_weight: Optional[torch.Tensor],
+                            dtype: torch.dtype) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """Edge coefficients and per-vertex self-loop coefficients of ``A + I`` under ``norm``."""
+    if norm not in NORMS:
+        raise KernelError(f"propagate: unknown norm {norm!r}; valid: {', '.join(repr(n) for n in NORMS)}")
+    n, e = g.num_nodes, g.num_edges
+    if edge_weight is None:
+        if norm == "none" or (norm == "sum" and g.edge_weight is None):
+            return None, g.cached(f"loop:ones:{dtype}", lambda: torch.ones(n, dtype=dtype, device=g.device))
+        stored = g.edge_weight if norm != "none" else None
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            w = torch.ones(e, dtype=dtype, device=g.device) if stored is None else stored.to(dtype)
+            return _loop_norm(g, norm, torch.cat([w, torch.ones(n, dtype=dtype, device=g.device)]))
+        return g.cached(f"norm_loops:{norm}:{dtype}", build)
+    return _loop_norm(g, norm, edge_weight)
+
+
+def _loop_norm(g: Graph, norm: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split normalized ``[E + N, ...]`` weights into (edge part, self-loop part); differentiable."""
+    n, e = g.num_nodes, g.num_edges
+    if norm in ("sum", "none"):
+        return w[:e], w[e:]
+    if w.dim() != 1:
+        raise KernelError(f"propagate: norm={norm!r} needs 1-d edge weights, got shape {list(w.shape)}")
+    we, wl = w[:e], w[e:]
+    deg_in = wl + torch.zeros(n, dtype=w.dtype, device=w.device).index_add(0, g.dst, we)
+    if norm == "mean":
+        inv = torch.where(deg_in > 0, 1.0 / deg_in.clamp_min(1e-30), torch.zeros_like(deg_in))
+        return we * inv[g.dst], wl * inv
+    deg_out = wl + torch.zeros(n, dtype=w.dtype, device=w.device).index_add(0, g.indices, we)
+    inv_in = torch.where(deg_in > 0, deg_in.clamp_min(1e-30).rsqrt(), torch.zeros_like(deg_in))
+    inv_out = torch.where(deg_out > 0, deg_out.clamp_min(1e-30).rsqrt(), torch.zeros_like(deg_out))
+    return inv_in[g.dst] * we * inv_out[g.indices], inv_in * wl * inv_out
+
+
+# --------------------------------------------------------------------------- E ops
+@fx_leaf("E")
+def gather_src(g: Graph, x: torch.Tensor, add_self_loops: bool = False) -> torch.Tensor:
+    """Vertex -> edge: ``out[e] = x[src(e)]`` (``[E, ...]``, or ``[E + N, ...]`` with self loops)."""
+    g = _check_graph(g, "gather_src")
+    _check_rows(x, g.num_nodes, "gather_src", "x", "vertex")
+    out = x.index_select(0, g.indices)
+    return torch.cat([out, x]) if add_self_loops else out
+
+
+@fx_leaf("E")
+def gather_dst(g: Graph, x: torch.Tensor, add_self_loops: bool = False) -> torch.Tensor:
+    """Vertex -> edge: ``out[e] = x[dst(e)]`` (``[E, ...]``, or ``[E + N, ...]`` with self loops)."""
+    g = _check_graph(g, "gather_dst")
+    _check_rows(x, g.num_nodes, "gather_dst", "x", "vertex")
+    out = x.index_select(0, g.dst)
+    return torch.cat([out, x]) if add_self_loops else out
+
+
+def _segment(g: Graph, t: torch.Tensor, reduce: str) -> torch.Tensor:
+    """Reduce edge rows into destination rows; empty segments give 0."""
+    if g.num_edges == 0:
+        return t.new_zeros((g.num_nodes,) + tuple(t.shape[1:]))
+    out = torch.segment_reduce(t, "sum" if reduce == "mean" else reduce, offsets=g.indptr, axis=0)
+    if reduce == "sum":
+        return out
+    deg = g.in_degree().reshape((-1,) + (1,) * (t.dim() - 1))
+    if reduce == "mean":
+        return out / deg.clamp_min(1).to(t.dtype)
+    return torch.where(deg > 0, out, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+class _EdgeSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, g: Graph, e: torch.Tensor) -> torch.Tensor:
+        if g.num_edges == 0:
+            ctx.g = g
+            ctx.save_for_backward(e)
+            return e.clone()
+        with torch.no_grad():
+            m = torch.segment_reduce(e, "max", offsets=g.indptr, axis=0)
+            s = torch.exp(e - m.index_select(0, g.dst))
+            z = torch.segment_reduce(s, "sum", offsets=g.indptr, axis=0)
+            s = s / z.index_select(0, g.dst)
+        ctx.g = g
+        ctx.save_for_backward(s)
+        return s
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (s,) = ctx.saved_tensors
+        g: Graph = ctx.g
+        if g.num_edges == 0:
+            return None, grad
+        sg = s * grad
+        dot = torch.segment_reduce(sg, "sum", offsets=g.indptr, axis=0)
+        return None, sg - s * dot.index_select(0, g.dst)
+
+
+def _with_loops(g: Graph) -> Graph:
+    """The graph with one self loop per vertex appended to each row (cached; structure only)."""
+    def build() -> Graph:
+        ar = torch.arange(g.num_nodes, device=g.device)
+        counts = g.in_degree() + 1
+        indptr = torch.zeros(g.num_nodes + 1, dtype=torch.int64, device=g.device)
+        torch.cumsum(counts, 0, out=indptr[1:])
+        # position of each original edge and of each self loop in the augmented row order
+        pos_edge = torch.arange(g.num_edges, device=g.device) + g.dst
+        pos_loop = indptr[1:] - 1
+        indices = torch.empty(g.num_edges + g.num_nodes, dtype=torch.int64, device=g.device)
+        indices[pos_edge] = g.indices
+        indices[pos_loop] = ar
+        aug = Graph(indptr, indices, g.num_nodes, validate=False, name=g.name)
+        aug._cache["order"] = torch.cat([pos_edge, pos_loop])  # E' layout -> augmented CSR order
+        return aug
+    return g.cached("with_loops", build)
+
+
+def _to_csr_order(g: Graph, t: torch.Tensor) -> tuple[Graph, torch.Tensor, torch.Tensor]:
+    aug = _with_loops(g)
+    order = aug._cache["order"]
+    inv = g.cached("with_loops_inv", lambda: torch.argsort(order))
+    return aug, t.index_select(0, inv), order
+
+
+@fx_leaf("E")
+def edge_softmax(g: Graph, e: torch.Tensor, add_self_loops: bool = False) -> torch.Tensor:
+    """Softmax of edge scores ``e`` (``[E]`` or ``[E, H]``) over the in-edges of each destination.
+
+    With ``add_self_loops`` ``e`` has ``E + N`` rows and each vertex's self loop joins its softmax.
+    """
+    g = _check_graph(g, "edge_softmax")
+    _check_rows(e, _edge_rows(g, add_self_loops), "edge_softmax", "e", "edge")
+    if not add_self_loops:
+        return _EdgeSoftmax.apply(g, e)
+    aug, e_csr, order = _to_csr_order(g, e)
+    return _EdgeSoftmax.apply(aug, e_csr).index_select(0, order)
+
+
+@fx_leaf("E")
+def aggregate(g: Graph, msg: torch.Tensor, reduce: str = "sum", add_self_loops: bool = False) -> torch.Tensor:
+    """Edge -> vertex: ``out[v] = reduce_{e into v} msg[e]`` with ``reduce`` in sum, mean, max.
+
+    Vertices without in-edges get 0 for every reduction. With ``add_self_loops`` ``msg`` has
+    ``E + N`` rows and row ``E + v`` joins vertex ``v``'s reduction.
+    """
+    g = _check_graph(g, "aggregate")
+    if reduce not in REDUCES:
+        raise KernelError(f"aggregate: unknown reduce {reduce!r}; valid: {', '.join(repr(r) for r in REDUCES)}")
+    _check_rows(msg, _edge_rows(g, add_self_loops), "aggregate", "msg", "edge")
+    if not add_self_loops:
+        return _segment(g, msg, reduce)
+    aug, m_csr, _ = _to_csr_order(g, msg)
+    return _segment(aug, m_csr, reduce)

@@ -1,0 +1,19 @@
+"""Public namespace of the graph primitives (``gnncompile.ops.propagate`` ...).
+
+See :mod:`gnncompile.frontend.ops` for their definitions.
+"""
+
+from .frontend.ops import (  # noqa: F401
+    NORMS,
+    PRIMITIVES,
+    REDUCES,
+    aggregate,
+    edge_softmax,
+    gather_dst,
+    gather_src,
+    is_primitive,
+    propagate,
+)
+
+__all__ = ["propagate", "gather_src", "gather_dst", "edge_softmax", "aggregate", "PRIMITIVES", "NORMS",
+           "REDUCES", "is_primitive"]

@@ -1,0 +1,1 @@
+"""Runtime: sparse kernels, the reference trainer (and, later, communication, executor, launcher)."""
