@@ -272,17 +272,42 @@ def gather_dst(g: Graph, x: torch.Tensor, add_self_loops: bool = False) -> torch
     return torch.cat([out, x]) if add_self_loops else out
 
 
+class _SegmentMax(torch.autograd.Function):
+    """Max over each destination's in-edges; ties share the gradient equally (like ``amax``).
+
+    ``torch.segment_reduce``'s own max backward gives every tied entry the full gradient when the
+    incoming gradient is negative, so the backward is written here.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, g: Graph, t: torch.Tensor) -> torch.Tensor:
+        out = torch.segment_reduce(t, "max", offsets=g.indptr, axis=0)
+        deg = g.in_degree().reshape((-1,) + (1,) * (t.dim() - 1))
+        out = torch.where(deg > 0, out, torch.zeros((), dtype=t.dtype, device=t.device))
+        ctx.g = g
+        ctx.save_for_backward(t, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        t, out = ctx.saved_tensors
+        g: Graph = ctx.g
+        hit = (t == out.index_select(0, g.dst)).to(t.dtype)
+        count = torch.segment_reduce(hit, "sum", offsets=g.indptr, axis=0).clamp_min(1)
+        return None, hit * (grad / count).index_select(0, g.dst)
+
+
 def _segment(g: Graph, t: torch.Tensor, reduce: str) -> torch.Tensor:
     """Reduce edge rows into destination rows; empty segments give 0."""
     if g.num_edges == 0:
         return t.new_zeros((g.num_nodes,) + tuple(t.shape[1:]))
-    out = torch.segment_reduce(t, "sum" if reduce == "mean" else reduce, offsets=g.indptr, axis=0)
+    if reduce == "max":
+        return _SegmentMax.apply(g, t)
+    out = torch.segment_reduce(t, "sum", offsets=g.indptr, axis=0)
     if reduce == "sum":
         return out
     deg = g.in_degree().reshape((-1,) + (1,) * (t.dim() - 1))
-    if reduce == "mean":
-        return out / deg.clamp_min(1).to(t.dtype)
-    return torch.where(deg > 0, out, torch.zeros((), dtype=t.dtype, device=t.device))
+    return out / deg.clamp_min(1).to(t.dtype)
 
 
 class _EdgeSoftmax(torch.autograd.Function):

@@ -48,6 +48,8 @@ def _as_tensor(value: ArrayLike, field: str, dtype: Optional[torch.dtype] = None
 
 
 def _check_index_dtype(t: torch.Tensor, field: str) -> torch.Tensor:
+    if t.numel() == 0:  # numpy makes empty lists float64
+        return t.to(torch.int64)
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise GraphError(f"{field}: expected an integer dtype, got {t.dtype}")
     return t.to(torch.int64)
@@ -129,7 +131,7 @@ class Graph:
         except ImportError:  # pragma: no cover - scipy is a hard dependency
             sp = None
         if sp is not None and sp.issparse(x):
-            csr = sp.csr_matrix(x)
+            csr = sp.csr_matrix(x, copy=True)
             csr.sort_indices()
             return torch.sparse_csr_tensor(
                 torch.from_numpy(csr.indptr.astype(np.int64)),
@@ -165,7 +167,7 @@ class Graph:
         x = node_data.get("x")
         if num_nodes is None:
             if x is not None:
-                num_nodes = int(x.shape[0])
+                num_nodes = int(x.shape[0]) if hasattr(x, "shape") else len(x)
             else:
                 num_nodes = int(ei.max()) + 1 if ei.numel() else 0
         if num_nodes < 0:
@@ -192,8 +194,9 @@ class Graph:
         src, dst = src[order], dst[order]
         if ew is not None:
             ew = ew[order]
-        counts = torch.bincount(dst, minlength=num_nodes) if dst.numel() else torch.zeros(num_nodes, dtype=torch.int64)
-        indptr = torch.zeros(num_nodes + 1, dtype=torch.int64)
+        counts = (torch.bincount(dst, minlength=num_nodes) if dst.numel()
+                  else torch.zeros(num_nodes, dtype=torch.int64, device=ei.device))
+        indptr = torch.zeros(num_nodes + 1, dtype=torch.int64, device=ei.device)
         torch.cumsum(counts, 0, out=indptr[1:])
         return cls(indptr, src.contiguous(), num_nodes, edge_weight=ew, **node_data)
 
@@ -457,7 +460,8 @@ class Graph:
         - ``"mean"``: ``1 / deg_in(v)`` (weighted).
         - ``"sum"`` / ``"none"``: ``None`` (the edge weights alone).
 
-        The coefficients include the edge weights. Vertices of zero degree get zero coefficients.
+        The coefficients include the edge weights and are float64 (callers cast them). Vertices
+        of zero degree get zero coefficients.
         """
         if norm in ("sum", "none"):
             return self.edge_weight
@@ -465,8 +469,9 @@ class Graph:
             raise GraphError(f"norm: unknown normalization {norm!r}; valid: 'gcn', 'mean', 'sum', 'none'")
 
         def build() -> torch.Tensor:
-            w = self.edge_weight
-            deg_in = self.weighted_in_degree()
+            # Computed in float64 and cast by the caller, so float64 models get exact coefficients.
+            w = None if self.edge_weight is None else self.edge_weight.to(torch.float64)
+            deg_in = self.weighted_in_degree().to(torch.float64)
             if norm == "mean":
                 inv = torch.where(deg_in > 0, 1.0 / deg_in.clamp_min(1e-30), torch.zeros_like(deg_in))
                 c = inv[self.dst]
@@ -529,7 +534,7 @@ class Graph:
         new_w = None
         if w is not None:
             red = {"max": "amax", "sum": "sum", "mean": "mean"}[reduce]
-            new_w = torch.zeros(uniq.numel(), dtype=w.dtype).scatter_reduce_(0, inverse, w, red, include_self=False)
+            new_w = torch.zeros(uniq.numel(), dtype=w.dtype, device=w.device).scatter_reduce_(0, inverse, w, red, include_self=False)
         return self._rebuild(uniq % n, uniq // n, new_w)
 
     def add_self_loops(self, fill_value: float = 1.0) -> "Graph":
@@ -543,7 +548,8 @@ class Graph:
         dst = torch.cat([self.dst, ar])
         w = None
         if self.edge_weight is not None:
-            w = torch.cat([self.edge_weight, torch.full((self.num_nodes,), fill_value, dtype=self.edge_weight.dtype)])
+            w = torch.cat([self.edge_weight, torch.full((self.num_nodes,), fill_value, dtype=self.edge_weight.dtype,
+                                                        device=self.device)])
         return self._rebuild(src, dst, w)
 
     def remove_self_loops(self) -> "Graph":
@@ -560,6 +566,24 @@ class Graph:
             x=mv(self.x), y=mv(self.y), train_mask=mv(self.train_mask), val_mask=mv(self.val_mask),
             test_mask=mv(self.test_mask), num_classes=self._num_classes, name=self.name, validate=False,
         )
+
+    def normalize_features(self) -> "Graph":
+        """Row-normalize ``x`` so every non-zero row sums to 1 (Kipf & Welling's preprocessing)."""
+        if self.x is None:
+            raise GraphError("x: the graph has no node features")
+        x = self.x
+        if x.layout == torch.sparse_csr:
+            vals = x.values()
+            rows = torch.repeat_interleave(
+                torch.arange(x.shape[0]), x.crow_indices()[1:] - x.crow_indices()[:-1]
+            )
+            sums = torch.zeros(x.shape[0], dtype=vals.dtype).index_add_(0, rows, vals)
+            inv = torch.where(sums != 0, 1.0 / sums, torch.zeros_like(sums))
+            new = torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), vals * inv[rows], size=x.shape)
+        else:
+            sums = x.sum(dim=1, keepdim=True)
+            new = x * torch.where(sums != 0, 1.0 / sums, torch.zeros_like(sums))
+        return self.replace(x=new, validate=False)
 
     def dense_features(self) -> torch.Tensor:
         """``x`` as a dense tensor (materializes sparse features)."""

@@ -398,28 +398,7 @@ def from_npz(path: PathLike, split: int = 0, symmetrize: Optional[bool] = None) 
             num_nodes = int(nn.reshape(()))
 
         node_data: dict[str, Any] = {}
-        x_parts = [k for k in ("x_data", "x_indices", "x_indptr", "x_shape") if k in files]
-        if "x" in files and x_parts:
-            raise GraphError(f"{where}: x: both dense 'x' and CSR parts {x_parts} are present")
-        if "x" in files:
-            node_data["x"] = get("x")
-        elif x_parts:
-            if len(x_parts) != 4:
-                missing = sorted({"x_data", "x_indices", "x_indptr", "x_shape"} - set(x_parts))
-                raise GraphError(f"{where}: x: CSR features are missing parts {missing}")
-            node_data["x"] = _csr_from_parts(
-                get("x_data"), get("x_indices"), get("x_indptr"), get("x_shape"), f"{where}: x"
-            )
-        if num_nodes is None:
-            if "x" in node_data:
-                num_nodes = int(node_data["x"].shape[0])
-            else:
-                num_nodes = int(edge_index.max()) + 1 if edge_index.size else 0
-        if "y" in files:
-            node_data["y"] = get("y")
-        if "class_names" in files:
-            node_data["num_classes"] = int(get("class_names").shape[0])
-
+        # Masks (and the split choice) first: a bad split fails before the features are read.
         multi = [k for k in ("train_masks", "val_masks", "test_masks") if k in files]
         single = [k for k in ("train_mask", "val_mask", "test_mask") if k in files]
         if multi:
@@ -442,6 +421,27 @@ def from_npz(path: PathLike, split: int = 0, symmetrize: Optional[bool] = None) 
         for key in single:
             if key not in node_data:
                 node_data[key] = get(key)
+        x_parts = [k for k in ("x_data", "x_indices", "x_indptr", "x_shape") if k in files]
+        if "x" in files and x_parts:
+            raise GraphError(f"{where}: x: both dense 'x' and CSR parts {x_parts} are present")
+        if "x" in files:
+            node_data["x"] = get("x")
+        elif x_parts:
+            if len(x_parts) != 4:
+                missing = sorted({"x_data", "x_indices", "x_indptr", "x_shape"} - set(x_parts))
+                raise GraphError(f"{where}: x: CSR features are missing parts {missing}")
+            node_data["x"] = _csr_from_parts(
+                get("x_data"), get("x_indices"), get("x_indptr"), get("x_shape"), f"{where}: x"
+            )
+        if num_nodes is None:
+            if "x" in node_data:
+                num_nodes = int(node_data["x"].shape[0])
+            else:
+                num_nodes = int(edge_index.max()) + 1 if edge_index.size else 0
+        if "y" in files:
+            node_data["y"] = get("y")
+        if "class_names" in files:
+            node_data["num_classes"] = int(get("class_names").shape[0])
 
         flag: Optional[bool] = None
         if "is_symmetric" in files:
@@ -451,15 +451,16 @@ def from_npz(path: PathLike, split: int = 0, symmetrize: Optional[bool] = None) 
             arr = get("name")
             if arr.size == 1:
                 name = str(arr.reshape(()))
+    if symmetrize is None and flag is not None:
+        symmetrize = not flag
     try:
-        g = Graph.from_edge_index(edge_index, num_nodes, name=name, **node_data)
+        # Structure first (symmetrizing rebuilds it), then the node data, validated once.
+        g = Graph.from_edge_index(edge_index, num_nodes, name=name)
+        if symmetrize or (symmetrize is None and not g.is_symmetric()):
+            g = g.to_undirected()
+        return g.replace(**node_data)
     except GraphError as exc:
         raise _prefix_errors(where, exc) from exc
-    if symmetrize is None:
-        do = (not g.is_symmetric()) if flag is None else not flag
-    else:
-        do = bool(symmetrize)
-    return g.to_undirected() if do else g
 
 
 # ---------------------------------------------------------------------------------------- Planetoid
@@ -515,7 +516,8 @@ _SPARSE_STUBS = {
 class _PlanetoidUnpickler(pickle.Unpickler):
     """Unpickler for Planetoid's Python 2 pickles that admits only the classes they use.
 
-    numpy arrays and dtypes, ``collections.defaultdict`` and builtin containers are allowed; scipy
+    numpy arrays and dtypes, ``collections.defaultdict``, builtin containers and the two helpers
+    protocol-2 pickles call (``copyreg._reconstructor``, ``_codecs.encode``) are allowed; scipy
     sparse matrices become :class:`_PickledSparse`; anything else is refused (pickles can run
     arbitrary code, so a file naming other globals is treated as malformed).
     """
@@ -533,8 +535,8 @@ class _PlanetoidUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module in ("builtins", "__builtin__") and name in self._BUILTINS:
             return super().find_class(module, name)
-        if module in ("copy_reg", "copyreg") and name == "_reconstructor":
-            return super().find_class(module, name)
+        if (module, name) in (("copy_reg", "_reconstructor"), ("copyreg", "_reconstructor"), ("_codecs", "encode")):
+            return super().find_class(module, name)  # used by numpy pickles of protocol 2
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a Planetoid file")
 
 
@@ -593,7 +595,8 @@ def from_planetoid(
       features ``tx[i]`` and label ``ty[i]``; ``N = max(len(allx), max(test.index) + 1)``;
     - test-range ids absent from ``test.index`` (CiteSeer has 15) get zero features and ``y = -1``
       (PyG labels them 0); all-zero one-hot rows also give ``y = -1``;
-    - masks: train = the first ``len(y)`` nodes, val = the next 500, test = the ``test.index`` nodes;
+    - masks: train = the first ``len(y)`` nodes, val = the next 500 (within the ``allx`` rows), test
+      = the ``test.index`` nodes;
     - edges: the ``graph`` adjacency dict read as undirected (both directions), duplicates and self
       loops removed.
 
@@ -724,7 +727,7 @@ def from_planetoid(
     train = np.zeros(n, dtype=bool)
     train[: y_train.shape[0]] = True
     val = np.zeros(n, dtype=bool)
-    val[y_train.shape[0] : y_train.shape[0] + 500] = True
+    val[y_train.shape[0] : min(y_train.shape[0] + 500, n_all)] = True
     test = np.zeros(n, dtype=bool)
     test[test_index] = True
     try:

@@ -1,0 +1,372 @@
+"""`Graph` and `GraphStats`: construction, validation errors, transformations against references.
+
+Validation tests feed one bad input at a time and check that a `GraphError` is raised whose message
+names the bad field and the first bad index. Transformations (`to_undirected`, `add_self_loops`,
+`remove_self_loops`, `transpose`, `norm_coefficients`) are compared with scipy / networkx (and PyG
+where installed) on small graphs holding an isolated vertex, a self loop, a duplicated edge and a
+hub; hypothesis checks the structural properties on random small edge lists.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import networkx as nx
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gnncompile import Graph, GraphError, GraphStats
+
+# 6 vertices: 0 is a hub, 1 -> 1 is a self loop, (2, 3) appears twice, 5 is isolated.
+MIXED_EDGES = [(0, 1), (0, 2), (0, 3), (0, 4), (1, 0), (1, 1), (2, 3), (2, 3), (3, 0), (4, 2)]
+MIXED_N = 6
+
+
+def mixed_graph(weighted: bool = False) -> Graph:
+    ei = torch.tensor(MIXED_EDGES, dtype=torch.int64).T
+    w = torch.arange(1, len(MIXED_EDGES) + 1, dtype=torch.float64) if weighted else None
+    return Graph.from_edge_index(ei, MIXED_N, edge_weight=w)
+
+
+def edge_list(g: Graph) -> list[tuple[int, int]]:
+    return list(zip(g.src.tolist(), g.dst.tolist()))
+
+
+def dense_adj(g: Graph) -> np.ndarray:
+    """``A[dst, src]`` summed over parallel edges (float64)."""
+    a = np.zeros((g.num_nodes, g.num_nodes))
+    w = np.ones(g.num_edges) if g.edge_weight is None else g.edge_weight.double().numpy()
+    np.add.at(a, (g.dst.numpy(), g.src.numpy()), w)
+    return a
+
+
+def raises(match: str, fn, *args, **kwargs) -> str:
+    """Call ``fn`` expecting a GraphError whose message contains every ``|``-separated part of ``match``."""
+    with pytest.raises(GraphError) as info:
+        fn(*args, **kwargs)
+    msg = str(info.value)
+    for part in match.split("|"):
+        assert part in msg, f"{part!r} not in error message {msg!r}"
+    return msg
+
+
+# ------------------------------------------------------------------------------------ construction
+def test_from_edge_index_sorts_by_destination_and_keeps_parallel_edges() -> None:
+    g = mixed_graph(weighted=True)
+    assert g.num_nodes == MIXED_N and g.num_edges == len(MIXED_EDGES)
+    assert g.indptr.tolist() == [0, 2, 4, 6, 9, 10, 10]
+    assert Counter(edge_list(g)) == Counter(MIXED_EDGES)
+    for s, d, w in zip(g.src.tolist(), g.dst.tolist(), g.edge_weight.tolist()):
+        assert MIXED_EDGES[int(w) - 1] == (s, d)  # weights travel with their edge
+    for v in range(MIXED_N):  # sources sorted inside every row
+        row = g.indices[g.indptr[v] : g.indptr[v + 1]]
+        assert torch.equal(row, torch.sort(row).values)
+    assert g.in_degree().tolist() == [2, 2, 2, 3, 1, 0]
+    assert g.out_degree().tolist() == [4, 2, 2, 1, 1, 0]
+    assert g.has_self_loops() and not g.is_symmetric()
+
+
+def test_num_nodes_defaults() -> None:
+    assert Graph.from_edge_index([[0, 3], [1, 2]]).num_nodes == 4
+    assert Graph.from_edge_index([[0], [1]], x=np.zeros((7, 2), np.float32)).num_nodes == 7
+    assert Graph.from_edge_index(torch.zeros(2, 0, dtype=torch.int64)).num_nodes == 0
+    g = Graph([0, 0, 0], np.zeros(0, np.int64), y=[1, -1])
+    assert g.num_nodes == 2 and g.num_classes == 2 and g.num_edges == 0
+
+
+def test_node_data_conversions() -> None:
+    g = Graph.from_edge_index(
+        [[0, 1], [1, 0]], 3, x=np.ones((3, 2), dtype=np.int32), train_mask=[1, 0, 1], edge_weight=[2, 3]
+    )
+    assert g.x.dtype == torch.float32 and g.train_mask.dtype == torch.bool
+    assert g.edge_weight.dtype == torch.float32 and g.edge_weight.tolist() == [3.0, 2.0]
+    xs = sp.random(3, 5, density=0.5, format="csr", random_state=0, dtype=np.float64)
+    h = Graph.from_edge_index([[0], [1]], 3, x=xs)
+    assert h.x.layout == torch.sparse_csr and h.num_features == 5
+    np.testing.assert_allclose(h.dense_features().numpy(), xs.toarray(), rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------ validation
+def test_edge_index_ids_out_of_range() -> None:
+    raises("edge_index|edge 2|(2, 5)|[0, 5)", Graph.from_edge_index, [[0, 1, 2], [1, 2, 5]], 5)
+    raises("edge_index|edge 1|(-1, 0)", Graph.from_edge_index, [[0, -1], [1, 0]], 3)
+
+
+def test_edge_index_shape_and_dtype() -> None:
+    raises("edge_index|[2, E]|[3, 2]", Graph.from_edge_index, torch.zeros(3, 2, dtype=torch.int64))
+    raises("edge_index|[2, E]", Graph.from_edge_index, [0, 1, 2])
+    raises("edge_index|integer", Graph.from_edge_index, [[0.0, 1.0], [1.0, 0.0]])
+    raises("edge_index|integer", Graph.from_edge_index, torch.ones(2, 2, dtype=torch.bool))
+    raises("edge_index|object", Graph.from_edge_index, np.array([[0, None], [1, 0]], dtype=object))
+    raises("num_nodes|>= 0", Graph.from_edge_index, torch.zeros(2, 0, dtype=torch.int64), -1)
+
+
+def test_indices_out_of_range() -> None:
+    raises("indices|edge 2|source id 4|[0, 3)", Graph, [0, 1, 2, 3], [0, 1, 4])
+    raises("indices|edge 0|source id -1", Graph, [0, 1, 1, 1], [-1])
+    raises("indices|1-d", Graph, [0, 1], [[0]])
+    raises("indices|integer", Graph, [0, 1], [0.5])
+
+
+def test_indptr_errors() -> None:
+    raises("indptr|negative in-degree|vertex 1|indptr[1]=2 > indptr[2]=1", Graph, [0, 2, 1, 3], [0, 0, 0])
+    raises("indptr|[4]|num_nodes + 1|[3]", Graph, [0, 1, 2], [0, 1], 3)
+    raises("indptr|indptr[0] must be 0|got 1", Graph, [1, 1, 2], [0])
+    raises("indptr|indptr[-1]=2|len(indices)=3", Graph, [0, 1, 2], [0, 1, 1])
+    raises("indptr|integer", Graph, [0.0, 1.0], [0])
+    raises("num_nodes|>= 0", Graph, [0], np.zeros(0, np.int64), -1)
+
+
+def test_edge_weight_errors() -> None:
+    raises("edge_weight|[3]|[2]", Graph.from_edge_index, [[0, 1, 2], [1, 2, 0]], edge_weight=[1.0, 2.0])
+    raises("edge_weight|[2]", Graph, [0, 1, 2], [1, 0], edge_weight=[[1.0, 2.0]])
+    raises("edge_weight|non-finite|edge 1", Graph, [0, 1, 2], [1, 0], edge_weight=[1.0, math.inf])
+    raises("edge_weight|non-finite|nan|edge 0", Graph, [0, 1, 2], [1, 0], edge_weight=[math.nan, 1.0])
+
+
+def test_feature_errors() -> None:
+    ip, ix = [0, 1, 2, 2], [1, 0]
+    raises("x|3 rows|num_nodes=4", Graph, [0, 1, 2, 2, 2], ix, x=np.zeros((3, 2), np.float32))
+    raises("x|[num_nodes, num_features]|[3]", Graph, ip, ix, x=np.zeros(3, np.float32))
+    x = np.zeros((3, 4), np.float32)
+    x[2, 1] = np.nan
+    x[2, 3] = np.inf
+    raises("x|non-finite|nan|row 2, column 1", Graph, ip, ix, x=x)
+    x = np.zeros((3, 4), np.float32)
+    x[1, 3] = -np.inf
+    raises("x|non-finite|-inf|row 1, column 3", Graph, ip, ix, x=x)
+    xs = sp.csr_matrix(([1.0, np.nan, 2.0], ([0, 2, 2], [0, 1, 3])), shape=(3, 4))
+    raises("x|non-finite|row 2, column 1", Graph, ip, ix, x=xs)
+    raises("x|object", Graph, ip, ix, x=np.array([[None]] * 3, dtype=object))
+
+
+def test_label_errors() -> None:
+    ip, ix = [0, 1, 2, 2], [1, 0]
+    raises("y|[3]|[2]", Graph, ip, ix, y=[0, 1])
+    raises("y|label -2|vertex 1|-1 = unlabeled", Graph, ip, ix, y=[0, -2, 1])
+    raises("y|label 3|vertex 2|num_classes=3", Graph, ip, ix, y=[0, 1, 3], num_classes=3)
+    raises("y|integer", Graph, ip, ix, y=[0.0, 1.0, 1.0])
+    raises("num_classes|>= 0", Graph, ip, ix, num_classes=-1)
+    assert Graph(ip, ix, y=[0, -1, 2], num_classes=3).num_classes == 3
+
+
+def test_mask_errors() -> None:
+    ip, ix = [0, 1, 2, 2], [1, 0]
+    raises("train_mask|[3]|[4]", Graph, ip, ix, train_mask=[True, False, True, False])
+    raises("val_mask|[3]|[1, 3]", Graph, ip, ix, val_mask=[[True, False, True]])
+    raises("test_mask|bool|non-0/1", Graph, ip, ix, test_mask=[0, 2, 1])
+    raises("train_mask|bool", Graph, ip, ix, train_mask=[0.0, 1.0, 1.0])
+    raises("test_mask|vertex 1|no label", Graph, ip, ix, y=[0, -1, 1], test_mask=[False, True, True])
+
+
+# ------------------------------------------------------------------------------------ transformations
+def test_to_undirected_matches_scipy() -> None:
+    g = mixed_graph()
+    u = g.to_undirected()
+    a = sp.csr_matrix(dense_adj(g))
+    ref = ((a + a.T) != 0).astype(np.float64).toarray()
+    np.testing.assert_array_equal(dense_adj(u), ref)  # parallel edges merged into one
+    assert u.is_symmetric() and u.edge_weight is None
+    assert len(set(edge_list(u))) == u.num_edges
+
+
+@pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
+def test_to_undirected_weight_reduction(reduce: str) -> None:
+    g = mixed_graph(weighted=True)
+    groups: dict[tuple[int, int], list[float]] = {}
+    for (s, d), w in zip(MIXED_EDGES, range(1, len(MIXED_EDGES) + 1)):
+        groups.setdefault((s, d), []).append(float(w))
+        groups.setdefault((d, s), []).append(float(w))
+    f = {"max": max, "sum": sum, "mean": lambda v: sum(v) / len(v)}[reduce]
+    u = g.to_undirected(reduce=reduce)
+    got = {(s, d): w for s, d, w in zip(u.src.tolist(), u.dst.tolist(), u.edge_weight.tolist())}
+    assert got.keys() == groups.keys()
+    for key, ws in groups.items():
+        assert got[key] == pytest.approx(f(ws)), key
+    raises("reduce|'min'", g.to_undirected, reduce="min")
+
+
+def test_self_loops_match_scipy() -> None:
+    g = mixed_graph(weighted=True)
+    a = dense_adj(g)
+    loops = g.add_self_loops(fill_value=0.5)
+    np.testing.assert_allclose(dense_adj(loops), a + 0.5 * np.eye(MIXED_N))
+    assert loops.num_edges == g.num_edges + MIXED_N
+    np.testing.assert_allclose(dense_adj(mixed_graph().add_self_loops()), dense_adj(mixed_graph()) + np.eye(MIXED_N))
+    removed = g.remove_self_loops()
+    np.testing.assert_allclose(dense_adj(removed), a - np.diag(np.diag(a)))
+    assert not removed.has_self_loops()
+    np.testing.assert_allclose(g.to_scipy().toarray(), a)
+
+
+def test_transpose_matches_scipy() -> None:
+    g = mixed_graph(weighted=True)
+    indptr_t, indices_t, perm = g.transpose()
+    at = sp.csr_matrix(dense_adj(g).T)  # row u: destinations of u's out-edges (duplicates summed)
+    assert indptr_t.tolist()[-1] == g.num_edges
+    assert torch.equal(indptr_t[1:] - indptr_t[:-1], g.out_degree())
+    assert sorted(perm.tolist()) == list(range(g.num_edges))
+    assert torch.equal(indices_t, g.dst[perm])
+    rebuilt = sp.csr_matrix(
+        (g.edge_weight[perm].double().numpy(), indices_t.numpy(), indptr_t.numpy()), shape=at.shape
+    )
+    np.testing.assert_allclose(rebuilt.toarray(), at.toarray())
+    for u in range(g.num_nodes):
+        assert (g.src[perm[indptr_t[u] : indptr_t[u + 1]]] == u).all()
+
+
+def test_norm_coefficients_against_references() -> None:
+    g = mixed_graph(weighted=True)
+    a = dense_adj(g)
+    deg_in, deg_out = a.sum(axis=1), a.sum(axis=0)
+    src, dst, w = g.src.numpy(), g.dst.numpy(), g.edge_weight.double().numpy()
+    gcn = g.norm_coefficients("gcn").double().numpy()
+    with np.errstate(divide="ignore"):
+        ref = w / np.sqrt(deg_in[dst] * deg_out[src])
+    np.testing.assert_allclose(gcn, ref, rtol=1e-6)
+    np.testing.assert_allclose(g.norm_coefficients("mean").double().numpy(), w / deg_in[dst], rtol=1e-6)
+    assert g.norm_coefficients("sum") is g.edge_weight
+    assert mixed_graph().norm_coefficients("none") is None
+    raises("norm|'sym'|'gcn'", g.norm_coefficients, "sym")
+
+
+def test_gcn_norm_matches_networkx_on_symmetric_graph() -> None:
+    G = nx.karate_club_graph()
+    g = Graph.from_networkx(G)
+    lap = nx.normalized_laplacian_matrix(G, nodelist=range(G.number_of_nodes()), weight=None).toarray()
+    c = sp.csr_matrix(
+        (g.norm_coefficients("gcn").double().numpy(), g.indices.numpy(), g.indptr.numpy()), shape=lap.shape
+    ).toarray()
+    np.testing.assert_allclose(c, np.eye(len(lap)) - lap, atol=1e-6)  # D^-1/2 A D^-1/2 = I - L
+
+
+def test_gcn_norm_matches_pyg() -> None:
+    pytest.importorskip("torch_geometric")
+    from torch_geometric.nn.conv.gcn_conv import gcn_norm
+
+    g = mixed_graph().to_undirected().add_self_loops()
+    ei, w = gcn_norm(g.edge_index(), None, g.num_nodes, add_self_loops=False)
+    ref = {(int(s), int(d)): float(v) for s, d, v in zip(ei[0], ei[1], w)}
+    got = dict(zip(edge_list(g), g.norm_coefficients("gcn").tolist()))
+    assert got.keys() == ref.keys()
+    for key in ref:
+        assert got[key] == pytest.approx(ref[key], rel=1e-5)
+
+
+def test_isolated_vertices_get_zero_coefficients() -> None:
+    g = Graph.from_edge_index([[0], [1]], 3)
+    assert g.norm_coefficients("gcn").tolist() == [1.0]
+    assert g.weighted_in_degree().tolist() == [0.0, 1.0, 0.0]
+
+
+def test_replace_and_repr() -> None:
+    g = mixed_graph()
+    h = g.replace(y=torch.zeros(MIXED_N, dtype=torch.int64), name="m")
+    assert h.num_classes == 1 and h.name == "m" and torch.equal(h.indices, g.indices)
+    with pytest.raises(TypeError, match="unknown fields"):
+        g.replace(colour=1)
+    raises("y|[6]", g.replace, y=[0])
+    assert "num_nodes=6" in repr(g) and "num_edges=10" in repr(g)
+
+
+# ------------------------------------------------------------------------------------ GraphStats
+def test_graph_stats_from_graph() -> None:
+    g = mixed_graph().replace(x=torch.zeros(MIXED_N, 3), y=torch.tensor([0, 1, 2, 0, 1, 1]), name="mixed")
+    s = GraphStats.from_graph(g)
+    deg = np.array([2, 2, 2, 3, 1, 0], dtype=np.float64)
+    skew = ((deg - deg.mean()) ** 3).mean() / deg.std() ** 3
+    assert (s.num_nodes, s.num_edges, s.num_features, s.num_classes) == (6, 10, 3, 3)
+    assert s.degree_mean == pytest.approx(deg.mean()) and s.avg_degree == s.degree_mean
+    assert s.degree_max == 3 and s.degree_skew == pytest.approx(skew)
+    assert s.name == "mixed" and g.stats() == s
+    assert "|V|=6" in str(s) and "|E|=10" in str(s)
+    regular = GraphStats.from_graph(Graph.from_edge_index([[0, 1], [1, 0]]))
+    assert regular.degree_skew == 0.0 and regular.degree_mean == 1.0
+    empty = GraphStats.from_graph(Graph([0], np.zeros(0, np.int64)))
+    assert (empty.num_nodes, empty.degree_mean, empty.degree_max) == (0, 0.0, 0)
+
+
+def test_graph_stats_by_hand() -> None:
+    s = GraphStats(num_nodes=111_059_956, num_edges=1_615_685_872, num_features=128, num_classes=172)
+    assert s.degree_mean == pytest.approx(1_615_685_872 / 111_059_956)
+    assert math.isnan(s.degree_skew) and s.degree_max == -1 and s.replication is None
+    s2 = GraphStats(10, 40, 8, 2, replication={2: 1.3, 4: 1.7}, name="x")
+    assert s2.replication[4] == 1.7 and s2.avg_degree == 4.0
+    assert GraphStats(np.int64(5), 0, 0, 0).num_nodes == 5
+    with pytest.raises(Exception):
+        s.num_nodes = 3  # frozen
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_nodes=-1, num_edges=0, num_features=0, num_classes=0), "GraphStats.num_nodes|>= 0|-1"),
+        (dict(num_nodes=1, num_edges=-5, num_features=0, num_classes=0), "GraphStats.num_edges|>= 0|-5"),
+        (dict(num_nodes=1.5, num_edges=0, num_features=0, num_classes=0), "GraphStats.num_nodes|int|float"),
+        (dict(num_nodes=1, num_edges=0, num_features=True, num_classes=0), "GraphStats.num_features|int|bool"),
+        (dict(num_nodes=1, num_edges=0, num_features=0, num_classes="3"), "GraphStats.num_classes|int|str"),
+    ],
+)
+def test_graph_stats_bad_input(kwargs: dict, match: str) -> None:
+    raises(match, GraphStats, **kwargs)
+
+
+# ------------------------------------------------------------------------------------ properties
+@st.composite
+def edge_lists(draw, max_nodes: int = 10, max_edges: int = 30):
+    n = draw(st.integers(1, max_nodes))
+    edges = draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=max_edges))
+    return n, edges
+
+
+PROPS = settings(max_examples=60, deadline=None)
+
+
+@PROPS
+@given(edge_lists(), st.randoms(use_true_random=False))
+def test_prop_from_edge_index_round_trip(case, rnd) -> None:
+    n, edges = case
+    weights = [float(rnd.randint(1, 9)) for _ in edges]
+    ei = torch.tensor(edges, dtype=torch.int64).reshape(-1, 2).T
+    g = Graph.from_edge_index(ei, n, edge_weight=torch.tensor(weights))
+    assert Counter(edge_list(g)) == Counter(edges)
+    assert Counter(zip(edge_list(g), g.edge_weight.tolist())) == Counter(zip(edges, weights))
+    assert torch.equal(g.edge_index(), torch.stack([g.src, g.dst]))
+    assert g.in_degree().tolist() == [sum(1 for _, d in edges if d == v) for v in range(n)]
+    again = Graph.from_edge_index(g.edge_index(), n, edge_weight=g.edge_weight)
+    assert torch.equal(again.indptr, g.indptr) and torch.equal(again.indices, g.indices)
+    assert torch.equal(again.edge_weight, g.edge_weight)
+
+
+@PROPS
+@given(edge_lists())
+def test_prop_transpose_consistent(case) -> None:
+    n, edges = case
+    g = Graph.from_edge_index(torch.tensor(edges, dtype=torch.int64).reshape(-1, 2).T, n)
+    indptr_t, indices_t, perm = g.transpose()
+    assert sorted(perm.tolist()) == list(range(g.num_edges))
+    rows = torch.repeat_interleave(torch.arange(n), indptr_t[1:] - indptr_t[:-1])
+    assert torch.equal(rows, g.src[perm]) and torch.equal(indices_t, g.dst[perm])
+    reversed_graph = Graph.from_edge_index(torch.stack([g.dst, g.src]), n)
+    assert torch.equal(indptr_t, reversed_graph.indptr) and torch.equal(indices_t, reversed_graph.indices)
+    assert g.is_symmetric() == (Counter(edges) == Counter((d, s) for s, d in edges))
+
+
+@PROPS
+@given(edge_lists())
+def test_prop_to_undirected_symmetric(case) -> None:
+    n, edges = case
+    y = torch.arange(n) % 3
+    g = Graph.from_edge_index(torch.tensor(edges, dtype=torch.int64).reshape(-1, 2).T, n, y=y, name="p")
+    u = g.to_undirected()
+    expected = set(edges) | {(d, s) for s, d in edges}
+    assert sorted(edge_list(u)) == sorted(expected)  # no duplicates
+    assert u.is_symmetric()
+    assert torch.equal(u.y, y) and u.name == "p" and u.num_nodes == n
+    assert edge_list(u.to_undirected()) == edge_list(u)
+    assert Counter(edge_list(u.remove_self_loops())) == Counter(e for e in expected if e[0] != e[1])
