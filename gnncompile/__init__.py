@@ -1,15 +1,29 @@
-"""gnncompile: a dataflow compiler and scheduler that plans parallel GNN training."""
+"""gnncompile: a dataflow compiler and scheduler that plans parallel GNN training.
 
+The public API (see DESIGN.md)::
+
+    import gnncompile as gc
+    graph = gc.datasets.load("cora")
+    model = gc.nn.GCN(graph.num_features, 256, graph.num_classes, num_layers=2)
+    history = gc.train(model, graph, epochs=200, lr=0.01)
+"""
+
+from . import datasets, nn, ops
 from .errors import (
     DatasetError,
     GnnCompileError,
     GraphError,
     KernelError,
+    PassError,
     PlanningError,
     RuntimeFailure,
     TraceError,
+    VerificationError,
 )
+from .frontend.tracer import trace
 from .graph import Graph, GraphStats
+from .ir import TPGraph
+from .runtime.trainer import History, train
 
 __version__ = "0.1.0"
 
@@ -19,8 +33,17 @@ __all__ = [
     "Graph",
     "GraphError",
     "GraphStats",
+    "History",
+    "PassError",
+    "TPGraph",
+    "VerificationError",
+    "trace",
     "KernelError",
     "PlanningError",
     "RuntimeFailure",
     "TraceError",
+    "datasets",
+    "nn",
+    "ops",
+    "train",
 ]

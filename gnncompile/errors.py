@@ -28,6 +28,14 @@ class TraceError(GnnCompileError):
     """A model cannot be traced into a T/P operator graph."""
 
 
+class VerificationError(GnnCompileError):
+    """An operator graph or plan violates an invariant (raised by the verifiers)."""
+
+
+class PassError(GnnCompileError):
+    """A compiler pass failed or broke the IR; the message names the pass."""
+
+
 class PlanningError(GnnCompileError):
     """No valid plan exists for the request (e.g. nothing fits in memory)."""
 

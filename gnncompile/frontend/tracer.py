@@ -1,0 +1,510 @@
+"""`trace(model, graph_or_stats) -> TPGraph`: torch.fx tracing into the annotated T/P operator graph.
+
+How it works
+------------
+1. **Symbolic tracing.** ``torch.fx`` traces ``model.forward(g, x)`` with the graph primitives of
+   :mod:`gnncompile.ops` as leaves (one node each) and gnncompile layers traced *through*, so the
+   operator graph shows every T, P and E op inside every layer. Standard ``torch.nn`` modules
+   (Linear, norms, dropout, activations) stay single ``call_module`` nodes.
+2. **Checks.** The graph input ``g`` may only be passed to primitives; raw sparse products and
+   scatter/index-add ops are rejected with the primitive to use instead; data-dependent control
+   flow is reported with the user's source line. All as :class:`~gnncompile.TraceError`.
+3. **Annotation from sample graphs.** The traced module runs on four tiny random graphs of
+   different (|V|, |E|). For every node the output shape, FLOPs, bytes read/written and the bytes
+   autograd saves for backward (captured with ``torch.autograd.graph.saved_tensors_hooks`` and
+   deduplicated by storage) are computed on each sample; since each of them is linear in |V| and
+   |E| for GNNs, three samples determine it exactly as a :class:`~gnncompile.ir.symbolic.Lin` and
+   the fourth checks it. Tracing for a billion-edge :class:`GraphStats` therefore costs the same
+   as for Cora.
+
+Cost formulas (per op, on the concrete sample shapes; ``s`` = element size in bytes)
+------------------------------------------------------------------------------------
+- GEMM (``Linear``, ``matmul``...): ``2 * rows * d_in * d_out`` FLOPs (+ ``rows * d_out`` bias);
+  bytes = inputs + weight + output.
+- P ``propagate`` over ``E'`` edges (``E' = E + V`` with implicit self loops) and width ``d``:
+  NeutronTask Eq. 6 terms: ``2 * E' * d`` FLOPs and ``(E' * (1 + 2d) + V) * s`` bytes in all
+  (read: ``(E' * (1 + d) + V) * s``; written: ``E' * d * s``, one accumulation per edge element).
+- E ops: ``gather_*``: ``E' * d * s`` read and written (+ 8 bytes of index per edge);
+  ``edge_softmax``: ``5`` FLOPs per element, 3 passes over the scores; ``aggregate``: one FLOP
+  per message element, the messages read and the vertex rows written.
+- Norms: 5 FLOPs per element; every other op: one FLOP per output element, inputs read, output
+  written.
+
+Layers
+------
+The layer of an op is ``1 + number of P ops on the longest path before it`` for T and E ops, and
+``number of P ops up to and including it`` for a P op: a GCN layer is its T ops followed by its
+P op; trailing T ops after the last propagation (an MLP head) form layer ``L + 1``.
+"""
+
+from __future__ import annotations
+
+import linecache
+import operator
+import sys
+import traceback
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from ..errors import TraceError
+from ..graph.core import Graph, GraphStats
+from ..ir.symbolic import Lin, solve_lin
+from ..ir.tpgraph import TPGraph, TPInfo
+from .ops import PRIMITIVES, is_primitive
+
+__all__ = ["trace", "GNNTracer", "SAMPLE_SIZES"]
+
+# (|V|, |E|) of the sample graphs; generic sizes unlikely to equal a feature dimension.
+SAMPLE_SIZES = ((23, 71), (37, 61), (29, 113), (41, 89))
+
+_GEMM_MODULES = (torch.nn.Linear, torch.nn.Bilinear)
+_NORM_MODULES = (torch.nn.LayerNorm, torch.nn.BatchNorm1d, torch.nn.GroupNorm, torch.nn.InstanceNorm1d)
+_GEMM_FUNCS = {F.linear, torch.matmul, torch.mm, torch.addmm, torch.bmm, operator.matmul}
+_NORM_FUNCS = {F.layer_norm, F.batch_norm, F.group_norm, F.normalize}
+
+# Ops that do graph work behind the tracer's back: (what it is, the primitive to use instead).
+_REJECTED_FUNCS: dict[Any, tuple[str, str]] = {
+    torch.sparse.mm: ("a raw sparse matrix product", "gnncompile.ops.propagate"),
+    torch.spmm: ("a raw sparse matrix product", "gnncompile.ops.propagate"),
+    torch.sparse.addmm: ("a raw sparse matrix product", "gnncompile.ops.propagate"),
+    torch.sparse_coo_tensor: ("building a sparse adjacency", "gnncompile.ops.propagate"),
+    torch.sparse_csr_tensor: ("building a sparse adjacency", "gnncompile.ops.propagate"),
+    torch.index_add: ("a scatter (index_add)", "gnncompile.ops.aggregate"),
+    torch.scatter: ("a scatter", "gnncompile.ops.aggregate"),
+    torch.scatter_add: ("a scatter", "gnncompile.ops.aggregate"),
+    torch.scatter_reduce: ("a scatter", "gnncompile.ops.aggregate"),
+    torch.segment_reduce: ("a segment reduction", "gnncompile.ops.aggregate"),
+}
+for _name in ("_sparse_mm",):
+    if hasattr(torch._C._sparse, _name):  # what torch.sparse.mm traces to
+        _REJECTED_FUNCS[getattr(torch._C._sparse, _name)] = ("a raw sparse matrix product", "gnncompile.ops.propagate")
+_REJECTED_METHODS: dict[str, tuple[str, str]] = {
+    "index_add_": ("a scatter (index_add_)", "gnncompile.ops.aggregate"),
+    "index_add": ("a scatter (index_add)", "gnncompile.ops.aggregate"),
+    "scatter_": ("a scatter", "gnncompile.ops.aggregate"),
+    "scatter": ("a scatter", "gnncompile.ops.aggregate"),
+    "scatter_add_": ("a scatter", "gnncompile.ops.aggregate"),
+    "scatter_add": ("a scatter", "gnncompile.ops.aggregate"),
+    "scatter_reduce_": ("a scatter", "gnncompile.ops.aggregate"),
+    "scatter_reduce": ("a scatter", "gnncompile.ops.aggregate"),
+    "index_put_": ("an indexed write", "gnncompile.ops.aggregate"),
+    "to_sparse": ("building a sparse tensor", "gnncompile.ops.propagate"),
+    "to_sparse_csr": ("building a sparse tensor", "gnncompile.ops.propagate"),
+}
+
+
+class GNNTracer(torch.fx.Tracer):
+    """fx tracer that records stack traces and traces through gnncompile layers.
+
+    ``torch.nn`` modules are leaves (one node each); every other module, including gnncompile's
+    layers and models, is traced through so its primitives appear in the graph.
+    """
+
+    def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        node = super().create_node(*args, **kwargs)
+        # fx's record_stack_traces symbolizes a full traceback per node (~2 ms each); the user's
+        # line is all an error message needs, and walking frames for it is cheap.
+        frame = sys._getframe(1)
+        while frame is not None:
+            f = frame.f_code.co_filename.replace("\\", "/")
+            if not ("/torch/" in f or "/gnncompile/frontend/" in f or "/gnncompile/ir/" in f or f.startswith("<")):
+                code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+                node.stack_trace = f'File "{frame.f_code.co_filename}", line {frame.f_lineno}, in {frame.f_code.co_name}\n    {code}'
+                break
+            frame = frame.f_back
+        return node
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return m.__module__.startswith("torch.nn") and not isinstance(m, torch.nn.Sequential)
+
+
+# --------------------------------------------------------------------------- errors with context
+def _user_frame(tb: Any) -> str:
+    """The innermost frame of the traceback that is user code (not torch, not gnncompile)."""
+    best = ""
+    for frame in traceback.extract_tb(tb):
+        f = frame.filename.replace("\\", "/")
+        if "/torch/" in f or "/gnncompile/" in f or f.startswith("<"):
+            continue
+        line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+        best = f"{frame.filename}:{frame.lineno} in {frame.name}: {line}"
+    return best
+
+
+def _node_source(node: torch.fx.Node) -> str:
+    st = node.stack_trace or node.meta.get("stack_trace")
+    if not st:
+        return ""
+    lines = [ln for ln in st.strip().splitlines() if ln.strip()]
+    # fx stack traces end with: File "...", line N, in fn \n    code
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].lstrip().startswith("File "):
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{lines[i].strip()}: {code}"
+    return lines[-1].strip()
+
+
+def _trace_error(node: torch.fx.Node, what: str, fix: str) -> TraceError:
+    src = _node_source(node)
+    where = f" at {src}" if src else ""
+    return TraceError(f"node {node.name!r} ({node.op} {_target_name(node)}): {what}{where}; {fix}")
+
+
+def _target_name(node: torch.fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        return t
+    return getattr(t, "__qualname__", getattr(t, "__name__", repr(t)))
+
+
+# --------------------------------------------------------------------------- symbolic trace + checks
+def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
+    tracer = GNNTracer()
+    try:
+        graph = tracer.trace(model)
+    except TraceError:
+        raise
+    except Exception as exc:  # fx's own TraceError, or a Proxy misused by user code
+        where = _user_frame(exc.__traceback__)
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        hint = ""
+        if "control flow" in msg or "iterate" in msg or "bool" in msg.lower():
+            hint = ("; the model's control flow depends on tensor values, which a static operator graph "
+                    "cannot express: make it depend only on constructor arguments")
+        elif isinstance(exc, AttributeError) or "Graph" in msg:
+            hint = "; read graph properties through gnncompile.ops primitives, not inside forward"
+        raise TraceError(f"cannot trace {type(model).__name__}: {msg}" + (f" at {where}" if where else "") + hint) from exc
+    name = type(model).__name__
+    return torch.fx.GraphModule(tracer.root, graph, name)
+
+
+def _check(gm: torch.fx.GraphModule) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) < 2:
+        raise TraceError(
+            f"forward must take (g, x): found inputs {[p.name for p in placeholders]}; "
+            "gnncompile models have the signature forward(self, g, x)"
+        )
+    g_node = placeholders[0]
+    for user in g_node.users:
+        ok = user.op == "call_function" and is_primitive(user.target) and user.args and user.args[0] is g_node
+        if not ok:
+            raise _trace_error(
+                user, f"the graph input {g_node.name!r} is used outside a graph primitive (e.g. an attribute "
+                      "read inside forward)",
+                "pass the graph only to gnncompile.ops primitives (propagate, gather_src, gather_dst, "
+                "edge_softmax, aggregate); precompute graph-derived tensors outside the model")
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _REJECTED_FUNCS:
+            what, fix = _REJECTED_FUNCS[node.target]
+            raise _trace_error(node, f"{what} cannot be classified as T/P/E work", f"use {fix}")
+        if node.op == "call_method" and node.target in _REJECTED_METHODS:
+            what, fix = _REJECTED_METHODS[node.target]
+            raise _trace_error(node, f"{what} cannot be classified as T/P/E work", f"use {fix}")
+    outputs = [n for n in gm.graph.nodes if n.op == "output"]
+    if len(outputs) != 1 or isinstance(outputs[0].args[0], (tuple, list, dict)):
+        raise TraceError("forward must return a single tensor of logits")
+
+
+# --------------------------------------------------------------------------- sample graphs
+def _sample_graph(n: int, e: int, seed: int) -> Graph:
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, n, (e,), generator=gen)
+    dst = torch.randint(0, n, (e,), generator=gen)
+    return Graph.from_edge_index(torch.stack([src, dst]), n, name=f"sample-{n}-{e}")
+
+
+def _sample_input(x_like: Optional[torch.Tensor], n: int, f: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(n, f, generator=gen, dtype=dtype)
+    if x_like is not None and x_like.layout == torch.sparse_csr:
+        x = (x * (torch.rand(n, f, generator=gen) < 0.3)).to_sparse_csr()
+    return x
+
+
+def _nbytes(t: Any) -> int:
+    if isinstance(t, torch.Tensor):
+        if t.layout != torch.strided:
+            return sum(_nbytes(p) for p in (t.values(),))
+        return t.numel() * t.element_size()
+    if isinstance(t, (tuple, list)):
+        return sum(_nbytes(v) for v in t)
+    return 0
+
+
+def _numel(t: Any) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() if t.layout == torch.strided else t._nnz()
+    if isinstance(t, (tuple, list)):
+        return sum(_numel(v) for v in t)
+    return 0
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    try:
+        st = t.untyped_storage()
+        return st.data_ptr(), st.nbytes()
+    except (RuntimeError, NotImplementedError):  # sparse or other storage-less tensors
+        return id(t), _nbytes(t)
+
+
+def _graph_tensors(g: Graph) -> set[int]:
+    """data_ptrs of every tensor cached on a graph (structure, norms...), excluded from activations."""
+    out: set[int] = set()
+
+    def visit(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            if v.layout == torch.strided:
+                out.add(v.untyped_storage().data_ptr())
+        elif isinstance(v, (tuple, list)):
+            for w in v:
+                visit(w)
+        elif isinstance(v, dict):
+            for w in v.values():
+                visit(w)
+        elif isinstance(v, Graph):
+            visit(v.__dict__)
+        elif hasattr(v, "__dict__") and not isinstance(v, type):
+            visit(vars(v))
+
+    visit(g.__dict__)
+    return out
+
+
+class _Measure(torch.fx.Interpreter):
+    """Runs the module node by node, recording shapes, costs and saved-for-backward bytes."""
+
+    def __init__(self, gm: torch.fx.GraphModule, exclude: set[int]) -> None:
+        super().__init__(gm)
+        self.exclude = exclude
+        self.seen: set[int] = set(exclude)
+        self.records: dict[str, dict[str, Any]] = {}
+        self.modules = dict(gm.named_modules())
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        saved: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = super().run_node(n)
+        new_bytes = 0
+        for t in saved:
+            key = _storage_key(t)
+            if key[0] in self.seen:
+                continue
+            self.seen.add(key[0])
+            new_bytes += key[1]
+        args = [a for a in n.all_input_nodes]
+        in_vals = [self.env[a] for a in args if a in self.env]
+        self.records[n.name] = {
+            "out": result,
+            "saved": new_bytes,
+            "cost": _cost(n, result, in_vals, self.modules, self.env),
+        }
+        return result
+
+
+def _rows_of(t: Any) -> Optional[int]:
+    if isinstance(t, torch.Tensor) and t.dim() >= 1:
+        return int(t.shape[0])
+    return None
+
+
+def _cost(node: torch.fx.Node, out: Any, ins: list[Any], modules: dict[str, torch.nn.Module],
+          env: dict) -> tuple[int, int, int]:
+    """(flops, bytes_read, bytes_written) of one node on concrete sample values."""
+    if node.op in ("placeholder", "get_attr", "output"):
+        return 0, 0, 0
+    written = _nbytes(out)
+    read = sum(_nbytes(v) for v in ins if not isinstance(v, Graph))
+    target = node.target
+    if node.op == "call_function" and is_primitive(target):
+        g = node.args[0]
+        graph = env.get(g) if isinstance(g, torch.fx.Node) else g
+        name = getattr(target, "__name__", "")
+        kwargs = dict(node.kwargs)
+        loops = bool(kwargs.get("add_self_loops", False))
+        if name == "propagate" and len(node.args) > 4:
+            loops = bool(node.args[4])
+        n_v = graph.num_nodes
+        n_e = graph.num_edges + (n_v if loops else 0)
+        x = env.get(node.args[1]) if isinstance(node.args[1], torch.fx.Node) else node.args[1]
+        s = x.element_size() if isinstance(x, torch.Tensor) else 4
+        if name == "propagate":
+            d = 1
+            for k in x.shape[1:]:
+                d *= int(k)
+            # Eq. 6: E'(1 + 2d) + V elements in all; read = index/value + gathered rows + indptr,
+            # written = one accumulation per edge element.
+            return 2 * n_e * d, (n_e * (1 + d) + n_v) * s, n_e * d * s
+        if name in ("gather_src", "gather_dst"):
+            return 0, written + 8 * n_e, written
+        if name == "edge_softmax":
+            return 5 * _numel(out), 2 * written, written
+        if name == "aggregate":
+            return _numel(ins[1]) if len(ins) > 1 else _numel(out), read, written
+        return _numel(out), read, written
+    module = modules.get(target) if node.op == "call_module" else None
+    is_gemm = isinstance(module, _GEMM_MODULES) or (node.op == "call_function" and target in _GEMM_FUNCS) or (
+        node.op == "call_method" and target in ("matmul", "mm"))
+    if is_gemm and isinstance(out, torch.Tensor):
+        if module is not None and isinstance(module, torch.nn.Linear):
+            d_in = module.in_features
+            read += module.weight.numel() * module.weight.element_size()
+        else:
+            a = ins[0] if ins else None
+            d_in = int(a.shape[-1]) if isinstance(a, torch.Tensor) and a.dim() else 1
+        flops = 2 * _numel(out) * d_in + (_numel(out) if module is not None and getattr(module, "bias", None) is not None else 0)
+        return flops, read, written
+    if isinstance(module, _NORM_MODULES) or (node.op == "call_function" and target in _NORM_FUNCS):
+        return 5 * _numel(out), read, written
+    return _numel(out), read, written
+
+
+# --------------------------------------------------------------------------- layers
+def _layers(gm: torch.fx.GraphModule) -> dict[str, int]:
+    depth: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        d = max((depth[a.name] for a in n.all_input_nodes), default=0)
+        if n.op == "call_function" and getattr(n.target, "__gnncompile_kind__", None) == "P":
+            d += 1
+        depth[n.name] = d
+    layers = {}
+    for n in gm.graph.nodes:
+        is_p = n.op == "call_function" and getattr(n.target, "__gnncompile_kind__", None) == "P"
+        layers[n.name] = depth[n.name] if is_p else depth[n.name] + 1
+    return layers
+
+
+def _op_label(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> str:
+    if node.op == "call_module":
+        return type(modules[node.target]).__name__
+    if node.op in ("call_function", "call_method"):
+        return _target_name(node)
+    return node.op
+
+
+# --------------------------------------------------------------------------- public entry point
+def trace(model: torch.nn.Module, graph_or_stats: Union[Graph, GraphStats], *, training: bool = True,
+          dtype: torch.dtype = torch.float32) -> TPGraph:
+    """Trace ``model`` into an annotated :class:`~gnncompile.ir.tpgraph.TPGraph`.
+
+    Parameters
+    ----------
+    model:
+        A module with ``forward(self, g, x)`` written with :mod:`gnncompile.ops` and torch.
+    graph_or_stats:
+        The graph to train on, or just its :class:`GraphStats` (annotations are evaluated for
+        these sizes; nothing proportional to the graph is allocated).
+    training:
+        Trace the training-mode forward (dropout active), which is what plans execute. fx records
+        ``self.training`` as a constant, so the traced graph keeps this mode.
+    dtype:
+        Floating dtype of the sample features (element sizes in the byte counts).
+
+    Raises
+    ------
+    TraceError
+        For data-dependent control flow, graph attribute reads inside forward, ops that cannot be
+        classified (raw sparse products, scatters), or a forward that does not return one tensor.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TraceError(f"trace expects a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(graph_or_stats, Graph):
+        stats = GraphStats.from_graph(graph_or_stats)
+        x_like = graph_or_stats.x
+    elif isinstance(graph_or_stats, GraphStats):
+        stats, x_like = graph_or_stats, None
+    else:
+        raise TraceError(f"trace expects a Graph or GraphStats, got {type(graph_or_stats).__name__}")
+
+    was_training = model.training
+    model.train(training)
+    try:
+        gm = _symbolic_trace(model)
+    finally:
+        model.train(was_training)
+    _check(gm)
+    gm.train(training)
+    modules = dict(gm.named_modules())
+
+    # Run on the sample graphs (no RNG side effects for the caller).
+    samples: list[tuple[int, int, dict[str, dict[str, Any]]]] = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for i, (n, e) in enumerate(SAMPLE_SIZES):
+            g = _sample_graph(n, e, seed=i)
+            x = _sample_input(x_like, n, stats.num_features, seed=i, dtype=dtype)
+            try:
+                with torch.no_grad():
+                    gm(g, x)  # warm the graph's caches so they are not counted as activations
+                exclude = _graph_tensors(g) | {p.untyped_storage().data_ptr() for p in gm.parameters()}
+                exclude |= {b.untyped_storage().data_ptr() for b in gm.buffers()}
+                exclude.add(_storage_key(x)[0])
+                meas = _Measure(gm, exclude)
+                with torch.enable_grad():
+                    meas.run(g, x)
+            except TraceError:
+                raise
+            except Exception as exc:
+                raise TraceError(
+                    f"running {type(model).__name__} on a sample graph (|V|={n}, |E|={e}, "
+                    f"{stats.num_features} features) failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            samples.append((n, e, meas.records))
+
+    def lin(getter: Callable[[dict[str, Any]], Optional[float]], name: str) -> Optional[Lin]:
+        vals = [(n, e, getter(rec[name])) for n, e, rec in samples]
+        if any(v is None for _, _, v in vals):
+            return None
+        try:
+            return solve_lin(vals)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise TraceError(f"node {name!r}: a size annotation is not linear in |V| and |E| ({exc})") from exc
+
+    layers = _layers(gm)
+    for node in gm.graph.nodes:
+        rec = samples[0][2][node.name]
+        out = rec["out"]
+        rows = lin(lambda r: _rows_of(r["out"]), node.name)
+        dims = tuple(int(d) for d in out.shape[1:]) if isinstance(out, torch.Tensor) else ()
+        dtype_s = str(out.dtype).replace("torch.", "") if isinstance(out, torch.Tensor) else None
+        params = 0
+        if node.op == "placeholder":
+            kind = "input"
+            if isinstance(out, Graph):
+                rows, dims = None, ()
+        elif node.op == "get_attr":
+            kind = "param"
+            params = out.numel() if isinstance(out, torch.nn.Parameter) else 0
+        elif node.op == "output":
+            kind = "output"
+        elif node.op == "call_function" and is_primitive(node.target):
+            kind = node.target.__gnncompile_kind__
+        else:
+            space = rows.space if rows is not None else "1"
+            kind = "E" if space in ("E", "E+V") else "T"
+            if node.op == "call_module":
+                params = sum(p.numel() for p in modules[node.target].parameters(recurse=True))
+        node.meta["tp"] = TPInfo(
+            kind=kind,
+            layer=layers[node.name] if kind in ("T", "P", "E") else 0,
+            rows=rows,
+            dims=dims,
+            dtype=dtype_s,
+            flops=lin(lambda r: r["cost"][0], node.name) or Lin(),
+            bytes_read=lin(lambda r: r["cost"][1], node.name) or Lin(),
+            bytes_written=lin(lambda r: r["cost"][2], node.name) or Lin(),
+            saved_bytes=lin(lambda r: r["saved"], node.name) or Lin(),
+            params=params,
+            op=_op_label(node, modules),
+        )
+    tp = TPGraph(gm, gm.graph, stats, class_name=f"TP{type(model).__name__}")
+    tp.train(training)
+    return tp

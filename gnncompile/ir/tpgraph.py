@@ -1,0 +1,225 @@
+"""`TPGraph`: the annotated operator graph every pass and cost model reads.
+
+A `TPGraph` is a :class:`torch.fx.GraphModule` (so it runs, and fx passes apply to it) whose nodes
+carry ``node.meta["tp"]``, a :class:`TPInfo`:
+
+=================  =====================================================================
+kind               ``T`` (vertex-wise dense), ``P`` (propagation V->V), ``E`` (edge-wise),
+                   ``input``, ``param``, ``output``
+layer              GNN layer index (1-based; see :mod:`gnncompile.frontend.tracer`), ``0``
+                   for inputs and parameters
+rows               first dimension of the output as a :class:`~gnncompile.ir.symbolic.Lin`
+space              ``V``, ``E``, ``E+V`` (edges plus implicit self loops), ``1`` or ``?``
+dims               the output's trailing dimensions (feature dims), and its dtype
+flops              floating-point operations of the op (forward)
+bytes_read/written memory traffic of the op (forward)
+saved_bytes        bytes the op keeps alive for backward (measured through autograd's
+                   saved-tensor hooks on sample graphs, deduplicated by storage)
+params             number of parameters owned by the op (module parameters, or a get_attr)
+=================  =====================================================================
+
+Size-dependent fields are linear forms in ``|V|`` and ``|E|``; :meth:`TPGraph.value` evaluates
+them for the graph statistics the graph was traced (or re-bound) for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.fx
+
+from ..graph.core import GraphStats
+from .symbolic import Lin
+
+__all__ = ["TPInfo", "TPGraph", "TraceSummary", "KINDS"]
+
+KINDS = ("T", "P", "E", "input", "param", "output")
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    """Annotation of one operator-graph node (see the module docstring for the fields)."""
+
+    kind: str
+    layer: int = 0
+    rows: Optional[Lin] = None
+    dims: tuple[int, ...] = ()
+    dtype: Optional[str] = None
+    flops: Lin = field(default_factory=Lin)
+    bytes_read: Lin = field(default_factory=Lin)
+    bytes_written: Lin = field(default_factory=Lin)
+    saved_bytes: Lin = field(default_factory=Lin)
+    params: int = 0
+    recompute: bool = False
+    op: str = ""
+
+    @property
+    def space(self) -> str:
+        return "-" if self.rows is None else self.rows.space
+
+    def with_(self, **changes: Any) -> "TPInfo":
+        return replace(self, **changes)
+
+
+def _human(n: float, unit: str = "") -> str:
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "-"
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{suffix}{unit}"
+    return f"{n:.0f}{unit}"
+
+
+@dataclass
+class TraceSummary:
+    """Per-layer and total FLOPs and bytes of a traced model, split by T/P/E kind."""
+
+    stats: GraphStats
+    per_layer: dict[int, dict[str, dict[str, int]]]
+    activation_bytes: int
+    param_count: int
+
+    def total(self, kind: str, what: str) -> int:
+        return sum(layer.get(kind, {}).get(what, 0) for layer in self.per_layer.values())
+
+    def __str__(self) -> str:
+        lines = [f"summary for {self.stats}"]
+        head = f"{'layer':>5}  {'T FLOPs':>10} {'P FLOPs':>10} {'E FLOPs':>10}  {'T bytes':>10} {'P bytes':>10} {'E bytes':>10}  {'saved':>10}"
+        lines.append(head)
+        for layer in sorted(self.per_layer):
+            d = self.per_layer[layer]
+            g = lambda k, w: d.get(k, {}).get(w, 0)  # noqa: E731
+            lines.append(
+                f"{layer:>5}  {_human(g('T', 'flops')):>10} {_human(g('P', 'flops')):>10} {_human(g('E', 'flops')):>10}  "
+                f"{_human(g('T', 'bytes'), 'B'):>10} {_human(g('P', 'bytes'), 'B'):>10} {_human(g('E', 'bytes'), 'B'):>10}  "
+                f"{_human(sum(g(k, 'saved') for k in ('T', 'P', 'E')), 'B'):>10}"
+            )
+        lines.append(
+            f"{'total':>5}  {_human(self.total('T', 'flops')):>10} {_human(self.total('P', 'flops')):>10} "
+            f"{_human(self.total('E', 'flops')):>10}  {_human(self.total('T', 'bytes'), 'B'):>10} "
+            f"{_human(self.total('P', 'bytes'), 'B'):>10} {_human(self.total('E', 'bytes'), 'B'):>10}  "
+            f"{_human(self.activation_bytes, 'B'):>10}"
+        )
+        lines.append(f"parameters: {self.param_count:,}; activation memory saved for backward: "
+                     f"{_human(self.activation_bytes, 'B')}")
+        return "\n".join(lines)
+
+
+class TPGraph(torch.fx.GraphModule):
+    """An fx ``GraphModule`` whose nodes carry :class:`TPInfo` in ``node.meta["tp"]``.
+
+    Construct it with :func:`gnncompile.trace`. ``stats`` is the :class:`GraphStats` its numbers are
+    evaluated for; :meth:`bind` returns the same graph evaluated for other statistics (the linear
+    forms do not change).
+    """
+
+    stats: GraphStats
+
+    def __init__(self, root: torch.nn.Module | dict, graph: torch.fx.Graph, stats: GraphStats,
+                 class_name: str = "TPGraph") -> None:
+        super().__init__(root, graph, class_name)
+        self.stats = stats
+
+    # ------------------------------------------------------------------ access
+    def info(self, node: torch.fx.Node) -> TPInfo:
+        return node.meta["tp"]
+
+    def value(self, lin: Optional[Lin]) -> int:
+        """Evaluate a linear form for this graph's statistics."""
+        return 0 if lin is None else lin(self.stats.num_nodes, self.stats.num_edges)
+
+    def ops(self, kinds: Iterable[str] = ("T", "P", "E")) -> list[torch.fx.Node]:
+        ks = set(kinds)
+        return [n for n in self.graph.nodes if "tp" in n.meta and n.meta["tp"].kind in ks]
+
+    def bind(self, stats: GraphStats) -> "TPGraph":
+        """A copy evaluated for ``stats`` (same code and annotations)."""
+        import copy
+
+        new = copy.deepcopy(self)
+        new.stats = stats
+        return new
+
+    @property
+    def num_layers(self) -> int:
+        return max((n.meta["tp"].layer for n in self.ops(("P",))), default=0)
+
+    # ------------------------------------------------------------------ inspection
+    def table(self) -> str:
+        """The per-op table that ``print(tp)`` shows."""
+        rows = [("op", "kind", "layer", "rows", "dims", "FLOPs", "bytes r+w", "saved", "params")]
+        for n in self.graph.nodes:
+            t: Optional[TPInfo] = n.meta.get("tp")
+            if t is None:
+                rows.append((n.name, "?", "", "", "", "", "", "", ""))
+                continue
+            rows_s = "-" if t.rows is None else f"{t.rows.space if t.rows.space not in ('?', '1') else t.rows}"
+            if t.rows is not None and t.rows.space in ("V", "E", "E+V"):
+                rows_s = f"{t.rows.space}={_human(self.value(t.rows))}"
+            dims = "x".join(str(d) for d in t.dims) if t.dims else "-"
+            rows.append((
+                f"{n.name}{'*' if t.recompute else ''}", t.kind, str(t.layer) if t.kind in ("T", "P", "E") else "",
+                rows_s, dims, _human(self.value(t.flops)) if t.kind in ("T", "P", "E") else "",
+                _human(self.value(t.bytes_read) + self.value(t.bytes_written), "B") if t.kind in ("T", "P", "E") else "",
+                _human(self.value(t.saved_bytes), "B") if t.kind in ("T", "P", "E") else "",
+                f"{t.params:,}" if t.params else "",
+            ))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        out = [f"TPGraph for {self.stats}"]
+        for i, r in enumerate(rows):
+            out.append("  ".join(c.ljust(w) if j < 3 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
+            if i == 0:
+                out.append("  ".join("-" * w for w in widths))
+        if any(n.meta.get("tp") is not None and n.meta["tp"].recompute for n in self.graph.nodes):
+            out.append("* recomputed in backward instead of saved")
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def summary(self) -> TraceSummary:
+        """Per-layer and total T/P/E FLOPs, bytes, and activation memory saved for backward."""
+        per: dict[int, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
+        saved = 0
+        params = 0
+        for n in self.graph.nodes:
+            t = n.meta.get("tp")
+            if t is None:
+                continue
+            params += t.params
+            if t.kind not in ("T", "P", "E"):
+                continue
+            d = per[t.layer][t.kind]
+            d["flops"] += self.value(t.flops)
+            d["bytes"] += self.value(t.bytes_read) + self.value(t.bytes_written)
+            s = 0 if t.recompute else self.value(t.saved_bytes)
+            d["saved"] += s
+            saved += s
+        plain = {k: {kk: dict(vv) for kk, vv in v.items()} for k, v in per.items()}
+        return TraceSummary(self.stats, plain, saved, params)
+
+    def to_dot(self) -> str:
+        """Graphviz DOT text: T ops as boxes, P ops as blue ellipses, E ops as orange diamonds."""
+        style = {
+            "T": 'shape=box, style=filled, fillcolor="#e8e8e8"',
+            "P": 'shape=ellipse, style=filled, fillcolor="#9ecae1"',
+            "E": 'shape=diamond, style=filled, fillcolor="#fdae6b"',
+            "input": "shape=invhouse",
+            "param": 'shape=note, fontcolor="#666666"',
+            "output": "shape=house",
+        }
+        lines = ["digraph TPGraph {", "  rankdir=TB;", '  node [fontname="Helvetica", fontsize=10];']
+        for n in self.graph.nodes:
+            t = n.meta.get("tp")
+            kind = t.kind if t else "T"
+            label = n.name if t is None else f"{n.name}\\n{kind} L{t.layer} {t.space} {'x'.join(map(str, t.dims))}"
+            lines.append(f'  "{n.name}" [label="{label}", {style.get(kind, "")}];')
+        for n in self.graph.nodes:
+            for inp in n.all_input_nodes:
+                lines.append(f'  "{inp.name}" -> "{n.name}";')
+        lines.append("}")
+        return "\n".join(lines)
