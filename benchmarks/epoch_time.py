@@ -1,0 +1,198 @@
+#!/usr/bin/env python
+"""Per-epoch training time (forward + backward + Adam) of gnncompile vs PyG, same machine, same run.
+
+Models: 2-layer GCN (hidden 256), 2-layer GraphSAGE-mean (hidden 256), 2-layer GAT (4 heads x 64).
+Graphs: Cora, coauthor_physics (sparse bag-of-words features, fed to every system as the same
+torch sparse CSR tensor), and an R-MAT graph with 100k vertices / ~2M edges (128 random features).
+Systems: gnncompile (default kernel backend), PyG with ``edge_index``, PyG with a CSR ``adj_t``
+(``torch.sparse_csr_tensor``; PyG's fastest path without torch_sparse).
+
+Every (system, model, graph) cell runs in its own subprocess so allocator state does not leak
+between cells; each cell is run twice: with the default allocator and with the glibc settings
+that PERF_NOTES.md recommends for fresh large allocations (``MALLOC_MMAP_THRESHOLD_`` /
+``MALLOC_TRIM_THRESHOLD_``; ``THP_MEM_ALLOC_ENABLE=1``). The time of a cell is the median of
+``--epochs`` timed epochs after ``--warmup`` untimed ones. The ratio column is
+gnncompile / best PyG variant under the same allocator setting (< 1 means gnncompile is faster).
+
+Usage::
+
+    python benchmarks/epoch_time.py                      # everything (~15-25 min on 2 cores)
+    python benchmarks/epoch_time.py --graphs cora --models gcn --epochs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from _results import update_section  # noqa: E402
+
+GRAPHS = ("cora", "coauthor_physics", "rmat")
+MODELS = ("gcn", "sage", "gat")
+SYSTEMS = ("gnncompile", "pyg-edge_index", "pyg-csr")
+ALLOC_ENV = {
+    "default": {},
+    "tuned": {"MALLOC_MMAP_THRESHOLD_": "17179869184", "MALLOC_TRIM_THRESHOLD_": "17179869184",
+              "THP_MEM_ALLOC_ENABLE": "1"},
+}
+
+
+# --------------------------------------------------------------------------- one cell (subprocess)
+def _load(name: str):
+    import gnncompile as gc
+
+    if name == "rmat":
+        return gc.datasets.synthetic("rmat", num_nodes=100_000, num_edges=2_000_000, num_features=128,
+                                     num_classes=16, seed=0)
+    return gc.datasets.load(name)
+
+
+def _pyg_model(kind: str, fin: int, fout: int):
+    import torch
+    import torch.nn.functional as F
+    from torch_geometric.nn import GATConv, GCNConv, SAGEConv
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            if kind == "gcn":
+                self.c1, self.c2 = GCNConv(fin, 256, cached=True), GCNConv(256, fout, cached=True)
+            elif kind == "sage":
+                self.c1, self.c2 = SAGEConv(fin, 256), SAGEConv(256, fout)
+            else:
+                self.c1, self.c2 = GATConv(fin, 64, heads=4), GATConv(256, fout, heads=1)
+
+        def forward(self, x, adj):
+            x = F.dropout(x, 0.5, self.training) if x.layout == torch.strided else x
+            x = self.c1(x, adj)
+            x = F.elu(x) if kind == "gat" else F.relu(x)
+            x = F.dropout(x, 0.5, self.training)
+            return self.c2(x, adj)
+
+    return Net()
+
+
+def run_cell(system: str, model: str, graph: str, epochs: int, warmup: int, threads: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    g = _load(graph)
+    x, y, mask = g.x, g.y, g.train_mask
+    if system == "gnncompile":
+        import gnncompile as gc
+
+        if model == "gat":
+            net = gc.nn.GAT(g.num_features, 64, g.num_classes, num_layers=2, heads=4, dropout=0.5)
+        else:
+            net = gc.nn.build_model(model, g.num_features, 256, g.num_classes, num_layers=2, dropout=0.5)
+        fwd = lambda: net(g, x)  # noqa: E731
+    else:
+        net = _pyg_model(model, g.num_features, g.num_classes)
+        ei = torch.stack([g.indices, g.dst])
+        if system == "pyg-csr":
+            # adj_t[dst, src]: exactly the in-edge CSR gnncompile keeps.
+            adj = torch.sparse_csr_tensor(g.indptr, g.indices, torch.ones(g.num_edges), size=(g.num_nodes,) * 2)
+        else:
+            adj = ei
+        fwd = lambda: net(x, adj)  # noqa: E731
+    opt = torch.optim.Adam(net.parameters(), lr=0.01, weight_decay=5e-4)
+    net.train()
+    times = []
+    for i in range(warmup + epochs):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(fwd()[mask], y[mask])
+        loss.backward()
+        opt.step()
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(dt)
+    times.sort()
+    return {"median_s": times[len(times) // 2], "min_s": times[0], "epochs": epochs}
+
+
+# --------------------------------------------------------------------------- driver
+def _spawn(system: str, model: str, graph: str, alloc: str, args: argparse.Namespace) -> dict:
+    env = dict(os.environ, **ALLOC_ENV[alloc])
+    cmd = [sys.executable, __file__, "--cell", system, model, graph, "--epochs", str(args.epochs),
+           "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {args.timeout}s"}
+    if out.returncode != 0:
+        err = (out.stderr.strip().splitlines() or ["?"])[-1]
+        return {"error": err[:120]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--graphs", nargs="+", default=list(GRAPHS), choices=GRAPHS)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--alloc", nargs="+", default=list(ALLOC_ENV), choices=list(ALLOC_ENV))
+    p.add_argument("--epochs", type=int, default=5, help="timed epochs per cell")
+    p.add_argument("--warmup", type=int, default=2, help="untimed epochs per cell")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    p.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    p.add_argument("--cell", nargs=3, metavar=("SYSTEM", "MODEL", "GRAPH"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.cell:
+        print(json.dumps(run_cell(*args.cell, args.epochs, args.warmup, args.threads)))
+        return
+
+    rows = []
+    for graph in args.graphs:
+        for model in args.models:
+            for alloc in args.alloc:
+                res = {s: _spawn(s, model, graph, alloc, args) for s in args.systems}
+                ours = res.get("gnncompile", {}).get("median_s")
+                pyg = [r["median_s"] for s, r in res.items() if s != "gnncompile" and "median_s" in r]
+                ratio = ours / min(pyg) if ours and pyg else float("nan")
+                row = (graph, model, alloc, res, ratio)
+                rows.append(row)
+                cells = "  ".join(
+                    f"{s}={r['median_s'] * 1e3:8.1f}ms" if "median_s" in r else f"{s}=ERR({r['error']})"
+                    for s, r in res.items()
+                )
+                print(f"{graph:17s} {model:5s} {alloc:8s} {cells}  ratio={ratio:.2f}", flush=True)
+
+    header = "| graph | model | allocator | " + " | ".join(f"{s} (ms)" for s in args.systems) + " | ratio ours/best PyG |"
+    lines = [header, "|" + "---|" * (4 + len(args.systems))]
+    for graph, model, alloc, res, ratio in rows:
+        cells = " | ".join(f"{res[s]['median_s'] * 1e3:.1f}" if "median_s" in res[s] else f"error: {res[s]['error']}"
+                           for s in args.systems)
+        lines.append(f"| {graph} | {model} | {alloc} | {cells} | {ratio:.2f} |")
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    body = (
+        f"Machine: {cpu}, {os.cpu_count()} cores, torch threads {args.threads}. Date: {time.strftime('%Y-%m-%d')}.\n"
+        f"Command: `python benchmarks/epoch_time.py {' '.join(sys.argv[1:])}`\n\n"
+        f"Median of {args.epochs} epochs after {args.warmup} warm-up epochs; each cell in a fresh process. "
+        "Models: GCN and GraphSAGE-mean with hidden 256, GAT with 4 heads x 64, all 2 layers, dropout 0.5.\n"
+        "`tuned` = glibc MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ raised and THP_MEM_ALLOC_ENABLE=1.\n\n"
+        + "\n".join(lines) + "\n"
+    )
+    update_section(Path(args.out), "Epoch time vs PyG", body)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The ``gnncompile`` command line.
+
+``gnncompile train``     train a model on one device (the reference loop) and report accuracy/time
+``gnncompile datasets``  list the datasets found locally, with their sizes
+
+Errors print one line (``gnncompile: error: ...``) and exit with status 1; usage errors exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+from .errors import GnnCompileError
+
+SYNTHETIC_DEFAULTS = dict(num_nodes=20_000, avg_degree=20, num_features=128, num_classes=8)
+
+
+def _load_graph(args: argparse.Namespace):
+    from . import datasets
+
+    if args.dataset in datasets.SYNTHETIC_KINDS:
+        kw = dict(SYNTHETIC_DEFAULTS)
+        for key in ("num_nodes", "avg_degree", "num_features", "num_classes"):
+            value = getattr(args, key, None)
+            if value is not None:
+                kw[key] = value
+        return datasets.synthetic(args.dataset, seed=args.seed, **kw)
+    return datasets.load(args.dataset)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import nn
+    from .runtime import kernels
+    from .runtime.trainer import train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.backend:
+        kernels.set_default_backend(args.backend)
+    console = Console(stderr=False)
+    graph = _load_graph(args)
+    if graph.x is None or graph.y is None:
+        raise GnnCompileError(f"dataset {graph.name!r} has no features or labels; pick a node-classification dataset")
+    torch.manual_seed(args.seed)
+    extra = {}
+    if args.heads is not None:
+        extra["heads"] = args.heads
+    model = nn.build_model(
+        args.model, graph.num_features, args.hidden, graph.num_classes,
+        num_layers=args.layers, dropout=args.dropout, **extra,
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    console.print(f"[bold]{graph}[/bold]")
+    console.print(f"model {args.model}: {n_params:,} parameters; kernel backend {kernels.default_backend()}")
+    hist = train(model, graph, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
+                 seed=args.seed, verbose=None if not args.quiet else False)
+    table = Table(title=f"{args.model} on {graph.name}, {args.epochs} epochs")
+    for col in ("final loss", "best val acc", "test acc @ best val", "final test acc",
+                "epoch time (median)", "total train time"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        f"{hist.loss[-1]:.4f}" if hist.loss else "-",
+        f"{hist.best_val_acc:.4f}",
+        f"{hist.test_acc_at_best_val:.4f}",
+        f"{hist.final_test_acc:.4f}",
+        f"{hist.median_epoch_time() * 1e3:.1f} ms",
+        f"{sum(hist.epoch_time):.2f} s",
+    )
+    console.print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"dataset": graph.name, "model": args.model, "params": n_params, **hist.to_dict(),
+                       "test_acc_at_best_val": hist.test_acc_at_best_val}, f, indent=1)
+    return 0
+
+
+def _cmd_datasets(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import datasets
+
+    infos = datasets.list()
+    if args.json:
+        print(json.dumps([{k: (str(v) if k == "path" else v) for k, v in vars(i).items()} for i in infos], indent=1))
+        return 0
+    table = Table(title="datasets")
+    for col in ("name", "nodes", "edges (stored)", "symmetric", "features", "classes", "path"):
+        table.add_column(col, justify="right" if col in ("nodes", "edges (stored)", "features", "classes") else "left")
+    for i in infos:
+        feats = "-" if not i.num_features else f"{i.num_features:,}" + (" (sparse)" if i.sparse_features else "")
+        table.add_row(i.name, f"{i.num_nodes:,}", f"{i.num_edges:,}", "yes" if i.symmetric else "no", feats,
+                      str(i.num_classes or "-"), str(i.path))
+    Console().print(table)
+    print(f"synthetic (built in): {', '.join(datasets.SYNTHETIC_KINDS)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .nn import MODELS
+
+    parser = argparse.ArgumentParser(prog="gnncompile", description="Plan and run parallel GNN training.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    t = sub.add_parser("train", help="train a model on one device (the reference loop)",
+                       description="Full-graph training on one device with Adam; prints accuracy and epoch time.")
+    t.add_argument("--dataset", default="sbm",
+                   help="dataset name or path, or a synthetic kind (sbm, rmat, er); default: sbm")
+    t.add_argument("--model", default="gcn", choices=sorted(MODELS), help="model (default: gcn)")
+    t.add_argument("--epochs", type=int, default=200, help="training epochs (default: 200)")
+    t.add_argument("--hidden", type=int, default=64, help="hidden width (per head for gat; default: 64)")
+    t.add_argument("--layers", type=int, default=2, help="number of layers (default: 2)")
+    t.add_argument("--heads", type=int, default=None, help="attention heads (gat only)")
+    t.add_argument("--dropout", type=float, default=0.5, help="dropout probability (default: 0.5)")
+    t.add_argument("--lr", type=float, default=0.01, help="Adam learning rate (default: 0.01)")
+    t.add_argument("--weight-decay", type=float, default=5e-4, help="Adam weight decay (default: 5e-4)")
+    t.add_argument("--seed", type=int, default=0, help="seed for weights, dropout and synthetic graphs")
+    t.add_argument("--backend", default=None, help="sparse kernel backend (native, torch, scipy, cupy)")
+    t.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    t.add_argument("--num-nodes", type=int, default=None, help="synthetic graphs: number of vertices")
+    t.add_argument("--avg-degree", type=float, default=None, help="synthetic graphs: average degree")
+    t.add_argument("--num-features", type=int, default=None, help="synthetic graphs: feature dimension")
+    t.add_argument("--num-classes", type=int, default=None, help="synthetic graphs: number of classes")
+    t.add_argument("--json", default=None, metavar="PATH", help="also write the history as JSON to PATH")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=_cmd_train)
+
+    d = sub.add_parser("datasets", help="list available datasets", description="List the datasets found locally.")
+    d.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    d.set_defaults(func=_cmd_datasets)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (GnnCompileError, ValueError, FileNotFoundError) as exc:
+        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+        msg = "; ".join(lines) if lines else type(exc).__name__
+        print(f"gnncompile: error: {msg}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("gnncompile: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
