@@ -299,8 +299,6 @@ class _SegmentMax(torch.autograd.Function):
 
 def _segment(g: Graph, t: torch.Tensor, reduce: str) -> torch.Tensor:
     """Reduce edge rows into destination rows; empty segments give 0."""
-    if g.num_edges == 0:
-        return t.new_zeros((g.num_nodes,) + tuple(t.shape[1:]))
     if reduce == "max":
         return _SegmentMax.apply(g, t)
     out = torch.segment_reduce(t, "sum", offsets=g.indptr, axis=0)

@@ -9,8 +9,10 @@ Two products cover every P op and the backward of every P op:
 
 Backends
 --------
-``native``  C++/OpenMP kernel compiled on first use (``csrc/spmm.cpp``): edge-balanced row blocks,
-            fixed-width register accumulation, int32 indices, prefetching. CPU, float32/float64.
+``native``  C++/OpenMP kernel compiled on first use (``csrc/spmm.cpp``): edge-balanced row blocks
+            scheduled dynamically, whole-row register accumulation (all heads of a row at once),
+            int32 indices, cross-row prefetching, huge pages for large outputs. CPU,
+            float32/float64; deterministic whatever the thread count.
 ``torch``   ``torch.sparse.mm`` on a CSR tensor (MKL on CPU, cuSPARSE on CUDA).
 ``scipy``   ``scipy.sparse.csr_matrix @ ndarray`` (single-threaded; CPU).
 ``cupy``    ``cupyx.scipy.sparse`` (cuSPARSE) on CUDA tensors, zero copy through DLPack.
@@ -24,6 +26,7 @@ transposed CSR that :class:`~gnncompile.graph.Graph` caches.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -70,6 +73,11 @@ class CSR:
 
 
 # --------------------------------------------------------------------------- helpers
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as ``[rows, prod(trailing dims)]`` (well defined for zero rows too)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))
+
+
 def _split_heads(values: Optional[torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:
     """Return ``(x2d, heads, out_shape_tail)`` with ``x2d`` contiguous ``[N, H*C]``."""
     if values is not None and values.dim() == 2 and values.shape[1] > 1:
@@ -81,7 +89,7 @@ def _split_heads(values: Optional[torch.Tensor], x: torch.Tensor) -> tuple[torch
     else:
         heads = 1
     tail = tuple(x.shape[1:])
-    return x.reshape(x.shape[0], -1).contiguous(), heads, tail
+    return _as_rows(x).contiguous(), heads, tail
 
 
 def _check(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor) -> None:
@@ -110,8 +118,12 @@ def _load_native() -> Any:
         from torch.utils.cpp_extension import load
 
         src = os.path.join(os.path.dirname(__file__), "csrc", "spmm.cpp")
-        flags = ["-O3", "-march=native", "-fno-math-errno"]
-        _native_module = load("gnncompile_native_v1", [src], extra_cflags=flags, verbose=False)
+        # -fopenmp: without it ATen's parallel_for (inlined from its headers) and the kernels' simd
+        # pragmas compile to serial code. The extension then links against the libgomp that torch
+        # has already loaded (same soname), so torch.set_num_threads governs both.
+        flags = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+        _native_module = load("gnncompile_native_v2", [src], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                              verbose=False)
     except Exception as exc:  # compiler missing, ninja missing, ...
         _native_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         raise KernelError(f"native backend unavailable: {_native_error}") from exc
@@ -136,8 +148,8 @@ def _spmm_native(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor) -> t
 
 def _sddmm_native(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> torch.Tensor:
     mod = _load_native()
-    a2 = a.reshape(a.shape[0], -1).contiguous()
-    b2 = b.reshape(b.shape[0], -1).contiguous()
+    a2 = _as_rows(a).contiguous()
+    b2 = _as_rows(b).contiguous()
     return mod.sddmm(csr.indptr, _native_index(csr), a2, b2, heads)
 
 
@@ -171,8 +183,9 @@ def _spmm_torch(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor) -> to
 
 def _sddmm_gather(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> torch.Tensor:
     """Reference SDDMM by gathering both endpoints, in edge blocks to bound memory."""
-    a3 = a.reshape(a.shape[0], heads, -1)
-    b3 = b.reshape(b.shape[0], heads, -1)
+    width = math.prod(a.shape[1:]) // heads
+    a3 = a.reshape(a.shape[0], heads, width)
+    b3 = b.reshape(b.shape[0], heads, width)
     rows = csr.cached("rows", lambda: torch.repeat_interleave(
         torch.arange(csr.num_rows, device=csr.indptr.device), csr.indptr[1:] - csr.indptr[:-1]))
     out = torch.empty(csr.nnz, heads, dtype=a.dtype, device=a.device)
@@ -325,5 +338,13 @@ def sddmm(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int = 1, backend: O
         raise KernelError(
             f"sddmm: a has {a.shape[0]} rows (need {csr.num_rows}), b has {b.shape[0]} (need {csr.num_cols})"
         )
+    width_a, width_b = math.prod(a.shape[1:]), math.prod(b.shape[1:])
+    if heads < 1 or width_a != width_b or width_a % heads:
+        raise KernelError(
+            f"sddmm: a and b need equal feature sizes divisible by heads={heads}; "
+            f"got {list(a.shape)} and {list(b.shape)}"
+        )
+    if a.dtype != b.dtype:
+        raise KernelError(f"sddmm: a dtype {a.dtype} differs from b dtype {b.dtype}")
     name = _validate_name(backend) if backend else default_backend(a.device)
     return BACKENDS[name][1](csr, a, b, heads)

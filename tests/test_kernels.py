@@ -1,0 +1,390 @@
+"""Sparse kernel backends (`gnncompile.runtime.kernels`): every backend against the torch backend.
+
+The torch backend (``torch.sparse.mm``) is itself checked against a dense product first; the other
+backends are then compared with it on random CSR matrices with empty rows, duplicate entries,
+rectangular shapes, matrices without columns and features without columns, in float32 and float64,
+with one head and with several.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Iterator, Optional
+
+import numpy as np
+import pytest
+import torch
+
+from gnncompile import KernelError
+from gnncompile.runtime import kernels
+from gnncompile.runtime.kernels import CSR
+
+CPU_BACKENDS = ("native", "torch", "scipy")
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
+
+
+def random_csr(rows: int, cols: int, avg_nnz: float, seed: int, hub: bool = False) -> CSR:
+    """A random CSR with sorted, possibly repeated column ids per row; about 1/3 of rows are empty.
+
+    ``hub`` gives row 0 a large share of the entries (power-law-like load imbalance).
+    """
+    rng = np.random.default_rng(seed)
+    counts = rng.poisson(avg_nnz * 1.5, size=rows) * (rng.random(rows) < 2 / 3) if cols else np.zeros(rows, int)
+    if hub and rows and cols:
+        counts[0] = int(avg_nnz * rows // 4) + 1
+    indptr = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    indices = np.concatenate(
+        [np.sort(rng.integers(0, cols, size=c)) for c in counts] + [np.zeros(0, dtype=np.int64)]
+    ).astype(np.int64)
+    return CSR(torch.from_numpy(indptr), torch.from_numpy(indices), rows, cols)
+
+
+def dense(csr: CSR, values: torch.Tensor) -> torch.Tensor:
+    """``[rows, cols(, H)]`` dense matrix with duplicates summed."""
+    rows = torch.repeat_interleave(torch.arange(csr.num_rows), csr.indptr[1:] - csr.indptr[:-1])
+    a = torch.zeros((csr.num_rows, csr.num_cols) + tuple(values.shape[1:]), dtype=values.dtype)
+    return a.index_put_((rows, csr.indices), values, accumulate=True)
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Seeded standard normal tensor."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each CPU kernel backend (``native`` is skipped where the extension cannot be built)."""
+    if request.param not in kernels.available_backends("cpu"):
+        pytest.skip(f"backend {request.param!r} unavailable here")
+    return request.param
+
+
+@pytest.fixture
+def restore_default() -> Iterator[None]:
+    """Restore the process-wide default backend after the test."""
+    saved = kernels._default_override
+    yield
+    kernels._default_override = saved
+
+
+# (rows, cols, avg nnz per row, feature shape after the rows, heads of the edge values)
+SHAPES = {
+    "square": (60, 60, 4.0, (16,), 1),
+    "rect_odd_width": (37, 23, 3.0, (5,), 1),
+    "wide": (40, 50, 3.0, (100,), 1),  # more than one register tile (64) per row
+    "width_32": (30, 30, 6.0, (32,), 1),
+    "width_64": (30, 30, 6.0, (64,), 1),
+    "d256": (30, 30, 6.0, (256,), 1),
+    "width_1": (30, 30, 6.0, (1,), 1),
+    "vector_heads_1d": (30, 30, 3.0, (3, 4), 1),  # [N, H, C] features, one weight per edge
+    "heads_8x8": (50, 50, 5.0, (8, 8), 8),
+    "heads_3x5": (31, 17, 3.0, (3, 5), 3),
+    "heads_2x1": (20, 20, 3.0, (2, 1), 2),
+    "heads_4x16": (40, 30, 4.0, (4, 16), 4),
+    "heads_2x300": (20, 25, 3.0, (2, 300), 2),  # a head wider than the register window
+    "empty_rows": (50, 50, 0.2, (16,), 1),
+    "no_columns": (12, 0, 3.0, (8,), 1),
+    "no_rows": (0, 9, 3.0, (8,), 1),
+    "zero_features": (20, 20, 3.0, (0,), 1),
+    "zero_features_heads": (20, 20, 3.0, (2, 0), 2),
+    "hub": (400, 300, 3.0, (24,), 1),
+}
+
+
+def values_for(csr: CSR, kind: str, heads: int, dtype: torch.dtype, seed: int) -> Optional[torch.Tensor]:
+    """Edge values: ``None`` (unweighted), ``[E]`` (weighted), ``[E, 1]`` (column) or ``[E, heads]``."""
+    if kind == "unweighted":
+        return None
+    if heads > 1:
+        return randn(csr.nnz, heads, dtype=dtype, seed=seed)
+    return randn(csr.nnz, dtype=dtype, seed=seed) if kind == "weighted" else randn(csr.nnz, 1, dtype=dtype, seed=seed)
+
+
+# --------------------------------------------------------------------------- spmm
+# multi-head shapes need [E, H] weights; one-head shapes take none, [E] or [E, 1]
+SPMM_CASES = [(shape, weights) for shape, spec in SHAPES.items()
+              for weights in (("weighted",) if spec[4] > 1 else ("unweighted", "weighted", "column"))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("shape,weights", SPMM_CASES)
+def test_spmm_matches_torch_backend(backend: str, shape: str, weights: str, dtype: torch.dtype) -> None:
+    rows, cols, nnz, feat, heads = SHAPES[shape]
+    csr = random_csr(rows, cols, nnz, seed=len(shape), hub=shape == "hub")
+    x = randn(cols, *feat, dtype=dtype, seed=1)
+    values = values_for(csr, weights, heads, dtype, seed=2)
+    out = kernels.spmm(csr, values, x, backend=backend)
+    expected = kernels.spmm(csr, values, x, backend="torch")
+    assert out.shape == (rows,) + feat and out.dtype == dtype
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("heads", [1, 4])
+def test_torch_backend_matches_dense_product(heads: int) -> None:
+    csr = random_csr(45, 33, 4.0, seed=3)
+    x = randn(33, heads, 6, dtype=torch.float64, seed=4)
+    w = randn(csr.nnz, heads, dtype=torch.float64, seed=5)
+    expected = torch.einsum("rch,chd->rhd", dense(csr, w), x)
+    if heads == 1:
+        w, x, expected = w[:, 0], x[:, 0], expected[:, 0]
+    torch.testing.assert_close(kernels.spmm(csr, w, x, backend="torch"), expected)
+    ones = torch.ones(csr.nnz, dtype=torch.float64)
+    torch.testing.assert_close(kernels.spmm(csr, None, x, backend="torch"),
+                               torch.einsum("rc,c...->r...", dense(csr, ones), x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_spmm_large_power_law_matrix(backend: str, dtype: torch.dtype) -> None:
+    """Thousands of rows with a hub: exercises the edge-balanced row blocks of the parallel loop."""
+    csr = random_csr(6000, 6000, 8.0, seed=11, hub=True)
+    x = randn(6000, 48, dtype=dtype, seed=12)
+    w = randn(csr.nnz, dtype=dtype, seed=13)
+    expected = kernels.spmm(csr, w, x, backend="torch")
+    torch.testing.assert_close(kernels.spmm(csr, w, x, backend=backend), expected, **TOL[dtype])
+
+
+def test_spmm_output_above_huge_page_threshold(backend: str) -> None:
+    """A >= 32 MiB output takes the native backend's huge-page path; values must not change."""
+    csr = random_csr(33_000, 2_000, 1.0, seed=14)
+    x = randn(2_000, 256, dtype=torch.float32, seed=15)
+    w = randn(csr.nnz, dtype=torch.float32, seed=16)
+    out = kernels.spmm(csr, w, x, backend=backend)
+    assert out.numel() * 4 >= 32 << 20
+    torch.testing.assert_close(out, kernels.spmm(csr, w, x, backend="torch"), **TOL[torch.float32])
+
+
+def test_native_feature_tiles_give_identical_results() -> None:
+    if "native" not in kernels.available_backends("cpu"):
+        pytest.skip("native backend unavailable here")
+    mod = kernels._load_native()
+    csr = random_csr(500, 400, 6.0, seed=17, hub=True)
+    idx = kernels._native_index(csr)
+    for heads, width in ((1, 200), (4, 48), (8, 8)):
+        x = randn(400, heads * width, dtype=torch.float32, seed=18)
+        w = randn(csr.nnz, heads, dtype=torch.float32, seed=19)
+        w = w[:, 0].contiguous() if heads == 1 else w
+        whole = mod.spmm(csr.indptr, idx, w, x, heads, 0)
+        for tile in (1, 16, 64, 1000):
+            assert torch.equal(mod.spmm(csr.indptr, idx, w, x, heads, tile), whole), (heads, width, tile)
+
+
+def test_native_spmm_is_deterministic() -> None:
+    if "native" not in kernels.available_backends("cpu"):
+        pytest.skip("native backend unavailable here")
+    csr = random_csr(5000, 5000, 10.0, seed=21, hub=True)
+    x = randn(5000, 40, dtype=torch.float32, seed=22)
+    w = randn(csr.nnz, dtype=torch.float32, seed=23)
+    first = kernels.spmm(csr, w, x, backend="native")
+    for threads in (1, 2, torch.get_num_threads()):
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            assert torch.equal(kernels.spmm(csr, w, x, backend="native"), first)
+        finally:
+            torch.set_num_threads(saved)
+
+
+# --------------------------------------------------------------------------- sddmm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize(
+    "rows,cols,nnz,heads,width",
+    [(60, 60, 4.0, 1, 16), (37, 23, 3.0, 1, 7), (50, 50, 5.0, 8, 64), (31, 17, 3.0, 3, 15), (50, 50, 0.2, 2, 4),
+     (12, 0, 3.0, 1, 8), (0, 9, 3.0, 1, 8), (20, 20, 3.0, 2, 0), (400, 300, 3.0, 4, 256)],
+)
+def test_sddmm_matches_torch_backend(backend: str, rows: int, cols: int, nnz: float, heads: int, width: int,
+                                     dtype: torch.dtype) -> None:
+    csr = random_csr(rows, cols, nnz, seed=rows + width, hub=rows > 100)
+    a = randn(rows, width, dtype=dtype, seed=1)
+    b = randn(cols, width, dtype=dtype, seed=2)
+    out = kernels.sddmm(csr, a, b, heads, backend=backend)
+    assert out.shape == (csr.nnz, heads) and out.dtype == dtype
+    torch.testing.assert_close(out, kernels.sddmm(csr, a, b, heads, backend="torch"), **TOL[dtype])
+
+
+def test_sddmm_accepts_head_shaped_inputs(backend: str) -> None:
+    csr = random_csr(25, 25, 4.0, seed=6)
+    a = randn(25, 4, 3, dtype=torch.float64, seed=7)
+    b = randn(25, 4, 3, dtype=torch.float64, seed=8)
+    rows = torch.repeat_interleave(torch.arange(25), csr.indptr[1:] - csr.indptr[:-1])
+    expected = (a[rows] * b[csr.indices]).sum(-1)
+    torch.testing.assert_close(kernels.sddmm(csr, a, b, 4, backend=backend), expected)
+
+
+# --------------------------------------------------------------------------- native index paths
+def test_native_int32_and_int64_indices_agree() -> None:
+    if "native" not in kernels.available_backends("cpu"):
+        pytest.skip("native backend unavailable here")
+    mod = kernels._load_native()
+    csr = random_csr(300, 200, 5.0, seed=31, hub=True)
+    assert kernels._native_index(csr).dtype == torch.int32  # what the backend passes
+    idx32, idx64 = csr.indices.to(torch.int32), csr.indices
+    for heads, feat in ((1, 16), (1, 70), (4, 24)):
+        x = randn(200, feat, dtype=torch.float32, seed=heads)
+        w = randn(csr.nnz, heads, dtype=torch.float32, seed=feat).contiguous()
+        w = w[:, 0].contiguous() if heads == 1 else w
+        out32 = mod.spmm(csr.indptr, idx32, w, x, heads, 0)
+        out64 = mod.spmm(csr.indptr, idx64, w, x, heads, 0)
+        assert torch.equal(out32, out64)
+        assert torch.equal(mod.spmm(csr.indptr, idx32, None, x, heads, 0),
+                           mod.spmm(csr.indptr, idx64, None, x, heads, 0))
+        a = randn(300, feat, dtype=torch.float32, seed=5)
+        assert torch.equal(mod.sddmm(csr.indptr, idx32, a, x, heads), mod.sddmm(csr.indptr, idx64, a, x, heads))
+        expected = kernels.spmm(csr, w, x.reshape(200, heads, -1) if heads > 1 else x, backend="torch")
+        torch.testing.assert_close(out32.reshape(expected.shape), expected, rtol=2e-5, atol=2e-5)
+
+
+def test_native_rejects_malformed_arguments() -> None:
+    if "native" not in kernels.available_backends("cpu"):
+        pytest.skip("native backend unavailable here")
+    mod = kernels._load_native()
+    csr = random_csr(10, 10, 3.0, seed=41)
+    x = torch.randn(10, 4)
+    with pytest.raises(RuntimeError, match="E \\* heads"):
+        mod.spmm(csr.indptr, csr.indices, torch.ones(csr.nnz + 1), x, 1, 0)
+    with pytest.raises(RuntimeError, match="int32 or int64"):
+        mod.spmm(csr.indptr, csr.indices.to(torch.int16), None, x, 1, 0)
+    with pytest.raises(RuntimeError, match="divisible by heads"):
+        mod.spmm(csr.indptr, csr.indices, None, torch.randn(10, 5), 2, 0)
+
+
+# --------------------------------------------------------------------------- validation
+def test_spmm_and_sddmm_validate_inputs() -> None:
+    csr = random_csr(10, 8, 3.0, seed=51)
+    x = torch.randn(8, 4)
+    with pytest.raises(KernelError, match="x has 9 rows but the sparse matrix has 8 columns"):
+        kernels.spmm(csr, None, torch.randn(9, 4))
+    with pytest.raises(KernelError, match=f"{csr.nnz + 1} edge values for {csr.nnz} edges"):
+        kernels.spmm(csr, torch.ones(csr.nnz + 1), x)
+    with pytest.raises(KernelError, match="values dtype torch.float64 differs"):
+        kernels.spmm(csr, torch.ones(csr.nnz, dtype=torch.float64), x)
+    with pytest.raises(KernelError, match=r"x must be \[N, 2, C\]"):
+        kernels.spmm(csr, torch.ones(csr.nnz, 2), x)
+    with pytest.raises(KernelError, match="a has 8 rows \\(need 10\\)"):
+        kernels.sddmm(csr, x, x)
+    with pytest.raises(KernelError, match="divisible by heads=3"):
+        kernels.sddmm(csr, torch.randn(10, 4), x, heads=3)
+    with pytest.raises(KernelError, match="equal feature sizes"):
+        kernels.sddmm(csr, torch.randn(10, 5), x)
+    with pytest.raises(KernelError, match="a dtype torch.float64 differs"):
+        kernels.sddmm(csr, torch.randn(10, 4, dtype=torch.float64), x)
+
+
+def test_unknown_backend_lists_valid_names(restore_default: None) -> None:
+    csr = random_csr(5, 5, 2.0, seed=61)
+    x = torch.randn(5, 3)
+    pattern = r"unknown kernel backend 'gpu2'; valid: native, torch, scipy, cupy"
+    with pytest.raises(KernelError, match=pattern):
+        kernels.spmm(csr, None, x, backend="gpu2")
+    with pytest.raises(KernelError, match=pattern):
+        kernels.sddmm(csr, x, x, backend="gpu2")
+    with pytest.raises(KernelError, match=pattern):
+        kernels.set_default_backend("gpu2")
+
+
+def test_cuda_only_backend_rejects_cpu_tensors() -> None:
+    csr = random_csr(5, 5, 2.0, seed=62)
+    with pytest.raises(KernelError, match="cupy backend"):
+        kernels.spmm(csr, None, torch.randn(5, 3), backend="cupy")
+
+
+# --------------------------------------------------------------------------- default backend
+def test_available_backends() -> None:
+    cpu = kernels.available_backends("cpu")
+    assert {"torch", "scipy"} <= set(cpu) and "cupy" not in cpu
+    assert "native" not in kernels.available_backends("cuda") and "torch" in kernels.available_backends("cuda")
+
+
+def test_set_default_backend(restore_default: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    for name in ("torch", "scipy"):
+        fwd, bwd = kernels.BACKENDS[name]
+
+        def spy(*args: object, _fwd=fwd, _name=name) -> torch.Tensor:
+            calls.append(_name)
+            return _fwd(*args)
+
+        monkeypatch.setitem(kernels.BACKENDS, name, (spy, bwd))
+    csr = random_csr(6, 6, 2.0, seed=71)
+    x = torch.randn(6, 2)
+    kernels.set_default_backend("scipy")
+    assert kernels.default_backend() == "scipy" and kernels.default_backend("cuda") == "scipy"
+    kernels.spmm(csr, None, x)
+    kernels.spmm(csr, None, x, backend="torch")  # an explicit name wins over the default
+    assert calls == ["scipy", "torch"]
+    kernels.set_default_backend(None)
+    expected = "native" if "native" in kernels.available_backends("cpu") else "torch"
+    assert kernels.default_backend("cpu") == expected
+
+
+def test_default_falls_back_to_torch_with_one_warning(monkeypatch: pytest.MonkeyPatch,
+                                                      restore_default: None) -> None:
+    kernels.set_default_backend(None)
+    monkeypatch.setattr(kernels, "_native_module", None)
+    monkeypatch.setattr(kernels, "_native_error", "RuntimeError: no compiler")
+    monkeypatch.setattr(kernels, "_warned_fallback", False)
+    with pytest.warns(RuntimeWarning, match="native backend unavailable: RuntimeError: no compiler"):
+        assert kernels.default_backend("cpu") == "torch"
+    assert kernels._warned_fallback
+    assert kernels.available_backends("cpu") == ["torch", "scipy"]
+    with pytest.raises(KernelError, match="native backend unavailable"):
+        kernels.spmm(random_csr(4, 4, 1.0, seed=1), None, torch.randn(4, 2), backend="native")
+
+
+def test_environment_variable_sets_the_default() -> None:
+    script = textwrap.dedent(
+        """
+        import importlib, os
+        from gnncompile import KernelError
+        from gnncompile.runtime import kernels
+        assert kernels.default_backend("cpu") == "scipy", kernels.default_backend("cpu")
+        os.environ["GNNCOMPILE_BACKEND"] = "bogus"
+        importlib.reload(kernels)
+        try:
+            kernels.default_backend("cpu")
+        except KernelError as exc:
+            assert "unknown kernel backend 'bogus'" in str(exc), exc
+        else:
+            raise AssertionError("GNNCOMPILE_BACKEND=bogus was accepted")
+        print("ok")
+        """
+    )
+    env = dict(os.environ, GNNCOMPILE_BACKEND="scipy")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+# --------------------------------------------------------------------------- cupy (CUDA)
+def _cupy_available() -> bool:
+    """Whether a CUDA device and CuPy are both present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cupy_available(), reason="no GPU on this machine (needs CUDA and CuPy)")
+@pytest.mark.parametrize("heads", [1, 4])
+def test_cupy_backend_matches_torch_backend(heads: int) -> None:
+    csr = random_csr(500, 400, 6.0, seed=81, hub=True)
+    x = randn(400, heads, 16, dtype=torch.float32, seed=82).cuda()
+    w = randn(csr.nnz, heads, dtype=torch.float32, seed=83).cuda()
+    if heads == 1:
+        x, w = x[:, 0], w[:, 0]
+    gpu_csr = CSR(csr.indptr.cuda(), csr.indices.cuda(), csr.num_rows, csr.num_cols)
+    assert kernels.available_backends("cuda")[0] == "cupy"
+    out = kernels.spmm(gpu_csr, w, x, backend="cupy")
+    assert out.device.type == "cuda"
+    expected = kernels.spmm(csr, w.cpu(), x.cpu(), backend="torch")
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kernels.spmm(gpu_csr, None, x, backend="cupy").cpu(),
+                               kernels.spmm(csr, None, x.cpu(), backend="torch"), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,480 @@
+"""Graph primitives (`gnncompile.ops`): values against dense references, gradients, errors, fx.
+
+Every check runs in float64 on tiny graphs that contain the awkward cases at once: an isolated
+vertex, a self loop, a duplicated edge, a hub (many in- and out-edges), plus a symmetric graph
+(whose backward reuses the forward CSR), a graph without edges and a graph without vertices.
+``propagate`` is checked on each CPU kernel backend; the E ops do not call kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import pytest
+import torch
+import torch.fx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gnncompile.ops
+from gnncompile import Graph, GraphError, KernelError
+from gnncompile.ops import (
+    NORMS,
+    REDUCES,
+    aggregate,
+    edge_softmax,
+    gather_dst,
+    gather_src,
+    is_primitive,
+    propagate,
+)
+from gnncompile.runtime import kernels
+
+DT = torch.float64
+CPU_BACKENDS = ("native", "torch", "scipy")
+GRAPHS = ("mixed", "symmetric", "no_edges", "no_nodes")
+# The stored-weight paths compute normalization coefficients in the graph's float32 before the
+# cast to float64, so value checks against the float64 dense reference allow float32 rounding.
+REF_TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- graphs
+def make_graph(name: str, weighted: bool = False) -> Graph:
+    """One of the test graphs (``weighted`` stores positive edge weights on it)."""
+    if name == "mixed":
+        # 0->1 twice (duplicate), 2->2 (self loop), 3 is a hub (5 in-edges, 4 out-edges),
+        # 6 is isolated; the graph is not symmetric.
+        src = [0, 0, 2, 0, 1, 2, 4, 5, 3, 3, 3, 3, 5]
+        dst = [1, 1, 2, 3, 3, 3, 3, 3, 0, 4, 5, 1, 4]
+        n = 7
+    elif name == "symmetric":
+        # undirected star around 0 plus the edge 1-2 and a self loop at 3; vertex 4 is isolated
+        pairs = [(0, 1), (0, 2), (0, 3), (1, 2)]
+        src = [u for u, v in pairs] + [v for u, v in pairs] + [3]
+        dst = [v for u, v in pairs] + [u for u, v in pairs] + [3]
+        n = 5
+    elif name == "no_edges":
+        src, dst, n = [], [], 4
+    elif name == "no_nodes":
+        src, dst, n = [], [], 0
+    else:
+        raise ValueError(name)
+    ei = torch.tensor([src, dst], dtype=torch.int64).reshape(2, -1)
+    w = None
+    if weighted:
+        w = 0.5 + torch.rand(ei.shape[1], generator=torch.Generator().manual_seed(7), dtype=DT)
+    g = Graph.from_edge_index(ei, n, edge_weight=w)
+    if name == "symmetric":
+        assert g.is_symmetric()
+    if name == "mixed":
+        assert not g.is_symmetric() and g.has_self_loops()
+    return g
+
+
+def rand(*shape: int, seed: int = 0, low: float = -1.0, high: float = 1.0, grad: bool = False) -> torch.Tensor:
+    """Seeded uniform float64 tensor in ``[low, high)``, optionally requiring grad."""
+    t = low + (high - low) * torch.rand(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT)
+    return t.requires_grad_(grad)
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each CPU kernel backend (``native`` is skipped where the extension cannot be built)."""
+    if request.param not in kernels.available_backends("cpu"):
+        pytest.skip(f"backend {request.param!r} unavailable here")
+    return request.param
+
+
+# --------------------------------------------------------------------------- dense references
+def dense_adjacency(g: Graph, w: torch.Tensor) -> torch.Tensor:
+    """``A[dst, src] += w`` (duplicates summed); ``[N, N]`` or ``[N, N, H]`` for ``[E, H]`` weights."""
+    a = torch.zeros((g.num_nodes, g.num_nodes) + tuple(w.shape[1:]), dtype=DT)
+    return a.index_put_((g.dst, g.indices), w.to(DT), accumulate=True)
+
+
+def dense_normalize(a: torch.Tensor, norm: str) -> torch.Tensor:
+    """``D_in^-1/2 A D_out^-1/2`` (gcn), ``D_in^-1 A`` (mean) or ``A``; zero degree -> zero row/column."""
+    if norm in ("sum", "none"):
+        return a
+    deg_in, deg_out = a.sum(1), a.sum(0)
+
+    def inv(d: torch.Tensor, p: float) -> torch.Tensor:
+        return torch.where(d > 0, d.clamp_min(1e-300) ** p, torch.zeros_like(d))
+
+    if norm == "mean":
+        return inv(deg_in, -1.0)[:, None] * a
+    return inv(deg_in, -0.5)[:, None] * a * inv(deg_out, -0.5)[None, :]
+
+
+def dense_propagate(g: Graph, x: torch.Tensor, norm: str, edge_weight: Optional[torch.Tensor],
+                    add_self_loops: bool) -> torch.Tensor:
+    """What ``propagate`` means, computed with a dense (per-head) matrix."""
+    n, e = g.num_nodes, g.num_edges
+    if edge_weight is not None:
+        w, loop = edge_weight[:e], edge_weight[e:]
+    else:
+        stored = g.edge_weight if norm != "none" else None
+        w = torch.ones(e, dtype=DT) if stored is None else stored.to(DT)
+        loop = torch.ones(n, dtype=DT)
+    a = dense_adjacency(g, w)
+    if add_self_loops:
+        idx = torch.arange(n)
+        a[idx, idx] += loop.to(DT)
+    if a.dim() == 3:  # multi-head weights (norm sum/none): out[v, h] = sum_u A[v, u, h] x[u, h]
+        return torch.einsum("vuh,uhc->vhc", a, x.to(DT))
+    return torch.einsum("vu,u...->v...", dense_normalize(a, norm), x.to(DT))
+
+
+def reference_softmax(g: Graph, e: torch.Tensor) -> torch.Tensor:
+    """Per-destination softmax, one segment at a time."""
+    out = torch.empty_like(e)
+    for v in range(g.num_nodes):
+        s, t = int(g.indptr[v]), int(g.indptr[v + 1])
+        if t > s:
+            out[s:t] = torch.softmax(e[s:t], dim=0)
+    return out
+
+
+def reference_aggregate(g: Graph, msg: torch.Tensor, reduce: str) -> torch.Tensor:
+    """Per-destination sum/mean/max, one segment at a time; empty segments give 0."""
+    out = torch.zeros((g.num_nodes,) + tuple(msg.shape[1:]), dtype=msg.dtype)
+    for v in range(g.num_nodes):
+        s, t = int(g.indptr[v]), int(g.indptr[v + 1])
+        if t > s:
+            seg = msg[s:t]
+            out[v] = {"sum": seg.sum(0), "mean": seg.mean(0), "max": seg.max(0).values}[reduce]
+    return out
+
+
+def loop_layout(g: Graph, t: torch.Tensor) -> tuple[Graph, torch.Tensor]:
+    """The graph with explicit self loops and ``t`` (``[E + N, ...]``, loops last) in its edge order.
+
+    ``Graph.add_self_loops`` appends loop ``v -> v`` as edge ``E + v`` and the stable sort puts it
+    after every existing in-edge of ``v`` from a source ``<= v``; matching ``(dst, src, is_loop)``
+    keys recovers the permutation.
+    """
+    gl = g.add_self_loops()
+    n, e = g.num_nodes, g.num_edges
+    dst = torch.cat([g.dst, torch.arange(n)])
+    src = torch.cat([g.indices, torch.arange(n)])
+    is_loop = torch.cat([torch.zeros(e, dtype=torch.int64), torch.ones(n, dtype=torch.int64)])
+    key = (dst * max(n, 1) + src) * 2 + is_loop
+    order = torch.argsort(key, stable=True)
+    assert torch.equal(src[order], gl.indices) and torch.equal(dst[order], gl.dst)
+    return gl, t[order]
+
+
+# --------------------------------------------------------------------------- propagate: values
+def edge_weight_for(g: Graph, kind: str, add_self_loops: bool, heads: int = 2,
+                    grad: bool = False) -> Optional[torch.Tensor]:
+    """``None``, ``[E(+N)]`` or ``[E(+N), heads]`` positive weights (``kind``: none, 1d, heads)."""
+    rows = g.num_edges + (g.num_nodes if add_self_loops else 0)
+    if kind == "none":
+        return None
+    shape = (rows,) if kind == "1d" else (rows, heads)
+    return rand(*shape, seed=3, low=0.5, high=1.5, grad=grad)
+
+
+def x_for(g: Graph, kind: str, grad: bool = False) -> torch.Tensor:
+    """Vertex features: ``[N, 2, 3]`` for multi-head weights, else ``[N, 3]``."""
+    return rand(g.num_nodes, 2, 3, seed=1, grad=grad) if kind == "heads" else rand(g.num_nodes, 3, seed=1, grad=grad)
+
+
+def norm_weight_pairs(kinds: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(norm, weight kind) combinations that propagate accepts: multi-head weights only unnormalized
+    (the normalized ones are rejected, see ``test_errors_name_the_argument``)."""
+    return [(n, k) for n in NORMS for k in kinds if not (k == "heads" and n in ("gcn", "mean"))]
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+@pytest.mark.parametrize("norm,weights", norm_weight_pairs(("none", "stored", "1d", "heads")))
+@pytest.mark.parametrize("add_self_loops", [False, True])
+def test_propagate_matches_dense_reference(backend: str, graph: str, norm: str, weights: str,
+                                           add_self_loops: bool) -> None:
+    g = make_graph(graph, weighted=weights == "stored")
+    ew = edge_weight_for(g, weights if weights != "stored" else "none", add_self_loops)
+    x = x_for(g, weights)
+    out = propagate(g, x, norm=norm, edge_weight=ew, add_self_loops=add_self_loops, backend=backend)
+    assert out.shape == x.shape and out.dtype == DT
+    torch.testing.assert_close(out, dense_propagate(g, x, norm, ew, add_self_loops), **REF_TOL)
+
+
+@pytest.mark.parametrize("graph", ["mixed", "symmetric", "no_edges"])
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_propagate_self_loops_equal_explicit_loops(backend: str, graph: str, norm: str, weighted: bool) -> None:
+    g = make_graph(graph, weighted=weighted)
+    x = rand(g.num_nodes, 4, seed=5)
+    implicit = propagate(g, x, norm=norm, add_self_loops=True, backend=backend)
+    explicit = propagate(g.add_self_loops(), x, norm=norm, backend=backend)
+    torch.testing.assert_close(implicit, explicit, **REF_TOL)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_propagate_self_loops_with_edge_weight_equal_explicit_loops(backend: str, norm: str) -> None:
+    g = make_graph("mixed")
+    ew = rand(g.num_edges + g.num_nodes, seed=9, low=0.5, high=1.5)
+    x = rand(g.num_nodes, 4, seed=5)
+    gl, ew_loops = loop_layout(g, ew)
+    implicit = propagate(g, x, norm=norm, edge_weight=ew, add_self_loops=True, backend=backend)
+    explicit = propagate(gl, x, norm=norm, edge_weight=ew_loops, backend=backend)
+    torch.testing.assert_close(implicit, explicit)
+
+
+def test_propagate_backends_agree_on_float32() -> None:
+    g = make_graph("mixed", weighted=True)
+    x = torch.randn(g.num_nodes, 5, generator=torch.Generator().manual_seed(0))
+    outs = {b: propagate(g, x, backend=b) for b in kernels.available_backends("cpu")}
+    for b, out in outs.items():
+        assert out.dtype == torch.float32, b
+        torch.testing.assert_close(out, outs["torch"], rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- propagate: gradients
+@pytest.mark.parametrize("graph", ["mixed", "symmetric", "no_edges"])
+@pytest.mark.parametrize("norm,weights", norm_weight_pairs(("none", "1d", "heads")))
+@pytest.mark.parametrize("add_self_loops", [False, True])
+def test_propagate_gradcheck(backend: str, graph: str, norm: str, weights: str, add_self_loops: bool) -> None:
+    g = make_graph(graph)
+    x = x_for(g, weights, grad=True)
+    ew = edge_weight_for(g, weights, add_self_loops, grad=True)
+    inputs = (x,) if ew is None else (x, ew)
+
+    def fn(x: torch.Tensor, ew: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return propagate(g, x, norm=norm, edge_weight=ew, add_self_loops=add_self_loops, backend=backend)
+
+    # Fast mode checks random projections of the Jacobian (the full matrix for the mixed graph is
+    # checked below); it keeps this 200-case matrix within the test budget.
+    assert torch.autograd.gradcheck(fn, inputs, fast_mode=True)
+    if graph == "mixed" and norm in ("gcn", "none"):
+        assert torch.autograd.gradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("norm", ["gcn", "sum"])
+def test_propagate_gradcheck_stored_weights(backend: str, norm: str) -> None:
+    g = make_graph("mixed", weighted=True)
+    x = rand(g.num_nodes, 3, seed=2, grad=True)
+    for loops in (False, True):
+        assert torch.autograd.gradcheck(
+            lambda x: propagate(g, x, norm=norm, add_self_loops=loops, backend=backend), (x,))
+
+
+@pytest.mark.parametrize("add_self_loops", [False, True])
+def test_propagate_on_graph_without_vertices(backend: str, add_self_loops: bool) -> None:
+    g = make_graph("no_nodes")
+    x = rand(0, 3, grad=True)
+    ew = rand(0, grad=True)
+    out = propagate(g, x, norm="gcn", edge_weight=ew, add_self_loops=add_self_loops, backend=backend)
+    assert out.shape == (0, 3)
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == (0, 3)
+
+
+def test_propagate_backward_without_edges_reaches_inputs(backend: str) -> None:
+    g = make_graph("no_edges")
+    x = rand(g.num_nodes, 3, grad=True)
+    ew = rand(0, grad=True)
+    propagate(g, x, norm="sum", edge_weight=ew, backend=backend).sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    assert ew.grad is not None and ew.grad.shape == (0,)
+
+
+# --------------------------------------------------------------------------- E ops
+@pytest.mark.parametrize("graph", GRAPHS)
+@pytest.mark.parametrize("add_self_loops", [False, True])
+def test_gather(graph: str, add_self_loops: bool) -> None:
+    g = make_graph(graph)
+    x = rand(g.num_nodes, 2, 3, seed=4, grad=True)
+    src, dst = gather_src(g, x, add_self_loops), gather_dst(g, x, add_self_loops)
+    exp_src, exp_dst = x[g.indices], x[g.dst]
+    if add_self_loops:
+        exp_src, exp_dst = torch.cat([exp_src, x]), torch.cat([exp_dst, x])
+    assert torch.equal(src, exp_src) and torch.equal(dst, exp_dst)
+    assert torch.autograd.gradcheck(lambda x: gather_src(g, x, add_self_loops), (x,))
+    assert torch.autograd.gradcheck(lambda x: gather_dst(g, x, add_self_loops), (x,))
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+@pytest.mark.parametrize("heads", [None, 3])
+@pytest.mark.parametrize("add_self_loops", [False, True])
+def test_edge_softmax(graph: str, heads: Optional[int], add_self_loops: bool) -> None:
+    g = make_graph(graph)
+    rows = g.num_edges + (g.num_nodes if add_self_loops else 0)
+    e = rand(*((rows,) if heads is None else (rows, heads)), seed=6, low=-3.0, high=3.0, grad=True)
+    out = edge_softmax(g, e, add_self_loops)
+    if add_self_loops:
+        gl, e_loops = loop_layout(g, e.detach())
+        _, out_loops = loop_layout(g, out.detach())
+        torch.testing.assert_close(out_loops, reference_softmax(gl, e_loops))
+    else:
+        torch.testing.assert_close(out, reference_softmax(g, e.detach()))
+    assert torch.autograd.gradcheck(lambda e: edge_softmax(g, e, add_self_loops), (e,))
+
+
+def test_edge_softmax_is_shift_invariant_and_stable() -> None:
+    g = make_graph("mixed")
+    e = rand(g.num_edges, seed=8)
+    torch.testing.assert_close(edge_softmax(g, e + 1000.0), edge_softmax(g, e))
+    # in-degree-1 destinations get exactly 1; segments sum to 1
+    sums = aggregate(g, edge_softmax(g, e).unsqueeze(1), "sum").squeeze(1)
+    has_in = g.in_degree() > 0
+    torch.testing.assert_close(sums[has_in], torch.ones(int(has_in.sum()), dtype=DT))
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+@pytest.mark.parametrize("reduce", REDUCES)
+@pytest.mark.parametrize("add_self_loops", [False, True])
+def test_aggregate(graph: str, reduce: str, add_self_loops: bool) -> None:
+    g = make_graph(graph)
+    rows = g.num_edges + (g.num_nodes if add_self_loops else 0)
+    msg = rand(rows, 2, 2, seed=10, grad=True)  # distinct values: max has no ties
+    out = aggregate(g, msg, reduce, add_self_loops)
+    assert out.shape == (g.num_nodes, 2, 2)
+    if add_self_loops:
+        gl, m_loops = loop_layout(g, msg.detach())
+        torch.testing.assert_close(out, reference_aggregate(gl, m_loops, reduce))
+    else:
+        torch.testing.assert_close(out, reference_aggregate(g, msg.detach(), reduce))
+    assert torch.autograd.gradcheck(lambda m: aggregate(g, m, reduce, add_self_loops), (msg,))
+
+
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_aggregate_without_edges_keeps_autograd_graph(reduce: str) -> None:
+    g = make_graph("no_edges")
+    msg = rand(0, 3, grad=True)
+    out = aggregate(g, msg, reduce)
+    assert torch.equal(out, torch.zeros(g.num_nodes, 3, dtype=DT))
+    out.sum().backward()
+    assert msg.grad is not None
+
+
+def test_gat_style_pipeline_gradcheck(backend: str) -> None:
+    """gather -> edge_softmax -> propagate with multi-head attention weights, end to end."""
+    g = make_graph("mixed")
+    h = rand(g.num_nodes, 2, 3, seed=11, grad=True)
+    att = rand(2, 3, seed=12, grad=True)
+
+    def gat(h: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        s = (gather_src(g, h, True) * att).sum(-1) + (gather_dst(g, h, True) * att).sum(-1)
+        alpha = edge_softmax(g, torch.nn.functional.leaky_relu(s, 0.2), True)
+        return propagate(g, h, norm="none", edge_weight=alpha, add_self_loops=True, backend=backend)
+
+    assert torch.autograd.gradcheck(gat, (h, att))
+
+
+# --------------------------------------------------------------------------- property test
+@st.composite
+def small_graphs(draw: st.DrawFn) -> tuple[Graph, int]:
+    """A random multigraph (self loops, duplicates, isolated vertices allowed) and a feature seed."""
+    n = draw(st.integers(1, 8))
+    edges = draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=24))
+    ei = torch.tensor(edges, dtype=torch.int64).reshape(-1, 2).t()
+    weighted = draw(st.booleans())
+    w = None
+    if weighted:
+        w = torch.tensor(draw(st.lists(st.floats(0.25, 4.0), min_size=len(edges), max_size=len(edges))), dtype=DT)
+    return Graph.from_edge_index(ei, n, edge_weight=w), draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=small_graphs(), norm=st.sampled_from(NORMS), add_self_loops=st.booleans(),
+       width=st.integers(1, 5))
+def test_backends_agree_with_dense_reference(case: tuple[Graph, int], norm: str, add_self_loops: bool,
+                                             width: int) -> None:
+    g, seed = case
+    x = rand(g.num_nodes, width, seed=seed)
+    expected = dense_propagate(g, x, norm, None, add_self_loops)
+    for backend in kernels.available_backends("cpu"):
+        out = propagate(g, x, norm=norm, add_self_loops=add_self_loops, backend=backend)
+        torch.testing.assert_close(out, expected, **REF_TOL, msg=lambda m: f"backend {backend}: {m}")
+
+
+# --------------------------------------------------------------------------- errors
+ErrorCase = tuple[type, str, Callable[[Graph, torch.Tensor], object]]
+ERROR_CASES: dict[str, ErrorCase] = {
+    "x rows": (KernelError, r"x must have 7 rows", lambda g, x: propagate(g, x[:-1])),
+    "x scalar": (KernelError, r"x must have 7 rows", lambda g, x: propagate(g, torch.tensor(1.0))),
+    "x integer": (KernelError, r"x must be floating point", lambda g, x: propagate(g, x.long())),
+    "edge_weight rows": (KernelError, r"edge_weight must have 13 rows",
+                         lambda g, x: propagate(g, x, edge_weight=torch.ones(12, dtype=DT))),
+    "edge_weight rows with loops": (
+        KernelError, r"edge_weight must have 20 rows",
+        lambda g, x: propagate(g, x, edge_weight=torch.ones(13, dtype=DT), add_self_loops=True)),
+    "norm": (KernelError, r"unknown norm 'bogus'.*'gcn'", lambda g, x: propagate(g, x, norm="bogus")),
+    "norm with loops": (KernelError, r"unknown norm 'bogus'",
+                        lambda g, x: propagate(g, x, norm="bogus", add_self_loops=True)),
+    "normalized heads": (KernelError, r"norm='gcn' needs 1-d edge weights",
+                         lambda g, x: propagate(g, x.reshape(7, 2, 2), edge_weight=torch.ones(13, 2, dtype=DT))),
+    "normalized heads with loops": (
+        KernelError, r"norm='mean' needs 1-d edge weights",
+        lambda g, x: propagate(g, x.reshape(7, 2, 2), norm="mean", edge_weight=torch.ones(20, 2, dtype=DT),
+                               add_self_loops=True)),
+    "heads vs x": (KernelError, r"x must be \[N, 2, C\]",
+                   lambda g, x: propagate(g, x, norm="none", edge_weight=torch.ones(13, 2, dtype=DT))),
+    "backend": (KernelError, r"unknown kernel backend 'bogus'.*native", lambda g, x: propagate(g, x, backend="bogus")),
+    "graph": (GraphError, r"expected a gnncompile.Graph", lambda g, x: propagate(x, x)),
+    "gather_src rows": (KernelError, r"gather_src: x must have 7 rows", lambda g, x: gather_src(g, x[:3])),
+    "gather_dst rows": (KernelError, r"gather_dst: x must have 7 rows", lambda g, x: gather_dst(g, x[:3])),
+    "gather graph": (GraphError, r"gather_dst: expected a gnncompile.Graph", lambda g, x: gather_dst(None, x)),
+    "edge_softmax rows": (KernelError, r"edge_softmax: e must have 13 rows", lambda g, x: edge_softmax(g, x)),
+    "edge_softmax rows with loops": (KernelError, r"edge_softmax: e must have 20 rows",
+                                     lambda g, x: edge_softmax(g, torch.ones(13, dtype=DT), True)),
+    "reduce": (KernelError, r"unknown reduce 'min'.*'max'", lambda g, x: aggregate(g, torch.ones(13, 2), "min")),
+    "aggregate rows": (KernelError, r"aggregate: msg must have 13 rows", lambda g, x: aggregate(g, x)),
+    "aggregate rows with loops": (KernelError, r"aggregate: msg must have 20 rows",
+                                  lambda g, x: aggregate(g, torch.ones(13, 2), add_self_loops=True)),
+    "graph norm": (GraphError, r"unknown normalization 'bogus'", lambda g, x: g.norm_coefficients("bogus")),
+}
+
+
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_errors_name_the_argument(case: str) -> None:
+    exc, pattern, call = ERROR_CASES[case]
+    g = make_graph("mixed")
+    with pytest.raises(exc, match=pattern):
+        call(g, rand(g.num_nodes, 4))
+
+
+# --------------------------------------------------------------------------- torch.fx
+class ImportedName(torch.nn.Module):
+    """Calls the primitive through ``from gnncompile.ops import propagate``."""
+
+    def forward(self, g: Graph, x: torch.Tensor) -> torch.Tensor:
+        return propagate(g, x)
+
+
+class QualifiedName(torch.nn.Module):
+    """Calls the primitive through the module attribute ``gnncompile.ops.propagate``."""
+
+    def forward(self, g: Graph, x: torch.Tensor) -> torch.Tensor:
+        return gnncompile.ops.propagate(g, x)
+
+
+@pytest.mark.parametrize("module", [ImportedName, QualifiedName])
+def test_fx_records_propagate_as_one_leaf(module: type[torch.nn.Module]) -> None:
+    gm = torch.fx.symbolic_trace(module())
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert len(calls) == 1
+    (node,) = calls
+    assert node.target is gnncompile.ops.propagate and is_primitive(node.target)
+    assert node.target.__gnncompile_kind__ == "P"
+    assert [n.op for n in gm.graph.nodes] == ["placeholder", "placeholder", "call_function", "output"]
+    g = make_graph("mixed")
+    x = rand(g.num_nodes, 3)
+    torch.testing.assert_close(gm(g, x), propagate(g, x))
+
+
+def test_fx_records_one_node_per_primitive() -> None:
+    class Gat(torch.nn.Module):
+        def forward(self, g: Graph, h: torch.Tensor) -> torch.Tensor:
+            s = gnncompile.ops.gather_src(g, h).sum(-1) + gather_dst(g, h).sum(-1)
+            alpha = edge_softmax(g, s)
+            msg = gather_src(g, h) * alpha.unsqueeze(-1)
+            return aggregate(g, msg, reduce="max") + propagate(g, h, norm="none", edge_weight=alpha)
+
+    gm = torch.fx.symbolic_trace(Gat())
+    prims = [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function" and is_primitive(n.target)]
+    assert prims == ["gather_src", "gather_dst", "edge_softmax", "gather_src", "aggregate", "propagate"]
+    g = make_graph("mixed")
+    h = rand(g.num_nodes, 3)
+    torch.testing.assert_close(gm(g, h), Gat()(g, h))
