@@ -20,6 +20,7 @@ from .errors import (
     TraceError,
     VerificationError,
 )
+from .frontend.pyg_import import PygConverted, from_pyg
 from .frontend.tracer import trace
 from .graph import Graph, GraphStats
 from .ir import TPGraph
@@ -35,6 +36,8 @@ __all__ = [
     "GraphStats",
     "History",
     "PassError",
+    "PygConverted",
+    "from_pyg",
     "TPGraph",
     "VerificationError",
     "trace",

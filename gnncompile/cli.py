@@ -44,7 +44,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.backend:
         kernels.set_default_backend(args.backend)
-    console = Console(stderr=False)
+    console = Console()
+    console.width = max(console.width, 100)
     graph = _load_graph(args)
     if graph.x is None or graph.y is None:
         raise GnnCompileError(f"dataset {graph.name!r} has no features or labels; pick a node-classification dataset")
@@ -92,13 +93,17 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
         print(json.dumps([{k: (str(v) if k == "path" else v) for k, v in vars(i).items()} for i in infos], indent=1))
         return 0
     table = Table(title="datasets")
-    for col in ("name", "nodes", "edges (stored)", "symmetric", "features", "classes", "path"):
-        table.add_column(col, justify="right" if col in ("nodes", "edges (stored)", "features", "classes") else "left")
+    for col in ("name", "nodes", "edges (stored)", "symmetric", "features", "classes"):
+        table.add_column(col, justify="left" if col == "name" else "right", no_wrap=True)
     for i in infos:
         feats = "-" if not i.num_features else f"{i.num_features:,}" + (" (sparse)" if i.sparse_features else "")
         table.add_row(i.name, f"{i.num_nodes:,}", f"{i.num_edges:,}", "yes" if i.symmetric else "no", feats,
-                      str(i.num_classes or "-"), str(i.path))
-    Console().print(table)
+                      str(i.num_classes or "-"))
+    console = Console()
+    console.width = max(console.width, 100)
+    console.print(table)
+    for folder in sorted({str(i.path.parent.parent if i.path.parent.name == i.name else i.path.parent) for i in infos}):
+        print(f"found in: {folder}")
     print(f"synthetic (built in): {', '.join(datasets.SYNTHETIC_KINDS)}")
     return 0
 
@@ -146,7 +151,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(args.func(args) or 0)
     except (GnnCompileError, ValueError, FileNotFoundError) as exc:
         lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-        msg = "; ".join(lines) if lines else type(exc).__name__
+        msg = lines[0] if lines else type(exc).__name__
+        for ln in lines[1:]:
+            msg += (" " if msg.endswith(":") else "; ") + ln
         print(f"gnncompile: error: {msg}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
