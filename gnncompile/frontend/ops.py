@@ -197,6 +197,9 @@ def propagate(g: Graph, x: torch.Tensor, norm: str = "gcn", edge_weight: Optiona
     """
     g = _check_graph(g, "propagate")
     _check_rows(x, g.num_nodes, "propagate", "x", "vertex")
+    if x.layout != torch.strided:
+        raise KernelError(f"propagate: x must be a dense tensor, got layout {x.layout}; apply a Linear first "
+                          "(it accepts sparse features) or densify with graph.dense_features()")
     if not x.is_floating_point():
         raise KernelError(f"propagate: x must be floating point, got {x.dtype}")
     if edge_weight is not None:
@@ -390,3 +393,115 @@ def aggregate(g: Graph, msg: torch.Tensor, reduce: str = "sum", add_self_loops: 
         return _segment(g, msg, reduce)
     aug, m_csr, _ = _to_csr_order(g, msg)
     return _segment(aug, m_csr, reduce)
+
+
+# --------------------------------------------------------------------------- masked propagate (P, S-SpMM)
+from ..runtime.kernels import masked as _masked_kernels  # noqa: E402  (appended section)
+
+__all__ += ["masked_propagate", "dropout_noise"]
+
+
+def dropout_noise(x: torch.Tensor, p: float) -> torch.Tensor:
+    """The dropout multiplier ``F.dropout(x, p, training=True)`` would draw: 0 or ``1 / (1 - p)``.
+
+    Makes the same RNG call as ``F.dropout`` on CPU (``empty_like(x).bernoulli_(1 - p).div_(1 - p)``),
+    so for the same seed ``x * dropout_noise(x, p)`` is bit-identical to ``F.dropout(x, p)``; it
+    depends only on ``x``'s shape, dtype and device. A T op (one fx node when traced), used by
+    :func:`gnncompile.passes.fuse_masked_propagate` to draw a dropout mask before the propagation
+    that the mask will skip. (On CUDA ``F.dropout`` uses a fused kernel with its own RNG stream:
+    same distribution, different draws.)
+    """
+    if isinstance(x, torch.fx.Proxy):
+        return x.tracer.create_proxy("call_function", dropout_noise, (x, p), {})
+    if not 0.0 <= p < 1.0:
+        raise KernelError(f"dropout_noise: p must be in [0, 1), got {p}")
+    return torch.empty_like(x).bernoulli_(1.0 - p).div_(1.0 - p)
+
+
+class _MaskedSpMM(torch.autograd.Function):
+    """``out = A_c x`` on the rows in ``keep_rows`` only (zero elsewhere); gradients for ``x`` and ``c``.
+
+    Backward: ``grad_x = A^T g`` reads only the rows of ``g`` that are nonzero and kept (the
+    others are zero: outside ``keep_rows`` the output is constant); ``grad_c`` is the SDDMM of the
+    same masked ``g``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, g: Graph, values: Optional[torch.Tensor], x: torch.Tensor, keep_rows: torch.Tensor,
+                backend: Optional[str]) -> torch.Tensor:
+        ctx.g, ctx.backend = g, backend
+        ctx.save_for_backward(values, x, keep_rows)
+        return _masked_kernels.masked_spmm(_csr(g), values, x, keep_rows, backend)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+        values, x, keep_rows = ctx.saved_tensors
+        g: Graph = ctx.g
+        shape = (-1,) + (1,) * (grad_out.dim() - 1)
+        grad_out = grad_out.masked_fill(~keep_rows.reshape(shape), 0).contiguous()
+        live = grad_out.reshape(grad_out.shape[0], -1).ne(0).any(1) if grad_out.numel() else keep_rows
+        grad_values = grad_x = None
+        if ctx.needs_input_grad[2]:
+            csr_t, perm = _csr_t(g)
+            vt = None if values is None else values[perm]
+            grad_x = _masked_kernels.masked_spmm_t(csr_t, vt, grad_out, live, ctx.backend)
+        if values is not None and ctx.needs_input_grad[1]:
+            heads = values.shape[1] if values.dim() == 2 else 1
+            gv = kernels.sddmm(_csr(g), grad_out, x, heads, ctx.backend)
+            grad_values = gv.reshape(values.shape)
+        return None, grad_values, grad_x, None, None
+
+
+@fx_leaf("P")
+def masked_propagate(g: Graph, x: torch.Tensor, mask: Optional[torch.Tensor] = None, norm: str = "gcn",
+                     edge_weight: Optional[torch.Tensor] = None, add_self_loops: bool = False,
+                     backend: Optional[str] = None) -> torch.Tensor:
+    """Masked propagation (P op; MixGCN's S-SpMM, Eq. 4): ``propagate(g, x, ...)`` where ``mask != 0``, 0 elsewhere.
+
+    ``out = where(mask != 0, propagate(g, x, norm, edge_weight, add_self_loops), 0)``, computed
+    without the rows that ``mask`` empties entirely: the forward product runs on the row-subset CSR
+    of the kept rows, and the backward transposed product reads only the rows of the incoming
+    gradient that are nonzero (which also skips the rows a ReLU after the propagation zeroed).
+    Values on kept entries equal :func:`propagate`'s (bit-identical on the ``native`` backend).
+
+    Parameters
+    ----------
+    g, x, norm, edge_weight, add_self_loops, backend:
+        As for :func:`propagate`.
+    mask:
+        ``[N]`` (one flag per vertex) or the output's shape (one per element); nonzero = keep.
+        ``None`` keeps everything (the forward is :func:`propagate`'s; the backward still skips
+        zero gradient rows). Not differentiated (a dropout multiplier or a 0/1 mask).
+    """
+    g = _check_graph(g, "masked_propagate")
+    _check_rows(x, g.num_nodes, "masked_propagate", "x", "vertex")
+    if not x.is_floating_point():
+        raise KernelError(f"masked_propagate: x must be floating point, got {x.dtype}")
+    keep: Optional[torch.Tensor] = None
+    if mask is not None:
+        _check_rows(mask, g.num_nodes, "masked_propagate", "mask", "vertex")
+        if mask.dim() != 1 and tuple(mask.shape) != tuple(x.shape):
+            raise KernelError(f"masked_propagate: mask must be [N] or x's shape {list(x.shape)}, "
+                              f"got {list(mask.shape)}")
+        keep = (mask != 0).reshape((g.num_nodes,) + (1,) * (x.dim() - 1) if mask.dim() == 1 else x.shape)
+        keep_rows = keep.reshape(g.num_nodes, -1).any(1)
+    else:
+        keep_rows = torch.ones(g.num_nodes, dtype=torch.bool, device=x.device)
+    if edge_weight is not None:
+        _check_rows(edge_weight, _edge_rows(g, add_self_loops), "masked_propagate", "edge_weight", "edge")
+        if edge_weight.dtype != x.dtype:
+            edge_weight = edge_weight.to(x.dtype)
+    if not add_self_loops:
+        values = _norm_values(g, norm, edge_weight, x.dtype)
+        out = _MaskedSpMM.apply(g, values, x, keep_rows, backend)
+    else:
+        values, loop = _norm_values_with_loops(g, norm, edge_weight, x.dtype)
+        if values is None:
+            values = g.cached(f"ones:{x.dtype}", lambda: torch.ones(g.num_edges, dtype=x.dtype, device=x.device))
+        loop = loop.reshape(loop.shape + (1,) * (x.dim() - loop.dim()))
+        out = _MaskedSpMM.apply(g, values, x, keep_rows, backend) + loop * x
+    if keep is None:
+        return out
+    if mask.dim() == 1 and not add_self_loops:
+        return out  # rows outside the mask are already zero
+    return out.masked_fill(~keep, 0)

@@ -39,11 +39,15 @@ P op; trailing T ops after the last propagation (an MLP head) form layer ``L + 1
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import linecache
 import operator
+import re
 import sys
 import traceback
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.fx
@@ -105,6 +109,10 @@ class GNNTracer(torch.fx.Tracer):
 
     def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
         node = super().create_node(*args, **kwargs)
+        if node.op in ("placeholder", "output"):
+            # Created by fx around forward, not by a line of it: the nearest user frame would be
+            # the caller of trace(), which would point error messages at the wrong line.
+            return node
         # fx's record_stack_traces symbolizes a full traceback per node (~2 ms each); the user's
         # line is all an error message needs, and walking frames for it is cheap.
         frame = sys._getframe(1)
@@ -134,16 +142,21 @@ def _user_frame(tb: Any) -> str:
     return best
 
 
+_FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
+
+
 def _node_source(node: torch.fx.Node) -> str:
+    """``file:line in fn: code`` of the user line that created ``node`` (same form as _user_frame)."""
     st = node.stack_trace or node.meta.get("stack_trace")
     if not st:
         return ""
     lines = [ln for ln in st.strip().splitlines() if ln.strip()]
     # fx stack traces end with: File "...", line N, in fn \n    code
     for i in range(len(lines) - 1, -1, -1):
-        if lines[i].lstrip().startswith("File "):
+        m = _FRAME_RE.search(lines[i])
+        if m:
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{lines[i].strip()}: {code}"
+            return f"{m['file']}:{m['line']} in {m['fn']}: {code}"
     return lines[-1].strip()
 
 
@@ -161,42 +174,106 @@ def _target_name(node: torch.fx.Node) -> str:
 
 
 # --------------------------------------------------------------------------- symbolic trace + checks
+_GRAPH_FIX = ("pass the graph only to gnncompile.ops primitives (propagate, gather_src, gather_dst, "
+              "edge_softmax, aggregate); precompute graph-derived tensors outside the model")
+_DATA_DEPENDENT_FIX = ("data-dependent control flow: the model uses tensor values in Python (if, for, bool, "
+                       "int), which a static operator graph cannot express; make control flow depend only on "
+                       "constructor arguments, and use tensor ops such as torch.where for data-dependent choices")
+
+
+def _forward_source(model: torch.nn.Module) -> str:
+    """``file:line`` of the model's ``forward`` definition ('' when unknown)."""
+    try:
+        fn = inspect.unwrap(type(model).forward)
+        return f"{inspect.getsourcefile(fn)}:{fn.__code__.co_firstlineno}"
+    except (TypeError, OSError, AttributeError):
+        return ""
+
+
+def _check_signature(model: torch.nn.Module) -> None:
+    """``forward`` must take exactly the graph and the features: ``forward(self, g, x)``."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # builtins without a signature: let fx report
+        return
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if len(params) != 2 or any(p.kind not in positional for p in params):
+        where = _forward_source(model)
+        shown = ", ".join(str(p) for p in params)
+        raise TraceError(
+            f"{type(model).__name__}.forward({shown}){f' at {where}' if where else ''}: forward must take "
+            "exactly (g, x), the graph and the node features; gnncompile models have the signature "
+            "forward(self, g, x) (make other inputs constructor arguments or buffers)")
+
+
+def _graph_misuse(node: torch.fx.Node, g_node: torch.fx.Node) -> Optional[str]:
+    """What ``node`` does with the graph input, when that is anything but a primitive's first argument."""
+    if node.op == "call_function" and is_primitive(node.target):
+        if node.args and node.args[0] is g_node:
+            if any(a is g_node for a in list(node.args[1:]) + list(node.kwargs.values())):
+                return f"passes the graph input {g_node.name!r} as a tensor argument of {_target_name(node)}"
+            return None
+        first = node.args[0] if node.args else None
+        shown = first.name if isinstance(first, torch.fx.Node) else repr(first)
+        return (f"calls the primitive {_target_name(node)} with {shown!r} instead of the graph input "
+                f"{g_node.name!r} as its first argument")
+    if g_node not in node.all_input_nodes:
+        return None
+    if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
+        return f"reads the graph attribute {g_node.name}.{node.args[1]} inside forward"
+    if node.op == "call_method" and node.args and node.args[0] is g_node:
+        return f"calls {g_node.name}.{node.target}() inside forward"
+    return (f"uses the graph input {g_node.name!r} (forward's first argument) outside a graph primitive "
+            f"({node.op} {_target_name(node)})")
+
+
 def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
+    _check_signature(model)
     tracer = GNNTracer()
     try:
         graph = tracer.trace(model)
     except TraceError:
         raise
     except Exception as exc:  # fx's own TraceError, or a Proxy misused by user code
+        # A graph attribute read is the usual cause of a failing trace (``range(g.num_nodes)``,
+        # ``if g.num_nodes > k``): report it as such when the partial graph shows one.
+        partial = getattr(tracer, "graph", None)
+        if partial is not None:
+            holders = [n for n in partial.nodes if n.op == "placeholder"]
+            if holders:
+                for node in partial.nodes:
+                    what = _graph_misuse(node, holders[0])
+                    if what is not None:
+                        raise _trace_error(node, what, _GRAPH_FIX) from exc
         where = _user_frame(exc.__traceback__)
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        hint = ""
-        if "control flow" in msg or "iterate" in msg or "bool" in msg.lower():
-            hint = ("; the model's control flow depends on tensor values, which a static operator graph "
-                    "cannot express: make it depend only on constructor arguments")
-        elif isinstance(exc, AttributeError) or "Graph" in msg:
-            hint = "; read graph properties through gnncompile.ops primitives, not inside forward"
+        lowered = msg.lower()
+        code = where.split(": ", 1)[1] if ": " in where else ""
+        g_name = next(iter(inspect.signature(model.forward).parameters), "g")
+        if f"{g_name}." in code:
+            hint = f"; the line reads an attribute of the graph input {g_name!r}: {_GRAPH_FIX}"
+        elif any(k in lowered for k in ("control flow", "iterate", "bool", "proxy", "interpreted as an integer")):
+            hint = f"; {_DATA_DEPENDENT_FIX}"
+        else:
+            hint = ""
         raise TraceError(f"cannot trace {type(model).__name__}: {msg}" + (f" at {where}" if where else "") + hint) from exc
     name = type(model).__name__
-    return torch.fx.GraphModule(tracer.root, graph, name)
+    gm = torch.fx.GraphModule(tracer.root, graph, name)
+    return gm
 
 
-def _check(gm: torch.fx.GraphModule) -> None:
+def _check(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) < 2:
+    if len(placeholders) != 2:
         raise TraceError(
             f"forward must take (g, x): found inputs {[p.name for p in placeholders]}; "
             "gnncompile models have the signature forward(self, g, x)"
         )
     g_node = placeholders[0]
-    for user in g_node.users:
-        ok = user.op == "call_function" and is_primitive(user.target) and user.args and user.args[0] is g_node
-        if not ok:
-            raise _trace_error(
-                user, f"the graph input {g_node.name!r} is used outside a graph primitive (e.g. an attribute "
-                      "read inside forward)",
-                "pass the graph only to gnncompile.ops primitives (propagate, gather_src, gather_dst, "
-                "edge_softmax, aggregate); precompute graph-derived tensors outside the model")
+    for node in gm.graph.nodes:
+        what = _graph_misuse(node, g_node)
+        if what is not None:
+            raise _trace_error(node, what, _GRAPH_FIX)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _REJECTED_FUNCS:
             what, fix = _REJECTED_FUNCS[node.target]
@@ -204,9 +281,35 @@ def _check(gm: torch.fx.GraphModule) -> None:
         if node.op == "call_method" and node.target in _REJECTED_METHODS:
             what, fix = _REJECTED_METHODS[node.target]
             raise _trace_error(node, f"{what} cannot be classified as T/P/E work", f"use {fix}")
+        if node.op == "get_attr":
+            value = _fetch_attr(gm, node.target)
+            if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+                users = ", ".join(u.name for u in node.users) or "nothing"
+                raise _trace_error(
+                    next(iter(node.users), node),
+                    f"the sparse tensor attribute {node.target!r} (a precomputed adjacency?) is used by "
+                    f"{users}; sparse products cannot be classified as T/P/E work",
+                    "use gnncompile.ops.propagate with the graph input instead")
     outputs = [n for n in gm.graph.nodes if n.op == "output"]
-    if len(outputs) != 1 or isinstance(outputs[0].args[0], (tuple, list, dict)):
-        raise TraceError("forward must return a single tensor of logits")
+    result = outputs[0].args[0] if len(outputs) == 1 else None
+    if len(outputs) != 1 or not isinstance(result, torch.fx.Node):
+        where = _forward_source(model)
+        if isinstance(result, (tuple, list)):
+            got = f"a {type(result).__name__} of {len(result)} values"
+        elif isinstance(result, dict):
+            got = f"a dict with keys {sorted(map(str, result))}"
+        else:
+            got = f"{type(result).__name__} {result!r}"
+        raise TraceError(
+            f"{type(model).__name__}.forward{f' (defined at {where})' if where else ''} returns {got}: "
+            "forward must return a single [N, C] tensor of logits (return extra values from a separate method)")
+
+
+def _fetch_attr(gm: torch.nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 # --------------------------------------------------------------------------- sample graphs
@@ -221,7 +324,13 @@ def _sample_input(x_like: Optional[torch.Tensor], n: int, f: int, seed: int, dty
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(n, f, generator=gen, dtype=dtype)
     if x_like is not None and x_like.layout == torch.sparse_csr:
-        x = (x * (torch.rand(n, f, generator=gen) < 0.3)).to_sparse_csr()
+        # Sparse features: every sample row gets the real graph's mean number of non-zeros
+        # (rounded), so their costs stay linear in |V|.
+        k = min(f, max(1, round(x_like._nnz() / max(1, x_like.shape[0]))))
+        cols = torch.argsort(torch.rand(n, f, generator=gen), dim=1)[:, :k].sort(dim=1).values
+        crow = torch.arange(0, n * k + 1, k, dtype=torch.int64)
+        x = torch.sparse_csr_tensor(crow, cols.reshape(-1), x[:, :k].reshape(-1), size=(n, f),
+                                    check_invariants=False)
     return x
 
 
@@ -310,6 +419,23 @@ class _Measure(torch.fx.Interpreter):
         return result
 
 
+@functools.lru_cache(maxsize=None)
+def _param_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def _primitive_flag(node: torch.fx.Node, name: str, default: Any) -> Any:
+    """Argument ``name`` of a primitive call, given by keyword or by position (or its default)."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    params = _param_names(node.target)
+    pos = params.index(name) if name in params else -1
+    return node.args[pos] if 0 <= pos < len(node.args) else default
+
+
 def _rows_of(t: Any) -> Optional[int]:
     if isinstance(t, torch.Tensor) and t.dim() >= 1:
         return int(t.shape[0])
@@ -328,15 +454,12 @@ def _cost(node: torch.fx.Node, out: Any, ins: list[Any], modules: dict[str, torc
         g = node.args[0]
         graph = env.get(g) if isinstance(g, torch.fx.Node) else g
         name = getattr(target, "__name__", "")
-        kwargs = dict(node.kwargs)
-        loops = bool(kwargs.get("add_self_loops", False))
-        if name == "propagate" and len(node.args) > 4:
-            loops = bool(node.args[4])
+        loops = bool(_primitive_flag(node, "add_self_loops", False))
         n_v = graph.num_nodes
         n_e = graph.num_edges + (n_v if loops else 0)
         x = env.get(node.args[1]) if isinstance(node.args[1], torch.fx.Node) else node.args[1]
         s = x.element_size() if isinstance(x, torch.Tensor) else 4
-        if name == "propagate":
+        if target.__gnncompile_kind__ == "P":  # propagate and its variants (masked_propagate)
             d = 1
             for k in x.shape[1:]:
                 d *= int(k)
@@ -358,9 +481,16 @@ def _cost(node: torch.fx.Node, out: Any, ins: list[Any], modules: dict[str, torc
             d_in = module.in_features
             read += module.weight.numel() * module.weight.element_size()
         else:
-            a = ins[0] if ins else None
+            a = ins[1] if target is torch.addmm and len(ins) > 1 else (ins[0] if ins else None)
             d_in = int(a.shape[-1]) if isinstance(a, torch.Tensor) and a.dim() else 1
-        flops = 2 * _numel(out) * d_in + (_numel(out) if module is not None and getattr(module, "bias", None) is not None else 0)
+        if module is not None:
+            has_bias = getattr(module, "bias", None) is not None
+        elif target is F.linear:
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            has_bias = bias is not None
+        else:
+            has_bias = target is torch.addmm
+        flops = 2 * _numel(out) * d_in + (_numel(out) if has_bias else 0)
         return flops, read, written
     if isinstance(module, _NORM_MODULES) or (node.op == "call_function" and target in _NORM_FUNCS):
         return 5 * _numel(out), read, written
@@ -392,7 +522,7 @@ def _op_label(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> str:
 
 # --------------------------------------------------------------------------- public entry point
 def trace(model: torch.nn.Module, graph_or_stats: Union[Graph, GraphStats], *, training: bool = True,
-          dtype: torch.dtype = torch.float32) -> TPGraph:
+          dtype: Optional[torch.dtype] = None) -> TPGraph:
     """Trace ``model`` into an annotated :class:`~gnncompile.ir.tpgraph.TPGraph`.
 
     Parameters
@@ -404,9 +534,18 @@ def trace(model: torch.nn.Module, graph_or_stats: Union[Graph, GraphStats], *, t
         these sizes; nothing proportional to the graph is allocated).
     training:
         Trace the training-mode forward (dropout active), which is what plans execute. fx records
-        ``self.training`` as a constant, so the traced graph keeps this mode.
+        ``self.training`` as a constant, so functional dropout (``F.dropout(..., training=self.training)``)
+        keeps this mode in the traced graph whatever ``tp.train()``/``tp.eval()`` say later.
     dtype:
-        Floating dtype of the sample features (element sizes in the byte counts).
+        Floating dtype of the sample features (element sizes in the byte counts). Default: the
+        dtype of the model's first floating parameter or buffer, else the graph's features, else
+        ``float32``.
+
+    The returned graph shares its submodules and parameters with ``model`` (training it trains
+    the model). Tracing leaves ``model`` as it found it: the training flags of all its modules
+    and its buffers (BatchNorm running statistics) are restored after the sample runs; the
+    shared module-based layers (``nn.Dropout``, norms) therefore follow the model's modes until
+    ``tp.train(mode)`` sets them.
 
     Raises
     ------
@@ -424,19 +563,52 @@ def trace(model: torch.nn.Module, graph_or_stats: Union[Graph, GraphStats], *, t
     else:
         raise TraceError(f"trace expects a Graph or GraphStats, got {type(graph_or_stats).__name__}")
 
-    was_training = model.training
-    model.train(training)
+    if dtype is None:
+        dtype = _default_dtype(model, x_like)
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
+        model.train(training)
         gm = _symbolic_trace(model)
+        _check(gm, model)
+        return _annotate(model, gm, stats, x_like, training, dtype)
     finally:
-        model.train(was_training)
-    _check(gm)
-    gm.train(training)
+        for m, mode in modes:
+            m.training = mode
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _default_dtype(model: torch.nn.Module, x_like: Optional[torch.Tensor]) -> torch.dtype:
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    if x_like is not None and x_like.is_floating_point():
+        return x_like.dtype
+    return torch.float32
+
+
+def _annotate(model: torch.nn.Module, gm: torch.fx.GraphModule, stats: GraphStats,
+              x_like: Optional[torch.Tensor], training: bool, dtype: torch.dtype) -> TPGraph:
+    """Run ``gm`` on the sample graphs and attach a :class:`TPInfo` to every node."""
     modules = dict(gm.named_modules())
 
-    # Run on the sample graphs (no RNG side effects for the caller).
+    # Run on the sample graphs (no RNG side effects for the caller), on one thread: the ops are
+    # tiny, and on a busy machine every parallel region of every op waits for a descheduled
+    # worker (a 64-layer model went from 0.5 s to 3-12 s with two threads and a neighbour).
     samples: list[tuple[int, int, dict[str, dict[str, Any]]]] = []
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _one_thread():
         torch.manual_seed(0)
         for i, (n, e) in enumerate(SAMPLE_SIZES):
             g = _sample_graph(n, e, seed=i)
@@ -453,9 +625,13 @@ def trace(model: torch.nn.Module, graph_or_stats: Union[Graph, GraphStats], *, t
             except TraceError:
                 raise
             except Exception as exc:
+                hint = ""
+                if stats.num_features == 0:
+                    hint = ("; the graph has no node features (num_features=0): trace with a Graph that has "
+                            "x, or with GraphStats(num_features=...)")
                 raise TraceError(
                     f"running {type(model).__name__} on a sample graph (|V|={n}, |E|={e}, "
-                    f"{stats.num_features} features) failed: {type(exc).__name__}: {exc}"
+                    f"{stats.num_features} features, {dtype}) failed: {type(exc).__name__}: {exc}{hint}"
                 ) from exc
             samples.append((n, e, meas.records))
 
@@ -506,5 +682,5 @@ def trace(model: torch.nn.Module, graph_or_stats: Union[Graph, GraphStats], *, t
             op=_op_label(node, modules),
         )
     tp = TPGraph(gm, gm.graph, stats, class_name=f"TP{type(model).__name__}")
-    tp.train(training)
+    tp.training = training  # the root's own flag; the shared submodules keep the model's modes
     return tp

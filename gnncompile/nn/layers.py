@@ -488,7 +488,17 @@ class SGConv(nn.Module):
         self.lin.reset_parameters()
 
     def forward(self, g: Graph, x: Tensor) -> Tensor:
-        """``[N, in_channels] -> [N, out_channels]``."""
+        """``[N, in_channels] -> [N, out_channels]``.
+
+        The propagations are linear, so ``Â^K (x W) + b`` equals ``(Â^K x) W + b``; the layer
+        transforms first when that narrows the features (always for classifiers, and required
+        for sparse input features, which propagate cannot take).
+        """
+        if self.out_channels < self.in_channels:
+            x = x @ self.lin.weight.t()
+            for _ in range(self.K):
+                x = gops.propagate(g, x, "gcn", add_self_loops=self.add_self_loops)
+            return x if self.lin.bias is None else x + self.lin.bias
         for _ in range(self.K):
             x = gops.propagate(g, x, "gcn", add_self_loops=self.add_self_loops)
         return self.lin(x)

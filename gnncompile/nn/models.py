@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..graph.core import Graph
+from .functional import feature_dropout
 from .layers import (
     APPNPConv,
     GATConv,
@@ -196,7 +197,7 @@ class GAT(nn.Module):
         """``[N, in_channels] -> [N, out_channels]`` logits."""
         last = len(self.convs) - 1
         for i, conv in enumerate(self.convs):
-            x = F.dropout(x, p=self.dropout, training=self.training)
+            x = (feature_dropout if i == 0 else F.dropout)(x, p=self.dropout, training=self.training)
             x = conv(g, x)
             if i < last:
                 x = F.elu(x)
@@ -288,7 +289,7 @@ class GCNII(nn.Module):
 
     def forward(self, g: Graph, x: Tensor) -> Tensor:
         """``[N, in_channels] -> [N, out_channels]`` logits."""
-        x = F.dropout(x, p=self.dropout, training=self.training)
+        x = feature_dropout(x, p=self.dropout, training=self.training)
         x = x0 = F.relu(self.lins[0](x))
         for conv in self.convs:
             x = F.dropout(x, p=self.dropout, training=self.training)
@@ -333,7 +334,7 @@ class APPNP(nn.Module):
         """``[N, in_channels] -> [N, out_channels]`` logits."""
         last = len(self.lins) - 1
         for i, lin in enumerate(self.lins):
-            x = F.dropout(x, p=self.dropout, training=self.training)
+            x = (feature_dropout if i == 0 else F.dropout)(x, p=self.dropout, training=self.training)
             x = lin(x)
             if i < last:
                 x = F.relu(x)
@@ -367,7 +368,7 @@ class SGC(nn.Module):
 
     def forward(self, g: Graph, x: Tensor) -> Tensor:
         """``[N, in_channels] -> [N, out_channels]`` logits."""
-        x = F.dropout(x, p=self.dropout, training=self.training)
+        x = feature_dropout(x, p=self.dropout, training=self.training)
         return self.conv(g, x)
 
 

@@ -1,0 +1,121 @@
+"""The single-device reference trainer and the command line."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gnncompile as gc
+from gnncompile import cli
+
+
+def _small_graph() -> gc.Graph:
+    return gc.datasets.synthetic("sbm", num_nodes=300, avg_degree=6, num_features=12, num_classes=3, seed=1)
+
+
+def test_history_fields_and_lengths() -> None:
+    g = _small_graph()
+    torch.manual_seed(0)
+    hist = gc.train(gc.nn.GCN(g.num_features, 16, g.num_classes), g, epochs=7, verbose=False)
+    for field in ("loss", "train_acc", "val_acc", "test_acc", "epoch_time", "eval_time"):
+        assert len(getattr(hist, field)) == 7, field
+    assert all(t > 0 for t in hist.epoch_time)
+    assert 0 <= hist.best_epoch < 7
+    assert hist.test_acc_at_best_val == hist.test_acc[hist.best_epoch]
+    assert hist.loss[-1] < hist.loss[0]
+
+
+def test_training_is_deterministic_under_a_seed() -> None:
+    g = _small_graph()
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        model = gc.nn.GAT(g.num_features, 4, g.num_classes, heads=2)
+        runs.append(gc.train(model, g, epochs=5, seed=11, verbose=False))
+    assert runs[0].loss == runs[1].loss
+    assert runs[0].val_acc == runs[1].val_acc
+
+
+def test_eval_every_fills_nan_between_evaluations() -> None:
+    g = _small_graph()
+    hist = gc.train(gc.nn.GCN(g.num_features, 8, g.num_classes), g, epochs=5, eval_every=2, verbose=False)
+    assert math.isnan(hist.val_acc[0]) and not math.isnan(hist.val_acc[1]) and not math.isnan(hist.val_acc[4])
+
+
+@pytest.mark.parametrize("field", ["x", "y", "train_mask"])
+def test_training_needs_features_labels_and_train_mask(field: str) -> None:
+    g = _small_graph()
+    bad = g.replace(**{field: None}) if field != "train_mask" else g.replace(train_mask=torch.zeros(g.num_nodes, dtype=torch.bool))
+    with pytest.raises(gc.GraphError, match=field):
+        gc.train(gc.nn.GCN(g.num_features, 8, g.num_classes), bad, epochs=1, verbose=False)
+
+
+def test_bad_arguments() -> None:
+    g = _small_graph()
+    with pytest.raises(ValueError, match="epochs"):
+        gc.train(gc.nn.GCN(g.num_features, 8, g.num_classes), g, epochs=-1)
+    with pytest.raises(ValueError, match="eval_every"):
+        gc.train(gc.nn.GCN(g.num_features, 8, g.num_classes), g, epochs=1, eval_every=0)
+
+
+def test_sparse_features_train() -> None:
+    g = _small_graph()
+    gs = g.replace(x=g.x.to_sparse_csr())
+    torch.manual_seed(0)
+    h_dense = gc.train(gc.nn.GCN(g.num_features, 8, g.num_classes, dropout=0.0), g, epochs=3, verbose=False)
+    torch.manual_seed(0)
+    h_sparse = gc.train(gc.nn.GCN(g.num_features, 8, g.num_classes, dropout=0.0), gs, epochs=3, verbose=False)
+    assert h_dense.loss == pytest.approx(h_sparse.loss, rel=1e-5)
+
+
+def test_gcn_on_cora_reaches_079() -> None:
+    """Integration: the standard GCN recipe on Cora's Planetoid split (Kipf & Welling 2017)."""
+    try:
+        g = gc.datasets.load("cora")
+    except gc.DatasetError as exc:
+        pytest.skip(f"Cora not available: {exc}")
+    g = g.normalize_features()
+    torch.manual_seed(0)
+    model = gc.nn.GCN(g.num_features, 16, g.num_classes, dropout=0.5)
+    hist = gc.train(model, g, epochs=200, lr=0.01, weight_decay=5e-4, seed=0, verbose=False)
+    assert hist.test_acc_at_best_val >= 0.79, hist.test_acc_at_best_val
+
+
+# --------------------------------------------------------------------------- CLI
+def test_cli_train_writes_json(tmp_path, capsys) -> None:
+    out = tmp_path / "hist.json"
+    rc = cli.main(["train", "--dataset", "sbm", "--num-nodes", "400", "--num-features", "8", "--num-classes", "3",
+                   "--epochs", "3", "--hidden", "8", "--quiet", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert len(data["loss"]) == 3 and data["model"] == "gcn"
+    assert "test acc" in capsys.readouterr().out
+
+
+def test_cli_errors_are_one_line_and_nonzero(capsys) -> None:
+    rc = cli.main(["train", "--dataset", "no-such-dataset", "--epochs", "1"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.startswith("gnncompile: error: unknown dataset 'no-such-dataset'")
+    assert err.count("\n") == 1
+
+
+def test_cli_usage_error_exits_2() -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", "--model", "not-a-model"])
+    assert exc.value.code == 2
+
+
+def test_cli_help_and_datasets_via_module() -> None:
+    for args in (["--help"], ["train", "--help"], ["datasets", "--help"]):
+        r = subprocess.run([sys.executable, "-m", "gnncompile", *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "usage:" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "gnncompile", "datasets", "--json"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0
+    assert isinstance(json.loads(r.stdout), list)
