@@ -8,7 +8,13 @@ The public API (see DESIGN.md)::
     history = gc.train(model, graph, epochs=200, lr=0.01)
 """
 
-from . import datasets, nn, ops
+import warnings as _warnings
+
+# torch warns once per process that CSR tensors are "beta"; gnncompile uses them by design
+# (sparse input features) and tests them, so the notice is noise for our users.
+_warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+
+from . import datasets, nn, ops  # noqa: E402
 from .errors import (
     DatasetError,
     GnnCompileError,

@@ -138,6 +138,7 @@ class Graph:
                 torch.from_numpy(csr.indices.astype(np.int64)),
                 torch.from_numpy(csr.data.astype(np.float32, copy=False)),
                 size=csr.shape,
+                check_invariants=False,  # scipy built it; sorted above
             )
         t = _as_tensor(x, "x")
         if t.layout == torch.sparse_coo:
@@ -579,7 +580,8 @@ class Graph:
             )
             sums = torch.zeros(x.shape[0], dtype=vals.dtype).index_add_(0, rows, vals)
             inv = torch.where(sums != 0, 1.0 / sums, torch.zeros_like(sums))
-            new = torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), vals * inv[rows], size=x.shape)
+            new = torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), vals * inv[rows], size=x.shape,
+                                          check_invariants=False)
         else:
             sums = x.sum(dim=1, keepdim=True)
             new = x * torch.where(sums != 0, 1.0 / sums, torch.zeros_like(sums))
