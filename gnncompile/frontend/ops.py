@@ -405,8 +405,9 @@ def dropout_noise(x: torch.Tensor, p: float) -> torch.Tensor:
     """The dropout multiplier ``F.dropout(x, p, training=True)`` would draw: 0 or ``1 / (1 - p)``.
 
     Makes the same RNG call as ``F.dropout`` on CPU (``empty_like(x).bernoulli_(1 - p).div_(1 - p)``),
-    so for the same seed ``x * dropout_noise(x, p)`` is bit-identical to ``F.dropout(x, p)``; it
-    depends only on ``x``'s shape, dtype and device. A T op (one fx node when traced), used by
+    so for the same seed and a contiguous ``x``, ``x * dropout_noise(x, p)`` is bit-identical to
+    ``F.dropout(x, p)``; the result is contiguous and depends only on ``x``'s shape, dtype and
+    device. A T op (one fx node when traced), used by
     :func:`gnncompile.passes.fuse_masked_propagate` to draw a dropout mask before the propagation
     that the mask will skip. (On CUDA ``F.dropout`` uses a fused kernel with its own RNG stream:
     same distribution, different draws.)
@@ -415,15 +416,15 @@ def dropout_noise(x: torch.Tensor, p: float) -> torch.Tensor:
         return x.tracer.create_proxy("call_function", dropout_noise, (x, p), {})
     if not 0.0 <= p < 1.0:
         raise KernelError(f"dropout_noise: p must be in [0, 1), got {p}")
-    return torch.empty_like(x).bernoulli_(1.0 - p).div_(1.0 - p)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p).div_(1.0 - p)
 
 
 class _MaskedSpMM(torch.autograd.Function):
     """``out = A_c x`` on the rows in ``keep_rows`` only (zero elsewhere); gradients for ``x`` and ``c``.
 
-    Backward: ``grad_x = A^T g`` reads only the rows of ``g`` that are nonzero and kept (the
-    others are zero: outside ``keep_rows`` the output is constant); ``grad_c`` is the SDDMM of the
-    same masked ``g``.
+    Backward: ``grad_x = A^T g`` reads only the rows of ``g`` that are kept and nonzero (outside
+    ``keep_rows`` the output is constant, and zero rows contribute nothing); ``grad_c`` is the
+    SDDMM of the same ``g``.
     """
 
     @staticmethod
@@ -437,9 +438,10 @@ class _MaskedSpMM(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         values, x, keep_rows = ctx.saved_tensors
         g: Graph = ctx.g
-        shape = (-1,) + (1,) * (grad_out.dim() - 1)
-        grad_out = grad_out.masked_fill(~keep_rows.reshape(shape), 0).contiguous()
-        live = grad_out.reshape(grad_out.shape[0], -1).ne(0).any(1) if grad_out.numel() else keep_rows
+        grad_out = grad_out.contiguous()
+        if not bool(keep_rows.all()):
+            grad_out = grad_out.masked_fill(~keep_rows.reshape((-1,) + (1,) * (grad_out.dim() - 1)), 0)
+        live = torch.count_nonzero(grad_out.reshape(grad_out.shape[0], -1), dim=1) > 0
         grad_values = grad_x = None
         if ctx.needs_input_grad[2]:
             csr_t, perm = _csr_t(g)
@@ -456,52 +458,48 @@ class _MaskedSpMM(torch.autograd.Function):
 def masked_propagate(g: Graph, x: torch.Tensor, mask: Optional[torch.Tensor] = None, norm: str = "gcn",
                      edge_weight: Optional[torch.Tensor] = None, add_self_loops: bool = False,
                      backend: Optional[str] = None) -> torch.Tensor:
-    """Masked propagation (P op; MixGCN's S-SpMM, Eq. 4): ``propagate(g, x, ...)`` where ``mask != 0``, 0 elsewhere.
+    """Row-masked propagation (P op; MixGCN's S-SpMM, Eq. 4): :func:`propagate` on the rows ``mask`` keeps.
 
-    ``out = where(mask != 0, propagate(g, x, norm, edge_weight, add_self_loops), 0)``, computed
-    without the rows that ``mask`` empties entirely: the forward product runs on the row-subset CSR
-    of the kept rows, and the backward transposed product reads only the rows of the incoming
-    gradient that are nonzero (which also skips the rows a ReLU after the propagation zeroed).
-    Values on kept entries equal :func:`propagate`'s (bit-identical on the ``native`` backend).
+    Row ``v`` of the result is ``propagate(g, x, norm, edge_weight, add_self_loops)[v]`` when
+    ``mask[v]`` has a nonzero entry and 0 when it has none. The mask selects rows; it is not
+    applied element-wise: multiply by it afterwards (``masked_propagate(g, x, m) * m`` is
+    ``propagate(g, x) * m``, Eq. 4's ``(A H) ⊙ M``, which is what the dropout it comes from does).
+    The forward product runs on the row-subset CSR of the kept rows and the backward transposed
+    product reads only the rows of the incoming gradient that are kept and nonzero, which also
+    skips the rows a ReLU after the propagation zeroed entirely. Kept rows equal
+    :func:`propagate`'s bit for bit on the ``native`` backend.
 
     Parameters
     ----------
     g, x, norm, edge_weight, add_self_loops, backend:
         As for :func:`propagate`.
     mask:
-        ``[N]`` (one flag per vertex) or the output's shape (one per element); nonzero = keep.
-        ``None`` keeps everything (the forward is :func:`propagate`'s; the backward still skips
-        zero gradient rows). Not differentiated (a dropout multiplier or a 0/1 mask).
+        ``[N]`` or ``[N, ...]`` (any trailing shape, e.g. a dropout multiplier shaped like the
+        output); a row is kept when any of its entries is nonzero. ``None`` keeps every row (the
+        forward is :func:`propagate`'s; the backward still skips zero gradient rows). Not
+        differentiated.
     """
     g = _check_graph(g, "masked_propagate")
     _check_rows(x, g.num_nodes, "masked_propagate", "x", "vertex")
     if not x.is_floating_point():
         raise KernelError(f"masked_propagate: x must be floating point, got {x.dtype}")
-    keep: Optional[torch.Tensor] = None
-    if mask is not None:
-        _check_rows(mask, g.num_nodes, "masked_propagate", "mask", "vertex")
-        if mask.dim() != 1 and tuple(mask.shape) != tuple(x.shape):
-            raise KernelError(f"masked_propagate: mask must be [N] or x's shape {list(x.shape)}, "
-                              f"got {list(mask.shape)}")
-        keep = (mask != 0).reshape((g.num_nodes,) + (1,) * (x.dim() - 1) if mask.dim() == 1 else x.shape)
-        keep_rows = keep.reshape(g.num_nodes, -1).any(1)
-    else:
+    if mask is None:
         keep_rows = torch.ones(g.num_nodes, dtype=torch.bool, device=x.device)
+    else:
+        _check_rows(mask, g.num_nodes, "masked_propagate", "mask", "vertex")
+        keep_rows = torch.count_nonzero(mask.detach().reshape(g.num_nodes, -1), dim=1) > 0
     if edge_weight is not None:
         _check_rows(edge_weight, _edge_rows(g, add_self_loops), "masked_propagate", "edge_weight", "edge")
         if edge_weight.dtype != x.dtype:
             edge_weight = edge_weight.to(x.dtype)
     if not add_self_loops:
         values = _norm_values(g, norm, edge_weight, x.dtype)
-        out = _MaskedSpMM.apply(g, values, x, keep_rows, backend)
-    else:
-        values, loop = _norm_values_with_loops(g, norm, edge_weight, x.dtype)
-        if values is None:
-            values = g.cached(f"ones:{x.dtype}", lambda: torch.ones(g.num_edges, dtype=x.dtype, device=x.device))
-        loop = loop.reshape(loop.shape + (1,) * (x.dim() - loop.dim()))
-        out = _MaskedSpMM.apply(g, values, x, keep_rows, backend) + loop * x
-    if keep is None:
-        return out
-    if mask.dim() == 1 and not add_self_loops:
-        return out  # rows outside the mask are already zero
-    return out.masked_fill(~keep, 0)
+        return _MaskedSpMM.apply(g, values, x, keep_rows, backend)
+    values, loop = _norm_values_with_loops(g, norm, edge_weight, x.dtype)
+    if values is None:
+        values = g.cached(f"ones:{x.dtype}", lambda: torch.ones(g.num_edges, dtype=x.dtype, device=x.device))
+    if mask is not None:  # self-loop terms of dropped rows are zero too (loop * 1 keeps the others exact)
+        keep = keep_rows.reshape(keep_rows.shape + (1,) * (loop.dim() - 1))
+        loop = loop * keep.to(loop.dtype)
+    loop = loop.reshape(loop.shape + (1,) * (x.dim() - loop.dim()))
+    return _MaskedSpMM.apply(g, values, x, keep_rows, backend) + loop * x

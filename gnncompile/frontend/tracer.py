@@ -32,18 +32,23 @@ Cost formulas (per op, on the concrete sample shapes; ``s`` = element size in by
 
 Layers
 ------
-The layer of an op is ``1 + number of P ops on the longest path before it`` for T and E ops, and
-``number of P ops up to and including it`` for a P op: a GCN layer is its T ops followed by its
-P op; trailing T ops after the last propagation (an MLP head) form layer ``L + 1``.
+A layer ends with a propagation: a P op, or an ``aggregate`` (the E -> V reduction that ends
+message passing written with edge ops, e.g. GraphSAGE's max aggregation). The layer of such an
+op is the number of layer-ending ops on the longest path up to and including it; the layer of
+any other op is ``1 +`` the number on the longest path before it. A GCN layer is its T ops
+followed by its P op; trailing T ops after the last propagation (an MLP head, GCN's last bias)
+form layer ``L + 1``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import linecache
 import operator
+import os
 import re
 import sys
 import traceback
@@ -56,7 +61,7 @@ import torch.nn.functional as F
 from ..errors import TraceError
 from ..graph.core import Graph, GraphStats
 from ..ir.symbolic import Lin, solve_lin
-from ..ir.tpgraph import TPGraph, TPInfo
+from ..ir.tpgraph import TPGraph, TPInfo, ends_layer
 from .ops import PRIMITIVES, is_primitive
 
 __all__ = ["trace", "GNNTracer", "SAMPLE_SIZES"]
@@ -100,6 +105,16 @@ _REJECTED_METHODS: dict[str, tuple[str, str]] = {
 }
 
 
+# Where frames are not the user's, by directory (not by a name that a checkout path may also
+# contain, such as a clone in ~/src/gnncompile/): torch, and gnncompile's tracing machinery for
+# the source line of a node (gnncompile's nn layers are reported: they hold the line), or all of
+# gnncompile for errors raised while tracing.
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
+_TRACING_DIRS = (_TORCH_DIR, os.path.dirname(__file__) + os.sep, os.path.join(_PACKAGE_DIR, "ir") + os.sep)
+_LIBRARY_DIRS = (_TORCH_DIR, _PACKAGE_DIR)
+
+
 class GNNTracer(torch.fx.Tracer):
     """fx tracer that records stack traces and traces through gnncompile layers.
 
@@ -117,8 +132,8 @@ class GNNTracer(torch.fx.Tracer):
         # line is all an error message needs, and walking frames for it is cheap.
         frame = sys._getframe(1)
         while frame is not None:
-            f = frame.f_code.co_filename.replace("\\", "/")
-            if not ("/torch/" in f or "/gnncompile/frontend/" in f or "/gnncompile/ir/" in f or f.startswith("<")):
+            f = frame.f_code.co_filename
+            if not (f.startswith(_TRACING_DIRS) or f.startswith("<")):
                 code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
                 node.stack_trace = f'File "{frame.f_code.co_filename}", line {frame.f_lineno}, in {frame.f_code.co_name}\n    {code}'
                 break
@@ -134,8 +149,8 @@ def _user_frame(tb: Any) -> str:
     """The innermost frame of the traceback that is user code (not torch, not gnncompile)."""
     best = ""
     for frame in traceback.extract_tb(tb):
-        f = frame.filename.replace("\\", "/")
-        if "/torch/" in f or "/gnncompile/" in f or f.startswith("<"):
+        f = frame.filename
+        if f.startswith(_LIBRARY_DIRS) or f.startswith("<"):
             continue
         line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
         best = f"{frame.filename}:{frame.lineno} in {frame.name}: {line}"
@@ -170,7 +185,9 @@ def _target_name(node: torch.fx.Node) -> str:
     t = node.target
     if isinstance(t, str):
         return t
-    return getattr(t, "__qualname__", getattr(t, "__name__", repr(t)))
+    # __name__, not __qualname__: torch's functions have qualnames like
+    # "_VariableFunctionsClass.sigmoid", which name nothing a user wrote.
+    return getattr(t, "__name__", None) or getattr(t, "__qualname__", None) or repr(t)
 
 
 # --------------------------------------------------------------------------- symbolic trace + checks
@@ -281,6 +298,7 @@ def _check(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
         if node.op == "call_method" and node.target in _REJECTED_METHODS:
             what, fix = _REJECTED_METHODS[node.target]
             raise _trace_error(node, f"{what} cannot be classified as T/P/E work", f"use {fix}")
+    for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = _fetch_attr(gm, node.target)
             if isinstance(value, torch.Tensor) and value.layout != torch.strided:
@@ -502,14 +520,8 @@ def _layers(gm: torch.fx.GraphModule) -> dict[str, int]:
     depth: dict[str, int] = {}
     for n in gm.graph.nodes:
         d = max((depth[a.name] for a in n.all_input_nodes), default=0)
-        if n.op == "call_function" and getattr(n.target, "__gnncompile_kind__", None) == "P":
-            d += 1
-        depth[n.name] = d
-    layers = {}
-    for n in gm.graph.nodes:
-        is_p = n.op == "call_function" and getattr(n.target, "__gnncompile_kind__", None) == "P"
-        layers[n.name] = depth[n.name] if is_p else depth[n.name] + 1
-    return layers
+        depth[n.name] = d + 1 if ends_layer(n) else d
+    return {n.name: depth[n.name] if ends_layer(n) else depth[n.name] + 1 for n in gm.graph.nodes}
 
 
 def _op_label(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> str:
@@ -541,11 +553,11 @@ def trace(model: torch.nn.Module, graph_or_stats: Union[Graph, GraphStats], *, t
         dtype of the model's first floating parameter or buffer, else the graph's features, else
         ``float32``.
 
-    The returned graph shares its submodules and parameters with ``model`` (training it trains
-    the model). Tracing leaves ``model`` as it found it: the training flags of all its modules
-    and its buffers (BatchNorm running statistics) are restored after the sample runs; the
-    shared module-based layers (``nn.Dropout``, norms) therefore follow the model's modes until
-    ``tp.train(mode)`` sets them.
+    The returned graph shares the model's parameters and buffers (training it trains the model)
+    but not its module objects: it holds shallow copies of them (see :func:`_module_view`), so
+    its modes are its own. ``tp`` is in mode ``training`` throughout (module-based dropout and
+    norms included), and tracing leaves ``model`` as it found it: its modes are untouched and
+    its buffers (BatchNorm running statistics) are restored after the sample runs.
 
     Raises
     ------
@@ -565,19 +577,31 @@ def trace(model: torch.nn.Module, graph_or_stats: Union[Graph, GraphStats], *, t
 
     if dtype is None:
         dtype = _default_dtype(model, x_like)
-    modes = [(m, m.training) for m in model.modules()]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    view = _module_view(model)
+    view.train(training)
     try:
-        model.train(training)
-        gm = _symbolic_trace(model)
+        gm = _symbolic_trace(view)
         _check(gm, model)
         return _annotate(model, gm, stats, x_like, training, dtype)
     finally:
-        for m, mode in modes:
-            m.training = mode
         with torch.no_grad():
             for b, value in buffers:
                 b.copy_(value)
+
+
+def _module_view(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module``'s hierarchy sharing its parameters and buffers, with modes of its own.
+
+    Each module is copied shallowly (its parameter and buffer dicts are the same objects, so
+    parameters, gradients and in-place buffer updates are shared), and its children are replaced
+    by their views. The traced graph can then be put in training mode without flipping the
+    modes of the caller's model, whose submodules it would otherwise share.
+    """
+    view = copy.copy(module)
+    view.__dict__["_modules"] = {k: None if c is None else _module_view(c) for k, c in module._modules.items()}
+    view.training = module.training
+    return view
 
 
 @contextlib.contextmanager
@@ -682,5 +706,5 @@ def _annotate(model: torch.nn.Module, gm: torch.fx.GraphModule, stats: GraphStat
             op=_op_label(node, modules),
         )
     tp = TPGraph(gm, gm.graph, stats, class_name=f"TP{type(model).__name__}")
-    tp.training = training  # the root's own flag; the shared submodules keep the model's modes
+    tp.train(training)  # sets the views' modes, not the model's
     return tp

@@ -80,9 +80,9 @@ class Lin:
 
     def __str__(self) -> str:
         parts = []
-        for coef, sym in ((self.v, "V"), (self.e, "E")):
+        for coef, sym in ((self.e, "E"), (self.v, "V")):  # E first, as in the space name E+V
             if coef:
-                parts.append(sym if coef == 1 else f"{_fmt(coef)}{sym}")
+                parts.append(sym if coef == 1 else f"-{sym}" if coef == -1 else f"{_fmt(coef)}{sym}")
         if self.c or not parts:
             parts.append(_fmt(self.c))
         return "+".join(parts).replace("+-", "-")
@@ -108,6 +108,8 @@ def solve_lin(samples: list[tuple[int, int, Number]]) -> Lin:
     if len(samples) < 3:
         raise ValueError("solve_lin needs at least 3 samples")
     (n1, e1, y1), (n2, e2, y2), (n3, e3, y3) = samples[:3]
+    if all(isinstance(y, int) for _, _, y in samples):
+        return _solve_int(samples)
     # Cramer's rule on [[n, e, 1]] (a, b, c) = y, in exact arithmetic.
     det = Fraction(n1 * (e2 - e3) - e1 * (n2 - n3) + (n2 * e3 - n3 * e2))
     if det == 0:
@@ -121,3 +123,26 @@ def solve_lin(samples: list[tuple[int, int, Number]]) -> Lin:
         if lin.v * n + lin.e * e + lin.c != Fraction(y):
             raise ValueError(f"value {y} at (|V|={n}, |E|={e}) is not linear in the graph size")
     return lin
+
+
+_ZERO = Fraction(0)
+
+
+def _solve_int(samples: list[tuple[int, int, Number]]) -> Lin:
+    """:func:`solve_lin` for integer values, in integer arithmetic (the tracer's hot path).
+
+    Same result as the rational version; Fractions are built only for the three coefficients.
+    """
+    (n1, e1, y1), (n2, e2, y2), (n3, e3, y3) = samples[:3]
+    det = n1 * (e2 - e3) - e1 * (n2 - n3) + (n2 * e3 - n3 * e2)
+    if det == 0:
+        raise ValueError("degenerate sample sizes")
+    if y1 == y2 == y3 and all(y == y1 for _, _, y in samples[3:]):
+        return Lin(_ZERO, _ZERO, Fraction(y1))
+    a = y1 * (e2 - e3) - e1 * (y2 - y3) + (y2 * e3 - y3 * e2)
+    b = n1 * (y2 - y3) - y1 * (n2 - n3) + (n2 * y3 - n3 * y2)
+    c = n1 * (e2 * y3 - e3 * y2) - e1 * (n2 * y3 - n3 * y2) + y1 * (n2 * e3 - n3 * e2)
+    for n, e, y in samples[3:]:
+        if a * n + b * e + c != y * det:
+            raise ValueError(f"value {y} at (|V|={n}, |E|={e}) is not linear in the graph size")
+    return Lin(Fraction(a, det), Fraction(b, det), Fraction(c, det))

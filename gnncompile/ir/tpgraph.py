@@ -6,7 +6,8 @@ carry ``node.meta["tp"]``, a :class:`TPInfo`:
 =================  =====================================================================
 kind               ``T`` (vertex-wise dense), ``P`` (propagation V->V), ``E`` (edge-wise),
                    ``input``, ``param``, ``output``
-layer              GNN layer index (1-based; see :mod:`gnncompile.frontend.tracer`), ``0``
+layer              GNN layer index (1-based; a layer ends with a P op or an ``aggregate``; see
+                   :mod:`gnncompile.frontend.tracer`), ``0``
                    for inputs and parameters
 rows               first dimension of the output as a :class:`~gnncompile.ir.symbolic.Lin`
 space              ``V``, ``E``, ``E+V`` (edges plus implicit self loops), ``1`` or ``?``
@@ -24,6 +25,7 @@ them for the graph statistics the graph was traced (or re-bound) for.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -35,7 +37,7 @@ import torch.fx
 from ..graph.core import GraphStats
 from .symbolic import Lin
 
-__all__ = ["TPInfo", "TPGraph", "TraceSummary", "KINDS"]
+__all__ = ["TPInfo", "TPGraph", "TraceSummary", "KINDS", "ends_layer"]
 
 KINDS = ("T", "P", "E", "input", "param", "output")
 
@@ -63,6 +65,14 @@ class TPInfo:
 
     def with_(self, **changes: Any) -> "TPInfo":
         return replace(self, **changes)
+
+
+def ends_layer(node: torch.fx.Node) -> bool:
+    """Whether ``node`` ends a GNN layer: a P primitive, or ``aggregate`` (edge messages -> vertices)."""
+    if node.op != "call_function":
+        return False
+    kind = getattr(node.target, "__gnncompile_kind__", None)
+    return kind == "P" or (kind == "E" and getattr(node.target, "__name__", "") == "aggregate")
 
 
 def _human(n: float, unit: str = "") -> str:
@@ -124,6 +134,16 @@ class TPGraph(torch.fx.GraphModule):
         super().__init__(root, graph, class_name)
         self.stats = stats
 
+    def __deepcopy__(self, memo: dict) -> "TPGraph":
+        # GraphModule.__deepcopy__ rebuilds the module through GraphModule.__init__, which drops
+        # attributes it does not know (``stats``), resets the root's ``training`` flag and renames
+        # the (per-instance) class "GraphModule".
+        res = super().__deepcopy__(memo)
+        res.stats = self.stats  # immutable
+        res.training = self.training
+        type(res).__name__ = type(self).__name__
+        return res
+
     # ------------------------------------------------------------------ access
     def info(self, node: torch.fx.Node) -> TPInfo:
         return node.meta["tp"]
@@ -137,16 +157,22 @@ class TPGraph(torch.fx.GraphModule):
         return [n for n in self.graph.nodes if "tp" in n.meta and n.meta["tp"].kind in ks]
 
     def bind(self, stats: GraphStats) -> "TPGraph":
-        """A copy evaluated for ``stats`` (same code and annotations)."""
-        import copy
+        """The same operator graph evaluated for ``stats``: same code and annotations.
 
-        new = copy.deepcopy(self)
-        new.stats = stats
+        The fx graph is copied (rewriting the copy leaves ``self`` alone); submodules and
+        parameters are shared, as :func:`~gnncompile.trace` shares them with the model, so binding
+        costs nothing proportional to the model's parameters. ``copy.deepcopy`` gives a fully
+        independent copy.
+        """
+        graph = copy.deepcopy(self.graph)
+        new = TPGraph(self, graph, stats, class_name=type(self).__name__)
+        new.training = self.training
         return new
 
     @property
     def num_layers(self) -> int:
-        return max((n.meta["tp"].layer for n in self.ops(("P",))), default=0)
+        """Number of GNN layers: the largest layer of a layer-ending op (see :func:`ends_layer`)."""
+        return max((n.meta["tp"].layer for n in self.ops(("P", "E")) if ends_layer(n)), default=0)
 
     # ------------------------------------------------------------------ inspection
     def table(self) -> str:

@@ -7,9 +7,11 @@ faulty node and its neighbourhood printed):
 2. every node carries a :class:`~gnncompile.ir.tpgraph.TPInfo` with a known kind, and the kind
    agrees with the node (placeholders are ``input``, ``get_attr`` is ``param``, primitives have the
    kind they are registered with, nothing else is ``P``);
-3. the first input is the graph and only primitives use it;
-4. row spaces: ``propagate`` maps V -> V; ``gather_*`` map V -> E (E+V with implicit self loops);
-   ``edge_softmax`` maps E -> E; ``aggregate`` maps E -> V (with the same self-loop convention);
+3. the first input is the graph, only primitives use it, and every primitive takes it as its first
+   argument;
+4. row spaces: ``propagate`` (every P primitive) maps V -> V; ``gather_*`` map V -> E (E+V with
+   implicit self loops); ``edge_softmax`` maps E -> E; ``aggregate`` maps E -> V (with the same
+   self-loop convention); edge weights have the edge space of their call;
 5. shapes: the rows of each P/E op's output match its inputs' spaces, ``Linear`` modules see
    inputs of ``in_features`` columns and produce ``out_features``, and layer indices never
    decrease along an edge of the graph;
@@ -18,6 +20,7 @@ faulty node and its neighbourhood printed):
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
 import torch
@@ -40,8 +43,8 @@ def _neighbourhood(tp: TPGraph, node: torch.fx.Node) -> str:
     for n in tp.graph.nodes:
         if n.name not in names:
             continue
-        t: Optional[TPInfo] = n.meta.get("tp")
-        ann = "<no annotation>" if t is None else f"{t.kind} L{t.layer} rows={t.rows} dims={t.dims}"
+        t = n.meta.get("tp")
+        ann = f"{t.kind} L{t.layer} rows={t.rows} dims={t.dims}" if isinstance(t, TPInfo) else "<no annotation>"
         args = ", ".join(a.name for a in n.all_input_nodes)
         mark = ">>" if n is node else "  "
         lines.append(f"  {mark} {n.name} = {n.op}[{_tname(n)}]({args})  # {ann}")
@@ -59,10 +62,16 @@ def _fail(tp: TPGraph, node: Optional[torch.fx.Node], msg: str) -> VerificationE
     return VerificationError(f"node {node.name!r}: {msg}\n{_neighbourhood(tp, node)}")
 
 
-def _flag(node: torch.fx.Node, name: str, pos: int, default: Any) -> Any:
+def _flag(node: torch.fx.Node, name: str, default: Any) -> Any:
+    """Argument ``name`` of a call, by keyword or by its position in the target's signature."""
     if name in node.kwargs:
         return node.kwargs[name]
-    return node.args[pos] if len(node.args) > pos else default
+    try:
+        params = list(inspect.signature(node.target).parameters)
+    except (TypeError, ValueError):
+        return default
+    pos = params.index(name) if name in params else -1
+    return node.args[pos] if 0 <= pos < len(node.args) else default
 
 
 def verify(tp: TPGraph) -> TPGraph:
@@ -78,7 +87,9 @@ def verify(tp: TPGraph) -> TPGraph:
     nodes = list(tp.graph.nodes)
     outputs = [n for n in nodes if n.op == "output"]
     if len(outputs) != 1:
-        raise _fail(tp, None, f"expected a single output node, found {len(outputs)}")
+        names = ", ".join(repr(n.name) for n in outputs)
+        raise _fail(tp, outputs[-1] if outputs else None,
+                    f"expected a single output node, found {len(outputs)}{f' ({names})' if names else ''}")
     placeholders = [n for n in nodes if n.op == "placeholder"]
     if len(placeholders) < 2:
         raise _fail(tp, placeholders[0] if placeholders else None, "expected inputs (g, x)")
@@ -97,10 +108,16 @@ def verify(tp: TPGraph) -> TPGraph:
         if prim_kind is not None and t.kind != prim_kind:
             raise _fail(tp, n, f"primitive {_tname(n)} is a {prim_kind} op but is annotated {t.kind!r}")
         if prim_kind is None and t.kind == "P":
-            raise _fail(tp, n, "only gnncompile.ops.propagate may be a P op")
+            raise _fail(tp, n, "only a P primitive (gnncompile.ops.propagate) may be a P op")
         if n.op not in ("placeholder", "output") and g_node in n.all_input_nodes:
-            if prim_kind is None or not n.args or n.args[0] is not g_node:
+            tensor_args = list(n.args[1:]) + list(n.kwargs.values())
+            if prim_kind is None or not n.args or n.args[0] is not g_node or any(a is g_node for a in tensor_args):
                 raise _fail(tp, n, f"the graph input {g_node.name!r} is used outside a graph primitive")
+        if prim_kind is not None and (not n.args or n.args[0] is not g_node):
+            first = n.args[0] if n.args else None
+            shown = first.name if isinstance(first, torch.fx.Node) else repr(first)
+            raise _fail(tp, n, f"primitive {_tname(n)} must take the graph input {g_node.name!r} as its first "
+                               f"argument, takes {shown!r}")
         for a in n.all_input_nodes:
             ta = a.meta.get("tp")
             if isinstance(ta, TPInfo) and t.kind in ("T", "P", "E") and ta.kind in ("T", "P", "E") and ta.layer > t.layer:
@@ -128,31 +145,25 @@ def _rows(node: Any) -> Optional[Lin]:
 
 def _check_primitive(tp: TPGraph, n: torch.fx.Node, t: TPInfo) -> None:
     name = getattr(n.target, "__name__", "")
-    if name == "propagate":
-        loops_pos = 4
-    elif name == "aggregate":
-        loops_pos = 3
-    else:
-        loops_pos = 2
-    loops = bool(_flag(n, "add_self_loops", loops_pos, False))
+    loops = bool(_flag(n, "add_self_loops", False))
     espace = _EV if loops else _E
     arg = n.args[1] if len(n.args) > 1 else None
     rin = _rows(arg)
-    want_in, want_out = {
-        "propagate": (_V, _V),
-        "gather_src": (_V, espace),
-        "gather_dst": (_V, espace),
-        "edge_softmax": (espace, espace),
-        "aggregate": (espace, _V),
-    }.get(name, (None, None))
+    if n.target.__gnncompile_kind__ == "P":  # propagate and its variants
+        want_in, want_out = _V, _V
+    else:
+        want_in, want_out = {
+            "gather_src": (_V, espace),
+            "gather_dst": (_V, espace),
+            "edge_softmax": (espace, espace),
+            "aggregate": (espace, _V),
+        }.get(name, (None, None))
     if want_in is None:
         return
     if rin is not None and rin != want_in:
         raise _fail(tp, n, f"{name} reads rows in space {want_in.space}, its input has rows {rin}")
     if t.rows != want_out:
         raise _fail(tp, n, f"{name} writes rows in space {want_out.space}, annotation says {t.rows}")
-    if name == "propagate":
-        ew = _flag(n, "edge_weight", 3, None)
-        rw = _rows(ew)
-        if rw is not None and rw != espace:
-            raise _fail(tp, n, f"propagate edge_weight must have rows {espace.space}, has {rw}")
+    rw = _rows(_flag(n, "edge_weight", None))
+    if rw is not None and rw != espace:
+        raise _fail(tp, n, f"{name} edge_weight must have rows {espace.space}, has {rw}")
