@@ -1,0 +1,112 @@
+"""Masked SpMM (MixGCN's S-SpMM, Eq. 4: ``Z = (A H) ⊙ M``) on top of :func:`kernels.spmm`.
+
+Two products skip work that a mask makes useless:
+
+- :func:`masked_spmm` (forward): ``out[r] = sum_{e in row r} values[e] * x[col[e]]`` only for
+  the kept rows ``r``; every other row of the result is zero. The kept rows' CSR slices are
+  gathered into a row-subset CSR (dropped rows empty; no cache: the row set changes every call)
+  and the product runs on it with the ordinary kernel, so its cost is proportional to the edges of
+  the kept rows.
+- :func:`masked_spmm_t` (backward): ``out = A^T g`` where only the kept rows of ``g`` are
+  nonzero. The transposed CSR (rows = sources) keeps only the entries whose column (the
+  destination) is kept; the product then reads only those rows of ``g``.
+
+Both fall back to the full product when the subset would not pay: the forward's subset costs
+``O(kept entries + rows)`` index work and is used below ``DENSE_THRESHOLD`` of the rows kept; the
+backward's costs ``O(E)`` index work (every entry's column is tested), about as much as a product
+``INDEX_COST_COLUMNS`` features wide, so it is used only when ``kept fraction < 1 -
+INDEX_COST_COLUMNS / d`` (never at ``d <= 96``). Both constants are rough, from
+``benchmarks/masked_spmm.py`` on a shared 2-core machine. The kept rows' results are
+bit-identical to the full product's on the ``native`` backend (same edges in the same order per
+row).
+
+The mask granularity is the row: an element-wise mask (dropout on ``[N, d]``) rarely empties a
+whole row, so it saves nothing here; row masks (dropped vertices, rows whose gradient ReLU zeroed
+entirely, rows outside the loss) do.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import CSR, spmm
+
+__all__ = ["DENSE_THRESHOLD", "INDEX_COST_COLUMNS", "row_subset", "column_subset", "masked_spmm",
+           "masked_spmm_t"]
+
+# Forward: above this fraction of kept rows the full product (+ zeroing) is as fast as the subset.
+DENSE_THRESHOLD = 0.7
+# Backward: filtering every entry of the transposed CSR costs about a product this many features wide.
+INDEX_COST_COLUMNS = 96
+
+
+def row_subset(csr: CSR, values: Optional[torch.Tensor], keep_rows: torch.Tensor) -> tuple[CSR, Optional[torch.Tensor]]:
+    """``csr`` with the rows where ``keep_rows`` (bool ``[rows]``) is false emptied, and its edge values.
+
+    Same shape as ``csr``; only the kept rows' entries are gathered (``O(kept entries + rows)``),
+    so a product with it writes zero rows for the dropped ones.
+    """
+    indptr = csr.indptr
+    starts = indptr[:-1]
+    counts = (indptr[1:] - starts) * keep_rows
+    new_indptr = torch.zeros_like(indptr)
+    torch.cumsum(counts, 0, out=new_indptr[1:])
+    total = int(new_indptr[-1])
+    # position of every kept entry in the original arrays: start of its row + offset in the row
+    pos = torch.repeat_interleave(starts - new_indptr[:-1], counts, output_size=total)
+    pos += torch.arange(total, dtype=pos.dtype, device=pos.device)
+    sub = CSR(new_indptr, csr.indices.index_select(0, pos), csr.num_rows, csr.num_cols)
+    return sub, None if values is None else values.index_select(0, pos)
+
+
+def column_subset(csr: CSR, values: Optional[torch.Tensor], keep_cols: torch.Tensor) -> tuple[CSR, Optional[torch.Tensor]]:
+    """``csr`` with only the entries whose column ``c`` has ``keep_cols[c]`` true (rows unchanged)."""
+    keep = keep_cols.index_select(0, csr.indices)
+    kept_before = torch.zeros(csr.nnz + 1, dtype=csr.indptr.dtype, device=csr.indptr.device)
+    torch.cumsum(keep, 0, out=kept_before[1:])
+    new_indptr = kept_before.index_select(0, csr.indptr)
+    pos = keep.nonzero().squeeze(1)
+    sub = CSR(new_indptr, csr.indices.index_select(0, pos), csr.num_rows, csr.num_cols)
+    return sub, None if values is None else values.index_select(0, pos)
+
+
+def masked_spmm(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, keep_rows: torch.Tensor,
+                backend: Optional[str] = None, dense_threshold: Optional[float] = None) -> torch.Tensor:
+    """``spmm(csr, values, x)`` computed only for the rows where ``keep_rows`` (bool ``[rows]``) is true.
+
+    The other rows of the result are zero (not the product). The subset is built when fewer than
+    ``dense_threshold`` (default :data:`DENSE_THRESHOLD`) of the rows are kept.
+    """
+    n = csr.num_rows
+    kept = int(keep_rows.sum())
+    threshold = DENSE_THRESHOLD if dense_threshold is None else dense_threshold
+    if n == 0 or kept >= threshold * n:
+        out = spmm(csr, values, x, backend)
+        if kept == n:
+            return out
+        shape = (n,) + (1,) * (out.dim() - 1)
+        return out.masked_fill_(~keep_rows.reshape(shape), 0)
+    sub, sub_values = row_subset(csr, values, keep_rows)
+    return spmm(sub, sub_values, x, backend)
+
+
+def masked_spmm_t(csr_t: CSR, values_t: Optional[torch.Tensor], g: torch.Tensor, keep_rows: torch.Tensor,
+                  backend: Optional[str] = None, index_cost: Optional[float] = None) -> torch.Tensor:
+    """``spmm(csr_t, values_t, g)`` when only the rows ``keep_rows`` of ``g`` are nonzero.
+
+    ``csr_t`` is the transposed structure (its columns index the rows of ``g``). Exact whenever the
+    rows of ``g`` outside ``keep_rows`` are zero; entries reading them are dropped. The subset is
+    built only when the kept fraction is below ``1 - index_cost / width`` (default
+    :data:`INDEX_COST_COLUMNS`; ``index_cost=0`` builds it whenever a row is dropped).
+    """
+    kept = int(keep_rows.sum())
+    n = csr_t.num_cols
+    width = math.prod(g.shape[1:])
+    cost = INDEX_COST_COLUMNS if index_cost is None else index_cost
+    if n == 0 or kept == n or kept >= (1.0 - cost / max(width, 1)) * n:
+        return spmm(csr_t, values_t, g, backend)
+    sub, sub_values = column_subset(csr_t, values_t, keep_rows)
+    return spmm(sub, sub_values, g, backend)
