@@ -8,12 +8,14 @@ from .frontend.ops import (  # noqa: F401
     PRIMITIVES,
     REDUCES,
     aggregate,
+    dropout_noise,
     edge_softmax,
     gather_dst,
     gather_src,
     is_primitive,
+    masked_propagate,
     propagate,
 )
 
-__all__ = ["propagate", "gather_src", "gather_dst", "edge_softmax", "aggregate", "PRIMITIVES", "NORMS",
-           "REDUCES", "is_primitive"]
+__all__ = ["propagate", "gather_src", "gather_dst", "edge_softmax", "aggregate", "masked_propagate",
+           "dropout_noise", "PRIMITIVES", "NORMS", "REDUCES", "is_primitive"]

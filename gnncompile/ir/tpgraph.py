@@ -222,7 +222,8 @@ class TPGraph(torch.fx.GraphModule):
             d = per[t.layer][t.kind]
             d["flops"] += self.value(t.flops)
             d["bytes"] += self.value(t.bytes_read) + self.value(t.bytes_written)
-            s = 0 if t.recompute else self.value(t.saved_bytes)
+            # A recomputed node's saved_bytes are what it really keeps (its checkpoint inputs).
+            s = self.value(t.saved_bytes)
             d["saved"] += s
             saved += s
         plain = {k: {kk: dict(vv) for kk, vv in v.items()} for k, v in per.items()}

@@ -11,14 +11,14 @@ Two products skip work that a mask makes useless:
   nonzero. The transposed CSR (rows = sources) keeps only the entries whose column (the
   destination) is kept; the product then reads only those rows of ``g``.
 
-Both fall back to the full product when the subset would not pay: the forward's subset costs
-``O(kept entries + rows)`` index work and is used below ``DENSE_THRESHOLD`` of the rows kept; the
-backward's costs ``O(E)`` index work (every entry's column is tested), about as much as a product
-``INDEX_COST_COLUMNS`` features wide, so it is used only when ``kept fraction < 1 -
-INDEX_COST_COLUMNS / d`` (never at ``d <= 96``). Both constants are rough, from
-``benchmarks/masked_spmm.py`` on a shared 2-core machine. The kept rows' results are
-bit-identical to the full product's on the ``native`` backend (same edges in the same order per
-row).
+Both fall back to the full product when the subset would not pay. Building a subset is index work
+(gathering the kept rows' entries forward; testing every entry's column backward) that costs
+about as much as a product ``k`` features wide, so a product ``d`` features wide uses its subset
+only when the kept fraction is below ``1 - k / d``: ``k =`` :data:`FORWARD_INDEX_COST` (48) and
+:data:`BACKWARD_INDEX_COST` (64). At ``d = 64`` the forward subset pays below 25% of rows kept
+and the backward one never; at ``d = 256``, below 81% and 75%. The constants are rough, from
+``benchmarks/masked_spmm.py`` on a 2-core machine. The kept rows' results are bit-identical to
+the full product's on the ``native`` backend (same edges in the same order per row).
 
 The mask granularity is the row: an element-wise mask (dropout on ``[N, d]``) rarely empties a
 whole row, so it saves nothing here; row masks (dropped vertices, rows whose gradient ReLU zeroed
@@ -34,13 +34,17 @@ import torch
 
 from . import CSR, spmm
 
-__all__ = ["DENSE_THRESHOLD", "INDEX_COST_COLUMNS", "row_subset", "column_subset", "masked_spmm",
+__all__ = ["FORWARD_INDEX_COST", "BACKWARD_INDEX_COST", "row_subset", "column_subset", "masked_spmm",
            "masked_spmm_t"]
 
-# Forward: above this fraction of kept rows the full product (+ zeroing) is as fast as the subset.
-DENSE_THRESHOLD = 0.7
-# Backward: filtering every entry of the transposed CSR costs about a product this many features wide.
-INDEX_COST_COLUMNS = 96
+# Gathering the kept rows' entries costs about a product this many features wide.
+FORWARD_INDEX_COST = 48
+# Filtering every entry of the transposed CSR by its column costs about a product this many features wide.
+BACKWARD_INDEX_COST = 64
+
+
+def _use_subset(kept: int, n: int, width: int, index_cost: float) -> bool:
+    return 0 < n and kept < n and kept < (1.0 - index_cost / max(width, 1)) * n
 
 
 def row_subset(csr: CSR, values: Optional[torch.Tensor], keep_rows: torch.Tensor) -> tuple[CSR, Optional[torch.Tensor]]:
@@ -62,7 +66,8 @@ def row_subset(csr: CSR, values: Optional[torch.Tensor], keep_rows: torch.Tensor
     return sub, None if values is None else values.index_select(0, pos)
 
 
-def column_subset(csr: CSR, values: Optional[torch.Tensor], keep_cols: torch.Tensor) -> tuple[CSR, Optional[torch.Tensor]]:
+def column_subset(csr: CSR, values: Optional[torch.Tensor], keep_cols: torch.Tensor
+                  ) -> tuple[CSR, Optional[torch.Tensor]]:
     """``csr`` with only the entries whose column ``c`` has ``keep_cols[c]`` true (rows unchanged)."""
     keep = keep_cols.index_select(0, csr.indices)
     kept_before = torch.zeros(csr.nnz + 1, dtype=csr.indptr.dtype, device=csr.indptr.device)
@@ -74,16 +79,17 @@ def column_subset(csr: CSR, values: Optional[torch.Tensor], keep_cols: torch.Ten
 
 
 def masked_spmm(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, keep_rows: torch.Tensor,
-                backend: Optional[str] = None, dense_threshold: Optional[float] = None) -> torch.Tensor:
+                backend: Optional[str] = None, index_cost: Optional[float] = None) -> torch.Tensor:
     """``spmm(csr, values, x)`` computed only for the rows where ``keep_rows`` (bool ``[rows]``) is true.
 
-    The other rows of the result are zero (not the product). The subset is built when fewer than
-    ``dense_threshold`` (default :data:`DENSE_THRESHOLD`) of the rows are kept.
+    The other rows of the result are zero (not the product). The row subset is built when the
+    kept fraction is below ``1 - index_cost / width`` (default :data:`FORWARD_INDEX_COST`;
+    ``index_cost=0`` builds it whenever a row is dropped).
     """
     n = csr.num_rows
     kept = int(keep_rows.sum())
-    threshold = DENSE_THRESHOLD if dense_threshold is None else dense_threshold
-    if n == 0 or kept >= threshold * n:
+    cost = FORWARD_INDEX_COST if index_cost is None else index_cost
+    if not _use_subset(kept, n, math.prod(x.shape[1:]), cost):
         out = spmm(csr, values, x, backend)
         if kept == n:
             return out
@@ -100,13 +106,10 @@ def masked_spmm_t(csr_t: CSR, values_t: Optional[torch.Tensor], g: torch.Tensor,
     ``csr_t`` is the transposed structure (its columns index the rows of ``g``). Exact whenever the
     rows of ``g`` outside ``keep_rows`` are zero; entries reading them are dropped. The subset is
     built only when the kept fraction is below ``1 - index_cost / width`` (default
-    :data:`INDEX_COST_COLUMNS`; ``index_cost=0`` builds it whenever a row is dropped).
+    :data:`BACKWARD_INDEX_COST`; ``index_cost=0`` builds it whenever a row is dropped).
     """
-    kept = int(keep_rows.sum())
-    n = csr_t.num_cols
-    width = math.prod(g.shape[1:])
-    cost = INDEX_COST_COLUMNS if index_cost is None else index_cost
-    if n == 0 or kept == n or kept >= (1.0 - cost / max(width, 1)) * n:
+    cost = BACKWARD_INDEX_COST if index_cost is None else index_cost
+    if not _use_subset(int(keep_rows.sum()), csr_t.num_cols, math.prod(g.shape[1:]), cost):
         return spmm(csr_t, values_t, g, backend)
     sub, sub_values = column_subset(csr_t, values_t, keep_rows)
     return spmm(sub, sub_values, g, backend)
