@@ -159,14 +159,28 @@ def _norm_values(g: Graph, norm: str, edge_weight: Optional[torch.Tensor], dtype
         return w
     if w.dim() != 1:
         raise KernelError(f"propagate: norm={norm!r} needs 1-d edge weights, got shape {list(w.shape)}")
-    deg_in = torch.zeros(g.num_nodes, dtype=w.dtype, device=w.device).index_add(0, g.dst, w)
+    return _normalize(g, norm, w, None)[0]
+
+
+def _normalize(g: Graph, norm: str, we: torch.Tensor,
+               wl: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """gcn/mean-normalize edge weights ``we`` (and self-loop weights ``wl``, if any); differentiable.
+
+    Degrees are weighted and include the self loops; zero-degree vertices get zero coefficients.
+    """
+    zeros = torch.zeros(g.num_nodes, dtype=we.dtype, device=we.device)
+    deg_in = zeros.index_add(0, g.dst, we)
+    if wl is not None:
+        deg_in = deg_in + wl
     if norm == "mean":
         inv = torch.where(deg_in > 0, 1.0 / deg_in.clamp_min(1e-30), torch.zeros_like(deg_in))
-        return w * inv[g.dst]
-    deg_out = torch.zeros(g.num_nodes, dtype=w.dtype, device=w.device).index_add(0, g.indices, w)
+        return we * inv[g.dst], None if wl is None else wl * inv
+    deg_out = zeros.index_add(0, g.indices, we)
+    if wl is not None:
+        deg_out = deg_out + wl
     inv_in = torch.where(deg_in > 0, deg_in.clamp_min(1e-30).rsqrt(), torch.zeros_like(deg_in))
     inv_out = torch.where(deg_out > 0, deg_out.clamp_min(1e-30).rsqrt(), torch.zeros_like(deg_out))
-    return inv_in[g.dst] * w * inv_out[g.indices]
+    return inv_in[g.dst] * we * inv_out[g.indices], None if wl is None else inv_in * wl * inv_out
 
 
 @fx_leaf("P")
@@ -240,20 +254,14 @@ def _norm_values_with_loops(g: Graph, norm: str, edge_weight: Optional[torch.Ten
 
 def _loop_norm(g: Graph, norm: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Split normalized ``[E + N, ...]`` weights into (edge part, self-loop part); differentiable."""
-    n, e = g.num_nodes, g.num_edges
+    e = g.num_edges
     if norm in ("sum", "none"):
         return w[:e], w[e:]
     if w.dim() != 1:
         raise KernelError(f"propagate: norm={norm!r} needs 1-d edge weights, got shape {list(w.shape)}")
-    we, wl = w[:e], w[e:]
-    deg_in = wl + torch.zeros(n, dtype=w.dtype, device=w.device).index_add(0, g.dst, we)
-    if norm == "mean":
-        inv = torch.where(deg_in > 0, 1.0 / deg_in.clamp_min(1e-30), torch.zeros_like(deg_in))
-        return we * inv[g.dst], wl * inv
-    deg_out = wl + torch.zeros(n, dtype=w.dtype, device=w.device).index_add(0, g.indices, we)
-    inv_in = torch.where(deg_in > 0, deg_in.clamp_min(1e-30).rsqrt(), torch.zeros_like(deg_in))
-    inv_out = torch.where(deg_out > 0, deg_out.clamp_min(1e-30).rsqrt(), torch.zeros_like(deg_out))
-    return inv_in[g.dst] * we * inv_out[g.indices], inv_in * wl * inv_out
+    edge_coef, loop_coef = _normalize(g, norm, w[:e], w[e:])
+    assert loop_coef is not None
+    return edge_coef, loop_coef
 
 
 # --------------------------------------------------------------------------- E ops
