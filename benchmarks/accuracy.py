@@ -15,7 +15,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _results import update_section  # noqa: E402
+from _results import command_line, machine_info, today, update_section  # noqa: E402
 
 # name: (dataset, model, model kwargs, train kwargs, normalize features, target)
 ROWS = {
@@ -83,10 +82,9 @@ def main() -> None:
                f">= {target:.2f} | {'yes' if mean >= target else 'NO'} | {statistics.fmean(secs):.1f} |")
         print(row, flush=True)
         lines.append(row)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     body = (
-        f"Machine: {cpu}, {os.cpu_count()} cores, torch threads {args.threads}. Date: {time.strftime('%Y-%m-%d')}.\n"
-        f"Command: `python benchmarks/accuracy.py {' '.join(sys.argv[1:])}`\n\n"
+        f"Machine: {machine_info(args.threads)}. Date: {today()}.\n"
+        f"Command: `{command_line()}`\n\n"
         f"{args.epochs} epochs, full graph, Adam; test accuracy at the epoch of best validation accuracy; "
         f"{args.seeds} seeds (0..{args.seeds - 1}) for weights and dropout. Standard splits of the datasets "
         "(Planetoid for Cora/CiteSeer, the seeded 60/20/20 split of shared/datasets for coauthor_physics).\n\n"

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _results import update_section  # noqa: E402
+from _results import command_line, machine_info, today, update_section  # noqa: E402
 
 GRAPHS = ("cora", "coauthor_physics", "rmat")
 MODELS = ("gcn", "sage", "gat")
@@ -189,15 +188,10 @@ def main() -> None:
             if "median_s" in res[s] else f"error: {res[s]['error']}"
             for s in args.systems)
         lines.append(f"| {graph} | {model} | {alloc} | {cells} | {ratio:.2f} |")
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     body = (
-        f"Machine: {cpu}, {os.cpu_count()} cores, torch threads {args.threads}. Date: {time.strftime('%Y-%m-%d')}. "
+        f"Machine: {machine_info(args.threads)}. Date: {today()}. "
         f"Load average at start / end: {load0} / {os.getloadavg()[0]:.2f} (the machine is shared: timings move with it).\n"
-        f"Command: `python benchmarks/epoch_time.py {' '.join(sys.argv[1:])}`\n\n"
+        f"Command: `{command_line()}`\n\n"
         f"Median of {args.epochs} epochs after {args.warmup} warm-up epochs; each cell in a fresh process. "
         "Models: GCN and GraphSAGE-mean with hidden 256, GAT with 4 heads x 64, all 2 layers, dropout 0.5.\n"
         "`tuned` = glibc MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ raised and THP_MEM_ALLOC_ENABLE=1.\n\n"

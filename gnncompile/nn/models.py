@@ -58,8 +58,29 @@ def _reset_all(modules: nn.Module) -> None:
             _reset_all(m)
 
 
+class _ConvStack(nn.Module):
+    """``convs`` applied in order with ReLU and dropout between them (PyG's ``BasicGNN`` order)."""
+
+    convs: nn.ModuleList
+    dropout: float
+
+    def reset_parameters(self) -> None:
+        """Reset every convolution."""
+        _reset_all(self)
+
+    def forward(self, g: Graph, x: Tensor) -> Tensor:
+        """``[N, in_channels] -> [N, out_channels]`` logits."""
+        last = len(self.convs) - 1
+        for i, conv in enumerate(self.convs):
+            x = conv(g, x)
+            if i < last:
+                x = F.relu(x)
+                x = F.dropout(x, p=self.dropout, training=self.training)
+        return x
+
+
 # --------------------------------------------------------------------------- GCN
-class GCN(nn.Module):
+class GCN(_ConvStack):
     r"""Stack of :class:`GCNConv` (PyG's ``models.GCN``).
 
     ``x_{l+1} = dropout(relu(Â x_l W_l + b_l))`` for the hidden layers and ``Â x_{L-1} W + b``
@@ -86,23 +107,10 @@ class GCN(nn.Module):
         self.convs = nn.ModuleList(
             GCNConv(i, o, add_self_loops=add_self_loops, normalize=normalize) for i, o in dims)
 
-    def reset_parameters(self) -> None:
-        """Reset every convolution."""
-        _reset_all(self)
-
-    def forward(self, g: Graph, x: Tensor) -> Tensor:
-        """``[N, in_channels] -> [N, out_channels]`` logits."""
-        last = len(self.convs) - 1
-        for i, conv in enumerate(self.convs):
-            x = conv(g, x)
-            if i < last:
-                x = F.relu(x)
-                x = F.dropout(x, p=self.dropout, training=self.training)
-        return x
 
 
 # --------------------------------------------------------------------------- GraphSAGE
-class GraphSAGE(nn.Module):
+class GraphSAGE(_ConvStack):
     r"""Stack of :class:`SAGEConv` (PyG's ``models.GraphSAGE``).
 
     ``x_{l+1} = dropout(relu(W_l · aggr_{u->v} x_u + b + W_r x_v))``; no activation after the last.
@@ -127,19 +135,6 @@ class GraphSAGE(nn.Module):
         self.num_layers = num_layers
         self.convs = nn.ModuleList(SAGEConv(i, o, aggr=aggr) for i, o in dims)
 
-    def reset_parameters(self) -> None:
-        """Reset every convolution."""
-        _reset_all(self)
-
-    def forward(self, g: Graph, x: Tensor) -> Tensor:
-        """``[N, in_channels] -> [N, out_channels]`` logits."""
-        last = len(self.convs) - 1
-        for i, conv in enumerate(self.convs):
-            x = conv(g, x)
-            if i < last:
-                x = F.relu(x)
-                x = F.dropout(x, p=self.dropout, training=self.training)
-        return x
 
 
 # --------------------------------------------------------------------------- GAT
