@@ -7,9 +7,10 @@ PY := $(VENV)/bin/python
 setup:
 	@scripts/setup.sh
 
-# Main job: train a GCN on the built-in synthetic graph and report accuracy and epoch time.
+# Main job: plan a GCN on the built-in synthetic graph over 4 local ranks (data strategy, METIS),
+# print the plan, train across the ranks, report accuracy and per-rank communication.
 run: setup
-	$(PY) -m gnncompile train --dataset sbm --model gcn --epochs 100
+	$(PY) -m gnncompile run --dataset sbm --model gcn --gpus 4 --strategy data --epochs 100
 
 # The whole test suite (pytest + hypothesis), two workers.
 test: setup
@@ -18,3 +19,5 @@ test: setup
 bench: setup
 	$(PY) benchmarks/spmm.py
 	$(PY) benchmarks/epoch_time.py
+	$(PY) benchmarks/replication.py
+	$(PY) benchmarks/data_parallel.py

@@ -6,6 +6,8 @@ The public API (see DESIGN.md)::
     graph = gc.datasets.load("cora")
     model = gc.nn.GCN(graph.num_features, 256, graph.num_classes, num_layers=2)
     history = gc.train(model, graph, epochs=200, lr=0.01)
+    plan = gc.plan(model, graph, gpus=4)          # per-rank programs (strategy "data" for now)
+    result = plan.run(epochs=200, lr=0.01)        # trains across 4 local processes
 """
 
 import warnings as _warnings
@@ -29,7 +31,8 @@ from .errors import (
 from .frontend.pyg_import import PygConverted, from_pyg
 from .frontend.tracer import trace
 from .graph import Graph, GraphStats
-from .ir import TPGraph
+from .ir import Plan, TPGraph, verify_plan
+from .api import plan
 from .runtime.trainer import History, train
 
 __version__ = "0.1.0"
@@ -45,6 +48,9 @@ __all__ = [
     "PygConverted",
     "from_pyg",
     "TPGraph",
+    "Plan",
+    "plan",
+    "verify_plan",
     "VerificationError",
     "trace",
     "KernelError",

@@ -1,6 +1,9 @@
 """The ``gnncompile`` command line.
 
 ``gnncompile train``     train a model on one device (the reference loop) and report accuracy/time
+``gnncompile plan``      plan parallel training over N ranks and print (or save) the plan
+``gnncompile run``       plan, then train across N local ranks (or under ``torchrun``) and report
+                         accuracy, epoch time and per-rank communication
 ``gnncompile datasets``  list the datasets found locally, with their sizes
 
 Errors print one line (``gnncompile: error: ...``) and exit with status 1; usage errors exit 2.
@@ -31,12 +34,94 @@ def _load_graph(args: argparse.Namespace):
     return datasets.load(args.dataset)
 
 
+def _build_model(args: argparse.Namespace, graph):
+    import torch
+
+    from . import nn
+
+    if graph.x is None or graph.y is None:
+        raise GnnCompileError(f"dataset {graph.name!r} has no features or labels; pick a node-classification dataset")
+    torch.manual_seed(args.seed)
+    extra = {}
+    if args.heads is not None:
+        extra["heads"] = args.heads
+    return nn.build_model(args.model, graph.num_features, args.hidden, graph.num_classes,
+                          num_layers=args.layers, dropout=args.dropout, **extra)
+
+
+def _make_plan(args: argparse.Namespace):
+    from .api import plan
+
+    graph = _load_graph(args)
+    model = _build_model(args, graph)
+    return graph, model, plan(model, graph, gpus=args.gpus, strategy=args.strategy, semantics=args.semantics,
+                              partitioner=args.partitioner, seed=args.seed)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    _, _, p = _make_plan(args)
+    print(p)
+    if args.save:
+        p.save(args.save)
+        print(f"plan written to {args.save}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    if args.torchrun:
+        from .runtime.executor import run_plan_torchrun
+
+        graph, model, p = _make_plan(args)
+        res = run_plan_torchrun(p, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
+                                timeout=args.timeout)
+        if res is None:  # not rank 0
+            return 0
+    else:
+        graph, model, p = _make_plan(args)
+        if not args.quiet:
+            print(p)
+            print()
+        res = p.run(epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
+                    timeout=args.timeout)
+    console = Console()
+    console.width = max(console.width, 100)
+    hist = res.history
+    table = Table(title=f"{args.model} on {graph.name}: strategy {p.strategy}, {p.num_ranks} ranks, {args.epochs} epochs")
+    for col in ("final loss", "best val acc", "test acc @ best val", "final test acc", "epoch time (median)"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{hist.loss[-1]:.4f}" if hist.loss else "-", f"{hist.best_val_acc:.4f}",
+                  f"{hist.test_acc_at_best_val:.4f}", f"{hist.final_test_acc:.4f}",
+                  f"{hist.median_epoch_time() * 1e3:.1f} ms")
+    console.print(table)
+    comm = Table(title="per rank, one training step (measured)")
+    for col in ("rank", "vertices", "halo rows", "bytes sent", "bytes received", "predicted sent", "peak tensor memory",
+                "step time (median)"):
+        comm.add_column(col, justify="right")
+    halo = p.info.get("halo_rows", [])
+    for r in res.ranks:
+        ts = sorted(r.epoch_time[1:] or r.epoch_time)
+        comm.add_row(str(r.rank), f"{r.num_owned:,}", f"{halo[r.rank]:,}" if r.rank < len(halo) else "-",
+                     f"{r.bytes_sent:,}", f"{r.bytes_received:,}", f"{p.predictions['bytes_sent'][r.rank]:,}",
+                     f"{r.peak_memory / 2**20:.1f} MiB", f"{ts[len(ts) // 2] * 1e3:.1f} ms" if ts else "-")
+    console.print(comm)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"dataset": graph.name, "model": args.model, "strategy": p.strategy, "ranks": p.num_ranks,
+                       **hist.to_dict(), "test_acc_at_best_val": hist.test_acc_at_best_val,
+                       "bytes_sent": [r.bytes_sent for r in res.ranks],
+                       "bytes_received": [r.bytes_received for r in res.ranks],
+                       "peak_memory": [r.peak_memory for r in res.ranks]}, f, indent=1)
+    return 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
     from rich.table import Table
 
-    from . import nn
     from .runtime import kernels
     from .runtime.trainer import train
 
@@ -47,16 +132,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     console = Console()
     console.width = max(console.width, 100)
     graph = _load_graph(args)
-    if graph.x is None or graph.y is None:
-        raise GnnCompileError(f"dataset {graph.name!r} has no features or labels; pick a node-classification dataset")
-    torch.manual_seed(args.seed)
-    extra = {}
-    if args.heads is not None:
-        extra["heads"] = args.heads
-    model = nn.build_model(
-        args.model, graph.num_features, args.hidden, graph.num_classes,
-        num_layers=args.layers, dropout=args.dropout, **extra,
-    )
+    model = _build_model(args, graph)
     n_params = sum(p.numel() for p in model.parameters())
     console.print(f"[bold]{graph}[/bold]")
     console.print(f"model {args.model}: {n_params:,} parameters; kernel backend {kernels.default_backend()}")
@@ -117,6 +193,51 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model on one device (the reference loop)",
                        description="Full-graph training on one device with Adam; prints accuracy and epoch time.")
+    _add_model_args(t, MODELS)
+    t.add_argument("--backend", default=None, help="sparse kernel backend (native, torch, scipy, cupy)")
+    t.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    t.add_argument("--json", default=None, metavar="PATH", help="also write the history as JSON to PATH")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=_cmd_train)
+
+    pl = sub.add_parser("plan", help="plan parallel training and print the plan",
+                        description="Trace the model, lower it with a strategy over N ranks, print the per-rank plan.")
+    _add_model_args(pl, MODELS)
+    _add_plan_args(pl)
+    pl.add_argument("--save", default=None, metavar="PATH", help="also write the plan as JSON to PATH")
+    pl.set_defaults(func=_cmd_plan)
+
+    r = sub.add_parser("run", help="plan, then train across ranks",
+                       description="Plan, then train across N local processes (gloo on CPU, NCCL with one GPU per "
+                                   "rank), or under torchrun with --torchrun; prints accuracy and per-rank traffic.")
+    _add_model_args(r, MODELS)
+    _add_plan_args(r)
+    r.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds a collective or receive may wait before the run fails (default: 300)")
+    r.add_argument("--torchrun", action="store_true",
+                   help="this process is one rank launched by torchrun (reads RANK, WORLD_SIZE, MASTER_ADDR...)")
+    r.add_argument("--json", default=None, metavar="PATH", help="also write the history and traffic as JSON")
+    r.add_argument("--quiet", action="store_true", help="do not print the plan")
+    r.set_defaults(func=_cmd_run)
+
+    d = sub.add_parser("datasets", help="list available datasets", description="List the datasets found locally.")
+    d.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    d.set_defaults(func=_cmd_datasets)
+    return parser
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    from .api import STRATEGIES
+    from .graph.partition import PARTITIONERS
+
+    p.add_argument("--gpus", type=int, default=4, help="number of ranks (default: 4)")
+    p.add_argument("--strategy", default="data", choices=STRATEGIES, help="parallelization strategy (default: data)")
+    p.add_argument("--semantics", default="exact", choices=("exact", "relaxed"),
+                   help="refuse (exact, default) or allow relaxed transformations")
+    p.add_argument("--partitioner", default="metis", choices=PARTITIONERS, help="vertex partitioner (default: metis)")
+
+
+def _add_model_args(t: argparse.ArgumentParser, MODELS: dict) -> None:
     t.add_argument("--dataset", default="sbm",
                    help="dataset name or path, or a synthetic kind (sbm, rmat, er); default: sbm")
     t.add_argument("--model", default="gcn", choices=sorted(MODELS), help="model (default: gcn)")
@@ -127,21 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dropout", type=float, default=0.5, help="dropout probability (default: 0.5)")
     t.add_argument("--lr", type=float, default=0.01, help="Adam learning rate (default: 0.01)")
     t.add_argument("--weight-decay", type=float, default=5e-4, help="Adam weight decay (default: 5e-4)")
-    t.add_argument("--seed", type=int, default=0, help="seed for weights, dropout and synthetic graphs")
-    t.add_argument("--backend", default=None, help="sparse kernel backend (native, torch, scipy, cupy)")
-    t.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    t.add_argument("--seed", type=int, default=0, help="seed for weights, dropout, partitioning and synthetic graphs")
     t.add_argument("--num-nodes", type=int, default=None, help="synthetic graphs: number of vertices")
     t.add_argument("--avg-degree", type=float, default=None, help="synthetic graphs: average degree")
     t.add_argument("--num-features", type=int, default=None, help="synthetic graphs: feature dimension")
     t.add_argument("--num-classes", type=int, default=None, help="synthetic graphs: number of classes")
-    t.add_argument("--json", default=None, metavar="PATH", help="also write the history as JSON to PATH")
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
-    t.set_defaults(func=_cmd_train)
-
-    d = sub.add_parser("datasets", help="list available datasets", description="List the datasets found locally.")
-    d.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    d.set_defaults(func=_cmd_datasets)
-    return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -89,7 +89,7 @@ def is_primitive(target: Any) -> bool:
 
 # --------------------------------------------------------------------------- CSR handles
 def _csr(g: Graph) -> CSR:
-    return g.cached("csr", lambda: CSR(g.indptr, g.indices, g.num_nodes, g.num_nodes))
+    return g.cached("csr", lambda: CSR(g.indptr, g.indices, g.num_nodes, g.num_src))
 
 
 def _csr_t(g: Graph) -> tuple[CSR, torch.Tensor]:
@@ -100,7 +100,7 @@ def _csr_t(g: Graph) -> tuple[CSR, torch.Tensor]:
             indptr_t, indices_t, perm = g.transpose()
             return CSR(g.indptr, g.indices, g.num_nodes, g.num_nodes, _csr(g).cache), perm
         indptr_t, indices_t, perm = g.transpose()
-        return CSR(indptr_t, indices_t, g.num_nodes, g.num_nodes), perm
+        return CSR(indptr_t, indices_t, g.num_src, g.num_nodes), perm
     return g.cached("csr_t", build)
 
 
@@ -168,6 +168,11 @@ def _normalize(g: Graph, norm: str, we: torch.Tensor,
 
     Degrees are weighted and include the self loops; zero-degree vertices get zero coefficients.
     """
+    if norm == "gcn" and g.num_src != g.num_nodes:
+        raise KernelError(
+            "propagate: norm='gcn' of computed edge weights needs the weighted out-degree of every source, "
+            "which a rank's local graph (with halo sources) does not hold; normalize the weights before "
+            "partitioning or use norm='mean'/'sum'")
     zeros = torch.zeros(g.num_nodes, dtype=we.dtype, device=we.device)
     deg_in = zeros.index_add(0, g.dst, we)
     if wl is not None:
@@ -210,7 +215,7 @@ def propagate(g: Graph, x: torch.Tensor, norm: str = "gcn", edge_weight: Optiona
         Kernel backend override (see :mod:`gnncompile.runtime.kernels`).
     """
     g = _check_graph(g, "propagate")
-    _check_rows(x, g.num_nodes, "propagate", "x", "vertex")
+    _check_rows(x, g.num_src, "propagate", "x", "vertex")
     if x.layout != torch.strided:
         raise KernelError(f"propagate: x must be a dense tensor, got layout {x.layout}; apply a Linear first "
                           "(it accepts sparse features) or densify with graph.dense_features()")
@@ -227,7 +232,12 @@ def propagate(g: Graph, x: torch.Tensor, norm: str = "gcn", edge_weight: Optiona
     if values is None:
         values = g.cached(f"ones:{x.dtype}", lambda: torch.ones(g.num_edges, dtype=x.dtype, device=x.device))
     loop = loop.reshape(loop.shape + (1,) * (x.dim() - loop.dim()))
-    return _SpMM.apply(g, values, x, backend) + loop * x
+    return _SpMM.apply(g, values, x, backend) + loop * _own_rows(g, x)
+
+
+def _own_rows(g: Graph, x: torch.Tensor) -> torch.Tensor:
+    """The rows of source-side ``x`` that are the destinations themselves (their self loops)."""
+    return x if g.num_src == g.num_nodes else x[: g.num_nodes]
 
 
 def _edge_rows(g: Graph, add_self_loops: bool) -> int:
@@ -246,8 +256,8 @@ def _norm_values_with_loops(g: Graph, norm: str, edge_weight: Optional[torch.Ten
         stored = g.edge_weight if norm != "none" else None
 
         def build() -> tuple[torch.Tensor, torch.Tensor]:
-            w = torch.ones(e, dtype=dtype, device=g.device) if stored is None else stored.to(dtype)
-            return _loop_norm(g, norm, torch.cat([w, torch.ones(n, dtype=dtype, device=g.device)]))
+            edge_coef, loop_coef = g.loop_norm_coefficients(norm)
+            return edge_coef.to(dtype), loop_coef.to(dtype)
         return g.cached(f"norm_loops:{norm}:{dtype}", build)
     return _loop_norm(g, norm, edge_weight)
 
@@ -269,9 +279,9 @@ def _loop_norm(g: Graph, norm: str, w: torch.Tensor) -> tuple[torch.Tensor, torc
 def gather_src(g: Graph, x: torch.Tensor, add_self_loops: bool = False) -> torch.Tensor:
     """Vertex -> edge: ``out[e] = x[src(e)]`` (``[E, ...]``, or ``[E + N, ...]`` with self loops)."""
     g = _check_graph(g, "gather_src")
-    _check_rows(x, g.num_nodes, "gather_src", "x", "vertex")
+    _check_rows(x, g.num_src, "gather_src", "x", "vertex")
     out = x.index_select(0, g.indices)
-    return torch.cat([out, x]) if add_self_loops else out
+    return torch.cat([out, _own_rows(g, x)]) if add_self_loops else out
 
 
 @fx_leaf("E")
@@ -504,7 +514,7 @@ def masked_propagate(g: Graph, x: torch.Tensor, mask: Optional[torch.Tensor] = N
         differentiated.
     """
     g = _check_graph(g, "masked_propagate")
-    _check_rows(x, g.num_nodes, "masked_propagate", "x", "vertex")
+    _check_rows(x, g.num_src, "masked_propagate", "x", "vertex")
     if not x.is_floating_point():
         raise KernelError(f"masked_propagate: x must be floating point, got {x.dtype}")
     if mask is None:
@@ -525,4 +535,4 @@ def masked_propagate(g: Graph, x: torch.Tensor, mask: Optional[torch.Tensor] = N
     if mask is not None:  # the self-loop terms of dropped rows are zero too
         loop = torch.where(keep_rows.reshape(keep_rows.shape + (1,) * (loop.dim() - 1)), loop, 0)
     loop = loop.reshape(loop.shape + (1,) * (x.dim() - loop.dim()))
-    return _MaskedSpMM.apply(g, values, x, keep_rows, backend) + loop * x
+    return _MaskedSpMM.apply(g, values, x, keep_rows, backend) + loop * _own_rows(g, x)

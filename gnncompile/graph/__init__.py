@@ -1,5 +1,7 @@
-"""Graphs: the CSR container, statistics, loaders (and, later, partitioners and reordering)."""
+"""Graphs: the CSR container, statistics, loaders, vertex partitioners and per-rank shards."""
 
 from .core import Graph, GraphStats
+from .partition import PARTITIONERS, Partition, partition
+from .shard import LocalGraph, Shard, build_shards
 
-__all__ = ["Graph", "GraphStats"]
+__all__ = ["Graph", "GraphStats", "PARTITIONERS", "Partition", "partition", "LocalGraph", "Shard", "build_shards"]

@@ -402,6 +402,15 @@ class Graph:
         )
 
     @property
+    def num_src(self) -> int:
+        """Number of source vertices (rows an input of a propagation has): ``num_nodes`` here.
+
+        A rank's local graph (:class:`gnncompile.graph.shard.LocalGraph`) has more sources than
+        destinations: its own vertices first, then the halo rows fetched from other ranks.
+        """
+        return self.num_nodes
+
+    @property
     def src(self) -> torch.Tensor:
         """int64 ``[E]``: the source vertex of every edge (alias of ``indices``)."""
         return self.indices
@@ -412,7 +421,7 @@ class Graph:
 
     def out_degree(self) -> torch.Tensor:
         """int64 ``[N]``: number of out-edges per vertex."""
-        return self.cached("out_degree", lambda: torch.bincount(self.indices, minlength=self.num_nodes))
+        return self.cached("out_degree", lambda: torch.bincount(self.indices, minlength=self.num_src))
 
     def weighted_in_degree(self) -> torch.Tensor:
         """float ``[N]``: sum of in-edge weights (the in-degree when unweighted)."""
@@ -433,9 +442,9 @@ class Graph:
         passes of P ops use this instead of materializing ``A^T``.
         """
         def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            n = self.num_nodes
+            n = self.num_src
             src = self.indices
-            perm = torch.argsort(src * max(n, 1) + self.dst, stable=True)
+            perm = torch.argsort(src * max(self.num_nodes, 1) + self.dst, stable=True)
             counts = self.out_degree()
             indptr_t = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
             torch.cumsum(counts, 0, out=indptr_t[1:])
@@ -488,6 +497,33 @@ class Graph:
                 c = inv_in[self.dst] * inv_out[self.indices]
             return c if w is None else c * w
         return self.cached(f"norm:{norm}", build)
+
+    def loop_norm_coefficients(self, norm: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Coefficients of a normalized propagation over ``A + I`` (implicit self loops, weight 1).
+
+        Returns float64 ``(edge_coef [E], loop_coef [N])``: :meth:`norm_coefficients` with every
+        degree counting the vertex's self loop (GCN's renormalization trick). ``"sum"`` gives the
+        edge weights (ones when unweighted) and ones for the loops.
+        """
+        if norm not in ("gcn", "mean", "sum"):
+            raise GraphError(f"norm: unknown normalization {norm!r} with self loops; valid: 'gcn', 'mean', 'sum'")
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            n, dev = self.num_nodes, self.device
+            w = (torch.ones(self.num_edges, dtype=torch.float64, device=dev) if self.edge_weight is None
+                 else self.edge_weight.to(torch.float64))
+            loop = torch.ones(n, dtype=torch.float64, device=dev)
+            if norm == "sum":
+                return w, loop
+            deg_in = torch.zeros(n, dtype=torch.float64, device=dev).index_add_(0, self.dst, w) + 1.0
+            inv_in = 1.0 / deg_in if norm == "mean" else deg_in.rsqrt()
+            if norm == "mean":
+                return w * inv_in[self.dst], inv_in
+            deg_out = torch.zeros(self.num_src, dtype=torch.float64, device=dev).index_add_(0, self.indices, w)
+            deg_out[:n] += 1.0
+            inv_out = torch.where(deg_out > 0, deg_out.clamp_min(1e-30).rsqrt(), torch.zeros_like(deg_out))
+            return inv_in[self.dst] * w * inv_out[self.indices], inv_in * inv_out[:n]
+        return self.cached(f"loop_norm:{norm}", build)
 
     # ------------------------------------------------------------------ transformations
     def edge_index(self) -> torch.Tensor:

@@ -1,6 +1,9 @@
-"""IR: the annotated operator graph (TPGraph), symbolic sizes (and, later, plans)."""
+"""IR: the annotated operator graph (TPGraph), symbolic sizes, plans and their verifier."""
 
+from .plan import DevicePlan, Instruction, Plan, StageSpec
 from .symbolic import Lin
 from .tpgraph import TPGraph, TPInfo, TraceSummary
+from .verify_plan import PlanReport, verify_plan
 
-__all__ = ["Lin", "TPGraph", "TPInfo", "TraceSummary"]
+__all__ = ["Lin", "TPGraph", "TPInfo", "TraceSummary", "Plan", "DevicePlan", "StageSpec", "Instruction",
+           "PlanReport", "verify_plan"]

@@ -1,0 +1,205 @@
+"""Per-rank shards of a vertex-partitioned graph: local CSR with local + halo ids, exchange lists.
+
+Given a vertex -> part map, rank ``r``'s :class:`Shard` holds
+
+- ``owned``: the global ids of the vertices it owns, ascending; local id ``i`` is ``owned[i]``;
+- ``halo``: the global ids of the remote *sources* of its owned vertices' in-edges, ordered by
+  owner rank then global id; local id ``len(owned) + j`` is ``halo[j]``;
+- ``graph``: a :class:`LocalGraph`: every in-edge of every owned vertex (so destination-side
+  reductions such as softmax over in-edges and mean aggregation are complete), with sources in
+  local ids. Normalization coefficients are those of the *global* graph (a halo source's degree is
+  its global degree), computed once from the global graph and sliced;
+- ``send_index[q]`` / ``recv_count[q]``: the local ids of the rows rank ``q`` needs from this
+  rank (in ``q``'s halo order) and the number of halo rows this rank receives from ``q``.
+
+A halo exchange of a rows-layout tensor ``h [n_r, ...]`` is then one all-to-all:
+``h[send_index[q]]`` goes to ``q``, and the received blocks concatenated in rank order are the halo
+rows ``[n_r, n_r + h_r)``. Its backward sends the halo rows' gradients back and adds them at
+``send_index``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+
+from ..errors import GraphError
+from .core import Graph
+
+__all__ = ["LocalGraph", "Shard", "build_shards", "slice_rows", "global_rows"]
+
+
+class LocalGraph(Graph):
+    """A rank's graph: destinations are its own vertices, sources its own then its halo vertices.
+
+    ``num_nodes`` is the number of owned vertices (rows of every V-space tensor on the rank);
+    ``num_src`` adds the halo rows (rows of the input of a propagation or ``gather_src``).
+    Normalization coefficients come from the global graph (``norm_coef`` / ``loop_norm_coef``,
+    keyed by norm name, float64), so propagation on the local graph computes exactly the global
+    propagation's rows of the owned vertices.
+    """
+
+    def __init__(self, indptr: torch.Tensor, indices: torch.Tensor, num_nodes: int, num_src: int, *,
+                 edge_weight: Optional[torch.Tensor] = None, norm_coef: Optional[dict] = None,
+                 loop_norm_coef: Optional[dict] = None, name: str = "local", **node_data) -> None:
+        super().__init__(indptr, indices, num_nodes, edge_weight=edge_weight, name=name, validate=False, **node_data)
+        self._num_src = int(num_src)
+        self._norm_coef = dict(norm_coef or {})
+        self._loop_norm_coef = dict(loop_norm_coef or {})
+
+    @property
+    def num_src(self) -> int:
+        return self._num_src
+
+    def is_symmetric(self) -> bool:
+        return False
+
+    def norm_coefficients(self, norm: str) -> Optional[torch.Tensor]:
+        if norm in ("sum", "none"):
+            return self.edge_weight
+        try:
+            return self._norm_coef[norm]
+        except KeyError:
+            raise GraphError(f"local graph {self.name!r}: no {norm!r} coefficients were precomputed for it "
+                             f"(have {sorted(self._norm_coef) or 'none'}); the lowering computes the norms the "
+                             "model uses") from None
+
+    def loop_norm_coefficients(self, norm: str) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return self._loop_norm_coef[norm]
+        except KeyError:
+            raise GraphError(f"local graph {self.name!r}: no {norm!r} coefficients with self loops were "
+                             f"precomputed (have {sorted(self._loop_norm_coef) or 'none'})") from None
+
+    def __repr__(self) -> str:
+        return (f"LocalGraph(name={self.name!r}, owned={self.num_nodes:,}, halo={self.num_src - self.num_nodes:,}, "
+                f"edges={self.num_edges:,})")
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_cache"] = {}  # caches are rebuilt where the graph is used (e.g. in the rank process)
+        return state
+
+
+@dataclass
+class Shard:
+    """One rank's part of a partitioned graph (see the module docstring)."""
+
+    rank: int
+    owned: torch.Tensor
+    halo: torch.Tensor
+    halo_owner: torch.Tensor
+    graph: LocalGraph
+    send_index: list[torch.Tensor] = field(default_factory=list)
+    recv_count: list[int] = field(default_factory=list)
+
+    @property
+    def num_owned(self) -> int:
+        return int(self.owned.numel())
+
+    @property
+    def num_halo(self) -> int:
+        return int(self.halo.numel())
+
+    @property
+    def send_count(self) -> list[int]:
+        return [int(t.numel()) for t in self.send_index]
+
+
+def slice_rows(t: Optional[torch.Tensor], rows: torch.Tensor) -> Optional[torch.Tensor]:
+    """Rows ``rows`` of a dense or sparse-CSR tensor (``None`` stays ``None``)."""
+    if t is None:
+        return None
+    if t.layout == torch.sparse_csr:
+        crow, col, val = t.crow_indices(), t.col_indices(), t.values()
+        counts = crow[1:] - crow[:-1]
+        sel_counts = counts[rows]
+        pos = _ranges(crow[:-1][rows], sel_counts)
+        new_crow = torch.zeros(rows.numel() + 1, dtype=crow.dtype)
+        torch.cumsum(sel_counts, 0, out=new_crow[1:])
+        return torch.sparse_csr_tensor(new_crow, col[pos], val[pos], size=(rows.numel(), t.shape[1]))
+    return t.index_select(0, rows)
+
+
+def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Concatenation of ``arange(s, s + c)`` for every (s, c), vectorized."""
+    total = int(counts.sum())
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    offsets = torch.zeros_like(counts)
+    torch.cumsum(counts[:-1], 0, out=offsets[1:])
+    return torch.repeat_interleave(starts - offsets, counts) + torch.arange(total)
+
+
+def build_shards(graph: Graph, parts: torch.Tensor, num_parts: int,
+                 norms: Iterable[tuple[str, bool]] = (), with_node_data: bool = True) -> list[Shard]:
+    """Cut ``graph`` into ``num_parts`` shards by the vertex -> part map ``parts``.
+
+    ``norms`` lists the ``(norm, add_self_loops)`` pairs the model propagates with, whose global
+    coefficients are sliced into each local graph. With ``with_node_data`` the local graphs carry
+    the owned rows of ``x``, ``y`` and the masks.
+    """
+    parts = torch.as_tensor(parts, dtype=torch.int64).cpu()
+    n = graph.num_nodes
+    if parts.shape != (n,):
+        raise GraphError(f"parts: expected shape [{n}] (one part per vertex), got {list(parts.shape)}")
+    if n and (int(parts.min()) < 0 or int(parts.max()) >= num_parts):
+        raise GraphError(f"parts: ids must be in [0, {num_parts}), got range [{int(parts.min())}, {int(parts.max())}]")
+    norms = sorted(set(norms))
+    edge_coef = {nm: graph.norm_coefficients(nm) for nm, loops in norms if not loops and nm in ("gcn", "mean")}
+    loop_coef = {nm: graph.loop_norm_coefficients(nm) for nm, loops in norms if loops and nm in ("gcn", "mean", "sum")}
+    indptr, indices = graph.indptr.cpu(), graph.indices.cpu()
+    deg = indptr[1:] - indptr[:-1]
+    owned_all = [torch.nonzero(parts == r).flatten() for r in range(num_parts)]
+
+    shards: list[Shard] = []
+    for r, owned in enumerate(owned_all):
+        eids = _ranges(indptr[:-1][owned], deg[owned])
+        src = indices[eids]
+        src_part = parts[src]
+        remote = src_part != r
+        # halo: distinct remote sources sorted by (owner, global id)
+        key = src_part[remote] * max(n, 1) + src[remote]
+        halo_key = torch.unique(key)
+        halo = halo_key % max(n, 1)
+        halo_owner = halo_key // max(n, 1)
+        local_src = torch.empty_like(src)
+        local_src[~remote] = torch.searchsorted(owned, src[~remote])
+        local_src[remote] = owned.numel() + torch.searchsorted(halo_key, key)
+        local_indptr = torch.zeros(owned.numel() + 1, dtype=torch.int64)
+        torch.cumsum(deg[owned], 0, out=local_indptr[1:])
+        node_data = {}
+        if with_node_data:
+            node_data = dict(x=slice_rows(graph.x, owned), y=slice_rows(graph.y, owned),
+                             train_mask=slice_rows(graph.train_mask, owned), val_mask=slice_rows(graph.val_mask, owned),
+                             test_mask=slice_rows(graph.test_mask, owned), num_classes=graph.num_classes if graph.y is not None else None)
+        lg = LocalGraph(
+            local_indptr, local_src, owned.numel(), owned.numel() + halo.numel(),
+            edge_weight=None if graph.edge_weight is None else graph.edge_weight.cpu()[eids],
+            norm_coef={nm: c.cpu()[eids] for nm, c in edge_coef.items()},
+            loop_norm_coef={nm: (c[0].cpu()[eids], c[1].cpu()[owned]) for nm, c in loop_coef.items()},
+            name=f"{graph.name}[rank {r}]", **node_data)
+        shards.append(Shard(rank=r, owned=owned, halo=halo, halo_owner=halo_owner, graph=lg))
+
+    # exchange lists: rank r sends to q the rows of q's halo that r owns, in q's order
+    for q, sq in enumerate(shards):
+        counts = torch.bincount(sq.halo_owner, minlength=num_parts)
+        sq.recv_count = [int(c) for c in counts]
+    for r, sr in enumerate(shards):
+        sr.send_index = []
+        for q, sq in enumerate(shards):
+            need = sq.halo[sq.halo_owner == r]
+            sr.send_index.append(torch.searchsorted(sr.owned, need))
+    return shards
+
+
+def global_rows(shards: list[Shard], local: list[torch.Tensor], num_nodes: int) -> torch.Tensor:
+    """Reassemble per-rank rows-layout tensors (owned rows, rank order) into the global order."""
+    first = local[0]
+    out = first.new_zeros((num_nodes,) + tuple(first.shape[1:]))
+    for s, t in zip(shards, local):
+        out[s.owned] = t
+    return out
+

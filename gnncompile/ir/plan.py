@@ -1,0 +1,604 @@
+"""Plans: one instruction list per rank, as plain printable data.
+
+A :class:`Plan` is what the planner returns and the runtime executes. It holds, per rank, a
+:class:`DevicePlan`: the rank's *stages* (pieces of the traced operator graph, described by
+:class:`StageSpec`; the runnable fx modules are attached by the lowering and are not part of the
+data) and its *instruction list* for one training step. Instructions print in a short form, in the
+style of ``torch.distributed.pipelining``'s action lists::
+
+    F0c0                 forward of stage 0 on chunk 0
+    B2c0                 backward of stage 2 on chunk 0
+    R1c3                 recompute stage 1's forward on chunk 3 (activations were freed)
+    SEND h1 c0 ->2       send value h1 (chunk 0) to rank 2; RECV h1 c0 <-0 receives it
+    HALO h1 c0           halo exchange of h1's rows inside the group (writes h1@halo)
+    A2A h2 c0 rows->cols all-to-all changing h2's layout (writes h2@cols)
+    AG h / RS h          all-gather / reduce-scatter
+    AR grads             all-reduce of replicated parameters' gradients
+    FREE h1 c0           drop a stored value
+    OPT                  optimizer step
+
+A communication instruction with ``grad=True`` moves the *gradient* of its value in the opposite
+direction (``HALO^T grad h1 c0`` sends the halo rows' gradients back to their owners and
+accumulates them), so a backward pass is written with the same instructions as the forward.
+
+Values are named after the fx nodes of the traced model (``linear_1``, ``propagate``); the model's
+inputs are ``g`` (the rank's graph) and ``x``; a communication instruction writes its result under
+``value@halo``, ``value@cols`` etc. (:func:`converted_name`).
+
+Plans round-trip through JSON (:meth:`Plan.to_dict`, :meth:`Plan.save`, :meth:`Plan.load`); loading
+with the model and graph re-runs the recorded decisions and checks that the same instruction lists
+come out, which rebuilds the stage modules.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar, Iterable, Union
+
+from ..errors import PlanningError, VerificationError
+
+__all__ = [
+    "Instruction", "Forward", "Backward", "Recompute", "Send", "Recv", "HaloExchange", "AllToAll",
+    "AllGather", "ReduceScatter", "AllReduce", "Free", "OptimizerStep", "INSTRUCTIONS",
+    "StageSpec", "DevicePlan", "Plan", "RankProgram", "converted_name", "PLAN_FORMAT_VERSION",
+]
+
+PLAN_FORMAT_VERSION = 1
+
+
+def converted_name(value: str, suffix: str) -> str:
+    """Name of the value a conversion writes: ``converted_name("h1", "halo") == "h1@halo"``."""
+    return f"{value}@{suffix}"
+
+
+# --------------------------------------------------------------------------- instructions
+@dataclass(frozen=True)
+class Instruction:
+    """Base class of plan instructions; subclasses are frozen dataclasses with a short ``str``."""
+
+    kind: ClassVar[str] = ""
+    #: Whether the instruction communicates (Send/Recv and collectives).
+    communicates: ClassVar[bool] = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"op": type(self).__name__}
+        for f in fields(self):
+            d[f.name] = _as_list(getattr(self, f.name))
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Instruction":
+        if not isinstance(d, dict):
+            raise VerificationError(f"malformed instruction {d!r}: expected an object with an 'op' field")
+        d = dict(d)
+        op = d.pop("op", None)
+        cls = INSTRUCTIONS.get(op) if isinstance(op, str) else None
+        if cls is None:
+            raise VerificationError(f"unknown instruction {op!r}; valid: {', '.join(INSTRUCTIONS)}")
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise VerificationError(f"malformed {op} instruction {d}: unknown field(s) {', '.join(unknown)}")
+        try:
+            return cls(**{k: _as_tuple(v) for k, v in d.items()})
+        except TypeError as e:
+            raise VerificationError(f"malformed {op} instruction {d}: {e}") from None
+
+
+def _as_tuple(v: Any) -> Any:
+    """JSON lists (nested too) back to the tuples instructions hold."""
+    return tuple(_as_tuple(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def _as_list(v: Any) -> Any:
+    """Tuples (nested too, e.g. ``AllToAll.send_shapes``) to the lists JSON holds."""
+    return [_as_list(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
+@dataclass(frozen=True)
+class Forward(Instruction):
+    """Run stage ``stage``'s forward on chunk ``chunk``, keeping what its backward needs."""
+
+    stage: int
+    chunk: int = 0
+    kind: ClassVar[str] = "F"
+
+    def __str__(self) -> str:
+        return f"F{self.stage}c{self.chunk}"
+
+
+@dataclass(frozen=True)
+class Backward(Instruction):
+    """Run stage ``stage``'s backward on chunk ``chunk`` (gradients of its outputs must be there)."""
+
+    stage: int
+    chunk: int = 0
+    kind: ClassVar[str] = "B"
+
+    def __str__(self) -> str:
+        return f"B{self.stage}c{self.chunk}"
+
+
+@dataclass(frozen=True)
+class Recompute(Instruction):
+    """Re-run stage ``stage``'s forward on chunk ``chunk`` before its backward (activations freed)."""
+
+    stage: int
+    chunk: int = 0
+    kind: ClassVar[str] = "R"
+
+    def __str__(self) -> str:
+        return f"R{self.stage}c{self.chunk}"
+
+
+def _grad(grad: bool) -> str:
+    return "grad " if grad else ""
+
+
+@dataclass(frozen=True)
+class Send(Instruction):
+    """Send ``value`` of ``chunk`` (or its gradient) to rank ``peer``; ``shape``/``dtype`` describe it."""
+
+    value: str
+    chunk: int
+    peer: int
+    shape: tuple[int, ...] = ()
+    dtype: str = "float32"
+    grad: bool = False
+    kind: ClassVar[str] = "SEND"
+    communicates: ClassVar[bool] = True
+
+    def __str__(self) -> str:
+        return f"SEND {_grad(self.grad)}{self.value} c{self.chunk} ->{self.peer}"
+
+
+@dataclass(frozen=True)
+class Recv(Instruction):
+    """Receive ``value`` of ``chunk`` (or its gradient) from rank ``peer``."""
+
+    value: str
+    chunk: int
+    peer: int
+    shape: tuple[int, ...] = ()
+    dtype: str = "float32"
+    grad: bool = False
+    kind: ClassVar[str] = "RECV"
+    communicates: ClassVar[bool] = True
+
+    def __str__(self) -> str:
+        return f"RECV {_grad(self.grad)}{self.value} c{self.chunk} <-{self.peer}"
+
+
+@dataclass(frozen=True)
+class HaloExchange(Instruction):
+    """Halo exchange of ``value`` (rows layout) inside ``group``; writes ``value@halo``.
+
+    ``send_rows[i]`` / ``recv_rows[i]`` are the numbers of rows this rank sends to / receives from
+    ``group[i]``; ``width`` is the number of elements per row. With ``grad=True`` the gradients of
+    the halo rows travel back to their owners and are added to the gradient of ``value``.
+    """
+
+    value: str
+    chunk: int
+    group: tuple[int, ...]
+    send_rows: tuple[int, ...]
+    recv_rows: tuple[int, ...]
+    width: int
+    dtype: str = "float32"
+    grad: bool = False
+    kind: ClassVar[str] = "HALO"
+    communicates: ClassVar[bool] = True
+
+    @property
+    def output(self) -> str:
+        return converted_name(self.value, "halo")
+
+    def __str__(self) -> str:
+        return f"HALO{'^T' if self.grad else ''} {_grad(self.grad)}{self.value} c{self.chunk}"
+
+
+@dataclass(frozen=True)
+class AllToAll(Instruction):
+    """All-to-all inside ``group`` changing ``value``'s layout ``src_layout -> dst_layout``."""
+
+    value: str
+    chunk: int
+    group: tuple[int, ...]
+    src_layout: str
+    dst_layout: str
+    send_shapes: tuple[tuple[int, ...], ...] = ()
+    recv_shapes: tuple[tuple[int, ...], ...] = ()
+    dtype: str = "float32"
+    grad: bool = False
+    kind: ClassVar[str] = "A2A"
+    communicates: ClassVar[bool] = True
+
+    @property
+    def output(self) -> str:
+        return converted_name(self.value, self.dst_layout)
+
+    def __str__(self) -> str:
+        return f"A2A {_grad(self.grad)}{self.value} c{self.chunk} {self.src_layout}->{self.dst_layout}"
+
+
+@dataclass(frozen=True)
+class AllGather(Instruction):
+    """All-gather of ``value`` inside ``group`` (writes ``value@gathered``)."""
+
+    value: str
+    chunk: int
+    group: tuple[int, ...]
+    shape: tuple[int, ...] = ()
+    dtype: str = "float32"
+    grad: bool = False
+    kind: ClassVar[str] = "AG"
+    communicates: ClassVar[bool] = True
+
+    @property
+    def output(self) -> str:
+        return converted_name(self.value, "gathered")
+
+    def __str__(self) -> str:
+        return f"AG {_grad(self.grad)}{self.value} c{self.chunk}"
+
+
+@dataclass(frozen=True)
+class ReduceScatter(Instruction):
+    """Reduce-scatter of ``value`` inside ``group`` (writes ``value@scattered``)."""
+
+    value: str
+    chunk: int
+    group: tuple[int, ...]
+    shape: tuple[int, ...] = ()
+    dtype: str = "float32"
+    grad: bool = False
+    kind: ClassVar[str] = "RS"
+    communicates: ClassVar[bool] = True
+
+    @property
+    def output(self) -> str:
+        return converted_name(self.value, "scattered")
+
+    def __str__(self) -> str:
+        return f"RS {_grad(self.grad)}{self.value} c{self.chunk}"
+
+
+@dataclass(frozen=True)
+class AllReduce(Instruction):
+    """Sum-all-reduce inside ``group``; ``value="grads"`` reduces the gradients of the parameters
+    replicated on the group (``numel`` elements in all, bucketed by the runtime)."""
+
+    value: str
+    group: tuple[int, ...]
+    numel: int = 0
+    dtype: str = "float32"
+    kind: ClassVar[str] = "AR"
+    communicates: ClassVar[bool] = True
+
+    def __str__(self) -> str:
+        return f"AR {self.value}"
+
+
+@dataclass(frozen=True)
+class Free(Instruction):
+    """Drop the stored ``value`` of ``chunk`` (its memory can be reused)."""
+
+    value: str
+    chunk: int = 0
+    kind: ClassVar[str] = "FREE"
+
+    def __str__(self) -> str:
+        return f"FREE {self.value} c{self.chunk}"
+
+
+@dataclass(frozen=True)
+class OptimizerStep(Instruction):
+    """Apply the optimizer to this rank's parameters (after their gradients are complete)."""
+
+    kind: ClassVar[str] = "OPT"
+
+    def __str__(self) -> str:
+        return "OPT"
+
+
+INSTRUCTIONS: dict[str, type[Instruction]] = {
+    c.__name__: c for c in (Forward, Backward, Recompute, Send, Recv, HaloExchange, AllToAll, AllGather,
+                            ReduceScatter, AllReduce, Free, OptimizerStep)
+}
+
+#: Collective instruction types (every rank of ``group`` issues them in the same order).
+COLLECTIVES = (HaloExchange, AllToAll, AllGather, ReduceScatter, AllReduce)
+
+
+# --------------------------------------------------------------------------- stages and ranks
+@dataclass(frozen=True)
+class StageSpec:
+    """A stage: a connected piece of the operator graph run by one Forward/Backward instruction.
+
+    ``inputs``/``outputs`` are value names (see the module docstring); ``ops`` the fx node names
+    the stage computes; ``kinds`` a count such as ``"T3 P1"``; ``layers`` the GNN layers it covers.
+    """
+
+    index: int
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    ops: tuple[str, ...]
+    kinds: str = ""
+    layers: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _as_list(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StageSpec":
+        if not isinstance(d, dict):
+            raise VerificationError(f"malformed stage {d!r}: expected an object")
+        try:
+            return cls(**{k: _as_tuple(v) for k, v in d.items()})
+        except TypeError as e:
+            raise VerificationError(f"malformed stage {d}: {e}") from None
+
+    def __str__(self) -> str:
+        layers = f" L{self.layers[0]}" + (f"-{self.layers[-1]}" if len(self.layers) > 1 else "") if self.layers else ""
+        return f"stage {self.index}{layers} [{self.kinds}]: ({', '.join(self.inputs)}) -> ({', '.join(self.outputs)})"
+
+
+@dataclass
+class DevicePlan:
+    """One rank's program: its stages and its instruction list for one training step.
+
+    ``modules`` maps a stage index to the runnable fx module; it is attached by the lowering and is
+    not part of the plan's data (equality, JSON).
+    """
+
+    rank: int
+    stages: tuple[StageSpec, ...]
+    instructions: tuple[Instruction, ...]
+    modules: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def stage(self, index: int) -> StageSpec:
+        for s in self.stages:
+            if s.index == index:
+                return s
+        raise KeyError(f"rank {self.rank} has no stage {index}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "stages": [s.to_dict() for s in self.stages],
+                "instructions": [i.to_dict() for i in self.instructions]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DevicePlan":
+        if not isinstance(d, dict):
+            raise VerificationError(f"malformed rank {d!r}: expected an object")
+        try:
+            return cls(rank=int(d["rank"]), stages=tuple(StageSpec.from_dict(s) for s in d["stages"]),
+                       instructions=tuple(Instruction.from_dict(i) for i in d["instructions"]))
+        except KeyError as e:
+            raise VerificationError(f"rank data lacks the field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise VerificationError(f"malformed rank data: {e}") from None
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: " + " ".join(str(i) for i in self.instructions)
+
+
+def _human_bytes(n: float) -> str:
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "-"
+    for scale, suffix in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {suffix}"
+    return f"{n:.0f} B"
+
+
+@dataclass
+class Plan:
+    """A parallel training plan: what :func:`gnncompile.plan` returns and ``plan.run`` executes.
+
+    Fields
+    ------
+    strategy:
+        ``"data"``, ``"task"``, ``"layer"``, ``"tensor"``, ``"mop"``, ``"split"`` or a hybrid name.
+    semantics:
+        ``"exact"`` or ``"relaxed"``; ``relaxations`` lists the relaxed transformations applied
+        (empty for an exact plan).
+    options:
+        The recorded decisions (strategy options, partitioner, seed, ...) as JSON data: lowering
+        the same model and graph with them gives this plan again.
+    cluster:
+        Description of the devices the plan is for.
+    ranks:
+        One :class:`DevicePlan` per rank.
+    schedule:
+        Name of the schedule of the instruction lists (``"sequential"``, ``"gpipe"``, ``"1f1b"``).
+    predictions:
+        Per-rank predictions, lists indexed by rank (e.g. ``bytes_sent``: the closed-form
+        communication volume of one training step), and scalars.
+    info:
+        Descriptive data: graph statistics, partition statistics, model name.
+    """
+
+    strategy: str
+    semantics: str
+    options: dict[str, Any]
+    cluster: str
+    ranks: list[DevicePlan]
+    schedule: str = "sequential"
+    relaxations: tuple[str, ...] = ()
+    predictions: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+    #: Runtime artifacts attached by the lowering (the traced model, per-rank graphs); not data.
+    program: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    # ------------------------------------------------------------------ printing
+    def header(self) -> list[str]:
+        rel = ", ".join(self.relaxations) if self.relaxations else "none"
+        lines = [f"Plan: strategy={self.strategy} semantics={self.semantics} ranks={self.num_ranks} "
+                 f"schedule={self.schedule} cluster={self.cluster}",
+                 f"  relaxed transformations applied: {rel}"]
+        if self.info.get("graph"):
+            lines.append(f"  graph: {self.info['graph']}")
+        if self.info.get("model"):
+            lines.append(f"  model: {self.info['model']}")
+        part = self.info.get("partition")
+        if part:
+            lines.append(f"  partition: {part.get('method')} into {part.get('num_parts')} parts, "
+                         f"replication factor alpha={part.get('replication_factor', float('nan')):.3f}, "
+                         f"edge cut {part.get('total_edge_cut', 0):,}")
+        return lines
+
+    def stage_table(self) -> list[str]:
+        seen: dict[tuple, list[int]] = {}
+        for dp in self.ranks:
+            seen.setdefault(tuple(str(s) for s in dp.stages), []).append(dp.rank)
+        lines = []
+        for stages, ranks in seen.items():
+            who = "all ranks" if len(ranks) == self.num_ranks and self.num_ranks > 1 else \
+                "rank" + ("s " if len(ranks) > 1 else " ") + ",".join(map(str, ranks))
+            lines.append(f"  stages on {who}:")
+            lines.extend(f"    {s}" for s in stages)
+        return lines
+
+    def instruction_table(self) -> list[str]:
+        """Steps as rows, ranks as columns (like pipeline-schedule action tables)."""
+        cols = [[str(i) for i in dp.instructions] for dp in self.ranks]
+        depth = max((len(c) for c in cols), default=0)
+        head = ["step"] + [f"rank {dp.rank}" for dp in self.ranks]
+        rows = [[str(k)] + [c[k] if k < len(c) else "" for c in cols] for k in range(depth)]
+        widths = [max(len(r[j]) for r in [head] + rows) for j in range(len(head))]
+        fmt = lambda r: "  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip()  # noqa: E731
+        return [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+    def prediction_table(self) -> list[str]:
+        per_rank = {k: v for k, v in self.predictions.items() if isinstance(v, (list, tuple)) and len(v) == self.num_ranks}
+        if not per_rank:
+            return []
+        keys = sorted(per_rank)
+        head = ["rank"] + keys
+        rows = [[str(r)] + [_human_bytes(per_rank[k][r]) if "bytes" in k or "memory" in k else f"{per_rank[k][r]:.4g}"
+                            for k in keys] for r in range(self.num_ranks)]
+        widths = [max(len(x[j]) for x in [head] + rows) for j in range(len(head))]
+        fmt = lambda r: "  " + "  ".join(x.rjust(w) for x, w in zip(r, widths))  # noqa: E731
+        return ["  predicted per training step:", fmt(head)] + [fmt(r) for r in rows]
+
+    def __str__(self) -> str:
+        return "\n".join(self.header() + self.stage_table() + self.prediction_table() + self.instruction_table())
+
+    # ------------------------------------------------------------------ (de)serialization
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT_VERSION,
+            "strategy": self.strategy, "semantics": self.semantics, "relaxations": list(self.relaxations),
+            "options": self.options, "cluster": self.cluster, "schedule": self.schedule,
+            "predictions": self.predictions, "info": self.info,
+            "ranks": [dp.to_dict() for dp in self.ranks],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        if not isinstance(d, dict):
+            raise VerificationError(f"plan data must be an object, got {type(d).__name__}")
+        if d.get("format") != PLAN_FORMAT_VERSION:
+            raise VerificationError(f"plan format {d.get('format')!r} is not supported (this gnncompile "
+                                    f"reads format {PLAN_FORMAT_VERSION})")
+        try:
+            return cls(strategy=d["strategy"], semantics=d["semantics"], relaxations=tuple(d.get("relaxations", ())),
+                       options=d["options"], cluster=d["cluster"], schedule=d.get("schedule", "sequential"),
+                       predictions=d.get("predictions", {}), info=d.get("info", {}),
+                       ranks=[DevicePlan.from_dict(r) for r in d["ranks"]])
+        except KeyError as e:
+            raise VerificationError(f"plan data lacks the field {e.args[0]!r}") from None
+        except TypeError as e:
+            raise VerificationError(f"malformed plan data: {e}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: Union[str, Path]) -> Path:
+        """Write the plan as JSON to ``path``; :meth:`load` reads it back."""
+        p = Path(path)
+        p.write_text(self.to_json())
+        return p
+
+    @classmethod
+    def load(cls, path: Union[str, Path], model: Any = None, graph: Any = None) -> "Plan":
+        """Read a plan saved by :meth:`save`.
+
+        Without ``model`` and ``graph`` the result is data only (print it, verify it). With them,
+        the recorded decisions are lowered again for this model and graph, the instruction lists are
+        checked to be the saved ones (a :class:`~gnncompile.VerificationError` names the first rank
+        that differs otherwise), and the returned plan can run.
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise PlanningError(f"cannot read plan file {str(path)!r}: {e}") from None
+        saved = cls.from_dict(data)
+        if model is None and graph is None:
+            return saved
+        if model is None or graph is None:
+            raise PlanningError("Plan.load: pass both model and graph to rebuild a runnable plan (or neither)")
+        from ..api import plan as make_plan  # lazy: ir does not depend on the planner
+
+        rebuilt = make_plan(model, graph, gpus=saved.num_ranks, **saved.options)
+        for a, b in zip(saved.ranks, rebuilt.ranks):
+            if a.instructions != b.instructions or a.stages != b.stages:
+                raise VerificationError(
+                    f"plan file {str(path)!r} does not match this model and graph: rank {a.rank} differs\n"
+                    f"  saved:   {a}\n  rebuilt: {b}")
+        return rebuilt
+
+    def run(self, epochs: int = 200, lr: float = 0.01, **kwargs: Any) -> Any:
+        """Train with this plan across its ranks; see :func:`gnncompile.runtime.executor.run_plan`."""
+        if self.program is None:
+            raise PlanningError("this plan holds no model (it was loaded from a file without one); "
+                                "use gnncompile.Plan.load(path, model, graph) to run it")
+        from ..runtime.executor import run_plan  # lazy: the runtime is imported only to run
+
+        return run_plan(self, epochs=epochs, lr=lr, **kwargs)
+
+
+def iter_collectives(instructions: Iterable[Instruction]) -> Iterable[Instruction]:
+    return (i for i in instructions if isinstance(i, COLLECTIVES))
+
+
+@dataclass
+class RankProgram:
+    """Everything one rank needs to execute its part of a plan (built by a lowering, pickled to the rank).
+
+    Plain data plus fx modules: the runtime executes it and imports nothing from the planner.
+
+    ``modules``/``stages``/``instructions``: the training step; ``eval_*``: the forward-only program
+    used for evaluation (traced in eval mode). ``inputs``: model inputs by name (``g``: the rank's
+    graph, ``x``: its feature rows). ``halo``: the rank's halo exchange lists
+    ``(send_index per rank, recv_count per rank)`` (local rows sent to each rank, rows received). ``labels``/``masks``: the rank's rows of ``y``
+    and the train/val/test masks; ``counts``: the global number of vertices in each mask (the loss
+    is the sum over this rank's training rows divided by the global count, so the ranks' losses and
+    gradients add up to the single-device ones). ``params``: the parameters in the user model's
+    order with their names there (``param_names``), shared by all stage modules.
+    """
+
+    rank: int
+    world_size: int
+    modules: dict[int, Any]
+    stages: tuple[StageSpec, ...]
+    instructions: tuple[Instruction, ...]
+    eval_modules: dict[int, Any]
+    eval_stages: tuple[StageSpec, ...]
+    eval_instructions: tuple[Instruction, ...]
+    output: str
+    eval_output: str
+    inputs: dict[str, Any]
+    halo: tuple[tuple[Any, ...], tuple[int, ...]]
+    labels: Any
+    masks: dict[str, Any]
+    counts: dict[str, int]
+    params: list[Any]
+    param_names: list[str]
+    owned: Any = None

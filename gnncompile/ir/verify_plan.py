@@ -1,0 +1,645 @@
+"""`verify_plan(plan)`: the one verifier of parallel training plans.
+
+Checks, in order (the first violation raises :class:`~gnncompile.errors.VerificationError` naming the
+rank, the step (instruction index) and a window of the rank's instructions with the faulty one
+marked ``>>``):
+
+1. **structure**: ranks are numbered ``0..N-1`` in order; every field has its declared type; stage
+   indices and stage outputs are unique per rank; Forward/Backward/Recompute name a stage of the
+   rank; chunks lie in ``range(plan.options.get("chunks", 1))``; Send/Recv peers are other ranks of
+   the plan; collective groups are sorted, without duplicates, of valid ranks, and include the
+   issuing rank; HaloExchange has one ``send_rows``/``recv_rows`` entry per group member, zero for
+   itself; AllToAll shapes are absent or one per member; dtypes are torch dtypes.
+2. **forward/backward accounting** per rank: every stage runs Forward and Backward exactly once per
+   chunk, the Backward after the Forward; Recompute(s, c) lies between them; OptimizerStep runs
+   exactly once, after every Backward and every ``AR grads``.
+3. **matching** across ranks: the k-th Send from rank r to rank q matches the k-th Recv on q from r
+   (value, chunk, grad, shape, dtype); per group, every member issues the same sequence of
+   collectives over exactly that group (type, value, chunk, grad, dtype, layouts, width, shape,
+   numel); halo row counts and all-to-all shapes agree pairwise (what group[i] sends to group[j] is
+   what group[j] receives from group[i]).
+4. **dataflow** per rank (use before def, see below).
+5. **dry run**: all ranks are simulated together; computation, Free and OPT complete at once,
+   Send/Recv are rendezvous (blocking send and receive), a collective completes when every member
+   of its group is at it. If no rank can advance before all have finished, the deadlock is reported
+   with every blocked rank, its instruction and what it waits for.
+
+Dataflow rules. Values are ``(name, chunk)`` pairs, except the plan ``inputs`` (``g``, ``x``), which
+are chunk-independent and always available. A value becomes available when a Forward/Recompute of
+a stage producing it, a Recv of it, or a collective writing it (``h@halo``, ``h@cols``,
+``h@gathered``, ``h@scattered``: the instruction's ``output``) runs; ``FREE`` makes it unavailable
+until it is produced again. Forward/Recompute need their stage's inputs; Send and non-grad
+collectives need their value; ``AR v`` (``v != "grads"``) has no chunk and reduces ``v`` in place,
+so it needs ``v`` for some chunk.
+
+The gradient of ``(v, c)`` is complete once *every* contribution to it on the rank has run: the
+Backward of each stage of the rank consuming ``v``, each ``grad=True`` Recv of ``(v, c)`` and each
+``grad=True`` collective of ``(v, c)`` (which needs the complete gradient of its ``output``). A
+stage output that no stage of the rank consumes and that no grad Recv or grad collective mentions
+is a loss root (e.g. the logits): its gradient comes from the loss. Backward(s, c) needs the
+complete gradients of all of s's outputs; a ``grad=True`` Send needs the gradient it sends.
+
+Communication volume (:class:`PlanReport`) is counted from each rank's own instructions, in bytes
+(``getattr(torch, dtype).itemsize`` per element):
+
+- Send / Recv: ``numel(shape)`` elements sent / received.
+- HaloExchange: ``sum(send_rows) * width`` sent and ``sum(recv_rows) * width`` received. The row
+  counts describe the forward exchange; a ``grad=True`` exchange moves the same rows back, so its
+  sent and received volumes are swapped. AllToAll likewise, from ``send_shapes``/``recv_shapes``
+  without the member's own entry (a local copy); zero when no shapes are given.
+- AllGather / ReduceScatter (``shape`` is the full, gathered tensor): ring algorithm,
+  ``(n-1)/n * numel(shape)`` sent and as much received by each of the ``n`` members.
+- AllReduce: ring all-reduce, ``2 (n-1)/n * numel`` sent and as much received per member.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import typing
+from collections import Counter, defaultdict
+from dataclasses import dataclass, fields
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from ..errors import VerificationError
+from .plan import (
+    COLLECTIVES,
+    AllGather,
+    AllReduce,
+    AllToAll,
+    Backward,
+    DevicePlan,
+    Forward,
+    Free,
+    HaloExchange,
+    Instruction,
+    OptimizerStep,
+    Plan,
+    Recompute,
+    Recv,
+    ReduceScatter,
+    Send,
+    StageSpec,
+    _human_bytes,
+)
+
+__all__ = ["verify_plan", "PlanReport"]
+
+#: Instructions shown on each side of the faulty one in an error.
+WINDOW = 3
+#: Instructions shown when an error concerns a whole rank.
+WHOLE_RANK = 40
+#: Collective fields that legitimately differ between the members of a group.
+_PER_MEMBER_FIELDS = frozenset({"group", "send_rows", "recv_rows", "send_shapes", "recv_shapes"})
+
+Site = tuple[int, int]  # (rank, instruction index)
+
+
+# --------------------------------------------------------------------------- report
+@dataclass
+class PlanReport:
+    """What :func:`verify_plan` learned about a valid plan.
+
+    ``instructions[r]`` is rank r's instruction count; ``steps`` the dry run, one list per round (a
+    sweep in which every rank advances as far as it can) of the ``(rank, index)`` instructions that
+    completed in it, in completion order; ``bytes_sent[r]`` / ``bytes_recv[r]`` rank r's
+    communication volume of one training step (conventions in the module docstring).
+    """
+
+    instructions: list[int]
+    steps: list[list[Site]]
+    bytes_sent: list[float]
+    bytes_recv: list[float]
+
+    @property
+    def order(self) -> list[Site]:
+        """The global completion order of the dry run, ``(rank, index)`` pairs."""
+        return [site for round_ in self.steps for site in round_]
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.steps)
+
+    def __str__(self) -> str:
+        n = len(self.instructions)
+        head = ["rank", "instructions", "sent", "received"]
+        rows = [[str(r), str(self.instructions[r]), _human_bytes(self.bytes_sent[r]), _human_bytes(self.bytes_recv[r])]
+                for r in range(n)]
+        widths = [max(len(row[j]) for row in [head] + rows) for j in range(len(head))]
+        lines = [f"plan verified: {n} rank{'s' if n != 1 else ''}, {sum(self.instructions)} instructions, "
+                 f"dry run in {self.num_rounds} round{'s' if self.num_rounds != 1 else ''}"]
+        lines += ["  " + "  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in [head] + rows]
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- entry point
+def verify_plan(plan: Plan, *, inputs: Iterable[str] = ("g", "x")) -> PlanReport:
+    """Check every invariant of ``plan`` (see the module docstring) and dry-run it.
+
+    ``inputs`` are the names of the model inputs every rank holds from the start. Returns a
+    :class:`PlanReport`; raises :class:`~gnncompile.errors.VerificationError` at the first violation.
+    """
+    if not isinstance(plan, Plan):
+        raise VerificationError(f"verify_plan expects a Plan, got {type(plan).__name__}")
+    names = frozenset((inputs,) if isinstance(inputs, str) else inputs)
+    chunks = plan.options.get("chunks", 1)
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise VerificationError(f"plan option 'chunks' must be a positive int, got {chunks!r}")
+    _check_structure(plan, chunks)
+    for dp in plan.ranks:
+        _check_accounting(dp, chunks)
+    _check_point_to_point(plan)
+    _check_collectives(plan)
+    for dp in plan.ranks:
+        _check_dataflow(dp, names, chunks)
+    steps = _dry_run(plan)
+    sent, recv = [0.0] * plan.num_ranks, [0.0] * plan.num_ranks
+    for dp in plan.ranks:
+        for inst in dp.instructions:
+            out, into = _volume(inst, dp.rank)
+            sent[dp.rank] += out
+            recv[dp.rank] += into
+    return PlanReport(instructions=[len(dp.instructions) for dp in plan.ranks], steps=steps,
+                      bytes_sent=sent, bytes_recv=recv)
+
+
+# --------------------------------------------------------------------------- errors
+def _window(dp: DevicePlan, index: Optional[int]) -> str:
+    """Rank ``dp``'s instructions around ``index`` (marked ``>>``); all of them when ``index`` is None."""
+    insts = dp.instructions
+    lo, hi = (0, min(len(insts), WHOLE_RANK)) if index is None else \
+        (max(0, index - WINDOW), min(len(insts), index + WINDOW + 1))
+    lines = [f"  rank {dp.rank}:" + ("" if insts else " (no instructions)")]
+    if lo > 0:
+        lines.append("          ...")
+    lines += [f"    {'>>' if k == index else '  '} {k:>4}  {insts[k]}" for k in range(lo, hi)]
+    if hi < len(insts):
+        lines.append(f"          ... ({len(insts) - hi} more)")
+    return "\n".join(lines)
+
+
+def _where(dp: DevicePlan, index: int) -> str:
+    return f"rank {dp.rank} step {index} `{dp.instructions[index]}`"
+
+
+def _error(msg: str, *sites: tuple[DevicePlan, Optional[int]]) -> VerificationError:
+    return VerificationError("\n".join([msg] + [_window(dp, index) for dp, index in sites]))
+
+
+def _fail(dp: DevicePlan, index: Optional[int], msg: str) -> VerificationError:
+    """An error at rank ``dp``'s step ``index`` (the whole rank when ``index`` is None)."""
+    where = f"rank {dp.rank}" if index is None else _where(dp, index)
+    return _error(f"{where}: {msg}", (dp, index))
+
+
+# --------------------------------------------------------------------------- 1. structure
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether ``value`` has the type ``hint`` (int, str, bool or homogeneous tuples of them)."""
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if typing.get_origin(hint) is tuple:
+        return isinstance(value, tuple) and all(_conforms(v, typing.get_args(hint)[0]) for v in value)
+    return True
+
+
+def _type_problem(obj: Any) -> Optional[str]:
+    hints = _hints(type(obj))
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if not _conforms(value, hints[f.name]):
+            want = getattr(hints[f.name], "__name__", None) or str(hints[f.name])
+            return f"field {f.name!r} is {value!r}, expected {want}"
+    return None
+
+
+def _elsize(dtype: str) -> Optional[int]:
+    """Bytes per element of the torch dtype named ``dtype`` (None if there is no such dtype)."""
+    t = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    return t.itemsize if isinstance(t, torch.dtype) else None
+
+
+def _check_structure(plan: Plan, chunks: int) -> None:
+    """Check 1: rank numbering, field types, stage tables and each instruction on its own."""
+    n = plan.num_ranks
+    if n == 0:
+        raise VerificationError("plan has no ranks")
+    for pos, dp in enumerate(plan.ranks):
+        if not isinstance(dp, DevicePlan):
+            raise VerificationError(f"plan.ranks[{pos}] is a {type(dp).__name__}, not a DevicePlan")
+        if dp.rank != pos:
+            raise VerificationError(f"ranks must be numbered 0..{n - 1} in order: position {pos} holds rank {dp.rank}")
+        indices: dict[int, StageSpec] = {}
+        producer: dict[str, int] = {}
+        for spec in dp.stages:
+            problem = _type_problem(spec) if isinstance(spec, StageSpec) else f"{spec!r} is not a StageSpec"
+            if problem:
+                raise _fail(dp, None, f"stage {getattr(spec, 'index', '?')}: {problem}")
+            if spec.index in indices:
+                raise _fail(dp, None, f"two stages have index {spec.index}")
+            indices[spec.index] = spec
+            for out in spec.outputs:
+                if out in producer:
+                    raise _fail(dp, None, f"value {out!r} is an output of stages {producer[out]} and {spec.index}")
+                producer[out] = spec.index
+        for i, inst in enumerate(dp.instructions):
+            if not isinstance(inst, Instruction):
+                raise VerificationError(f"rank {dp.rank} step {i}: {inst!r} is not an Instruction")
+            problem = _type_problem(inst) or _instruction_problem(inst, dp.rank, n, chunks, indices)
+            if problem:
+                raise _fail(dp, i, problem)
+
+
+def _instruction_problem(inst: Instruction, rank: int, n: int, chunks: int,
+                         stages: dict[int, StageSpec]) -> Optional[str]:
+    """What is structurally wrong with ``inst`` issued by ``rank`` (None if nothing)."""
+    chunk = getattr(inst, "chunk", 0)
+    if not 0 <= chunk < chunks:
+        return f"chunk {chunk} is outside the plan's chunks 0..{chunks - 1} (options['chunks'] = {chunks})"
+    if isinstance(inst, (Forward, Backward, Recompute)) and inst.stage not in stages:
+        return f"stage {inst.stage} is not one of rank {rank}'s stages {sorted(stages)}"
+    if hasattr(inst, "dtype") and _elsize(inst.dtype) is None:
+        return f"unknown dtype {inst.dtype!r} (not a torch dtype)"
+    shapes = [getattr(inst, "shape", ()), *getattr(inst, "send_shapes", ()), *getattr(inst, "recv_shapes", ())]
+    if any(d < 0 for shape in shapes for d in shape):
+        return "shapes must not have negative dimensions"
+    if isinstance(inst, (Send, Recv)):
+        if not 0 <= inst.peer < n:
+            return f"peer {inst.peer} is not a rank of this {n}-rank plan"
+        if inst.peer == rank:
+            return f"rank {rank} cannot {'send to' if isinstance(inst, Send) else 'receive from'} itself"
+    if isinstance(inst, COLLECTIVES):
+        group = inst.group
+        if not group or list(group) != sorted(set(group)):
+            return f"group {group} must be non-empty, sorted and without duplicates"
+        if not all(0 <= m < n for m in group):
+            return f"group {group} names ranks outside 0..{n - 1}"
+        if rank not in group:
+            return f"rank {rank} issues a collective over group {group}, which does not include it"
+        me = group.index(rank)
+        if isinstance(inst, HaloExchange):
+            if len(inst.send_rows) != len(group) or len(inst.recv_rows) != len(group):
+                return (f"send_rows {inst.send_rows} and recv_rows {inst.recv_rows} need one entry per member "
+                        f"of group {group}")
+            if inst.send_rows[me] or inst.recv_rows[me]:
+                return f"a rank exchanges no halo rows with itself: entry {me} (rank {rank}) must be 0"
+            if inst.width < 0 or min(inst.send_rows + inst.recv_rows) < 0:
+                return "row counts and width must not be negative"
+        if isinstance(inst, AllToAll):
+            for name in ("send_shapes", "recv_shapes"):
+                if len(getattr(inst, name)) not in (0, len(group)):
+                    return f"{name} needs one shape per member of group {group} (or none)"
+        if isinstance(inst, AllReduce) and inst.numel < 0:
+            return f"numel {inst.numel} is negative"
+    return None
+
+
+# --------------------------------------------------------------------------- 2. accounting
+def _check_accounting(dp: DevicePlan, chunks: int) -> None:
+    """Check 2: one Forward and one later Backward per stage and chunk, Recompute between, one final OPT."""
+    forward: dict[tuple[int, int], int] = {}
+    backward: dict[tuple[int, int], int] = {}
+    opt: Optional[int] = None
+    for i, inst in enumerate(dp.instructions):
+        if isinstance(inst, (Forward, Backward, Recompute)):
+            key = (inst.stage, inst.chunk)
+            f, b = f"F{inst.stage}c{inst.chunk}", f"B{inst.stage}c{inst.chunk}"
+            if isinstance(inst, Forward):
+                if key in forward:
+                    raise _fail(dp, i, f"stage {inst.stage} runs its Forward on chunk {inst.chunk} twice "
+                                       f"(first at step {forward[key]})")
+                forward[key] = i
+            elif isinstance(inst, Backward):
+                if key not in forward:
+                    raise _fail(dp, i, f"Backward before its Forward {f}")
+                if key in backward:
+                    raise _fail(dp, i, f"stage {inst.stage} runs its Backward on chunk {inst.chunk} twice "
+                                       f"(first at step {backward[key]})")
+                if opt is not None:
+                    raise _fail(dp, i, f"Backward after the optimizer step (OPT at step {opt})")
+                backward[key] = i
+            elif key not in forward or key in backward:
+                raise _fail(dp, i, f"Recompute must come between {f} and {b}")
+        elif isinstance(inst, AllReduce) and inst.value == "grads" and opt is not None:
+            raise _fail(dp, i, f"gradient all-reduce after the optimizer step (OPT at step {opt})")
+        elif isinstance(inst, OptimizerStep):
+            if opt is not None:
+                raise _fail(dp, i, f"second optimizer step (first OPT at step {opt})")
+            opt = i
+    for spec in dp.stages:
+        for c in range(chunks):
+            if (spec.index, c) not in forward:
+                raise _fail(dp, None, f"stage {spec.index} never runs its Forward on chunk {c} (no F{spec.index}c{c})")
+            if (spec.index, c) not in backward:
+                raise _fail(dp, forward[spec.index, c], f"no Backward B{spec.index}c{c} for this Forward")
+    if opt is None:
+        raise _fail(dp, None, "no optimizer step (OPT)")
+
+
+# --------------------------------------------------------------------------- 3. matching
+def _check_point_to_point(plan: Plan) -> None:
+    """FIFO matching of Send/Recv per ordered pair of ranks."""
+    sends: dict[tuple[int, int], list[int]] = defaultdict(list)
+    recvs: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for dp in plan.ranks:
+        for i, inst in enumerate(dp.instructions):
+            if isinstance(inst, Send):
+                sends[dp.rank, inst.peer].append(i)
+            elif isinstance(inst, Recv):
+                recvs[inst.peer, dp.rank].append(i)
+    for src, dst in sorted(set(sends) | set(recvs)):
+        a, b = plan.ranks[src], plan.ranks[dst]
+        ss, rr = sends[src, dst], recvs[src, dst]
+        for k, (si, ri) in enumerate(zip(ss, rr)):
+            s, r = a.instructions[si], b.instructions[ri]
+            diffs = [f"{name} {getattr(s, name)!r} on the SEND vs {getattr(r, name)!r} on the RECV"
+                     for name in ("value", "chunk", "grad", "shape", "dtype") if getattr(s, name) != getattr(r, name)]
+            if diffs:
+                raise _error(f"SEND/RECV mismatch: message #{k} from rank {src} to rank {dst} is "
+                             f"{_where(a, si)} but {_where(b, ri)}: {'; '.join(diffs)}", (a, si), (b, ri))
+        if len(ss) > len(rr):
+            si = ss[len(rr)]
+            raise _error(f"{_where(a, si)} has no matching RECV on rank {dst} (rank {dst} receives "
+                         f"{len(rr)} message(s) from rank {src}, rank {src} sends {len(ss)})", (a, si), (b, None))
+        if len(rr) > len(ss):
+            ri = rr[len(ss)]
+            raise _error(f"{_where(b, ri)} has no matching SEND on rank {src} (rank {src} sends "
+                         f"{len(ss)} message(s) to rank {dst}, rank {dst} receives {len(rr)})", (b, ri), (a, None))
+
+
+def _signature(inst: Instruction) -> tuple:
+    """What every member of a collective's group must agree on."""
+    return (type(inst).__name__,) + tuple(
+        (f.name, getattr(inst, f.name)) for f in fields(inst) if f.name not in _PER_MEMBER_FIELDS)
+
+
+def _check_collectives(plan: Plan) -> None:
+    """Same collective sequence per group on all members; pairwise halo rows / all-to-all shapes agree."""
+    seqs: dict[tuple[int, ...], dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for dp in plan.ranks:
+        for i, inst in enumerate(dp.instructions):
+            if isinstance(inst, COLLECTIVES):
+                seqs[inst.group][dp.rank].append(i)
+    for group in sorted(seqs):
+        pos = {m: seqs[group][m] for m in group}
+        ref = plan.ranks[group[0]]
+        ref_sig = [_signature(ref.instructions[i]) for i in pos[group[0]]]
+        for m in group[1:]:
+            dp = plan.ranks[m]
+            sig = [_signature(dp.instructions[i]) for i in pos[m]]
+            if sig != ref_sig:
+                raise _collective_mismatch(group, (ref, pos[ref.rank], ref_sig), (dp, pos[m], sig))
+        for k in range(len(ref_sig)):
+            insts = [plan.ranks[m].instructions[pos[m][k]] for m in group]
+            _check_pairwise(plan, group, [pos[m][k] for m in group], insts)
+
+
+def _collective_mismatch(group: tuple[int, ...],
+                         *sides: tuple[DevicePlan, list[int], list[tuple]]) -> VerificationError:
+    """The error for two members of ``group`` issuing different collective sequences over it."""
+    (a, apos, asig), (b, bpos, bsig) = sides
+    k = next((j for j, (x, y) in enumerate(zip(asig, bsig)) if x != y), min(len(asig), len(bsig)))
+    kind = "order mismatch" if Counter(asig) == Counter(bsig) else "mismatch"
+
+    def at(dp: DevicePlan, p: list[int]) -> str:
+        return f"`{dp.instructions[p[k]]}` (step {p[k]}) on rank {dp.rank}" if k < len(p) else \
+            f"missing on rank {dp.rank} (it issues {len(p)} collective(s) over this group)"
+
+    detail = ""
+    if k < len(apos) and k < len(bpos) and str(a.instructions[apos[k]]) == str(b.instructions[bpos[k]]):
+        x, y = dict(asig[k][1:]), dict(bsig[k][1:])
+        detail = ": " + "; ".join(f"{f} {x[f]!r} vs {y[f]!r}" for f in x if x[f] != y[f])
+    return _error(f"collective {kind} over group {group}: collective #{k} is {at(a, apos)} but {at(b, bpos)}{detail}",
+                  (a, apos[k] if k < len(apos) else None), (b, bpos[k] if k < len(bpos) else None))
+
+
+def _check_pairwise(plan: Plan, group: tuple[int, ...], idx: list[int], insts: list[Instruction]) -> None:
+    """What group[i] sends to group[j] is what group[j] expects from group[i]."""
+    first = insts[0]
+    if isinstance(first, HaloExchange):
+        out, into, what = "send_rows", "recv_rows", "halo row counts disagree"
+    elif isinstance(first, AllToAll):
+        out, into, what = "send_shapes", "recv_shapes", "all-to-all shapes disagree"
+    else:
+        return
+    for i, a in enumerate(insts):
+        for j, b in enumerate(insts):
+            sent, expected = getattr(a, out), getattr(b, into)
+            if sent and expected and sent[j] != expected[i]:
+                da, db = plan.ranks[group[i]], plan.ranks[group[j]]
+                raise _error(f"{what}: {_where(da, idx[i])} sends {sent[j]} to rank {group[j]}, "
+                             f"{_where(db, idx[j])} expects {expected[i]} from rank {group[i]}",
+                             (da, idx[i]), (db, idx[j]))
+
+
+# --------------------------------------------------------------------------- 4. dataflow
+def _check_dataflow(dp: DevicePlan, inputs: frozenset[str], chunks: int) -> None:
+    """Check 4: every value and gradient rank ``dp`` uses is available at that step (rules in the module docstring)."""
+    stages = {s.index: s for s in dp.stages}
+    consumers: dict[str, list[int]] = defaultdict(list)
+    for s in dp.stages:
+        for v in dict.fromkeys(s.inputs):
+            consumers[v].append(s.index)
+    incoming: Counter[tuple[str, int]] = Counter()  # grad RECVs and grad collectives per (value, chunk)
+    for inst in dp.instructions:
+        if isinstance(inst, (Recv,) + COLLECTIVES) and getattr(inst, "grad", False):
+            incoming[inst.value, inst.chunk] += 1
+    with_incoming = {v for v, _ in incoming}
+    loss_roots = {o for s in dp.stages for o in s.outputs if not consumers[o] and o not in with_incoming}
+    available: set[tuple[str, int]] = set()
+    freed: dict[tuple[str, int], int] = {}
+    grads: Counter[tuple[str, int]] = Counter()  # contributions received so far
+
+    def need(i: int, v: str, c: int) -> None:
+        if v in inputs or (v, c) in available:
+            return
+        if (v, c) in freed:
+            why = f"it was freed at step {freed[v, c]}"
+        else:
+            later = next((k for k in range(i + 1, len(dp.instructions))
+                          if (v, c) in _defines(dp.instructions[k], stages)), None)
+            why = f"it is produced only later, at step {later}" if later is not None else \
+                f"it is never produced on rank {dp.rank} (not a plan input, stage output, RECV or collective output)"
+        raise _fail(dp, i, f"needs {v} c{c}, which is not available: {why}")
+
+    def need_grad(i: int, v: str, c: int) -> None:
+        if v in loss_roots:
+            return
+        if len(consumers[v]) + incoming[v, c] == 0:
+            raise _fail(dp, i, f"needs the gradient of {v} c{c}, which is never produced on rank {dp.rank} (no stage "
+                               f"here consumes {v}, and there is no grad RECV or grad collective of {v} c{c})")
+        if grads[v, c] < len(consumers[v]) + incoming[v, c]:
+            pending = [f"B{s}c{c}" for s in consumers[v] if Backward(s, c) not in dp.instructions[:i]]
+            pending += [f"`{x}` (step {k})" for k, x in enumerate(dp.instructions)
+                        if k > i and isinstance(x, (Recv,) + COLLECTIVES) and getattr(x, "grad", False)
+                        and (x.value, x.chunk) == (v, c)]
+            raise _fail(dp, i, f"needs the gradient of {v} c{c}, which is not complete yet: it still waits for "
+                               f"{', '.join(pending)}")
+
+    def produce(v: str, c: int) -> None:
+        available.add((v, c))
+        freed.pop((v, c), None)
+
+    for i, inst in enumerate(dp.instructions):
+        if isinstance(inst, (Forward, Recompute)):
+            spec = stages[inst.stage]
+            for v in spec.inputs:
+                need(i, v, inst.chunk)
+            for o in spec.outputs:
+                produce(o, inst.chunk)
+        elif isinstance(inst, Backward):
+            spec = stages[inst.stage]
+            for o in spec.outputs:
+                need_grad(i, o, inst.chunk)
+            for v in dict.fromkeys(spec.inputs):
+                grads[v, inst.chunk] += 1
+        elif isinstance(inst, Send):
+            (need_grad if inst.grad else need)(i, inst.value, inst.chunk)
+        elif isinstance(inst, Recv):
+            if inst.grad:
+                grads[inst.value, inst.chunk] += 1
+            else:
+                produce(inst.value, inst.chunk)
+        elif isinstance(inst, AllReduce):
+            if inst.value != "grads" and inst.value not in inputs and \
+                    not any((inst.value, c) in available for c in range(chunks)):
+                raise _fail(dp, i, f"all-reduces {inst.value}, which is not available on any chunk")
+        elif isinstance(inst, COLLECTIVES):
+            if inst.grad:  # consumes the gradient of the output, contributes to the value's
+                need_grad(i, inst.output, inst.chunk)
+                grads[inst.value, inst.chunk] += 1
+            else:
+                need(i, inst.value, inst.chunk)
+                produce(inst.output, inst.chunk)
+        elif isinstance(inst, Free):
+            need(i, inst.value, inst.chunk)
+            if inst.value in inputs:
+                raise _fail(dp, i, f"{inst.value} is a plan input (chunk-independent); it cannot be freed")
+            available.discard((inst.value, inst.chunk))
+            freed[inst.value, inst.chunk] = i
+
+
+def _defines(inst: Instruction, stages: dict[int, StageSpec]) -> set[tuple[str, int]]:
+    """The (value, chunk) pairs ``inst`` makes available (used to explain dataflow errors)."""
+    if isinstance(inst, (Forward, Recompute)):
+        return {(o, inst.chunk) for o in stages[inst.stage].outputs}
+    if isinstance(inst, Recv) and not inst.grad:
+        return {(inst.value, inst.chunk)}
+    if isinstance(inst, COLLECTIVES) and not isinstance(inst, AllReduce) and not inst.grad:
+        return {(inst.output, inst.chunk)}
+    return set()
+
+
+# --------------------------------------------------------------------------- 5. dry run
+def _dry_run(plan: Plan) -> list[list[Site]]:
+    """Simulate all ranks together; the rounds of completed instructions, or a deadlock error.
+
+    Each round sweeps the ranks in order, advancing each as far as it can. Completions of a Send and
+    its Recv (and of a collective on all members) are joint, so once the matching checks passed, a
+    rank at a Send to q and q at a Recv from that rank are at the pair that matches, and members
+    at collectives over the same group are at the same collective. Every round but the last
+    completes at least one instruction, and a round costs O(ranks + group sizes + completions).
+    """
+    progs = [dp.instructions for dp in plan.ranks]
+    pc = [0] * plan.num_ranks
+
+    def current(r: int) -> Optional[Instruction]:
+        return progs[r][pc[r]] if pc[r] < len(progs[r]) else None
+
+    def ready(r: int, inst: Instruction) -> list[int]:
+        """The ranks that complete together with ``inst`` at rank r now (empty if it must wait)."""
+        if isinstance(inst, (Send, Recv)):
+            other = current(inst.peer)
+            partner = Recv if isinstance(inst, Send) else Send
+            return [r, inst.peer] if isinstance(other, partner) and other.peer == r else []
+        if isinstance(inst, COLLECTIVES):
+            at = [current(m) for m in inst.group]
+            return list(inst.group) if all(isinstance(x, COLLECTIVES) and x.group == inst.group for x in at) else []
+        return [r]
+
+    steps: list[list[Site]] = []
+    while True:
+        done: list[Site] = []
+        for r in range(plan.num_ranks):
+            while (inst := current(r)) is not None:
+                members = ready(r, inst)
+                if not members:
+                    break
+                for m in members:
+                    done.append((m, pc[m]))
+                    pc[m] += 1
+        if not done:
+            break
+        steps.append(done)
+    blocked = [r for r in range(plan.num_ranks) if current(r) is not None]
+    if blocked:
+        raise _deadlock(plan, pc, blocked)
+    return steps
+
+
+def _deadlock(plan: Plan, pc: list[int], blocked: list[int]) -> VerificationError:
+    """The error listing every blocked rank (at step ``pc[r]``) and whom it waits for."""
+    def current(q: int) -> Optional[Instruction]:
+        insts = plan.ranks[q].instructions
+        return insts[pc[q]] if pc[q] < len(insts) else None
+
+    def state(q: int) -> str:
+        inst = current(q)
+        if inst is None:
+            return "which has finished its instructions"
+        group = f" over group {inst.group}" if isinstance(inst, COLLECTIVES) else ""
+        return f"which is at step {pc[q]} `{inst}`{group}"
+
+    lines = []
+    for r in blocked:
+        inst = current(r)
+        if isinstance(inst, (Send, Recv)):
+            waits = f"waits for rank {inst.peer}, {state(inst.peer)}"
+        else:
+            others = [m for m in inst.group if m != r and getattr(current(m), "group", None) != inst.group]
+            waits = f"waits for group {inst.group}: " + "; ".join(f"rank {m}, {state(m)}" for m in others)
+        lines.append(f"  rank {r} at step {pc[r]} `{inst}` {waits}")
+    done = sum(pc)
+    total = sum(len(dp.instructions) for dp in plan.ranks)
+    return _error(f"deadlock: no rank can advance after {done} of {total} instructions completed\n" + "\n".join(lines),
+                  *[(plan.ranks[r], pc[r]) for r in blocked[:4]])
+
+
+# --------------------------------------------------------------------------- volume
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def _volume(inst: Instruction, rank: int) -> tuple[float, float]:
+    """(bytes sent, bytes received) by ``rank`` for ``inst`` (conventions in the module docstring)."""
+    if not inst.communicates:
+        return 0.0, 0.0
+    es = _elsize(inst.dtype)
+    if isinstance(inst, Send):
+        return float(_numel(inst.shape) * es), 0.0
+    if isinstance(inst, Recv):
+        return 0.0, float(_numel(inst.shape) * es)
+    n = len(inst.group)
+    if isinstance(inst, (AllGather, ReduceScatter)):
+        v = (n - 1) / n * _numel(inst.shape) * es
+        return v, v
+    if isinstance(inst, AllReduce):
+        v = 2 * (n - 1) / n * inst.numel * es
+        return v, v
+    if isinstance(inst, HaloExchange):
+        out, into = sum(inst.send_rows) * inst.width * es, sum(inst.recv_rows) * inst.width * es
+    else:
+        me = inst.group.index(rank)
+        out = sum(_numel(s) for j, s in enumerate(inst.send_shapes) if j != me) * es
+        into = sum(_numel(s) for j, s in enumerate(inst.recv_shapes) if j != me) * es
+    return (float(into), float(out)) if inst.grad else (float(out), float(into))

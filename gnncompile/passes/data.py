@@ -1,0 +1,222 @@
+"""The ``data`` strategy: graph (vertex) parallelism with halo exchange; exact.
+
+The baseline every paper compares against (NeutronTask §2, GNNPipe §2.2, NeutronTP §2.2).
+
+Decisions (applied by :mod:`gnncompile.passes.lower`):
+
+- every value is in ``rows`` layout: a vertex partition (contiguous, random or METIS) gives each
+  rank its vertices; V-space values hold the rank's rows, E-space values its vertices' in-edges;
+- parameters are replicated; their gradients are summed with one all-reduce per step;
+- every P/E op that reads a vertex value on the *source* side of edges (``propagate``,
+  ``masked_propagate``, ``gather_src``) needs the value in ``halo`` layout: the rank's rows plus
+  the rows of its remote in-neighbours, fetched by a halo exchange whose backward returns those
+  rows' gradients to their owners. Destination-side ops (``gather_dst``, ``edge_softmax``,
+  ``aggregate``) and T ops are local.
+
+Each rank's graph is a :class:`~gnncompile.graph.shard.LocalGraph` (own vertices, then halo
+vertices; normalization coefficients of the global graph). The loss is the sum of the
+cross-entropy over the rank's training vertices divided by the global number of training
+vertices, so the ranks' losses and gradients add up to the single-device ones: the strategy is
+exact for any model whose T ops are row-wise. Ops that mix rows (BatchNorm's batch statistics, a
+reduction over vertices) are refused under ``semantics="exact"``; with ``"relaxed"`` they use
+per-rank statistics and the plan records the relaxation.
+
+Communication per training step (the closed form the runtime's byte counters must equal): rank
+``r`` sends ``sum_q |send_rq| * width * s`` per halo exchange, receives ``|halo_r| * width * s``,
+and the backward moves the same rows the other way when the exchanged value needs a gradient;
+summed over ranks and layers this is NeutronTask's ``(alpha - 1) |V| L d`` per direction. The
+gradient all-reduce adds ``2 (n - 1) / n * |params| * s`` per rank (ring).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx
+
+from ..errors import PlanningError
+from ..frontend.ops import masked_propagate, propagate
+from ..graph.core import Graph
+from ..graph.partition import PARTITIONERS, partition
+from ..graph.shard import build_shards
+from ..ir.plan import AllReduce, DevicePlan, HaloExchange, Instruction, OptimizerStep, Plan, RankProgram
+from ..ir.tpgraph import TPGraph
+from .lower import Conversion, Decisions, StagedModel, call_arguments, forward_schedule, sequential_schedule, \
+    source_input, split_stages
+
+__all__ = ["DataOptions", "data_decisions", "row_mixing_ops", "lower_data", "halo_bytes"]
+
+_ROW_MIXING_MODULES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.InstanceNorm1d)
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """Options of the ``data`` strategy.
+
+    partitioner:
+        ``"metis"`` (edge-cut minimizing, default), ``"random"`` or ``"contiguous"``.
+    seed:
+        Seed of the partitioner (random, METIS).
+    semantics:
+        ``"exact"`` refuses ops whose result depends on rows of other ranks beyond the halo
+        (BatchNorm statistics, reductions over vertices); ``"relaxed"`` runs them per rank.
+    """
+
+    partitioner: str = "metis"
+    seed: int = 0
+    semantics: str = "exact"
+
+    def __post_init__(self) -> None:
+        if self.partitioner not in PARTITIONERS:
+            raise PlanningError(f"unknown partitioner {self.partitioner!r}; valid: {', '.join(PARTITIONERS)}")
+        if self.semantics not in ("exact", "relaxed"):
+            raise PlanningError(f"unknown semantics {self.semantics!r}; valid: 'exact', 'relaxed'")
+
+
+def data_decisions(tp: TPGraph) -> Decisions:
+    """Rows everywhere; source-side reads of P/E ops need the halo."""
+    needs = {}
+    for n in tp.graph.nodes:
+        src = source_input(n)
+        if src is not None:
+            needs[(n.name, src.name)] = "halo"
+    return Decisions(needs=needs)
+
+
+def row_mixing_ops(tp: TPGraph) -> list[tuple[str, str]]:
+    """T ops whose output rows depend on other rows of a V-space input: ``(op, why)`` pairs."""
+    found = []
+    for n in tp.graph.nodes:
+        info = n.meta.get("tp")
+        if info is None or info.kind != "T":
+            continue
+        if n.op == "call_module" and isinstance(tp.get_submodule(n.target), _ROW_MIXING_MODULES):
+            mod = tp.get_submodule(n.target)
+            if mod.training or not getattr(mod, "track_running_stats", False):
+                found.append((n.name, f"{type(mod).__name__} normalizes with statistics over all vertices"))
+            continue
+        in_spaces = {a.meta["tp"].space for a in n.all_input_nodes if "tp" in a.meta}
+        if ("V" in in_spaces or "E" in in_spaces) and info.space not in ("V", "E", "E+V"):
+            found.append((n.name, f"reduces over {'vertices' if 'V' in in_spaces else 'edges'} "
+                                  f"(output rows {info.space})"))
+    return found
+
+
+def _propagation_norms(tp: TPGraph) -> set[tuple[str, bool]]:
+    norms = set()
+    for n in tp.graph.nodes:
+        if n.op == "call_function" and n.target in (propagate, masked_propagate):
+            a = call_arguments(n)
+            if a["edge_weight"] is None:
+                norms.add((a["norm"], bool(a["add_self_loops"])))
+            elif a["norm"] == "gcn":
+                raise PlanningError(
+                    f"op {n.name!r}: norm='gcn' of computed edge weights needs every source's global out-degree, "
+                    "which the data strategy's per-rank graphs do not hold; use norm='mean' or normalize first")
+    return norms
+
+
+def _elsize(dtype: Optional[str]) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype or "float32")).element_size()
+
+
+def _width(tp: TPGraph, value: str) -> int:
+    node = next(n for n in tp.graph.nodes if n.name == value)
+    return math.prod(node.meta["tp"].dims)
+
+
+def halo_bytes(send_rows: int, recv_rows: int, width: int, elsize: int, needs_grad: bool) -> tuple[int, int]:
+    """(sent, received) bytes of one halo exchange and, if ``needs_grad``, its backward."""
+    sent = send_rows * width * elsize
+    recv = recv_rows * width * elsize
+    return (sent + recv, recv + sent) if needs_grad else (sent, recv)
+
+
+def lower_data(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Graph, num_ranks: int,
+               options: DataOptions) -> Plan:
+    """Lower ``tp`` (training-mode trace) and ``tp_eval`` to a ``data`` plan over ``num_ranks`` ranks."""
+    if not isinstance(graph, Graph):
+        raise PlanningError("the data strategy partitions the graph's vertices: pass the Graph itself "
+                            "(planning from GraphStats alone needs the cost models' estimates)")
+    relaxations: list[str] = []
+    mixing = row_mixing_ops(tp)
+    if mixing:
+        what = "; ".join(f"{op}: {why}" for op, why in mixing)
+        if options.semantics == "exact" and num_ranks > 1:
+            raise PlanningError(f"strategy 'data' is not exact for this model: {what}. Each rank would use its own "
+                                "rows only; pass semantics='relaxed' to accept per-rank statistics")
+        if num_ranks > 1:
+            relaxations.append(f"per-rank statistics ({', '.join(op for op, _ in mixing)})")
+    norms = _propagation_norms(tp) | _propagation_norms(tp_eval)
+
+    part = partition(graph, num_ranks, options.partitioner, seed=options.seed)
+    shards = build_shards(graph, part.parts, num_ranks, norms=norms)
+    staged = split_stages(tp, data_decisions(tp))
+    staged_eval = split_stages(tp_eval, data_decisions(tp_eval))
+    group = tuple(range(num_ranks))
+    names = [n for n, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    numel = sum(p.numel() for p in params if p.requires_grad)
+    param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
+
+    def convert_for(rank: int, st: StagedModel):
+        shard = shards[rank]
+
+        def convert(c: Conversion, grad: bool) -> list[Instruction]:
+            node = next(n for n in st.tp.graph.nodes if n.name == c.value)
+            return [HaloExchange(value=c.value, chunk=0, group=group, send_rows=tuple(shard.send_count),
+                                 recv_rows=tuple(shard.recv_count), width=math.prod(node.meta["tp"].dims),
+                                 dtype=node.meta["tp"].dtype or "float32", grad=grad)]
+        return convert
+
+    def finish() -> list[Instruction]:
+        ar = [AllReduce("grads", group, numel=numel, dtype=param_dtype)] if num_ranks > 1 and numel else []
+        return ar + [OptimizerStep()]
+
+    counts = {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
+              for m in ("train", "val", "test")}
+    ranks, programs = [], []
+    sent_pred, recv_pred = [], []
+    for r, shard in enumerate(shards):
+        instrs = tuple(sequential_schedule(staged, convert_for(r, staged), finish))
+        eval_instrs = tuple(forward_schedule(staged_eval, convert_for(r, staged_eval)))
+        ranks.append(DevicePlan(rank=r, stages=tuple(staged.stages), instructions=instrs, modules=staged.modules))
+        lg = shard.graph
+        programs.append(RankProgram(
+            rank=r, world_size=num_ranks, modules=staged.modules, stages=tuple(staged.stages), instructions=instrs,
+            eval_modules=staged_eval.modules, eval_stages=tuple(staged_eval.stages), eval_instructions=eval_instrs,
+            output=staged.output, eval_output=staged_eval.output,
+            inputs={"g": lg, "x": lg.x}, halo=(tuple(shard.send_index), tuple(shard.recv_count)),
+            labels=lg.y, masks={"train": lg.train_mask, "val": lg.val_mask, "test": lg.test_mask},
+            counts=counts, params=params, param_names=names, owned=shard.owned))
+        s = rv = 0
+        for c in staged.conversions:
+            node = next(n for n in tp.graph.nodes if n.name == c.value)
+            a, b = halo_bytes(sum(shard.send_count), shard.num_halo, math.prod(node.meta["tp"].dims),
+                              _elsize(node.meta["tp"].dtype), c.needs_grad)
+            s, rv = s + a, rv + b
+        if num_ranks > 1 and numel:
+            ring = 2 * (num_ranks - 1) * numel * _elsize(param_dtype) // num_ranks
+            s, rv = s + ring, rv + ring
+        sent_pred.append(s)
+        recv_pred.append(rv)
+
+    info = {
+        "graph": str(graph.stats()) if hasattr(graph, "stats") else str(graph),
+        "model": type(model).__name__,
+        "partition": part.to_dict(include_parts=False),
+        "output": staged.output,
+        "halo_rows": [s.num_halo for s in shards],
+        "owned_rows": [s.num_owned for s in shards],
+    }
+    opts = {"strategy": "data", "partitioner": options.partitioner, "seed": options.seed,
+            "semantics": options.semantics}
+    plan = Plan(strategy="data", semantics="relaxed" if relaxations else "exact", options=opts,
+                cluster=f"{num_ranks} local ranks", ranks=ranks, schedule="sequential",
+                relaxations=tuple(relaxations),
+                predictions={"bytes_sent": sent_pred, "bytes_received": recv_pred}, info=info)
+    plan.program = programs
+    return plan

@@ -1,0 +1,291 @@
+"""Generic lowering: per-op layout decisions -> conversions -> stage modules -> instruction lists.
+
+Every strategy is a preset of decisions over the traced operator graph (DESIGN.md, "One space,
+not six systems"); this module applies them, so that a strategy module only decides:
+
+1. **Decide** (the strategy, as data: :class:`Decisions`): the layout of every value (``rows``:
+   sharded by a vertex partition; ``cols``: sharded by feature; ``replicated``), the layout each
+   consumer needs each of its inputs in (a P op on ``rows`` reads source rows it does not own, so
+   it needs ``halo``), and the device group of every op.
+2. **Convert** (:func:`split_stages`): wherever a consumer needs a layout its producer does not
+   give, a :class:`Conversion` is recorded (``rows -> halo``: halo exchange; ``rows <-> cols``:
+   all-to-all; a change of group: send/recv). One conversion per (value, kind) serves every
+   consumer that needs it.
+3. **Split**: a stage boundary is placed at every conversion: an op's stage is the largest, over
+   its inputs, of the input's stage plus one if the edge is converted. The ops of one stage become
+   one fx ``GraphModule`` whose inputs and outputs are named values (fx node names; converted values
+   are ``value@halo`` etc.). Stage modules share the traced model's parameters.
+4. **Schedule** (:func:`sequential_schedule`): the forward of every stage in order with each
+   conversion just before its first consumer; then the backward in reverse with each conversion's
+   gradient right after its last consumer's backward; then the gradient all-reduce and the
+   optimizer step. Pipelined schedules (chunks, GPipe, 1F1B) rewrite this list.
+
+The split preserves the model: running the stages in order, feeding each converted value through
+the identity, computes exactly the traced graph (tested for every model of the zoo).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.fx
+
+from ..errors import PlanningError
+from ..frontend.ops import gather_src, masked_propagate, propagate
+from ..ir.plan import Backward, Forward, Instruction, StageSpec, converted_name
+from ..ir.tpgraph import TPGraph
+
+__all__ = [
+    "LAYOUTS", "CONVERSIONS", "Decisions", "Conversion", "StagedModel", "split_stages", "sequential_schedule",
+    "forward_schedule",
+    "source_input", "call_arguments", "requires_grad_values",
+]
+
+LAYOUTS = ("rows", "cols", "replicated")
+
+#: (layout a value has, layout a consumer needs) -> the conversion that provides it.
+CONVERSIONS: dict[tuple[str, str], str] = {
+    ("rows", "halo"): "halo",
+}
+
+#: Primitives whose vertex input is read on the *source* side (row ``u`` of an edge ``u -> v``).
+_SOURCE_READERS = {propagate: "x", masked_propagate: "x", gather_src: "x"}
+
+
+def call_arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """The arguments of a ``call_function`` node by parameter name, defaults applied."""
+    sig = inspect.signature(node.target)
+    bound = sig.bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def source_input(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """The input of a P/E op that is read on the source side of edges (``None`` if it has none)."""
+    if node.op != "call_function" or node.target not in _SOURCE_READERS:
+        return None
+    arg = call_arguments(node)[_SOURCE_READERS[node.target]]
+    return arg if isinstance(arg, torch.fx.Node) else None
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """A strategy's per-value decisions, applied by :func:`split_stages`.
+
+    ``layout``: value (fx node name) -> ``"rows" | "cols" | "replicated"``; values not listed are
+    ``default_layout``. ``needs``: ``(consumer, producer)`` -> the layout the consumer needs the
+    producer's value in (only where it differs from the producer's layout).
+    """
+
+    layout: Mapping[str, str] = field(default_factory=dict)
+    needs: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    default_layout: str = "rows"
+
+    def layout_of(self, value: str) -> str:
+        return self.layout.get(value, self.default_layout)
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """A layout conversion of ``value`` for the ops ``consumers``; writes ``output``."""
+
+    kind: str
+    value: str
+    output: str
+    consumers: tuple[str, ...]
+    #: whether the value depends on parameters, i.e. its gradient must travel back
+    needs_grad: bool
+
+
+@dataclass
+class StagedModel:
+    """A traced model split into stages: what a strategy turns into per-rank programs."""
+
+    tp: TPGraph
+    stages: list[StageSpec]
+    modules: dict[int, torch.fx.GraphModule]
+    conversions: list[Conversion]
+    #: stage index of every compute op
+    stage_of: dict[str, int]
+    #: the name of the model's output value (the logits)
+    output: str
+
+    def first_consumer_stage(self, conv: Conversion) -> int:
+        return min(self.stage_of[c] for c in conv.consumers)
+
+    def producer_stage(self, conv: Conversion) -> int:
+        return self.stage_of.get(conv.value, -1)
+
+
+def requires_grad_values(tp: TPGraph) -> set[str]:
+    """Names of the values that depend on a trainable parameter (their gradients are needed)."""
+    req: set[str] = set()
+    for n in tp.graph.nodes:
+        if n.op == "get_attr":
+            obj = _get_attr(tp, n.target)
+            if isinstance(obj, torch.Tensor) and obj.requires_grad:
+                req.add(n.name)
+        elif n.op == "call_module":
+            mod = tp.get_submodule(n.target)
+            if any(p.requires_grad for p in mod.parameters()) or any(a.name in req for a in n.all_input_nodes):
+                req.add(n.name)
+        elif n.op in ("call_function", "call_method"):
+            if any(a.name in req for a in n.all_input_nodes):
+                req.add(n.name)
+    return req
+
+
+def _get_attr(root: torch.nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
+    """Insert the conversions ``decisions`` call for and split ``tp`` into stage modules.
+
+    Requires: a verified :class:`TPGraph`. Ensures: every compute op is in exactly one stage; each
+    stage's inputs are model inputs, outputs of earlier stages, or conversion outputs; the stages
+    run in index order compute the traced graph. Raises :class:`PlanningError` when a needed
+    layout has no conversion.
+    """
+    graph = tp.graph
+    compute_ops = ("call_function", "call_module", "call_method")
+    req = requires_grad_values(tp)
+    conv_by_key: dict[tuple[str, str], dict[str, Any]] = {}
+    converted_edges: dict[tuple[str, str], str] = {}  # (consumer, producer) -> converted value name
+    for n in graph.nodes:
+        if n.op not in compute_ops:
+            continue
+        for p in n.all_input_nodes:
+            need = decisions.needs.get((n.name, p.name))
+            have = "replicated" if p.op == "get_attr" else decisions.layout_of(p.name)
+            if need is None or need == have:
+                continue
+            kind = CONVERSIONS.get((have, need))
+            if kind is None:
+                raise PlanningError(f"op {n.name!r} needs {p.name!r} in layout {need!r} but it is {have!r}, and no "
+                                    f"conversion {have}->{need} exists (known: "
+                                    f"{', '.join(f'{a}->{b}' for a, b in CONVERSIONS)})")
+            entry = conv_by_key.setdefault((p.name, kind), {"consumers": []})
+            entry["consumers"].append(n.name)
+            converted_edges[(n.name, p.name)] = converted_name(p.name, kind)
+
+    stage_of: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.op not in compute_ops:
+            continue
+        s = 0
+        for p in n.all_input_nodes:
+            if p.name in stage_of:
+                s = max(s, stage_of[p.name] + (1 if (n.name, p.name) in converted_edges else 0))
+            elif (n.name, p.name) in converted_edges:  # a converted model input: ready before stage 0
+                s = max(s, 0)
+        stage_of[n.name] = s
+    num_stages = max(stage_of.values(), default=-1) + 1
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    out_arg = out_node.args[0]
+    if not isinstance(out_arg, torch.fx.Node):
+        raise PlanningError("the model must return one tensor (the logits) to be planned")
+
+    nodes_by_stage: dict[int, list[torch.fx.Node]] = {k: [] for k in range(num_stages)}
+    for n in graph.nodes:
+        if n.name in stage_of:
+            nodes_by_stage[stage_of[n.name]].append(n)
+
+    stages: list[StageSpec] = []
+    modules: dict[int, torch.fx.GraphModule] = {}
+    for k in range(num_stages):
+        members = nodes_by_stage[k]
+        member_names = {n.name for n in members}
+        sg = torch.fx.Graph()
+        env: dict[str, torch.fx.Node] = {}
+        inputs: list[str] = []
+
+        def value_for(consumer: torch.fx.Node, p: torch.fx.Node) -> torch.fx.Node:
+            if p.op == "get_attr":
+                if p.name not in env:
+                    env[p.name] = sg.get_attr(p.target)
+                    env[p.name].meta = dict(p.meta)
+                return env[p.name]
+            name = converted_edges.get((consumer.name, p.name), p.name)
+            if name == p.name and p.name in member_names:
+                return env[name]
+            if name not in env:
+                ph = sg.placeholder(name.replace("@", "_at_"))
+                ph.meta = dict(p.meta)
+                env[name] = ph
+                inputs.append(name)
+            return env[name]
+
+        for n in members:
+            new = sg.node_copy(n, lambda p, n=n: value_for(n, p))
+            env[n.name] = new
+        outputs = []
+        for n in members:
+            used_outside = any(
+                u.op == "output" or u.name not in member_names or (u.name, n.name) in converted_edges for u in n.users)
+            if used_outside:
+                outputs.append(n.name)
+        sg.output(tuple(env[o] for o in outputs))
+        gm = torch.fx.GraphModule(tp, sg, class_name=f"Stage{k}")
+        kinds = Counter(n.meta["tp"].kind for n in members if "tp" in n.meta)
+        layers = sorted({n.meta["tp"].layer for n in members if "tp" in n.meta and n.meta["tp"].layer > 0})
+        stages.append(StageSpec(index=k, inputs=tuple(inputs), outputs=tuple(outputs),
+                                ops=tuple(n.name for n in members),
+                                kinds=" ".join(f"{kk}{kinds[kk]}" for kk in ("T", "P", "E") if kinds.get(kk)),
+                                layers=tuple(layers)))
+        modules[k] = gm
+
+    conversions = [
+        Conversion(kind=kind, value=value, output=converted_name(value, kind), consumers=tuple(e["consumers"]),
+                   needs_grad=value in req)
+        for (value, kind), e in conv_by_key.items()
+    ]
+    return StagedModel(tp=tp, stages=stages, modules=modules, conversions=conversions, stage_of=stage_of,
+                       output=out_arg.name)
+
+
+def sequential_schedule(staged: StagedModel, convert: Callable[[Conversion, bool], list[Instruction]],
+                        finish: Callable[[], list[Instruction]], chunk: int = 0) -> list[Instruction]:
+    """One training step with no pipelining: forwards in stage order, then backwards in reverse.
+
+    ``convert(conversion, grad)`` returns the communication instructions of a conversion (its
+    gradient when ``grad``); ``finish()`` the instructions after the last backward (gradient
+    all-reduce, optimizer step).
+    """
+    by_first: dict[int, list[Conversion]] = {}
+    for c in staged.conversions:
+        by_first.setdefault(staged.first_consumer_stage(c), []).append(c)
+    out: list[Instruction] = []
+    for k in range(len(staged.stages)):
+        for c in by_first.get(k, []):
+            out.extend(convert(c, False))
+        out.append(Forward(k, chunk))
+    for k in reversed(range(len(staged.stages))):
+        out.append(Backward(k, chunk))
+        for c in reversed(by_first.get(k, [])):
+            if c.needs_grad:
+                out.extend(convert(c, True))
+    out.extend(finish())
+    return out
+
+
+def forward_schedule(staged: StagedModel, convert: Callable[[Conversion, bool], list[Instruction]],
+                     chunk: int = 0) -> list[Instruction]:
+    """The forward half of :func:`sequential_schedule` (for evaluation)."""
+    by_first: dict[int, list[Conversion]] = {}
+    for c in staged.conversions:
+        by_first.setdefault(staged.first_consumer_stage(c), []).append(c)
+    out: list[Instruction] = []
+    for k in range(len(staged.stages)):
+        for c in by_first.get(k, []):
+            out.extend(convert(c, False))
+        out.append(Forward(k, chunk))
+    return out
+

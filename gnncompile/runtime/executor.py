@@ -1,0 +1,388 @@
+"""The executor: runs a rank's instruction list with autograd, and ``run_plan`` across ranks.
+
+A rank keeps two stores: values (model inputs, stage outputs, converted values) and gradients of
+values. ``Forward(s, c)`` feeds stage ``s``'s inputs as detached leaves (requiring grad when the
+value does), runs the stage module and keeps the leaves and outputs for the backward, like a
+pipeline stage. ``Backward(s, c)`` back-propagates the stage's outputs with the gradients found in
+the gradient store (the loss, for the stage that produces the logits) and adds the leaves'
+gradients into the store. Communication instructions call :class:`~gnncompile.runtime.comm.Communicator`
+(their ``grad=True`` form moves gradients). Every instruction's start and end time is recorded.
+
+The loss on a rank is ``sum of cross-entropy over its training rows / global training count``;
+the reported loss and accuracies are reduced across ranks (counted as ``metrics`` traffic, apart
+from the training step's bytes).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..errors import RuntimeFailure
+from ..ir.plan import (AllReduce, Backward, Forward, HaloExchange, Instruction, OptimizerStep, Plan, RankProgram,
+                       Free)
+from .comm import Communicator, HaloSpec
+from .launcher import RankContext, launch
+from .memory import PeakMemory
+from .trainer import History
+
+__all__ = ["TimelineEvent", "RankResult", "RunResult", "run_plan", "run_plan_torchrun", "execute_rank"]
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One executed instruction: the training step (epoch), its short form, start and end in seconds
+    since the rank started training."""
+
+    step: int
+    instruction: str
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class RankResult:
+    """What one rank measured.
+
+    ``bytes_sent`` / ``bytes_received``: bytes of one training step (halo exchanges, gradient
+    all-reduce), identical in every step; ``sent_to`` / ``received_from``: the same per peer.
+    ``comm``: all traffic of the run by phase (``train``, ``eval``, ``metrics``) and peer.
+    ``peak_memory``: peak bytes of live tensors during the first training step (CUDA allocator on
+    GPU; profiler allocation accounting on CPU), above what was live before it.
+    ``timeline``: every executed instruction of every training step.
+    """
+
+    rank: int
+    bytes_sent: int
+    bytes_received: int
+    sent_to: dict[int, int]
+    received_from: dict[int, int]
+    comm: dict[str, Any]
+    peak_memory: int
+    timeline: list[TimelineEvent]
+    epoch_time: list[float]
+    num_owned: int = 0
+
+    def time_by_kind(self) -> dict[str, float]:
+        """Total time per instruction kind (``F``, ``B``, ``HALO``, ``AR``...) over all steps."""
+        out: dict[str, float] = {}
+        for e in self.timeline:
+            k = e.instruction.split()[0].rstrip("0123456789c").rstrip("^T") if not e.instruction[:1] in "FBR" \
+                else e.instruction[0]
+            out[k] = out.get(k, 0.0) + e.duration
+        return out
+
+
+@dataclass
+class RunResult:
+    """Result of ``plan.run``: the history (same fields as :func:`gnncompile.train`'s) and per-rank data."""
+
+    history: History
+    ranks: list[RankResult]
+    plan: Plan
+    #: with ``capture=True``: the first step's logits (global row order) and parameter gradients
+    captured: Optional[dict[str, Any]] = None
+
+    def comm_table(self) -> str:
+        head = f"{'rank':>4}  {'owned':>8}  {'sent/step':>12}  {'recv/step':>12}  {'peak mem':>10}  {'step ms':>8}"
+        lines = [head]
+        for r in self.ranks:
+            step = sorted(r.epoch_time[1:] or r.epoch_time)
+            med = step[len(step) // 2] * 1e3 if step else math.nan
+            lines.append(f"{r.rank:>4}  {r.num_owned:>8,}  {_mib(r.bytes_sent):>12}  {_mib(r.bytes_received):>12}  "
+                         f"{_mib(r.peak_memory):>10}  {med:>8.1f}")
+        return "\n".join(lines)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+# --------------------------------------------------------------------------- one rank
+class _Rank:
+    def __init__(self, prog: RankProgram, ctx: RankContext) -> None:
+        self.prog = prog
+        self.ctx = ctx
+        self.comm = Communicator(ctx.rank, ctx.world_size)
+        send_index, recv_count = prog.halo
+        self.halo = HaloSpec(tuple(send_index), tuple(recv_count), int(prog.inputs["g"].num_nodes))
+
+    def _comm(self, ins: Instruction, values: dict, grads: dict) -> None:
+        if isinstance(ins, HaloExchange):
+            if not ins.grad:
+                src = values[ins.value]
+                out = self.comm.halo_forward(src, self.halo)
+                values[ins.output] = out.requires_grad_(src.requires_grad) if src.is_floating_point() else out
+            else:
+                g_ext = grads.pop(ins.output, None)
+                if g_ext is not None:
+                    _accumulate(grads, ins.value, self.comm.halo_backward(g_ext, self.halo))
+                else:  # the consumers produced no gradient (e.g. all rows masked): still take part
+                    ref = values[ins.output]
+                    _accumulate(grads, ins.value, self.comm.halo_backward(torch.zeros_like(ref), self.halo))
+        elif isinstance(ins, AllReduce):
+            params = [p for p in self.prog.params if p.requires_grad]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self.comm.all_reduce_([p.grad for p in params])
+        else:
+            raise RuntimeFailure(f"rank {self.ctx.rank}: the executor cannot run instruction {ins} "
+                                 f"({type(ins).__name__}) yet")
+
+    def step(self, modules: dict, stages: tuple, instructions: tuple, output: str, loss_fn: Any,
+             epoch: int, timeline: Optional[list], optimizer: Optional[torch.optim.Optimizer],
+             capture: Optional[dict] = None) -> Any:
+        values: dict[str, Any] = dict(self.prog.inputs)
+        grads: dict[str, torch.Tensor] = {}
+        saved: dict[tuple[int, int], tuple[dict, dict]] = {}
+        spec = {s.index: s for s in stages}
+        result = None
+        t_origin = self.t_origin
+        for ins in instructions:
+            t0 = time.perf_counter()
+            if isinstance(ins, Forward):
+                st = spec[ins.stage]
+                leaves = {}
+                args = []
+                for name in st.inputs:
+                    v = values[name]
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.layout == torch.strided \
+                            and v.requires_grad and optimizer is not None:
+                        v = v.detach().requires_grad_(True)
+                        leaves[name] = v
+                    args.append(v)
+                outs = modules[ins.stage](*args)
+                outd = dict(zip(st.outputs, outs))
+                values.update(outd)
+                if output in outd:
+                    result = loss_fn(outd[output])
+                    if capture is not None:
+                        capture["logits"] = outd[output].detach().clone()
+                if optimizer is not None:
+                    saved[(ins.stage, ins.chunk)] = (leaves, outd)
+            elif isinstance(ins, Backward):
+                leaves, outd = saved.pop((ins.stage, ins.chunk))
+                tensors, gts = [], []
+                for name, o in outd.items():
+                    if name == output:
+                        tensors.append(result)
+                        gts.append(None)
+                    elif name in grads and isinstance(o, torch.Tensor) and o.requires_grad:
+                        tensors.append(o)
+                        gts.append(grads.pop(name))
+                tensors_gts = [(t, g) for t, g in zip(tensors, gts) if t.requires_grad]
+                if tensors_gts:
+                    torch.autograd.backward([t for t, _ in tensors_gts],
+                                            [g for _, g in tensors_gts])
+                for name, leaf in leaves.items():
+                    if leaf.grad is not None:
+                        _accumulate(grads, name, leaf.grad)
+            elif isinstance(ins, OptimizerStep):
+                if capture is not None:
+                    capture["grads"] = {n: (p.grad.detach().clone() if p.grad is not None else None)
+                                        for n, p in zip(self.prog.param_names, self.prog.params)}
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            elif isinstance(ins, Free):
+                values.pop(ins.value, None)
+            else:
+                self._comm(ins, values, grads)
+            if timeline is not None:
+                timeline.append(TimelineEvent(epoch, str(ins), t0 - t_origin, time.perf_counter() - t_origin))
+        return result, values.get(output)
+
+
+def _accumulate(store: dict, name: str, g: torch.Tensor) -> None:
+    store[name] = g if name not in store else store[name] + g
+
+
+def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, weight_decay: float,
+                 seed: Optional[int], eval_every: int, capture: bool, fail_at: Optional[tuple[int, int]]) -> dict:
+    """Train on one rank for ``epochs`` steps; returns this rank's measurements (picklable)."""
+    if seed is not None:
+        # rank 0 draws from the reference's seed; the others from distinct streams
+        torch.manual_seed(seed if ctx.rank == 0 else seed + 1_000_003 * ctx.rank)
+    rank = _Rank(prog, ctx)
+    labels, masks, counts = prog.labels, prog.masks, prog.counts
+    train_mask = masks["train"]
+    n_train = max(counts["train"], 1)
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+        if train_mask is None or not bool(train_mask.any()):
+            return logits.sum() * 0.0
+        return F.cross_entropy(logits[train_mask], labels[train_mask], reduction="sum") / n_train
+
+    params = prog.params
+    x = prog.inputs["x"]
+    if isinstance(x, torch.Tensor) and x.layout == torch.strided and params and x.dtype != params[0].dtype:
+        prog.inputs["x"] = x.to(params[0].dtype)
+    optimizer = torch.optim.Adam([p for p in params if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    timeline: list[TimelineEvent] = []
+    epoch_time: list[float] = []
+    peak = 0
+    history = {"loss": [], "train_acc": [], "val_acc": [], "test_acc": [], "eval_time": []}
+    captured: Optional[dict] = {} if capture else None
+    rank.t_origin = time.perf_counter()
+    device = torch.device("cpu")
+    for epoch in range(epochs):
+        if fail_at is not None and fail_at == (ctx.rank, epoch):
+            raise RuntimeError(f"injected failure on rank {ctx.rank} in epoch {epoch}")
+        for m in prog.modules.values():
+            m.train()
+        rank.comm.phase = "train"
+        t0 = time.perf_counter()
+        if epoch == 0:
+            with PeakMemory(device) as pm:
+                loss, _ = rank.step(prog.modules, prog.stages, prog.instructions, prog.output, loss_fn, epoch,
+                                    timeline, optimizer, captured if epoch == 0 else None)
+            peak = pm.peak_bytes
+        else:
+            loss, _ = rank.step(prog.modules, prog.stages, prog.instructions, prog.output, loss_fn, epoch,
+                                timeline, optimizer)
+        epoch_time.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        do_eval = (epoch + 1) % eval_every == 0 or epoch == epochs - 1
+        stats = torch.zeros(4, dtype=torch.float64)
+        stats[0] = float(loss.detach()) if loss is not None else 0.0
+        if do_eval:
+            rank.comm.phase = "eval"
+            for m in prog.eval_modules.values():
+                m.eval()
+            with torch.no_grad():
+                _, logits = rank.step(prog.eval_modules, prog.eval_stages, prog.eval_instructions, prog.eval_output,
+                                      lambda z: None, epoch, None, None)
+            pred = logits.argmax(dim=-1)
+            for i, m in enumerate(("train", "val", "test")):
+                if masks[m] is not None:
+                    stats[1 + i] = float((pred[masks[m]] == labels[masks[m]]).sum())
+        rank.comm.phase = "metrics"
+        if ctx.world_size > 1:
+            flat = stats.clone()
+            dist.all_reduce(flat)
+            rank.comm.stats.add("metrics", (ctx.rank + 1) % ctx.world_size, sent=flat.numel() * 8)
+            stats = flat
+        history["loss"].append(float(stats[0]))
+        for i, m in enumerate(("train", "val", "test")):
+            history[f"{m}_acc"].append(float(stats[1 + i]) / counts[m] if do_eval and counts[m] else math.nan)
+        history["eval_time"].append(time.perf_counter() - t1)
+
+    cs = rank.comm.stats
+    steps = max(epochs, 1)
+    train_sent = {q: b // steps for q, b in cs.sent.get("train", {}).items()}
+    train_recv = {q: b // steps for q, b in cs.received.get("train", {}).items()}
+    out = {
+        "rank": ctx.rank, "history": history, "epoch_time": epoch_time, "timeline": timeline,
+        "sent_to": train_sent, "received_from": train_recv, "comm": cs.as_dict(), "peak_memory": peak,
+        "num_owned": int(prog.inputs["g"].num_nodes), "pid": os.getpid(),
+    }
+    if capture:
+        out["captured"] = captured
+    if ctx.rank == 0:
+        out["params"] = {n: p.detach().clone() for n, p in zip(prog.param_names, params)}
+    return out
+
+
+def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: float = 5e-4, *,
+             seed: Optional[int] = 0, eval_every: int = 1, timeout: float = 300.0, capture: bool = False,
+             update_model: bool = True, fail_at: Optional[tuple[int, int]] = None,
+             threads_per_rank: Optional[int] = None) -> RunResult:
+    """Train with ``plan`` on ``plan.num_ranks`` local processes (gloo on CPU, NCCL with a GPU per rank).
+
+    ``timeout`` bounds every collective and receive: a rank that raises or dies makes the run
+    raise :class:`~gnncompile.RuntimeFailure` naming it, and no process is left behind.
+    With ``update_model`` the user's model receives the trained parameters. ``capture`` returns the
+    first step's logits and gradients (for checks against the single-device reference).
+    ``fail_at=(rank, epoch)`` injects a failure (for testing fault handling).
+    """
+    if epochs < 0:
+        raise ValueError(f"epochs must be >= 0, got {epochs}")
+    programs: list[RankProgram] = plan.program
+    with tempfile.TemporaryDirectory(prefix="gnncompile-plan-") as tmp:
+        # each rank loads only its own program (a rank's graph shard can be large)
+        for prog in programs:
+            torch.save(prog, os.path.join(tmp, f"rank{prog.rank}.pt"))
+        results = launch(_rank_main, plan.num_ranks, (tmp, epochs, lr, weight_decay, seed, eval_every, capture,
+                                                      fail_at),
+                         timeout=timeout, threads_per_rank=threads_per_rank)
+    results = sorted(results, key=lambda r: r["rank"])
+    h0 = results[0]["history"]
+    history = History(loss=h0["loss"], train_acc=h0["train_acc"], val_acc=h0["val_acc"], test_acc=h0["test_acc"],
+                      epoch_time=[max(r["epoch_time"][e] for r in results) for e in range(epochs)],
+                      eval_time=h0["eval_time"])
+    ranks = []
+    for r in results:
+        ranks.append(RankResult(
+            rank=r["rank"], bytes_sent=sum(r["sent_to"].values()), bytes_received=sum(r["received_from"].values()),
+            sent_to=r["sent_to"], received_from=r["received_from"], comm=r["comm"], peak_memory=r["peak_memory"],
+            timeline=r["timeline"], epoch_time=r["epoch_time"], num_owned=r["num_owned"]))
+    captured = None
+    if capture:
+        captured = _gather_capture(programs, results)
+    if update_model and "params" in results[0]:
+        with torch.no_grad():
+            for p, name in zip(programs[0].params, programs[0].param_names):
+                p.copy_(results[0]["params"][name])
+    return RunResult(history=history, ranks=ranks, plan=plan, captured=captured)
+
+
+def _rank_main(ctx: RankContext, program_dir: str, *args: Any) -> dict:
+    prog = torch.load(os.path.join(program_dir, f"rank{ctx.rank}.pt"), weights_only=False)
+    return execute_rank(ctx, prog, *args)
+
+
+def _gather_capture(programs: list[RankProgram], results: list[dict]) -> dict:
+    logits_parts = [r["captured"].get("logits") for r in results]
+    n = sum(int(p.owned.numel()) for p in programs)
+    first = next(t for t in logits_parts if t is not None)
+    logits = first.new_zeros((n,) + tuple(first.shape[1:]))
+    for p, t in zip(programs, logits_parts):
+        if t is not None:
+            logits[p.owned] = t
+    return {"logits": logits, "grads": results[0]["captured"].get("grads", {})}
+
+
+def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: float = 5e-4, *,
+                      seed: Optional[int] = 0, eval_every: int = 1, timeout: float = 300.0) -> Optional[RunResult]:
+    """Run this process's rank of ``plan`` under ``torchrun`` (one process per rank, any number of machines).
+
+    Every process builds the same plan (planning is deterministic for the same model, graph, seed and
+    options) and executes the program of its ``RANK``; ``WORLD_SIZE`` must equal ``plan.num_ranks``.
+    Rank 0 returns a :class:`RunResult` with its own measurements (the history is global); the other
+    ranks return ``None``.
+    """
+    from .launcher import torchrun_main
+
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    if world != plan.num_ranks:
+        raise RuntimeFailure(f"torchrun started {world or 'no'} processes (WORLD_SIZE) but the plan has "
+                             f"{plan.num_ranks} ranks; pass --gpus {world} or --nproc-per-node x --nnodes = "
+                             f"{plan.num_ranks}")
+    programs: list[RankProgram] = plan.program
+
+    def main(ctx: RankContext) -> dict:
+        return execute_rank(ctx, programs[ctx.rank], epochs, lr, weight_decay, seed, eval_every, False, None)
+
+    r = torchrun_main(main, ())
+    if r["rank"] != 0:
+        return None
+    h = r["history"]
+    history = History(loss=h["loss"], train_acc=h["train_acc"], val_acc=h["val_acc"], test_acc=h["test_acc"],
+                      epoch_time=r["epoch_time"], eval_time=h["eval_time"])
+    rank = RankResult(rank=0, bytes_sent=sum(r["sent_to"].values()), bytes_received=sum(r["received_from"].values()),
+                      sent_to=r["sent_to"], received_from=r["received_from"], comm=r["comm"],
+                      peak_memory=r["peak_memory"], timeline=r["timeline"], epoch_time=r["epoch_time"],
+                      num_owned=r["num_owned"])
+    return RunResult(history=history, ranks=[rank], plan=plan)

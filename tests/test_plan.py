@@ -1,0 +1,520 @@
+"""Plans as data and the plan verifier.
+
+Instructions print in their short forms and round-trip through dicts and JSON; plans round-trip
+through ``save``/``load`` and print a per-rank table. Hand-built valid plans (data-parallel halo
+exchange, GPipe pipeline, all-to-all) pass ``verify_plan`` with the expected dry run and
+communication volume; plans corrupted on purpose are rejected with a VerificationError naming the
+fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gnncompile.errors import VerificationError
+from gnncompile.ir.plan import (
+    INSTRUCTIONS,
+    AllGather,
+    AllReduce,
+    AllToAll,
+    Backward,
+    DevicePlan,
+    Forward,
+    Free,
+    HaloExchange,
+    Instruction,
+    OptimizerStep,
+    Plan,
+    Recompute,
+    Recv,
+    ReduceScatter,
+    Send,
+    StageSpec,
+)
+from gnncompile.ir.verify_plan import PlanReport, verify_plan
+
+F, B, OPT = Forward, Backward, OptimizerStep()
+PAIR = (0, 1)
+F32 = 4  # bytes per float32 element
+
+
+# --------------------------------------------------------------------------- plan builders
+def halo(value: str, rank: int, *, grad: bool = False, rows: tuple[int, int] = (5, 3), width: int = 16) -> HaloExchange:
+    """Halo exchange of ``value`` over ranks (0, 1): rank 0 sends ``rows[0]`` rows, rank 1 ``rows[1]``."""
+    out, into = rows if rank == 0 else rows[::-1]
+    other = 1 - rank
+    return HaloExchange(value, 0, PAIR, tuple(out if m == other else 0 for m in PAIR),
+                        tuple(into if m == other else 0 for m in PAIR), width, grad=grad)
+
+
+def halo_plan(num_stages: int = 2) -> Plan:
+    """Data parallel over 2 ranks: stages split by halo exchanges, e.g. for 2 stages on each rank
+    ``F0c0 HALO h0 c0 F1c0 B1c0 HALO^T grad h0 c0 B0c0 AR grads OPT``."""
+    ranks = []
+    for r in PAIR:
+        stages = tuple(StageSpec(k, ("g", "x") if k == 0 else ("g", f"h{k - 1}@halo"),
+                                 (f"h{k}",) if k < num_stages - 1 else ("logits",), (f"op{k}",), kinds="T1 P1")
+                       for k in range(num_stages))
+        fwd: list[Instruction] = [F(0)]
+        bwd: list[Instruction] = [B(num_stages - 1)]
+        for k in range(1, num_stages):
+            fwd += [halo(f"h{k - 1}", r), F(k)]
+        for k in reversed(range(1, num_stages)):
+            bwd += [halo(f"h{k - 1}", r, grad=True), B(k - 1)]
+        ranks.append(DevicePlan(r, stages, tuple(fwd + bwd + [AllReduce("grads", PAIR, numel=100), OPT])))
+    return Plan("data", "exact", {"partitioner": "metis"}, "2 x cpu", ranks,
+                info={"graph": "toy", "model": "GCN"}, predictions={"bytes_sent": [1.0, 2.0]})
+
+
+SHAPES = {0: (10, 16), 1: (6, 16)}  # the two chunks of h
+
+
+def pipeline_plan() -> Plan:
+    """GPipe over 2 ranks and 2 chunks: stage 0 (x -> h) on rank 0, stage 1 (h -> logits) on rank 1."""
+    r0 = (F(0, 0), Send("h", 0, 1, SHAPES[0]), F(0, 1), Send("h", 1, 1, SHAPES[1]),
+          Recv("h", 1, 1, SHAPES[1], grad=True), B(0, 1), Recv("h", 0, 1, SHAPES[0], grad=True), B(0, 0), OPT)
+    r1 = (Recv("h", 0, 0, SHAPES[0]), F(1, 0), Recv("h", 1, 0, SHAPES[1]), F(1, 1),
+          B(1, 1), Send("h", 1, 0, SHAPES[1], grad=True), B(1, 0), Send("h", 0, 0, SHAPES[0], grad=True), OPT)
+    return Plan("layer", "exact", {"chunks": 2}, "2 x cpu", [
+        DevicePlan(0, (StageSpec(0, ("g", "x"), ("h",), ("lin",)),), r0),
+        DevicePlan(1, (StageSpec(1, ("g", "h"), ("logits",), ("prop",)),), r1)], schedule="gpipe")
+
+
+def a2a(rank: int, *, grad: bool = False) -> AllToAll:
+    """rows -> cols all-to-all of h over (0, 1); rank 0 holds 6 rows, rank 1 holds 4; 8 columns each."""
+    rows = (6, 4)[rank]
+    return AllToAll("h", 0, PAIR, "rows", "cols", send_shapes=((rows, 8), (rows, 8)),
+                    recv_shapes=((6, 8), (4, 8)), grad=grad)
+
+
+def a2a_plan() -> Plan:
+    """Tensor-parallel style: stage 0 writes h by rows, stage 1 reads it by columns."""
+    stages = (StageSpec(0, ("x",), ("h",), ("lin",)), StageSpec(1, ("g", "h@cols"), ("logits",), ("prop",)))
+    return Plan("tensor", "exact", {}, "2 x cpu", [
+        DevicePlan(r, stages, (F(0), a2a(r), F(1), B(1), a2a(r, grad=True), B(0), OPT)) for r in PAIR])
+
+
+def edit(plan: Plan, rank: int, instructions: Any = None, stages: Any = None) -> Plan:
+    """A copy of ``plan`` with rank ``rank``'s instructions and/or stages replaced."""
+    ranks = list(plan.ranks)
+    dp = ranks[rank]
+    ranks[rank] = dataclasses.replace(dp, instructions=tuple(dp.instructions if instructions is None else instructions),
+                                      stages=dp.stages if stages is None else tuple(stages))
+    return dataclasses.replace(plan, ranks=ranks)
+
+
+def insts(plan: Plan, rank: int) -> list[Instruction]:
+    return list(plan.ranks[rank].instructions)
+
+
+# --------------------------------------------------------------------------- string forms
+@pytest.mark.parametrize("inst, text", [
+    (F(0, 3), "F0c3"),
+    (B(1, 0), "B1c0"),
+    (Recompute(1, 3), "R1c3"),
+    (Send("h1", 0, 2), "SEND h1 c0 ->2"),
+    (Recv("h1", 0, 1, grad=True), "RECV grad h1 c0 <-1"),
+    (halo("h1", 0), "HALO h1 c0"),
+    (halo("h1", 0, grad=True), "HALO^T grad h1 c0"),
+    (AllToAll("h2", 0, PAIR, "rows", "cols"), "A2A h2 c0 rows->cols"),
+    (AllGather("h", 1, PAIR), "AG h c1"),
+    (ReduceScatter("h", 0, PAIR, grad=True), "RS grad h c0"),
+    (AllReduce("grads", PAIR), "AR grads"),
+    (Free("h1", 0), "FREE h1 c0"),
+    (OPT, "OPT"),
+])
+def test_instruction_str(inst: Instruction, text: str) -> None:
+    assert str(inst) == text
+
+
+def test_collective_outputs() -> None:
+    assert halo("h1", 0).output == "h1@halo"
+    assert AllToAll("h2", 0, PAIR, "rows", "cols").output == "h2@cols"
+    assert AllGather("h", 0, PAIR).output == "h@gathered"
+    assert ReduceScatter("h", 0, PAIR).output == "h@scattered"
+
+
+# --------------------------------------------------------------------------- (de)serialization
+_NAMES = st.text(alphabet="abcdefgh_@0123456789", min_size=1, max_size=6)
+
+
+def _strategy(hint: Any) -> st.SearchStrategy:
+    """Values of a field annotated ``hint`` (int, str, bool, tuples of them)."""
+    if hint is bool:
+        return st.booleans()
+    if hint is int:
+        return st.integers(0, 1 << 20)
+    if hint is str:
+        return _NAMES
+    return st.lists(_strategy(typing.get_args(hint)[0]), max_size=4).map(tuple)
+
+
+def _instances(cls: type) -> st.SearchStrategy:
+    hints = typing.get_type_hints(cls)
+    return st.builds(cls, **{f.name: _strategy(hints[f.name]) for f in dataclasses.fields(cls)})
+
+
+@pytest.mark.parametrize("cls", list(INSTRUCTIONS.values()), ids=list(INSTRUCTIONS))
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_instruction_dict_round_trip(cls: type, data: st.DataObject) -> None:
+    inst = data.draw(_instances(cls))
+    d = inst.to_dict()
+    assert d["op"] == cls.__name__
+    assert json.loads(json.dumps(d)) == d  # plain JSON data: lists, not tuples, at every depth
+    assert Instruction.from_dict(d) == inst
+    assert Instruction.from_dict(json.loads(json.dumps(d))) == inst
+
+
+@pytest.mark.parametrize("build", [halo_plan, pipeline_plan, a2a_plan])
+def test_plan_save_load_round_trip(build: Any, tmp_path: Path) -> None:
+    plan = build()
+    path = plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(path)
+    assert loaded == plan
+    assert loaded.program is None
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan
+    assert verify_plan(loaded).instructions == verify_plan(plan).instructions
+
+
+def test_print_plan_shows_the_rank_table() -> None:
+    text = str(halo_plan())
+    lines = text.splitlines()
+    assert lines[0].startswith("Plan: strategy=data semantics=exact ranks=2")
+    assert "stage 1 [T1 P1]: (g, h0@halo) -> (logits)" in text
+    head = next(i for i, line in enumerate(lines) if line.split()[:1] == ["step"])
+    assert lines[head].split() == ["step", "rank", "0", "rank", "1"]
+    assert lines[head + 2].split() == ["0", "F0c0", "F0c0"]
+    assert lines[head + 5].split() == ["3", "B1c0", "B1c0"]
+    assert "HALO^T grad h0 c0" in lines[head + 6]
+
+
+def _malformed(d: dict) -> list[tuple[str, Any]]:
+    """(what, data) pairs, each a corruption of the plan data ``d``."""
+    def changed(fn: Any) -> dict:
+        c = json.loads(json.dumps(d))
+        fn(c)
+        return c
+
+    return [
+        ("format", changed(lambda c: c.update(format=99))),
+        ("format", changed(lambda c: c.pop("format"))),
+        ("ranks", changed(lambda c: c.pop("ranks"))),
+        ("unknown instruction", changed(lambda c: c["ranks"][0]["instructions"][0].update(op="Jump"))),
+        ("unknown field", changed(lambda c: c["ranks"][0]["instructions"][0].update(stages=3))),
+        ("malformed Send", changed(lambda c: c["ranks"][0]["instructions"][1].pop("peer"))),
+        ("malformed instruction", changed(lambda c: c["ranks"][0]["instructions"].append("F0c0"))),
+        ("malformed stage", changed(lambda c: c["ranks"][0]["stages"][0].update(colour="red"))),
+        ("malformed rank", changed(lambda c: c["ranks"].append(7))),
+        ("lacks the field 'instructions'", changed(lambda c: c["ranks"][1].pop("instructions"))),
+        ("must be an object", [d]),
+    ]
+
+
+@pytest.mark.parametrize("what, data", _malformed(pipeline_plan().to_dict()),
+                         ids=lambda x: x if isinstance(x, str) else "")
+def test_malformed_plan_data_is_rejected(what: str, data: Any) -> None:
+    with pytest.raises(VerificationError, match=what):
+        Plan.from_dict(data)
+
+
+def test_load_rejects_unknown_format_version(tmp_path: Path) -> None:
+    d = halo_plan().to_dict()
+    d["format"] = 2
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(VerificationError, match="plan format 2 is not supported"):
+        Plan.load(path)
+
+
+# --------------------------------------------------------------------------- valid plans
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_halo_plan_verifies(num_stages: int) -> None:
+    plan = halo_plan(num_stages)
+    report = verify_plan(plan)
+    assert isinstance(report, PlanReport)
+    n = 4 * num_stages  # F and B per stage, a forward and a backward halo between stages, AR, OPT
+    assert report.instructions == [n, n]
+    assert sorted(report.order) == sorted((r, i) for r in PAIR for i in range(n))
+    halos = (num_stages - 1) * (5 + 3) * 16 * F32  # each halo pair moves 5 rows one way and 3 the other
+    ring = 2 * (2 - 1) / 2 * 100 * F32
+    assert report.bytes_sent == [halos + ring] * 2
+    assert report.bytes_recv == [halos + ring] * 2
+    assert "plan verified: 2 ranks" in str(report)
+
+
+def test_halo_volume_direction() -> None:
+    """A forward halo exchange sends ``send_rows``; its grad=True transpose sends ``recv_rows``."""
+    stages = (StageSpec(0, ("g", "x@halo"), ("logits",), ("prop",)),)
+    plan = Plan("data", "exact", {}, "cpu",
+                [DevicePlan(r, stages, (halo("x", r, width=2), F(0), B(0), OPT)) for r in PAIR])
+    report = verify_plan(plan)
+    assert report.bytes_sent == [5 * 2 * F32, 3 * 2 * F32]
+    assert report.bytes_recv == [3 * 2 * F32, 5 * 2 * F32]
+
+    stages = (StageSpec(0, ("x",), ("h",), ("lin",)), StageSpec(1, ("g", "h@halo"), ("logits",), ("prop",)))
+    plan = Plan("data", "exact", {}, "cpu", [DevicePlan(r, stages, (F(0), halo("h", r, width=2), F(1), B(1),
+                                                                      halo("h", r, grad=True, width=2), B(0), OPT))
+                                             for r in PAIR])
+    assert verify_plan(plan).bytes_sent == [(5 + 3) * 2 * F32] * 2
+
+
+def test_pipeline_plan_verifies_with_its_dry_run() -> None:
+    report = verify_plan(pipeline_plan())
+    assert report.instructions == [9, 9]
+    assert report.steps == [
+        [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (1, 2), (0, 3), (1, 3), (1, 4), (1, 5), (0, 4), (1, 6)],
+        [(0, 5), (0, 6), (1, 7), (0, 7), (0, 8), (1, 8)],
+    ]
+    assert report.num_rounds == 2
+    moved = (10 + 6) * 16 * F32  # h of both chunks one way, its gradient back
+    assert report.bytes_sent == [moved, moved]
+    assert report.bytes_recv == [moved, moved]
+
+
+def test_a2a_plan_verifies_and_counts_shapes() -> None:
+    report = verify_plan(a2a_plan())
+    # rank 0 sends its 6 rows x 8 columns to rank 1 and receives rank 1's 4 x 8 (and back for the grad)
+    assert report.bytes_sent == [(6 + 4) * 8 * F32, (4 + 6) * 8 * F32]
+
+
+def test_gather_and_reduce_scatter_volume() -> None:
+    g3 = (0, 1, 2)
+    stages = (StageSpec(0, ("x",), ("h",), ("lin",)), StageSpec(1, ("g", "h@gathered"), ("s",), ("prop",)),
+              StageSpec(2, ("s@scattered",), ("logits",), ("lin2",)))
+    prog = (F(0), AllGather("h", 0, g3, (30, 4), dtype="bfloat16"), F(1), ReduceScatter("s", 0, g3, (30, 4)), F(2),
+            B(2), ReduceScatter("s", 0, g3, (30, 4), grad=True), B(1),
+            AllGather("h", 0, g3, (30, 4), dtype="bfloat16", grad=True), B(0), OPT)
+    report = verify_plan(Plan("tensor", "exact", {}, "cpu", [DevicePlan(r, stages, prog) for r in g3]))
+    expected = 2 * (2 / 3 * 120 * 2) + 2 * (2 / 3 * 120 * F32)
+    assert report.bytes_sent == pytest.approx([expected] * 3)
+    assert report.bytes_recv == pytest.approx([expected] * 3)
+
+
+def test_recompute_and_free_are_accepted() -> None:
+    plan = pipeline_plan()
+    r0 = insts(plan, 0)
+    r0.insert(2, Free("h", 0))               # after SEND h c0: h c0 is not stored ...
+    r0.insert(r0.index(B(0, 0)), Recompute(0, 0))  # ... until it is recomputed for the backward
+    r0.insert(r0.index(B(0, 0)) + 1, Free("h", 0))
+    verify_plan(edit(plan, 0, r0))
+
+
+def test_custom_inputs() -> None:
+    plan = pipeline_plan()
+    with pytest.raises(VerificationError, match="needs x c0, which is not available"):
+        verify_plan(plan, inputs=("g",))
+    stages = (StageSpec(0, ("g", "feat"), ("h",), ("lin",)),)
+    verify_plan(edit(plan, 0, stages=stages), inputs=("g", "feat"))
+
+
+# --------------------------------------------------------------------------- corruptions
+def test_missing_recv() -> None:
+    plan = pipeline_plan()
+    r1 = [i for i in insts(plan, 1) if i != Recv("h", 1, 0, SHAPES[1])]
+    with pytest.raises(VerificationError, match=r"rank 0 step 3 `SEND h c1 ->1` has no matching RECV on rank 1") as e:
+        verify_plan(edit(plan, 1, r1))
+    assert ">>    3  SEND h c1 ->1" in str(e.value)
+
+
+def test_send_recv_shape_mismatch() -> None:
+    plan = pipeline_plan()
+    r1 = insts(plan, 1)
+    r1[0] = Recv("h", 0, 0, (10, 17))
+    with pytest.raises(VerificationError, match=r"SEND/RECV mismatch.*shape \(10, 16\) on the SEND vs \(10, 17\) on the RECV") as e:
+        verify_plan(edit(plan, 1, r1))
+    assert "rank 0 step 1 `SEND h c0 ->1`" in str(e.value) and "rank 1 step 0 `RECV h c0 <-0`" in str(e.value)
+
+
+def test_collectives_in_different_orders() -> None:
+    plan = halo_plan()
+    r1 = insts(plan, 1)  # F0c0 HALO h0 c0 F1c0 B1c0 HALO^T grad h0 c0 B0c0 AR grads OPT
+    r1[4:7] = [r1[6], r1[4], r1[5]]  # AR before the transposed halo: fine for rank 1 alone
+    with pytest.raises(VerificationError, match=r"collective order mismatch over group \(0, 1\): collective #1 is "
+                                                r"`HALO\^T grad h0 c0` \(step 4\) on rank 0 but `AR grads` \(step 4\) on rank 1"):
+        verify_plan(edit(plan, 1, r1))
+
+
+def test_collective_content_mismatch() -> None:
+    plan = halo_plan()
+    r1 = insts(plan, 1)
+    r1[-2] = AllReduce("grads", PAIR, numel=99)
+    with pytest.raises(VerificationError, match=r"collective mismatch over group \(0, 1\).*numel 100 vs 99"):
+        verify_plan(edit(plan, 1, r1))
+    r1 = insts(plan, 1)[:-2] + [OPT]
+    with pytest.raises(VerificationError, match=r"collective mismatch .* collective #2 is `AR grads` \(step 6\) on rank 0 "
+                                                r"but missing on rank 1 \(it issues 2 collective\(s\) over this group\)"):
+        verify_plan(edit(plan, 1, r1))
+
+
+def test_forward_twice() -> None:
+    plan = halo_plan()
+    r0 = insts(plan, 0)
+    r0.insert(1, F(0))
+    with pytest.raises(VerificationError, match=r"rank 0 step 1 `F0c0`: stage 0 runs its Forward on chunk 0 twice \(first at step 0\)"):
+        verify_plan(edit(plan, 0, r0))
+
+
+def test_backward_before_forward() -> None:
+    plan = pipeline_plan()
+    r0 = insts(plan, 0)
+    r0.remove(B(0, 0))
+    with pytest.raises(VerificationError, match=r"rank 0 step 0 `B0c0`: Backward before its Forward F0c0"):
+        verify_plan(edit(plan, 0, [B(0, 0)] + r0))
+
+
+def test_missing_backward_points_at_its_forward() -> None:
+    plan = pipeline_plan()
+    with pytest.raises(VerificationError, match=r"rank 0 step 0 `F0c0`: no Backward B0c0 for this Forward"):
+        verify_plan(edit(plan, 0, [i for i in insts(plan, 0) if i != B(0, 0)]))
+
+
+def test_missing_opt() -> None:
+    plan = halo_plan()
+    with pytest.raises(VerificationError, match=r"rank 1: no optimizer step \(OPT\)") as e:
+        verify_plan(edit(plan, 1, insts(plan, 1)[:-1]))
+    assert "rank 1:\n" in str(e.value)  # the whole instruction list is shown
+
+
+def test_opt_ordering() -> None:
+    plan = halo_plan()
+    r0 = insts(plan, 0)
+    with pytest.raises(VerificationError, match=r"Backward after the optimizer step \(OPT at step 3\)"):
+        verify_plan(edit(plan, 0, r0[:3] + [OPT] + [i for i in r0[3:] if i != OPT]))
+    with pytest.raises(VerificationError, match=r"gradient all-reduce after the optimizer step"):
+        verify_plan(edit(plan, 0, r0[:-2] + [OPT, r0[-2]]))
+    with pytest.raises(VerificationError, match=r"second optimizer step \(first OPT at step 7\)"):
+        verify_plan(edit(plan, 0, r0 + [OPT]))
+
+
+def test_recompute_outside_its_window() -> None:
+    plan = pipeline_plan()
+    r0 = insts(plan, 0)
+    with pytest.raises(VerificationError, match=r"`R0c1`: Recompute must come between F0c1 and B0c1"):
+        verify_plan(edit(plan, 0, [F(0, 0), Recompute(0, 1)] + r0[1:]))
+
+
+def test_use_of_freed_value() -> None:
+    plan = halo_plan()
+    r0 = insts(plan, 0)
+    r0.insert(1, Free("h0", 0))
+    with pytest.raises(VerificationError, match=r"rank 0 step 2 `HALO h0 c0`: needs h0 c0, which is not available: "
+                                                r"it was freed at step 1"):
+        verify_plan(edit(plan, 0, r0))
+    with pytest.raises(VerificationError, match=r"`FREE h0 c0`: needs h0 c0, .* freed at step 1"):
+        verify_plan(edit(plan, 0, r0[:2] + [Free("h0", 0)] + r0[2:]))
+
+
+def test_stage_input_never_produced() -> None:
+    plan = halo_plan()
+    stages = list(plan.ranks[0].stages)
+    stages[1] = dataclasses.replace(stages[1], inputs=("g", "h9"))
+    with pytest.raises(VerificationError, match=r"rank 0 step 2 `F1c0`: needs h9 c0, which is not available: "
+                                                r"it is never produced on rank 0"):
+        verify_plan(edit(plan, 0, stages=stages))
+
+
+def test_value_used_before_it_is_received() -> None:
+    plan = pipeline_plan()
+    r1 = insts(plan, 1)
+    r1[2], r1[3] = r1[3], r1[2]  # F1c1 before RECV h c1
+    with pytest.raises(VerificationError, match=r"`F1c1`: needs h c1, which is not available: it is produced only later, at step 3"):
+        verify_plan(edit(plan, 1, r1))
+
+
+def test_backward_before_its_gradient_arrives() -> None:
+    plan = pipeline_plan()
+    r0 = insts(plan, 0)
+    r0[4], r0[5] = r0[5], r0[4]  # B0c1 before RECV grad h c1
+    with pytest.raises(VerificationError, match=r"rank 0 step 4 `B0c1`: needs the gradient of h c1, which is not complete "
+                                                r"yet: it still waits for `RECV grad h c1 <-1` \(step 5\)"):
+        verify_plan(edit(plan, 0, r0))
+    plan = halo_plan()
+    r0 = insts(plan, 0)  # F0c0 HALO h0 c0 F1c0 B1c0 HALO^T grad h0 c0 B0c0 AR grads OPT
+    r0[3], r0[4] = r0[4], r0[3]  # transposed halo before the backward producing its gradient
+    with pytest.raises(VerificationError, match=r"`HALO\^T grad h0 c0`: needs the gradient of h0@halo c0, .* waits for B1c0"):
+        verify_plan(edit(plan, 0, r0))
+
+
+def test_deadlock_names_both_ranks() -> None:
+    plan = pipeline_plan()
+    # rank 0 waits for the gradient of chunk 1 before sending any activation: both ranks block in RECV
+    r0 = [F(0, 0), F(0, 1), Recv("h", 1, 1, SHAPES[1], grad=True), Send("h", 0, 1, SHAPES[0]),
+          Send("h", 1, 1, SHAPES[1]), B(0, 1), Recv("h", 0, 1, SHAPES[0], grad=True), B(0, 0), OPT]
+    with pytest.raises(VerificationError) as e:
+        verify_plan(edit(plan, 0, r0))
+    msg = str(e.value)
+    assert msg.startswith("deadlock: no rank can advance after 2 of 18 instructions completed")
+    assert "rank 0 at step 2 `RECV grad h c1 <-1` waits for rank 1, which is at step 0 `RECV h c0 <-0`" in msg
+    assert "rank 1 at step 0 `RECV h c0 <-0` waits for rank 0, which is at step 2 `RECV grad h c1 <-1`" in msg
+
+
+def test_collective_deadlock_over_overlapping_groups() -> None:
+    groups = {0: ((0, 1), (0, 2)), 1: ((1, 2), (0, 1)), 2: ((0, 2), (1, 2))}
+    plan = Plan("data", "exact", {}, "cpu", [
+        DevicePlan(r, (), tuple(AllReduce("grads", g, numel=8) for g in groups[r]) + (OPT,)) for r in range(3)])
+    with pytest.raises(VerificationError) as e:
+        verify_plan(plan)
+    msg = str(e.value)
+    assert "deadlock" in msg
+    assert "rank 0 at step 0 `AR grads` waits for group (0, 1): rank 1, which is at step 0 `AR grads` over group (1, 2)" in msg
+    assert "rank 2 at step 0 `AR grads` waits for group (0, 2): rank 0, which is at step 0 `AR grads` over group (0, 1)" in msg
+
+
+def test_halo_row_count_mismatch() -> None:
+    plan = halo_plan()
+    r1 = insts(plan, 1)
+    r1[1] = dataclasses.replace(r1[1], recv_rows=(4, 0))
+    with pytest.raises(VerificationError, match=r"halo row counts disagree: rank 0 step 1 `HALO h0 c0` sends 5 to rank 1, "
+                                                r"rank 1 step 1 `HALO h0 c0` expects 4 from rank 0"):
+        verify_plan(edit(plan, 1, r1))
+
+
+def test_a2a_shape_mismatch() -> None:
+    plan = a2a_plan()
+    r1 = insts(plan, 1)
+    r1[1] = dataclasses.replace(r1[1], recv_shapes=((5, 8), (4, 8)))
+    with pytest.raises(VerificationError, match=r"all-to-all shapes disagree: .* sends \(6, 8\) to rank 1, .* expects \(5, 8\)"):
+        verify_plan(edit(plan, 1, r1))
+
+
+@pytest.mark.parametrize("rank, index, inst, what", [
+    (0, 1, Send("h", 0, 0, SHAPES[0]), "rank 0 cannot send to itself"),
+    (0, 1, Send("h", 0, 5, SHAPES[0]), "peer 5 is not a rank of this 2-rank plan"),
+    (0, 0, F(3, 0), r"stage 3 is not one of rank 0's stages \[0\]"),
+    (0, 0, F(0, 2), r"chunk 2 is outside the plan's chunks 0..1"),
+    (0, 1, Send("h", 0, 1, SHAPES[0], dtype="float31"), "unknown dtype 'float31'"),
+    (0, 1, Send("h", 0, 1, (10, -1)), "negative dimensions"),
+    (0, 0, F("0", 0), "field 'stage' is '0', expected int"),
+    (0, 1, AllReduce("grads", (1,)), r"group \(1,\), which does not include it"),
+    (0, 1, AllReduce("grads", (1, 0)), r"group \(1, 0\) must be non-empty, sorted and without duplicates"),
+    (0, 1, AllReduce("grads", (0, 2)), r"group \(0, 2\) names ranks outside 0..1"),
+    (0, 1, HaloExchange("h", 0, PAIR, (1, 2), (0, 2), 4), r"entry 0 \(rank 0\) must be 0"),
+    (0, 1, HaloExchange("h", 0, PAIR, (0,), (0, 2), 4), "one entry per member"),
+])
+def test_structural_faults(rank: int, index: int, inst: Instruction, what: str) -> None:
+    plan = pipeline_plan()
+    prog = insts(plan, rank)
+    prog[index] = inst
+    with pytest.raises(VerificationError, match=what) as e:
+        verify_plan(edit(plan, rank, prog))
+    assert f">> {index:>4}  {inst}" in str(e.value)
+
+
+def test_rank_numbering_and_stage_tables() -> None:
+    plan = pipeline_plan()
+    with pytest.raises(VerificationError, match="position 0 holds rank 1"):
+        verify_plan(dataclasses.replace(plan, ranks=plan.ranks[::-1]))
+    twice = plan.ranks[0].stages * 2
+    with pytest.raises(VerificationError, match="two stages have index 0"):
+        verify_plan(edit(plan, 0, stages=twice))
+    with pytest.raises(VerificationError, match="'chunks' must be a positive int"):
+        verify_plan(dataclasses.replace(plan, options={"chunks": 0}))
