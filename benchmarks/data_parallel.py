@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -47,6 +48,7 @@ def main() -> None:
 
     import gnncompile as gc
 
+    load_start = os.getloadavg()[0]
     rows = []
     for name in args.datasets:
         graph = gc.datasets.load(name).normalize_features()
@@ -80,7 +82,9 @@ def main() -> None:
         ))
 
     lines = [
-        f"{today()} · {machine_info()} · `{command_line()}`",
+        f"{today()} · {machine_info(torch.get_num_threads())}; the {args.gpus} ranks use "
+        f"{max(1, (os.cpu_count() or 1) // args.gpus)} thread(s) each; 1-min load average "
+        f"{load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end · `{command_line()}`",
         "",
         f"GCN (2 layers, dropout 0.5, Adam lr 0.01, wd 5e-4), {args.epochs} epochs, mean over {args.seeds} seeds of "
         f"test accuracy at best validation. `data` = {args.gpus} local ranks (processes, gloo), METIS partition. "

@@ -28,7 +28,8 @@ def _num_ranks(gpus: Any) -> int:
 
 
 def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4, *, strategy: Optional[str] = None,
-         semantics: str = "exact", partitioner: str = "metis", seed: int = 0, **options: Any) -> Plan:
+         semantics: str = "exact", partitioner: str = "metis", seed: int = 0, dropout: str = "replicated",
+         **options: Any) -> Plan:
     """Plan parallel training of ``model`` on ``graph`` over ``gpus`` ranks.
 
     Parameters
@@ -46,6 +47,10 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         ``"exact"`` (default: relaxed transformations are refused) or ``"relaxed"``.
     partitioner, seed:
         Vertex partitioner (``"metis"``, ``"random"``, ``"contiguous"``) and its seed.
+    dropout:
+        ``"replicated"`` (default; ranks draw single-device training's dropout masks, so a run
+        matches ``gc.train`` for the same seed) or ``"local"`` (each rank draws its own rows' masks:
+        no redundant random draws). See :class:`gnncompile.passes.data.DataOptions`.
 
     Returns a :class:`Plan`: ``print(plan)`` shows it, ``plan.run(epochs, lr)`` trains with it.
     """
@@ -60,12 +65,12 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
                             f"{', '.join(IMPLEMENTED_STRATEGIES)}")
     if options:
         raise PlanningError(f"strategy {strategy!r} takes no option(s) {', '.join(sorted(options))}; "
-                            "its options are semantics, partitioner, seed")
+                            "its options are semantics, partitioner, seed, dropout")
     if not isinstance(model, torch.nn.Module):
         raise PlanningError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if isinstance(graph, Graph) and n > max(graph.num_nodes, 1):
         raise PlanningError(f"gpus={n} exceeds the graph's {graph.num_nodes} vertices")
-    opts = DataOptions(partitioner=partitioner, seed=seed, semantics=semantics)
+    opts = DataOptions(partitioner=partitioner, seed=seed, semantics=semantics, dropout=dropout)
     was_training = model.training
     try:
         tp = trace(model, graph, training=True)

@@ -232,3 +232,32 @@ def test_dead_rank_fails_the_run_naming_it(sbm: gc.Graph) -> None:
         plan.run(epochs=5, fail_at=(1, 2), timeout=60)
     assert time.monotonic() - t0 < 30
     assert "injected failure" in str(info.value)
+
+
+# --------------------------------------------------------------------------- command line
+def test_cli_plan_and_run(tmp_path, capsys) -> None:
+    from gnncompile.cli import main
+
+    small = ["--dataset", "sbm", "--num-nodes", "300", "--avg-degree", "4", "--num-features", "8",
+             "--num-classes", "3", "--hidden", "8"]
+    assert main(["plan", *small, "--gpus", "2", "--partitioner", "random", "--save", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "strategy=data" in out and "HALO" in out and (tmp_path / "p.json").exists()
+    assert main(["run", *small, "--gpus", "2", "--epochs", "2", "--quiet", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "per rank, one training step" in out
+    import json
+    rec = json.loads((tmp_path / "r.json").read_text())
+    assert rec["ranks"] == 2 and len(rec["loss"]) == 2 and len(rec["bytes_sent"]) == 2
+    assert main(["plan", *small, "--gpus", "2", "--strategy", "tensor"]) == 1
+    assert "no lowering yet" in capsys.readouterr().err
+
+
+def test_time_by_kind_groups_instructions() -> None:
+    from gnncompile.runtime.executor import RankResult, TimelineEvent
+
+    ev = [TimelineEvent(0, "F0c0", 0.0, 1.0), TimelineEvent(0, "HALO h c0", 1.0, 1.5),
+          TimelineEvent(0, "HALO^T grad h c0", 2.0, 2.25), TimelineEvent(0, "B0c0", 3.0, 5.0),
+          TimelineEvent(0, "AR grads", 5.0, 5.5), TimelineEvent(0, "OPT", 5.5, 6.0)]
+    r = RankResult(0, 0, 0, {}, {}, {}, 0, ev, [6.0])
+    assert r.time_by_kind() == {"F": 1.0, "HALO": 0.5, "HALO^T": 0.25, "B": 2.0, "AR": 0.5, "OPT": 0.5}

@@ -249,11 +249,10 @@ def _norm_values_with_loops(g: Graph, norm: str, edge_weight: Optional[torch.Ten
     """Edge coefficients and per-vertex self-loop coefficients of ``A + I`` under ``norm``."""
     if norm not in NORMS:
         raise KernelError(f"propagate: unknown norm {norm!r}; valid: {', '.join(repr(n) for n in NORMS)}")
-    n, e = g.num_nodes, g.num_edges
+    n = g.num_nodes
     if edge_weight is None:
         if norm == "none" or (norm == "sum" and g.edge_weight is None):
             return None, g.cached(f"loop:ones:{dtype}", lambda: torch.ones(n, dtype=dtype, device=g.device))
-        stored = g.edge_weight if norm != "none" else None
 
         def build() -> tuple[torch.Tensor, torch.Tensor]:
             edge_coef, loop_coef = g.loop_norm_coefficients(norm)
@@ -416,7 +415,7 @@ def aggregate(g: Graph, msg: torch.Tensor, reduce: str = "sum", add_self_loops: 
 # --------------------------------------------------------------------------- masked propagate (P, S-SpMM)
 from ..runtime.kernels import masked as _masked_kernels  # noqa: E402  (appended section)
 
-__all__ += ["masked_propagate", "dropout_noise"]
+__all__ += ["masked_propagate", "dropout_noise", "dropout_rows"]
 
 
 def dropout_noise(x: torch.Tensor, p: float) -> torch.Tensor:
@@ -435,6 +434,31 @@ def dropout_noise(x: torch.Tensor, p: float) -> torch.Tensor:
     if not 0.0 <= p < 1.0:
         raise KernelError(f"dropout_noise: p must be in [0, 1), got {p}")
     return torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p).div_(1.0 - p)
+
+
+def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Dropout of rows ``index`` of a ``[num_rows, ...]`` tensor, with the mask of the whole tensor.
+
+    Draws the dropout mask of the full ``[num_rows, *x.shape[1:]]`` tensor exactly as
+    ``F.dropout`` on it would (same RNG calls, see :func:`dropout_noise`) and applies its rows
+    ``index`` to ``x``: a rank holding some rows of a tensor gets, for the same seed, the same
+    masks as single-device training. For a sparse CSR ``x`` the mask is over the stored values of
+    the full matrix (``num_rows`` of them) and ``index`` selects this matrix's values, as
+    :func:`gnncompile.nn.functional.feature_dropout` draws it. ``p == 0`` draws nothing, like
+    ``F.dropout``. Used by the ``data`` strategy; costs ``num_rows`` random draws per call.
+    """
+    proxy = _has_proxy((x, index), {})
+    if proxy is not None:  # one fx node (stage modules are re-traced when unpickled)
+        return proxy.tracer.create_proxy("call_function", dropout_rows, (x, p, index, num_rows), {})
+    if p == 0.0:
+        return x
+    if x.layout == torch.sparse_csr:
+        values = x.values()
+        noise = dropout_noise(values.new_empty((num_rows,)), p).index_select(0, index)
+        return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), values * noise, size=x.shape,
+                                       check_invariants=False)
+    noise = dropout_noise(x.new_empty((num_rows,) + tuple(x.shape[1:])), p)
+    return x * noise.index_select(0, index)
 
 
 def _nonzero_rows(t: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 from ..errors import GraphError
 from .core import Graph
 
-__all__ = ["LocalGraph", "Shard", "build_shards", "slice_rows", "global_rows"]
+__all__ = ["LocalGraph", "Shard", "build_shards", "slice_rows", "global_rows", "row_value_positions"]
 
 
 class LocalGraph(Graph):
@@ -94,6 +94,8 @@ class Shard:
     graph: LocalGraph
     send_index: list[torch.Tensor] = field(default_factory=list)
     recv_count: list[int] = field(default_factory=list)
+    #: global edge id of every local edge (in local edge order)
+    edge_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
     @property
     def num_owned(self) -> int:
@@ -119,8 +121,15 @@ def slice_rows(t: Optional[torch.Tensor], rows: torch.Tensor) -> Optional[torch.
         pos = _ranges(crow[:-1][rows], sel_counts)
         new_crow = torch.zeros(rows.numel() + 1, dtype=crow.dtype)
         torch.cumsum(sel_counts, 0, out=new_crow[1:])
-        return torch.sparse_csr_tensor(new_crow, col[pos], val[pos], size=(rows.numel(), t.shape[1]))
+        return torch.sparse_csr_tensor(new_crow, col[pos], val[pos], size=(rows.numel(), t.shape[1]),
+                                       check_invariants=False)
     return t.index_select(0, rows)
+
+
+def row_value_positions(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Positions in ``t.values()`` of the stored values of rows ``rows`` of a sparse CSR ``t``."""
+    crow = t.crow_indices()
+    return _ranges(crow[:-1][rows], (crow[1:] - crow[:-1])[rows])
 
 
 def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -181,7 +190,7 @@ def build_shards(graph: Graph, parts: torch.Tensor, num_parts: int,
             norm_coef={nm: c.cpu()[eids] for nm, c in edge_coef.items()},
             loop_norm_coef={nm: (c[0].cpu()[eids], c[1].cpu()[owned]) for nm, c in loop_coef.items()},
             name=f"{graph.name}[rank {r}]", **node_data)
-        shards.append(Shard(rank=r, owned=owned, halo=halo, halo_owner=halo_owner, graph=lg))
+        shards.append(Shard(rank=r, owned=owned, halo=halo, halo_owner=halo_owner, graph=lg, edge_ids=eids))
 
     # exchange lists: rank r sends to q the rows of q's halo that r owns, in q's order
     for q, sq in enumerate(shards):

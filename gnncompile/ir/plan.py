@@ -602,3 +602,5 @@ class RankProgram:
     params: list[Any]
     param_names: list[str]
     owned: Any = None
+    #: whether every rank seeds its RNG like single-device training (replicated dropout masks)
+    same_seed: bool = False

@@ -135,14 +135,17 @@ class PlanReport:
 
 
 # --------------------------------------------------------------------------- entry point
-def verify_plan(plan: Plan, *, inputs: Iterable[str] = ("g", "x")) -> PlanReport:
+def verify_plan(plan: Plan, *, inputs: Optional[Iterable[str]] = None) -> PlanReport:
     """Check every invariant of ``plan`` (see the module docstring) and dry-run it.
 
-    ``inputs`` are the names of the model inputs every rank holds from the start. Returns a
+    ``inputs`` are the names of the model inputs every rank holds from the start (default: the
+    plan's ``info["inputs"]``, else ``g`` and ``x``). Returns a
     :class:`PlanReport`; raises :class:`~gnncompile.errors.VerificationError` at the first violation.
     """
     if not isinstance(plan, Plan):
         raise VerificationError(f"verify_plan expects a Plan, got {type(plan).__name__}")
+    if inputs is None:
+        inputs = plan.info.get("inputs", ("g", "x"))
     names = frozenset((inputs,) if isinstance(inputs, str) else inputs)
     chunks = plan.options.get("chunks", 1)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:

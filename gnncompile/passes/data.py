@@ -36,18 +36,23 @@ from typing import Optional
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 
 from ..errors import PlanningError
-from ..frontend.ops import masked_propagate, propagate
+from ..frontend.ops import dropout_rows, masked_propagate, propagate
 from ..graph.core import Graph
 from ..graph.partition import PARTITIONERS, partition
-from ..graph.shard import build_shards
+from ..graph.shard import Shard, build_shards, row_value_positions
+from ..nn.functional import feature_dropout
 from ..ir.plan import AllReduce, DevicePlan, HaloExchange, Instruction, OptimizerStep, Plan, RankProgram
 from ..ir.tpgraph import TPGraph
 from .lower import Conversion, Decisions, StagedModel, call_arguments, forward_schedule, sequential_schedule, \
     source_input, split_stages
 
-__all__ = ["DataOptions", "data_decisions", "row_mixing_ops", "lower_data", "halo_bytes"]
+__all__ = ["DataOptions", "DROPOUT_MODES", "data_decisions", "row_mixing_ops", "replicate_dropout_masks",
+           "lower_data", "halo_bytes"]
+
+DROPOUT_MODES = ("replicated", "local")
 
 _ROW_MIXING_MODULES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.InstanceNorm1d)
 
@@ -63,17 +68,99 @@ class DataOptions:
     semantics:
         ``"exact"`` refuses ops whose result depends on rows of other ranks beyond the halo
         (BatchNorm statistics, reductions over vertices); ``"relaxed"`` runs them per rank.
+    dropout:
+        ``"replicated"`` (default): every rank draws each dropout mask of the whole graph from the
+        same seed and keeps its rows (:func:`~gnncompile.ops.dropout_rows`), so training sees the
+        masks single-device training sees, bit for bit; it costs each rank the random draws of
+        the whole tensor. ``"local"``: each rank draws masks for its rows only from its own stream
+        (same distribution, different draws; no redundant work).
     """
 
     partitioner: str = "metis"
     seed: int = 0
     semantics: str = "exact"
+    dropout: str = "replicated"
 
     def __post_init__(self) -> None:
         if self.partitioner not in PARTITIONERS:
             raise PlanningError(f"unknown partitioner {self.partitioner!r}; valid: {', '.join(PARTITIONERS)}")
         if self.semantics not in ("exact", "relaxed"):
             raise PlanningError(f"unknown semantics {self.semantics!r}; valid: 'exact', 'relaxed'")
+        if self.dropout not in DROPOUT_MODES:
+            raise PlanningError(f"unknown dropout mode {self.dropout!r}; valid: {', '.join(DROPOUT_MODES)}")
+
+
+_INDEX_INPUTS = {"V": "dropout_index_v", "E": "dropout_index_e", "E+V": "dropout_index_ev",
+                 "nnz": "dropout_index_nnz"}
+
+
+def _dropout_of(tp: TPGraph, n: torch.fx.Node) -> Optional[tuple[torch.fx.Node, float]]:
+    """``(input, p)`` if ``n`` is a training-mode dropout that draws a mask, else ``None``."""
+    if n.op == "call_function" and n.target in (F.dropout, feature_dropout):
+        a = call_arguments(n)
+        inp = a.get("input", a.get("x"))
+        if a["training"] and float(a["p"]) > 0 and isinstance(inp, torch.fx.Node):
+            return inp, float(a["p"])
+    elif n.op == "call_module":
+        mod = tp.get_submodule(n.target)
+        if isinstance(mod, torch.nn.Dropout) and mod.training and mod.p > 0 and n.args:
+            return n.args[0], float(mod.p)
+    return None
+
+
+def replicate_dropout_masks(tp: TPGraph, graph: Graph) -> tuple[TPGraph, dict[str, str]]:
+    """Rewrite every training-mode dropout into :func:`~gnncompile.ops.dropout_rows` over the whole graph.
+
+    Requires: ``tp`` traced for ``graph``. Ensures: each dropout of a V-, E- or (E+V)-space value
+    (or of sparse input features) reads a new model input ``dropout_index_<space>`` (the global rows
+    a rank holds) and draws the mask of the global tensor; the returned dict maps those inputs to
+    their spaces. Preserves: the function computed on one rank holding every row (identity index),
+    including the RNG calls, so a rank's masks equal single-device training's for the same seed.
+    Returns a copy; ``tp`` is untouched (modules are shared).
+    """
+    out = tp.bind(tp.stats)
+    g = out.graph
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    inputs: dict[str, torch.fx.Node] = {}
+    spaces: dict[str, str] = {}
+    sizes = {"V": graph.num_nodes, "E": graph.num_edges, "E+V": graph.num_edges + graph.num_nodes}
+    if graph.x is not None and graph.x.layout == torch.sparse_csr:
+        sizes["nnz"] = int(graph.x.values().numel())
+    for n in list(g.nodes):
+        found = _dropout_of(out, n)
+        if found is None:
+            continue
+        inp, p = found
+        info = inp.meta.get("tp")
+        space = "nnz" if inp.op == "placeholder" and "nnz" in sizes else (info.space if info is not None else "?")
+        if space not in sizes:
+            raise PlanningError(f"op {n.name!r}: dropout of a value with rows {space!r} cannot draw the whole "
+                                "graph's mask; use dropout='local'")
+        name = _INDEX_INPUTS[space]
+        if name not in inputs:
+            with g.inserting_after(placeholders[-1]):
+                ph = g.placeholder(name)
+            ph.meta["tp"] = placeholders[-1].meta.get("tp")
+            placeholders.append(ph)
+            inputs[name] = ph
+            spaces[name] = space
+        with g.inserting_before(n):
+            new = g.call_function(dropout_rows, (inp, p, inputs[name], sizes[space]))
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        g.erase_node(n)
+    out.recompile()
+    return out, spaces
+
+
+def _dropout_index(space: str, shard: Shard, graph: Graph) -> torch.Tensor:
+    if space == "V":
+        return shard.owned
+    if space == "E":
+        return shard.edge_ids
+    if space == "E+V":
+        return torch.cat([shard.edge_ids, graph.num_edges + shard.owned])
+    return row_value_positions(graph.x, shard.owned)
 
 
 def data_decisions(tp: TPGraph) -> Decisions:
@@ -154,6 +241,9 @@ def lower_data(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Gra
 
     part = partition(graph, num_ranks, options.partitioner, seed=options.seed)
     shards = build_shards(graph, part.parts, num_ranks, norms=norms)
+    dropout_inputs: dict[str, str] = {}
+    if options.dropout == "replicated":
+        tp, dropout_inputs = replicate_dropout_masks(tp, graph)
     staged = split_stages(tp, data_decisions(tp))
     staged_eval = split_stages(tp_eval, data_decisions(tp_eval))
     group = tuple(range(num_ranks))
@@ -189,7 +279,8 @@ def lower_data(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Gra
             rank=r, world_size=num_ranks, modules=staged.modules, stages=tuple(staged.stages), instructions=instrs,
             eval_modules=staged_eval.modules, eval_stages=tuple(staged_eval.stages), eval_instructions=eval_instrs,
             output=staged.output, eval_output=staged_eval.output,
-            inputs={"g": lg, "x": lg.x}, halo=(tuple(shard.send_index), tuple(shard.recv_count)),
+            inputs={"g": lg, "x": lg.x, **{k: _dropout_index(sp, shard, graph) for k, sp in dropout_inputs.items()}},
+            same_seed=options.dropout == "replicated", halo=(tuple(shard.send_index), tuple(shard.recv_count)),
             labels=lg.y, masks={"train": lg.train_mask, "val": lg.val_mask, "test": lg.test_mask},
             counts=counts, params=params, param_names=names, owned=shard.owned))
         s = rv = 0
@@ -209,11 +300,12 @@ def lower_data(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Gra
         "model": type(model).__name__,
         "partition": part.to_dict(include_parts=False),
         "output": staged.output,
+        "inputs": ["g", "x", *dropout_inputs],
         "halo_rows": [s.num_halo for s in shards],
         "owned_rows": [s.num_owned for s in shards],
     }
     opts = {"strategy": "data", "partitioner": options.partitioner, "seed": options.seed,
-            "semantics": options.semantics}
+            "semantics": options.semantics, "dropout": options.dropout}
     plan = Plan(strategy="data", semantics="relaxed" if relaxations else "exact", options=opts,
                 cluster=f"{num_ranks} local ranks", ranks=ranks, schedule="sequential",
                 relaxations=tuple(relaxations),

@@ -79,8 +79,8 @@ class RankResult:
         """Total time per instruction kind (``F``, ``B``, ``HALO``, ``AR``...) over all steps."""
         out: dict[str, float] = {}
         for e in self.timeline:
-            k = e.instruction.split()[0].rstrip("0123456789c").rstrip("^T") if not e.instruction[:1] in "FBR" \
-                else e.instruction[0]
+            head = e.instruction.split()[0]
+            k = head[0] if head[0] in "FBR" and head[1:2].isdigit() else head
             out[k] = out.get(k, 0.0) + e.duration
         return out
 
@@ -213,8 +213,9 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
                  seed: Optional[int], eval_every: int, capture: bool, fail_at: Optional[tuple[int, int]]) -> dict:
     """Train on one rank for ``epochs`` steps; returns this rank's measurements (picklable)."""
     if seed is not None:
-        # rank 0 draws from the reference's seed; the others from distinct streams
-        torch.manual_seed(seed if ctx.rank == 0 else seed + 1_000_003 * ctx.rank)
+        # replicated masks: every rank makes single-device training's RNG calls from its seed;
+        # otherwise rank 0 uses the seed and the others distinct streams
+        torch.manual_seed(seed if ctx.rank == 0 or prog.same_seed else seed + 1_000_003 * ctx.rank)
     rank = _Rank(prog, ctx)
     labels, masks, counts = prog.labels, prog.masks, prog.counts
     train_mask = masks["train"]

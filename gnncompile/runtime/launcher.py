@@ -22,11 +22,12 @@ Failure handling (every path leaves no child process behind):
   looks secondary, the caller waits up to half a second for a primary one (another rank's
   exception, or a rank that died); secondary failures are listed briefly after the root cause.
 - Hangs: the collective timeout bounds gloo and NCCL collectives, but not gloo point-to-point
-  receives. So the caller also watches the ranks' CPU time (``/proc``): when no rank has used CPU
-  for ``timeout`` seconds (every rank blocked, e.g. each waiting to receive from another) the run
-  is declared hung and :class:`RankFailure` lists the ranks still running. Where ``/proc`` is
-  missing the guard counts wall time since the last rank reported instead. A run that computes is
-  never cut short, however long it takes.
+  receives in every version, nor waits outside the process group. So the caller also watches the
+  ranks' CPU time (``/proc``): when no rank has used CPU for ``timeout`` seconds plus 5 (every
+  rank blocked, e.g. each waiting to receive from another; the 5 s let the ranks' own timeouts,
+  with their tracebacks, come first) the run is declared hung and :class:`RankFailure` lists the
+  ranks still running. Where ``/proc`` is missing the guard counts wall time since the last rank
+  reported instead. A run that computes is never cut short, however long it takes.
 - Children die with the caller (Linux ``PR_SET_PDEATHSIG``) and ignore SIGINT, so a Ctrl-C is
   handled once, by the caller, which stops them.
 
@@ -73,6 +74,7 @@ _SETTLE_S = 0.5          # after a failure that looks secondary, how long to wai
 _TERM_GRACE_S = 2.0      # SIGTERM, then SIGKILL after this long
 _BUSY_FRACTION = 0.05    # a rank using more than this fraction of a core is making progress
 _CPU_WINDOW_S = 1.0      # how often the ranks' CPU time is sampled
+_GUARD_SLACK_S = 5.0     # the hang guard waits this much longer than the ranks' own timeouts
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 _SECONDARY_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError"}
 _SECONDARY_MESSAGE = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused|ECONNRESET|EPIPE|"
@@ -118,9 +120,11 @@ def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: 
     """Run ``fn(ctx, *args)`` on ``world_size`` ranks and return the results ordered by rank.
 
     ``fn`` must be importable by child processes (a module-level function) and ``args`` and the
-    results picklable. ``backend``: ``None`` picks NCCL when there is a GPU per rank, else gloo.
-    ``timeout`` (seconds) bounds every collective and is the hang guard (see the module
-    docstring). ``threads_per_rank`` defaults to the usable cores divided among the ranks.
+    results picklable; a script that calls ``launch`` needs the ``if __name__ == "__main__":``
+    guard (children re-import the main module). ``backend``: ``None`` picks NCCL when there is a
+    GPU per rank, else gloo. ``timeout`` (seconds) bounds every collective and is the hang guard
+    (see the module docstring). ``threads_per_rank`` defaults to the usable cores divided among
+    the ranks.
     ``inline=True`` (``world_size`` 1 only) runs ``fn`` in this process in a single-process gloo
     group, destroyed afterwards; ``threads_per_rank`` does not apply there.
 
@@ -130,6 +134,8 @@ def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: 
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    if threads_per_rank is not None and threads_per_rank < 1:
+        raise ValueError(f"threads_per_rank must be >= 1, got {threads_per_rank}")
     if inline:
         if world_size != 1 or backend not in (None, "gloo"):
             raise ValueError("inline=True runs one rank with gloo: use world_size=1 and backend None or 'gloo'")
@@ -145,6 +151,7 @@ def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: 
         with _child_environment(threads):
             for rank in range(world_size):
                 reader, writer = mpc.Pipe(duplex=False)
+                conns.append(reader)
                 p = mpc.Process(target=_child_main, name=f"gnncompile-rank{rank}",
                                 args=(rank, world_size, backend, store.port, timeout, threads, os.getpid(), fn,
                                       args, writer))
@@ -156,7 +163,6 @@ def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: 
                 finally:
                     writer.close()
                 procs.append(p)
-                conns.append(reader)
         results = _Supervisor(procs, conns, timeout).run()
         finished = True
         return results
@@ -338,12 +344,7 @@ class _Supervisor:
                 if time.monotonic() >= settle_until or not self.sentinels:
                     break
             elif self.guard.hung([self.procs[r].pid for r in self.sentinels.values()]):
-                running = sorted(self.sentinels.values())
-                raise RankFailure(
-                    f"run hung: no rank made progress (used CPU) for {self.timeout:g} s (every rank blocked, e.g. waiting to "
-                    f"receive from another); still running: ranks {', '.join(map(str, running))}"
-                    + (f"; finished: ranks {', '.join(map(str, sorted(self.results)))}" if self.results else ""),
-                    still_running=running)
+                raise self._hang_error()
         if self.failures:
             raise self._error()
         return [self.results[r] for r in range(self.world_size)]
@@ -373,6 +374,14 @@ class _Supervisor:
             proc.join(_TERM_GRACE_S)    # its sentinel fires as it exits, a moment before it can be reaped
             self.failures.append(_Failure.from_exit(rank, proc.exitcode))
 
+    def _hang_error(self) -> RankFailure:
+        running = sorted(self.sentinels.values())
+        text = (f"run hung: no rank made progress (used CPU) for {self.timeout + _GUARD_SLACK_S:g} s, every rank "
+                f"blocked (waiting to receive from another?); still running: ranks {', '.join(map(str, running))}")
+        if self.results:
+            text += f"; finished: ranks {', '.join(map(str, sorted(self.results)))}"
+        return RankFailure(text, still_running=running)
+
     def _error(self) -> RankFailure:
         root = next((f for f in self.failures if not f.secondary), None)
         text = ""
@@ -391,7 +400,9 @@ class _Supervisor:
 
 class _HangGuard:
     """Declares a run hung when no rank has used CPU (over ``_BUSY_FRACTION`` of a core) for
-    ``timeout`` seconds; without ``/proc``, when no rank has reported for ``timeout`` seconds."""
+    ``timeout + _GUARD_SLACK_S`` seconds; without ``/proc``, when no rank has reported for that
+    long. The slack lets the ranks' own timeouts fire first: their tracebacks show where each waited.
+    """
 
     def __init__(self, pids: list[int], timeout: float) -> None:
         self.timeout = timeout
@@ -415,7 +426,7 @@ class _HangGuard:
                     self._last_progress = now
                 self._cpu[pid] = cpu
             self._last_sample = now
-        return now - self._last_progress > self.timeout
+        return now - self._last_progress > self.timeout + _GUARD_SLACK_S
 
 
 def _cpu_seconds(pid: int) -> Optional[float]:

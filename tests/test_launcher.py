@@ -1,0 +1,201 @@
+"""The launcher: results by rank, prompt failure reports naming the root cause, hang guards, no
+process left behind, inline and torchrun modes.
+
+The rank functions live at module level: spawned children import this module by name (pytest puts
+``tests/`` on ``sys.path``, which the children inherit).
+"""
+
+from __future__ import annotations
+
+import _thread
+import multiprocessing
+import os
+import socket
+import sys
+import threading
+import time
+from multiprocessing import resource_tracker
+from typing import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gnncompile.errors import RuntimeFailure
+from gnncompile.runtime.launcher import RankContext, RankFailure, launch, torchrun_main
+
+
+# --- rank functions (run in the children) ----------------------------------------------------------
+
+def _sum_ranks(ctx: RankContext, offset: int) -> tuple:
+    t = torch.tensor([float(ctx.rank + offset)])
+    dist.all_reduce(t)
+    return ctx, float(t), torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
+
+def _raise_in_epoch_2(ctx: RankContext) -> None:
+    for epoch in range(5):
+        t = torch.ones(1)
+        dist.all_reduce(t)          # the other ranks wait here for the failed one
+        if epoch == 2 and ctx.rank == 1:
+            raise ValueError(f"bad batch in epoch {epoch}")
+
+
+def _exit_3(ctx: RankContext) -> None:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if ctx.rank == 1:
+        os._exit(3)
+    dist.all_reduce(t)
+
+
+def _recv_from_next(ctx: RankContext) -> None:
+    dist.recv(torch.empty(1), src=(ctx.rank + 1) % ctx.world_size)   # nobody ever sends
+
+
+def _block_forever(ctx: RankContext) -> None:
+    threading.Event().wait()        # blocked outside the process group: no collective timeout applies
+
+
+class _Unloadable:
+    """Pickles fine, fails to unpickle (as a result whose class only exists in the child would)."""
+
+    def __reduce__(self) -> tuple:
+        return _refuse, ()
+
+
+def _refuse() -> None:
+    raise ImportError("no module named 'only_in_the_child'")
+
+
+def _return_unloadable(ctx: RankContext) -> _Unloadable:
+    return _Unloadable()
+
+
+def _group_size(ctx: RankContext, x: int) -> tuple[int, int, int]:
+    return dist.get_world_size(), ctx.rank, x * 2
+
+
+def _fail_inline(ctx: RankContext) -> None:
+    raise KeyError("missing")
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+def _child_pids() -> set[int]:
+    """This process's child processes, zombies included (``/proc``; multiprocessing's list elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return {p.pid for p in multiprocessing.active_children() if p.pid is not None}
+    me, kids = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rpartition(")")[2].split()[1]) == me:
+                        kids.add(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return kids
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_children() -> Iterator[None]:
+    resource_tracker.ensure_running()     # spawn's helper process lives as long as this one; not a rank
+    before = _child_pids()
+    yield
+    assert _child_pids() - before == set(), "launch left child processes behind"
+
+
+# --- tests -----------------------------------------------------------------------------------------
+
+def test_results_by_rank_and_all_reduce() -> None:
+    out = launch(_sum_ranks, 3, (10,), timeout=60, threads_per_rank=1)
+    assert [ctx.rank for ctx, *_ in out] == [0, 1, 2]
+    for ctx, total, threads, omp in out:
+        assert (ctx.world_size, ctx.backend, ctx.device, ctx.local_rank) == (3, "gloo", torch.device("cpu"), ctx.rank)
+        assert total == 10 + 11 + 12
+        assert (threads, omp) == (1, "1")
+
+
+def test_rank_exception_reported_promptly_while_others_wait() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        launch(_raise_in_epoch_2, 3, timeout=60)
+    assert time.monotonic() - t0 < 30
+    e = info.value
+    assert isinstance(e, RuntimeFailure)
+    assert (e.rank, e.exc_type) == (1, "ValueError")
+    assert "rank 1" in str(e) and "ValueError: bad batch in epoch 2" in str(e)
+    assert "_raise_in_epoch_2" in e.remote_traceback
+
+
+def test_os_exit_reported_with_exit_code() -> None:
+    with pytest.raises(RankFailure) as info:
+        launch(_exit_3, 3, timeout=60)
+    # ranks 0 and 2 fail too ("Connection closed by peer"); the root cause is rank 1
+    assert (info.value.rank, info.value.exitcode, info.value.exc_type) == (1, 3, None)
+    assert "rank 1 of 3 exited unexpectedly with exit code 3" in str(info.value)
+
+
+def test_deadlock_in_recv_fails_within_timeout() -> None:
+    t0 = time.monotonic()
+    # the receives time out (or, on a loaded machine, the caller's hang guard fires first)
+    with pytest.raises(RankFailure, match="timed out|Timed out|hung"):
+        launch(_recv_from_next, 2, timeout=3)
+    assert time.monotonic() - t0 < 3 + 15
+
+
+def test_hang_outside_communication_is_caught_by_the_guard() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="hung") as info:
+        launch(_block_forever, 2, timeout=2)
+    assert time.monotonic() - t0 < 2 + 5 + 15
+    assert info.value.still_running == [0, 1]
+
+
+def test_result_that_cannot_be_unpickled_one_rank() -> None:
+    with pytest.raises(RankFailure, match="result of rank 0 cannot be unpickled.*only_in_the_child"):
+        launch(_return_unloadable, 1, timeout=60)
+
+
+def test_unpicklable_function_is_refused() -> None:
+    with pytest.raises(RuntimeFailure, match="module-level function"):
+        launch(lambda ctx: None, 2, timeout=60)
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="KeyboardInterrupt is delivered to the main thread")
+def test_keyboard_interrupt_in_caller_stops_the_ranks() -> None:
+    timer = threading.Timer(2.0, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(_block_forever, 2, timeout=60)
+    finally:
+        timer.cancel()
+
+
+def test_inline_runs_repeatedly_and_cleans_up() -> None:
+    for x in (1, 2):
+        assert launch(_group_size, 1, (x,), inline=True) == [(1, 0, 2 * x)]
+        assert not dist.is_initialized()
+    with pytest.raises(RankFailure, match="rank 0 of 1 failed with KeyError") as info:
+        launch(_fail_inline, 1, inline=True)
+    assert isinstance(info.value.__cause__, KeyError)
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="world_size=1"):
+        launch(_group_size, 2, (1,), inline=True)
+
+
+def test_torchrun_main_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    assert torchrun_main(_group_size, (5,), backend="gloo", timeout=30) == (1, 0, 10)
+    assert not dist.is_initialized()
+    monkeypatch.delenv("MASTER_PORT")
+    with pytest.raises(RuntimeFailure, match="MASTER_PORT"):
+        torchrun_main(_group_size, (5,))
