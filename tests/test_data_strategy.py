@@ -73,7 +73,7 @@ def sbm() -> gc.Graph:
 
 
 # --------------------------------------------------------------------------- exactness across ranks
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(g=small_graphs(), name=st.sampled_from(sorted(MODELS)), ranks=st.integers(1, 4),
        partitioner=st.sampled_from(PARTITIONERS))
 def test_one_step_matches_single_device(g: gc.Graph, name: str, ranks: int, partitioner: str) -> None:

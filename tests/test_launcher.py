@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 import time
-from multiprocessing import resource_tracker
+from multiprocessing import forkserver, resource_tracker
 from typing import Iterator
 
 import pytest
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gnncompile.errors import RuntimeFailure
+from gnncompile.runtime import launcher
 from gnncompile.runtime.launcher import RankContext, RankFailure, launch, torchrun_main
 
 
@@ -83,24 +84,31 @@ def _fail_inline(ctx: RankContext) -> None:
 # --- helpers ---------------------------------------------------------------------------------------
 
 def _child_pids() -> set[int]:
-    """This process's child processes, zombies included (``/proc``; multiprocessing's list elsewhere)."""
+    """This process's descendants, zombies included (``/proc``; multiprocessing's list elsewhere).
+
+    Ranks are children of the forkserver, itself a child of this process, so descendants count."""
     if not sys.platform.startswith("linux"):
         return {p.pid for p in multiprocessing.active_children() if p.pid is not None}
-    me, kids = os.getpid(), set()
+    parent: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rpartition(")")[2].split()[1]) == me:
-                        kids.add(int(entry))
+                    parent[int(entry)] = int(f.read().rpartition(")")[2].split()[1])
             except (OSError, ValueError, IndexError):
                 pass
-    return kids
+    found, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, pp in parent.items() if pp in frontier} - found
+        found |= frontier
+    return found
 
 
 @pytest.fixture(autouse=True)
 def no_leftover_children() -> Iterator[None]:
-    resource_tracker.ensure_running()     # spawn's helper process lives as long as this one; not a rank
+    resource_tracker.ensure_running()     # multiprocessing's helper processes live as long as this one
+    launcher._context()                   # sets the forkserver's preload list
+    forkserver.ensure_running()
     before = _child_pids()
     yield
     assert _child_pids() - before == set(), "launch left child processes behind"
