@@ -6,9 +6,9 @@ with ``gc.plan(..., gpus=4, strategy="data", partitioner="metis").run(...)`` fro
 weights and seed; test accuracy at best validation, median epoch time, and per-rank bytes of one
 training step (measured by the runtime; equal to the plan's closed-form prediction).
 
-The ranks draw their own dropout masks (rank 0 from the run's seed, the others from distinct
-streams), so the two runs see different masks: the accuracy comparison is over ``--seeds`` seeds.
-All ranks are processes on this machine (gloo), sharing its cores with each other.
+The plan uses replicated dropout masks (the default): every rank draws the whole graph's masks
+from the run's seed and keeps its rows, so both runs see the same masks and differ only by float
+reassociation. All ranks are processes on this machine (gloo), sharing its cores.
 
 Usage::
 
@@ -79,6 +79,7 @@ def main() -> None:
             ref_t=statistics.median(ref_t), par_t=statistics.median(par_t),
             sent=[r.bytes_sent for r in res.ranks], halo=plan.info["halo_rows"], owned=plan.info["owned_rows"],
             peak=[r.peak_memory for r in res.ranks], measured_ok=measured_ok,
+            kinds={k: v / args.epochs for k, v in res.ranks[0].time_by_kind().items()},
         ))
 
     lines = [
@@ -88,7 +89,7 @@ def main() -> None:
         "",
         f"GCN (2 layers, dropout 0.5, Adam lr 0.01, wd 5e-4), {args.epochs} epochs, mean over {args.seeds} seeds of "
         f"test accuracy at best validation. `data` = {args.gpus} local ranks (processes, gloo), METIS partition. "
-        "Same initial weights and seed as the single-device run; dropout masks differ (each rank draws its own).",
+        "Same initial weights, seed and dropout masks as the single-device run (replicated masks, the default).",
         "",
         "| dataset | α | single-device acc | data acc | Δ (points, mean of per-seed diffs) | single ms/epoch | data ms/epoch |",
         "|---|---|---|---|---|---|---|",
@@ -104,6 +105,11 @@ def main() -> None:
         for k in range(len(r["sent"])):
             lines.append(f"| {r['name']} | {k} | {r['owned'][k]:,} | {r['halo'][k]:,} | {r['sent'][k]:,} | "
                          f"{'yes' if r['measured_ok'] else 'NO'} | {r['peak'][k] / 2**20:.1f} MiB |")
+    kinds = ["F", "B", "HALO", "HALO^T", "AR", "OPT"]
+    lines += ["", "Where a training step's time goes on rank 0 (ms per step, last seed; from the runtime's timeline):", "",
+              "| dataset | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    for r in rows:
+        lines.append(f"| {r['name']} | " + " | ".join(f"{1e3 * r['kinds'].get(k, 0.0):.2f}" for k in kinds) + " |")
     lines += ["", f"The {args.gpus} ranks share this machine's cores, so `data` epoch times measure the runtime's "
               "overheads (processes, gloo over loopback, halo exchange), not a speed-up."]
     text = "\n".join(lines)

@@ -1,6 +1,7 @@
 """The ``gnncompile`` command line.
 
 ``gnncompile train``     train a model on one device (the reference loop) and report accuracy/time
+``gnncompile trace``     trace a model into the T/P operator graph and print its table and summary
 ``gnncompile plan``      plan parallel training over N ranks and print (or save) the plan
 ``gnncompile run``       plan, then train across N local ranks (or under ``torchrun``) and report
                          accuracy, epoch time and per-rank communication
@@ -56,6 +57,22 @@ def _make_plan(args: argparse.Namespace):
     model = _build_model(args, graph)
     return graph, model, plan(model, graph, gpus=args.gpus, strategy=args.strategy, semantics=args.semantics,
                               partitioner=args.partitioner, seed=args.seed)
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from .frontend.tracer import trace
+
+    graph = _load_graph(args)
+    model = _build_model(args, graph)
+    tp = trace(model, graph)
+    print(tp)
+    print()
+    print(tp.summary())
+    if args.dot:
+        with open(args.dot, "w") as f:
+            f.write(tp.to_dot())
+        print(f"DOT written to {args.dot}")
+    return 0
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -199,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", default=None, metavar="PATH", help="also write the history as JSON to PATH")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_cmd_train)
+
+    tr = sub.add_parser("trace", help="trace a model and print its T/P operator graph",
+                        description="Trace the model with torch.fx into the annotated T/P/E operator graph; "
+                                    "print the per-op table and the per-layer summary.")
+    _add_model_args(tr, MODELS)
+    tr.add_argument("--dot", default=None, metavar="PATH", help="also write Graphviz DOT to PATH")
+    tr.set_defaults(func=_cmd_trace)
 
     pl = sub.add_parser("plan", help="plan parallel training and print the plan",
                         description="Trace the model, lower it with a strategy over N ranks, print the per-rank plan.")

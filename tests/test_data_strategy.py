@@ -261,3 +261,13 @@ def test_time_by_kind_groups_instructions() -> None:
           TimelineEvent(0, "AR grads", 5.0, 5.5), TimelineEvent(0, "OPT", 5.5, 6.0)]
     r = RankResult(0, 0, 0, {}, {}, {}, 0, ev, [6.0])
     assert r.time_by_kind() == {"F": 1.0, "HALO": 0.5, "HALO^T": 0.25, "B": 2.0, "AR": 0.5, "OPT": 0.5}
+
+
+def test_cli_trace(tmp_path, capsys) -> None:
+    from gnncompile.cli import main
+
+    assert main(["trace", "--dataset", "sbm", "--num-nodes", "200", "--num-features", "8", "--model", "gat",
+                 "--hidden", "4", "--heads", "2", "--dot", str(tmp_path / "g.dot")]) == 0
+    out = capsys.readouterr().out
+    assert "edge_softmax" in out and "activation memory saved for backward" in out
+    assert (tmp_path / "g.dot").read_text().startswith("digraph TPGraph")

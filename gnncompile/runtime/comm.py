@@ -5,8 +5,12 @@ forward half and a backward half here, used two ways:
 
 - by the executor, which runs a plan's communication instructions one at a time (``HALO h1`` calls
   :meth:`Communicator.halo_forward`, ``HALO^T grad h1`` calls :meth:`Communicator.halo_backward`);
-- as autograd functions (:func:`halo_exchange`) that compose both halves, for code that wants the
-  communication inside one differentiable expression.
+- as autograd functions (:func:`halo_exchange`, :func:`rows_to_cols`, :func:`cols_to_rows`) that
+  compose both halves, for code that wants the communication inside one differentiable expression.
+
+Conversions: ``halo`` (rows -> rows + halo rows), ``rows_to_cols``/``cols_to_rows`` (the
+all-to-all between vertex-sharded and feature-sharded layouts), ``send``/``recv`` (between device
+groups), ``all_reduce_`` (replicated parameters' gradients).
 
 Byte accounting: :class:`CommStats` counts, per phase (``"train"``, ``"eval"``, ``"metrics"``)
 and per peer, the bytes of the tensors this rank hands to the communication library. Point-to-point
@@ -18,6 +22,7 @@ algorithm on the wire).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -25,7 +30,15 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "Communicator", "HaloSpec", "halo_exchange"]
+__all__ = ["CommStats", "Communicator", "HaloSpec", "halo_exchange", "rows_to_cols", "cols_to_rows", "offsets"]
+
+
+def offsets(sizes: Sequence[int]) -> list[int]:
+    """``[0, s0, s0 + s1, ...]``: where each rank's block starts, and the total last."""
+    out = [0]
+    for n in sizes:
+        out.append(out[-1] + int(n))
+    return out
 
 
 @dataclass
@@ -118,6 +131,55 @@ class Communicator:
             grad.index_add_(0, idx, back)
         return grad
 
+    def _all_to_all_blocks(self, blocks: Sequence[torch.Tensor], recv_shapes: Sequence[tuple[int, ...]]
+                           ) -> list[torch.Tensor]:
+        """Send ``blocks[q]`` to rank ``q``; return the block received from each rank (shapes given)."""
+        send = torch.cat([b.reshape(-1) for b in blocks]) if blocks else torch.zeros(0)
+        send_counts = [b.numel() for b in blocks]
+        recv_counts = [math.prod(sh) for sh in recv_shapes]
+        recv = self._all_to_all(send.reshape(-1, 1), send_counts, recv_counts).reshape(-1)
+        starts = offsets(recv_counts)
+        return [recv[starts[q]:starts[q + 1]].reshape(recv_shapes[q]) for q in range(len(recv_shapes))]
+
+    def rows_to_cols(self, h: torch.Tensor, row_counts: Sequence[int], col_splits: Sequence[int]) -> torch.Tensor:
+        """``rows`` -> ``cols`` layout: ``[n_r, D]`` (this rank's rows) -> ``[N, d_r]`` (every row, this
+        rank's columns). ``row_counts[q]`` rows live on rank ``q``; rank ``q`` gets columns
+        ``col_splits[q]`` wide, in rank order. NeutronTP's *split* and MixGCN's shuffle."""
+        h = h.detach()
+        if h.dim() != 2 or h.shape[1] != sum(col_splits) or h.shape[0] != row_counts[self.rank]:
+            raise RuntimeError(f"rows_to_cols: rank {self.rank} holds {list(h.shape)}, expected "
+                               f"[{row_counts[self.rank]}, {sum(col_splits)}]")
+        c = offsets(col_splits)
+        blocks = [h[:, c[q]:c[q + 1]].contiguous() for q in range(self.world_size)]
+        mine = col_splits[self.rank]
+        got = self._all_to_all_blocks(blocks, [(int(row_counts[q]), int(mine)) for q in range(self.world_size)])
+        return torch.cat(got) if got else h[:0, :mine]
+
+    def cols_to_rows(self, h: torch.Tensor, row_counts: Sequence[int], col_splits: Sequence[int]) -> torch.Tensor:
+        """``cols`` -> ``rows`` layout, the inverse of :meth:`rows_to_cols`: ``[N, d_r] -> [n_r, D]``."""
+        h = h.detach()
+        if h.dim() != 2 or h.shape[0] != sum(row_counts) or h.shape[1] != col_splits[self.rank]:
+            raise RuntimeError(f"cols_to_rows: rank {self.rank} holds {list(h.shape)}, expected "
+                               f"[{sum(row_counts)}, {col_splits[self.rank]}]")
+        r = offsets(row_counts)
+        blocks = [h[r[q]:r[q + 1]].contiguous() for q in range(self.world_size)]
+        mine = row_counts[self.rank]
+        got = self._all_to_all_blocks(blocks, [(int(mine), int(col_splits[q])) for q in range(self.world_size)])
+        return torch.cat(got, dim=1) if got else h[:mine, :0]
+
+    def send(self, t: torch.Tensor, peer: int) -> None:
+        """Blocking send of ``t`` to rank ``peer`` (counted)."""
+        t = t.detach().contiguous()
+        dist.send(t, dst=peer, group=self.group)
+        self.stats.add(self.phase, peer, sent=t.numel() * t.element_size())
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, peer: int, device: Any = "cpu") -> torch.Tensor:
+        """Blocking receive of a ``shape``/``dtype`` tensor from rank ``peer`` (counted)."""
+        t = torch.empty(tuple(shape), dtype=dtype, device=device)
+        dist.recv(t, src=peer, group=self.group)
+        self.stats.add(self.phase, peer, received=t.numel() * t.element_size())
+        return t
+
     def all_reduce_(self, tensors: Sequence[torch.Tensor]) -> None:
         """Sum ``tensors`` in place across the group (flattened into one bucket)."""
         if not tensors:
@@ -147,3 +209,39 @@ class _HaloExchange(torch.autograd.Function):
 def halo_exchange(h: torch.Tensor, comm: Communicator, spec: HaloSpec) -> torch.Tensor:
     """Differentiable halo exchange: this rank's rows then the halo rows, gradients sent back."""
     return _HaloExchange.apply(h, comm, spec)
+
+
+class _RowsToCols(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, comm: Communicator, row_counts: tuple, col_splits: tuple) -> torch.Tensor:
+        ctx.args = (comm, row_counts, col_splits)
+        return comm.rows_to_cols(h, row_counts, col_splits)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        comm, row_counts, col_splits = ctx.args
+        return comm.cols_to_rows(grad.contiguous(), row_counts, col_splits), None, None, None
+
+
+class _ColsToRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, comm: Communicator, row_counts: tuple, col_splits: tuple) -> torch.Tensor:
+        ctx.args = (comm, row_counts, col_splits)
+        return comm.cols_to_rows(h, row_counts, col_splits)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        comm, row_counts, col_splits = ctx.args
+        return comm.rows_to_cols(grad.contiguous(), row_counts, col_splits), None, None, None
+
+
+def rows_to_cols(h: torch.Tensor, comm: Communicator, row_counts: Sequence[int], col_splits: Sequence[int]
+                 ) -> torch.Tensor:
+    """Differentiable all-to-all ``rows -> cols`` (its backward is ``cols -> rows`` of the gradient)."""
+    return _RowsToCols.apply(h, comm, tuple(row_counts), tuple(col_splits))
+
+
+def cols_to_rows(h: torch.Tensor, comm: Communicator, row_counts: Sequence[int], col_splits: Sequence[int]
+                 ) -> torch.Tensor:
+    """Differentiable all-to-all ``cols -> rows`` (its backward is ``rows -> cols`` of the gradient)."""
+    return _ColsToRows.apply(h, comm, tuple(row_counts), tuple(col_splits))
