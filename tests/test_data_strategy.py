@@ -26,7 +26,7 @@ from gnncompile.ir.plan import HaloExchange, Plan
 from gnncompile.ir.verify_plan import verify_plan
 from gnncompile.passes.lower import split_stages
 from gnncompile.passes.data import data_decisions
-from gnncompile.testing import check_plan
+from gnncompile.testing import check_plan, reference_step
 
 DT = torch.float64
 
@@ -37,6 +37,10 @@ MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {
     "gat": lambda f, c: gc.nn.GAT(f, 3, c, num_layers=2, heads=2, dropout=0.0),
     "gin": lambda f, c: gc.nn.GIN(f, 6, c, num_layers=2, dropout=0.0),
     "gcnii": lambda f, c: gc.nn.GCNII(f, 6, c, num_layers=3, dropout=0.0),
+    # with dropout: the ranks draw the single-device masks (replicated masks, the default)
+    "gcn_dropout": lambda f, c: gc.nn.GCN(f, 6, c, num_layers=2, dropout=0.5),
+    "gat_dropout": lambda f, c: gc.nn.GAT(f, 3, c, num_layers=2, heads=2, dropout=0.4),
+    "gcnii_dropout": lambda f, c: gc.nn.GCNII(f, 6, c, num_layers=3, dropout=0.5),
 }
 
 
@@ -73,7 +77,7 @@ def sbm() -> gc.Graph:
 
 
 # --------------------------------------------------------------------------- exactness across ranks
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(g=small_graphs(), name=st.sampled_from(sorted(MODELS)), ranks=st.integers(1, 4),
        partitioner=st.sampled_from(PARTITIONERS))
 def test_one_step_matches_single_device(g: gc.Graph, name: str, ranks: int, partitioner: str) -> None:
@@ -222,6 +226,20 @@ def test_run_reports_history_timeline_and_memory(sbm: gc.Graph) -> None:
         names = [e.instruction for e in r.timeline if e.step == 0]
         assert names == [str(i) for i in plan.ranks[r.rank].instructions]
         assert all(e.end >= e.start for e in r.timeline)
+
+
+def test_local_dropout_masks_train_but_differ(sbm: gc.Graph) -> None:
+    model = model_for("gcn_dropout", sbm)
+    replicated = gc.plan(copy.deepcopy(model), sbm, gpus=2, partitioner="random")
+    local = gc.plan(copy.deepcopy(model), sbm, gpus=2, partitioner="random", dropout="local")
+    assert not any(n.startswith("dropout_index") for s in local.ranks[0].stages for n in s.inputs)
+    assert any(n.startswith("dropout_index") for s in replicated.ranks[0].stages for n in s.inputs)
+    ref = reference_step(copy.deepcopy(model), sbm)
+    res = local.run(epochs=1, capture=True)
+    assert math.isfinite(res.history.loss[0])
+    assert not torch.allclose(res.captured["logits"], ref.logits)  # other masks, same distribution
+    with pytest.raises(PlanningError, match="dropout mode"):
+        gc.plan(model, sbm, gpus=2, dropout="sometimes")
 
 
 def test_dead_rank_fails_the_run_naming_it(sbm: gc.Graph) -> None:

@@ -224,8 +224,8 @@ class AllToAll(Instruction):
 
 
 @dataclass(frozen=True)
-class AllGather(Instruction):
-    """All-gather of ``value`` inside ``group`` (writes ``value@gathered``)."""
+class _WholeTensorCollective(Instruction):
+    """A collective over ``value``'s whole tensor (``shape``: the full tensor on every rank)."""
 
     value: str
     chunk: int
@@ -233,36 +233,31 @@ class AllGather(Instruction):
     shape: tuple[int, ...] = ()
     dtype: str = "float32"
     grad: bool = False
-    kind: ClassVar[str] = "AG"
     communicates: ClassVar[bool] = True
+    suffix: ClassVar[str] = ""
 
     @property
     def output(self) -> str:
-        return converted_name(self.value, "gathered")
+        return converted_name(self.value, self.suffix)
 
     def __str__(self) -> str:
-        return f"AG {_grad(self.grad)}{self.value} c{self.chunk}"
+        return f"{self.kind} {_grad(self.grad)}{self.value} c{self.chunk}"
 
 
 @dataclass(frozen=True)
-class ReduceScatter(Instruction):
+class AllGather(_WholeTensorCollective):
+    """All-gather of ``value`` inside ``group`` (writes ``value@gathered``)."""
+
+    kind: ClassVar[str] = "AG"
+    suffix: ClassVar[str] = "gathered"
+
+
+@dataclass(frozen=True)
+class ReduceScatter(_WholeTensorCollective):
     """Reduce-scatter of ``value`` inside ``group`` (writes ``value@scattered``)."""
 
-    value: str
-    chunk: int
-    group: tuple[int, ...]
-    shape: tuple[int, ...] = ()
-    dtype: str = "float32"
-    grad: bool = False
     kind: ClassVar[str] = "RS"
-    communicates: ClassVar[bool] = True
-
-    @property
-    def output(self) -> str:
-        return converted_name(self.value, "scattered")
-
-    def __str__(self) -> str:
-        return f"RS {_grad(self.grad)}{self.value} c{self.chunk}"
+    suffix: ClassVar[str] = "scattered"
 
 
 @dataclass(frozen=True)

@@ -259,14 +259,8 @@ def sequential_schedule(staged: StagedModel, convert: Callable[[Conversion, bool
     gradient when ``grad``); ``finish()`` the instructions after the last backward (gradient
     all-reduce, optimizer step).
     """
-    by_first: dict[int, list[Conversion]] = {}
-    for c in staged.conversions:
-        by_first.setdefault(staged.first_consumer_stage(c), []).append(c)
-    out: list[Instruction] = []
-    for k in range(len(staged.stages)):
-        for c in by_first.get(k, []):
-            out.extend(convert(c, False))
-        out.append(Forward(k, chunk))
+    by_first = _conversions_by_first_consumer(staged)
+    out = forward_schedule(staged, convert, chunk)
     for k in reversed(range(len(staged.stages))):
         out.append(Backward(k, chunk))
         for c in reversed(by_first.get(k, [])):
@@ -279,9 +273,7 @@ def sequential_schedule(staged: StagedModel, convert: Callable[[Conversion, bool
 def forward_schedule(staged: StagedModel, convert: Callable[[Conversion, bool], list[Instruction]],
                      chunk: int = 0) -> list[Instruction]:
     """The forward half of :func:`sequential_schedule` (for evaluation)."""
-    by_first: dict[int, list[Conversion]] = {}
-    for c in staged.conversions:
-        by_first.setdefault(staged.first_consumer_stage(c), []).append(c)
+    by_first = _conversions_by_first_consumer(staged)
     out: list[Instruction] = []
     for k in range(len(staged.stages)):
         for c in by_first.get(k, []):
@@ -289,3 +281,11 @@ def forward_schedule(staged: StagedModel, convert: Callable[[Conversion, bool], 
         out.append(Forward(k, chunk))
     return out
 
+
+
+def _conversions_by_first_consumer(staged: StagedModel) -> dict[int, list[Conversion]]:
+    """Conversions grouped by the stage that first needs them (in the order they were found)."""
+    by_first: dict[int, list[Conversion]] = {}
+    for c in staged.conversions:
+        by_first.setdefault(staged.first_consumer_stage(c), []).append(c)
+    return by_first

@@ -211,37 +211,30 @@ def halo_exchange(h: torch.Tensor, comm: Communicator, spec: HaloSpec) -> torch.
     return _HaloExchange.apply(h, comm, spec)
 
 
-class _RowsToCols(torch.autograd.Function):
+class _Relayout(torch.autograd.Function):
+    """rows -> cols (``to_cols``) or cols -> rows; the backward is the other direction."""
+
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, comm: Communicator, row_counts: tuple, col_splits: tuple) -> torch.Tensor:
-        ctx.args = (comm, row_counts, col_splits)
-        return comm.rows_to_cols(h, row_counts, col_splits)
+    def forward(ctx: Any, h: torch.Tensor, comm: Communicator, row_counts: tuple, col_splits: tuple,
+                to_cols: bool) -> torch.Tensor:
+        ctx.args = (comm, row_counts, col_splits, to_cols)
+        move = comm.rows_to_cols if to_cols else comm.cols_to_rows
+        return move(h, row_counts, col_splits)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        comm, row_counts, col_splits = ctx.args
-        return comm.cols_to_rows(grad.contiguous(), row_counts, col_splits), None, None, None
-
-
-class _ColsToRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, comm: Communicator, row_counts: tuple, col_splits: tuple) -> torch.Tensor:
-        ctx.args = (comm, row_counts, col_splits)
-        return comm.cols_to_rows(h, row_counts, col_splits)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        comm, row_counts, col_splits = ctx.args
-        return comm.rows_to_cols(grad.contiguous(), row_counts, col_splits), None, None, None
+        comm, row_counts, col_splits, to_cols = ctx.args
+        move = comm.cols_to_rows if to_cols else comm.rows_to_cols
+        return move(grad.contiguous(), row_counts, col_splits), None, None, None, None
 
 
 def rows_to_cols(h: torch.Tensor, comm: Communicator, row_counts: Sequence[int], col_splits: Sequence[int]
                  ) -> torch.Tensor:
     """Differentiable all-to-all ``rows -> cols`` (its backward is ``cols -> rows`` of the gradient)."""
-    return _RowsToCols.apply(h, comm, tuple(row_counts), tuple(col_splits))
+    return _Relayout.apply(h, comm, tuple(row_counts), tuple(col_splits), True)
 
 
 def cols_to_rows(h: torch.Tensor, comm: Communicator, row_counts: Sequence[int], col_splits: Sequence[int]
                  ) -> torch.Tensor:
     """Differentiable all-to-all ``cols -> rows`` (its backward is ``rows -> cols`` of the gradient)."""
-    return _ColsToRows.apply(h, comm, tuple(row_counts), tuple(col_splits))
+    return _Relayout.apply(h, comm, tuple(row_counts), tuple(col_splits), False)
