@@ -10,6 +10,7 @@ from .errors import PlanningError
 from .frontend.tracer import trace
 from .graph.core import Graph, GraphStats
 from .ir.plan import Plan
+from .ir.verify_plan import verify_plan
 
 __all__ = ["plan", "STRATEGIES", "IMPLEMENTED_STRATEGIES"]
 
@@ -29,7 +30,7 @@ def _num_ranks(gpus: Any) -> int:
 
 def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4, *, strategy: Optional[str] = None,
          semantics: str = "exact", partitioner: str = "metis", seed: int = 0, dropout: str = "replicated",
-         **options: Any) -> Plan:
+         verify: bool = True, **options: Any) -> Plan:
     """Plan parallel training of ``model`` on ``graph`` over ``gpus`` ranks.
 
     Parameters
@@ -51,6 +52,9 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         ``"replicated"`` (default; ranks draw single-device training's dropout masks, so a run
         matches ``gc.train`` for the same seed) or ``"local"`` (each rank draws its own rows' masks:
         no redundant random draws). See :class:`gnncompile.passes.data.DataOptions`.
+    verify:
+        Check the plan with :func:`gnncompile.verify_plan` (matching sends and receives, collective
+        order, a deadlock dry run) before returning it; a violation raises ``VerificationError``.
 
     Returns a :class:`Plan`: ``print(plan)`` shows it, ``plan.run(epochs, lr)`` trains with it.
     """
@@ -77,4 +81,7 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         tp_eval = trace(model, graph, training=False)
     finally:
         model.train(was_training)
-    return lower_data(tp, tp_eval, model, graph, n, opts)
+    result = lower_data(tp, tp_eval, model, graph, n, opts)
+    if verify:
+        verify_plan(result)
+    return result

@@ -73,6 +73,17 @@ class LocalGraph(Graph):
             raise GraphError(f"local graph {self.name!r}: no {norm!r} coefficients with self loops were "
                              f"precomputed (have {sorted(self._loop_norm_coef) or 'none'})") from None
 
+    def to(self, device: torch.device | str) -> "LocalGraph":
+        """A copy on ``device`` (structure, node data and the precomputed coefficients)."""
+        def mv(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to(device)
+        return LocalGraph(
+            mv(self.indptr), mv(self.indices), self.num_nodes, self.num_src, edge_weight=mv(self.edge_weight),
+            norm_coef={k: mv(v) for k, v in self._norm_coef.items()},
+            loop_norm_coef={k: (mv(a), mv(b)) for k, (a, b) in self._loop_norm_coef.items()}, name=self.name,
+            x=mv(self.x), y=mv(self.y), train_mask=mv(self.train_mask), val_mask=mv(self.val_mask),
+            test_mask=mv(self.test_mask), num_classes=self._num_classes)
+
     def __repr__(self) -> str:
         return (f"LocalGraph(name={self.name!r}, owned={self.num_nodes:,}, halo={self.num_src - self.num_nodes:,}, "
                 f"edges={self.num_edges:,})")

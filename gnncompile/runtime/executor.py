@@ -170,7 +170,7 @@ class _Rank:
                 if output in outd:
                     result = loss_fn(outd[output])
                     if capture is not None:
-                        capture["logits"] = outd[output].detach().clone()
+                        capture["logits"] = outd[output].detach().cpu().clone()
                 if optimizer is not None:
                     saved[(ins.stage, ins.chunk)] = (leaves, outd)
             elif isinstance(ins, Backward):
@@ -192,7 +192,7 @@ class _Rank:
                         _accumulate(grads, name, leaf.grad)
             elif isinstance(ins, OptimizerStep):
                 if capture is not None:
-                    capture["grads"] = {n: (p.grad.detach().clone() if p.grad is not None else None)
+                    capture["grads"] = {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
                                         for n, p in zip(self.prog.param_names, self.prog.params)}
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -203,6 +203,18 @@ class _Rank:
             if timeline is not None:
                 timeline.append(TimelineEvent(epoch, str(ins), t0 - t_origin, time.perf_counter() - t_origin))
         return result, values.get(output)
+
+
+def _move_program(prog: RankProgram, device: torch.device) -> None:
+    """Put a rank's modules, graph, inputs, labels, masks and exchange lists on ``device`` (in place;
+    parameters keep their identity, so every stage module still shares them)."""
+    for m in list(prog.modules.values()) + list(prog.eval_modules.values()):
+        m.to(device)
+    prog.inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in prog.inputs.items()}
+    prog.labels = None if prog.labels is None else prog.labels.to(device)
+    prog.masks = {k: None if v is None else v.to(device) for k, v in prog.masks.items()}
+    send_index, recv_count = prog.halo
+    prog.halo = (tuple(t.to(device) for t in send_index), recv_count)
 
 
 def _accumulate(store: dict, name: str, g: torch.Tensor) -> None:
@@ -216,6 +228,9 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
         # replicated masks: every rank makes single-device training's RNG calls from its seed;
         # otherwise rank 0 uses the seed and the others distinct streams
         torch.manual_seed(seed if ctx.rank == 0 or prog.same_seed else seed + 1_000_003 * ctx.rank)
+    device = ctx.device
+    if device.type != "cpu":
+        _move_program(prog, device)
     rank = _Rank(prog, ctx)
     labels, masks, counts = prog.labels, prog.masks, prog.counts
     train_mask = masks["train"]
@@ -237,7 +252,6 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     history = {"loss": [], "train_acc": [], "val_acc": [], "test_acc": [], "eval_time": []}
     captured: Optional[dict] = {} if capture else None
     rank.t_origin = time.perf_counter()
-    device = torch.device("cpu")
     for epoch in range(epochs):
         if fail_at is not None and fail_at == (ctx.rank, epoch):
             raise RuntimeError(f"injected failure on rank {ctx.rank} in epoch {epoch}")
@@ -253,10 +267,12 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
         else:
             loss, _ = rank.step(prog.modules, prog.stages, prog.instructions, prog.output, loss_fn, epoch,
                                 timeline, optimizer)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         epoch_time.append(time.perf_counter() - t0)
         t1 = time.perf_counter()
         do_eval = (epoch + 1) % eval_every == 0 or epoch == epochs - 1
-        stats = torch.zeros(4, dtype=torch.float64)
+        stats = torch.zeros(4, dtype=torch.float64, device=device)
         stats[0] = float(loss.detach()) if loss is not None else 0.0
         if do_eval:
             rank.comm.phase = "eval"
@@ -275,6 +291,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
             dist.all_reduce(flat)
             rank.comm.stats.add("metrics", (ctx.rank + 1) % ctx.world_size, sent=flat.numel() * 8)
             stats = flat
+        stats = stats.cpu()
         history["loss"].append(float(stats[0]))
         for i, m in enumerate(("train", "val", "test")):
             history[f"{m}_acc"].append(float(stats[1 + i]) / counts[m] if do_eval and counts[m] else math.nan)
@@ -292,7 +309,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     if capture:
         out["captured"] = captured
     if ctx.rank == 0:
-        out["params"] = {n: p.detach().clone() for n, p in zip(prog.param_names, params)}
+        out["params"] = {n: p.detach().cpu().clone() for n, p in zip(prog.param_names, params)}
     return out
 
 
