@@ -290,3 +290,16 @@ def test_cli_trace(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "edge_softmax" in out and "activation memory saved for backward" in out
     assert (tmp_path / "g.dot").read_text().startswith("digraph TPGraph")
+
+
+def test_measured_timeline_picture(sbm: gc.Graph, tmp_path) -> None:
+    from gnncompile.viz.timeline import instruction_kind
+
+    assert [instruction_kind(s) for s in ("F0c1", "B2c0", "R1c0", "HALO h c0", "HALO^T grad h c0", "AR grads",
+                                          "OPT", "SEND h c0 ->1", "A2A h c0 rows->cols")] == [
+        "forward", "backward", "recompute", "halo", "halo", "all-reduce", "optimizer", "send/recv", "all-to-all"]
+    res = gc.plan(model_for("gcn", sbm), sbm, gpus=2, partitioner="random").run(epochs=2)
+    out = res.timeline(tmp_path / "timeline.png")
+    assert out.exists() and out.stat().st_size > 1000
+    with pytest.raises(ValueError, match="step 7"):
+        res.timeline(tmp_path / "x.png", step=7)

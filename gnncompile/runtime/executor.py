@@ -40,7 +40,7 @@ __all__ = ["TimelineEvent", "RankResult", "RunResult", "run_plan", "run_plan_tor
 @dataclass(frozen=True)
 class TimelineEvent:
     """One executed instruction: the training step (epoch), its short form, start and end in seconds
-    since the rank started training."""
+    since training started (the ranks pass a barrier there, so their times are comparable)."""
 
     step: int
     instruction: str
@@ -94,6 +94,15 @@ class RunResult:
     plan: Plan
     #: with ``capture=True``: the first step's logits (global row order) and parameter gradients
     captured: Optional[dict[str, Any]] = None
+
+    def timeline(self, path: str, step: Optional[int] = None) -> Any:
+        """Draw the measured timeline of ``step`` (default: the last) of every rank into ``path``
+        (Gantt chart: compute, communication, idle gaps; see :mod:`gnncompile.viz.timeline`)."""
+        from ..viz.timeline import draw_timeline
+
+        return draw_timeline([r.timeline for r in self.ranks], path, step=step,
+                             title=f"{self.plan.strategy} plan on {self.plan.num_ranks} ranks: measured step "
+                                   f"{'last' if step is None else step}")
 
     def comm_table(self) -> str:
         head = f"{'rank':>4}  {'owned':>8}  {'sent/step':>12}  {'recv/step':>12}  {'peak mem':>10}  {'step ms':>8}"
@@ -251,6 +260,8 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     peak = 0
     history = {"loss": [], "train_acc": [], "val_acc": [], "test_acc": [], "eval_time": []}
     captured: Optional[dict] = {} if capture else None
+    if ctx.world_size > 1:
+        dist.barrier()  # a common time origin, so the ranks' timelines line up
     rank.t_origin = time.perf_counter()
     for epoch in range(epochs):
         if fail_at is not None and fail_at == (ctx.rank, epoch):

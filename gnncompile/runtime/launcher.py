@@ -45,6 +45,7 @@ them when they load).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing.connection
 import os
@@ -148,7 +149,7 @@ def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: 
     conns: list[multiprocessing.connection.Connection] = []
     finished = False
     try:
-        with _child_environment(threads):
+        with _child_environment(threads), _main_module_importable():
             for rank in range(world_size):
                 reader, writer = mpc.Pipe(duplex=False)
                 conns.append(reader)
@@ -506,6 +507,25 @@ def _child_environment(threads: int) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _main_module_importable() -> Iterator[None]:
+    """Hide ``__main__.__file__`` while ranks start when it names no file (``python -``, ``-c``).
+
+    multiprocessing re-runs the launcher's main script in every child; a main read from stdin
+    cannot be re-run, and the ranks need nothing from it (``fn`` must live in an importable module).
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None or os.path.isfile(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def _default_backend(ranks_per_machine: int) -> str:
