@@ -7,81 +7,114 @@ from typing import Any, Optional, Union
 import torch
 
 from .errors import PlanningError
-from .frontend.tracer import trace
 from .graph.core import Graph, GraphStats
+from .cost_models.hardware import Cluster
 from .ir.plan import Plan
 from .ir.verify_plan import verify_plan
 
-__all__ = ["plan", "STRATEGIES", "IMPLEMENTED_STRATEGIES"]
+__all__ = ["plan", "STRATEGIES"]
 
+#: The strategies of DESIGN.md; those with a lowering are registered in
+#: :data:`gnncompile.passes.search.LOWERINGS`.
 STRATEGIES = ("data", "task", "layer", "tensor", "mop", "split")
-#: strategies with a lowering in this version
-IMPLEMENTED_STRATEGIES = ("data",)
 
 
-def _num_ranks(gpus: Any) -> int:
+def _cluster(gpus: Any) -> Cluster:
+    """The cluster ``gpus`` describes: a :class:`Cluster`, a description for :meth:`Cluster.parse`
+    (``"4xA100"``, ``"2x4xA5000-ib200"``), or a number of local ranks (GPUs of this machine's kind when
+    CUDA is available, else CPU processes costed with the calibrated CPU profile, if one was saved)."""
+    if isinstance(gpus, Cluster):
+        return gpus
+    if isinstance(gpus, str):
+        return Cluster.parse(gpus)
     if isinstance(gpus, bool) or not isinstance(gpus, int):
-        raise PlanningError(f"gpus: expected a positive number of ranks, got {gpus!r} "
-                            "(cluster descriptions come with the cost models)")
+        raise PlanningError(f"gpus: expected a number of ranks, a cluster description such as '2x4xA100-ib200', "
+                            f"or a Cluster; got {gpus!r}")
     if gpus < 1:
         raise PlanningError(f"gpus: need at least one rank, got {gpus}")
-    return gpus
+    return Cluster.local(gpus)
 
 
 def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4, *, strategy: Optional[str] = None,
-         semantics: str = "exact", partitioner: str = "metis", seed: int = 0, dropout: str = "replicated",
-         verify: bool = True, **options: Any) -> Plan:
-    """Plan parallel training of ``model`` on ``graph`` over ``gpus`` ranks.
+         semantics: str = "exact", partitioner: Optional[str] = None, seed: int = 0, dropout: str = "replicated",
+         recompute: Optional[bool] = None, devices: str = "all", overlap: bool = False, verify: bool = True,
+         **options: Any) -> Plan:
+    """Plan parallel training of ``model`` on ``graph`` over the devices ``gpus`` describes.
 
     Parameters
     ----------
     model:
         A gnncompile model (``forward(g, x)``); it is traced with :func:`gnncompile.trace`.
     graph:
-        The graph to train on.
+        The graph to train on, or only its :class:`GraphStats`: the plan is then built from
+        estimates (replication factor, per-rank sizes) and can be printed, explained and simulated,
+        not run.
     gpus:
-        Number of ranks (processes; one per GPU when there are GPUs, else CPU processes).
+        A number of local ranks, a cluster description (``"4xA5000"``, ``"8x8xA100-ib200"``, see
+        :meth:`Cluster.parse`) or a :class:`Cluster`.
     strategy:
-        ``"data"`` (graph parallelism with halo exchange). ``None`` picks ``"data"`` until the cost
-        models choose among strategies.
+        ``None`` (default): the cost models choose among every registered strategy, its options
+        (:func:`gnncompile.passes.search.search`);
+        ``plan.explain()`` says why. A strategy name (``"data"``) lowers that strategy over all
+        the devices, with the given options (partitioner defaults to METIS, no recomputation).
     semantics:
-        ``"exact"`` (default: relaxed transformations are refused) or ``"relaxed"``.
-    partitioner, seed:
-        Vertex partitioner (``"metis"``, ``"random"``, ``"contiguous"``) and its seed.
-    dropout:
-        ``"replicated"`` (default; ranks draw single-device training's dropout masks, so a run
-        matches ``gc.train`` for the same seed) or ``"local"`` (each rank draws its own rows' masks:
-        no redundant random draws). See :class:`gnncompile.passes.data.DataOptions`.
+        ``"exact"`` (default: plans that change the model's results are never returned) or
+        ``"relaxed"`` (relaxed transformations allowed, and recorded in ``plan.relaxations``).
+        Under ``"exact"`` a model that one strategy cannot run exactly over several ranks (BatchNorm
+        under ``data``) gets another strategy, or a ``PlanningError`` saying why none is exact.
+    partitioner, seed, dropout, recompute:
+        Options of the ``data`` strategy (:class:`gnncompile.passes.data.DataOptions`); an option
+        given here is fixed, one left ``None`` is searched.
+    devices:
+        ``"all"`` (default): the plan has one program per device of the cluster. ``"any"``: the
+        search may also use fewer devices (halvings), which wins where communication costs more
+        than the parallelism gains (small graphs).
+    overlap:
+        Simulate communication overlapping independent computation (the runtime runs blocking
+        collectives, so the default ``False`` is what ``plan.run`` measures).
     verify:
         Check the plan with :func:`gnncompile.verify_plan` (matching sends and receives, collective
         order, a deadlock dry run) before returning it; a violation raises ``VerificationError``.
 
-    Returns a :class:`Plan`: ``print(plan)`` shows it, ``plan.run(epochs, lr)`` trains with it.
+    Returns a :class:`Plan`: ``print(plan)`` shows it, ``plan.explain()`` the choice,
+    ``plan.run(epochs, lr)`` trains with it. Raises :class:`PlanningError` when no plan fits the
+    devices' memory (saying by how much and what would help).
     """
-    from .passes.data import DataOptions, lower_data
+    from .passes.search import LOWERINGS, rank_counts, search
 
-    n = _num_ranks(gpus)
-    strategy = strategy or "data"
-    if strategy not in STRATEGIES:
+    cluster = _cluster(gpus)
+    if strategy is not None and strategy not in STRATEGIES:
         raise PlanningError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
-    if strategy not in IMPLEMENTED_STRATEGIES:
-        raise PlanningError(f"strategy {strategy!r} has no lowering yet; implemented: "
-                            f"{', '.join(IMPLEMENTED_STRATEGIES)}")
+    if strategy is not None and strategy not in LOWERINGS:
+        raise PlanningError(f"strategy {strategy!r} has no lowering yet; implemented: {', '.join(LOWERINGS)}")
     if options:
-        raise PlanningError(f"strategy {strategy!r} takes no option(s) {', '.join(sorted(options))}; "
-                            "its options are semantics, partitioner, seed, dropout")
+        raise PlanningError(f"unknown planning option(s) {', '.join(sorted(options))}; "
+                            "the options are strategy, semantics, partitioner, seed, dropout, recompute, overlap")
+    if semantics not in ("exact", "relaxed"):
+        raise PlanningError(f"unknown semantics {semantics!r}; valid: 'exact', 'relaxed'")
     if not isinstance(model, torch.nn.Module):
         raise PlanningError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(graph, Graph) and n > max(graph.num_nodes, 1):
-        raise PlanningError(f"gpus={n} exceeds the graph's {graph.num_nodes} vertices")
-    opts = DataOptions(partitioner=partitioner, seed=seed, semantics=semantics, dropout=dropout)
-    was_training = model.training
-    try:
-        tp = trace(model, graph, training=True)
-        tp_eval = trace(model, graph, training=False)
-    finally:
-        model.train(was_training)
-    result = lower_data(tp, tp_eval, model, graph, n, opts)
+    if not isinstance(graph, (Graph, GraphStats)):
+        raise PlanningError(f"graph: expected a gnncompile Graph or GraphStats, got {type(graph).__name__}")
+    fixed: dict[str, Any] = {"seed": seed, "dropout": dropout}
+    if partitioner is not None:
+        fixed["partitioner"] = partitioner
+    if recompute is not None:
+        fixed["recompute"] = recompute
+    if devices not in ("all", "any"):
+        raise PlanningError(f"devices: expected 'all' or 'any', got {devices!r}")
+    ranks = rank_counts(cluster) if devices == "any" else [cluster.num_devices]
+    if max(ranks) > max(graph.num_nodes, 1) and devices == "all":
+        raise PlanningError(f"gpus={cluster.num_devices} exceeds the graph's {graph.num_nodes} vertices")
+    if strategy is not None:
+        fixed.setdefault("partitioner", "metis")
+        fixed.setdefault("recompute", False)
+    result = search(model, graph, cluster, semantics=semantics, strategies=None if strategy is None else [strategy],
+                    fixed=fixed, ranks=ranks, overlap=overlap)
+    best = result.best
+    chosen = best.plan
+    chosen.search = result
+    chosen.prediction = best.prediction
     if verify:
-        verify_plan(result)
-    return result
+        verify_plan(chosen)
+    return chosen

@@ -2,9 +2,11 @@
 
 ``gnncompile train``     train a model on one device (the reference loop) and report accuracy/time
 ``gnncompile trace``     trace a model into the T/P operator graph and print its table and summary
-``gnncompile plan``      plan parallel training over N ranks and print (or save) the plan
+``gnncompile plan``      plan parallel training on a cluster (``--gpus 4`` or ``--gpus 8x8xA100-ib200``),
+                         print (or save) the plan; ``--explain`` prints why the planner chose it
 ``gnncompile run``       plan, then train across N local ranks (or under ``torchrun``) and report
-                         accuracy, epoch time and per-rank communication
+                         accuracy, epoch time and per-rank communication, predicted beside measured
+``gnncompile calibrate`` measure this machine (GEMM, memory, SpMM, collectives) for the cost models
 ``gnncompile datasets``  list the datasets found locally, with their sizes
 
 Errors print one line (``gnncompile: error: ...``) and exit with status 1; usage errors exit 2.
@@ -51,12 +53,46 @@ def _build_model(args: argparse.Namespace, graph):
 
 
 def _make_plan(args: argparse.Namespace):
+    """The graph (or its statistics), the model and the plan the arguments describe."""
+    from . import datasets, nn
     from .api import plan
 
-    graph = _load_graph(args)
-    model = _build_model(args, graph)
-    return graph, model, plan(model, graph, gpus=args.gpus, strategy=args.strategy, semantics=args.semantics,
-                              partitioner=args.partitioner, seed=args.seed)
+    known = {k.lower(): k for k in datasets.KNOWN_STATS}
+    graph = None
+    if args.dataset.lower() in known:
+        try:
+            graph = datasets.load(args.dataset)
+        except GnnCompileError:  # not stored here: plan from its statistics
+            graph = datasets.KNOWN_STATS[known[args.dataset.lower()]]
+    if graph is None:
+        graph = _load_graph(args)
+    if isinstance(graph, datasets.Graph):
+        model = _build_model(args, graph)
+    else:
+        import torch
+
+        torch.manual_seed(args.seed)
+        extra = {"heads": args.heads} if args.heads is not None else {}
+        model = nn.build_model(args.model, graph.num_features, args.hidden, graph.num_classes,
+                               num_layers=args.layers, dropout=args.dropout, **extra)
+    strategy = None if args.strategy == "auto" else args.strategy
+    p = plan(model, graph, gpus=_gpus(args.gpus), strategy=strategy, semantics=args.semantics,
+             partitioner=args.partitioner, seed=args.seed, recompute=args.recompute)
+    return graph, model, p
+
+
+def _gpus(text: str):
+    return int(text) if text.isdigit() else text
+
+
+def _report_plan(p, args: argparse.Namespace) -> None:
+    if getattr(args, "explain", False):
+        print()
+        p.explain()
+    if getattr(args, "timeline", None):
+        print(f"timeline written to {p.timeline(args.timeline)}")
+    if getattr(args, "memory_plot", None):
+        print(f"memory plot written to {p.memory_plot(args.memory_plot)}")
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
@@ -78,6 +114,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     _, _, p = _make_plan(args)
     print(p)
+    _report_plan(p, args)
     if args.save:
         p.save(args.save)
         print(f"plan written to {args.save}")
@@ -124,6 +161,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
                      f"{r.bytes_sent:,}", f"{r.bytes_received:,}", f"{p.predictions['bytes_sent'][r.rank]:,}",
                      f"{r.peak_memory / 2**20:.1f} MiB", f"{ts[len(ts) // 2] * 1e3:.1f} ms" if ts else "-")
     console.print(comm)
+    if p.prediction is not None:
+        measured = sorted(res.ranks[0].epoch_time[1:] or res.ranks[0].epoch_time)
+        med = measured[len(measured) // 2] if measured else float("nan")
+        print(f"step time: predicted {p.prediction.step_time * 1e3:.1f} ms on {p.cluster}, measured {med * 1e3:.1f} ms "
+              f"(median); peak memory predicted {p.prediction.max_peak_memory / 2**20:.1f} MiB per rank")
+    _report_plan(p, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"dataset": graph.name, "model": args.model, "strategy": p.strategy, "ranks": p.num_ranks,
@@ -201,6 +244,19 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from .cost_models.hardware import Cluster, default_profile_path
+
+    path = args.out or default_profile_path()
+    cluster = Cluster.calibrate(path, quick=args.quick)
+    print(cluster)
+    cal = getattr(cluster, "calibration", None) or {}
+    if cal:
+        print(json.dumps(cal, indent=1, default=str))
+    print(f"profile written to {path}; plans for '<N>xcpu' clusters use it")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .nn import MODELS
 
@@ -244,6 +300,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quiet", action="store_true", help="do not print the plan")
     r.set_defaults(func=_cmd_run)
 
+    c = sub.add_parser("calibrate", help="measure this machine for the cost models",
+                       description="Measure GEMM FLOP/s, memory and SpMM bandwidth, per-op overhead and the gloo "
+                                   "collectives' latency and bandwidth; save the CPU profile the cost models use.")
+    c.add_argument("--quick", action="store_true", help="smaller, faster measurements (~10 s)")
+    c.add_argument("--out", default=None, metavar="PATH",
+                   help="where to save the profile (default: ~/.cache/gnncompile/cpu_profile.json, or $GNNCOMPILE_PROFILE)")
+    c.set_defaults(func=_cmd_calibrate)
+
     d = sub.add_parser("datasets", help="list available datasets", description="List the datasets found locally.")
     d.add_argument("--json", action="store_true", help="print JSON instead of a table")
     d.set_defaults(func=_cmd_datasets)
@@ -254,11 +318,19 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     from .api import STRATEGIES
     from .graph.partition import PARTITIONERS
 
-    p.add_argument("--gpus", type=int, default=4, help="number of ranks (default: 4)")
-    p.add_argument("--strategy", default="data", choices=STRATEGIES, help="parallelization strategy (default: data)")
+    p.add_argument("--gpus", default="4",
+                   help="number of local ranks, or a cluster such as 4xA5000 or 8x8xA100-ib200 (default: 4)")
+    p.add_argument("--strategy", default="auto", choices=("auto",) + STRATEGIES,
+                   help="parallelization strategy; auto (default) lets the cost models choose")
     p.add_argument("--semantics", default="exact", choices=("exact", "relaxed"),
                    help="refuse (exact, default) or allow relaxed transformations")
-    p.add_argument("--partitioner", default="metis", choices=PARTITIONERS, help="vertex partitioner (default: metis)")
+    p.add_argument("--partitioner", default=None, choices=PARTITIONERS,
+                   help="vertex partitioner (default: searched with auto, metis with a named strategy)")
+    p.add_argument("--recompute", default=None, action=argparse.BooleanOptionalAction,
+                   help="recompute T segments in backward (default: searched with auto, off with a named strategy)")
+    p.add_argument("--explain", action="store_true", help="print the planner's candidates and why it chose the plan")
+    p.add_argument("--timeline", default=None, metavar="PATH", help="draw the predicted (and measured) timeline")
+    p.add_argument("--memory-plot", default=None, metavar="PATH", help="draw the predicted memory per rank")
 
 
 def _add_model_args(t: argparse.ArgumentParser, MODELS: dict) -> None:

@@ -26,6 +26,7 @@ few million edges takes a fraction of a second.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Optional
@@ -35,9 +36,10 @@ import torch
 from torch import Tensor
 
 from ..errors import GraphError, PlanningError
-from .core import Graph
+from .core import Graph, GraphStats
 
-__all__ = ["BALANCE_MODES", "PARTITIONERS", "Partition", "PartitionStats", "partition", "partition_stats"]
+__all__ = ["BALANCE_MODES", "PARTITIONERS", "Partition", "PartitionStats", "partition", "partition_stats",
+           "ReplicationEstimate", "expected_replication"]
 
 #: Valid values of ``method`` in :func:`partition`.
 PARTITIONERS = ("contiguous", "random", "metis")
@@ -514,3 +516,51 @@ def partition(
             )
         parts = _metis(graph, num_parts, seed, weights)
     return Partition(parts, num_parts, method, partition_stats(graph, parts, num_parts))
+
+
+@dataclass(frozen=True)
+class ReplicationEstimate:
+    """A replication factor alpha for planning from statistics, and where it comes from."""
+
+    alpha: float
+    source: str
+
+    def __str__(self) -> str:
+        return f"alpha={self.alpha:.3f} ({self.source})"
+
+
+def expected_replication(stats: GraphStats, num_parts: int, method: str = "metis") -> ReplicationEstimate:
+    """The replication factor alpha of partitioning a graph known by its statistics into ``num_parts``.
+
+    ``stats.replication`` holds measured values of an edge-cut partitioner (METIS: NeutronTask
+    Table 2 for ogbn-papers100M, or :attr:`Partition.replication_factor` of an earlier run).
+
+    1. ``method="random"``: the expectation under a uniform random assignment with every vertex
+       of the mean degree ``d``: a vertex is replicated on every other part that owns one of its
+       ``d`` out-neighbours, ``alpha = 1 + (P - 1) (1 - (1 - 1/P)^d)``. With skewed degrees the true
+       value is lower (the function is concave in ``d``), so this is an upper bound;
+    2. ``"metis"``/``"contiguous"``: the measured ``stats.replication[num_parts]``; without it,
+       interpolation of the measured values
+       at other part counts in ``log P`` when there are two around ``num_parts``; else the random
+       bound of 1., reported as such (edge-cut partitioners do better; pass a measured alpha).
+    """
+    if num_parts < 1:
+        raise PlanningError(f"expected_replication: num_parts must be >= 1, got {num_parts}")
+    if num_parts == 1:
+        return ReplicationEstimate(1.0, "one part")
+    d = stats.degree_mean if stats.num_nodes else 0.0
+    bound = 1.0 + (num_parts - 1) * (1.0 - (1.0 - 1.0 / num_parts) ** d)
+    if method == "random":
+        return ReplicationEstimate(bound, f"random-partition expectation at mean degree {d:.1f} (upper bound)")
+    measured = {int(k): float(v) for k, v in (stats.replication or {}).items()}
+    if num_parts in measured:
+        return ReplicationEstimate(measured[num_parts], f"measured for {num_parts} parts ({stats.name})")
+    below = [k for k in measured if 1 < k < num_parts]
+    above = [k for k in measured if k > num_parts]
+    if below and above:
+        lo, hi = max(below), min(above)
+        w = (math.log(num_parts) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        alpha = measured[lo] + w * (measured[hi] - measured[lo])
+        return ReplicationEstimate(alpha, f"interpolated from measured alpha at {lo} and {hi} parts")
+    return ReplicationEstimate(bound, f"no measured alpha for {num_parts} parts: random-partition bound at mean "
+                                      f"degree {d:.1f} ({method} does better; set GraphStats.replication)")

@@ -34,16 +34,18 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Union
 
 from ..errors import PlanningError, VerificationError
+from .symbolic import Lin
 
 __all__ = [
     "Instruction", "Forward", "Backward", "Recompute", "Send", "Recv", "HaloExchange", "AllToAll",
     "AllGather", "ReduceScatter", "AllReduce", "Free", "OptimizerStep", "INSTRUCTIONS",
-    "StageSpec", "DevicePlan", "Plan", "RankProgram", "converted_name", "PLAN_FORMAT_VERSION",
+    "OpCost", "StageSpec", "DevicePlan", "Plan", "RankProgram", "converted_name", "PLAN_FORMAT_VERSION",
 ]
 
 PLAN_FORMAT_VERSION = 1
@@ -308,12 +310,68 @@ COLLECTIVES = (HaloExchange, AllToAll, AllGather, ReduceScatter, AllReduce)
 
 
 # --------------------------------------------------------------------------- stages and ranks
+def _lin_to_json(lin: Lin) -> list[str]:
+    return [str(lin.v), str(lin.e), str(lin.c)]
+
+
+def _lin_from_json(v: Any) -> Lin:
+    if isinstance(v, Lin):
+        return v
+    if not isinstance(v, (list, tuple)) or len(v) != 3:
+        raise VerificationError(f"malformed linear form {v!r}: expected [v, e, c]")
+    try:
+        return Lin.of(*(Fraction(str(x)) for x in v))
+    except (ValueError, ZeroDivisionError) as e:
+        raise VerificationError(f"malformed linear form {v!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Forward cost annotations of one op of a stage, copied from its :class:`~gnncompile.ir.tpgraph.TPInfo`.
+
+    Size-dependent fields are :class:`~gnncompile.ir.symbolic.Lin` forms in the ``|V|`` and ``|E|``
+    *of the rank that runs the stage* (its owned rows and local edges), so a cost model evaluates a
+    plan without the model or the graph. ``width`` is the number of elements per row of the op's
+    output (the ``d`` of NeutronTask Eq. 6 for a propagation); ``recompute`` marks a checkpointed
+    segment whose forward runs again in backward.
+    """
+
+    name: str
+    kind: str
+    flops: Lin = field(default_factory=Lin)
+    bytes: Lin = field(default_factory=Lin)
+    saved: Lin = field(default_factory=Lin)
+    out: Lin = field(default_factory=Lin)
+    width: int = 0
+    recompute: bool = False
+    #: primitive kernels the op runs (a checkpointed segment runs several)
+    count: int = 1
+
+    _LINS: ClassVar[tuple[str, ...]] = ("flops", "bytes", "saved", "out")
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "kind": self.kind, "width": self.width, "recompute": self.recompute,
+                             "count": self.count}
+        d.update({k: _lin_to_json(getattr(self, k)) for k in self._LINS})
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "OpCost":
+        if not isinstance(d, dict):
+            raise VerificationError(f"malformed op cost {d!r}: expected an object")
+        try:
+            return cls(**{k: _lin_from_json(v) if k in cls._LINS else v for k, v in d.items()})
+        except TypeError as e:
+            raise VerificationError(f"malformed op cost {d}: {e}") from None
+
+
 @dataclass(frozen=True)
 class StageSpec:
     """A stage: a connected piece of the operator graph run by one Forward/Backward instruction.
 
     ``inputs``/``outputs`` are value names (see the module docstring); ``ops`` the fx node names
-    the stage computes; ``kinds`` a count such as ``"T3 P1"``; ``layers`` the GNN layers it covers.
+    the stage computes; ``kinds`` a count such as ``"T3 P1"``; ``layers`` the GNN layers it covers;
+    ``costs`` the cost annotations of its ops (what the cost models read).
     """
 
     index: int
@@ -322,16 +380,23 @@ class StageSpec:
     ops: tuple[str, ...]
     kinds: str = ""
     layers: tuple[int, ...] = ()
+    costs: tuple[OpCost, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: _as_list(v) for k, v in asdict(self).items()}
+        d = {k: _as_list(getattr(self, k)) for k in ("index", "inputs", "outputs", "ops", "kinds", "layers")}
+        d["costs"] = [c.to_dict() for c in self.costs]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StageSpec":
         if not isinstance(d, dict):
             raise VerificationError(f"malformed stage {d!r}: expected an object")
+        d = dict(d)
+        costs = d.pop("costs", [])
+        if not isinstance(costs, list):
+            raise VerificationError(f"malformed stage {d}: costs must be a list")
         try:
-            return cls(**{k: _as_tuple(v) for k, v in d.items()})
+            return cls(**{k: _as_tuple(v) for k, v in d.items()}, costs=tuple(OpCost.from_dict(c) for c in costs))
         except TypeError as e:
             raise VerificationError(f"malformed stage {d}: {e}") from None
 
@@ -344,13 +409,16 @@ class StageSpec:
 class DevicePlan:
     """One rank's program: its stages and its instruction list for one training step.
 
-    ``modules`` maps a stage index to the runnable fx module; it is attached by the lowering and is
+    ``sizes``: what the rank holds, for the cost models: ``nodes`` (rows it computes: the ``|V|`` of
+    its stages' cost forms), ``edges`` (its local edges: their ``|E|``), ``halo`` (rows it receives
+    in a halo exchange), ``src`` (source rows its propagations read). ``modules`` maps a stage index to the runnable fx module; it is attached by the lowering and is
     not part of the plan's data (equality, JSON).
     """
 
     rank: int
     stages: tuple[StageSpec, ...]
     instructions: tuple[Instruction, ...]
+    sizes: dict[str, int] = field(default_factory=dict)
     modules: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def stage(self, index: int) -> StageSpec:
@@ -361,7 +429,7 @@ class DevicePlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "stages": [s.to_dict() for s in self.stages],
-                "instructions": [i.to_dict() for i in self.instructions]}
+                "instructions": [i.to_dict() for i in self.instructions], "sizes": dict(self.sizes)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DevicePlan":
@@ -369,7 +437,8 @@ class DevicePlan:
             raise VerificationError(f"malformed rank {d!r}: expected an object")
         try:
             return cls(rank=int(d["rank"]), stages=tuple(StageSpec.from_dict(s) for s in d["stages"]),
-                       instructions=tuple(Instruction.from_dict(i) for i in d["instructions"]))
+                       instructions=tuple(Instruction.from_dict(i) for i in d["instructions"]),
+                       sizes={str(k): int(v) for k, v in d.get("sizes", {}).items()})
         except KeyError as e:
             raise VerificationError(f"rank data lacks the field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -426,6 +495,12 @@ class Plan:
     info: dict[str, Any] = field(default_factory=dict)
     #: Runtime artifacts attached by the lowering (the traced model, per-rank graphs); not data.
     program: Any = field(default=None, repr=False, compare=False)
+    #: The planner's search that chose this plan (``gnncompile.passes.search.SearchResult``); not data.
+    search: Any = field(default=None, repr=False, compare=False)
+    #: The cost models' prediction for this plan (``gnncompile.cost_models.model.Prediction``); not data.
+    prediction: Any = field(default=None, repr=False, compare=False)
+    #: The result of the last ``run()`` (``gnncompile.runtime.executor.RunResult``); not data.
+    last_run: Any = field(default=None, repr=False, compare=False)
 
     @property
     def num_ranks(self) -> int:
@@ -442,7 +517,11 @@ class Plan:
         if self.info.get("model"):
             lines.append(f"  model: {self.info['model']}")
         part = self.info.get("partition")
-        if part:
+        if part and part.get("estimated"):
+            lines.append(f"  partition (estimated from statistics): {part.get('method')} into {part.get('num_parts')} "
+                         f"parts, replication factor alpha={part.get('replication_factor', float('nan')):.3f} "
+                         f"({part.get('source', '')})")
+        elif part:
             lines.append(f"  partition: {part.get('method')} into {part.get('num_parts')} parts, "
                          f"replication factor alpha={part.get('replication_factor', float('nan')):.3f}, "
                          f"edge cut {part.get('total_edge_cut', 0):,}")
@@ -549,6 +628,50 @@ class Plan:
                     f"  saved:   {a}\n  rebuilt: {b}")
         return rebuilt
 
+    # ------------------------------------------------------------------ predictions
+    def explanation(self) -> str:
+        """The text :meth:`explain` prints."""
+        from ..passes.search import explain_plan  # lazy: ir does not depend on the planner
+
+        return explain_plan(self)
+
+    def explain(self) -> None:
+        """Print why the planner chose this plan: the top alternatives (strategy, decisions,
+        predicted step time, peak memory per rank, bytes, bubbles), the winner's margin, the
+        candidates rejected and why, and the chosen plan's per-rank prediction."""
+        print(self.explanation())
+
+    def _require_prediction(self, what: str) -> Any:
+        if self.prediction is None:
+            raise PlanningError(f"plan.{what} needs the cost models' prediction, which this plan lacks (loaded "
+                                "from a file?); use gnncompile.cost_models.predict(plan, cluster)")
+        return self.prediction
+
+    def timeline(self, path: Union[str, Path], *, measured: Any = None) -> Path:
+        """Gantt chart of one step per rank as simulated by the cost models, and below it the measured
+        step of ``measured`` (a ``RunResult``; default: the last :meth:`run`, if any)."""
+        from ..viz.timeline import draw_timelines
+
+        sim = self._require_prediction("timeline").simulation
+        panels = [(f"predicted ({self.cluster}): {sim.step_time * 1e3:.3f} ms per step",
+                   sim.bars(), 0)]
+        run = measured if measured is not None else self.last_run
+        if run is not None:
+            events = [r.timeline for r in run.ranks]
+            last = max(e.step for ev in events for e in ev)
+            t = [e for ev in events for e in ev if e.step == last]
+            span = max(e.end for e in t) - min(e.start for e in t)
+            panels.append((f"measured (last step): {span * 1e3:.3f} ms", events, last))
+        return draw_timelines(panels, path)
+
+    def memory_plot(self, path: Union[str, Path]) -> Path:
+        """Predicted memory per rank over one step, with the device capacity (see the cost models)."""
+        from ..viz.timeline import draw_memory
+
+        pred = self._require_prediction("memory_plot")
+        return draw_memory([r.memory_curve for r in pred.simulation.ranks], path, capacity=pred.capacity,
+                           title=f"predicted memory per rank: {self.strategy} on {self.cluster}")
+
     def run(self, epochs: int = 200, lr: float = 0.01, **kwargs: Any) -> Any:
         """Train with this plan across its ranks; see :func:`gnncompile.runtime.executor.run_plan`."""
         if self.program is None:
@@ -556,7 +679,8 @@ class Plan:
                                 "use gnncompile.Plan.load(path, model, graph) to run it")
         from ..runtime.executor import run_plan  # lazy: the runtime is imported only to run
 
-        return run_plan(self, epochs=epochs, lr=lr, **kwargs)
+        self.last_run = run_plan(self, epochs=epochs, lr=lr, **kwargs)
+        return self.last_run
 
 
 def iter_collectives(instructions: Iterable[Instruction]) -> Iterable[Instruction]:

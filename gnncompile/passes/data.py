@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.fx
@@ -40,12 +40,13 @@ import torch.nn.functional as F
 
 from ..errors import PlanningError
 from ..frontend.ops import dropout_rows, masked_propagate, propagate
-from ..graph.core import Graph
-from ..graph.partition import PARTITIONERS, partition
+from ..graph.core import Graph, GraphStats
+from ..graph.partition import PARTITIONERS, expected_replication, partition
 from ..graph.shard import Shard, build_shards, row_value_positions
 from ..nn.functional import feature_dropout
 from ..ir.plan import AllReduce, DevicePlan, HaloExchange, Instruction, OptimizerStep, Plan, RankProgram
 from ..ir.tpgraph import TPGraph
+from .recompute import insert_recomputation
 from .lower import Conversion, Decisions, StagedModel, call_arguments, forward_schedule, sequential_schedule, \
     source_input, split_stages
 
@@ -74,12 +75,17 @@ class DataOptions:
         masks single-device training sees, bit for bit; it costs each rank the random draws of
         the whole tensor. ``"local"``: each rank draws masks for its rows only from its own stream
         (same distribution, different draws; no redundant work).
+    recompute:
+        Apply :func:`~gnncompile.passes.recompute.insert_recomputation` (exact): the T segments
+        between propagations keep only their inputs for backward and run again there, trading T
+        compute for activation memory (NeutronTask §5.1).
     """
 
     partitioner: str = "metis"
     seed: int = 0
     semantics: str = "exact"
     dropout: str = "replicated"
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.partitioner not in PARTITIONERS:
@@ -88,6 +94,13 @@ class DataOptions:
             raise PlanningError(f"unknown semantics {self.semantics!r}; valid: 'exact', 'relaxed'")
         if self.dropout not in DROPOUT_MODES:
             raise PlanningError(f"unknown dropout mode {self.dropout!r}; valid: {', '.join(DROPOUT_MODES)}")
+        if not isinstance(self.recompute, bool):
+            raise PlanningError(f"recompute: expected True or False, got {self.recompute!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recorded options of a plan (``Plan.options``): lowering again with them gives the same plan."""
+        return {"strategy": "data", "partitioner": self.partitioner, "seed": self.seed,
+                "semantics": self.semantics, "dropout": self.dropout, "recompute": self.recompute}
 
 
 _INDEX_INPUTS = {"V": "dropout_index_v", "E": "dropout_index_e", "E+V": "dropout_index_ev",
@@ -222,12 +235,50 @@ def halo_bytes(send_rows: int, recv_rows: int, width: int, elsize: int, needs_gr
     return (sent + recv, recv + sent) if needs_grad else (sent, recv)
 
 
-def lower_data(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Graph, num_ranks: int,
-               options: DataOptions) -> Plan:
-    """Lower ``tp`` (training-mode trace) and ``tp_eval`` to a ``data`` plan over ``num_ranks`` ranks."""
-    if not isinstance(graph, Graph):
-        raise PlanningError("the data strategy partitions the graph's vertices: pass the Graph itself "
-                            "(planning from GraphStats alone needs the cost models' estimates)")
+def _split_evenly(total: float, parts: int) -> list[int]:
+    """``total`` (rounded) split into ``parts`` integers that differ by at most one."""
+    t = int(round(total))
+    return [t // parts + (1 if k < t % parts else 0) for k in range(parts)]
+
+
+@dataclass(frozen=True)
+class _RankData:
+    """What the lowering needs of one rank: halo lists and sizes (from a shard or from estimates)."""
+
+    send_rows: tuple[int, ...]
+    recv_rows: tuple[int, ...]
+    sizes: dict[str, int]
+
+
+def _estimated_ranks(stats: GraphStats, n: int, method: str) -> tuple[list[_RankData], dict[str, Any]]:
+    """Per-rank sizes of a balanced ``n``-way partition of a graph known by ``stats`` alone."""
+    est = expected_replication(stats, n, method)
+    owned = _split_evenly(stats.num_nodes, n)
+    edges = _split_evenly(stats.num_edges, n)
+    # every pair of ranks exchanges the same number of rows (symmetric, as the verifier requires):
+    # (alpha - 1) |V| halo rows in all, spread over the n (n - 1) ordered pairs
+    pair = int(round((est.alpha - 1.0) * stats.num_nodes / (n * (n - 1)))) if n > 1 else 0
+    halo = [pair * (n - 1)] * n
+    ranks = []
+    for r in range(n):
+        rows = tuple(0 if q == r else pair for q in range(n))
+        ranks.append(_RankData(send_rows=rows, recv_rows=rows,
+                               sizes={"nodes": owned[r], "edges": edges[r], "halo": halo[r],
+                                      "src": owned[r] + halo[r]}))
+    part = {"method": method, "num_parts": n, "replication_factor": est.alpha, "estimated": True,
+            "source": est.source, "num_local": owned, "num_halo": halo, "num_edges": edges}
+    return ranks, part
+
+
+def lower_data(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Union[Graph, GraphStats],
+               num_ranks: int, options: DataOptions) -> Plan:
+    """Lower ``tp`` (training-mode trace) and ``tp_eval`` to a ``data`` plan over ``num_ranks`` ranks.
+
+    With a :class:`Graph` the vertices are partitioned and the plan can run. With
+    :class:`GraphStats` alone the plan's halo lists and per-rank sizes are estimates from the
+    replication factor (:func:`~gnncompile.graph.partition.expected_replication`) of a balanced
+    partition: it can be printed, verified and simulated, not run.
+    """
     relaxations: list[str] = []
     mixing = row_mixing_ops(tp)
     if mixing:
@@ -238,12 +289,23 @@ def lower_data(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Gra
         if num_ranks > 1:
             relaxations.append(f"per-rank statistics ({', '.join(op for op, _ in mixing)})")
     norms = _propagation_norms(tp) | _propagation_norms(tp_eval)
+    concrete = isinstance(graph, Graph)
 
-    part = partition(graph, num_ranks, options.partitioner, seed=options.seed)
-    shards = build_shards(graph, part.parts, num_ranks, norms=norms)
+    shards: list[Shard] = []
     dropout_inputs: dict[str, str] = {}
-    if options.dropout == "replicated":
-        tp, dropout_inputs = replicate_dropout_masks(tp, graph)
+    if concrete:
+        part = partition(graph, num_ranks, options.partitioner, seed=options.seed)
+        shards = build_shards(graph, part.parts, num_ranks, norms=norms)
+        rank_data = [_RankData(tuple(s.send_count), tuple(s.recv_count),
+                               {"nodes": s.num_owned, "edges": s.graph.num_edges, "halo": s.num_halo,
+                                "src": s.num_owned + s.num_halo}) for s in shards]
+        part_info = part.to_dict(include_parts=False)
+        if options.dropout == "replicated":
+            tp, dropout_inputs = replicate_dropout_masks(tp, graph)
+    else:
+        rank_data, part_info = _estimated_ranks(graph, num_ranks, options.partitioner)
+    if options.recompute:
+        tp = insert_recomputation(tp, share_parameters=True)
     staged = split_stages(tp, data_decisions(tp))
     staged_eval = split_stages(tp_eval, data_decisions(tp_eval))
     group = tuple(range(num_ranks))
@@ -252,13 +314,11 @@ def lower_data(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Gra
     numel = sum(p.numel() for p in params if p.requires_grad)
     param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
 
-    def convert_for(rank: int, st: StagedModel):
-        shard = shards[rank]
-
+    def convert_for(rd: _RankData, st: StagedModel):
         def convert(c: Conversion, grad: bool) -> list[Instruction]:
             node = next(n for n in st.tp.graph.nodes if n.name == c.value)
-            return [HaloExchange(value=c.value, chunk=0, group=group, send_rows=tuple(shard.send_count),
-                                 recv_rows=tuple(shard.recv_count), width=math.prod(node.meta["tp"].dims),
+            return [HaloExchange(value=c.value, chunk=0, group=group, send_rows=rd.send_rows,
+                                 recv_rows=rd.recv_rows, width=math.prod(node.meta["tp"].dims),
                                  dtype=node.meta["tp"].dtype or "float32", grad=grad)]
         return convert
 
@@ -266,27 +326,16 @@ def lower_data(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Gra
         ar = [AllReduce("grads", group, numel=numel, dtype=param_dtype)] if num_ranks > 1 and numel else []
         return ar + [OptimizerStep()]
 
-    counts = {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
-              for m in ("train", "val", "test")}
-    ranks, programs = [], []
+    ranks = []
     sent_pred, recv_pred = [], []
-    for r, shard in enumerate(shards):
-        instrs = tuple(sequential_schedule(staged, convert_for(r, staged), finish))
-        eval_instrs = tuple(forward_schedule(staged_eval, convert_for(r, staged_eval)))
-        ranks.append(DevicePlan(rank=r, stages=tuple(staged.stages), instructions=instrs, modules=staged.modules))
-        lg = shard.graph
-        programs.append(RankProgram(
-            rank=r, world_size=num_ranks, modules=staged.modules, stages=tuple(staged.stages), instructions=instrs,
-            eval_modules=staged_eval.modules, eval_stages=tuple(staged_eval.stages), eval_instructions=eval_instrs,
-            output=staged.output, eval_output=staged_eval.output,
-            inputs={"g": lg, "x": lg.x, **{k: _dropout_index(sp, shard, graph) for k, sp in dropout_inputs.items()}},
-            same_seed=options.dropout == "replicated", halo=(tuple(shard.send_index), tuple(shard.recv_count)),
-            labels=lg.y, masks={"train": lg.train_mask, "val": lg.val_mask, "test": lg.test_mask},
-            counts=counts, params=params, param_names=names, owned=shard.owned))
+    for r, rd in enumerate(rank_data):
+        instrs = tuple(sequential_schedule(staged, convert_for(rd, staged), finish))
+        ranks.append(DevicePlan(rank=r, stages=tuple(staged.stages), instructions=instrs, sizes=dict(rd.sizes),
+                                modules=staged.modules))
         s = rv = 0
         for c in staged.conversions:
             node = next(n for n in tp.graph.nodes if n.name == c.value)
-            a, b = halo_bytes(sum(shard.send_count), shard.num_halo, math.prod(node.meta["tp"].dims),
+            a, b = halo_bytes(sum(rd.send_rows), sum(rd.recv_rows), math.prod(node.meta["tp"].dims),
                               _elsize(node.meta["tp"].dtype), c.needs_grad)
             s, rv = s + a, rv + b
         if num_ranks > 1 and numel:
@@ -295,20 +344,48 @@ def lower_data(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Gra
         sent_pred.append(s)
         recv_pred.append(rv)
 
+    stats = graph.stats() if concrete else graph
     info = {
-        "graph": str(graph.stats()) if hasattr(graph, "stats") else str(graph),
+        "graph": str(stats),
         "model": type(model).__name__,
-        "partition": part.to_dict(include_parts=False),
+        "partition": part_info,
         "output": staged.output,
         "inputs": ["g", "x", *dropout_inputs],
-        "halo_rows": [s.num_halo for s in shards],
-        "owned_rows": [s.num_owned for s in shards],
+        "halo_rows": [rd.sizes["halo"] for rd in rank_data],
+        "owned_rows": [rd.sizes["nodes"] for rd in rank_data],
+        "params": numel,
+        "param_dtype": param_dtype,
+        "features": stats.num_features,
+        "classes": stats.num_classes,
     }
-    opts = {"strategy": "data", "partitioner": options.partitioner, "seed": options.seed,
-            "semantics": options.semantics, "dropout": options.dropout}
-    plan = Plan(strategy="data", semantics="relaxed" if relaxations else "exact", options=opts,
+    plan = Plan(strategy="data", semantics="relaxed" if relaxations else "exact", options=options.to_dict(),
                 cluster=f"{num_ranks} local ranks", ranks=ranks, schedule="sequential",
                 relaxations=tuple(relaxations),
                 predictions={"bytes_sent": sent_pred, "bytes_received": recv_pred}, info=info)
-    plan.program = programs
+    if concrete:
+        plan.program = _rank_programs(graph, model, staged, staged_eval, shards, convert_for, rank_data,
+                                      dropout_inputs, options, names, params, ranks)
     return plan
+
+
+def _rank_programs(graph: Graph, model: torch.nn.Module, staged: StagedModel, staged_eval: StagedModel,
+                   shards: list[Shard], convert_for: Any, rank_data: list[_RankData], dropout_inputs: dict[str, str],
+                   options: DataOptions, names: list[str], params: list[torch.nn.Parameter],
+                   ranks: list[DevicePlan]) -> list[RankProgram]:
+    """The runnable per-rank programs of a data plan over a concrete graph."""
+    counts = {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
+              for m in ("train", "val", "test")}
+    programs = []
+    for r, shard in enumerate(shards):
+        eval_instrs = tuple(forward_schedule(staged_eval, convert_for(rank_data[r], staged_eval)))
+        lg = shard.graph
+        programs.append(RankProgram(
+            rank=r, world_size=len(shards), modules=staged.modules, stages=tuple(staged.stages),
+            instructions=ranks[r].instructions,
+            eval_modules=staged_eval.modules, eval_stages=tuple(staged_eval.stages), eval_instructions=eval_instrs,
+            output=staged.output, eval_output=staged_eval.output,
+            inputs={"g": lg, "x": lg.x, **{k: _dropout_index(sp, shard, graph) for k, sp in dropout_inputs.items()}},
+            same_seed=options.dropout == "replicated", halo=(tuple(shard.send_index), tuple(shard.recv_count)),
+            labels=lg.y, masks={"train": lg.train_mask, "val": lg.val_mask, "test": lg.test_mask},
+            counts=counts, params=params, param_names=names, owned=shard.owned))
+    return programs

@@ -57,10 +57,15 @@ def graph_pass(*, exact: bool, name: Optional[str] = None) -> Callable[[Callable
             raise TypeError(f"graph pass {fn.__name__}: docstring lacks {', '.join(missing)}")
 
         @functools.wraps(fn)
-        def run(tp: TPGraph, **options: object) -> TPGraph:
+        def run(tp: TPGraph, *, share_parameters: bool = False, **options: object) -> TPGraph:
+            """Run the pass on a copy of ``tp``; with ``share_parameters`` the copy keeps ``tp``'s
+            parameters and buffers (the same tensors: training the result trains the model)."""
             if not isinstance(tp, TPGraph):
                 raise PassError(f"pass {pass_name}: expected a TPGraph, got {type(tp).__name__}")
-            return fn(copy.deepcopy(tp), **options)
+            memo: dict[int, object] = {}
+            if share_parameters:
+                memo = {id(t): t for t in (*tp.parameters(), *tp.buffers())}
+            return fn(copy.deepcopy(tp, memo), **options)
 
         pass_name = name or fn.__name__
         p = GraphPass(pass_name, run, exact, doc)

@@ -27,6 +27,7 @@ the identity, computes exactly the traced graph (tested for every model of the z
 from __future__ import annotations
 
 import inspect
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
@@ -36,7 +37,8 @@ import torch.fx
 
 from ..errors import PlanningError
 from ..frontend.ops import gather_src, masked_propagate, propagate
-from ..ir.plan import Backward, Forward, Instruction, StageSpec, converted_name
+from ..ir.plan import Backward, Forward, Instruction, OpCost, StageSpec, converted_name
+from ..ir.symbolic import Lin
 from ..ir.tpgraph import TPGraph
 
 __all__ = [
@@ -146,6 +148,34 @@ def _get_attr(root: torch.nn.Module, target: str) -> Any:
     return obj
 
 
+def _elsize(dtype: Optional[str]) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype or "float32")).element_size()
+
+
+def op_costs(tp: TPGraph, nodes: list[torch.fx.Node]) -> list[OpCost]:
+    """The :class:`OpCost` of every T/P/E op among ``nodes`` (what a stage's cost model reads).
+
+    A checkpointed segment (``insert_recomputation``) counts as one op per primitive it runs, so the
+    per-op overhead of the cost models sees the real number of kernels.
+    """
+    out = []
+    for n in nodes:
+        t = n.meta.get("tp")
+        if t is None or t.kind not in ("T", "P", "E"):
+            continue
+        width = math.prod(t.dims) if t.dims else 1
+        rows = t.rows if t.rows is not None else Lin()
+        count = 1
+        if n.op == "call_module":
+            body = getattr(tp.get_submodule(n.target), "body", None)
+            if isinstance(body, torch.fx.GraphModule):
+                count = max(1, sum(m.op in ("call_function", "call_module", "call_method") for m in body.graph.nodes))
+        out.append(OpCost(name=n.name, kind=t.kind, flops=t.flops, bytes=t.bytes_read + t.bytes_written,
+                          saved=t.saved_bytes, out=rows * (width * _elsize(t.dtype)), width=width,
+                          recompute=t.recompute, count=count))
+    return out
+
+
 def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
     """Insert the conversions ``decisions`` call for and split ``tp`` into stage modules.
 
@@ -239,7 +269,7 @@ def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
         stages.append(StageSpec(index=k, inputs=tuple(inputs), outputs=tuple(outputs),
                                 ops=tuple(n.name for n in members),
                                 kinds=" ".join(f"{kk}{kinds[kk]}" for kk in ("T", "P", "E") if kinds.get(kk)),
-                                layers=tuple(layers)))
+                                layers=tuple(layers), costs=tuple(op_costs(tp, members))))
         modules[k] = gm
 
     conversions = [

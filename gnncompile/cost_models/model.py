@@ -1,0 +1,318 @@
+"""The cost model of a plan: time and memory of every instruction of every rank.
+
+Everything here is a pure function of the plan's data (its instruction lists, the
+:class:`~gnncompile.ir.plan.OpCost` annotations of its stages, each rank's sizes) and a
+:class:`~gnncompile.cost_models.hardware.Cluster`; no model, graph or device is touched, so a plan
+for a billion-edge graph on a cluster we do not have is costed on a laptop.
+
+Compute (per op of a stage, on the rank's device):
+
+- ``T`` ops (dense, vertex-wise): roofline ``max(flops / FLOP/s, bytes / memory bandwidth)``;
+  backward costs twice the forward (gradients of the input and of the weights).
+- ``P`` ops (propagation): NeutronTask Eq. 6 for one layer of width ``d`` on the rank's ``|V|``
+  vertices and ``|E| = |V| d̄`` edges (:func:`~gnncompile.cost_models.formulas.p_task_time`);
+  backward is the same propagation over the transposed graph.
+- ``E`` ops (edge-wise): memory bound, ``bytes / memory bandwidth``; backward twice.
+- every kernel adds the device's per-op overhead (``launch_overhead``); a checkpointed
+  (``recompute``) segment runs its forward again in the backward.
+- ``OPT``: Adam reads and writes parameters, gradients and two moments: ``16 * 4 * params`` bytes.
+
+Communication (per instruction, over the slowest link of its group): halo exchange and all-to-all
+as pairwise exchanges, all-reduce / all-gather / reduce-scatter as rings, send/recv point to point
+(:mod:`~gnncompile.cost_models.formulas`).
+
+Memory (per rank, over the instruction list; :class:`MemoryModel`): a static part (the rank's
+topology in the runtime's layout, features, labels, parameters, gradients and Adam state) plus a
+liveness walk: a stage's ``saved`` activations live from its ``Forward`` to its ``Backward``; a
+value passed between stages (a stage output, a halo-extended tensor) lives from its producer to its
+last consumer's forward; the gradient of a value from the backward that makes it to the backward
+(or gradient communication) that consumes it; transient buffers (an op's output being computed,
+send buffers) only during their instruction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..errors import PlanningError
+from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, DevicePlan, Forward, Free, HaloExchange,
+                       Instruction, OpCost, OptimizerStep, Plan, Recompute, Recv, ReduceScatter, Send, StageSpec,
+                       converted_name)
+from . import formulas
+from .hardware import Cluster, DeviceSpec
+from .simulate import Cost, Simulation, simulate
+
+__all__ = ["ELSIZE", "StaticMemory", "PlanCost", "predict", "Prediction", "op_time"]
+
+ELSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4}
+
+#: bytes Adam moves per float32 parameter: torch's multi-tensor Adam with weight decay makes about
+#: 16 passes over parameter-sized tensors (decay, two moment updates, bias corrections, sqrt, step)
+_ADAM_BYTES_PER_PARAM = 16 * 4
+
+
+def _elsize(dtype: str) -> int:
+    try:
+        return ELSIZE[dtype]
+    except KeyError:
+        raise PlanningError(f"no element size for dtype {dtype!r}; known: {', '.join(ELSIZE)}") from None
+
+
+def _eval(lin: Any, sizes: dict[str, int]) -> float:
+    return float(max(0, lin(sizes.get("nodes", 0), sizes.get("edges", 0))))
+
+
+def op_time(op: OpCost, sizes: dict[str, int], device: DeviceSpec, *, backward: bool = False,
+            dtype: str = "float32") -> float:
+    """Seconds of one op's forward (or backward) on a rank of ``sizes`` (see the module docstring)."""
+    nodes, edges = sizes.get("nodes", 0), sizes.get("edges", 0)
+    overhead = op.count * device.launch_overhead
+    if op.kind == "P":
+        t = formulas.p_task_time(nodes, edges / nodes if nodes else 0.0, [op.width], device.flops_for(dtype),
+                                 device.spmm_bandwidth, device.gamma, elsize=_elsize(dtype))
+        return t + overhead
+    flops, nbytes = _eval(op.flops, sizes), _eval(op.bytes, sizes)
+    mult = 2.0 if backward else 1.0
+    if op.kind == "E":
+        return mult * nbytes / device.mem_bandwidth + overhead
+    return mult * max(flops / device.flops_for(dtype), nbytes / device.mem_bandwidth) + overhead
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    """Bytes a rank holds for the whole step, by kind."""
+
+    topology: int
+    features: int
+    labels: int
+    parameters: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.topology + self.features + self.labels + self.parameters + self.gradients + self.optimizer
+
+    def as_dict(self) -> dict[str, int]:
+        return {"topology": self.topology, "features": self.features, "labels": self.labels,
+                "parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer}
+
+
+def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
+    """The rank's resident data, in the runtime's layout.
+
+    Topology: a :class:`~gnncompile.graph.shard.LocalGraph` keeps its COO edge index (2 x int64
+    per edge), the CSR of in-edges and the CSR of the transpose for backward (int64 index per edge
+    and int64 pointer per row each), and float32 normalization weights per edge: ``36 |E| + 16 |V|``
+    bytes. Features: ``float32`` rows of the input features; labels int64 plus three bool masks.
+    Parameters are replicated on every rank that runs a stage (data parallelism) with their
+    gradients and Adam's two moments.
+    """
+    s = dp.sizes
+    nodes, edges, src = s.get("nodes", 0), s.get("edges", 0), s.get("src", s.get("nodes", 0))
+    features = int(plan.info.get("features", 0))
+    params = int(plan.info.get("params", 0))
+    pbytes = params * _elsize(plan.info.get("param_dtype", "float32"))
+    return StaticMemory(topology=36 * edges + 8 * (nodes + 1) + 8 * (src + 1), features=4 * nodes * features,
+                        labels=11 * nodes, parameters=pbytes, gradients=pbytes, optimizer=2 * pbytes)
+
+
+class PlanCost:
+    """Cost of every instruction of ``plan`` on ``cluster``: the cost function the simulator calls.
+
+    Building it walks each rank's instruction list once (the memory liveness); calling it is a
+    dictionary lookup. ``plan_cost(rank, instruction)`` returns a :class:`~.simulate.Cost`.
+    """
+
+    def __init__(self, plan: Plan, cluster: Cluster) -> None:
+        if cluster.num_devices < plan.num_ranks:
+            raise PlanningError(f"the plan has {plan.num_ranks} ranks but the cluster {cluster.name!r} has "
+                                f"{cluster.num_devices} devices")
+        self.plan = plan
+        self.cluster = cluster
+        self.static = [static_memory(plan, dp) for dp in plan.ranks]
+        self.devices = [cluster.rank_device(r) for r in range(plan.num_ranks)]
+        self._costs: list[dict[Instruction, Cost]] = [self._rank_costs(dp) for dp in plan.ranks]
+
+    def __call__(self, rank: int, inst: Instruction) -> Cost:
+        return self._costs[rank][inst]
+
+    # ------------------------------------------------------------------ compute
+    def stage_time(self, rank: int, stage: StageSpec, backward: bool) -> float:
+        dev = self.devices[rank]
+        sizes = self.plan.ranks[rank].sizes
+        t = sum(op_time(op, sizes, dev, backward=backward) for op in stage.costs)
+        if backward:  # checkpointed segments run their forward again
+            t += sum(op_time(op, sizes, dev) for op in stage.costs if op.recompute)
+        return t
+
+    # ------------------------------------------------------------------ communication
+    def comm_time(self, rank: int, inst: Instruction) -> float:
+        c = self.cluster
+        if isinstance(inst, (Send, Recv)):
+            link = c.link(rank, inst.peer)
+            return formulas.p2p_time(math.prod(inst.shape) * _elsize(inst.dtype), link.bandwidth, link.latency)
+        group = inst.group
+        n = len(group)
+        if n <= 1:
+            return 0.0
+        link = c.slowest_link(group)
+        es = _elsize(inst.dtype)
+        if isinstance(inst, HaloExchange):
+            out = [r * inst.width * es for r in inst.send_rows]
+            into = [r * inst.width * es for r in inst.recv_rows]
+            if inst.grad:
+                out, into = into, out
+            return formulas.all_to_all_time(out, into, link.bandwidth, link.latency)
+        if isinstance(inst, AllToAll):
+            me = group.index(rank)
+            out = [0 if j == me else math.prod(s) * es for j, s in enumerate(inst.send_shapes)]
+            into = [0 if j == me else math.prod(s) * es for j, s in enumerate(inst.recv_shapes)]
+            if inst.grad:
+                out, into = into, out
+            return formulas.all_to_all_time(out, into, link.bandwidth, link.latency)
+        if isinstance(inst, AllReduce):
+            return formulas.ring_allreduce_time(inst.numel * es, n, link.bandwidth, link.latency)
+        if isinstance(inst, AllGather):
+            fn = formulas.ring_reduce_scatter_time if inst.grad else formulas.ring_allgather_time
+            return fn(math.prod(inst.shape) * es, n, link.bandwidth, link.latency)
+        if isinstance(inst, ReduceScatter):
+            fn = formulas.ring_allgather_time if inst.grad else formulas.ring_reduce_scatter_time
+            return fn(math.prod(inst.shape) * es, n, link.bandwidth, link.latency)
+        raise PlanningError(f"no communication model for {type(inst).__name__}")
+
+    # ------------------------------------------------------------------ one rank
+    def _rank_costs(self, dp: DevicePlan) -> dict[Instruction, Cost]:
+        """Time and memory events of each instruction of ``dp`` (the liveness walk of the module docstring)."""
+        stages = {s.index: s for s in dp.stages}
+        sizes = dp.sizes
+        dev = self.devices[dp.rank]
+        value_bytes: dict[str, float] = {}
+        for s in dp.stages:
+            for op in s.costs:
+                value_bytes[op.name] = _eval(op.out, sizes)
+        src_rows = sizes.get("src", sizes.get("nodes", 0))
+        for inst in dp.instructions:
+            if isinstance(inst, HaloExchange):
+                value_bytes[inst.output] = src_rows * inst.width * _elsize(inst.dtype)
+        # last forward consumer and backward consumer of every value, per chunk
+        last_use: dict[tuple[str, int], int] = {}
+        for i, inst in enumerate(dp.instructions):
+            if isinstance(inst, (Forward, Recompute)):
+                for v in stages[inst.stage].inputs:
+                    last_use[v, inst.chunk] = i
+            elif isinstance(inst, (Send, HaloExchange, AllToAll, AllGather, ReduceScatter)) and not inst.grad:
+                last_use[inst.value, inst.chunk] = i
+        frees: dict[int, float] = {}  # instruction index -> bytes released at its end
+
+        def release_at(i: int, nbytes: float) -> None:
+            frees[i] = frees.get(i, 0.0) + nbytes
+
+        costs: dict[Instruction, Cost] = {}
+        grad_made: dict[tuple[str, int], float] = {}
+        for i, inst in enumerate(dp.instructions):
+            alloc = 0.0
+            transient = 0.0
+            if isinstance(inst, (Forward, Recompute)):
+                st = stages[inst.stage]
+                seconds = self.stage_time(dp.rank, st, backward=False)
+                saved = sum(_eval(op.saved, sizes) for op in st.costs)
+                outs = sum(value_bytes.get(o, 0.0) for o in st.outputs)
+                transient = max((value_bytes.get(op.name, 0.0) for op in st.costs), default=0.0)
+                alloc = saved + outs
+                back = dp.instructions.index(Backward(inst.stage, inst.chunk)) \
+                    if Backward(inst.stage, inst.chunk) in dp.instructions else len(dp.instructions) - 1
+                release_at(back, saved)
+                for o in st.outputs:
+                    release_at(max(last_use.get((o, inst.chunk), i), i), value_bytes.get(o, 0.0))
+                stream = "compute"
+            elif isinstance(inst, Backward):
+                st = stages[inst.stage]
+                seconds = self.stage_time(dp.rank, st, backward=True)
+                transient = 2 * max((value_bytes.get(op.name, 0.0) for op in st.costs), default=0.0)
+                # gradients of the stage's inputs that something upstream consumes
+                for v in dict.fromkeys(st.inputs):
+                    if v in value_bytes:
+                        alloc += value_bytes[v]
+                        grad_made[v, inst.chunk] = value_bytes[v]
+                # the gradients of the outputs were consumed here
+                for o in st.outputs:
+                    release_at(i, grad_made.pop((o, inst.chunk), 0.0))
+                stream = "compute"
+            elif isinstance(inst, OptimizerStep):
+                params = int(self.plan.info.get("params", 0))
+                seconds = params * _ADAM_BYTES_PER_PARAM / dev.mem_bandwidth + dev.launch_overhead
+                stream = "compute"
+            elif isinstance(inst, Free):  # the liveness walk already releases values after their last use
+                seconds, stream = 0.0, "compute"
+            else:
+                seconds = self.comm_time(dp.rank, inst)
+                stream = "comm"
+                if isinstance(inst, (HaloExchange, AllToAll, AllGather, ReduceScatter)):
+                    if inst.grad:  # consumes the gradient of the output, makes the value's
+                        release_at(i, grad_made.pop((inst.output, inst.chunk), 0.0))
+                        grad_made[inst.value, inst.chunk] = value_bytes.get(inst.value, 0.0)
+                        alloc = value_bytes.get(inst.value, 0.0)
+                    else:
+                        alloc = value_bytes.get(inst.output, 0.0)
+                        release_at(max(last_use.get((inst.output, inst.chunk), i), i), alloc)
+                elif isinstance(inst, Recv) and not inst.grad:
+                    alloc = math.prod(inst.shape) * _elsize(inst.dtype)
+                    value_bytes[inst.value] = alloc
+                    release_at(max(last_use.get((inst.value, inst.chunk), i), i), alloc)
+                transient = 0.0
+            costs[inst] = Cost(seconds=seconds, stream=stream, alloc=int(alloc + transient), free=int(transient))
+        for i, nbytes in frees.items():
+            inst = dp.instructions[i]
+            c = costs[inst]
+            costs[inst] = Cost(seconds=c.seconds, stream=c.stream, alloc=c.alloc, free=c.free + int(nbytes))
+        return costs
+
+
+@dataclass
+class Prediction:
+    """What the cost models predict for one plan on one cluster."""
+
+    plan: Plan
+    cluster: Cluster
+    simulation: Simulation
+    static: list[StaticMemory]
+    overlap: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def step_time(self) -> float:
+        return self.simulation.step_time
+
+    @property
+    def peak_memory(self) -> list[int]:
+        return [r.peak_memory for r in self.simulation.ranks]
+
+    @property
+    def max_peak_memory(self) -> int:
+        return max(self.peak_memory, default=0)
+
+    @property
+    def capacity(self) -> int:
+        return self.cluster.rank_device(0).memory
+
+    @property
+    def fits(self) -> bool:
+        cap = [self.cluster.rank_device(r).memory for r in range(len(self.peak_memory))]
+        return all(m <= c for m, c in zip(self.peak_memory, cap))
+
+    @property
+    def bytes_sent(self) -> list[float]:
+        return list(self.plan.predictions.get("bytes_sent", []))
+
+    def time_by_kind(self) -> dict[str, float]:
+        return self.simulation.time_by_kind()
+
+
+def predict(plan: Plan, cluster: Cluster, *, overlap: bool = False) -> Prediction:
+    """Simulate ``plan`` on ``cluster``: step time, per-rank busy/idle/wait time and peak memory."""
+    cost = PlanCost(plan, cluster)
+    sim = simulate(plan, cost, overlap=overlap, base_memory=[s.total for s in cost.static])
+    return Prediction(plan=plan, cluster=cluster, simulation=sim, static=cost.static, overlap=overlap)

@@ -1,0 +1,368 @@
+"""The planner's search: enumerate candidate plans, drop those that do not fit, rank by simulated time.
+
+``gnncompile.plan(model, graph, gpus)`` without ``strategy=`` calls :func:`search`:
+
+1. **Enumerate** (:func:`candidates`): for every registered strategy (:data:`LOWERINGS`), the
+   product of its option space (``data``: partitioner x recomputation) and of the rank counts to
+   try (default: every device; :func:`rank_counts` adds halvings, for ``gc.plan(...,
+   devices="any")``: on small graphs communication can cost more than the parallelism gains).
+   Options the caller fixed (``partitioner="metis"``) are not varied.
+2. **Lower** every candidate to a plan (a strategy that cannot lower a model says why, and the
+   candidate is recorded as rejected with that reason). Under ``semantics="exact"`` a plan that
+   applied a relaxed transformation is rejected; relaxed plans are considered only when the caller
+   asked for ``semantics="relaxed"``.
+3. **Predict** each plan with the cost models (:func:`~gnncompile.cost_models.model.predict`:
+   discrete-event simulation of all ranks' instruction lists): step time, peak memory per rank.
+4. **Filter and rank**: plans whose predicted peak memory exceeds a device's capacity are
+   rejected; the rest are ranked by step time (ties: fewer ranks, then fewer bytes). When nothing
+   fits, :class:`~gnncompile.errors.PlanningError` says by how much the closest candidate
+   overflows and what would make it fit.
+
+The result is a :class:`SearchResult`; ``plan.explain()`` prints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+
+from ..cost_models.hardware import Cluster
+from ..cost_models.model import Prediction, predict
+from ..errors import GnnCompileError, PlanningError
+from ..graph.core import Graph, GraphStats
+from ..ir.plan import Plan
+from ..ir.tpgraph import TPGraph
+
+__all__ = ["Candidate", "Evaluated", "SearchResult", "StrategySpace", "LOWERINGS", "candidates", "search",
+           "rank_counts", "sub_cluster", "evaluate", "explain_plan"]
+
+
+@dataclass(frozen=True)
+class StrategySpace:
+    """How the search lowers one strategy: its option space and its lowering function.
+
+    ``space(semantics, fixed)`` lists option dicts to try (``fixed`` holds options the caller set;
+    they must not vary); ``lower(tp, tp_eval, model, graph, num_ranks, options)`` returns a plan.
+    """
+
+    space: Callable[[str, dict[str, Any]], list[dict[str, Any]]]
+    lower: Callable[..., Plan]
+
+
+def _data_space(semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
+    axes = {"partitioner": ["metis", "random"], "recompute": [False, True]}
+    for k in list(axes):
+        if k in fixed:
+            axes[k] = [fixed[k]]
+    rest = {k: v for k, v in fixed.items() if k not in axes}
+    return [{**rest, **dict(zip(axes, combo)), "semantics": semantics} for combo in itertools.product(*axes.values())]
+
+
+def _data_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Any, n: int,
+                options: dict[str, Any]) -> Plan:
+    from .data import DataOptions, lower_data
+
+    return lower_data(tp, tp_eval, model, graph, n, DataOptions(**options))
+
+
+#: Registered strategies: name -> :class:`StrategySpace`. Strategy modules add theirs.
+LOWERINGS: dict[str, StrategySpace] = {"data": StrategySpace(_data_space, _data_lower)}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A point of the search space: a strategy, its options and a rank count."""
+
+    strategy: str
+    options: dict[str, Any]
+    num_ranks: int
+
+    def describe(self) -> str:
+        opts = ", ".join(f"{k}={v}" for k, v in self.options.items() if k not in ("semantics", "strategy", "seed"))
+        return f"{self.strategy}[{opts}] x{self.num_ranks}"
+
+
+@dataclass
+class Evaluated:
+    """A candidate with its plan and prediction, or the reason it was rejected."""
+
+    candidate: Candidate
+    plan: Optional[Plan] = None
+    prediction: Optional[Prediction] = None
+    rejected: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.rejected
+
+    @property
+    def step_time(self) -> float:
+        return self.prediction.step_time if self.prediction else math.inf
+
+    @property
+    def peak_memory(self) -> int:
+        return self.prediction.max_peak_memory if self.prediction else 0
+
+    @property
+    def max_bytes(self) -> float:
+        return max(self.prediction.bytes_sent, default=0.0) if self.prediction else 0.0
+
+
+def _fmt_time(s: float) -> str:
+    if not math.isfinite(s):
+        return "-"
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _fmt_bytes(n: float) -> str:
+    for scale, suffix in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {suffix}"
+    return f"{n:.0f} B"
+
+
+@dataclass
+class SearchResult:
+    """Every candidate the search looked at, the winner first."""
+
+    cluster: Cluster
+    semantics: str
+    ranked: list[Evaluated]
+    rejected: list[Evaluated]
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Evaluated:
+        if not self.ranked:
+            raise PlanningError("no candidate plan fits")
+        return self.ranked[0]
+
+    def table(self, top: int = 8) -> list[str]:
+        head = ["#", "candidate", "step time", "peak mem/rank", "max bytes/rank", "compute", "comm", "bubble"]
+        rows = []
+        for i, e in enumerate(self.ranked[:top]):
+            sim = e.prediction.simulation
+            comp = max(r.compute for r in sim.ranks)
+            comm = max(r.comm for r in sim.ranks)
+            rows.append([str(i + 1), e.candidate.describe(), _fmt_time(e.step_time), _fmt_bytes(e.peak_memory),
+                         _fmt_bytes(e.max_bytes), _fmt_time(comp), _fmt_time(comm), f"{sim.bubble_fraction:.0%}"])
+        widths = [max(len(r[j]) for r in [head] + rows) for j in range(len(head))]
+        fmt = lambda r: "  " + "  ".join(x.ljust(w) if j == 1 else x.rjust(w)  # noqa: E731
+                                        for j, (x, w) in enumerate(zip(r, widths)))
+        return [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+    def why(self) -> list[str]:
+        """Why the winner won: its margin over the runner-up, split by what the time goes to."""
+        if not self.ranked:
+            return []
+        best = self.ranked[0]
+        if len(self.ranked) == 1:
+            return [f"  {best.candidate.describe()} is the only candidate that fits."]
+        second = self.ranked[1]
+        a, b = best.prediction.simulation, second.prediction.simulation
+        lines = [f"  {best.candidate.describe()} wins: {_fmt_time(best.step_time)} per step vs "
+                 f"{_fmt_time(second.step_time)} for {second.candidate.describe()} "
+                 f"({second.step_time / best.step_time:.2f}x)." if best.step_time > 0 else
+                 f"  {best.candidate.describe()} wins."]
+        ka, kb = a.time_by_kind(), b.time_by_kind()
+        diffs = sorted(((kb.get(k, 0.0) / len(b.ranks) - ka.get(k, 0.0) / len(a.ranks), k) for k in set(ka) | set(kb)),
+                       reverse=True)
+        parts = [f"{k} {'-' if d > 0 else '+'}{_fmt_time(abs(d))}" for d, k in diffs if abs(d) > 1e-12][:4]
+        if parts:
+            lines.append(f"  per-rank time by instruction kind, winner vs runner-up: {', '.join(parts)}")
+        if best.max_bytes != second.max_bytes:
+            lines.append(f"  communication per rank: {_fmt_bytes(best.max_bytes)} vs {_fmt_bytes(second.max_bytes)}")
+        if best.peak_memory != second.peak_memory:
+            lines.append(f"  peak memory per rank: {_fmt_bytes(best.peak_memory)} vs {_fmt_bytes(second.peak_memory)}")
+        return lines
+
+    def __str__(self) -> str:
+        cap = self.cluster.rank_device(0).memory
+        lines = [f"Search over {len(self.ranked) + len(self.rejected)} candidates on {self.cluster} "
+                 f"(semantics={self.semantics}, {self.seconds:.2f} s); device memory {_fmt_bytes(cap)}",
+                 *self.table()]
+        lines += self.why()
+        if self.rejected:
+            lines.append(f"  rejected ({len(self.rejected)}):")
+            lines += [f"    {e.candidate.describe()}: {e.rejected}" for e in self.rejected[:12]]
+            if len(self.rejected) > 12:
+                lines.append(f"    ... {len(self.rejected) - 12} more")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def rank_counts(cluster: Cluster, limit: Optional[int] = None) -> list[int]:
+    """Rank counts to try: all devices, then halvings down to one device (largest first)."""
+    n = cluster.num_devices if limit is None else min(limit, cluster.num_devices)
+    out = [n]
+    k = 1 << (n.bit_length() - 1)
+    if k == n:
+        k //= 2
+    while k >= 1:
+        out.append(k)
+        k //= 2
+    return out
+
+
+def sub_cluster(cluster: Cluster, num_ranks: int) -> Cluster:
+    """The part of ``cluster`` a plan over ``num_ranks`` ranks uses: whole nodes first, filled in
+    order. On a CPU host the ranks of a smaller plan get more threads each (the launcher divides the
+    cores among the ranks it starts), which :meth:`Cluster.rank_device` models."""
+    if num_ranks == cluster.num_devices:
+        return cluster
+    if not 1 <= num_ranks <= cluster.num_devices:
+        raise PlanningError(f"{num_ranks} ranks do not fit the cluster {cluster.name!r} of {cluster.num_devices} devices")
+    per_node = min(num_ranks, cluster.devices_per_node)
+    nodes = math.ceil(num_ranks / per_node)
+    threads = None if cluster.device.kind == "cpu" else cluster.threads_per_rank
+    return dataclasses.replace(cluster, nodes=nodes, devices_per_node=per_node,
+                               inter=cluster.inter if nodes > 1 else None, threads_per_rank=threads,
+                               name=f"{cluster.name}[{num_ranks} of {cluster.num_devices}]")
+
+
+def candidates(cluster: Cluster, *, semantics: str = "exact", strategies: Optional[Iterable[str]] = None,
+               fixed: Optional[dict[str, Any]] = None, ranks: Optional[Sequence[int]] = None) -> list[Candidate]:
+    """The search space: every registered strategy's options x rank counts (see the module docstring)."""
+    names = list(strategies) if strategies is not None else list(LOWERINGS)
+    unknown = [s for s in names if s not in LOWERINGS]
+    if unknown:
+        raise PlanningError(f"no lowering registered for strategy {', '.join(map(repr, unknown))}; "
+                            f"registered: {', '.join(LOWERINGS)}")
+    counts = list(ranks) if ranks is not None else [cluster.num_devices]
+    out = []
+    for name in names:
+        for opts in LOWERINGS[name].space(semantics, dict(fixed or {})):
+            out.extend(Candidate(name, opts, n) for n in counts)
+    return out
+
+
+def search(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Cluster, *,
+           tp: Optional[TPGraph] = None, tp_eval: Optional[TPGraph] = None, semantics: str = "exact",
+           strategies: Optional[Iterable[str]] = None, fixed: Optional[dict[str, Any]] = None,
+           ranks: Optional[Sequence[int]] = None, overlap: bool = False) -> SearchResult:
+    """Lower, predict, filter and rank every candidate (see the module docstring)."""
+    t0 = time.perf_counter()
+    if tp is None or tp_eval is None:
+        tp, tp_eval = _trace_both(model, graph)
+    ok: list[Evaluated] = []
+    rejected: list[Evaluated] = []
+    for cand in candidates(cluster, semantics=semantics, strategies=strategies, fixed=fixed, ranks=ranks):
+        ev = _evaluate(cand, model, graph, cluster, tp, tp_eval, semantics, overlap)
+        (ok if ev.ok else rejected).append(ev)
+    ok.sort(key=lambda e: (e.step_time, e.candidate.num_ranks, e.max_bytes))
+    result = SearchResult(cluster=cluster, semantics=semantics, ranked=ok, rejected=rejected,
+                          seconds=time.perf_counter() - t0)
+    if not cluster.calibrated:
+        result.notes.append("the CPU numbers are uncalibrated placeholders; run `gnncompile calibrate` once on "
+                            "this machine for predictions that track measurements")
+    if isinstance(graph, GraphStats):
+        result.notes.append("planned from graph statistics: per-rank sizes come from the replication factor "
+                            "estimate shown in the plan's partition line")
+    if not ok:
+        raise PlanningError(_nothing_fits(result))
+    return result
+
+
+def _trace_both(model: torch.nn.Module, graph: Union[Graph, GraphStats]) -> tuple[TPGraph, TPGraph]:
+    from ..frontend.tracer import trace
+
+    was_training = model.training
+    try:
+        return trace(model, graph, training=True), trace(model, graph, training=False)
+    finally:
+        model.train(was_training)
+
+
+def _evaluate(cand: Candidate, model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Cluster,
+              tp: TPGraph, tp_eval: TPGraph, semantics: str, overlap: bool) -> Evaluated:
+    """Lower and predict one candidate; ``rejected`` says why it cannot be returned (if so)."""
+    ev = Evaluated(cand)
+    if cand.num_ranks > max(graph.num_nodes, 1):
+        ev.rejected = f"{cand.num_ranks} ranks exceed the graph's {graph.num_nodes} vertices"
+        return ev
+    try:
+        ev.plan = LOWERINGS[cand.strategy].lower(tp, tp_eval, model, graph, cand.num_ranks, dict(cand.options))
+    except GnnCompileError as e:
+        ev.rejected = f"cannot lower: {e}"
+        return ev
+    if semantics == "exact" and ev.plan.relaxations:
+        ev.rejected = f"relaxed ({'; '.join(ev.plan.relaxations)}) but semantics='exact'"
+        return ev
+    used = sub_cluster(cluster, cand.num_ranks)
+    ev.plan.cluster = str(used)
+    ev.prediction = predict(ev.plan, used, overlap=overlap)
+    ev.plan.prediction = ev.prediction
+    if not ev.prediction.fits:
+        cap = used.rank_device(0).memory
+        ev.rejected = (f"does not fit: predicted peak {_fmt_bytes(ev.prediction.max_peak_memory)} per rank "
+                       f"exceeds {_fmt_bytes(cap)} by {_fmt_bytes(ev.prediction.max_peak_memory - cap)}")
+    return ev
+
+
+def evaluate(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Cluster, strategy: str = "data", *,
+             num_ranks: Optional[int] = None, semantics: str = "exact", overlap: bool = False,
+             **options: Any) -> Evaluated:
+    """Lower and predict one candidate without filtering it (e.g. to see how far a plan overflows).
+
+    ``options`` are the strategy's options (``partitioner="metis"``, ``recompute=False``...);
+    ``num_ranks`` defaults to every device of ``cluster``.
+    """
+    if strategy not in LOWERINGS:
+        raise PlanningError(f"no lowering registered for strategy {strategy!r}; registered: {', '.join(LOWERINGS)}")
+    tp, tp_eval = _trace_both(model, graph)
+    opts = LOWERINGS[strategy].space(semantics, options)
+    if len(opts) != 1:
+        raise PlanningError(f"evaluate: fix every option of strategy {strategy!r} (got {sorted(options)}); "
+                            f"it would try {len(opts)} variants")
+    cand = Candidate(strategy, opts[0], num_ranks or cluster.num_devices)
+    return _evaluate(cand, model, graph, cluster, tp, tp_eval, semantics, overlap)
+
+
+def _nothing_fits(result: SearchResult) -> str:
+    """The error when no candidate fits: the closest one, by how much it overflows, and what would help."""
+    measured = [e for e in result.rejected if e.prediction is not None]
+    if not measured:
+        reasons = "; ".join(f"{e.candidate.describe()}: {e.rejected}" for e in result.rejected[:6])
+        return f"no candidate plan could be built: {reasons}"
+    cap = result.cluster.rank_device(0).memory
+    closest = min(measured, key=lambda e: e.peak_memory)
+    over = closest.peak_memory - cap
+    hints = []
+    static = max(s.total for s in closest.prediction.static)
+    if static > cap:
+        hints.append(f"its resident data alone ({_fmt_bytes(static)} per rank: topology, features, parameters) "
+                     "exceeds a device, so only more devices (or a strategy that shards the graph further) help")
+    else:
+        need = math.ceil(closest.candidate.num_ranks * closest.peak_memory / cap)
+        hints.append(f"about {need} devices of this kind would spread it to fit")
+        if not closest.candidate.options.get("recompute", True):
+            hints.append("recomputation would shrink the saved activations")
+    return (f"no plan fits in {_fmt_bytes(cap)} per device on {result.cluster}: the closest, "
+            f"{closest.candidate.describe()}, needs {_fmt_bytes(closest.peak_memory)} per rank, "
+            f"{_fmt_bytes(over)} too much; " + "; ".join(hints))
+
+
+def explain_plan(plan: Plan) -> str:
+    """What ``plan.explain()`` prints: the search that chose the plan, or the plan's own prediction."""
+    result: Optional[SearchResult] = getattr(plan, "search", None)
+    lines = []
+    if result is not None:
+        lines.append(str(result))
+    pred: Optional[Prediction] = getattr(plan, "prediction", None)
+    if pred is not None:
+        sim = pred.simulation
+        lines.append(f"Chosen plan: {plan.strategy} over {plan.num_ranks} ranks on {pred.cluster}: predicted step "
+                     f"{_fmt_time(sim.step_time)}, bubble {sim.bubble_fraction:.0%}")
+        lines.append(sim.summary())
+        st = pred.static[0]
+        lines.append("  resident data on rank 0: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in st.as_dict().items()))
+    if not lines:
+        lines.append("this plan carries no prediction (it was loaded from a file); plan it again to explain it")
+    return "\n".join(lines)

@@ -1,0 +1,279 @@
+"""Hardware specs: parsing cluster specs, links between ranks, presets, JSON round trips, CPU
+calibration (quick, once per module) and the per-rank scaling of CPU rates."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from gnncompile.cost_models.hardware import (
+    CLUSTERS,
+    DEFAULT_INTER,
+    DEVICES,
+    GiB,
+    LINKS,
+    PROFILE_ENV,
+    Cluster,
+    DeviceSpec,
+    LinkSpec,
+    default_profile_path,
+)
+from gnncompile.errors import PlanningError
+
+
+@pytest.fixture(autouse=True)
+def no_saved_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Point the default profile path at a file that does not exist (the user's own profile must
+    not leak into the tests)."""
+    path = tmp_path / "absent" / "cpu_profile.json"
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Cluster, Path]:
+    path = tmp_path_factory.mktemp("profile") / "cpu.json"
+    return Cluster.calibrate(path, quick=True), path
+
+
+# --- parsing -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, nodes, per_node, model, intra, inter", [
+    ("4xA5000", 1, 4, "A5000", "pcie4", None),
+    ("2x4xA5000-ib200", 2, 4, "A5000", "pcie4", "ib200"),
+    ("8x8xA100-ib200", 8, 8, "A100-80GB", "nvlink3", "ib200"),
+    ("2x8xH100", 2, 8, "H100", "nvlink4", DEFAULT_INTER),
+    ("1xH100", 1, 1, "H100", "nvlink4", None),
+    ("A100", 1, 1, "A100-80GB", "nvlink3", None),
+    ("a100-40gb", 1, 1, "A100-40GB", "nvlink3", None),
+    ("4XA5000-PCIE3", 1, 4, "A5000", "pcie3", None),          # one node: LINK replaces intra
+    ("2xA100-80GB-ib400", 1, 2, "A100-80GB", "ib400", None),   # hyphenated model, then a link
+    ("16x1xT4-eth15", 16, 1, "T4", "pcie3", "eth15"),
+    ("V100", 1, 1, "V100-32GB", "nvlink2", None),
+    ("  2xh200 ", 1, 2, "H200", "nvlink4", None),
+])
+def test_parse_grammar(text: str, nodes: int, per_node: int, model: str, intra: str, inter: str | None) -> None:
+    c = Cluster.parse(text)
+    assert (c.nodes, c.devices_per_node, c.num_devices) == (nodes, per_node, nodes * per_node)
+    assert c.device.name == model
+    assert c.intra.name == intra
+    assert (c.inter.name if c.inter else None) == inter
+    assert c.cores == 0 and c.device.kind == "gpu"
+
+
+@pytest.mark.parametrize("name", list(CLUSTERS))
+def test_presets_parse_case_insensitively(name: str) -> None:
+    assert Cluster.parse(name.upper()) == CLUSTERS[name]
+
+
+def test_paper_presets() -> None:
+    assert str(Cluster.parse("neutrontask")) == "1 node x 4 A5000 (24 GiB, 27.8 TFLOP/s fp32), intra pcie4 25 GB/s"
+    assert str(Cluster.parse("gnnpipe")) == ("2 nodes x 4 A5000 (24 GiB, 27.8 TFLOP/s fp32), intra pcie4 25 GB/s, "
+                                             "inter ib200 200 Gbit/s")
+    tp = Cluster.parse("neutrontp")
+    assert (tp.nodes, tp.devices_per_node, tp.device.name, tp.inter.name) == (16, 1, "T4", "eth15")
+    gs = Cluster.parse("gsplit")
+    assert (gs.num_devices, gs.device.memory, gs.intra.name) == (4, 16 * GiB, "nvlink2")
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("4xA6000", "unknown device model 'A6000'"),
+    ("2x4xA6000-ib200", "unknown device model 'A6000'"),
+    ("4xA5000-ib300", "unknown link 'ib300'"),
+    ("0xA100", "must be >= 1"),
+    ("", "cannot parse"),
+    ("4x", "cannot parse"),
+    ("4xx", "unknown device model"),
+])
+def test_parse_errors_are_helpful(text: str, fragment: str) -> None:
+    with pytest.raises(PlanningError) as info:
+        Cluster.parse(text)
+    message = str(info.value)
+    assert fragment in message
+    if "model" in fragment or "parse" in fragment:
+        assert "A5000" in message and "H200" in message and "ib200" in message   # lists the valid names
+    if "link" in fragment:
+        assert "eth15" in message and "nvlink4" in message
+
+
+def test_parse_cpu_without_profile_is_the_placeholder() -> None:
+    c = Cluster.parse("4xcpu")
+    assert c.device == DEVICES["cpu"] and c.calibration == {}
+    assert c.devices_per_node == 4 and c.cores >= 1 and c.intra == LINKS["shm"]
+    assert "uncalibrated" in str(c)
+
+
+def test_parse_unreadable_profile_names_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(PlanningError, match="bad.json"):
+        Cluster.parse("cpu", profile=bad)
+    with pytest.raises(PlanningError, match="missing.json"):
+        Cluster.parse("cpu", profile=tmp_path / "missing.json")
+    with pytest.raises(PlanningError, match="not a CPU host"):
+        Cluster.parse("cpu", profile=CLUSTERS["gnnpipe"])
+
+
+# --- links -------------------------------------------------------------------------------------------
+
+def test_link_intra_vs_inter() -> None:
+    c = Cluster.parse("2x4xA5000-ib200")
+    assert [c.node_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert c.link(0, 3) == LINKS["pcie4"]
+    assert c.link(3, 4) == LINKS["ib200"]
+    assert c.link(5, 5) == LINKS["pcie4"]
+    with pytest.raises(PlanningError, match="rank 8 out of range"):
+        c.link(0, 8)
+
+
+def test_slowest_link() -> None:
+    c = Cluster.parse("2x4xA100-ib200")
+    assert c.slowest_link([0, 1, 2, 3]) == LINKS["nvlink3"]
+    assert c.slowest_link([0, 4]) == LINKS["ib200"]
+    assert c.slowest_link(range(8)) == LINKS["ib200"]
+    assert c.slowest_link([2]) == LINKS["nvlink3"]
+    slow_intra = dataclasses.replace(c, intra=LINKS["eth10"])
+    assert slow_intra.slowest_link([0, 1, 4]) == LINKS["eth10"]      # intra pair 0-1 is the slower one
+    assert slow_intra.slowest_link([0, 4]) == LINKS["ib200"]         # no two ranks share a node
+    with pytest.raises(PlanningError, match="empty"):
+        c.slowest_link([])
+
+
+# --- specs and presets -------------------------------------------------------------------------------
+
+def test_preset_numbers_are_sane() -> None:
+    assert 0.9 * 80e9 < DEVICES["A100-80GB"].memory < 1.1 * 80e9
+    assert DEVICES["A100"] == DEVICES["A100-80GB"]
+    assert DEVICES["A100-40GB"].memory == 40 * GiB
+    assert DEVICES["H200"].memory > DEVICES["H100"].memory
+    assert DEVICES["H200"].mem_bandwidth > DEVICES["H100"].mem_bandwidth > DEVICES["A100"].mem_bandwidth
+    assert DEVICES["V100"].memory == 32 * GiB and DEVICES["V100-16GB"].memory == 16 * GiB
+    for name, d in DEVICES.items():
+        assert d.flops_for("float32") > 0 and d.spmm_bandwidth < d.mem_bandwidth, name
+        if d.kind == "gpu":
+            assert d.flops_for("float16") > d.flops_for("float32") > d.flops_for("float64"), name
+            assert d.gamma == pytest.approx(0.3) and d.launch_overhead == pytest.approx(5e-6)
+    assert DEVICES["cpu"].gamma == 0.0
+    assert LINKS["ib200"].bandwidth == pytest.approx(25e9)
+    assert LINKS["eth15"].bandwidth == pytest.approx(15e9 / 8)
+    assert LINKS["nvlink4"].bandwidth > LINKS["nvlink3"].bandwidth > LINKS["nvlink2"].bandwidth > LINKS["pcie4"].bandwidth
+    assert all(l.latency < 1e-4 for l in LINKS.values())
+
+
+def test_flops_for() -> None:
+    a100 = DEVICES["A100"]
+    assert a100.flops_for("bf16") == a100.flops_for(torch.bfloat16) == a100.flops["bfloat16"]
+    with pytest.raises(PlanningError, match="no FLOP/s for dtype 'bfloat16'.*float32"):
+        DEVICES["T4"].flops_for("bfloat16")
+    with pytest.raises(PlanningError, match="int8"):
+        a100.flops_for("int8")
+
+
+def test_spec_validation() -> None:
+    with pytest.raises(PlanningError, match="gamma"):
+        DeviceSpec("x", {"float32": 1e12}, 1e11, GiB, gamma=1.5)
+    with pytest.raises(PlanningError, match="mem_bandwidth"):
+        DeviceSpec("x", {"float32": 1e12}, -1.0, GiB)
+    with pytest.raises(PlanningError, match="latency"):
+        LinkSpec("l", 1e9, "fast")
+    with pytest.raises(PlanningError, match="inter-node link"):
+        Cluster(2, 4, DEVICES["A5000"], LINKS["pcie4"])
+    d = DeviceSpec("x", {"float32": 1e12}, 1e11, GiB)
+    assert d.spmm_bandwidth == pytest.approx(0.5e11) and d.gamma == 0.3
+    assert Cluster.parse("2X4Xa5000-IB200").name == "2x4xA5000-ib200"
+    assert hash(Cluster.parse("4xA5000")) == hash(Cluster.parse("4xa5000"))
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    for text in ("2x4xA5000-ib200", "neutrontp", "4xcpu"):
+        c = Cluster.parse(text)
+        assert Cluster.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+        assert Cluster.load(c.save(tmp_path / "sub" / f"{text}.json")) == c
+
+
+def test_load_errors_name_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.json"
+    data = Cluster.parse("4xA5000").to_dict()
+    for broken, fragment in ((dict(data, nodes=0), "nodes"), (dict(data, speed=1), "unknown field"),
+                             ({k: v for k, v in data.items() if k != "device"}, "missing field"),
+                             (dict(data, format="other"), "format"), ([1, 2], "JSON object")):
+        path.write_text(json.dumps(broken))
+        with pytest.raises(PlanningError, match=fragment) as info:
+            Cluster.load(path)
+        assert str(path) in str(info.value)
+
+
+# --- CPU: calibration and per-rank scaling -----------------------------------------------------------
+
+def test_calibrate_quick(calibrated: tuple[Cluster, Path]) -> None:
+    c, path = calibrated
+    d = c.device
+    numbers = [*d.flops.values(), d.mem_bandwidth, d.spmm_bandwidth, d.launch_overhead, d.memory,
+               c.intra.bandwidth, c.intra.latency]
+    assert all(math.isfinite(v) and v > 0 for v in numbers)
+    assert d.kind == "cpu" and d.gamma == 0.0 and c.name.startswith("cpu (calibrated ")
+    assert (c.nodes, c.devices_per_node) == (1, 1) and c.cores >= 1
+    single, all_cores = c.calibration["rates"]["flops"]["float32"]
+    # the all-core rate is what the cores gave under the load of the moment (tests run in parallel),
+    # but no measurement scales beyond the cores
+    assert 0 < all_cores <= 1.5 * c.cores * single
+    assert d.flops["float32"] == all_cores
+    for key in ("host", "date", "torch", "gemm", "stream", "spmm", "op_overhead", "collectives"):
+        assert key in c.calibration
+    assert set(c.calibration["collectives"]["fits"]) == {"all_reduce", "all_to_all"}
+    assert Cluster.load(path) == c
+    assert "uncalibrated" not in str(c)
+
+
+def test_parse_reuses_profile(calibrated: tuple[Cluster, Path], no_saved_profile: Path,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    c, path = calibrated
+    for profile in (path, str(path), c):
+        four = Cluster.parse("4xcpu", profile=profile)
+        assert four.device == c.device and four.intra == c.intra and four.calibration == c.calibration
+        assert (four.devices_per_node, four.cores) == (4, c.cores)
+    assert Cluster.parse("4xcpu").device == DEVICES["cpu"]           # no saved profile yet
+    c.save(no_saved_profile)
+    assert default_profile_path() == no_saved_profile
+    assert Cluster.parse("4xcpu").device == c.device                 # the saved one is found
+    assert Cluster.parse("4xcpu-eth10").intra == LINKS["eth10"]
+
+
+def test_cpu_rank_device_time_shares_cores(calibrated: tuple[Cluster, Path]) -> None:
+    c, _ = calibrated
+    two_cores = dataclasses.replace(c, cores=2)
+    rates = c.calibration["rates"]
+    single = rates["flops"]["float32"][0]
+    two = dataclasses.replace(two_cores, devices_per_node=2).rank_device(1)
+    four = dataclasses.replace(two_cores, devices_per_node=4).rank_device(3)
+    assert two.flops_for("float32") == pytest.approx(single)                 # one thread each, own core
+    assert four.flops_for("float32") == pytest.approx(single / 2)            # 4 threads on 2 cores
+    assert four.mem_bandwidth == pytest.approx(two.mem_bandwidth / 2)
+    assert four.spmm_bandwidth == pytest.approx(two.spmm_bandwidth / 2)
+    assert four.memory == c.device.memory // 4
+    one = dataclasses.replace(two_cores, devices_per_node=1).rank_device(0)   # one rank, both cores
+    assert one.flops_for("float32") == pytest.approx(rates["flops"]["float32"][1])
+
+
+def test_rank_device_interpolates_in_threads() -> None:
+    rates = {"flops": {"float32": [10.0, 40.0]}, "mem_bandwidth": [5.0, 8.0], "spmm_bandwidth": [4.0, 4.0]}
+    base = Cluster(1, 1, DEVICES["cpu"], LINKS["shm"], cores=4, calibration={"rates": rates})
+    two_threads = dataclasses.replace(base, threads_per_rank=2).rank_device()
+    assert two_threads.flops_for("float32") == pytest.approx(20.0)
+    assert two_threads.mem_bandwidth == pytest.approx(6.0)
+    eight = dataclasses.replace(base, threads_per_rank=8).rank_device()      # oversubscribed: 8 on 4
+    assert eight.flops_for("float32") == pytest.approx(80.0 * 0.5)
+    assert eight.spmm_bandwidth == pytest.approx(4.0 * 0.5)                   # flat past all cores
+    assert Cluster.parse("A100").rank_device() is DEVICES["A100"]
+    placeholder = dataclasses.replace(Cluster.parse("cpu"), cores=4, devices_per_node=4)
+    assert placeholder.rank_device().flops_for("float32") == pytest.approx(DEVICES["cpu"].flops["float32"] / 4)
+
+
+def test_calibrate_needs_two_ranks() -> None:
+    with pytest.raises(PlanningError, match="world_size"):
+        Cluster.calibrate(world_size=1)
