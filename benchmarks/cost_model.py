@@ -90,8 +90,8 @@ def local_fidelity(args, gc, Cluster) -> tuple[str, list[tuple]]:
             for ev_rank in pred.simulation.ranks:
                 for e in ev_rank.events:
                     m = per_inst.get((e.rank, e.label))
-                    if m and m > 0:
-                        kinds[kind_of(e.label)].append(abs(e.end - e.start - m) / m)
+                    if m and m > 0:  # the runtime's duration of a collective includes waiting for peers
+                        kinds[kind_of(e.label)].append(abs(e.end - e.wait_start - m) / m)
             mem_pred = max(p - s.total for p, s in zip(pred.peak_memory, pred.static))
             mem_meas = max(r.peak_memory for r in res.ranks)
             rows.append((name, n, part, rec, pred.step_time, meas, mem_pred, mem_meas))
@@ -178,7 +178,7 @@ def main() -> None:
     import gnncompile as gc
     from gnncompile.cost_models.hardware import Cluster
 
-    parts = [f"{today()}; {machine_info()}; `{command_line()}`; load average at start "
+    parts = [f"{today()}; {machine_info(os.cpu_count() or 1)}; `{command_line()}`; load average at start "
              f"{os.getloadavg()[0]:.2f}.", ""]
     if not args.skip_local:
         parts += ["### Predicted vs measured step time (local gloo ranks)", "",

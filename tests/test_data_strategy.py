@@ -79,10 +79,12 @@ def sbm() -> gc.Graph:
 # --------------------------------------------------------------------------- exactness across ranks
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(g=small_graphs(), name=st.sampled_from(sorted(MODELS)), ranks=st.integers(1, 4),
-       partitioner=st.sampled_from(PARTITIONERS))
-def test_one_step_matches_single_device(g: gc.Graph, name: str, ranks: int, partitioner: str) -> None:
+       partitioner=st.sampled_from(PARTITIONERS), recompute=st.booleans())
+def test_one_step_matches_single_device(g: gc.Graph, name: str, ranks: int, partitioner: str,
+                                        recompute: bool) -> None:
     ranks = min(ranks, g.num_nodes)
-    check_plan(model_for(name, g), g, ranks, partitioner=partitioner, rtol=1e-9, atol=1e-11, timeout=60)
+    check_plan(model_for(name, g), g, ranks, partitioner=partitioner, recompute=recompute, rtol=1e-9, atol=1e-11,
+               timeout=60)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

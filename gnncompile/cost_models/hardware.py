@@ -139,6 +139,17 @@ class DeviceSpec:
         Seconds per kernel launch / operator dispatch.
     kind : str
         ``"gpu"`` or ``"cpu"``.
+    runtime : dict[str, float]
+        Measured fixed costs of gnncompile's runtime on this device, seconds
+        (:func:`gnncompile.runtime.calibrate.runtime_overheads`): ``stage`` per Forward/Backward
+        instruction, ``op_forward``/``op_backward`` per op of a stage, ``comm`` per communication
+        instruction, ``optimizer_tensor`` per parameter tensor of the optimizer step. Empty for
+        presets: the cost models then charge ``launch_overhead`` per op only.
+    edge_rate : float, optional
+        Edges per second a propagation visits on top of its bytes (random row gathers are
+        latency bound at small widths): calibrated from SpMM at two widths; ``None``: bytes only.
+    rng_rate : float, optional
+        Random numbers per second (dropout masks); ``None``: not charged.
     """
 
     name: str
@@ -149,6 +160,9 @@ class DeviceSpec:
     gamma: Optional[float] = None
     launch_overhead: float = DEFAULT_LAUNCH_OVERHEAD
     kind: str = "gpu"
+    runtime: dict[str, float] = field(default_factory=dict, hash=False)
+    edge_rate: Optional[float] = None
+    rng_rate: Optional[float] = None
 
     def __post_init__(self) -> None:
         what = f"device {self.name!r}"
@@ -169,6 +183,14 @@ class DeviceSpec:
         _check_number(self.launch_overhead, f"{what}: launch_overhead (s)", strict=False)
         object.__setattr__(self, "flops", dict(self.flops))
         object.__setattr__(self, "memory", int(self.memory))
+        if not isinstance(self.runtime, dict):
+            raise PlanningError(f"{what}: runtime must be a dict of seconds by overhead name")
+        for key, value in self.runtime.items():
+            _check_number(value, f"{what}: runtime[{key!r}] (s)", strict=False)
+        object.__setattr__(self, "runtime", dict(self.runtime))
+        for key in ("edge_rate", "rng_rate"):
+            if getattr(self, key) is not None:
+                _check_number(getattr(self, key), f"{what}: {key}")
 
     def flops_for(self, dtype: Union[str, torch.dtype]) -> float:
         """FLOP/s for ``dtype`` (a name such as ``"float32"``/``"bf16"`` or a ``torch.dtype``).
@@ -399,6 +421,34 @@ class Cluster:
             links.append(self.intra)
         return min(links, key=lambda link: (link.bandwidth, -link.latency))
 
+    @property
+    def oversubscription(self) -> float:
+        """How many times over a CPU host's cores its ranks' threads are (>= 1; 1 for GPUs).
+
+        Time-shared cores stretch everything a rank does on the CPU, including the latency of a
+        message, which waits for the peer process to be scheduled.
+        """
+        if self.device.kind != "cpu":
+            return 1.0
+        threads = self.threads_per_rank or max(1, self.cores // self.devices_per_node)
+        return max(1.0, self.devices_per_node * threads / self.cores)
+
+    def collective_link(self, op: str) -> LinkSpec:
+        """The link a collective ``op`` (``"all_reduce"``, ``"all_to_all"``) sees inside a node.
+
+        A calibrated CPU host measured each collective of its backend separately (gloo's
+        all-reduce has a higher latency floor than a plain exchange); the fit is returned as a
+        per-ring-step link (``latency / (2 (p - 1))`` of the fitted ``p``-rank all-reduce).
+        Otherwise: :attr:`intra`.
+        """
+        fits = self.calibration.get("collectives", {}).get("fits", {})
+        if op not in fits:
+            return self.intra
+        fit = fits[op]
+        p = int(self.calibration["collectives"].get("world_size", 2))
+        steps = 2 * (p - 1) if op == "all_reduce" else max(p - 1, 1)
+        return LinkSpec(f"{self.intra.name}:{op}", fit["bandwidth"], fit["latency"] / steps)
+
     def rank_device(self, rank: int = 0) -> DeviceSpec:
         """The device as rank ``rank`` sees it.
 
@@ -431,7 +481,12 @@ class Cluster:
             flops={dtype: rate(pair) for dtype, pair in rates["flops"].items()},
             mem_bandwidth=rate(rates["mem_bandwidth"]),
             spmm_bandwidth=rate(rates["spmm_bandwidth"]),
+            edge_rate=rate(rates["edge_rate"]) if "edge_rate" in rates else self.device.edge_rate,
+            rng_rate=rate(rates["rng_rate"]) if "rng_rate" in rates else self.device.rng_rate,
             memory=self.device.memory // ranks,
+            # fixed costs are CPU time too: time-shared cores stretch them
+            launch_overhead=self.device.launch_overhead / share,
+            runtime={k: v / share for k, v in self.device.runtime.items()},
         )
 
     def _thread_rates(self) -> dict[str, Any]:
@@ -630,10 +685,16 @@ class Cluster:
             mem_bandwidth=rates["mem_bandwidth"][1],
             memory=_total_memory(),
             spmm_bandwidth=rates["spmm_bandwidth"][1],
+            edge_rate=rates["edge_rate"][1],
+            rng_rate=rates["rng_rate"][1],
             gamma=CPU_GAMMA,
             launch_overhead=local["op_overhead"]["seconds"],
             kind="cpu",
         )
+        from ..runtime.calibrate import runtime_overheads  # lazy: it plans and runs a small model
+
+        device = dataclasses.replace(device, runtime=runtime_overheads(
+            cls(1, 1, device, LinkSpec("shm", comm["bandwidth"], comm["latency"]), cores=cores), quick=quick))
         calibration = {
             "host": host,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -743,6 +804,12 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
     gemm: dict[str, dict[str, list[float]]] = {"float32": {}, "float64": {}}
     stream: dict[str, dict[str, float]] = {}
     spmm_s: dict[str, float] = {}
+    spmm_narrow: dict[str, float] = {}
+    rng_s: dict[str, float] = {}
+    narrow = 4
+    x_narrow = torch.randn(rows, narrow, generator=gen)
+    narrow_bytes = 4 * (csr.nnz * (1 + 2 * narrow) + rows)
+    noise = torch.empty(stream_elems // 4)
     for t in threads:
         torch.set_num_threads(t)
         for (dtype, n), (p, q) in gemm_inputs.items():
@@ -751,6 +818,8 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
         stream[str(t)] = {"copy": _best_time(lambda: c.copy_(a), repeats, budget),
                           "add": _best_time(lambda: torch.add(a, b, out=c), repeats, budget)}
         spmm_s[str(t)] = _best_time(lambda: spmm(csr, None, x), repeats, budget)
+        spmm_narrow[str(t)] = _best_time(lambda: spmm(csr, None, x_narrow), repeats, budget)
+        rng_s[str(t)] = _best_time(lambda: noise.bernoulli_(0.5), repeats, budget)
     tiny, ops = torch.zeros(1), 200
     op_overhead = _best_time(lambda: [tiny.add_(1.0) for _ in range(ops)], repeats, budget) / ops
 
@@ -765,8 +834,13 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
                       for dtype in gemm},
             "mem_bandwidth": pair(lambda t: max(2 * array_bytes / stream[t]["copy"],
                                                 3 * array_bytes / stream[t]["add"])),
-            "spmm_bandwidth": pair(lambda t: spmm_bytes / spmm_s[t]),
+            "spmm_bandwidth": pair(lambda t: _spmm_fit(csr.nnz, (narrow_bytes, spmm_narrow[t]),
+                                                       (spmm_bytes, spmm_s[t]))[1]),
+            "edge_rate": pair(lambda t: _spmm_fit(csr.nnz, (narrow_bytes, spmm_narrow[t]), (spmm_bytes, spmm_s[t]))[0]),
+            "rng_rate": pair(lambda t: noise.numel() / rng_s[t]),
         },
+        "rng": {"op": "bernoulli_(0.5)", "elements": noise.numel(), "seconds": rng_s},
+        "spmm_narrow": {"width": narrow, "bytes": narrow_bytes, "seconds": spmm_narrow},
         "gemm": {"sizes": sizes, "seconds": gemm},
         "stream": {"array_bytes": array_bytes, "bytes_moved": {"copy": 2 * array_bytes, "add": 3 * array_bytes},
                    "seconds": stream},
@@ -775,6 +849,18 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
                  "seconds": spmm_s},
         "op_overhead": {"op": "add_ on a 1-element tensor, 1 thread", "seconds": op_overhead},
     }
+
+
+def _spmm_fit(edges: int, narrow: tuple[float, float], wide: tuple[float, float]) -> tuple[float, float]:
+    """``(edges/s, bytes/s)`` of ``t = edges / edge_rate + bytes / bandwidth`` through two SpMMs of
+    different widths (``(bytes, seconds)`` each). Without a per-edge term to find (the narrow one
+    is not slower per byte), the edge rate is effectively unlimited and the bandwidth the wide one's."""
+    (b1, t1), (b2, t2) = narrow, wide
+    per_byte = (t2 - t1) / (b2 - b1) if b2 != b1 else 0.0
+    per_edge = (t1 - b1 * per_byte) / edges if per_byte > 0 else 0.0
+    if per_byte <= 0 or per_edge <= 0:
+        return 1e18, b2 / t2
+    return 1.0 / per_edge, 1.0 / per_byte
 
 
 def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int]) -> dict[str, list[float]]:

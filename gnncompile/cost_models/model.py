@@ -8,12 +8,18 @@ for a billion-edge graph on a cluster we do not have is costed on a laptop.
 Compute (per op of a stage, on the rank's device):
 
 - ``T`` ops (dense, vertex-wise): roofline ``max(flops / FLOP/s, bytes / memory bandwidth)``;
-  backward costs twice the forward (gradients of the input and of the weights).
+  backward costs ``OpCost.backward`` forwards: one for the weights' gradient if the op has
+  trainable weights, one for the input's gradient if the input needs one (the first layer's
+  ``x @ W`` on raw features costs one, a hidden ``h @ W`` two, ``relu(h)`` one).
 - ``P`` ops (propagation): NeutronTask Eq. 6 for one layer of width ``d`` on the rank's ``|V|``
-  vertices and ``|E| = |V| d̄`` edges (:func:`~gnncompile.cost_models.formulas.p_task_time`);
-  backward is the same propagation over the transposed graph.
+  vertices and ``|E| = |V| d̄`` edges (:func:`~gnncompile.cost_models.formulas.p_task_time`),
+  plus ``|E| / edge_rate`` where the device was calibrated (random row gathers are latency bound
+  at small widths); backward is the same propagation over the transposed graph.
+- random numbers (dropout masks): ``draws / rng_rate`` where calibrated.
 - ``E`` ops (edge-wise): memory bound, ``bytes / memory bandwidth``; backward twice.
-- every kernel adds the device's per-op overhead (``launch_overhead``); a checkpointed
+- fixed costs: the runtime's measured overheads (``DeviceSpec.runtime``: per stage instruction,
+  per op forward and backward, per communication instruction, per parameter tensor of the
+  optimizer), or ``launch_overhead`` per op where none were measured; a checkpointed
   (``recompute``) segment runs its forward again in the backward.
 - ``OPT``: Adam reads and writes parameters, gradients and two moments: ``16 * 4 * params`` bytes.
 
@@ -32,6 +38,7 @@ send buffers) only during their instruction.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -68,13 +75,20 @@ def op_time(op: OpCost, sizes: dict[str, int], device: DeviceSpec, *, backward: 
             dtype: str = "float32") -> float:
     """Seconds of one op's forward (or backward) on a rank of ``sizes`` (see the module docstring)."""
     nodes, edges = sizes.get("nodes", 0), sizes.get("edges", 0)
-    overhead = op.count * device.launch_overhead
+    mult = float(op.backward) if backward else 1.0
+    if mult == 0:  # autograd does not visit an op none of whose inputs needs a gradient
+        return 0.0
+    per_op = device.runtime.get("op_backward" if backward else "op_forward", device.launch_overhead)
+    overhead = op.count * per_op
+    if not backward and device.rng_rate:
+        overhead += _eval(op.random, sizes) / device.rng_rate
     if op.kind == "P":
         t = formulas.p_task_time(nodes, edges / nodes if nodes else 0.0, [op.width], device.flops_for(dtype),
                                  device.spmm_bandwidth, device.gamma, elsize=_elsize(dtype))
-        return t + overhead
+        if device.edge_rate:
+            t += edges / device.edge_rate
+        return mult * t + overhead
     flops, nbytes = _eval(op.flops, sizes), _eval(op.bytes, sizes)
-    mult = 2.0 if backward else 1.0
     if op.kind == "E":
         return mult * nbytes / device.mem_bandwidth + overhead
     return mult * max(flops / device.flops_for(dtype), nbytes / device.mem_bandwidth) + overhead
@@ -143,22 +157,32 @@ class PlanCost:
     def stage_time(self, rank: int, stage: StageSpec, backward: bool) -> float:
         dev = self.devices[rank]
         sizes = self.plan.ranks[rank].sizes
-        t = sum(op_time(op, sizes, dev, backward=backward) for op in stage.costs)
+        t = dev.runtime.get("stage", 0.0) + sum(op_time(op, sizes, dev, backward=backward) for op in stage.costs)
         if backward:  # checkpointed segments run their forward again
             t += sum(op_time(op, sizes, dev) for op in stage.costs if op.recompute)
         return t
 
     # ------------------------------------------------------------------ communication
     def comm_time(self, rank: int, inst: Instruction) -> float:
+        """Transfer time of a communication instruction plus the runtime's fixed cost per instruction."""
+        return self.devices[rank].runtime.get("comm", 0.0) + self._transfer_time(rank, inst)
+
+    def _transfer_time(self, rank: int, inst: Instruction) -> float:
         c = self.cluster
         if isinstance(inst, (Send, Recv)):
             link = c.link(rank, inst.peer)
+            if c.oversubscription > 1:
+                link = dataclasses.replace(link, latency=link.latency * c.oversubscription)
             return formulas.p2p_time(math.prod(inst.shape) * _elsize(inst.dtype), link.bandwidth, link.latency)
         group = inst.group
         n = len(group)
         if n <= 1:
             return 0.0
         link = c.slowest_link(group)
+        if isinstance(inst, AllReduce) and c.nodes == 1:
+            link = c.collective_link("all_reduce")
+        if c.oversubscription > 1:  # a message waits for its peer process to be scheduled
+            link = dataclasses.replace(link, latency=link.latency * c.oversubscription)
         es = _elsize(inst.dtype)
         if isinstance(inst, HaloExchange):
             out = [r * inst.width * es for r in inst.send_rows]
@@ -243,7 +267,9 @@ class PlanCost:
                 stream = "compute"
             elif isinstance(inst, OptimizerStep):
                 params = int(self.plan.info.get("params", 0))
-                seconds = params * _ADAM_BYTES_PER_PARAM / dev.mem_bandwidth + dev.launch_overhead
+                tensors = int(self.plan.info.get("param_tensors", 1))
+                seconds = params * _ADAM_BYTES_PER_PARAM / dev.mem_bandwidth + \
+                    tensors * dev.runtime.get("optimizer_tensor", dev.launch_overhead)
                 stream = "compute"
             elif isinstance(inst, Free):  # the liveness walk already releases values after their last use
                 seconds, stream = 0.0, "compute"

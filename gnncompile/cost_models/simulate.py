@@ -206,11 +206,21 @@ class Simulation:
                 out[e.kind] += e.duration
         return dict(out)
 
-    def summary(self) -> str:
-        """A per-rank table (milliseconds, MiB)."""
+    def summary(self, max_rows: int = 24) -> str:
+        """A per-rank table (milliseconds, MiB); consecutive identical ranks share a row, and past
+        ``max_rows`` rows the middle is elided."""
         head = ["rank", "compute ms", "comm ms", "wait ms", "idle ms", "peak MiB"]
-        rows = [[str(r.rank)] + [f"{x * 1e3:.3f}" for x in (r.compute, r.comm, r.wait, r.idle)]
-                + [f"{r.peak_memory / 2 ** 20:.2f}"] for r in self.ranks]
+        rows: list[list[str]] = []
+        first: list[int] = []
+        for r in self.ranks:  # consecutive ranks with identical numbers share a row ("0-63")
+            row = [f"{x * 1e3:.3f}" for x in (r.compute, r.comm, r.wait, r.idle)] + [f"{r.peak_memory / 2 ** 20:.2f}"]
+            if rows and rows[-1][1:] == row:
+                rows[-1][0] = f"{first[-1]}-{r.rank}"
+            else:
+                rows.append([str(r.rank)] + row)
+                first.append(r.rank)
+        if len(rows) > max_rows:
+            rows = rows[:max_rows - 1] + [["..."] * len(head)] + rows[-1:]
         widths = [max(len(row[j]) for row in [head] + rows) for j in range(len(head))]
         n = len(self.ranks)
         lines = [f"simulated step: {self.step_time * 1e3:.3f} ms on {n} rank{'s' if n != 1 else ''}"

@@ -141,7 +141,9 @@ class GNNTracer(torch.fx.Tracer):
         return node
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
-        return m.__module__.startswith("torch.nn") and not isinstance(m, torch.nn.Sequential)
+        # torch.nn modules, and subclasses of nn.Linear (gnncompile.nn.Linear: sparse inputs)
+        return (m.__module__.startswith("torch.nn") or isinstance(m, torch.nn.Linear)) and \
+            not isinstance(m, torch.nn.Sequential)
 
 
 # --------------------------------------------------------------------------- errors with context
@@ -508,6 +510,12 @@ def _cost(node: torch.fx.Node, out: Any, ins: list[Any], modules: dict[str, torc
             has_bias = bias is not None
         else:
             has_bias = target is torch.addmm
+        x_in = ins[0] if ins else None
+        if isinstance(x_in, torch.Tensor) and x_in.layout != torch.strided and x_in.dim() == 2 and x_in.shape[0]:
+            # a sparse input row multiplies only its non-zeros (sparse features: bag-of-words rows),
+            # each gathering a row of the weight
+            d_in = x_in._nnz() // x_in.shape[0]
+            read += x_in._nnz() * _numel(out) // max(1, x_in.shape[0]) * out.element_size()
         flops = 2 * _numel(out) * d_in + (_numel(out) if has_bias else 0)
         return flops, read, written
     if isinstance(module, _NORM_MODULES) or (node.op == "call_function" and target in _NORM_FUNCS):

@@ -346,12 +346,17 @@ class OpCost:
     recompute: bool = False
     #: primitive kernels the op runs (a checkpointed segment runs several)
     count: int = 1
+    #: backward work in units of the forward's: one for the gradient of its weights (if it has
+    #: trainable ones), one for the gradient of its input (if the input needs one)
+    backward: int = 2
+    #: random numbers the forward draws (dropout masks)
+    random: Lin = field(default_factory=Lin)
 
-    _LINS: ClassVar[tuple[str, ...]] = ("flops", "bytes", "saved", "out")
+    _LINS: ClassVar[tuple[str, ...]] = ("flops", "bytes", "saved", "out", "random")
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "kind": self.kind, "width": self.width, "recompute": self.recompute,
-                             "count": self.count}
+                             "count": self.count, "backward": self.backward}
         d.update({k: _lin_to_json(getattr(self, k)) for k in self._LINS})
         return d
 

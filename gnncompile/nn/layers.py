@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops as gops
+from .functional import Linear
 from ..graph.core import Graph
 
 __all__ = [
@@ -119,7 +120,7 @@ class GCNConv(nn.Module):
         self.out_channels = check_positive_int(out_channels, "out_channels")
         self.normalize = bool(normalize)
         self.add_self_loops = _resolve_loops(add_self_loops, self.normalize)
-        self.lin = nn.Linear(in_channels, out_channels, bias=False)
+        self.lin = Linear(in_channels, out_channels, bias=False)
         if bias:
             self.bias: Optional[nn.Parameter] = nn.Parameter(torch.empty(out_channels))
         else:
@@ -188,8 +189,8 @@ class SAGEConv(nn.Module):
         self.normalize = bool(normalize)
         # Decided once, so the traced graph is static.
         self.transform_first = self.aggr != "max" and out_channels < in_channels
-        self.lin_l = nn.Linear(in_channels, out_channels, bias=bias)
-        self.lin_r: Optional[nn.Linear] = nn.Linear(in_channels, out_channels, bias=False) if root_weight else None
+        self.lin_l = Linear(in_channels, out_channels, bias=bias)
+        self.lin_r: Optional[Linear] = Linear(in_channels, out_channels, bias=False) if root_weight else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -269,7 +270,7 @@ class GATConv(nn.Module):
         self.negative_slope = float(negative_slope)
         self.dropout = check_probability(dropout, "dropout")
         self.add_self_loops = bool(add_self_loops)
-        self.lin = nn.Linear(in_channels, heads * out_channels, bias=False)
+        self.lin = Linear(in_channels, heads * out_channels, bias=False)
         self.att_src = nn.Parameter(torch.empty(1, heads, out_channels))
         self.att_dst = nn.Parameter(torch.empty(1, heads, out_channels))
         if bias:
@@ -480,7 +481,7 @@ class SGConv(nn.Module):
         self.out_channels = check_positive_int(out_channels, "out_channels")
         self.K = check_positive_int(K, "K")
         self.add_self_loops = bool(add_self_loops)
-        self.lin = nn.Linear(in_channels, out_channels, bias=bias)
+        self.lin = Linear(in_channels, out_channels, bias=bias)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..graph.core import Graph
-from .functional import feature_dropout
+from .functional import Linear, feature_dropout
 from .layers import (
     APPNPConv,
     GATConv,
@@ -225,7 +225,7 @@ class GIN(nn.Module):
         self.dropout = check_probability(dropout, "dropout")
         self.num_layers = num_layers
         self.convs = nn.ModuleList(
-            GINConv(nn.Sequential(nn.Linear(i, o), nn.ReLU(), nn.Linear(o, o)), eps=eps, train_eps=train_eps)
+            GINConv(nn.Sequential(Linear(i, o), nn.ReLU(), Linear(o, o)), eps=eps, train_eps=train_eps)
             for i, o in dims
         )
 
@@ -272,7 +272,7 @@ class GCNII(nn.Module):
         _dims(in_channels, hidden_channels, out_channels, num_layers)
         self.dropout = check_probability(dropout, "dropout")
         self.num_layers = num_layers
-        self.lins = nn.ModuleList([nn.Linear(in_channels, hidden_channels), nn.Linear(hidden_channels, out_channels)])
+        self.lins = nn.ModuleList([Linear(in_channels, hidden_channels), Linear(hidden_channels, out_channels)])
         self.convs = nn.ModuleList(
             GCN2Conv(hidden_channels, alpha, theta, layer=l + 1, shared_weights=shared_weights)
             for l in range(num_layers)
@@ -318,7 +318,7 @@ class APPNP(nn.Module):
         dims = _dims(in_channels, hidden_channels, out_channels, num_layers)
         self.dropout = check_probability(dropout, "dropout")
         self.num_layers = num_layers
-        self.lins = nn.ModuleList(nn.Linear(i, o) for i, o in dims)
+        self.lins = nn.ModuleList(Linear(i, o) for i, o in dims)
         self.prop = APPNPConv(K, alpha)
 
     def reset_parameters(self) -> None:
@@ -410,10 +410,10 @@ class ResGCN(nn.Module):
         self.num_layers = num_layers
         self.conv_kind, self.norm_kind = conv, norm
         h = hidden_channels
-        self.encoder = nn.Linear(in_channels, h)
+        self.encoder = Linear(in_channels, h)
         self.convs = nn.ModuleList(self._make_conv(conv, h) for _ in range(num_layers))
         self.norms = nn.ModuleList(self._make_norm(norm, h) for _ in range(num_layers))
-        self.decoder = nn.Linear(h, out_channels)
+        self.decoder = Linear(h, out_channels)
 
     @staticmethod
     def _make_conv(kind: str, h: int) -> nn.Module:
@@ -421,7 +421,7 @@ class ResGCN(nn.Module):
             return GCNConv(h, h)
         if kind == "sage":
             return SAGEConv(h, h)
-        return GINConv(nn.Sequential(nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h)))
+        return GINConv(nn.Sequential(Linear(h, h), nn.ReLU(), Linear(h, h)))
 
     @staticmethod
     def _make_norm(kind: str, h: int) -> nn.Module:

@@ -354,6 +354,7 @@ def lower_data(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
         "halo_rows": [rd.sizes["halo"] for rd in rank_data],
         "owned_rows": [rd.sizes["nodes"] for rd in rank_data],
         "params": numel,
+        "param_tensors": sum(1 for p in params if p.requires_grad),
         "param_dtype": param_dtype,
         "features": stats.num_features,
         "classes": stats.num_classes,

@@ -26,6 +26,7 @@ the identity, computes exactly the traced graph (tested for every model of the z
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from collections import Counter
@@ -36,10 +37,11 @@ import torch
 import torch.fx
 
 from ..errors import PlanningError
-from ..frontend.ops import gather_src, masked_propagate, propagate
+from ..frontend.ops import dropout_rows, gather_src, masked_propagate, propagate
 from ..ir.plan import Backward, Forward, Instruction, OpCost, StageSpec, converted_name
 from ..ir.symbolic import Lin
-from ..ir.tpgraph import TPGraph
+from ..ir.tpgraph import TPGraph, TPInfo
+from .recompute import draws_random_numbers
 
 __all__ = [
     "LAYOUTS", "CONVERSIONS", "Decisions", "Conversion", "StagedModel", "split_stages", "sequential_schedule",
@@ -155,25 +157,46 @@ def _elsize(dtype: Optional[str]) -> int:
 def op_costs(tp: TPGraph, nodes: list[torch.fx.Node]) -> list[OpCost]:
     """The :class:`OpCost` of every T/P/E op among ``nodes`` (what a stage's cost model reads).
 
-    A checkpointed segment (``insert_recomputation``) counts as one op per primitive it runs, so the
-    per-op overhead of the cost models sees the real number of kernels.
+    A checkpointed segment (``insert_recomputation``) contributes one entry per op it runs (marked
+    ``recompute``; the segment's saved bytes, its inputs, on the first).
     """
+    req = requires_grad_values(tp)
+    modules = dict(tp.named_modules())
     out = []
     for n in nodes:
         t = n.meta.get("tp")
         if t is None or t.kind not in ("T", "P", "E"):
             continue
-        width = math.prod(t.dims) if t.dims else 1
-        rows = t.rows if t.rows is not None else Lin()
-        count = 1
-        if n.op == "call_module":
-            body = getattr(tp.get_submodule(n.target), "body", None)
-            if isinstance(body, torch.fx.GraphModule):
-                count = max(1, sum(m.op in ("call_function", "call_module", "call_method") for m in body.graph.nodes))
-        out.append(OpCost(name=n.name, kind=t.kind, flops=t.flops, bytes=t.bytes_read + t.bytes_written,
-                          saved=t.saved_bytes, out=rows * (width * _elsize(t.dtype)), width=width,
-                          recompute=t.recompute, count=count))
+        body = getattr(tp.get_submodule(n.target), "body", None) if n.op == "call_module" else None
+        if t.recompute and isinstance(body, torch.fx.GraphModule):
+            # a checkpointed segment: cost its ops one by one (a roofline of their sum would hide
+            # memory-bound ops behind compute-bound ones); it keeps only its inputs for backward
+            inner = [m for m in body.graph.nodes if m.meta.get("tp") is not None
+                     and m.meta["tp"].kind in ("T", "P", "E")]
+            body_modules = dict(body.named_modules())
+            for k, m in enumerate(inner):
+                c = _op_cost(m, m.meta["tp"], body_modules, recompute=True, backward=2 if m.meta["tp"].params else 1)
+                out.append(dataclasses.replace(c, name=f"{n.name}.{m.name}", saved=t.saved_bytes if k == 0 else Lin()))
+            if inner:
+                continue
+        weights = t.params > 0 or any(a.op == "get_attr" and a.name in req for a in n.all_input_nodes)
+        inputs = any(a.op != "get_attr" and a.name in req for a in n.all_input_nodes)
+        out.append(_op_cost(n, t, modules, recompute=t.recompute, backward=int(weights) + int(inputs)))
     return out
+
+
+def _op_cost(n: torch.fx.Node, t: TPInfo, modules: dict[str, torch.nn.Module], *, recompute: bool,
+             backward: int) -> OpCost:
+    width = math.prod(t.dims) if t.dims else 1
+    rows = t.rows if t.rows is not None else Lin()
+    random = Lin()
+    if draws_random_numbers(n, modules):
+        # replicated dropout masks draw the whole tensor's (a constant number of rows), else the op's rows
+        num_rows = call_arguments(n).get("num_rows") if n.target is dropout_rows else None
+        random = Lin.const(num_rows * width) if num_rows is not None else rows * width
+    return OpCost(name=n.name, kind=t.kind, flops=t.flops, bytes=t.bytes_read + t.bytes_written, saved=t.saved_bytes,
+                  out=rows * (width * _elsize(t.dtype)), width=width, recompute=recompute, backward=backward,
+                  random=random)
 
 
 def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:

@@ -84,7 +84,8 @@ class Candidate:
     num_ranks: int
 
     def describe(self) -> str:
-        opts = ", ".join(f"{k}={v}" for k, v in self.options.items() if k not in ("semantics", "strategy", "seed"))
+        opts = ", ".join(f"{k}={v}" for k, v in self.options.items()
+                         if k not in ("semantics", "strategy", "seed") and (k, v) != ("dropout", "replicated"))
         return f"{self.strategy}[{opts}] x{self.num_ranks}"
 
 
@@ -360,6 +361,7 @@ def explain_plan(plan: Plan) -> str:
         sim = pred.simulation
         lines.append(f"Chosen plan: {plan.strategy} over {plan.num_ranks} ranks on {pred.cluster}: predicted step "
                      f"{_fmt_time(sim.step_time)}, bubble {sim.bubble_fraction:.0%}")
+        lines += [ln for ln in plan.header()[1:]]
         lines.append(sim.summary())
         st = pred.static[0]
         lines.append("  resident data on rank 0: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in st.as_dict().items()))
