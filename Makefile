@@ -21,3 +21,4 @@ bench: setup
 	$(PY) benchmarks/epoch_time.py
 	$(PY) benchmarks/replication.py
 	$(PY) benchmarks/data_parallel.py
+	$(PY) benchmarks/cost_model.py

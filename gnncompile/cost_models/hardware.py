@@ -150,6 +150,10 @@ class DeviceSpec:
         latency bound at small widths): calibrated from SpMM at two widths; ``None``: bytes only.
     rng_rate : float, optional
         Random numbers per second (dropout masks); ``None``: not charged.
+    spmm_curve : tuple of (working set bytes, spmm bandwidth, edge rate)
+        Calibrated propagation rates by the size of the gathered source rows (a working set in
+        the last-level cache is gathered faster than one in DRAM); empty: ``spmm_bandwidth`` and
+        ``edge_rate`` for every size. See :meth:`spmm_rates`.
     """
 
     name: str
@@ -163,6 +167,7 @@ class DeviceSpec:
     runtime: dict[str, float] = field(default_factory=dict, hash=False)
     edge_rate: Optional[float] = None
     rng_rate: Optional[float] = None
+    spmm_curve: tuple[tuple[float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         what = f"device {self.name!r}"
@@ -191,6 +196,28 @@ class DeviceSpec:
         for key in ("edge_rate", "rng_rate"):
             if getattr(self, key) is not None:
                 _check_number(getattr(self, key), f"{what}: {key}")
+        try:
+            curve = tuple(sorted((float(w), float(b), float(e)) for w, b, e in self.spmm_curve))
+        except (TypeError, ValueError):
+            raise PlanningError(f"{what}: spmm_curve must hold (working set, bandwidth, edge rate) triples") from None
+        for point in curve:
+            for value, name in zip(point, ("working set", "bandwidth", "edge rate")):
+                _check_number(value, f"{what}: spmm_curve {name}")
+        object.__setattr__(self, "spmm_curve", curve)
+
+    def spmm_rates(self, working_set: float) -> tuple[float, Optional[float]]:
+        """``(bandwidth, edge rate)`` of a propagation gathering ``working_set`` bytes of source
+        rows: interpolated in log size between the calibrated points, clamped at the ends."""
+        curve = self.spmm_curve
+        if not curve:
+            return self.spmm_bandwidth, self.edge_rate
+        if working_set <= curve[0][0]:
+            return curve[0][1], curve[0][2]
+        for (w0, b0, e0), (w1, b1, e1) in zip(curve, curve[1:]):
+            if working_set <= w1:
+                f = math.log(working_set / w0) / math.log(w1 / w0)
+                return b0 + f * (b1 - b0), e0 + f * (e1 - e0)
+        return curve[-1][1], curve[-1][2]
 
     def flops_for(self, dtype: Union[str, torch.dtype]) -> float:
         """FLOP/s for ``dtype`` (a name such as ``"float32"``/``"bf16"`` or a ``torch.dtype``).
@@ -483,6 +510,8 @@ class Cluster:
             spmm_bandwidth=rate(rates["spmm_bandwidth"]),
             edge_rate=rate(rates["edge_rate"]) if "edge_rate" in rates else self.device.edge_rate,
             rng_rate=rate(rates["rng_rate"]) if "rng_rate" in rates else self.device.rng_rate,
+            spmm_curve=tuple((p["working_set"], rate(p["bandwidth"]), rate(p["edge_rate"]))
+                             for p in self.calibration.get("spmm_curve", [])) or self.device.spmm_curve,
             memory=self.device.memory // ranks,
             # fixed costs are CPU time too: time-shared cores stretch them
             launch_overhead=self.device.launch_overhead / share,
@@ -687,6 +716,7 @@ class Cluster:
             spmm_bandwidth=rates["spmm_bandwidth"][1],
             edge_rate=rates["edge_rate"][1],
             rng_rate=rates["rng_rate"][1],
+            spmm_curve=tuple((p["working_set"], p["bandwidth"][1], p["edge_rate"][1]) for p in local["spmm_curve"]),
             gamma=CPU_GAMMA,
             launch_overhead=local["op_overhead"]["seconds"],
             kind="cpu",
@@ -785,17 +815,28 @@ def _measure_local(cores: int, quick: bool) -> dict[str, Any]:
 def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
     """Run in a launched rank: GEMM, STREAM and SpMM rates at each of ``threads`` (in that order),
     and the per-op overhead at one thread."""
-    from ..runtime.kernels import CSR, default_backend, spmm
+    from ..frontend.ops import propagate
+    from ..graph.core import Graph
+    from ..runtime.kernels import default_backend
 
     repeats, budget = (3, 0.3) if quick else (7, 1.5)
     sizes = [256, 512] if quick else [256, 512, 1024]
     stream_elems = (64 * 2**20) // 4
-    rows, degree, width = (50_000 if quick else 200_000), 10, 64
+    degree, width, narrow = 10, 64, 4
+    # working sets from one that fits in the last-level cache to one that does not
+    spmm_rows = [16_000, 50_000] if quick else [16_000, 64_000, 200_000]
     gen = torch.Generator().manual_seed(0)
-    csr = CSR(torch.arange(0, rows * degree + 1, degree, dtype=torch.int64),
-              torch.randint(0, rows, (rows * degree,), generator=gen, dtype=torch.int64), rows, rows)
-    x = torch.randn(rows, width, generator=gen)
-    spmm_bytes = 4 * (csr.nnz * (1 + 2 * width) + rows)
+    spmm_cases = []
+    for rows in spmm_rows:
+        # the propagation the models run (GCN normalization, implicit self loops), uniform random edges
+        graph = Graph.from_edge_index(torch.stack([torch.randint(0, rows, (rows * degree,), generator=gen),
+                                                   torch.arange(rows).repeat_interleave(degree)]), rows)
+        nnz = graph.num_edges + rows
+        spmm_cases.append({
+            "graph": graph, "rows": rows, "nnz": nnz, "working_set": 4 * rows * width,
+            "x": torch.randn(rows, width, generator=gen), "x_narrow": torch.randn(rows, narrow, generator=gen),
+            "bytes": 4 * (nnz * (1 + 2 * width) + rows), "narrow_bytes": 4 * (nnz * (1 + 2 * narrow) + rows),
+            "seconds": {}, "narrow_seconds": {}})
     a, b, c = (torch.rand(stream_elems, generator=gen) for _ in range(3))
     gemm_inputs = {(dtype, n): (torch.rand(n, n, dtype=getattr(torch, dtype), generator=gen),
                                 torch.rand(n, n, dtype=getattr(torch, dtype), generator=gen))
@@ -803,12 +844,7 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
 
     gemm: dict[str, dict[str, list[float]]] = {"float32": {}, "float64": {}}
     stream: dict[str, dict[str, float]] = {}
-    spmm_s: dict[str, float] = {}
-    spmm_narrow: dict[str, float] = {}
     rng_s: dict[str, float] = {}
-    narrow = 4
-    x_narrow = torch.randn(rows, narrow, generator=gen)
-    narrow_bytes = 4 * (csr.nnz * (1 + 2 * narrow) + rows)
     noise = torch.empty(stream_elems // 4)
     for t in threads:
         torch.set_num_threads(t)
@@ -817,8 +853,11 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
             gemm[dtype].setdefault(str(t), []).append(_best_time(lambda: torch.mm(p, q, out=out), repeats, budget))
         stream[str(t)] = {"copy": _best_time(lambda: c.copy_(a), repeats, budget),
                           "add": _best_time(lambda: torch.add(a, b, out=c), repeats, budget)}
-        spmm_s[str(t)] = _best_time(lambda: spmm(csr, None, x), repeats, budget)
-        spmm_narrow[str(t)] = _best_time(lambda: spmm(csr, None, x_narrow), repeats, budget)
+        for case in spmm_cases:
+            g = case["graph"]
+            for key, xs in (("seconds", case["x"]), ("narrow_seconds", case["x_narrow"])):
+                case[key][str(t)] = _best_time(lambda: propagate(g, xs, norm="gcn", add_self_loops=True),
+                                               repeats, budget)
         rng_s[str(t)] = _best_time(lambda: noise.bernoulli_(0.5), repeats, budget)
     tiny, ops = torch.zeros(1), 200
     op_overhead = _best_time(lambda: [tiny.add_(1.0) for _ in range(ops)], repeats, budget) / ops
@@ -827,6 +866,11 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
         """``[single thread, all cores]`` of a rate."""
         return [per_thread(str(min(threads))), per_thread(str(max(threads)))]
 
+    def fit(case: dict[str, Any], t: str) -> tuple[float, float]:
+        return _spmm_fit(case["nnz"], (case["narrow_bytes"], case["narrow_seconds"][t]),
+                         (case["bytes"], case["seconds"][t]))
+
+    large = spmm_cases[-1]
     array_bytes = 4 * stream_elems
     return {
         "rates": {
@@ -834,19 +878,21 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
                       for dtype in gemm},
             "mem_bandwidth": pair(lambda t: max(2 * array_bytes / stream[t]["copy"],
                                                 3 * array_bytes / stream[t]["add"])),
-            "spmm_bandwidth": pair(lambda t: _spmm_fit(csr.nnz, (narrow_bytes, spmm_narrow[t]),
-                                                       (spmm_bytes, spmm_s[t]))[1]),
-            "edge_rate": pair(lambda t: _spmm_fit(csr.nnz, (narrow_bytes, spmm_narrow[t]), (spmm_bytes, spmm_s[t]))[0]),
+            "spmm_bandwidth": pair(lambda t: fit(large, t)[1]),
+            "edge_rate": pair(lambda t: fit(large, t)[0]),
             "rng_rate": pair(lambda t: noise.numel() / rng_s[t]),
         },
         "rng": {"op": "bernoulli_(0.5)", "elements": noise.numel(), "seconds": rng_s},
-        "spmm_narrow": {"width": narrow, "bytes": narrow_bytes, "seconds": spmm_narrow},
         "gemm": {"sizes": sizes, "seconds": gemm},
         "stream": {"array_bytes": array_bytes, "bytes_moved": {"copy": 2 * array_bytes, "add": 3 * array_bytes},
                    "seconds": stream},
-        "spmm": {"backend": default_backend("cpu"), "rows": rows, "nnz": csr.nnz, "width": width,
-                 "bytes": spmm_bytes, "bytes_convention": "4*(nnz*(1+2*width)+rows), NeutronTask Eq. 6",
-                 "seconds": spmm_s},
+        "spmm": {"op": "ops.propagate(norm='gcn', add_self_loops=True)", "backend": default_backend("cpu"),
+                 "degree": degree, "widths": [width, narrow],
+                 "bytes_convention": "4*(nnz*(1+2*width)+rows), NeutronTask Eq. 6; nnz with self loops",
+                 "cases": [{k: v for k, v in case.items() if k not in ("graph", "x", "x_narrow")}
+                           for case in spmm_cases]},
+        "spmm_curve": [{"working_set": case["working_set"], "bandwidth": pair(lambda t, c=case: fit(c, t)[1]),
+                        "edge_rate": pair(lambda t, c=case: fit(c, t)[0])} for case in spmm_cases],
         "op_overhead": {"op": "add_ on a 1-element tensor, 1 thread", "seconds": op_overhead},
     }
 

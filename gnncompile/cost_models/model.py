@@ -14,7 +14,9 @@ Compute (per op of a stage, on the rank's device):
 - ``P`` ops (propagation): NeutronTask Eq. 6 for one layer of width ``d`` on the rank's ``|V|``
   vertices and ``|E| = |V| d̄`` edges (:func:`~gnncompile.cost_models.formulas.p_task_time`),
   plus ``|E| / edge_rate`` where the device was calibrated (random row gathers are latency bound
-  at small widths); backward is the same propagation over the transposed graph.
+  at small widths), both rates for the size of the gathered source rows
+  (:meth:`~gnncompile.cost_models.hardware.DeviceSpec.spmm_rates`: in cache or in DRAM);
+  backward is the same propagation over the transposed graph.
 - random numbers (dropout masks): ``draws / rng_rate`` where calibrated.
 - ``E`` ops (edge-wise): memory bound, ``bytes / memory bandwidth``; backward twice.
 - fixed costs: the runtime's measured overheads (``DeviceSpec.runtime``: per stage instruction,
@@ -83,10 +85,13 @@ def op_time(op: OpCost, sizes: dict[str, int], device: DeviceSpec, *, backward: 
     if not backward and device.rng_rate:
         overhead += _eval(op.random, sizes) / device.rng_rate
     if op.kind == "P":
-        t = formulas.p_task_time(nodes, edges / nodes if nodes else 0.0, [op.width], device.flops_for(dtype),
-                                 device.spmm_bandwidth, device.gamma, elsize=_elsize(dtype))
-        if device.edge_rate:
-            t += edges / device.edge_rate
+        # the edges the op visits, implicit self loops included: its FLOPs are 2 |E'| d
+        visited = _eval(op.flops, sizes) / (2 * op.width) if op.width else edges
+        bandwidth, edge_rate = device.spmm_rates(sizes.get("src", nodes) * op.width * _elsize(dtype))
+        t = formulas.p_task_time(nodes, visited / nodes if nodes else 0.0, [op.width], device.flops_for(dtype),
+                                 bandwidth, device.gamma, elsize=_elsize(dtype))
+        if edge_rate:
+            t += visited / edge_rate
         return mult * t + overhead
     flops, nbytes = _eval(op.flops, sizes), _eval(op.bytes, sizes)
     if op.kind == "E":

@@ -76,7 +76,7 @@ _RANDOM_FUNCTIONS = {
     F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.rrelu,
     torch.bernoulli, torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
     torch.randint_like, torch.randperm, torch.normal, torch.multinomial, torch.poisson,
-    feature_dropout, ops.dropout_noise,
+    feature_dropout, ops.dropout_noise, ops.dropout_rows,
 }
 _RANDOM_METHODS = {"bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_", "geometric_",
                    "cauchy_", "log_normal_"}
