@@ -143,7 +143,8 @@ class DeviceSpec:
         Measured fixed costs of gnncompile's runtime on this device, seconds
         (:func:`gnncompile.runtime.calibrate.runtime_overheads`): ``stage`` per Forward/Backward
         instruction, ``op_forward``/``op_backward`` per op of a stage, ``comm`` per communication
-        instruction, ``optimizer_tensor`` per parameter tensor of the optimizer step. Empty for
+        instruction, ``optimizer_tensor`` per parameter tensor of the optimizer step, ``step``
+        per training step outside the instructions (loss, zeroing gradients). Empty for
         presets: the cost models then charge ``launch_overhead`` per op only.
     edge_rate : float, optional
         Edges per second a propagation visits on top of its bytes (random row gathers are

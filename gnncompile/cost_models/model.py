@@ -273,8 +273,9 @@ class PlanCost:
             elif isinstance(inst, OptimizerStep):
                 params = int(self.plan.info.get("params", 0))
                 tensors = int(self.plan.info.get("param_tensors", 1))
+                # the step's bookkeeping outside instructions (loss, zeroing gradients) is charged here
                 seconds = params * _ADAM_BYTES_PER_PARAM / dev.mem_bandwidth + \
-                    tensors * dev.runtime.get("optimizer_tensor", dev.launch_overhead)
+                    tensors * dev.runtime.get("optimizer_tensor", dev.launch_overhead) + dev.runtime.get("step", 0.0)
                 stream = "compute"
             elif isinstance(inst, Free):  # the liveness walk already releases values after their last use
                 seconds, stream = 0.0, "compute"

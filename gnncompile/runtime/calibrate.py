@@ -10,6 +10,7 @@ the compute time the cost model predicts for each instruction, and fitting
     Forward:  stage + op_forward  * ops        Backward: stage + op_backward * ops
     comm instruction (a halo exchange with no peer): comm
     optimizer step: optimizer_tensor * parameter tensors
+    a step beyond its instructions (loss, zeroing gradients): step
 
 by least squares over the instructions' median durations. The result goes into
 :attr:`~gnncompile.cost_models.hardware.DeviceSpec.runtime`.
@@ -58,9 +59,13 @@ def runtime_overheads(cluster: Any, *, quick: bool = False) -> dict[str, float]:
         p = make_plan(model, graph, cluster, strategy="data", verify=False)
         res = p.run(epochs=epochs, lr=0.01, seed=0, eval_every=epochs, update_model=False, timeout=120)
         durations: dict[str, list[float]] = defaultdict(list)
+        per_step: dict[int, float] = defaultdict(float)
         for e in res.ranks[0].timeline:
             if e.step >= 2:
                 durations[e.instruction].append(e.duration)
+                per_step[e.step] += e.duration
+        # what a step costs beyond its instructions (loss, zeroing gradients, bookkeeping)
+        samples["step"] += [(0.0, res.ranks[0].epoch_time[k] - t) for k, t in per_step.items()]
         dp = p.ranks[0]
         stages = {s.index: s for s in dp.stages}
         tensors = sum(1 for q in model.parameters() if q.requires_grad)
@@ -83,4 +88,5 @@ def runtime_overheads(cluster: Any, *, quick: bool = False) -> dict[str, float]:
     out["stage"] = (out["stage"] + stage_b) / 2
     out["comm"] = statistics.median(y for _, y in samples["comm"]) if samples["comm"] else 0.0
     out["optimizer_tensor"] = statistics.median(y / x for x, y in samples["opt"] if x) if samples["opt"] else 0.0
+    out["step"] = max(0.0, statistics.median(y for _, y in samples["step"])) if samples["step"] else 0.0
     return out
