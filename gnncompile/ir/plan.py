@@ -45,7 +45,7 @@ from .symbolic import Lin
 __all__ = [
     "Instruction", "Forward", "Backward", "Recompute", "Send", "Recv", "HaloExchange", "AllToAll",
     "AllGather", "ReduceScatter", "AllReduce", "Free", "OptimizerStep", "INSTRUCTIONS",
-    "OpCost", "StageSpec", "DevicePlan", "Plan", "RankProgram", "converted_name", "PLAN_FORMAT_VERSION",
+    "OpCost", "StageSpec", "DevicePlan", "Plan", "RankProgram", "converted_name", "human_bytes", "PLAN_FORMAT_VERSION",
 ]
 
 PLAN_FORMAT_VERSION = 1
@@ -453,7 +453,8 @@ class DevicePlan:
         return f"rank {self.rank}: " + " ".join(str(i) for i in self.instructions)
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.50 KiB"`` (binary units; ``"-"`` for NaN)."""
     if n is None or (isinstance(n, float) and math.isnan(n)):
         return "-"
     for scale, suffix in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
@@ -560,7 +561,7 @@ class Plan:
             return []
         keys = sorted(per_rank)
         head = ["rank"] + keys
-        rows = [[str(r)] + [_human_bytes(per_rank[k][r]) if "bytes" in k or "memory" in k else f"{per_rank[k][r]:.4g}"
+        rows = [[str(r)] + [human_bytes(per_rank[k][r]) if "bytes" in k or "memory" in k else f"{per_rank[k][r]:.4g}"
                             for k in keys] for r in range(self.num_ranks)]
         widths = [max(len(x[j]) for x in [head] + rows) for j in range(len(head))]
         fmt = lambda r: "  " + "  ".join(x.rjust(w) for x, w in zip(r, widths))  # noqa: E731

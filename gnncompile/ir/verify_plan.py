@@ -82,7 +82,7 @@ from .plan import (
     ReduceScatter,
     Send,
     StageSpec,
-    _human_bytes,
+    human_bytes,
 )
 
 __all__ = ["verify_plan", "PlanReport"]
@@ -125,7 +125,7 @@ class PlanReport:
     def __str__(self) -> str:
         n = len(self.instructions)
         head = ["rank", "instructions", "sent", "received"]
-        rows = [[str(r), str(self.instructions[r]), _human_bytes(self.bytes_sent[r]), _human_bytes(self.bytes_recv[r])]
+        rows = [[str(r), str(self.instructions[r]), human_bytes(self.bytes_sent[r]), human_bytes(self.bytes_recv[r])]
                 for r in range(n)]
         widths = [max(len(row[j]) for row in [head] + rows) for j in range(len(head))]
         lines = [f"plan verified: {n} rank{'s' if n != 1 else ''}, {sum(self.instructions)} instructions, "

@@ -36,7 +36,7 @@ from ..cost_models.hardware import Cluster
 from ..cost_models.model import Prediction, predict
 from ..errors import GnnCompileError, PlanningError
 from ..graph.core import Graph, GraphStats
-from ..ir.plan import Plan
+from ..ir.plan import Plan, human_bytes
 from ..ir.tpgraph import TPGraph
 
 __all__ = ["Candidate", "Evaluated", "SearchResult", "StrategySpace", "LOWERINGS", "candidates", "search",
@@ -121,13 +121,6 @@ def _fmt_time(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
 
-def _fmt_bytes(n: float) -> str:
-    for scale, suffix in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {suffix}"
-    return f"{n:.0f} B"
-
-
 @dataclass
 class SearchResult:
     """Every candidate the search looked at, the winner first."""
@@ -152,8 +145,8 @@ class SearchResult:
             sim = e.prediction.simulation
             comp = max(r.compute for r in sim.ranks)
             comm = max(r.comm for r in sim.ranks)
-            rows.append([str(i + 1), e.candidate.describe(), _fmt_time(e.step_time), _fmt_bytes(e.peak_memory),
-                         _fmt_bytes(e.max_bytes), _fmt_time(comp), _fmt_time(comm), f"{sim.bubble_fraction:.0%}"])
+            rows.append([str(i + 1), e.candidate.describe(), _fmt_time(e.step_time), human_bytes(e.peak_memory),
+                         human_bytes(e.max_bytes), _fmt_time(comp), _fmt_time(comm), f"{sim.bubble_fraction:.0%}"])
         widths = [max(len(r[j]) for r in [head] + rows) for j in range(len(head))]
         fmt = lambda r: "  " + "  ".join(x.ljust(w) if j == 1 else x.rjust(w)  # noqa: E731
                                         for j, (x, w) in enumerate(zip(r, widths)))
@@ -179,15 +172,15 @@ class SearchResult:
         if parts:
             lines.append(f"  per-rank time by instruction kind, winner vs runner-up: {', '.join(parts)}")
         if best.max_bytes != second.max_bytes:
-            lines.append(f"  communication per rank: {_fmt_bytes(best.max_bytes)} vs {_fmt_bytes(second.max_bytes)}")
+            lines.append(f"  communication per rank: {human_bytes(best.max_bytes)} vs {human_bytes(second.max_bytes)}")
         if best.peak_memory != second.peak_memory:
-            lines.append(f"  peak memory per rank: {_fmt_bytes(best.peak_memory)} vs {_fmt_bytes(second.peak_memory)}")
+            lines.append(f"  peak memory per rank: {human_bytes(best.peak_memory)} vs {human_bytes(second.peak_memory)}")
         return lines
 
     def __str__(self) -> str:
         cap = self.cluster.rank_device(0).memory
         lines = [f"Search over {len(self.ranked) + len(self.rejected)} candidates on {self.cluster} "
-                 f"(semantics={self.semantics}, {self.seconds:.2f} s); device memory {_fmt_bytes(cap)}",
+                 f"(semantics={self.semantics}, {self.seconds:.2f} s); device memory {human_bytes(cap)}",
                  *self.table()]
         lines += self.why()
         if self.rejected:
@@ -302,8 +295,8 @@ def _evaluate(cand: Candidate, model: torch.nn.Module, graph: Union[Graph, Graph
     ev.plan.prediction = ev.prediction
     if not ev.prediction.fits:
         cap = used.rank_device(0).memory
-        ev.rejected = (f"does not fit: predicted peak {_fmt_bytes(ev.prediction.max_peak_memory)} per rank "
-                       f"exceeds {_fmt_bytes(cap)} by {_fmt_bytes(ev.prediction.max_peak_memory - cap)}")
+        ev.rejected = (f"does not fit: predicted peak {human_bytes(ev.prediction.max_peak_memory)} per rank "
+                       f"exceeds {human_bytes(cap)} by {human_bytes(ev.prediction.max_peak_memory - cap)}")
     return ev
 
 
@@ -338,16 +331,16 @@ def _nothing_fits(result: SearchResult) -> str:
     hints = []
     static = max(s.total for s in closest.prediction.static)
     if static > cap:
-        hints.append(f"its resident data alone ({_fmt_bytes(static)} per rank: topology, features, parameters) "
+        hints.append(f"its resident data alone ({human_bytes(static)} per rank: topology, features, parameters) "
                      "exceeds a device, so only more devices (or a strategy that shards the graph further) help")
     else:
         need = math.ceil(closest.candidate.num_ranks * closest.peak_memory / cap)
         hints.append(f"about {need} devices of this kind would spread it to fit")
         if not closest.candidate.options.get("recompute", True):
             hints.append("recomputation would shrink the saved activations")
-    return (f"no plan fits in {_fmt_bytes(cap)} per device on {result.cluster}: the closest, "
-            f"{closest.candidate.describe()}, needs {_fmt_bytes(closest.peak_memory)} per rank, "
-            f"{_fmt_bytes(over)} too much; " + "; ".join(hints))
+    return (f"no plan fits in {human_bytes(cap)} per device on {result.cluster}: the closest, "
+            f"{closest.candidate.describe()}, needs {human_bytes(closest.peak_memory)} per rank, "
+            f"{human_bytes(over)} too much; " + "; ".join(hints))
 
 
 def explain_plan(plan: Plan) -> str:
@@ -364,7 +357,7 @@ def explain_plan(plan: Plan) -> str:
         lines += [ln for ln in plan.header()[1:]]
         lines.append(sim.summary())
         st = pred.static[0]
-        lines.append("  resident data on rank 0: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in st.as_dict().items()))
+        lines.append("  resident data on rank 0: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in st.as_dict().items()))
     if not lines:
         lines.append("this plan carries no prediction (it was loaded from a file); plan it again to explain it")
     return "\n".join(lines)
