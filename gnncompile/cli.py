@@ -164,8 +164,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if p.prediction is not None:
         measured = sorted(res.ranks[0].epoch_time[1:] or res.ranks[0].epoch_time)
         med = measured[len(measured) // 2] if measured else float("nan")
-        print(f"step time: predicted {p.prediction.step_time * 1e3:.1f} ms on {p.cluster}, measured {med * 1e3:.1f} ms "
-              f"(median); peak memory predicted {p.prediction.max_peak_memory / 2**20:.1f} MiB per rank")
+        pred = p.prediction
+        above = max(m - s.total for m, s in zip(pred.peak_memory, pred.static))
+        print(f"step time: predicted {pred.step_time * 1e3:.1f} ms on {p.cluster}, measured {med * 1e3:.1f} ms "
+              f"(median); tensor memory above resident data, predicted peak {above / 2**20:.1f} MiB per rank "
+              f"(measured: the peak tensor memory column)")
     _report_plan(p, args)
     if args.json:
         with open(args.json, "w") as f:
