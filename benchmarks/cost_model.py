@@ -3,7 +3,8 @@
 
 Part 1 (local runs): calibrate this machine (``Cluster.calibrate``: GEMM, STREAM, SpMM, gloo
 collectives), then for cora and coauthor_physics lower several candidate plans (``data`` over 1, 2
-and 4 ranks, METIS and random partitions, with and without recomputation), predict each one's step
+and 4 ranks, METIS and random partitions, with and without recomputation; ``tensor`` over 2 and 4
+ranks), predict each one's step
 time with the simulator on the calibrated ``<n>xcpu`` cluster, run it with gloo ranks on this
 machine and measure it (median over steps of the slowest rank's training step). Reports the
 Spearman rank correlation between predicted and measured step time and the median relative error
@@ -38,9 +39,10 @@ sys.path.insert(0, str(HERE.parent))
 from _results import command_line, machine_info, today, update_section  # noqa: E402
 
 HIDDEN = {"cora": 16, "coauthor_physics": 64}
-#: (ranks, partitioner, recompute) candidates per dataset
-CANDIDATES = [(1, "metis", False), (2, "metis", False), (2, "random", False), (4, "metis", False),
-              (4, "random", False), (4, "metis", True), (2, "metis", True)]
+#: (ranks, strategy, partitioner, recompute) candidates per dataset
+CANDIDATES = [(1, "data", "metis", False), (2, "data", "metis", False), (2, "data", "random", False),
+              (4, "data", "metis", False), (4, "data", "random", False), (4, "data", "metis", True),
+              (2, "data", "metis", True), (2, "tensor", None, False), (4, "tensor", None, False)]
 
 
 def kind_of(label: str) -> str:
@@ -82,9 +84,9 @@ def local_fidelity(args, gc, Cluster) -> tuple[str, list[tuple]]:
         graph = gc.datasets.load(name).normalize_features()
         torch.manual_seed(0)
         model = gc.nn.GCN(graph.num_features, HIDDEN.get(name, 64), graph.num_classes, num_layers=2, dropout=0.5)
-        for n, part, rec in CANDIDATES:
+        for n, strategy, part, rec in CANDIDATES:
             cluster = Cluster.parse(f"{n}xcpu", profile=cal)
-            plan = gc.plan(copy.deepcopy(model), graph, cluster, strategy="data", partitioner=part, recompute=rec)
+            plan = gc.plan(copy.deepcopy(model), graph, cluster, strategy=strategy, partitioner=part, recompute=rec)
             pred = plan.prediction
             meas, per_inst, res = measure(plan, args.epochs)
             for ev_rank in pred.simulation.ranks:
@@ -94,23 +96,24 @@ def local_fidelity(args, gc, Cluster) -> tuple[str, list[tuple]]:
                         kinds[kind_of(e.label)].append(abs(e.end - e.wait_start - m) / m)
             mem_pred = max(p - s.total for p, s in zip(pred.peak_memory, pred.static))
             mem_meas = max(r.peak_memory for r in res.ranks)
-            rows.append((name, n, part, rec, pred.step_time, meas, mem_pred, mem_meas))
+            rows.append((name, n, strategy, part or "-", rec, pred.step_time, meas, mem_pred, mem_meas))
             per_dataset[name].append((pred.step_time, meas))
-            print(f"{name:>17} x{n} {part:>6} recompute={rec!s:>5}: predicted {pred.step_time * 1e3:8.2f} ms, "
+            print(f"{name:>17} x{n} {strategy:>6} {part or '-':>6} recompute={rec!s:>5}: predicted {pred.step_time * 1e3:8.2f} ms, "
                   f"measured {meas * 1e3:8.2f} ms; activation peak predicted {mem_pred / 2**20:7.1f} MiB, "
                   f"measured {mem_meas / 2**20:7.1f} MiB", flush=True)
-    all_pred = [r[4] for r in rows]
-    all_meas = [r[5] for r in rows]
+    all_pred = [r[5] for r in rows]
+    all_meas = [r[6] for r in rows]
     rho = spearman(all_pred, all_meas)
     lines = [
         f"Calibrated profile (`Cluster.calibrate()`, {cal_s:.1f} s): {cal}.",
         "",
-        "| dataset | ranks | partitioner | recompute | predicted step | measured step | ratio | "
+        "| dataset | ranks | strategy | partitioner | recompute | predicted step | measured step | ratio | "
         "predicted activation peak | measured tensor peak |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---:|",
     ]
-    for name, n, part, rec, p, m, mp, mm in rows:
-        lines.append(f"| {name} | {n} | {part} | {'yes' if rec else 'no'} | {p * 1e3:.2f} ms | {m * 1e3:.2f} ms | "
+    for name, n, strategy, part, rec, p, m, mp, mm in rows:
+        lines.append(f"| {name} | {n} | {strategy} | {part} | {'yes' if rec else 'no'} | {p * 1e3:.2f} ms | "
+                     f"{m * 1e3:.2f} ms | "
                      f"{p / m:.2f} | {mp / 2**20:.1f} MiB | {mm / 2**20:.1f} MiB |")
     lines.append("")
     lines.append(f"**Spearman rank correlation, predicted vs measured step time, all {len(rows)} plans: {rho:.3f}** "

@@ -96,6 +96,15 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         raise PlanningError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(graph, (Graph, GraphStats)):
         raise PlanningError(f"graph: expected a gnncompile Graph or GraphStats, got {type(graph).__name__}")
+    from .graph.partition import PARTITIONERS
+    from .passes.data import DROPOUT_MODES
+
+    if partitioner is not None and partitioner not in PARTITIONERS:
+        raise PlanningError(f"unknown partitioner {partitioner!r}; valid: {', '.join(PARTITIONERS)}")
+    if dropout not in DROPOUT_MODES:
+        raise PlanningError(f"unknown dropout mode {dropout!r}; valid: {', '.join(DROPOUT_MODES)}")
+    if recompute is not None and not isinstance(recompute, bool):
+        raise PlanningError(f"recompute: expected True, False or None (searched), got {recompute!r}")
     fixed: dict[str, Any] = {"seed": seed, "dropout": dropout}
     if partitioner is not None:
         fixed["partitioner"] = partitioner

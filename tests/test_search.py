@@ -117,7 +117,10 @@ def test_rank_counts():
 
 def test_candidates_keep_fixed_options():
     cands = candidates(Cluster.parse("4xA100"), fixed={"partitioner": "metis", "seed": 3})
-    assert cands and all(c.options["partitioner"] == "metis" and c.options["seed"] == 3 for c in cands)
+    assert cands and all(c.options["seed"] == 3 for c in cands)
+    data = [c for c in cands if c.strategy == "data"]
+    assert data and all(c.options["partitioner"] == "metis" for c in data)
+    assert all("partitioner" not in c.options for c in cands if c.strategy == "tensor")  # no partition there
     assert {c.options["recompute"] for c in cands} == {False, True}
     with pytest.raises(PlanningError, match="no lowering registered"):
         candidates(Cluster.parse("4xA100"), strategies=["nonsense"])
@@ -127,7 +130,7 @@ def test_search_ranks_by_predicted_time(sbm):
     res = search(gcn(sbm), sbm, Cluster.parse("4xA5000"))
     times = [e.step_time for e in res.ranked]
     assert times == sorted(times)
-    assert len(res.ranked) + len(res.rejected) == len(candidates(Cluster.parse("4xA5000"), fixed={})) == 4
+    assert len(res.ranked) + len(res.rejected) == len(candidates(Cluster.parse("4xA5000"), fixed={})) == 6
 
 
 def test_fewer_devices_when_allowed(sbm):
@@ -214,8 +217,10 @@ def test_planning_from_statistics_alone():
     torch.manual_seed(0)
     model = gc.nn.GCN(128, 128, 172, num_layers=3)
     p = gc.plan(model, stats, "8x8xA100-ib200")
+    assert {e.candidate.strategy for e in p.search.ranked} == {"data", "tensor"}
     assert p.program is None  # statistics only: not runnable
-    assert p.prediction.fits and p.prediction.max_peak_memory <= 80 * 10**9
+    assert p.prediction.fits and p.prediction.max_peak_memory <= 80 * 2**30
+    p = gc.plan(model, stats, "8x8xA100-ib200", strategy="data")
     part = p.info["partition"]
     assert part["estimated"] and part["replication_factor"] == pytest.approx(stats.replication[p.num_ranks])
     assert "Search over" in p.explanation()
@@ -263,4 +268,4 @@ def test_cli_plans_a_graph_known_by_its_statistics(capsys):
     assert main(["plan", "--dataset", "ogbn-papers100M", "--layers", "3", "--hidden", "128",
                  "--gpus", "8x8xA100-ib200", "--explain"]) == 0
     out = capsys.readouterr().out
-    assert "estimated from statistics" in out and "ranks=64" in out
+    assert "Search over" in out and "ranks=64" in out and "ogbn-papers100M" in out

@@ -73,27 +73,43 @@ def _eval(lin: Any, sizes: dict[str, int]) -> float:
     return float(max(0, lin(sizes.get("nodes", 0), sizes.get("edges", 0))))
 
 
+def _op_sizes(op: OpCost, sizes: dict[str, int]) -> tuple[dict[str, int], float]:
+    """The sizes an op's forms are evaluated at, and the share of that work the rank does: a ``cols``
+    op runs on every vertex for the rank's share of the columns."""
+    if op.layout == "cols" and "all_nodes" in sizes:
+        return {**sizes, "nodes": sizes["all_nodes"]}, sizes.get("col_share_ppm", 1_000_000) / 1e6
+    return sizes, 1.0
+
+
+def op_value(op: OpCost, lin: Any, sizes: dict[str, int]) -> float:
+    """A size-dependent field of ``op`` (``op.flops``, ``op.out``...) for the rank of ``sizes``."""
+    at, share = _op_sizes(op, sizes)
+    return _eval(lin, at) * share
+
+
 def op_time(op: OpCost, sizes: dict[str, int], device: DeviceSpec, *, backward: bool = False,
             dtype: str = "float32") -> float:
     """Seconds of one op's forward (or backward) on a rank of ``sizes`` (see the module docstring)."""
-    nodes, edges = sizes.get("nodes", 0), sizes.get("edges", 0)
+    at, share = _op_sizes(op, sizes)
+    nodes, edges = at.get("nodes", 0), at.get("edges", 0)
     mult = float(op.backward) if backward else 1.0
     if mult == 0:  # autograd does not visit an op none of whose inputs needs a gradient
         return 0.0
     per_op = device.runtime.get("op_backward" if backward else "op_forward", device.launch_overhead)
     overhead = op.count * per_op
     if not backward and device.rng_rate:
-        overhead += _eval(op.random, sizes) / device.rng_rate
+        overhead += _eval(op.random, at) * share / device.rng_rate
     if op.kind == "P":
         # the edges the op visits, implicit self loops included: its FLOPs are 2 |E'| d
-        visited = _eval(op.flops, sizes) / (2 * op.width) if op.width else edges
-        bandwidth, edge_rate = device.spmm_rates(sizes.get("src", nodes) * op.width * _elsize(dtype))
-        t = formulas.p_task_time(nodes, visited / nodes if nodes else 0.0, [op.width], device.flops_for(dtype),
+        visited = _eval(op.flops, at) / (2 * op.width) if op.width else edges
+        width = op.width * share
+        bandwidth, edge_rate = device.spmm_rates(at.get("src", nodes) * width * _elsize(dtype))
+        t = formulas.p_task_time(nodes, visited / nodes if nodes else 0.0, [width], device.flops_for(dtype),
                                  bandwidth, device.gamma, elsize=_elsize(dtype))
         if edge_rate:
             t += visited / edge_rate
         return mult * t + overhead
-    flops, nbytes = _eval(op.flops, sizes), _eval(op.bytes, sizes)
+    flops, nbytes = _eval(op.flops, at) * share, _eval(op.bytes, at) * share
     if op.kind == "E":
         return mult * nbytes / device.mem_bandwidth + overhead
     return mult * max(flops / device.flops_for(dtype), nbytes / device.mem_bandwidth) + overhead
@@ -221,11 +237,13 @@ class PlanCost:
         value_bytes: dict[str, float] = {}
         for s in dp.stages:
             for op in s.costs:
-                value_bytes[op.name] = _eval(op.out, sizes)
+                value_bytes[op.name] = op_value(op, op.out, sizes)
         src_rows = sizes.get("src", sizes.get("nodes", 0))
         for inst in dp.instructions:
             if isinstance(inst, HaloExchange):
                 value_bytes[inst.output] = src_rows * inst.width * _elsize(inst.dtype)
+            elif isinstance(inst, AllToAll) and not inst.grad:
+                value_bytes[inst.output] = sum(math.prod(s) for s in inst.recv_shapes) * _elsize(inst.dtype)
         # last forward consumer and backward consumer of every value, per chunk
         last_use: dict[tuple[str, int], int] = {}
         for i, inst in enumerate(dp.instructions):
@@ -247,7 +265,7 @@ class PlanCost:
             if isinstance(inst, (Forward, Recompute)):
                 st = stages[inst.stage]
                 seconds = self.stage_time(dp.rank, st, backward=False)
-                saved = sum(_eval(op.saved, sizes) for op in st.costs)
+                saved = sum(op_value(op, op.saved, sizes) for op in st.costs)
                 outs = sum(value_bytes.get(o, 0.0) for o in st.outputs)
                 transient = max((value_bytes.get(op.name, 0.0) for op in st.costs), default=0.0)
                 alloc = saved + outs

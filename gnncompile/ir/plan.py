@@ -351,12 +351,15 @@ class OpCost:
     backward: int = 2
     #: random numbers the forward draws (dropout masks)
     random: Lin = field(default_factory=Lin)
+    #: the layout the op runs in: ``rows`` (a block of vertices) or ``cols`` (every vertex, a slice of
+    #: the feature columns: its sizes are the whole graph's, its work a share of it)
+    layout: str = "rows"
 
     _LINS: ClassVar[tuple[str, ...]] = ("flops", "bytes", "saved", "out", "random")
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "kind": self.kind, "width": self.width, "recompute": self.recompute,
-                             "count": self.count, "backward": self.backward}
+                             "count": self.count, "backward": self.backward, "layout": self.layout}
         d.update({k: _lin_to_json(getattr(self, k)) for k in self._LINS})
         return d
 
@@ -416,7 +419,8 @@ class DevicePlan:
 
     ``sizes``: what the rank holds, for the cost models: ``nodes`` (rows it computes: the ``|V|`` of
     its stages' cost forms), ``edges`` (its local edges: their ``|E|``), ``halo`` (rows it receives
-    in a halo exchange), ``src`` (source rows its propagations read). ``modules`` maps a stage index to the runnable fx module; it is attached by the lowering and is
+    in a halo exchange), ``src`` (source rows its propagations read); for ops in ``cols`` layout,
+    ``all_nodes`` and ``col_share_ppm`` (the rank's share of the columns, in millionths). ``modules`` maps a stage index to the runnable fx module; it is attached by the lowering and is
     not part of the plan's data (equality, JSON).
     """
 

@@ -54,6 +54,8 @@ LAYOUTS = ("rows", "cols", "replicated")
 #: (layout a value has, layout a consumer needs) -> the conversion that provides it.
 CONVERSIONS: dict[tuple[str, str], str] = {
     ("rows", "halo"): "halo",
+    ("rows", "cols"): "cols",
+    ("cols", "rows"): "rows",
 }
 
 #: Primitives whose vertex input is read on the *source* side (row ``u`` of an edge ``u -> v``).
@@ -154,7 +156,7 @@ def _elsize(dtype: Optional[str]) -> int:
     return torch.empty(0, dtype=getattr(torch, dtype or "float32")).element_size()
 
 
-def op_costs(tp: TPGraph, nodes: list[torch.fx.Node]) -> list[OpCost]:
+def op_costs(tp: TPGraph, nodes: list[torch.fx.Node], decisions: Optional[Decisions] = None) -> list[OpCost]:
     """The :class:`OpCost` of every T/P/E op among ``nodes`` (what a stage's cost model reads).
 
     A checkpointed segment (``insert_recomputation``) contributes one entry per op it runs (marked
@@ -181,7 +183,8 @@ def op_costs(tp: TPGraph, nodes: list[torch.fx.Node]) -> list[OpCost]:
                 continue
         weights = t.params > 0 or any(a.op == "get_attr" and a.name in req for a in n.all_input_nodes)
         inputs = any(a.op != "get_attr" and a.name in req for a in n.all_input_nodes)
-        out.append(_op_cost(n, t, modules, recompute=t.recompute, backward=int(weights) + int(inputs)))
+        c = _op_cost(n, t, modules, recompute=t.recompute, backward=int(weights) + int(inputs))
+        out.append(dataclasses.replace(c, layout=decisions.layout_of(n.name)) if decisions is not None else c)
     return out
 
 
@@ -292,7 +295,7 @@ def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
         stages.append(StageSpec(index=k, inputs=tuple(inputs), outputs=tuple(outputs),
                                 ops=tuple(n.name for n in members),
                                 kinds=" ".join(f"{kk}{kinds[kk]}" for kk in ("T", "P", "E") if kinds.get(kk)),
-                                layers=tuple(layers), costs=tuple(op_costs(tp, members))))
+                                layers=tuple(layers), costs=tuple(op_costs(tp, members, decisions))))
         modules[k] = gm
 
     conversions = [

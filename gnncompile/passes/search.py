@@ -71,8 +71,22 @@ def _data_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: An
     return lower_data(tp, tp_eval, model, graph, n, DataOptions(**options))
 
 
+def _tensor_space(semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
+    rest = {k: v for k, v in fixed.items() if k != "partitioner"}  # whole graph on every rank: no partition
+    recompute = [rest.pop("recompute")] if "recompute" in rest else [False, True]
+    return [{**rest, "recompute": rc, "semantics": semantics} for rc in recompute]
+
+
+def _tensor_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Any, n: int,
+                  options: dict[str, Any]) -> Plan:
+    from .tensor import TensorOptions, lower_tensor
+
+    return lower_tensor(tp, tp_eval, model, graph, n, TensorOptions(**options))
+
+
 #: Registered strategies: name -> :class:`StrategySpace`. Strategy modules add theirs.
-LOWERINGS: dict[str, StrategySpace] = {"data": StrategySpace(_data_space, _data_lower)}
+LOWERINGS: dict[str, StrategySpace] = {"data": StrategySpace(_data_space, _data_lower),
+                                       "tensor": StrategySpace(_tensor_space, _tensor_lower)}
 
 
 @dataclass(frozen=True)
@@ -175,6 +189,12 @@ class SearchResult:
             lines.append(f"  communication per rank: {human_bytes(best.max_bytes)} vs {human_bytes(second.max_bytes)}")
         if best.peak_memory != second.peak_memory:
             lines.append(f"  peak memory per rank: {human_bytes(best.peak_memory)} vs {human_bytes(second.peak_memory)}")
+        other = next((e for e in self.ranked if e.candidate.strategy != best.candidate.strategy), None)
+        if other is not None and other is not second:
+            lines.append(f"  best other strategy: {other.candidate.describe()}, {_fmt_time(other.step_time)} per step "
+                         f"({other.step_time / best.step_time:.2f}x), communication "
+                         f"{human_bytes(other.max_bytes)} vs {human_bytes(best.max_bytes)} per rank, peak memory "
+                         f"{human_bytes(other.peak_memory)} vs {human_bytes(best.peak_memory)}")
         return lines
 
     def __str__(self) -> str:

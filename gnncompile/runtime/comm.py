@@ -105,6 +105,8 @@ class Communicator:
         if self.world_size > 1:
             dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=list(recv_counts),
                                    input_split_sizes=list(send_counts), group=self.group)
+        elif recv.numel():  # one rank: what it sends to itself is what it receives
+            recv.copy_(send.reshape(recv.shape))
         es = send.element_size() * width
         for q in range(self.world_size):
             if q != self.rank:

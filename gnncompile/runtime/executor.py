@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..errors import RuntimeFailure
-from ..ir.plan import (AllReduce, Backward, Forward, HaloExchange, Instruction, OptimizerStep, Plan, RankProgram,
-                       Free)
+from ..ir.plan import (AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, Instruction, OptimizerStep, Plan,
+                       RankProgram)
 from .comm import Communicator, HaloSpec
 from .launcher import RankContext, launch
 from .memory import PeakMemory
@@ -141,6 +141,25 @@ class _Rank:
                 else:  # the consumers produced no gradient (e.g. all rows masked): still take part
                     ref = values[ins.output]
                     _accumulate(grads, ins.value, self.comm.halo_backward(torch.zeros_like(ref), self.halo))
+        elif isinstance(ins, AllToAll):
+            to_cols = ins.src_layout == "rows"
+            if (ins.src_layout, ins.dst_layout) not in (("rows", "cols"), ("cols", "rows")):
+                raise RuntimeFailure(f"rank {self.ctx.rank}: no all-to-all from {ins.src_layout} to {ins.dst_layout}")
+            # from this rank's side: rows -> cols sends (my rows, q's columns), receives (q's rows, mine)
+            if to_cols:
+                row_counts, col_splits = [s[0] for s in ins.recv_shapes], [s[1] for s in ins.send_shapes]
+            else:
+                row_counts, col_splits = [s[0] for s in ins.send_shapes], [s[1] for s in ins.recv_shapes]
+            forward = self.comm.rows_to_cols if to_cols else self.comm.cols_to_rows
+            backward = self.comm.cols_to_rows if to_cols else self.comm.rows_to_cols
+            if not ins.grad:
+                src = values[ins.value]
+                values[ins.output] = forward(src, row_counts, col_splits).requires_grad_(src.requires_grad)
+            else:
+                g_out = grads.pop(ins.output, None)
+                if g_out is None:  # no consumer produced a gradient: still take part in the collective
+                    g_out = torch.zeros_like(values[ins.output])
+                _accumulate(grads, ins.value, backward(g_out.contiguous(), row_counts, col_splits))
         elif isinstance(ins, AllReduce):
             params = [p for p in self.prog.params if p.requires_grad]
             for p in params:
@@ -315,7 +334,8 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     out = {
         "rank": ctx.rank, "history": history, "epoch_time": epoch_time, "timeline": timeline,
         "sent_to": train_sent, "received_from": train_recv, "comm": cs.as_dict(), "peak_memory": peak,
-        "num_owned": int(prog.inputs["g"].num_nodes), "pid": os.getpid(),
+        "num_owned": int(prog.owned.numel()) if prog.owned is not None else int(prog.inputs["g"].num_nodes),
+        "pid": os.getpid(),
     }
     if capture:
         out["captured"] = captured

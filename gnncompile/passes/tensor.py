@@ -1,0 +1,254 @@
+"""The ``tensor`` strategy (NeutronTP): T ops on vertex rows, P ops on feature columns; exact.
+
+NeutronTP §3.1–3.2 (tensor parallelism for GNNs): instead of cutting the graph, cut the features.
+Every rank holds the whole graph; a P op (propagation) runs on all vertices for a slice of the
+feature columns, so it needs no neighbour from another rank; a T op (dense, vertex-wise) runs on
+whole feature rows of a block of vertices. Decisions (applied by :mod:`gnncompile.passes.lower`):
+
+- P ops' outputs are in ``cols`` layout: ``[|V|, d_r]``, rank r's column slice (widths that do not
+  divide by the rank count are split unevenly: the first ``D mod n`` ranks get one more column);
+- every other value is in ``rows`` layout: rank r's contiguous block of vertices, ``[n_r, D]``
+  (blocks balanced to within one vertex, in vertex order);
+- the vertex input a P op reads needs ``cols`` and a T op reading a P output needs ``rows``: the
+  lowering inserts an all-to-all (``A2A v rows->cols``: NeutronTP's *split*; ``cols->rows``: its
+  *gather*) whose backward is the inverse all-to-all of the gradient;
+- parameters are replicated; one gradient all-reduce per step.
+
+The loss is the sum over the rank's training rows divided by the global count, as for ``data``:
+exact. Not supported yet (refused with :class:`~gnncompile.errors.PlanningError`): edge-wise ops
+(GAT's attention needs whole feature rows per edge: NeutronTP §4.1), multi-dimensional vertex
+values, models whose output is a propagation (the loss needs rows), propagations with computed
+edge weights, and sparse input features read directly by a propagation. Row-mixing T ops
+(BatchNorm) are refused under ``semantics="exact"`` as for ``data``.
+
+Communication per step: every conversion moves ``(n - 1) / n`` of a ``|V| x D`` tensor in each
+direction it runs (forward, and backward when the value needs a gradient): NeutronTP's
+``2 V D`` per layer (:func:`gnncompile.cost_models.formulas.comm_tensor`), independent of the
+graph's structure.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+import torch.fx
+
+from ..errors import PlanningError
+from ..graph.core import Graph, GraphStats
+from ..graph.shard import slice_rows
+from ..ir.plan import AllReduce, AllToAll, DevicePlan, Instruction, OptimizerStep, Plan, RankProgram
+from ..ir.tpgraph import TPGraph
+from .data import DROPOUT_MODES, _dropout_index, replicate_dropout_masks, row_mixing_ops
+from .lower import Conversion, Decisions, StagedModel, forward_schedule, sequential_schedule, source_input, \
+    split_stages
+from .recompute import insert_recomputation
+
+__all__ = ["TensorOptions", "tensor_decisions", "column_splits", "row_blocks", "lower_tensor"]
+
+
+@dataclass(frozen=True)
+class TensorOptions:
+    """Options of the ``tensor`` strategy (``seed``, ``semantics``, ``dropout``, ``recompute`` as for
+    :class:`~gnncompile.passes.data.DataOptions`; there is no partitioner: vertex blocks are
+    contiguous and every rank holds the whole graph)."""
+
+    seed: int = 0
+    semantics: str = "exact"
+    dropout: str = "replicated"
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        if self.semantics not in ("exact", "relaxed"):
+            raise PlanningError(f"unknown semantics {self.semantics!r}; valid: 'exact', 'relaxed'")
+        if self.dropout not in DROPOUT_MODES:
+            raise PlanningError(f"unknown dropout mode {self.dropout!r}; valid: {', '.join(DROPOUT_MODES)}")
+        if not isinstance(self.recompute, bool):
+            raise PlanningError(f"recompute: expected True or False, got {self.recompute!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strategy": "tensor", "seed": self.seed, "semantics": self.semantics, "dropout": self.dropout,
+                "recompute": self.recompute}
+
+
+def column_splits(width: int, n: int) -> list[int]:
+    """``width`` columns over ``n`` ranks: the first ``width mod n`` ranks get one more."""
+    return [width // n + (1 if q < width % n else 0) for q in range(n)]
+
+
+def row_blocks(num_nodes: int, n: int) -> list[int]:
+    """Vertex-block sizes of the ``rows`` layout (balanced to within one vertex)."""
+    return column_splits(num_nodes, n)
+
+
+def tensor_decisions(tp: TPGraph) -> Decisions:
+    """P outputs in ``cols``, everything else in ``rows``; conversions where the two meet.
+
+    Raises :class:`PlanningError` for what the strategy does not support (module docstring).
+    """
+    layout: dict[str, str] = {}
+    needs: dict[tuple[str, str], str] = {}
+    graph_inputs = {n.name for n in tp.graph.nodes if n.op == "placeholder" and n.name == "g"}
+    for n in tp.graph.nodes:
+        t = n.meta.get("tp")
+        if t is None or t.kind not in ("T", "P", "E"):
+            continue
+        if t.kind == "E":
+            raise PlanningError(f"strategy 'tensor' does not support edge-wise op {n.name!r} yet (attention needs "
+                                "whole feature rows per edge, NeutronTP §4.1); use strategy='data'")
+        if t.kind == "P":
+            if len(t.dims) != 1:
+                raise PlanningError(f"strategy 'tensor': propagation {n.name!r} has per-vertex shape {t.dims}; "
+                                    "only [V, D] values are split by columns")
+            layout[n.name] = "cols"
+            src = source_input(n)
+            for p in n.all_input_nodes:
+                if p.name in graph_inputs or p.op == "get_attr":
+                    continue
+                if p is not src:
+                    raise PlanningError(f"strategy 'tensor': propagation {n.name!r} reads {p.name!r} besides its "
+                                        "features (computed edge weights are not supported yet)")
+                if layout.get(p.name, "rows") != "cols":
+                    needs[(n.name, p.name)] = "cols"
+        else:
+            for p in n.all_input_nodes:
+                if layout.get(p.name) == "cols":
+                    needs[(n.name, p.name)] = "rows"
+    out = next(n for n in tp.graph.nodes if n.op == "output").args[0]
+    if isinstance(out, torch.fx.Node) and layout.get(out.name) == "cols":
+        raise PlanningError(f"strategy 'tensor': the model's output {out.name!r} is a propagation (cols layout); "
+                            "the loss needs vertex rows")
+    return Decisions(layout=layout, needs=needs, default_layout="rows")
+
+
+def _width(tp: TPGraph, value: str) -> tuple[int, str]:
+    node = next(n for n in tp.graph.nodes if n.name == value)
+    t = node.meta["tp"]
+    return math.prod(t.dims), t.dtype or "float32"
+
+
+def lower_tensor(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Union[Graph, GraphStats],
+                 num_ranks: int, options: TensorOptions) -> Plan:
+    """Lower ``tp`` and ``tp_eval`` to a ``tensor`` plan over ``num_ranks`` ranks (see the module docstring).
+
+    With :class:`GraphStats` the plan is data only (printable, simulated), as for ``data``.
+    """
+    relaxations: list[str] = []
+    mixing = row_mixing_ops(tp)
+    if mixing and num_ranks > 1:
+        what = "; ".join(f"{op}: {why}" for op, why in mixing)
+        if options.semantics == "exact":
+            raise PlanningError(f"strategy 'tensor' is not exact for this model: {what}. Each rank would use its own "
+                                "rows only; pass semantics='relaxed' to accept per-rank statistics")
+        relaxations.append(f"per-rank statistics ({', '.join(op for op, _ in mixing)})")
+    tensor_decisions(tp)  # refuses what the strategy does not support, before any rewriting
+    concrete = isinstance(graph, Graph)
+    stats = graph.stats() if concrete else graph
+    n = num_ranks
+    blocks = row_blocks(stats.num_nodes, n)
+    starts = [sum(blocks[:r]) for r in range(n)]
+    dropout_inputs: dict[str, str] = {}
+    if concrete and options.dropout == "replicated":
+        tp, dropout_inputs = replicate_dropout_masks(tp, graph)
+        unsupported = sorted(sp for sp in dropout_inputs.values() if sp not in ("V", "nnz"))
+        if unsupported:
+            raise PlanningError(f"strategy 'tensor': dropout of {unsupported[0]}-space values is not supported")
+    if options.recompute:
+        tp = insert_recomputation(tp, share_parameters=True)
+    decisions = tensor_decisions(tp)
+    staged = split_stages(tp, decisions)
+    staged_eval = split_stages(tp_eval, tensor_decisions(tp_eval))
+    for st in (staged, staged_eval):
+        for c in st.conversions:
+            if c.kind == "cols" and concrete and c.value == "x" and graph.x is not None and \
+                    graph.x.layout != torch.strided:
+                raise PlanningError("strategy 'tensor': a propagation reads the sparse input features directly; "
+                                    "densify them (graph.dense_features()) or use strategy='data'")
+    group = tuple(range(n))
+    names = [name for name, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    numel = sum(p.numel() for p in params if p.requires_grad)
+    param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
+
+    def convert_for(rank: int, st: StagedModel):
+        def convert(c: Conversion, grad: bool) -> list[Instruction]:
+            width, dtype = _width(st.tp, c.value)
+            cols = column_splits(width, n)
+            if c.kind == "cols":  # rows -> cols: send my rows of q's columns, receive q's rows of mine
+                send = tuple((blocks[rank], cols[q]) for q in group)
+                recv = tuple((blocks[q], cols[rank]) for q in group)
+                src, dst = "rows", "cols"
+            else:  # cols -> rows
+                send = tuple((blocks[q], cols[rank]) for q in group)
+                recv = tuple((blocks[rank], cols[q]) for q in group)
+                src, dst = "cols", "rows"
+            return [AllToAll(value=c.value, chunk=0, group=group, src_layout=src, dst_layout=dst, send_shapes=send,
+                             recv_shapes=recv, dtype=dtype, grad=grad)]
+        return convert
+
+    def finish() -> list[Instruction]:
+        ar = [AllReduce("grads", group, numel=numel, dtype=param_dtype)] if n > 1 and numel else []
+        return ar + [OptimizerStep()]
+
+    ranks = []
+    for r in range(n):
+        instrs = tuple(sequential_schedule(staged, convert_for(r, staged), finish))
+        sizes = {"nodes": blocks[r], "edges": stats.num_edges, "halo": 0, "src": stats.num_nodes,
+                 "all_nodes": stats.num_nodes, "col_share_ppm": round(1e6 / n)}
+        ranks.append(DevicePlan(rank=r, stages=tuple(staged.stages), instructions=instrs, sizes=sizes,
+                                modules=staged.modules))
+    info = {
+        "graph": str(stats), "model": type(model).__name__, "output": staged.output,
+        "inputs": ["g", "x", *dropout_inputs], "owned_rows": blocks, "halo_rows": [0] * n,
+        "params": numel, "param_tensors": sum(1 for p in params if p.requires_grad), "param_dtype": param_dtype,
+        "features": stats.num_features, "classes": stats.num_classes,
+        "layouts": {c.output: c.kind for c in staged.conversions},
+    }
+    plan = Plan(strategy="tensor", semantics="relaxed" if relaxations else "exact", options=options.to_dict(),
+                cluster=f"{n} local ranks", ranks=ranks, schedule="sequential", relaxations=tuple(relaxations),
+                info=info)
+    from ..ir.verify_plan import verify_plan
+
+    report = verify_plan(plan, inputs=info["inputs"])
+    plan.predictions = {"bytes_sent": [int(round(b)) for b in report.bytes_sent],
+                        "bytes_received": [int(round(b)) for b in report.bytes_recv]}
+    if concrete:
+        plan.program = _rank_programs(graph, staged, staged_eval, convert_for, dropout_inputs, options, names,
+                                      params, ranks, blocks, starts)
+    return plan
+
+
+@dataclass(frozen=True)
+class _Block:
+    """The rows a rank owns in the ``rows`` layout (what ``data``'s dropout index helper reads)."""
+
+    owned: torch.Tensor
+
+
+def _rank_programs(graph: Graph, staged: StagedModel, staged_eval: StagedModel, convert_for: Any,
+                   dropout_inputs: dict[str, str], options: TensorOptions, names: list[str],
+                   params: list[torch.nn.Parameter], ranks: list[DevicePlan], blocks: list[int],
+                   starts: list[int]) -> list[RankProgram]:
+    counts = {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
+              for m in ("train", "val", "test")}
+    programs = []
+    n = len(blocks)
+    for r in range(n):
+        owned = torch.arange(starts[r], starts[r] + blocks[r])
+        eval_instrs = tuple(forward_schedule(staged_eval, convert_for(r, staged_eval)))
+        x = slice_rows(graph.x, owned) if graph.x is not None else None
+        mask = {m: (getattr(graph, f"{m}_mask")[owned] if getattr(graph, f"{m}_mask") is not None else None)
+                for m in ("train", "val", "test")}
+        programs.append(RankProgram(
+            rank=r, world_size=n, modules=staged.modules, stages=tuple(staged.stages), instructions=ranks[r].instructions,
+            eval_modules=staged_eval.modules, eval_stages=tuple(staged_eval.stages), eval_instructions=eval_instrs,
+            output=staged.output, eval_output=staged_eval.output,
+            inputs={"g": graph, "x": x,
+                    **{k: _dropout_index(sp, _Block(owned), graph) for k, sp in dropout_inputs.items()}},
+            same_seed=options.dropout == "replicated",
+            halo=(tuple(torch.zeros(0, dtype=torch.long) for _ in range(n)), (0,) * n),
+            labels=graph.y[owned] if graph.y is not None else None, masks=mask, counts=counts,
+            params=params, param_names=names, owned=owned))
+    return programs
