@@ -22,3 +22,4 @@ bench: setup
 	$(PY) benchmarks/replication.py
 	$(PY) benchmarks/data_parallel.py
 	$(PY) benchmarks/cost_model.py
+	$(PY) benchmarks/feature_parallel.py
