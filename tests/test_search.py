@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -12,9 +11,8 @@ from hypothesis import given, settings, strategies as st
 import gnncompile as gc
 from gnncompile import PlanningError, datasets
 from gnncompile.cost_models import formulas
-from gnncompile.cost_models.hardware import Cluster, DeviceSpec
-from gnncompile.cost_models.model import PlanCost, predict, static_memory
-from gnncompile.graph.core import GraphStats
+from gnncompile.cost_models.hardware import Cluster
+from gnncompile.cost_models.model import PlanCost, static_memory
 from gnncompile.ir.plan import AllReduce, Backward, Forward, HaloExchange, Plan
 from gnncompile.passes.search import candidates, rank_counts, search
 

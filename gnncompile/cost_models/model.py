@@ -43,17 +43,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from ..errors import PlanningError
 from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, DevicePlan, Forward, Free, HaloExchange,
-                       Instruction, OpCost, OptimizerStep, Plan, Recompute, Recv, ReduceScatter, Send, StageSpec,
-                       converted_name)
+                       Instruction, OpCost, OptimizerStep, Plan, Recompute, Recv, ReduceScatter, Send, StageSpec)
 from . import formulas
 from .hardware import Cluster, DeviceSpec
 from .simulate import Cost, Simulation, simulate
 
-__all__ = ["ELSIZE", "StaticMemory", "PlanCost", "predict", "Prediction", "op_time"]
+__all__ = ["ELSIZE", "StaticMemory", "static_memory", "PlanCost", "predict", "Prediction", "op_time", "op_value"]
 
 ELSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4}
 
