@@ -37,8 +37,8 @@ def _cluster(gpus: Any) -> Cluster:
 
 def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4, *, strategy: Optional[str] = None,
          semantics: str = "exact", partitioner: Optional[str] = None, seed: int = 0, dropout: str = "replicated",
-         recompute: Optional[bool] = None, devices: str = "all", overlap: bool = False, verify: bool = True,
-         **options: Any) -> Plan:
+         recompute: Optional[bool] = None, decouple: Optional[bool] = None, devices: str = "all",
+         overlap: bool = False, verify: bool = True, **options: Any) -> Plan:
     """Plan parallel training of ``model`` on ``graph`` over the devices ``gpus`` describes.
 
     Parameters
@@ -63,8 +63,12 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         Under ``"exact"`` a model that one strategy cannot run exactly over several ranks (BatchNorm
         under ``data``) gets another strategy, or a ``PlanningError`` saying why none is exact.
     partitioner, seed, dropout, recompute:
-        Options of the ``data`` strategy (:class:`gnncompile.passes.data.DataOptions`); an option
-        given here is fixed, one left ``None`` is searched.
+        Options of the ``data`` strategy (:class:`gnncompile.passes.data.DataOptions`; ``tensor``
+        takes all but the partitioner); an option given here is fixed, one left ``None`` is searched.
+    decouple:
+        ``tensor`` only: lower the decoupled model (all T ops, then all propagations; NeutronTP
+        §4.1). It changes non-linear models, so it needs ``semantics="relaxed"`` for them; ``None``
+        lets the search try it where relaxations are allowed.
     devices:
         ``"all"`` (default): the plan has one program per device of the cluster. ``"any"``: the
         search may also use fewer devices (halvings), which wins where communication costs more
@@ -88,8 +92,8 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
     if strategy is not None and strategy not in LOWERINGS:
         raise PlanningError(f"strategy {strategy!r} has no lowering yet; implemented: {', '.join(LOWERINGS)}")
     if options:
-        raise PlanningError(f"unknown planning option(s) {', '.join(sorted(options))}; "
-                            "the options are strategy, semantics, partitioner, seed, dropout, recompute, overlap")
+        raise PlanningError(f"unknown planning option(s) {', '.join(sorted(options))}; the options are strategy, "
+                            "semantics, partitioner, seed, dropout, recompute, decouple, devices, overlap, verify")
     if semantics not in ("exact", "relaxed"):
         raise PlanningError(f"unknown semantics {semantics!r}; valid: 'exact', 'relaxed'")
     if not isinstance(model, torch.nn.Module):
@@ -103,13 +107,16 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         raise PlanningError(f"unknown partitioner {partitioner!r}; valid: {', '.join(PARTITIONERS)}")
     if dropout not in DROPOUT_MODES:
         raise PlanningError(f"unknown dropout mode {dropout!r}; valid: {', '.join(DROPOUT_MODES)}")
-    if recompute is not None and not isinstance(recompute, bool):
-        raise PlanningError(f"recompute: expected True, False or None (searched), got {recompute!r}")
+    for name, value in (("recompute", recompute), ("decouple", decouple)):
+        if value is not None and not isinstance(value, bool):
+            raise PlanningError(f"{name}: expected True, False or None (searched), got {value!r}")
     fixed: dict[str, Any] = {"seed": seed, "dropout": dropout}
     if partitioner is not None:
         fixed["partitioner"] = partitioner
     if recompute is not None:
         fixed["recompute"] = recompute
+    if decouple is not None:
+        fixed["decouple"] = decouple
     if devices not in ("all", "any"):
         raise PlanningError(f"devices: expected 'all' or 'any', got {devices!r}")
     ranks = rank_counts(cluster) if devices == "any" else [cluster.num_devices]
@@ -118,6 +125,7 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
     if strategy is not None:
         fixed.setdefault("partitioner", "metis")
         fixed.setdefault("recompute", False)
+        fixed.setdefault("decouple", False)
     result = search(model, graph, cluster, semantics=semantics, strategies=None if strategy is None else [strategy],
                     fixed=fixed, ranks=ranks, overlap=overlap)
     best = result.best

@@ -77,7 +77,7 @@ def _make_plan(args: argparse.Namespace):
                                num_layers=args.layers, dropout=args.dropout, **extra)
     strategy = None if args.strategy == "auto" else args.strategy
     p = plan(model, graph, gpus=_gpus(args.gpus), strategy=strategy, semantics=args.semantics,
-             partitioner=args.partitioner, seed=args.seed, recompute=args.recompute)
+             partitioner=args.partitioner, seed=args.seed, recompute=args.recompute, decouple=args.decouple)
     return graph, model, p
 
 
@@ -331,6 +331,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="vertex partitioner (default: searched with auto, metis with a named strategy)")
     p.add_argument("--recompute", default=None, action=argparse.BooleanOptionalAction,
                    help="recompute T segments in backward (default: searched with auto, off with a named strategy)")
+    p.add_argument("--decouple", default=None, action=argparse.BooleanOptionalAction,
+                   help="tensor: decoupled model, all T ops then all propagations (relaxed for non-linear models)")
     p.add_argument("--explain", action="store_true", help="print the planner's candidates and why it chose the plan")
     p.add_argument("--timeline", default=None, metavar="PATH", help="draw the predicted (and measured) timeline")
     p.add_argument("--memory-plot", default=None, metavar="PATH", help="draw the predicted memory per rank")

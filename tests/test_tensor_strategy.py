@@ -123,7 +123,7 @@ def test_edge_ops_are_refused(sbm: gc.Graph) -> None:
             gc.plan(model.to(DT), sbm, 2, strategy="tensor")
 
 
-def test_output_in_columns_is_refused(sbm: gc.Graph) -> None:
+def test_output_in_columns_is_gathered_back_to_rows(sbm: gc.Graph) -> None:
     class EndsWithPropagation(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -132,8 +132,12 @@ def test_output_in_columns_is_refused(sbm: gc.Graph) -> None:
         def forward(self, g, x):
             return ops.propagate(g, self.lin(x), norm="gcn", add_self_loops=True)
 
-    with pytest.raises(PlanningError, match="loss needs vertex rows"):
-        gc.plan(EndsWithPropagation().to(DT), sbm, 2, strategy="tensor")
+    torch.manual_seed(0)
+    model = EndsWithPropagation().to(DT)
+    p = gc.plan(model, sbm, 3, strategy="tensor")
+    last = [str(i) for i in p.ranks[0].instructions if isinstance(i, AllToAll)]
+    assert last[1] == "A2A propagate c0 cols->rows" and last[2] == "A2A grad propagate c0 cols->rows"
+    check_plan(model, sbm, 3, strategy="tensor", rtol=1e-9, atol=1e-11, timeout=60)
 
 
 def test_batchnorm_is_refused_under_exact(sbm: gc.Graph) -> None:
@@ -167,3 +171,39 @@ def test_tensor_plan_from_statistics() -> None:
     p = gc.plan(gc.nn.GCN(128, 128, 172, num_layers=3), stats, "8x8xA100-ib200", strategy="tensor")
     assert p.program is None and p.prediction.step_time > 0
     assert p.ranks[0].sizes["all_nodes"] == stats.num_nodes
+
+
+# --------------------------------------------------------------------------- decoupled (NeutronTP §4.1)
+@pytest.mark.parametrize("layers", [2, 4, 8])
+def test_decoupled_tensor_has_four_collectives_per_step(sbm: gc.Graph, layers: int) -> None:
+    torch.manual_seed(0)
+    model = gc.nn.GCN(6, 5, 3, num_layers=layers, dropout=0.5).to(DT)
+    p = gc.plan(model, sbm, 3, strategy="tensor", decouple=True, semantics="relaxed")
+    a2a = [i for i in p.ranks[0].instructions if isinstance(i, AllToAll)]
+    assert len(a2a) == 4 and [i.grad for i in a2a] == [False, False, True, True]
+    assert p.relaxations and "decoupled" in p.relaxations[0] and p.semantics == "relaxed"
+
+
+def test_decoupled_tensor_equals_the_decoupled_model_on_one_rank(sbm: gc.Graph) -> None:
+    """n ranks train the decoupled model exactly as one rank does (the decoupled single-device reference)."""
+    results = []
+    for n in (1, 3):
+        torch.manual_seed(0)
+        model = gc.nn.GCN(6, 5, 3, num_layers=2, dropout=0.5).to(DT)
+        p = gc.plan(model, sbm, n, strategy="tensor", decouple=True, semantics="relaxed")
+        results.append(p.run(epochs=1, seed=0, capture=True, update_model=False, timeout=60))
+    one, three = results
+    torch.testing.assert_close(torch.tensor(three.history.loss[0]), torch.tensor(one.history.loss[0]),
+                               rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(three.captured["logits"], one.captured["logits"], rtol=1e-9, atol=1e-11)
+    for name, g in one.captured["grads"].items():
+        torch.testing.assert_close(three.captured["grads"][name], g, rtol=1e-9, atol=1e-11)
+
+
+def test_decoupling_a_nonlinear_model_is_refused_under_exact(sbm: gc.Graph) -> None:
+    torch.manual_seed(0)
+    with pytest.raises(PlanningError, match="decoupling changes this model"):
+        gc.plan(gc.nn.GCN(6, 5, 3).to(DT), sbm, 2, strategy="tensor", decouple=True)
+    # the planner never proposes it under exact semantics
+    p = gc.plan(gc.nn.GCN(6, 5, 3).to(DT), sbm, "2xA5000")
+    assert all(not e.candidate.options.get("decouple") for e in p.search.ranked + p.search.rejected)

@@ -156,7 +156,7 @@ def verify_plan(plan: Plan, *, inputs: Optional[Iterable[str]] = None) -> PlanRe
     _check_point_to_point(plan)
     _check_collectives(plan)
     for dp in plan.ranks:
-        _check_dataflow(dp, names, chunks)
+        _check_dataflow(dp, names, chunks, plan.info.get("output"))
     steps = _dry_run(plan)
     sent, recv = [0.0] * plan.num_ranks, [0.0] * plan.num_ranks
     for dp in plan.ranks:
@@ -446,7 +446,7 @@ def _check_pairwise(plan: Plan, group: tuple[int, ...], idx: list[int], insts: l
 
 
 # --------------------------------------------------------------------------- 4. dataflow
-def _check_dataflow(dp: DevicePlan, inputs: frozenset[str], chunks: int) -> None:
+def _check_dataflow(dp: DevicePlan, inputs: frozenset[str], chunks: int, output: Optional[str] = None) -> None:
     """Check 4: every value and gradient rank ``dp`` uses is available at that step (rules in the module docstring)."""
     stages = {s.index: s for s in dp.stages}
     consumers: dict[str, list[int]] = defaultdict(list)
@@ -459,6 +459,8 @@ def _check_dataflow(dp: DevicePlan, inputs: frozenset[str], chunks: int) -> None
             incoming[inst.value, inst.chunk] += 1
     with_incoming = {v for v, _ in incoming}
     loss_roots = {o for s in dp.stages for o in s.outputs if not consumers[o] and o not in with_incoming}
+    if output is not None and output not in consumers:  # the loss reads it (a converted output, e.g. value@rows)
+        loss_roots.add(output)
     available: set[tuple[str, int]] = set()
     freed: dict[tuple[str, int], int] = {}
     grads: Counter[tuple[str, int]] = Counter()  # contributions received so far

@@ -44,12 +44,15 @@ from ..ir.tpgraph import TPGraph, TPInfo
 from .recompute import draws_random_numbers
 
 __all__ = [
-    "LAYOUTS", "CONVERSIONS", "Decisions", "Conversion", "StagedModel", "split_stages", "sequential_schedule",
+    "LAYOUTS", "OUTPUT", "CONVERSIONS", "Decisions", "Conversion", "StagedModel", "split_stages", "sequential_schedule",
     "forward_schedule",
     "source_input", "call_arguments", "requires_grad_values",
 ]
 
 LAYOUTS = ("rows", "cols", "replicated")
+
+#: The consumer name of the model output's conversion (the loss).
+OUTPUT = "output"
 
 #: (layout a value has, layout a consumer needs) -> the conversion that provides it.
 CONVERSIONS: dict[tuple[str, str], str] = {
@@ -84,12 +87,16 @@ class Decisions:
 
     ``layout``: value (fx node name) -> ``"rows" | "cols" | "replicated"``; values not listed are
     ``default_layout``. ``needs``: ``(consumer, producer)`` -> the layout the consumer needs the
-    producer's value in (only where it differs from the producer's layout).
+    producer's value in (only where it differs from the producer's layout). ``output_layout``: the
+    layout the loss needs the output in; a conversion of the output (consumed by ``OUTPUT``) is
+    added where it differs.
     """
 
     layout: Mapping[str, str] = field(default_factory=dict)
     needs: Mapping[tuple[str, str], str] = field(default_factory=dict)
     default_layout: str = "rows"
+    #: the layout the loss needs the model's output in (``None``: wherever it is)
+    output_layout: Optional[str] = None
 
     def layout_of(self, value: str) -> str:
         return self.layout.get(value, self.default_layout)
@@ -121,7 +128,8 @@ class StagedModel:
     output: str
 
     def first_consumer_stage(self, conv: Conversion) -> int:
-        return min(self.stage_of[c] for c in conv.consumers)
+        """The stage that first needs ``conv`` (``len(stages)`` for the output's conversion: after the last)."""
+        return min(self.stage_of.get(c, len(self.stages)) for c in conv.consumers)
 
     def producer_stage(self, conv: Conversion) -> int:
         return self.stage_of.get(conv.value, -1)
@@ -303,8 +311,18 @@ def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
                    needs_grad=value in req)
         for (value, kind), e in conv_by_key.items()
     ]
+    output = out_arg.name
+    have = decisions.layout_of(output)
+    if decisions.output_layout is not None and decisions.output_layout != have:
+        kind = CONVERSIONS.get((have, decisions.output_layout))
+        if kind is None:
+            raise PlanningError(f"the loss needs the output {output!r} in layout {decisions.output_layout!r} but it is "
+                                f"{have!r}, and no conversion {have}->{decisions.output_layout} exists")
+        conversions.append(Conversion(kind=kind, value=output, output=converted_name(output, kind),
+                                      consumers=(OUTPUT,), needs_grad=output in req))
+        output = converted_name(output, kind)
     return StagedModel(tp=tp, stages=stages, modules=modules, conversions=conversions, stage_of=stage_of,
-                       output=out_arg.name)
+                       output=output)
 
 
 def sequential_schedule(staged: StagedModel, convert: Callable[[Conversion, bool], list[Instruction]],
@@ -317,6 +335,9 @@ def sequential_schedule(staged: StagedModel, convert: Callable[[Conversion, bool
     """
     by_first = _conversions_by_first_consumer(staged)
     out = forward_schedule(staged, convert, chunk)
+    for c in reversed(by_first.get(len(staged.stages), [])):  # the output's conversion: its gradient first
+        if c.needs_grad:
+            out.extend(convert(c, True))
     for k in reversed(range(len(staged.stages))):
         out.append(Backward(k, chunk))
         for c in reversed(by_first.get(k, [])):
@@ -335,6 +356,8 @@ def forward_schedule(staged: StagedModel, convert: Callable[[Conversion, bool], 
         for c in by_first.get(k, []):
             out.extend(convert(c, False))
         out.append(Forward(k, chunk))
+    for c in by_first.get(len(staged.stages), []):  # the output's conversion, after the last stage
+        out.extend(convert(c, False))
     return out
 
 

@@ -56,6 +56,9 @@ class StrategySpace:
 
 
 def _data_space(semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
+    fixed = dict(fixed)
+    if fixed.pop("decouple", False):  # the data lowering has no decoupled form
+        return []
     axes = {"partitioner": ["metis", "random"], "recompute": [False, True]}
     for k in list(axes):
         if k in fixed:
@@ -74,7 +77,9 @@ def _data_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: An
 def _tensor_space(semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
     rest = {k: v for k, v in fixed.items() if k != "partitioner"}  # whole graph on every rank: no partition
     recompute = [rest.pop("recompute")] if "recompute" in rest else [False, True]
-    return [{**rest, "recompute": rc, "semantics": semantics} for rc in recompute]
+    # decoupling changes non-linear models: a candidate only where relaxations are allowed
+    decouple = [rest.pop("decouple")] if "decouple" in rest else ([False, True] if semantics == "relaxed" else [False])
+    return [{**rest, "recompute": rc, "decouple": dc, "semantics": semantics} for rc in recompute for dc in decouple]
 
 
 def _tensor_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Any, n: int,

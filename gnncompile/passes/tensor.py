@@ -17,8 +17,14 @@ whole feature rows of a block of vertices. Decisions (applied by :mod:`gnncompil
 The loss is the sum over the rank's training rows divided by the global count, as for ``data``:
 exact. Not supported yet (refused with :class:`~gnncompile.errors.PlanningError`): edge-wise ops
 (GAT's attention needs whole feature rows per edge: NeutronTP §4.1), multi-dimensional vertex
-values, models whose output is a propagation (the loss needs rows), propagations with computed
-edge weights, and sparse input features read directly by a propagation. Row-mixing T ops
+values, propagations with computed edge weights, and sparse input features read directly by a
+propagation. A model whose output is a propagation has it gathered back to rows for the loss.
+
+``decouple=True`` (NeutronTP §4.1, generalized decoupling) lowers the ``decouple`` pass's model
+instead: every T op first (rows), one conversion, the L propagations back to back (cols), one
+conversion back: 4 collectives per step (2 forward, 2 backward) whatever L is. It changes the model
+unless the layers are linear, so it is refused under ``semantics="exact"`` then, and recorded as a
+relaxation otherwise. Row-mixing T ops
 (BatchNorm) are refused under ``semantics="exact"`` as for ``data``.
 
 Communication per step: every conversion moves ``(n - 1) / n`` of a ``|V| x D`` tensor in each
@@ -36,7 +42,7 @@ from typing import Any, Union
 import torch
 import torch.fx
 
-from ..errors import PlanningError
+from ..errors import PassError, PlanningError
 from ..graph.core import Graph, GraphStats
 from ..graph.shard import slice_rows
 from ..ir.plan import AllReduce, AllToAll, DevicePlan, Instruction, OptimizerStep, Plan, RankProgram
@@ -44,6 +50,7 @@ from ..ir.tpgraph import TPGraph
 from .data import DROPOUT_MODES, _dropout_index, replicate_dropout_masks, row_mixing_ops
 from .lower import Conversion, Decisions, StagedModel, forward_schedule, sequential_schedule, source_input, \
     split_stages
+from .decouple import decouple, plan_decoupling
 from .recompute import insert_recomputation
 
 __all__ = ["TensorOptions", "tensor_decisions", "column_splits", "row_blocks", "lower_tensor"]
@@ -59,8 +66,14 @@ class TensorOptions:
     semantics: str = "exact"
     dropout: str = "replicated"
     recompute: bool = False
+    #: NeutronTP §4.1 generalized decoupling (the ``decouple`` pass): all T ops first on rows, one
+    #: conversion, the L propagations on columns, one conversion back: 4 collectives per step
+    #: whatever L is. Relaxed unless the model is linear after its first transformation.
+    decouple: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.decouple, bool):
+            raise PlanningError(f"decouple: expected True or False, got {self.decouple!r}")
         if self.semantics not in ("exact", "relaxed"):
             raise PlanningError(f"unknown semantics {self.semantics!r}; valid: 'exact', 'relaxed'")
         if self.dropout not in DROPOUT_MODES:
@@ -70,7 +83,7 @@ class TensorOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return {"strategy": "tensor", "seed": self.seed, "semantics": self.semantics, "dropout": self.dropout,
-                "recompute": self.recompute}
+                "recompute": self.recompute, "decouple": self.decouple}
 
 
 def column_splits(width: int, n: int) -> list[int]:
@@ -116,11 +129,27 @@ def tensor_decisions(tp: TPGraph) -> Decisions:
             for p in n.all_input_nodes:
                 if layout.get(p.name) == "cols":
                     needs[(n.name, p.name)] = "rows"
-    out = next(n for n in tp.graph.nodes if n.op == "output").args[0]
-    if isinstance(out, torch.fx.Node) and layout.get(out.name) == "cols":
-        raise PlanningError(f"strategy 'tensor': the model's output {out.name!r} is a propagation (cols layout); "
-                            "the loss needs vertex rows")
-    return Decisions(layout=layout, needs=needs, default_layout="rows")
+    # a model ending in a propagation (decoupled models do) has its output gathered back to rows
+    return Decisions(layout=layout, needs=needs, default_layout="rows", output_layout="rows")
+
+
+def _decoupled(tp: TPGraph, tp_eval: TPGraph, semantics: str) -> tuple[TPGraph, TPGraph, str]:
+    """``tp`` and ``tp_eval`` decoupled, and the relaxation to record ("" when exact).
+
+    Raises :class:`PlanningError` under ``semantics="exact"`` when decoupling changes the model.
+    """
+    plan = plan_decoupling(tp)
+    if not plan.exact and semantics == "exact":
+        raise PlanningError("decoupling changes this model (" + "; ".join(plan.reasons) + "); pass "
+                            "semantics='relaxed' to train the decoupled model")
+    try:
+        out = (decouple(tp, semantics="relaxed", share_parameters=True),
+               decouple(tp_eval, semantics="relaxed", share_parameters=True))
+    except PassError as e:
+        raise PlanningError(f"strategy 'tensor' cannot decouple this model: {e}") from None
+    what = "" if plan.exact else (f"decoupled propagation (NeutronTP §4.1): the model becomes MLP then "
+                                  f"{len(plan.propagations)} propagations")
+    return out[0], out[1], what
 
 
 def _width(tp: TPGraph, value: str) -> tuple[int, str]:
@@ -143,6 +172,10 @@ def lower_tensor(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: U
             raise PlanningError(f"strategy 'tensor' is not exact for this model: {what}. Each rank would use its own "
                                 "rows only; pass semantics='relaxed' to accept per-rank statistics")
         relaxations.append(f"per-rank statistics ({', '.join(op for op, _ in mixing)})")
+    if options.decouple:
+        tp, tp_eval, relaxation = _decoupled(tp, tp_eval, options.semantics)
+        if relaxation:
+            relaxations.append(relaxation)
     tensor_decisions(tp)  # refuses what the strategy does not support, before any rewriting
     concrete = isinstance(graph, Graph)
     stats = graph.stats() if concrete else graph

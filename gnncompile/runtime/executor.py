@@ -228,6 +228,18 @@ class _Rank:
                 values.pop(ins.value, None)
             else:
                 self._comm(ins, values, grads)
+                if getattr(ins, "output", None) == output and not getattr(ins, "grad", False):
+                    # the output arrives by communication (e.g. gathered back to rows): the loss starts
+                    # here, and its gradient is what the matching gradient communication sends back
+                    logits = values[output]
+                    if optimizer is not None and logits.is_floating_point():
+                        logits = logits.detach().requires_grad_(True)
+                        values[output] = logits
+                    result = loss_fn(logits)
+                    if capture is not None:
+                        capture["logits"] = logits.detach().cpu().clone()
+                    if optimizer is not None and result is not None and result.requires_grad:
+                        grads[output] = torch.autograd.grad(result, logits)[0]
             if timeline is not None:
                 timeline.append(TimelineEvent(epoch, str(ins), t0 - t_origin, time.perf_counter() - t_origin))
         return result, values.get(output)
