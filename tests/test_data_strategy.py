@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch
@@ -27,8 +27,7 @@ from gnncompile.ir.verify_plan import verify_plan
 from gnncompile.passes.lower import split_stages
 from gnncompile.passes.data import data_decisions
 from gnncompile.testing import check_plan, reference_step
-
-DT = torch.float64
+from graph_strategies import DT, small_graphs
 
 MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {
     "gcn": lambda f, c: gc.nn.GCN(f, 6, c, num_layers=2, dropout=0.0),
@@ -42,27 +41,6 @@ MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {
     "gat_dropout": lambda f, c: gc.nn.GAT(f, 3, c, num_layers=2, heads=2, dropout=0.4),
     "gcnii_dropout": lambda f, c: gc.nn.GCNII(f, 6, c, num_layers=3, dropout=0.5),
 }
-
-
-def labelled(g: gc.Graph, num_classes: int = 3, seed: int = 0) -> gc.Graph:
-    gen = torch.Generator().manual_seed(seed)
-    n = g.num_nodes
-    y = torch.randint(0, num_classes, (n,), generator=gen)
-    train = torch.rand(n, generator=gen) < 0.6
-    train[0] = True
-    return g.replace(x=torch.randn(n, 5, generator=gen, dtype=DT), y=y, train_mask=train, val_mask=~train,
-                     test_mask=~train, num_classes=num_classes)
-
-
-@st.composite
-def small_graphs(draw: Callable[..., Any]) -> gc.Graph:
-    """4-14 vertices plus 0-2 isolated ones; self loops, parallel and one-directional edges."""
-    n = draw(st.integers(4, 14))
-    extra = draw(st.integers(0, 2))
-    pairs = draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), min_size=1, max_size=40))
-    ei = torch.tensor(pairs, dtype=torch.long).t().contiguous()
-    g = gc.Graph.from_edge_index(ei, n + extra)
-    return labelled(g, seed=draw(st.integers(0, 99)))
 
 
 def model_for(name: str, g: gc.Graph, seed: int = 0) -> torch.nn.Module:

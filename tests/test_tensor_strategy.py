@@ -8,7 +8,7 @@ divide by the rank count included) and recomputation on/off, and checks with
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch
@@ -21,8 +21,7 @@ from gnncompile.cost_models import formulas
 from gnncompile.ir.plan import AllToAll
 from gnncompile.passes.tensor import column_splits, row_blocks
 from gnncompile.testing import check_plan
-
-DT = torch.float64
+from graph_strategies import DT, labelled, small_graphs
 
 MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {
     "gcn": lambda f, c: gc.nn.GCN(f, 5, c, num_layers=2, dropout=0.0),
@@ -32,24 +31,6 @@ MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {
     "gcn_dropout": lambda f, c: gc.nn.GCN(f, 5, c, num_layers=2, dropout=0.5),
     "gcnii_dropout": lambda f, c: gc.nn.GCNII(f, 5, c, num_layers=3, dropout=0.5),
 }
-
-
-def labelled(g: gc.Graph, num_classes: int = 3, seed: int = 0) -> gc.Graph:
-    gen = torch.Generator().manual_seed(seed)
-    n = g.num_nodes
-    train = torch.rand(n, generator=gen) < 0.6
-    train[0] = True
-    return g.replace(x=torch.randn(n, 6, generator=gen, dtype=DT), y=torch.randint(0, num_classes, (n,), generator=gen),
-                     train_mask=train, val_mask=~train, test_mask=~train, num_classes=num_classes)
-
-
-@st.composite
-def small_graphs(draw: Callable[..., Any]) -> gc.Graph:
-    n = draw(st.integers(4, 14))
-    extra = draw(st.integers(0, 2))
-    pairs = draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), min_size=1, max_size=40))
-    g = gc.Graph.from_edge_index(torch.tensor(pairs, dtype=torch.long).t().contiguous(), n + extra)
-    return labelled(g, seed=draw(st.integers(0, 99)))
 
 
 def model_for(name: str, g: gc.Graph) -> torch.nn.Module:
@@ -98,7 +79,7 @@ def test_plan_alternates_layouts(sbm: gc.Graph) -> None:
 def test_bytes_equal_neutrontp_closed_form() -> None:
     """Widths and vertex counts that divide: the total is 4 (N-1)/N V D L (forward and backward)."""
     g = labelled(gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=5, num_features=6, num_classes=8, seed=2),
-                 num_classes=8)
+                 num_classes=8, num_features=6)
     torch.manual_seed(0)
     model = gc.nn.GCN(6, 8, 8, num_layers=2, dropout=0.0).to(DT)
     for n in (2, 4):

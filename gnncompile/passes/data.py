@@ -50,7 +50,7 @@ from .recompute import insert_recomputation
 from .lower import Conversion, Decisions, StagedModel, call_arguments, forward_schedule, sequential_schedule, \
     source_input, split_stages
 
-__all__ = ["DataOptions", "DROPOUT_MODES", "data_decisions", "row_mixing_ops", "replicate_dropout_masks",
+__all__ = ["DataOptions", "DROPOUT_MODES", "check_options", "data_decisions", "row_mixing_ops", "replicate_dropout_masks",
            "lower_data", "halo_bytes"]
 
 DROPOUT_MODES = ("replicated", "local")
@@ -90,17 +90,23 @@ class DataOptions:
     def __post_init__(self) -> None:
         if self.partitioner not in PARTITIONERS:
             raise PlanningError(f"unknown partitioner {self.partitioner!r}; valid: {', '.join(PARTITIONERS)}")
-        if self.semantics not in ("exact", "relaxed"):
-            raise PlanningError(f"unknown semantics {self.semantics!r}; valid: 'exact', 'relaxed'")
-        if self.dropout not in DROPOUT_MODES:
-            raise PlanningError(f"unknown dropout mode {self.dropout!r}; valid: {', '.join(DROPOUT_MODES)}")
-        if not isinstance(self.recompute, bool):
-            raise PlanningError(f"recompute: expected True or False, got {self.recompute!r}")
+        check_options(self.semantics, self.dropout, recompute=self.recompute)
 
     def to_dict(self) -> dict[str, Any]:
         """The recorded options of a plan (``Plan.options``): lowering again with them gives the same plan."""
         return {"strategy": "data", "partitioner": self.partitioner, "seed": self.seed,
                 "semantics": self.semantics, "dropout": self.dropout, "recompute": self.recompute}
+
+
+def check_options(semantics: str, dropout: str, **flags: Any) -> None:
+    """Validate the options strategies share: ``semantics``, ``dropout`` and boolean ``flags``."""
+    if semantics not in ("exact", "relaxed"):
+        raise PlanningError(f"unknown semantics {semantics!r}; valid: 'exact', 'relaxed'")
+    if dropout not in DROPOUT_MODES:
+        raise PlanningError(f"unknown dropout mode {dropout!r}; valid: {', '.join(DROPOUT_MODES)}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise PlanningError(f"{name}: expected True or False, got {value!r}")
 
 
 _INDEX_INPUTS = {"V": "dropout_index_v", "E": "dropout_index_e", "E+V": "dropout_index_ev",

@@ -47,7 +47,7 @@ from ..graph.core import Graph, GraphStats
 from ..graph.shard import slice_rows
 from ..ir.plan import AllReduce, AllToAll, DevicePlan, Instruction, OptimizerStep, Plan, RankProgram
 from ..ir.tpgraph import TPGraph
-from .data import DROPOUT_MODES, _dropout_index, replicate_dropout_masks, row_mixing_ops
+from .data import _dropout_index, check_options, replicate_dropout_masks, row_mixing_ops
 from .lower import Conversion, Decisions, StagedModel, forward_schedule, sequential_schedule, source_input, \
     split_stages
 from .decouple import decouple, plan_decoupling
@@ -72,14 +72,7 @@ class TensorOptions:
     decouple: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.decouple, bool):
-            raise PlanningError(f"decouple: expected True or False, got {self.decouple!r}")
-        if self.semantics not in ("exact", "relaxed"):
-            raise PlanningError(f"unknown semantics {self.semantics!r}; valid: 'exact', 'relaxed'")
-        if self.dropout not in DROPOUT_MODES:
-            raise PlanningError(f"unknown dropout mode {self.dropout!r}; valid: {', '.join(DROPOUT_MODES)}")
-        if not isinstance(self.recompute, bool):
-            raise PlanningError(f"recompute: expected True or False, got {self.recompute!r}")
+        check_options(self.semantics, self.dropout, recompute=self.recompute, decouple=self.decouple)
 
     def to_dict(self) -> dict[str, Any]:
         return {"strategy": "tensor", "seed": self.seed, "semantics": self.semantics, "dropout": self.dropout,
