@@ -270,9 +270,11 @@ def test_halo_volume_direction() -> None:
 def test_pipeline_plan_verifies_with_its_dry_run() -> None:
     report = verify_plan(pipeline_plan())
     assert report.instructions == [9, 9]
+    # eager sends: rank 0 posts both activations at once; rank 1 then runs to its end; rank 0's
+    # gradient receives complete in the next round
     assert report.steps == [
-        [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (1, 2), (0, 3), (1, 3), (1, 4), (1, 5), (0, 4), (1, 6)],
-        [(0, 5), (0, 6), (1, 7), (0, 7), (0, 8), (1, 8)],
+        [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 6), (1, 7), (1, 8)],
+        [(0, 4), (0, 5), (0, 6), (0, 7), (0, 8)],
     ]
     assert report.num_rounds == 2
     moved = (10 + 6) * 16 * F32  # h of both chunks one way, its gradient back
@@ -453,8 +455,8 @@ def test_deadlock_names_both_ranks() -> None:
         verify_plan(edit(plan, 0, r0))
     msg = str(e.value)
     assert msg.startswith("deadlock: no rank can advance after 2 of 18 instructions completed")
-    assert "rank 0 at step 2 `RECV grad h c1 <-1` waits for rank 1, which is at step 0 `RECV h c0 <-0`" in msg
-    assert "rank 1 at step 0 `RECV h c0 <-0` waits for rank 0, which is at step 2 `RECV grad h c1 <-1`" in msg
+    assert "rank 0 at step 2 `RECV grad h c1 <-1` waits for a SEND from rank 1, which is at step 0 `RECV h c0 <-0`" in msg
+    assert "rank 1 at step 0 `RECV h c0 <-0` waits for a SEND from rank 0, which is at step 2 `RECV grad h c1 <-1`" in msg
 
 
 def test_collective_deadlock_over_overlapping_groups() -> None:

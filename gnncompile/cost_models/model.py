@@ -147,10 +147,25 @@ def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
     s = dp.sizes
     nodes, edges, src = s.get("nodes", 0), s.get("edges", 0), s.get("src", s.get("nodes", 0))
     features = int(plan.info.get("features", 0))
-    params = int(plan.info.get("params", 0))
+    params = int(plan.info.get("params", 0)) if s.get("trains", 1) else 0
     pbytes = params * _elsize(plan.info.get("param_dtype", "float32"))
-    return StaticMemory(topology=36 * edges + 8 * (nodes + 1) + 8 * (src + 1), features=4 * nodes * features,
-                        labels=11 * nodes, parameters=pbytes, gradients=pbytes, optimizer=2 * pbytes)
+    rows = s.get("feature_rows", nodes)  # a rank that runs no T op holds no features or labels
+    return StaticMemory(topology=36 * edges + 8 * (nodes + 1) + 8 * (src + 1) if edges else 0,
+                        features=4 * rows * features, labels=11 * rows, parameters=pbytes, gradients=pbytes,
+                        optimizer=2 * pbytes)
+
+
+def chunk_sizes(sizes: dict[str, int]) -> dict[str, int]:
+    """The sizes one chunk of a chunked rank works on (``sizes["chunks"]`` equal chunks): vertex and
+    edge counts divided, the source rows a propagation reads (its working set) kept."""
+    k = max(int(sizes.get("chunks", 1)), 1)
+    if k == 1:
+        return sizes
+    out = dict(sizes)
+    for key in ("nodes", "edges", "all_nodes"):
+        if key in out:
+            out[key] = -(-out[key] // k)
+    return out
 
 
 class PlanCost:
@@ -175,8 +190,9 @@ class PlanCost:
 
     # ------------------------------------------------------------------ compute
     def stage_time(self, rank: int, stage: StageSpec, backward: bool) -> float:
+        """Seconds of one Forward/Backward of ``stage`` (one chunk's share on a chunked rank)."""
         dev = self.devices[rank]
-        sizes = self.plan.ranks[rank].sizes
+        sizes = chunk_sizes(self.plan.ranks[rank].sizes)
         t = dev.runtime.get("stage", 0.0) + sum(op_time(op, sizes, dev, backward=backward) for op in stage.costs)
         if backward:  # checkpointed segments run their forward again
             t += sum(op_time(op, sizes, dev) for op in stage.costs if op.recompute)
@@ -231,7 +247,7 @@ class PlanCost:
     def _rank_costs(self, dp: DevicePlan) -> dict[Instruction, Cost]:
         """Time and memory events of each instruction of ``dp`` (the liveness walk of the module docstring)."""
         stages = {s.index: s for s in dp.stages}
-        sizes = dp.sizes
+        sizes = chunk_sizes(dp.sizes)
         dev = self.devices[dp.rank]
         value_bytes: dict[str, float] = {}
         for s in dp.stages:
@@ -245,12 +261,19 @@ class PlanCost:
                 value_bytes[inst.output] = sum(math.prod(s) for s in inst.recv_shapes) * _elsize(inst.dtype)
         # last forward consumer and backward consumer of every value, per chunk
         last_use: dict[tuple[str, int], int] = {}
+        backward_at: dict[tuple[int, int], int] = {}
         for i, inst in enumerate(dp.instructions):
             if isinstance(inst, (Forward, Recompute)):
-                for v in stages[inst.stage].inputs:
-                    last_use[v, inst.chunk] = i
-            elif isinstance(inst, (Send, HaloExchange, AllToAll, AllGather, ReduceScatter)) and not inst.grad:
+                st = stages[inst.stage]
+                for v in st.inputs:
+                    for k in st.chunks_read(v, inst.chunk):
+                        last_use[v, k] = i
+            elif isinstance(inst, Send) and not inst.grad:
+                last_use[inst.name, inst.chunk] = i
+            elif isinstance(inst, (HaloExchange, AllToAll, AllGather, ReduceScatter)) and not inst.grad:
                 last_use[inst.value, inst.chunk] = i
+            elif isinstance(inst, Backward):
+                backward_at[inst.stage, inst.chunk] = i
         frees: dict[int, float] = {}  # instruction index -> bytes released at its end
 
         def release_at(i: int, nbytes: float) -> None:
@@ -258,6 +281,7 @@ class PlanCost:
 
         costs: dict[Instruction, Cost] = {}
         grad_made: dict[tuple[str, int], float] = {}
+        received: dict[tuple[str, int], float] = {}
         for i, inst in enumerate(dp.instructions):
             alloc = 0.0
             transient = 0.0
@@ -268,8 +292,7 @@ class PlanCost:
                 outs = sum(value_bytes.get(o, 0.0) for o in st.outputs)
                 transient = max((value_bytes.get(op.name, 0.0) for op in st.costs), default=0.0)
                 alloc = saved + outs
-                back = dp.instructions.index(Backward(inst.stage, inst.chunk)) \
-                    if Backward(inst.stage, inst.chunk) in dp.instructions else len(dp.instructions) - 1
+                back = backward_at.get((inst.stage, inst.chunk), len(dp.instructions) - 1)
                 release_at(back, saved)
                 for o in st.outputs:
                     release_at(max(last_use.get((o, inst.chunk), i), i), value_bytes.get(o, 0.0))
@@ -309,8 +332,12 @@ class PlanCost:
                         release_at(max(last_use.get((inst.output, inst.chunk), i), i), alloc)
                 elif isinstance(inst, Recv) and not inst.grad:
                     alloc = math.prod(inst.shape) * _elsize(inst.dtype)
-                    value_bytes[inst.value] = alloc
-                    release_at(max(last_use.get((inst.value, inst.chunk), i), i), alloc)
+                    if inst.part:  # a block of (name, chunk): the value is the sum of its blocks
+                        got = received[inst.name, inst.chunk] = received.get((inst.name, inst.chunk), 0.0) + alloc
+                        value_bytes[inst.name] = max(value_bytes.get(inst.name, 0.0), got)
+                    else:
+                        value_bytes[inst.name] = alloc
+                    release_at(max(last_use.get((inst.name, inst.chunk), i), i), alloc)
                 transient = 0.0
             costs[inst] = Cost(seconds=seconds, stream=stream, alloc=int(alloc + transient), free=int(transient))
         for i, nbytes in frees.items():

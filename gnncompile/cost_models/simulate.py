@@ -11,8 +11,9 @@ Semantics
   in-order streams, ``compute`` and ``comm``: an instruction starts when its stream is free and the
   instructions of the same rank it depends on (its data dependencies, below) have finished, so
   computation does not wait for unrelated communication.
-- Send/Recv are rendezvous: the k-th Send from r to q matches the k-th Recv on q from r; the pair
-  starts when both sides are ready and both end at ``start + max(cost of the two sides)``.
+- Sends are eager (the runtime's ``isend``): a Send runs for its cost as soon as it is ready; the
+  k-th Send from r to q matches the k-th Recv on q from r, which ends at the later of its own
+  ready time and the Send's end (the data has arrived). A Send/Recv reads/writes its ``local`` name.
   Collectives (``COLLECTIVES``): the k-th collective over a group on each member is the same
   collective (it must agree in type, value, chunk and grad); it starts when every member is ready
   and ends on all at ``start + max`` of the members' costs. Time between being ready and the start
@@ -280,26 +281,28 @@ def _dependencies(dp: DevicePlan, inputs: frozenset[str], streams: list[str]) ->
             if isinstance(inst, Backward):
                 for o in spec.outputs:
                     deps.update(grad_writers.get((o, c), ()))
-                for v in spec.inputs + spec.outputs:
-                    read(deps, i, v, c)
+                    read(deps, i, o, c)
                 for v in dict.fromkeys(spec.inputs):
-                    grad_writers[v, c].append(i)
+                    for k in spec.chunks_read(v, c):
+                        read(deps, i, v, k)
+                        grad_writers[v, k].append(i)
                 backwards.append(i)
             else:
                 for v in spec.inputs:
-                    read(deps, i, v, c)
+                    for k in spec.chunks_read(v, c):
+                        read(deps, i, v, k)
                 for o in spec.outputs:
                     write(i, o, c)
         elif isinstance(inst, Send):
             if inst.grad:
-                deps.update(grad_writers.get((inst.value, inst.chunk), ()))
+                deps.update(grad_writers.get((inst.name, inst.chunk), ()))
             else:
-                read(deps, i, inst.value, inst.chunk)
+                read(deps, i, inst.name, inst.chunk)
         elif isinstance(inst, Recv):
             if inst.grad:
-                grad_writers[inst.value, inst.chunk].append(i)
+                grad_writers[inst.name, inst.chunk].append(i)
             else:
-                write(i, inst.value, inst.chunk)
+                write(i, inst.name, inst.chunk)
         elif isinstance(inst, AllReduce):
             if inst.value == "grads":
                 deps.update(backwards)
@@ -422,12 +425,22 @@ def simulate(plan: Plan, cost: CostFn, *, overlap: bool = False,
             key_of[r][i] = key
             sites[key][r] = i
 
+    for key, at in sites.items():
+        if key[0] == "p2p" and len(at) < 2:
+            (r, i), = at.items()
+            inst = progs[r][i]
+            other = "RECV on" if isinstance(inst, Send) else "SEND from"
+            raise VerificationError(f"rank {r} step {i} `{inst}` has no matching {other} rank {inst.peer}\n"
+                                    + _window(plan.ranks[r], i))
+
     # event loop over the dependency graph
     ready: list[list[Optional[float]]] = [[None] * len(p) for p in progs]
     start: list[list[float]] = [[math.nan] * len(p) for p in progs]
     end: list[list[Optional[float]]] = [[None] * len(p) for p in progs]
     pred_done = [[False] * len(p) for p in progs]
     arrived: dict[Hashable, list] = {}  # key -> [count, latest ready time]
+    sent_end: dict[Hashable, float] = {}  # p2p key -> when its Send ended
+    recv_waiting: dict[Hashable, tuple[int, int, float]] = {}  # p2p key -> the Recv waiting for it
     done = 0
     todo: list[tuple[int, int]] = []
 
@@ -460,6 +473,22 @@ def simulate(plan: Plan, cost: CostFn, *, overlap: bool = False,
         key = key_of[r][i]
         if key is None:
             finish(r, i, t, t + costs[r][i].seconds)
+            continue
+        if key[0] == "p2p":
+            inst = progs[r][i]
+            if isinstance(inst, Send):
+                e = t + costs[r][i].seconds
+                finish(r, i, t, e)
+                sent_end[key] = e
+                waiting = recv_waiting.pop(key, None)
+                if waiting is not None:
+                    q, j, tq = waiting
+                    finish(q, j, max(tq, e), max(tq, e))
+            elif key in sent_end:
+                e = max(t, sent_end[key])
+                finish(r, i, e, e)
+            else:
+                recv_waiting[key] = (r, i, t)
             continue
         a = arrived.setdefault(key, [0, 0.0])
         a[0] += 1

@@ -436,6 +436,49 @@ def dropout_noise(x: torch.Tensor, p: float) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p).div_(1.0 - p)
 
 
+class MaskCache:
+    """Dropout masks shared by the chunks of a training step (used by the executor for chunked plans).
+
+    A chunked rank runs a stage once per chunk; :func:`dropout_rows` must then draw each op's mask of
+    the whole tensor once (at the stage's first chunk, so masks are drawn in the single-device order)
+    and reuse it for the other chunks. While a cache is active (``with cache.stage(s):``), the k-th
+    :func:`dropout_rows` call of stage ``s`` is keyed ``(s, k)``.
+    """
+
+    def __init__(self) -> None:
+        self.masks: dict[tuple[Any, int], torch.Tensor] = {}
+        self._scope: Any = None
+        self._count = 0
+
+    def stage(self, scope: Any) -> "MaskCache":
+        self._scope, self._count = scope, 0
+        return self
+
+    def __enter__(self) -> "MaskCache":
+        global _MASKS
+        _MASKS = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        global _MASKS
+        _MASKS = None
+
+    def draw(self, like: torch.Tensor, p: float) -> torch.Tensor:
+        key = (self._scope, self._count)
+        self._count += 1
+        noise = self.masks.get(key)
+        if noise is None:
+            noise = self.masks[key] = dropout_noise(like, p)
+        return noise
+
+
+_MASKS: Optional[MaskCache] = None
+
+
+def _row_noise(like: torch.Tensor, p: float) -> torch.Tensor:
+    return _MASKS.draw(like, p) if _MASKS is not None else dropout_noise(like, p)
+
+
 def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Dropout of rows ``index`` of a ``[num_rows, ...]`` tensor, with the mask of the whole tensor.
 
@@ -454,10 +497,10 @@ def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int) 
         return x
     if x.layout == torch.sparse_csr:
         values = x.values()
-        noise = dropout_noise(values.new_empty((num_rows,)), p).index_select(0, index)
+        noise = _row_noise(values.new_empty((num_rows,)), p).index_select(0, index)
         return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), values * noise, size=x.shape,
                                        check_invariants=False)
-    noise = dropout_noise(x.new_empty((num_rows,) + tuple(x.shape[1:])), p)
+    noise = _row_noise(x.new_empty((num_rows,) + tuple(x.shape[1:])), p)
     return x * noise.index_select(0, index)
 
 

@@ -139,9 +139,23 @@ def _grad(grad: bool) -> str:
     return "grad " if grad else ""
 
 
+def _part(part: tuple[int, ...]) -> str:
+    if not part:
+        return ""
+    dim, lo, hi = part
+    return f"[{lo}:{hi}]" if dim == 0 else f"[:,{lo}:{hi}]"
+
+
 @dataclass(frozen=True)
 class Send(Instruction):
-    """Send ``value`` of ``chunk`` (or its gradient) to rank ``peer``; ``shape``/``dtype`` describe it."""
+    """Send ``value`` of ``chunk`` (or its gradient) to rank ``peer``; ``shape``/``dtype`` describe it.
+
+    Sends are *eager*: a Send completes when it is posted (the runtime uses ``isend`` and waits for
+    completion at the end of the step); the matching Recv waits for it. ``local``: the name the rank
+    reads (default ``value``; e.g. the gradient of ``h@cols`` travels back as ``h``). ``part``:
+    ``(dim, start, stop)``: only that slice of the local value (or gradient) is sent (``dim`` 0:
+    rows, 1: the last dimension).
+    """
 
     value: str
     chunk: int
@@ -149,16 +163,30 @@ class Send(Instruction):
     shape: tuple[int, ...] = ()
     dtype: str = "float32"
     grad: bool = False
+    local: str = ""
+    part: tuple[int, ...] = ()
     kind: ClassVar[str] = "SEND"
     communicates: ClassVar[bool] = True
 
+    @property
+    def name(self) -> str:
+        """The local value this Send reads (its gradient when ``grad``)."""
+        return self.local or self.value
+
     def __str__(self) -> str:
-        return f"SEND {_grad(self.grad)}{self.value} c{self.chunk} ->{self.peer}"
+        where = f" ({self.local}{_part(self.part)})" if self.local else _part(self.part)
+        return f"SEND {_grad(self.grad)}{self.value} c{self.chunk}{where} ->{self.peer}"
 
 
 @dataclass(frozen=True)
 class Recv(Instruction):
-    """Receive ``value`` of ``chunk`` (or its gradient) from rank ``peer``."""
+    """Receive ``value`` of ``chunk`` (or its gradient) from rank ``peer``.
+
+    ``local``: the name the received data is stored under (default ``value``; e.g. ``h`` received
+    into ``h@cols``). ``part``: ``(dim, start, stop)``: the received block is that slice of the local
+    value: blocks of one ``(local, chunk)`` are concatenated in ``start`` order when the value is
+    read; a gradient block is added into that slice of the local gradient.
+    """
 
     value: str
     chunk: int
@@ -166,11 +194,19 @@ class Recv(Instruction):
     shape: tuple[int, ...] = ()
     dtype: str = "float32"
     grad: bool = False
+    local: str = ""
+    part: tuple[int, ...] = ()
     kind: ClassVar[str] = "RECV"
     communicates: ClassVar[bool] = True
 
+    @property
+    def name(self) -> str:
+        """The local value this Recv writes (or whose gradient it contributes to)."""
+        return self.local or self.value
+
     def __str__(self) -> str:
-        return f"RECV {_grad(self.grad)}{self.value} c{self.chunk} <-{self.peer}"
+        where = f" ({self.local}{_part(self.part)})" if self.local else _part(self.part)
+        return f"RECV {_grad(self.grad)}{self.value} c{self.chunk}{where} <-{self.peer}"
 
 
 @dataclass(frozen=True)
@@ -389,9 +425,24 @@ class StageSpec:
     kinds: str = ""
     layers: tuple[int, ...] = ()
     costs: tuple[OpCost, ...] = ()
+    #: cross-chunk reads of a chunked stage: ``((input, ((chunks read by chunk 0), (by chunk 1), ...)), ...)``.
+    #: Such an input of ``Forward(s, c)`` is the concatenation of ``(input, k)`` for the listed ``k``
+    #: (a propagation's source rows: the chunk itself first, then the other chunks its edges read);
+    #: its gradient goes back to each of them. Inputs not listed are read at ``(input, c)``.
+    reads: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...] = ()
+    #: the device group of the stage's ops when not every rank runs it (informational)
+    group: str = ""
+
+    def chunks_read(self, value: str, chunk: int) -> tuple[int, ...]:
+        """The chunks of ``value`` that ``Forward(self, chunk)`` reads."""
+        for name, per_chunk in self.reads:
+            if name == value:
+                return per_chunk[chunk]
+        return (chunk,)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: _as_list(getattr(self, k)) for k in ("index", "inputs", "outputs", "ops", "kinds", "layers")}
+        d = {k: _as_list(getattr(self, k)) for k in ("index", "inputs", "outputs", "ops", "kinds", "layers", "reads",
+                                                      "group")}
         d["costs"] = [c.to_dict() for c in self.costs]
         return d
 
@@ -410,7 +461,9 @@ class StageSpec:
 
     def __str__(self) -> str:
         layers = f" L{self.layers[0]}" + (f"-{self.layers[-1]}" if len(self.layers) > 1 else "") if self.layers else ""
-        return f"stage {self.index}{layers} [{self.kinds}]: ({', '.join(self.inputs)}) -> ({', '.join(self.outputs)})"
+        group = f" on {self.group}" if self.group else ""
+        return (f"stage {self.index}{layers} [{self.kinds}]{group}: ({', '.join(self.inputs)}) -> "
+                f"({', '.join(self.outputs)})")
 
 
 @dataclass
@@ -733,3 +786,14 @@ class RankProgram:
     owned: Any = None
     #: whether every rank seeds its RNG like single-device training (replicated dropout masks)
     same_seed: bool = False
+    #: chunked plans: per-chunk model inputs (``chunk -> {name: value}``: a chunk's graph slice, its
+    #: feature rows), looked up before ``inputs``
+    chunk_inputs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: chunked plans: where each chunk's rows start in the rank's rows (``labels``, ``masks``,
+    #: ``owned`` are in chunk order); ``()``: one chunk
+    chunk_offsets: tuple[int, ...] = ()
+    #: the process groups other than the world that the plan's collectives use (every rank creates
+    #: them, in this order, before training)
+    groups: tuple[tuple[int, ...], ...] = ()
+    #: the rank whose parameters are the trained model's (a rank that computes every parameterized op)
+    param_rank: int = 0

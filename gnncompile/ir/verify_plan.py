@@ -20,13 +20,15 @@ marked ``>>``):
    what group[j] receives from group[i]).
 4. **dataflow** per rank (use before def, see below).
 5. **dry run**: all ranks are simulated together; computation, Free and OPT complete at once,
-   Send/Recv are rendezvous (blocking send and receive), a collective completes when every member
-   of its group is at it. If no rank can advance before all have finished, the deadlock is reported
+   a Send completes when posted (eager: the runtime's ``isend``), a Recv when its matching Send has
+   been posted, a collective when every member of its group is at it. If no rank can advance before all have finished, the deadlock is reported
    with every blocked rank, its instruction and what it waits for.
 
 Dataflow rules. Values are ``(name, chunk)`` pairs, except the plan ``inputs`` (``g``, ``x``), which
-are chunk-independent and always available. A value becomes available when a Forward/Recompute of
-a stage producing it, a Recv of it, or a collective writing it (``h@halo``, ``h@cols``,
+are chunk-independent and always available. A Send/Recv acts on its ``local`` name (default its
+``value``). A chunked stage's cross-chunk input (``StageSpec.reads``) needs every chunk it lists,
+and its Backward contributes to the gradient of each. A value becomes available when a
+Forward/Recompute of a stage producing it, a Recv of it, or a collective writing it (``h@halo``, ``h@cols``,
 ``h@gathered``, ``h@scattered``: the instruction's ``output``) runs; ``FREE`` makes it unavailable
 until it is produced again. Forward/Recompute need their stage's inputs; Send and non-grad
 collectives need their value; ``AR v`` (``v != "grads"``) has no chunk and reduces ``v`` in place,
@@ -204,16 +206,28 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _conforms(value: Any, hint: Any) -> bool:
-    """Whether ``value`` has the type ``hint`` (int, str, bool or homogeneous tuples of them)."""
+    """Whether ``value`` has the type ``hint`` (int, str, bool, and tuples of them: ``tuple[X, ...]``
+    or fixed ``tuple[X, Y]``, nested)."""
+    return _checker(hint)(value)
+
+
+@functools.lru_cache(maxsize=None)
+def _checker(hint: Any) -> Any:
+    """A fast predicate for ``hint`` (built once per annotation)."""
     if hint is bool:
-        return isinstance(value, bool)
+        return lambda v: isinstance(v, bool)
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
     if hint is str:
-        return isinstance(value, str)
+        return lambda v: isinstance(v, str)
     if typing.get_origin(hint) is tuple:
-        return isinstance(value, tuple) and all(_conforms(v, typing.get_args(hint)[0]) for v in value)
-    return True
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis or len(args) == 1:  # tuple[X, ...]
+            inner = _checker(args[0])
+            return lambda v: isinstance(v, tuple) and all(inner(x) for x in v)
+        parts = tuple(_checker(a) for a in args)
+        return lambda v: isinstance(v, tuple) and len(v) == len(parts) and all(f(x) for f, x in zip(parts, v))
+    return lambda v: True
 
 
 def _type_problem(obj: Any) -> Optional[str]:
@@ -453,9 +467,19 @@ def _check_dataflow(dp: DevicePlan, inputs: frozenset[str], chunks: int, output:
     for s in dp.stages:
         for v in dict.fromkeys(s.inputs):
             consumers[v].append(s.index)
+    # Backward contributions expected to the gradient of (v, c): one per consuming stage, or, for a
+    # cross-chunk read, one per chunk of the stage that reads c
+    expected: Counter[tuple[str, int]] = Counter()
+    for s in dp.stages:
+        for v in dict.fromkeys(s.inputs):
+            for c in range(chunks):
+                for k in s.chunks_read(v, c):
+                    expected[v, k] += 1
     incoming: Counter[tuple[str, int]] = Counter()  # grad RECVs and grad collectives per (value, chunk)
     for inst in dp.instructions:
-        if isinstance(inst, (Recv,) + COLLECTIVES) and getattr(inst, "grad", False):
+        if isinstance(inst, Recv) and inst.grad:
+            incoming[inst.name, inst.chunk] += 1
+        elif isinstance(inst, COLLECTIVES) and getattr(inst, "grad", False):
             incoming[inst.value, inst.chunk] += 1
     with_incoming = {v for v, _ in incoming}
     loss_roots = {o for s in dp.stages for o in s.outputs if not consumers[o] and o not in with_incoming}
@@ -480,14 +504,16 @@ def _check_dataflow(dp: DevicePlan, inputs: frozenset[str], chunks: int, output:
     def need_grad(i: int, v: str, c: int) -> None:
         if v in loss_roots:
             return
-        if len(consumers[v]) + incoming[v, c] == 0:
+        if expected[v, c] + incoming[v, c] == 0:
             raise _fail(dp, i, f"needs the gradient of {v} c{c}, which is never produced on rank {dp.rank} (no stage "
                                f"here consumes {v}, and there is no grad RECV or grad collective of {v} c{c})")
-        if grads[v, c] < len(consumers[v]) + incoming[v, c]:
-            pending = [f"B{s}c{c}" for s in consumers[v] if Backward(s, c) not in dp.instructions[:i]]
+        if grads[v, c] < expected[v, c] + incoming[v, c]:
+            done = set(dp.instructions[:i])
+            pending = [f"B{s}c{j}" for s in consumers[v] for j in range(chunks)
+                       if c in stages[s].chunks_read(v, j) and Backward(s, j) not in done]
             pending += [f"`{x}` (step {k})" for k, x in enumerate(dp.instructions)
                         if k > i and isinstance(x, (Recv,) + COLLECTIVES) and getattr(x, "grad", False)
-                        and (x.value, x.chunk) == (v, c)]
+                        and ((x.name if isinstance(x, Recv) else x.value), x.chunk) == (v, c)]
             raise _fail(dp, i, f"needs the gradient of {v} c{c}, which is not complete yet: it still waits for "
                                f"{', '.join(pending)}")
 
@@ -499,7 +525,8 @@ def _check_dataflow(dp: DevicePlan, inputs: frozenset[str], chunks: int, output:
         if isinstance(inst, (Forward, Recompute)):
             spec = stages[inst.stage]
             for v in spec.inputs:
-                need(i, v, inst.chunk)
+                for k in spec.chunks_read(v, inst.chunk):
+                    need(i, v, k)
             for o in spec.outputs:
                 produce(o, inst.chunk)
         elif isinstance(inst, Backward):
@@ -507,14 +534,15 @@ def _check_dataflow(dp: DevicePlan, inputs: frozenset[str], chunks: int, output:
             for o in spec.outputs:
                 need_grad(i, o, inst.chunk)
             for v in dict.fromkeys(spec.inputs):
-                grads[v, inst.chunk] += 1
+                for k in spec.chunks_read(v, inst.chunk):
+                    grads[v, k] += 1
         elif isinstance(inst, Send):
-            (need_grad if inst.grad else need)(i, inst.value, inst.chunk)
+            (need_grad if inst.grad else need)(i, inst.name, inst.chunk)
         elif isinstance(inst, Recv):
             if inst.grad:
-                grads[inst.value, inst.chunk] += 1
+                grads[inst.name, inst.chunk] += 1
             else:
-                produce(inst.value, inst.chunk)
+                produce(inst.name, inst.chunk)
         elif isinstance(inst, AllReduce):
             if inst.value != "grads" and inst.value not in inputs and \
                     not any((inst.value, c) in available for c in range(chunks)):
@@ -539,7 +567,7 @@ def _defines(inst: Instruction, stages: dict[int, StageSpec]) -> set[tuple[str, 
     if isinstance(inst, (Forward, Recompute)):
         return {(o, inst.chunk) for o in stages[inst.stage].outputs}
     if isinstance(inst, Recv) and not inst.grad:
-        return {(inst.value, inst.chunk)}
+        return {(inst.name, inst.chunk)}
     if isinstance(inst, COLLECTIVES) and not isinstance(inst, AllReduce) and not inst.grad:
         return {(inst.output, inst.chunk)}
     return set()
@@ -549,24 +577,30 @@ def _defines(inst: Instruction, stages: dict[int, StageSpec]) -> set[tuple[str, 
 def _dry_run(plan: Plan) -> list[list[Site]]:
     """Simulate all ranks together; the rounds of completed instructions, or a deadlock error.
 
-    Each round sweeps the ranks in order, advancing each as far as it can. Completions of a Send and
-    its Recv (and of a collective on all members) are joint, so once the matching checks passed, a
-    rank at a Send to q and q at a Recv from that rank are at the pair that matches, and members
-    at collectives over the same group are at the same collective. Every round but the last
+    Each round sweeps the ranks in order, advancing each as far as it can. A Send completes when
+    posted; a Recv once its matching Send (FIFO per ordered pair, checked before) has completed.
+    Completions of a collective on all members are joint, so once the matching checks passed,
+    members at collectives over the same group are at the same collective. Every round but the last
     completes at least one instruction, and a round costs O(ranks + group sizes + completions).
     """
     progs = [dp.instructions for dp in plan.ranks]
     pc = [0] * plan.num_ranks
+    posted: Counter[tuple[int, int]] = Counter()  # Sends completed per (src, dst)
+    taken: Counter[tuple[int, int]] = Counter()  # Recvs completed per (src, dst)
 
     def current(r: int) -> Optional[Instruction]:
         return progs[r][pc[r]] if pc[r] < len(progs[r]) else None
 
     def ready(r: int, inst: Instruction) -> list[int]:
         """The ranks that complete together with ``inst`` at rank r now (empty if it must wait)."""
-        if isinstance(inst, (Send, Recv)):
-            other = current(inst.peer)
-            partner = Recv if isinstance(inst, Send) else Send
-            return [r, inst.peer] if isinstance(other, partner) and other.peer == r else []
+        if isinstance(inst, Send):
+            posted[r, inst.peer] += 1
+            return [r]
+        if isinstance(inst, Recv):
+            if posted[inst.peer, r] > taken[inst.peer, r]:
+                taken[inst.peer, r] += 1
+                return [r]
+            return []
         if isinstance(inst, COLLECTIVES):
             at = [current(m) for m in inst.group]
             return list(inst.group) if all(isinstance(x, COLLECTIVES) and x.group == inst.group for x in at) else []
@@ -609,7 +643,7 @@ def _deadlock(plan: Plan, pc: list[int], blocked: list[int]) -> VerificationErro
     for r in blocked:
         inst = current(r)
         if isinstance(inst, (Send, Recv)):
-            waits = f"waits for rank {inst.peer}, {state(inst.peer)}"
+            waits = f"waits for a SEND from rank {inst.peer}, {state(inst.peer)}"
         else:
             others = [m for m in inst.group if m != r and getattr(current(m), "group", None) != inst.group]
             waits = f"waits for group {inst.group}: " + "; ".join(f"rank {m}, {state(m)}" for m in others)

@@ -97,6 +97,9 @@ class Decisions:
     default_layout: str = "rows"
     #: the layout the loss needs the model's output in (``None``: wherever it is)
     output_layout: Optional[str] = None
+    #: every stage holds ops of one layout only (stages then run on one device group each: the
+    #: ``rows`` group or the ``cols`` group of a mixture-of-accelerators plan)
+    pure_stages: bool = False
 
     def layout_of(self, value: str) -> str:
         return self.layout.get(value, self.default_layout)
@@ -241,6 +244,7 @@ def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
             converted_edges[(n.name, p.name)] = converted_name(p.name, kind)
 
     stage_of: dict[str, int] = {}
+    stage_layout: dict[int, str] = {}
     for n in graph.nodes:
         if n.op not in compute_ops:
             continue
@@ -250,6 +254,10 @@ def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
                 s = max(s, stage_of[p.name] + (1 if (n.name, p.name) in converted_edges else 0))
             elif (n.name, p.name) in converted_edges:  # a converted model input: ready before stage 0
                 s = max(s, 0)
+        if decisions.pure_stages:
+            lay = decisions.layout_of(n.name)
+            while stage_layout.setdefault(s, lay) != lay:
+                s += 1
         stage_of[n.name] = s
     num_stages = max(stage_of.values(), default=-1) + 1
     out_node = next(n for n in graph.nodes if n.op == "output")

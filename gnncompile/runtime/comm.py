@@ -182,19 +182,34 @@ class Communicator:
         self.stats.add(self.phase, peer, received=t.numel() * t.element_size())
         return t
 
-    def all_reduce_(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Sum ``tensors`` in place across the group (flattened into one bucket)."""
+    def isend(self, t: torch.Tensor, peer: int) -> Any:
+        """Non-blocking send of ``t`` to rank ``peer`` (counted); returns the work handle. ``t`` must
+        stay alive and unchanged until the handle's ``wait()`` returns."""
+        t = t.detach().contiguous()
+        self.stats.add(self.phase, peer, sent=t.numel() * t.element_size())
+        return dist.isend(t, dst=peer, group=self.group)
+
+    def all_reduce_(self, tensors: Sequence[torch.Tensor], group: Any = None,
+                    members: Optional[Sequence[int]] = None) -> None:
+        """Sum ``tensors`` in place across the group (flattened into one bucket).
+
+        ``group``/``members``: a sub-group (process group and its ranks) instead of this
+        communicator's group of all ``world_size`` ranks.
+        """
         if not tensors:
             return
+        members = list(members) if members is not None else list(range(self.world_size))
+        n = len(members)
+        if n <= 1:
+            return
         flat = torch._utils._flatten_dense_tensors(list(tensors))
-        if self.world_size > 1:
-            dist.all_reduce(flat, group=self.group)
-            for t, r in zip(tensors, torch._utils._unflatten_dense_tensors(flat, list(tensors))):
-                t.copy_(r)
-            n = self.world_size
-            ring = 2 * (n - 1) * flat.numel() * flat.element_size() // n
-            self.stats.add(self.phase, (self.rank + 1) % n, sent=ring)
-            self.stats.add(self.phase, (self.rank - 1) % n, received=ring)
+        dist.all_reduce(flat, group=group if group is not None else self.group)
+        for t, r in zip(tensors, torch._utils._unflatten_dense_tensors(flat, list(tensors))):
+            t.copy_(r)
+        ring = 2 * (n - 1) * flat.numel() * flat.element_size() // n
+        me = members.index(self.rank)
+        self.stats.add(self.phase, members[(me + 1) % n], sent=ring)
+        self.stats.add(self.phase, members[(me - 1) % n], received=ring)
 
 
 class _HaloExchange(torch.autograd.Function):

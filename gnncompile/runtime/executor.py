@@ -27,8 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..errors import RuntimeFailure
+from ..frontend.ops import MaskCache
 from ..ir.plan import (AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, Instruction, OptimizerStep, Plan,
-                       RankProgram)
+                       RankProgram, Recv, Send)
 from .comm import Communicator, HaloSpec
 from .launcher import RankContext, launch
 from .memory import PeakMemory
@@ -120,27 +121,90 @@ def _mib(n: float) -> str:
 
 
 # --------------------------------------------------------------------------- one rank
+def _part_slice(t: torch.Tensor, part: tuple[int, ...]) -> torch.Tensor:
+    """``t``'s slice ``part = (dim, start, stop)`` (dim 0: rows; 1: the last dimension)."""
+    if not part:
+        return t
+    dim, lo, hi = part
+    return t[lo:hi] if dim == 0 else t[..., lo:hi]
+
+
 class _Rank:
+    """One rank's state while it executes: the communicator, its process groups and halo lists.
+
+    Values and gradients are stored by ``(name, chunk)``; a name not stored is looked up in the
+    chunk's inputs (``prog.chunk_inputs``), then in the model inputs (chunk-independent).
+    """
+
     def __init__(self, prog: RankProgram, ctx: RankContext) -> None:
         self.prog = prog
         self.ctx = ctx
         self.comm = Communicator(ctx.rank, ctx.world_size)
         send_index, recv_count = prog.halo
-        self.halo = HaloSpec(tuple(send_index), tuple(recv_count), int(prog.inputs["g"].num_nodes))
+        g = prog.inputs.get("g")
+        self.halo = HaloSpec(tuple(send_index), tuple(recv_count), int(g.num_nodes) if g is not None else 0)
+        #: process groups other than the world, by member tuple (every rank creates every group)
+        self.groups: dict[tuple[int, ...], Any] = {}
+        if ctx.world_size > 1:
+            for members in prog.groups:
+                pg = dist.new_group(list(members))
+                if ctx.rank in members:
+                    self.groups[tuple(members)] = pg
+        # received values whose gradient this rank sends back: they must require grad
+        self.grad_sent = {(i.value, i.chunk) for i in prog.instructions if isinstance(i, Send) and i.grad}
+        self.offsets = tuple(prog.chunk_offsets)
 
-    def _comm(self, ins: Instruction, values: dict, grads: dict) -> None:
-        if isinstance(ins, HaloExchange):
-            if not ins.grad:
-                src = values[ins.value]
-                out = self.comm.halo_forward(src, self.halo)
-                values[ins.output] = out.requires_grad_(src.requires_grad) if src.is_floating_point() else out
+    def _group(self, members: tuple[int, ...]) -> Any:
+        if len(members) == self.ctx.world_size:
+            return None
+        try:
+            return self.groups[tuple(members)]
+        except KeyError:
+            raise RuntimeFailure(f"rank {self.ctx.rank}: the plan uses group {tuple(members)}, which it does not list "
+                                 "in its process groups") from None
+
+    def _comm(self, ins: Instruction, get: Any, values: dict, grads: dict, pieces: dict, pending: list) -> None:
+        c = ins.chunk if hasattr(ins, "chunk") else 0
+        if isinstance(ins, Send):
+            src = grads.get((ins.name, c)) if ins.grad else get(ins.name, c)
+            if src is None:  # no gradient reached this value: send zeros of its shape
+                src = torch.zeros_like(get(ins.name, c))
+            t = _part_slice(src.detach(), ins.part).contiguous()
+            if tuple(t.shape) != tuple(ins.shape):
+                raise RuntimeFailure(f"rank {self.ctx.rank}: `{ins}` sends shape {list(t.shape)}, the plan says "
+                                     f"{list(ins.shape)}")
+            pending.append((self.comm.isend(t, ins.peer), t))
+        elif isinstance(ins, Recv):
+            dtype = getattr(torch, ins.dtype)
+            like = self.prog.params[0] if self.prog.params else None
+            device = like.device if like is not None else "cpu"
+            t = self.comm.recv(ins.shape, dtype, ins.peer, device=device)
+            key = (ins.name, c)
+            if ins.grad:
+                if ins.part:
+                    if key not in grads:
+                        grads[key] = torch.zeros_like(get(ins.name, c))
+                    _part_slice(grads[key], ins.part).add_(t)
+                else:
+                    _accumulate(grads, key, t)
             else:
-                g_ext = grads.pop(ins.output, None)
-                if g_ext is not None:
-                    _accumulate(grads, ins.value, self.comm.halo_backward(g_ext, self.halo))
-                else:  # the consumers produced no gradient (e.g. all rows masked): still take part
-                    ref = values[ins.output]
-                    _accumulate(grads, ins.value, self.comm.halo_backward(torch.zeros_like(ref), self.halo))
+                if t.is_floating_point() and (ins.value, c) in self.grad_sent:
+                    t.requires_grad_(True)
+                if ins.part:
+                    pieces.setdefault(key, []).append((ins.part, t))
+                    values.pop(key, None)
+                else:
+                    values[key] = t
+        elif isinstance(ins, HaloExchange):
+            if not ins.grad:
+                src = get(ins.value, c)
+                out = self.comm.halo_forward(src, self.halo)
+                values[(ins.output, c)] = out.requires_grad_(src.requires_grad) if src.is_floating_point() else out
+            else:
+                g_ext = grads.pop((ins.output, c), None)
+                if g_ext is None:  # the consumers produced no gradient (e.g. all rows masked): still take part
+                    g_ext = torch.zeros_like(get(ins.output, c))
+                _accumulate(grads, (ins.value, c), self.comm.halo_backward(g_ext, self.halo))
         elif isinstance(ins, AllToAll):
             to_cols = ins.src_layout == "rows"
             if (ins.src_layout, ins.dst_layout) not in (("rows", "cols"), ("cols", "rows")):
@@ -153,96 +217,154 @@ class _Rank:
             forward = self.comm.rows_to_cols if to_cols else self.comm.cols_to_rows
             backward = self.comm.cols_to_rows if to_cols else self.comm.rows_to_cols
             if not ins.grad:
-                src = values[ins.value]
-                values[ins.output] = forward(src, row_counts, col_splits).requires_grad_(src.requires_grad)
+                src = get(ins.value, c)
+                values[(ins.output, c)] = forward(src, row_counts, col_splits).requires_grad_(src.requires_grad)
             else:
-                g_out = grads.pop(ins.output, None)
+                g_out = grads.pop((ins.output, c), None)
                 if g_out is None:  # no consumer produced a gradient: still take part in the collective
-                    g_out = torch.zeros_like(values[ins.output])
-                _accumulate(grads, ins.value, backward(g_out.contiguous(), row_counts, col_splits))
+                    g_out = torch.zeros_like(get(ins.output, c))
+                _accumulate(grads, (ins.value, c), backward(g_out.contiguous(), row_counts, col_splits))
         elif isinstance(ins, AllReduce):
             params = [p for p in self.prog.params if p.requires_grad]
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            self.comm.all_reduce_([p.grad for p in params])
+            self.comm.all_reduce_([p.grad for p in params], group=self._group(ins.group), members=ins.group)
         else:
             raise RuntimeFailure(f"rank {self.ctx.rank}: the executor cannot run instruction {ins} "
                                  f"({type(ins).__name__}) yet")
 
+    def _rows(self, t: Any, chunk: int) -> Any:
+        """Chunk ``chunk``'s rows of a rank-wide per-row tensor (labels, masks)."""
+        if t is None or not self.offsets:
+            return t
+        return t[self.offsets[chunk]:self.offsets[chunk + 1]]
+
     def step(self, modules: dict, stages: tuple, instructions: tuple, output: str, loss_fn: Any,
              epoch: int, timeline: Optional[list], optimizer: Optional[torch.optim.Optimizer],
              capture: Optional[dict] = None) -> Any:
-        values: dict[str, Any] = dict(self.prog.inputs)
-        grads: dict[str, torch.Tensor] = {}
+        prog = self.prog
+        values: dict[tuple[str, int], Any] = {}
+        grads: dict[tuple[str, int], torch.Tensor] = {}
+        pieces: dict[tuple[str, int], list] = {}
+        pending: list = []  # (work, buffer) of posted sends
         saved: dict[tuple[int, int], tuple[dict, dict]] = {}
         spec = {s.index: s for s in stages}
-        result = None
+        losses: dict[int, Any] = {}
+        logits: dict[int, torch.Tensor] = {}
         t_origin = self.t_origin
+        chunked = bool(self.offsets) and len(self.offsets) > 2
+        masks = MaskCache() if chunked and optimizer is not None else None
+
+        def get(name: str, chunk: int) -> Any:
+            key = (name, chunk)
+            if key in values:
+                return values[key]
+            if key in pieces:  # blocks received from several ranks: concatenate them in place order
+                parts = sorted(pieces.pop(key), key=lambda pt: pt[0][1])
+                dim = 0 if parts[0][0][0] == 0 else -1
+                t = torch.cat([x.detach() for _, x in parts], dim=dim)
+                if any(x.requires_grad for _, x in parts):
+                    t.requires_grad_(True)
+                values[key] = t
+                return t
+            ci = prog.chunk_inputs.get(chunk)
+            if ci is not None and name in ci:
+                return ci[name]
+            try:
+                return prog.inputs[name]
+            except KeyError:
+                raise RuntimeFailure(f"rank {self.ctx.rank}: value {name!r} of chunk {chunk} is not available "
+                                     f"(step {epoch})") from None
+
+        def take_loss(chunk: int, out: torch.Tensor) -> None:
+            losses[chunk] = loss_fn(out, chunk)
+            logits[chunk] = out.detach()
+
         for ins in instructions:
             t0 = time.perf_counter()
             if isinstance(ins, Forward):
                 st = spec[ins.stage]
-                leaves = {}
+                leaves: dict[str, tuple[torch.Tensor, tuple[int, ...], list[int]]] = {}
                 args = []
                 for name in st.inputs:
-                    v = values[name]
+                    read = st.chunks_read(name, ins.chunk) if st.reads else (ins.chunk,)
+                    parts = [get(name, k) for k in read]
+                    v = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts])
+                    track = any(isinstance(p, torch.Tensor) and p.requires_grad for p in parts)
                     if isinstance(v, torch.Tensor) and v.is_floating_point() and v.layout == torch.strided \
-                            and v.requires_grad and optimizer is not None:
+                            and track and optimizer is not None:
                         v = v.detach().requires_grad_(True)
-                        leaves[name] = v
+                        leaves[name] = (v, read, [p.shape[0] for p in parts])
                     args.append(v)
-                outs = modules[ins.stage](*args)
+                if masks is not None:
+                    with masks.stage(ins.stage):
+                        outs = modules[ins.stage](*args)
+                else:
+                    outs = modules[ins.stage](*args)
                 outd = dict(zip(st.outputs, outs))
-                values.update(outd)
+                for o, v in outd.items():
+                    values[(o, ins.chunk)] = v
                 if output in outd:
-                    result = loss_fn(outd[output])
-                    if capture is not None:
-                        capture["logits"] = outd[output].detach().cpu().clone()
+                    take_loss(ins.chunk, outd[output])
                 if optimizer is not None:
                     saved[(ins.stage, ins.chunk)] = (leaves, outd)
             elif isinstance(ins, Backward):
                 leaves, outd = saved.pop((ins.stage, ins.chunk))
-                tensors, gts = [], []
+                pairs = []
                 for name, o in outd.items():
                     if name == output:
-                        tensors.append(result)
-                        gts.append(None)
-                    elif name in grads and isinstance(o, torch.Tensor) and o.requires_grad:
-                        tensors.append(o)
-                        gts.append(grads.pop(name))
-                tensors_gts = [(t, g) for t, g in zip(tensors, gts) if t.requires_grad]
-                if tensors_gts:
-                    torch.autograd.backward([t for t, _ in tensors_gts],
-                                            [g for _, g in tensors_gts])
-                for name, leaf in leaves.items():
-                    if leaf.grad is not None:
-                        _accumulate(grads, name, leaf.grad)
+                        if losses.get(ins.chunk) is not None and losses[ins.chunk].requires_grad:
+                            pairs.append((losses[ins.chunk], None))
+                    elif (name, ins.chunk) in grads and isinstance(o, torch.Tensor) and o.requires_grad:
+                        pairs.append((o, grads.pop((name, ins.chunk))))
+                if pairs:
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+                for name, (leaf, read, rows) in leaves.items():
+                    if leaf.grad is None:
+                        continue
+                    if len(read) == 1:
+                        _accumulate(grads, (name, read[0]), leaf.grad)
+                    else:
+                        for k, g in zip(read, torch.split(leaf.grad, rows)):
+                            _accumulate(grads, (name, k), g)
             elif isinstance(ins, OptimizerStep):
+                for work, _ in pending:  # sends must be complete before parameters change
+                    work.wait()
+                pending.clear()
                 if capture is not None:
                     capture["grads"] = {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
-                                        for n, p in zip(self.prog.param_names, self.prog.params)}
+                                        for n, p in zip(prog.param_names, prog.params)}
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             elif isinstance(ins, Free):
-                values.pop(ins.value, None)
+                values.pop((ins.value, ins.chunk), None)
             else:
-                self._comm(ins, values, grads)
+                self._comm(ins, get, values, grads, pieces, pending)
                 if getattr(ins, "output", None) == output and not getattr(ins, "grad", False):
                     # the output arrives by communication (e.g. gathered back to rows): the loss starts
                     # here, and its gradient is what the matching gradient communication sends back
-                    logits = values[output]
-                    if optimizer is not None and logits.is_floating_point():
-                        logits = logits.detach().requires_grad_(True)
-                        values[output] = logits
-                    result = loss_fn(logits)
-                    if capture is not None:
-                        capture["logits"] = logits.detach().cpu().clone()
-                    if optimizer is not None and result is not None and result.requires_grad:
-                        grads[output] = torch.autograd.grad(result, logits)[0]
+                    c = ins.chunk
+                    out = values[(output, c)]
+                    if optimizer is not None and out.is_floating_point():
+                        out = out.detach().requires_grad_(True)
+                        values[(output, c)] = out
+                    take_loss(c, out)
+                    loss = losses[c]
+                    if optimizer is not None and loss is not None and loss.requires_grad:
+                        grads[(output, c)] = torch.autograd.grad(loss, out)[0]
             if timeline is not None:
                 timeline.append(TimelineEvent(epoch, str(ins), t0 - t_origin, time.perf_counter() - t_origin))
-        return result, values.get(output)
+        for work, _ in pending:
+            work.wait()
+        if capture is not None and logits:
+            capture["logits"] = torch.cat([logits[c] for c in sorted(logits)]).cpu().clone()
+        total = None
+        for c in sorted(losses):
+            if losses[c] is not None:
+                total = losses[c] if total is None else total + losses[c]
+        out = torch.cat([logits[c] for c in sorted(logits)]) if logits else None
+        return total, out
 
 
 def _move_program(prog: RankProgram, device: torch.device) -> None:
@@ -251,13 +373,15 @@ def _move_program(prog: RankProgram, device: torch.device) -> None:
     for m in list(prog.modules.values()) + list(prog.eval_modules.values()):
         m.to(device)
     prog.inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in prog.inputs.items()}
+    prog.chunk_inputs = {c: {k: v.to(device) if hasattr(v, "to") else v for k, v in ci.items()}
+                         for c, ci in prog.chunk_inputs.items()}
     prog.labels = None if prog.labels is None else prog.labels.to(device)
     prog.masks = {k: None if v is None else v.to(device) for k, v in prog.masks.items()}
     send_index, recv_count = prog.halo
     prog.halo = (tuple(t.to(device) for t in send_index), recv_count)
 
 
-def _accumulate(store: dict, name: str, g: torch.Tensor) -> None:
+def _accumulate(store: dict, name: Any, g: torch.Tensor) -> None:
     store[name] = g if name not in store else store[name] + g
 
 
@@ -271,21 +395,23 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     device = ctx.device
     if device.type != "cpu":
         _move_program(prog, device)
-    rank = _Rank(prog, ctx)
     labels, masks, counts = prog.labels, prog.masks, prog.counts
     train_mask = masks["train"]
     n_train = max(counts["train"], 1)
 
-    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
-        if train_mask is None or not bool(train_mask.any()):
+    def loss_fn(logits: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        mask, y = rank._rows(train_mask, chunk), rank._rows(labels, chunk)
+        if mask is None or not bool(mask.any()):
             return logits.sum() * 0.0
-        return F.cross_entropy(logits[train_mask], labels[train_mask], reduction="sum") / n_train
+        return F.cross_entropy(logits[mask], y[mask], reduction="sum") / n_train
 
     params = prog.params
-    x = prog.inputs["x"]
-    if isinstance(x, torch.Tensor) and x.layout == torch.strided and params and x.dtype != params[0].dtype:
-        prog.inputs["x"] = x.to(params[0].dtype)
+    for store in [prog.inputs, *prog.chunk_inputs.values()]:
+        x = store.get("x")
+        if isinstance(x, torch.Tensor) and x.layout == torch.strided and params and x.dtype != params[0].dtype:
+            store["x"] = x.to(params[0].dtype)
     optimizer = torch.optim.Adam([p for p in params if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    rank = _Rank(prog, ctx)
     timeline: list[TimelineEvent] = []
     epoch_time: list[float] = []
     peak = 0
@@ -322,11 +448,12 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
                 m.eval()
             with torch.no_grad():
                 _, logits = rank.step(prog.eval_modules, prog.eval_stages, prog.eval_instructions, prog.eval_output,
-                                      lambda z: None, epoch, None, None)
-            pred = logits.argmax(dim=-1)
-            for i, m in enumerate(("train", "val", "test")):
-                if masks[m] is not None:
-                    stats[1 + i] = float((pred[masks[m]] == labels[masks[m]]).sum())
+                                      lambda z, c=0: None, epoch, None, None)
+            if logits is not None:  # ranks that compute no output rows contribute nothing
+                pred = logits.argmax(dim=-1)
+                for i, m in enumerate(("train", "val", "test")):
+                    if masks[m] is not None:
+                        stats[1 + i] = float((pred[masks[m]] == labels[masks[m]]).sum())
         rank.comm.phase = "metrics"
         if ctx.world_size > 1:
             flat = stats.clone()
@@ -351,7 +478,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     }
     if capture:
         out["captured"] = captured
-    if ctx.rank == 0:
+    if ctx.rank == prog.param_rank:
         out["params"] = {n: p.detach().cpu().clone() for n, p in zip(prog.param_names, params)}
     return out
 
@@ -392,10 +519,11 @@ def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: floa
     captured = None
     if capture:
         captured = _gather_capture(programs, results)
-    if update_model and "params" in results[0]:
+    owner = programs[0].param_rank
+    if update_model and "params" in results[owner]:
         with torch.no_grad():
             for p, name in zip(programs[0].params, programs[0].param_names):
-                p.copy_(results[0]["params"][name])
+                p.copy_(results[owner]["params"][name])
     return RunResult(history=history, ranks=ranks, plan=plan, captured=captured)
 
 
@@ -412,7 +540,7 @@ def _gather_capture(programs: list[RankProgram], results: list[dict]) -> dict:
     for p, t in zip(programs, logits_parts):
         if t is not None:
             logits[p.owned] = t
-    return {"logits": logits, "grads": results[0]["captured"].get("grads", {})}
+    return {"logits": logits, "grads": results[programs[0].param_rank]["captured"].get("grads", {})}
 
 
 def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: float = 5e-4, *,
