@@ -37,7 +37,8 @@ def _cluster(gpus: Any) -> Cluster:
 
 def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4, *, strategy: Optional[str] = None,
          semantics: str = "exact", partitioner: Optional[str] = None, seed: int = 0, dropout: str = "replicated",
-         recompute: Optional[bool] = None, decouple: Optional[bool] = None, devices: str = "all",
+         recompute: Optional[bool] = None, decouple: Optional[bool] = None, chunks: Optional[int] = None,
+         sparse_ranks: Optional[int] = None, reorder: Optional[str] = None, devices: str = "all",
          overlap: bool = False, verify: bool = True, **options: Any) -> Plan:
     """Plan parallel training of ``model`` on ``graph`` over the devices ``gpus`` describes.
 
@@ -69,6 +70,11 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         ``tensor`` only: lower the decoupled model (all T ops, then all propagations; NeutronTP
         §4.1). It changes non-linear models, so it needs ``semantics="relaxed"`` for them; ``None``
         lets the search try it where relaxations are allowed.
+    chunks, sparse_ranks, reorder:
+        ``mop`` only (:class:`gnncompile.passes.mop.MopOptions`): vertex chunks pipelined between
+        the sparse (aggregation) and dense (update) groups, the size of the sparse group (default
+        half the ranks), and ``"rcm"`` to renumber vertices by reverse Cuthill–McKee first. ``None``
+        lets the search choose (1 chunk, or 8 RCM-ordered chunks).
     devices:
         ``"all"`` (default): the plan has one program per device of the cluster. ``"any"``: the
         search may also use fewer devices (halvings), which wins where communication costs more
@@ -93,7 +99,8 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         raise PlanningError(f"strategy {strategy!r} has no lowering yet; implemented: {', '.join(LOWERINGS)}")
     if options:
         raise PlanningError(f"unknown planning option(s) {', '.join(sorted(options))}; the options are strategy, "
-                            "semantics, partitioner, seed, dropout, recompute, decouple, devices, overlap, verify")
+                            "semantics, partitioner, seed, dropout, recompute, decouple, chunks, sparse_ranks, "
+                            "reorder, devices, overlap, verify")
     if semantics not in ("exact", "relaxed"):
         raise PlanningError(f"unknown semantics {semantics!r}; valid: 'exact', 'relaxed'")
     if not isinstance(model, torch.nn.Module):
@@ -117,6 +124,17 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         fixed["recompute"] = recompute
     if decouple is not None:
         fixed["decouple"] = decouple
+    for name, value in (("chunks", chunks), ("sparse_ranks", sparse_ranks)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise PlanningError(f"{name}: expected a positive integer or None (searched), got {value!r}")
+        if value is not None:
+            fixed[name] = value
+    if reorder is not None:
+        from .passes.mop import REORDERINGS
+
+        if reorder not in REORDERINGS:
+            raise PlanningError(f"unknown reorder {reorder!r}; valid: {', '.join(REORDERINGS)}")
+        fixed["reorder"] = reorder
     if devices not in ("all", "any"):
         raise PlanningError(f"devices: expected 'all' or 'any', got {devices!r}")
     ranks = rank_counts(cluster) if devices == "any" else [cluster.num_devices]

@@ -118,8 +118,11 @@ def test_candidates_keep_fixed_options():
     assert cands and all(c.options["seed"] == 3 for c in cands)
     data = [c for c in cands if c.strategy == "data"]
     assert data and all(c.options["partitioner"] == "metis" for c in data)
-    assert all("partitioner" not in c.options for c in cands if c.strategy == "tensor")  # no partition there
-    assert {c.options["recompute"] for c in cands} == {False, True}
+    assert all("partitioner" not in c.options for c in cands if c.strategy in ("tensor", "mop"))  # no partition there
+    assert {c.options["recompute"] for c in cands if c.strategy != "mop"} == {False, True}
+    # mop: the naive MoA workflow and an RCM-ordered fine-grain pipeline
+    assert {(c.options["chunks"], c.options["reorder"]) for c in cands if c.strategy == "mop"} == {(1, "none"),
+                                                                                                (8, "rcm")}
     with pytest.raises(PlanningError, match="no lowering registered"):
         candidates(Cluster.parse("4xA100"), strategies=["nonsense"])
 
@@ -128,7 +131,7 @@ def test_search_ranks_by_predicted_time(sbm):
     res = search(gcn(sbm), sbm, Cluster.parse("4xA5000"))
     times = [e.step_time for e in res.ranked]
     assert times == sorted(times)
-    assert len(res.ranked) + len(res.rejected) == len(candidates(Cluster.parse("4xA5000"), fixed={})) == 6
+    assert len(res.ranked) + len(res.rejected) == len(candidates(Cluster.parse("4xA5000"), fixed={})) == 8
 
 
 def test_fewer_devices_when_allowed(sbm):
@@ -215,7 +218,7 @@ def test_planning_from_statistics_alone():
     torch.manual_seed(0)
     model = gc.nn.GCN(128, 128, 172, num_layers=3)
     p = gc.plan(model, stats, "8x8xA100-ib200")
-    assert {e.candidate.strategy for e in p.search.ranked} == {"data", "tensor"}
+    assert {e.candidate.strategy for e in p.search.ranked} == {"data", "tensor", "mop"}
     assert p.program is None  # statistics only: not runnable
     assert p.prediction.fits and p.prediction.max_peak_memory <= 80 * 2**30
     p = gc.plan(model, stats, "8x8xA100-ib200", strategy="data")

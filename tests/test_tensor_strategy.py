@@ -142,7 +142,7 @@ def test_batchnorm_is_refused_under_exact(sbm: gc.Graph) -> None:
 def test_planner_considers_tensor(sbm: gc.Graph) -> None:
     p = gc.plan(model_for("gcn", sbm), sbm, "4xA5000")
     strategies = {e.candidate.strategy for e in p.search.ranked}
-    assert strategies == {"data", "tensor"}
+    assert {"data", "tensor", "mop"} <= strategies
     assert p.prediction.step_time == min(e.step_time for e in p.search.ranked)
 
 

@@ -55,9 +55,24 @@ class StrategySpace:
     lower: Callable[..., Plan]
 
 
+#: options only the chunked strategies take
+_CHUNK_OPTIONS = ("chunks", "sparse_ranks", "reorder")
+
+
+def _unchunked(fixed: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """``fixed`` without chunk options that are at their defaults; ``None`` if one is set otherwise
+    (the strategy has no such option, so it is not a candidate)."""
+    out = dict(fixed)
+    defaults = {"chunks": 1, "sparse_ranks": None, "reorder": "none"}
+    for k in _CHUNK_OPTIONS:
+        if k in out and out.pop(k) != defaults[k]:
+            return None
+    return out
+
+
 def _data_space(semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
-    fixed = dict(fixed)
-    if fixed.pop("decouple", False):  # the data lowering has no decoupled form
+    fixed = _unchunked(fixed)
+    if fixed is None or fixed.pop("decouple", False):  # the data lowering has no chunked or decoupled form
         return []
     axes = {"partitioner": ["metis", "random"], "recompute": [False, True]}
     for k in list(axes):
@@ -75,7 +90,10 @@ def _data_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: An
 
 
 def _tensor_space(semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
-    rest = {k: v for k, v in fixed.items() if k != "partitioner"}  # whole graph on every rank: no partition
+    unchunked = _unchunked(fixed)
+    if unchunked is None:
+        return []
+    rest = {k: v for k, v in unchunked.items() if k != "partitioner"}  # whole graph on every rank: no partition
     recompute = [rest.pop("recompute")] if "recompute" in rest else [False, True]
     # decoupling changes non-linear models: a candidate only where relaxations are allowed
     decouple = [rest.pop("decouple")] if "decouple" in rest else ([False, True] if semantics == "relaxed" else [False])
@@ -89,9 +107,31 @@ def _tensor_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: 
     return lower_tensor(tp, tp_eval, model, graph, n, TensorOptions(**options))
 
 
+def _mop_space(semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
+    rest = {k: v for k, v in fixed.items() if k != "partitioner"}
+    if rest.pop("recompute", False) or rest.pop("decouple", False):
+        return []  # no recomputed or decoupled form
+    # the naive workflow and a fine-grain pipeline over RCM-reordered chunks (MixGCN Fig. 5a / 5d)
+    chunks = [rest.pop("chunks")] if "chunks" in rest else [1, 8]
+    reorder = [rest.pop("reorder")] if "reorder" in rest else None
+    out = []
+    for k in chunks:
+        for ro in reorder or (["rcm"] if k > 1 else ["none"]):
+            out.append({**rest, "chunks": k, "reorder": ro, "semantics": semantics})
+    return out
+
+
+def _mop_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Any, n: int,
+               options: dict[str, Any]) -> Plan:
+    from .mop import MopOptions, lower_mop
+
+    return lower_mop(tp, tp_eval, model, graph, n, MopOptions(**options))
+
+
 #: Registered strategies: name -> :class:`StrategySpace`. Strategy modules add theirs.
 LOWERINGS: dict[str, StrategySpace] = {"data": StrategySpace(_data_space, _data_lower),
-                                       "tensor": StrategySpace(_tensor_space, _tensor_lower)}
+                                       "tensor": StrategySpace(_tensor_space, _tensor_lower),
+                                       "mop": StrategySpace(_mop_space, _mop_lower)}
 
 
 @dataclass(frozen=True)
