@@ -1,9 +1,10 @@
 """The ``tensor`` strategy (NeutronTP): P ops on feature columns, T ops on vertex rows, all-to-all between.
 
-The property test draws small graphs, models with only T and P ops, 1-4 ranks (widths that do not
-divide by the rank count included) and recomputation on/off, and checks with
-:func:`gnncompile.testing.check_plan` that one training step equals the single-device reference
-(float64). Bytes are compared with NeutronTP's closed form.
+The property test draws small graphs, models (T and P ops only, and GAT: edge-wise attention with
+replicated scores), 1-4 ranks (widths and vertex counts that do not divide by the rank count
+included) and recomputation on/off, and checks with :func:`gnncompile.testing.check_plan` that one
+training step equals the single-device reference (float64). Bytes are compared with NeutronTP's
+closed form, and for GAT with the all-gather / reduce-scatter of the attention scores added.
 """
 
 from __future__ import annotations
@@ -18,10 +19,21 @@ from hypothesis import strategies as st
 import gnncompile as gc
 from gnncompile import PlanningError, ops
 from gnncompile.cost_models import formulas
-from gnncompile.ir.plan import AllToAll
+from gnncompile.ir.plan import AllGather, AllToAll
 from gnncompile.passes.tensor import column_splits, row_blocks
+from gnncompile.runtime.comm import Communicator, all_gather_rows, cols_to_rows, offsets, reduce_scatter_rows, \
+    rows_to_cols
+from gnncompile.runtime.launcher import RankContext, launch
 from gnncompile.testing import check_plan
 from graph_strategies import DT, labelled, small_graphs
+
+
+def _attention_dropout(model: torch.nn.Module, p: float) -> torch.nn.Module:
+    """``model`` with dropout ``p`` on every GAT layer's attention coefficients only."""
+    for conv in model.convs:
+        conv.dropout = p
+    return model
+
 
 MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {
     "gcn": lambda f, c: gc.nn.GCN(f, 5, c, num_layers=2, dropout=0.0),
@@ -30,6 +42,13 @@ MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {
     "gcnii": lambda f, c: gc.nn.GCNII(f, 5, c, num_layers=3, dropout=0.0),
     "gcn_dropout": lambda f, c: gc.nn.GCN(f, 5, c, num_layers=2, dropout=0.5),
     "gcnii_dropout": lambda f, c: gc.nn.GCNII(f, 5, c, num_layers=3, dropout=0.5),
+    # GAT: hidden heads concatenated, output heads averaged; C = 3 splits unevenly over 2 and 4 ranks
+    "gat": lambda f, c: gc.nn.GAT(f, 3, c, num_layers=2, heads=2, dropout=0.0),
+    "gat_1head": lambda f, c: gc.nn.GAT(f, 4, c, num_layers=2, heads=1, dropout=0.0),
+    "gat_mean": lambda f, c: gc.nn.GAT(f, 3, c, num_layers=2, heads=2, out_heads=2, dropout=0.0),
+    "gat_attention_dropout": lambda f, c: _attention_dropout(
+        gc.nn.GAT(f, 3, c, num_layers=2, heads=2, out_heads=2, dropout=0.0), 0.5),
+    "gat_dropout": lambda f, c: gc.nn.GAT(f, 3, c, num_layers=2, heads=2, dropout=0.4),
 }
 
 
@@ -45,7 +64,7 @@ def sbm() -> gc.Graph:
 
 
 # --------------------------------------------------------------------------- exactness
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=55, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(g=small_graphs(), name=st.sampled_from(sorted(MODELS)), ranks=st.integers(1, 4), recompute=st.booleans())
 def test_one_step_matches_single_device(g: gc.Graph, name: str, ranks: int, recompute: bool) -> None:
     ranks = min(ranks, g.num_nodes)
@@ -96,10 +115,122 @@ def test_measured_bytes_equal_predicted(sbm: gc.Graph) -> None:
     assert [r.bytes_received for r in res.ranks] == p.predictions["bytes_received"]
 
 
-# --------------------------------------------------------------------------- what is refused
-def test_edge_ops_are_refused(sbm: gc.Graph) -> None:
+# --------------------------------------------------------------------------- GAT: replicated attention
+def _gat_closed_form(num_nodes: int, layers: list[tuple[int, int]], params: int, n: int, elsize: int) -> int:
+    """Bytes one rank sends per step for a GAT plan when ``n`` divides ``|V|`` and every ``C``: per layer
+    (``H`` heads of ``C``) NeutronTP's split and gather of ``[V, H, C]``, forward and backward
+    (``4 (n-1)/n^2 V H C``), the all-gather of ``a_src`` and ``a_dst`` and its backward reduce-scatter
+    (``4 (n-1)/n V H``); then the ring all-reduce of the gradients."""
+    total = 0
+    for heads, c in layers:
+        total += 4 * (n - 1) * num_nodes * heads * c * elsize // (n * n)
+        total += 4 * ((n - 1) * num_nodes * heads * elsize // n)
+    return total + 2 * (n - 1) * params * elsize // n
+
+
+def test_gat_plan_replicates_attention(sbm: gc.Graph) -> None:
     torch.manual_seed(0)
-    for model in (gc.nn.GAT(6, 3, 3, heads=2), gc.nn.GraphSAGE(6, 5, 3, aggr="max")):
+    p = gc.plan(gc.nn.GAT(6, 3, 3, num_layers=2, heads=2, dropout=0.5).to(DT), sbm, 3, strategy="tensor")
+    ops_layout = {op.name: op.layout for s in p.ranks[0].stages for op in s.costs}
+    assert ops_layout["convs_0_lin"] == ops_layout["sum_1"] == "rows" and ops_layout["propagate"] == "cols"
+    edge_ops = [op for s in p.ranks[0].stages for op in s.costs if op.kind == "E"]
+    assert len(edge_ops) == 12 and {op.layout for op in edge_ops} == {"replicated"}  # dropout included
+    ag = [i for i in p.ranks[0].instructions if isinstance(i, AllGather)]
+    # a_src and a_dst of both layers, forward and (reduce-scatter) backward
+    assert [(i.value, i.grad) for i in ag[:4]] == [("sum_1", False), ("sum_2", False), ("sum_3", False),
+                                                    ("sum_4", False)]
+    assert len(ag) == 8 and all(i.grad for i in ag[4:]) and ag[0].shape == (120, 2)
+    # the propagation splits C of [V, H, C]: every rank keeps both heads
+    a2a = next(i for i in p.ranks[2].instructions if isinstance(i, AllToAll) and i.value == "view")
+    assert a2a.recv_shapes == ((40, 2, 1),) * 3 and a2a.send_shapes == ((40, 2, 1),) * 3
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_gat_measured_bytes_equal_predicted_and_closed_form(n: int) -> None:
+    g = labelled(gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=5, num_features=6, num_classes=8, seed=2),
+                 num_classes=8, num_features=6)
+    torch.manual_seed(0)
+    model = gc.nn.GAT(6, 4, 8, num_layers=2, heads=2, out_heads=2, dropout=0.3).to(DT)
+    p = gc.plan(model, g, n, strategy="tensor")
+    closed = _gat_closed_form(120, [(2, 4), (2, 8)], p.info["params"], n, 8)
+    assert p.predictions["bytes_sent"] == p.predictions["bytes_received"] == [closed] * n
+    res = p.run(epochs=2, timeout=60)
+    assert [r.bytes_sent for r in res.ranks] == p.predictions["bytes_sent"]
+    assert [r.bytes_received for r in res.ranks] == p.predictions["bytes_received"]
+
+
+def test_gat_uneven_measured_bytes_equal_predicted() -> None:
+    """|V| = 121 and C = 3 over 4 ranks: uneven vertex blocks and column slices (one rank has none)."""
+    g = labelled(gc.datasets.synthetic("sbm", num_nodes=121, avg_degree=5, num_features=6, num_classes=3, seed=3),
+                 num_classes=3, num_features=6)
+    torch.manual_seed(0)
+    model = gc.nn.GAT(6, 3, 3, num_layers=2, heads=2, out_heads=2, dropout=0.3).to(DT)
+    p = gc.plan(model, g, 4, strategy="tensor")
+    res = p.run(epochs=1, timeout=60)
+    assert [r.bytes_sent for r in res.ranks] == p.predictions["bytes_sent"]
+    assert [r.bytes_received for r in res.ranks] == p.predictions["bytes_received"]
+
+
+def test_gat_tensor_plan_from_statistics() -> None:
+    stats = gc.datasets.stats("ogbn-products")
+    torch.manual_seed(0)
+    p = gc.plan(gc.nn.GAT(100, 32, 47, num_layers=3, heads=8), stats, "8xA100", strategy="tensor")
+    assert p.program is None and p.prediction.step_time > 0 and p.prediction.time_by_kind()["AG"] > 0
+    # the attention scores' all-gathers: (n - 1) / n of [V, H] per value, forward and backward
+    ag = [i for i in p.ranks[0].instructions if isinstance(i, AllGather)]
+    assert len(ag) == 2 * 2 * 3 and ag[0].shape == (stats.num_nodes, 8)
+
+
+ROWS = (3, 0, 5)      # an empty rank too
+COLS = (2, 3, 1)
+
+
+def _collectives_worker(ctx: RankContext) -> dict:
+    comm = Communicator(ctx.rank, ctx.world_size)
+    n, h, d = sum(ROWS), 2, sum(COLS)
+    gen = torch.Generator().manual_seed(0)
+    x, up = torch.randn(n, h, d, generator=gen, dtype=DT), torch.randn(n, h, d, generator=gen, dtype=DT)
+    r, c = offsets(ROWS), offsets(COLS)
+    mine = x[r[ctx.rank]:r[ctx.rank + 1]].clone().requires_grad_(True)
+    # rows -> cols of a [V, H, C] value splits the last dimension
+    cols = rows_to_cols(mine, comm, ROWS, COLS)
+    ok = [torch.equal(cols, x[..., c[ctx.rank]:c[ctx.rank + 1]]),
+          torch.equal(cols_to_rows(cols.detach(), comm, ROWS, COLS), mine.detach())]
+    # rows -> replicated; every rank's loss <up, x> * (rank + 1): the gradients sum over ranks
+    sent = comm.stats.total_sent()
+    whole = all_gather_rows(mine, comm, ROWS)
+    ok.append(torch.equal(whole, x))
+    ((whole * up).sum() * (ctx.rank + 1)).backward()
+    total = sum(q + 1 for q in range(ctx.world_size))
+    ok.append(torch.allclose(mine.grad, total * up[r[ctx.rank]:r[ctx.rank + 1]], rtol=0, atol=1e-12))
+    part = reduce_scatter_rows(up * (ctx.rank + 1), comm, ROWS)
+    ok.append(torch.allclose(part, total * up[r[ctx.rank]:r[ctx.rank + 1]], rtol=0, atol=1e-12))
+    return dict(ok=ok, ring=comm.stats.total_sent() - sent, recv=comm.stats.total_received())
+
+
+def test_all_gather_rows_and_its_reduce_scatter_gradient() -> None:
+    out = launch(_collectives_worker, 3, timeout=60)
+    ring = 2 * sum(ROWS) * 2 * sum(COLS) * 8 // 3  # (n - 1) / n of the gathered tensor, per collective
+    for rank, o in enumerate(out):
+        assert all(o["ok"]), f"rank {rank}: {o['ok']}"
+        assert o["ring"] == 3 * ring  # all-gather, its backward, the reduce-scatter
+
+
+# --------------------------------------------------------------------------- what is refused
+def test_edge_values_outside_attention_are_refused(sbm: gc.Graph) -> None:
+    """Edge-wise results may feed only edge-wise ops and propagation weights (GAT), not T ops (max
+    aggregation) or a propagation's features."""
+
+    class EdgeFeatures(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 3)
+
+        def forward(self, g, x):
+            return self.lin(ops.aggregate(g, ops.gather_src(g, x), "sum"))
+
+    torch.manual_seed(0)
+    for model in (gc.nn.GraphSAGE(6, 5, 3, aggr="max"), EdgeFeatures()):
         with pytest.raises(PlanningError, match="edge-wise op"):
             gc.plan(model.to(DT), sbm, 2, strategy="tensor")
 

@@ -74,9 +74,12 @@ def _eval(lin: Any, sizes: dict[str, int]) -> float:
 
 def _op_sizes(op: OpCost, sizes: dict[str, int]) -> tuple[dict[str, int], float]:
     """The sizes an op's forms are evaluated at, and the share of that work the rank does: a ``cols``
-    op runs on every vertex for the rank's share of the columns."""
+    op runs on every vertex for the rank's share of the columns; a ``replicated`` op (the ``tensor``
+    strategy's edge-wise attention ops) all of it on every vertex and edge."""
     if op.layout == "cols" and "all_nodes" in sizes:
         return {**sizes, "nodes": sizes["all_nodes"]}, sizes.get("col_share_ppm", 1_000_000) / 1e6
+    if op.layout == "replicated" and "all_nodes" in sizes:
+        return {**sizes, "nodes": sizes["all_nodes"]}, 1.0
     return sizes, 1.0
 
 
@@ -183,6 +186,7 @@ class PlanCost:
         self.cluster = cluster
         self.static = [static_memory(plan, dp) for dp in plan.ranks]
         self.devices = [cluster.rank_device(r) for r in range(plan.num_ranks)]
+        self._p2p_times: dict[tuple[bool, tuple[int, ...], str], float] = {}  # (same node, shape, dtype)
         self._costs: list[dict[Instruction, Cost]] = [self._rank_costs(dp) for dp in plan.ranks]
 
     def __call__(self, rank: int, inst: Instruction) -> Cost:
@@ -206,10 +210,15 @@ class PlanCost:
     def _transfer_time(self, rank: int, inst: Instruction) -> float:
         c = self.cluster
         if isinstance(inst, (Send, Recv)):
-            link = c.link(rank, inst.peer)
-            if c.oversubscription > 1:
-                link = dataclasses.replace(link, latency=link.latency * c.oversubscription)
-            return formulas.p2p_time(math.prod(inst.shape) * _elsize(inst.dtype), link.bandwidth, link.latency)
+            key = (rank // c.devices_per_node == inst.peer // c.devices_per_node, inst.shape, inst.dtype)
+            t = self._p2p_times.get(key)
+            if t is None:
+                link = c.link(rank, inst.peer)
+                if c.oversubscription > 1:
+                    link = dataclasses.replace(link, latency=link.latency * c.oversubscription)
+                t = self._p2p_times[key] = formulas.p2p_time(math.prod(inst.shape) * _elsize(inst.dtype),
+                                                             link.bandwidth, link.latency)
+            return t
         group = inst.group
         n = len(group)
         if n <= 1:
@@ -259,6 +268,10 @@ class PlanCost:
                 value_bytes[inst.output] = src_rows * inst.width * _elsize(inst.dtype)
             elif isinstance(inst, AllToAll) and not inst.grad:
                 value_bytes[inst.output] = sum(math.prod(s) for s in inst.recv_shapes) * _elsize(inst.dtype)
+            elif isinstance(inst, (AllGather, ReduceScatter)) and not inst.grad:
+                # the gathered tensor on every member; a reduce-scatter keeps one member's share
+                whole = math.prod(inst.shape) * _elsize(inst.dtype)
+                value_bytes[inst.output] = whole if isinstance(inst, AllGather) else whole / max(len(inst.group), 1)
         # last forward consumer and backward consumer of every value, per chunk
         last_use: dict[tuple[str, int], int] = {}
         backward_at: dict[tuple[int, int], int] = {}

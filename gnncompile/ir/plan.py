@@ -45,7 +45,8 @@ from .symbolic import Lin
 __all__ = [
     "Instruction", "Forward", "Backward", "Recompute", "Send", "Recv", "HaloExchange", "AllToAll",
     "AllGather", "ReduceScatter", "AllReduce", "Free", "OptimizerStep", "INSTRUCTIONS",
-    "OpCost", "StageSpec", "DevicePlan", "Plan", "RankProgram", "converted_name", "human_bytes", "PLAN_FORMAT_VERSION",
+    "OpCost", "StageSpec", "DevicePlan", "Plan", "RankProgram", "converted_name", "member_rows", "human_bytes",
+    "PLAN_FORMAT_VERSION",
 ]
 
 PLAN_FORMAT_VERSION = 1
@@ -282,9 +283,19 @@ class _WholeTensorCollective(Instruction):
         return f"{self.kind} {_grad(self.grad)}{self.value} c{self.chunk}"
 
 
+def member_rows(num_rows: int, members: int) -> list[int]:
+    """Rows of each member of an :class:`AllGather` / :class:`ReduceScatter` of a ``num_rows``-row tensor:
+    balanced contiguous blocks in group order, the first ``num_rows mod members`` one row longer (the
+    ``rows`` layout of the ``tensor`` strategy)."""
+    return [num_rows // members + (1 if q < num_rows % members else 0) for q in range(members)]
+
+
 @dataclass(frozen=True)
 class AllGather(_WholeTensorCollective):
-    """All-gather of ``value`` inside ``group`` (writes ``value@gathered``)."""
+    """All-gather of ``value`` inside ``group`` (writes ``value@gathered``): each member holds its
+    :func:`member_rows` block of the ``shape`` tensor (``rows`` layout) and every member gets all of it
+    (``replicated``). With ``grad=True`` the gradient of ``value@gathered``, a partial sum on every
+    member, is sum-reduce-scattered: each member gets its rows of the total."""
 
     kind: ClassVar[str] = "AG"
     suffix: ClassVar[str] = "gathered"
@@ -292,7 +303,9 @@ class AllGather(_WholeTensorCollective):
 
 @dataclass(frozen=True)
 class ReduceScatter(_WholeTensorCollective):
-    """Reduce-scatter of ``value`` inside ``group`` (writes ``value@scattered``)."""
+    """Sum-reduce-scatter of ``value`` (the full ``shape`` on every member) inside ``group``: each member
+    gets its :func:`member_rows` block of the sum (writes ``value@scattered``); with ``grad=True`` the
+    gradient is all-gathered."""
 
     kind: ClassVar[str] = "RS"
     suffix: ClassVar[str] = "scattered"
@@ -432,6 +445,9 @@ class StageSpec:
     reads: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...] = ()
     #: the device group of the stage's ops when not every rank runs it (informational)
     group: str = ""
+    #: the chunks this rank runs the stage on, when its group deals chunks out to its ranks
+    #: (``()``: every chunk)
+    runs: tuple[int, ...] = ()
 
     def chunks_read(self, value: str, chunk: int) -> tuple[int, ...]:
         """The chunks of ``value`` that ``Forward(self, chunk)`` reads."""
@@ -442,7 +458,7 @@ class StageSpec:
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: _as_list(getattr(self, k)) for k in ("index", "inputs", "outputs", "ops", "kinds", "layers", "reads",
-                                                      "group")}
+                                                      "group", "runs")}
         d["costs"] = [c.to_dict() for c in self.costs]
         return d
 
@@ -462,6 +478,8 @@ class StageSpec:
     def __str__(self) -> str:
         layers = f" L{self.layers[0]}" + (f"-{self.layers[-1]}" if len(self.layers) > 1 else "") if self.layers else ""
         group = f" on {self.group}" if self.group else ""
+        if self.runs:
+            group += f" (chunks {','.join(map(str, self.runs))})"
         return (f"stage {self.index}{layers} [{self.kinds}]{group}: ({', '.join(self.inputs)}) -> "
                 f"({', '.join(self.outputs)})")
 
@@ -797,3 +815,13 @@ class RankProgram:
     groups: tuple[tuple[int, ...], ...] = ()
     #: the rank whose parameters are the trained model's (a rank that computes every parameterized op)
     param_rank: int = 0
+    #: plans whose parameters live on different ranks: parameter name -> the rank holding it
+    #: (missing names: ``param_rank``)
+    param_owner: dict[str, int] = field(default_factory=dict)
+    #: the parameters this rank's stages use, which its gradient all-reduce sums (``()``: all)
+    local_params: tuple[str, ...] = ()
+    #: replicated dropout masks when a rank runs only some of the model's dropouts: every mask of
+    #: the step in single-device order, ``(stage, ordinal in stage, full shape, dtype, p)``; each
+    #: training step draws them all first (so each lands on the single-device RNG position) and the
+    #: stages look theirs up
+    dropout_draws: tuple[tuple[int, int, tuple[int, ...], str, float], ...] = ()

@@ -50,7 +50,8 @@ Communication volume (:class:`PlanReport`) is counted from each rank's own instr
   sent and received volumes are swapped. AllToAll likewise, from ``send_shapes``/``recv_shapes``
   without the member's own entry (a local copy); zero when no shapes are given.
 - AllGather / ReduceScatter (``shape`` is the full, gathered tensor): ring algorithm,
-  ``(n-1)/n * numel(shape)`` sent and as much received by each of the ``n`` members.
+  ``(n-1) * numel(shape) * itemsize // n`` bytes sent and as much received by each of the ``n``
+  members, whatever their row counts (the runtime counts the same integer).
 - AllReduce: ring all-reduce, ``2 (n-1)/n * numel`` sent and as much received per member.
 """
 
@@ -137,11 +138,14 @@ class PlanReport:
 
 
 # --------------------------------------------------------------------------- entry point
-def verify_plan(plan: Plan, *, inputs: Optional[Iterable[str]] = None) -> PlanReport:
+def verify_plan(plan: Plan, *, inputs: Optional[Iterable[str]] = None, check_types: bool = True) -> PlanReport:
     """Check every invariant of ``plan`` (see the module docstring) and dry-run it.
 
     ``inputs`` are the names of the model inputs every rank holds from the start (default: the
-    plan's ``info["inputs"]``, else ``g`` and ``x``). Returns a
+    plan's ``info["inputs"]``, else ``g`` and ``x``). ``check_types=False`` skips the per-field
+    type checks of the instructions and stages (the costliest check on plans of thousands of
+    messages): for a lowering verifying the plan it has just built from typed constructors;
+    :func:`gnncompile.plan` verifies the chosen plan in full. Returns a
     :class:`PlanReport`; raises :class:`~gnncompile.errors.VerificationError` at the first violation.
     """
     if not isinstance(plan, Plan):
@@ -152,7 +156,7 @@ def verify_plan(plan: Plan, *, inputs: Optional[Iterable[str]] = None) -> PlanRe
     chunks = plan.options.get("chunks", 1)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise VerificationError(f"plan option 'chunks' must be a positive int, got {chunks!r}")
-    _check_structure(plan, chunks)
+    _check_structure(plan, chunks, check_types)
     for dp in plan.ranks:
         _check_accounting(dp, chunks)
     _check_point_to_point(plan)
@@ -230,13 +234,19 @@ def _checker(hint: Any) -> Any:
     return lambda v: True
 
 
+@functools.lru_cache(maxsize=None)
+def _field_checkers(cls: type) -> tuple[tuple[str, Any, Any], ...]:
+    """(name, predicate, hint) of every dataclass field of ``cls`` (built once per class)."""
+    hints = _hints(cls)
+    return tuple((f.name, _checker(hints[f.name]), hints[f.name]) for f in fields(cls))
+
+
 def _type_problem(obj: Any) -> Optional[str]:
-    hints = _hints(type(obj))
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        if not _conforms(value, hints[f.name]):
-            want = getattr(hints[f.name], "__name__", None) or str(hints[f.name])
-            return f"field {f.name!r} is {value!r}, expected {want}"
+    for name, ok, hint in _field_checkers(type(obj)):
+        value = getattr(obj, name)
+        if not ok(value):
+            want = getattr(hint, "__name__", None) or str(hint)
+            return f"field {name!r} is {value!r}, expected {want}"
     return None
 
 
@@ -246,7 +256,7 @@ def _elsize(dtype: str) -> Optional[int]:
     return t.itemsize if isinstance(t, torch.dtype) else None
 
 
-def _check_structure(plan: Plan, chunks: int) -> None:
+def _check_structure(plan: Plan, chunks: int, check_types: bool = True) -> None:
     """Check 1: rank numbering, field types, stage tables and each instruction on its own."""
     n = plan.num_ranks
     if n == 0:
@@ -272,7 +282,7 @@ def _check_structure(plan: Plan, chunks: int) -> None:
         for i, inst in enumerate(dp.instructions):
             if not isinstance(inst, Instruction):
                 raise VerificationError(f"rank {dp.rank} step {i}: {inst!r} is not an Instruction")
-            problem = _type_problem(inst) or _instruction_problem(inst, dp.rank, n, chunks, indices)
+            problem = (check_types and _type_problem(inst)) or _instruction_problem(inst, dp.rank, n, chunks, indices)
             if problem:
                 raise _fail(dp, i, problem)
 
@@ -353,8 +363,12 @@ def _check_accounting(dp: DevicePlan, chunks: int) -> None:
             if opt is not None:
                 raise _fail(dp, i, f"second optimizer step (first OPT at step {opt})")
             opt = i
+    for (stage, c), i in forward.items():
+        spec = next((s for s in dp.stages if s.index == stage), None)
+        if spec is not None and spec.runs and c not in spec.runs:
+            raise _fail(dp, i, f"stage {stage} runs chunk {c}, which is not one of its chunks {list(spec.runs)}")
     for spec in dp.stages:
-        for c in range(chunks):
+        for c in (spec.runs or range(chunks)):
             if (spec.index, c) not in forward:
                 raise _fail(dp, None, f"stage {spec.index} never runs its Forward on chunk {c} (no F{spec.index}c{c})")
             if (spec.index, c) not in backward:
@@ -472,7 +486,7 @@ def _check_dataflow(dp: DevicePlan, inputs: frozenset[str], chunks: int, output:
     expected: Counter[tuple[str, int]] = Counter()
     for s in dp.stages:
         for v in dict.fromkeys(s.inputs):
-            for c in range(chunks):
+            for c in (s.runs or range(chunks)):
                 for k in s.chunks_read(v, c):
                     expected[v, k] += 1
     incoming: Counter[tuple[str, int]] = Counter()  # grad RECVs and grad collectives per (value, chunk)
@@ -509,7 +523,7 @@ def _check_dataflow(dp: DevicePlan, inputs: frozenset[str], chunks: int, output:
                                f"here consumes {v}, and there is no grad RECV or grad collective of {v} c{c})")
         if grads[v, c] < expected[v, c] + incoming[v, c]:
             done = set(dp.instructions[:i])
-            pending = [f"B{s}c{j}" for s in consumers[v] for j in range(chunks)
+            pending = [f"B{s}c{j}" for s in consumers[v] for j in (stages[s].runs or range(chunks))
                        if c in stages[s].chunks_read(v, j) and Backward(s, j) not in done]
             pending += [f"`{x}` (step {k})" for k, x in enumerate(dp.instructions)
                         if k > i and isinstance(x, (Recv,) + COLLECTIVES) and getattr(x, "grad", False)
@@ -670,7 +684,7 @@ def _volume(inst: Instruction, rank: int) -> tuple[float, float]:
         return 0.0, float(_numel(inst.shape) * es)
     n = len(inst.group)
     if isinstance(inst, (AllGather, ReduceScatter)):
-        v = (n - 1) / n * _numel(inst.shape) * es
+        v = float((n - 1) * _numel(inst.shape) * es // n)
         return v, v
     if isinstance(inst, AllReduce):
         v = 2 * (n - 1) / n * inst.numel * es

@@ -9,8 +9,8 @@ not six systems"); this module applies them, so that a strategy module only deci
    it needs ``halo``), and the device group of every op.
 2. **Convert** (:func:`split_stages`): wherever a consumer needs a layout its producer does not
    give, a :class:`Conversion` is recorded (``rows -> halo``: halo exchange; ``rows <-> cols``:
-   all-to-all; a change of group: send/recv). One conversion per (value, kind) serves every
-   consumer that needs it.
+   all-to-all; ``rows -> replicated``: all-gather, whose backward is a sum-reduce-scatter; a change
+   of group: send/recv). One conversion per (value, kind) serves every consumer that needs it.
 3. **Split**: a stage boundary is placed at every conversion: an op's stage is the largest, over
    its inputs, of the input's stage plus one if the edge is converted. The ops of one stage become
    one fx ``GraphModule`` whose inputs and outputs are named values (fx node names; converted values
@@ -59,6 +59,9 @@ CONVERSIONS: dict[tuple[str, str], str] = {
     ("rows", "halo"): "halo",
     ("rows", "cols"): "cols",
     ("cols", "rows"): "rows",
+    # an all-gather (writes value@gathered, AllGather's output); its backward sums the replicas'
+    # partial gradients and keeps each rank's rows (a reduce-scatter)
+    ("rows", "replicated"): "gathered",
 }
 
 #: Primitives whose vertex input is read on the *source* side (row ``u`` of an edge ``u -> v``).

@@ -5,20 +5,55 @@ Every rank holds the whole graph; a P op (propagation) runs on all vertices for 
 feature columns, so it needs no neighbour from another rank; a T op (dense, vertex-wise) runs on
 whole feature rows of a block of vertices. Decisions (applied by :mod:`gnncompile.passes.lower`):
 
-- P ops' outputs are in ``cols`` layout: ``[|V|, d_r]``, rank r's column slice (widths that do not
-  divide by the rank count are split unevenly: the first ``D mod n`` ranks get one more column);
-- every other value is in ``rows`` layout: rank r's contiguous block of vertices, ``[n_r, D]``
+- P ops' outputs are in ``cols`` layout: ``[|V|, ..., d_r]``, rank r's slice of the *last*
+  dimension (``D`` of a ``[V, D]`` value, ``C`` of GAT's ``[V, H, C]``; widths that do not divide by
+  the rank count are split unevenly: the first ``D mod n`` ranks get one more column);
+- E ops' outputs (edge-wise ops: attention scores, edge softmax, their dropout) are ``replicated``:
+  every rank computes all of them, for every edge (see "Attention" below);
+- every other value is in ``rows`` layout: rank r's contiguous block of vertices, ``[n_r, ...]``
   (blocks balanced to within one vertex, in vertex order);
 - the vertex input a P op reads needs ``cols`` and a T op reading a P output needs ``rows``: the
   lowering inserts an all-to-all (``A2A v rows->cols``: NeutronTP's *split*; ``cols->rows``: its
-  *gather*) whose backward is the inverse all-to-all of the gradient;
+  *gather*) whose backward is the inverse all-to-all of the gradient; a vertex value an E op reads
+  needs ``replicated``: an all-gather (``AG v``, ``rows -> replicated``) whose backward is a
+  sum-reduce-scatter;
 - parameters are replicated; one gradient all-reduce per step.
 
 The loss is the sum over the rank's training rows divided by the global count, as for ``data``:
-exact. Not supported yet (refused with :class:`~gnncompile.errors.PlanningError`): edge-wise ops
-(GAT's attention needs whole feature rows per edge: NeutronTP §4.1), multi-dimensional vertex
-values, propagations with computed edge weights, and sparse input features read directly by a
-propagation. A model whose output is a propagation has it gathered back to rows for the loss.
+exact. Not supported (refused with :class:`~gnncompile.errors.PlanningError`): an E op's result
+read by anything but another E op or a propagation's ``edge_weight`` (GraphSAGE's max aggregation,
+edge values in the loss), an E op reading a propagation's output (``cols`` has no conversion to
+``replicated``), propagations reading other computed values besides their features and edge
+weights, and sparse input features read directly by a propagation or an E op. A model whose output
+is a propagation has it gathered back to rows for the loss.
+
+Attention (GAT). ``h = lin(x).view(-1, H, C)`` and the propagation ``propagate(g, h, edge_weight=
+alpha)`` run in ``cols`` split along ``C``: every rank keeps every head, so the propagation of its
+``C``-slice needs the whole ``alpha`` ``[E', H]`` (``E' = E + V`` with self loops). The scores
+``a_src = (h * att_src).sum(-1)`` and ``a_dst`` (``[V, H]``) are T ops on whole rows (``rows``), each
+all-gathered to ``replicated``; then every rank runs the E ops (``gather_src + gather_dst``,
+LeakyReLU, ``edge_softmax``, dropout) on all edges and holds the same ``alpha``: a dropout of alpha
+draws the whole tensor's mask from the seed every rank shares (``dropout="replicated"``,
+:func:`~gnncompile.passes.data.replicate_dropout_masks`), so the masks agree across ranks and with
+single-device training. Backward: rank r's propagation sees only its ``C``-slice, so the gradient
+it sends into ``alpha`` is a partial sum over the ranks; the E ops' backward is linear in the
+incoming gradient (their forward values are the same on every rank), so the gradients reaching the
+replicated ``a_src``/``a_dst`` are partial sums too, and the all-gather's backward, a
+sum-reduce-scatter keeping the rank's rows, makes them exact (parameters used by E ops, if any, get
+partial gradients that the gradient all-reduce sums likewise).
+
+Why this design (bytes, per GAT layer and rank, ``n`` ranks, ``s`` bytes per element): the
+attention costs a forward all-gather of ``a_src`` and ``a_dst``, ``2 (n - 1) / n V H s``, and a
+backward reduce-scatter of the same, on top of NeutronTP's split/gather of ``h`` and of the
+propagation's output. The alternative, each rank computing ``alpha`` for its vertex block's
+in-edges and exchanging edge coefficients, all-gathers ``(n - 1) / n E' H s`` per direction (and
+still needs every ``a_src`` row). On ogbn-products (V = 2,449,029, E = 61,859,140, H = 8, float32,
+n = 8) that is 137 MB per rank forward for the vertex scores against 1.80 GB for the edge
+coefficients (``E' / 2V`` = 13x more); for a hidden width ``H C = 256`` the scores add ``n / C`` =
+25% to the 549 MB of the layer's forward split/gather. Splitting the heads instead of ``C`` would
+need no score exchange but cannot use more ranks than heads (GAT's output layer has one). The price
+is redundant work: every rank runs the E ops on all ``E' H`` scores (a ``1 / C`` fraction of the
+propagation's ``E' H C``).
 
 ``decouple=True`` (NeutronTP §4.1, generalized decoupling) lowers the ``decouple`` pass's model
 instead: every T op first (rows), one conversion, the L propagations back to back (cols), one
@@ -27,17 +62,19 @@ unless the layers are linear, so it is refused under ``semantics="exact"`` then,
 relaxation otherwise. Row-mixing T ops
 (BatchNorm) are refused under ``semantics="exact"`` as for ``data``.
 
-Communication per step: every conversion moves ``(n - 1) / n`` of a ``|V| x D`` tensor in each
+Communication per step: every all-to-all moves ``(n - 1) / n`` of a ``|V| x D`` tensor in each
 direction it runs (forward, and backward when the value needs a gradient): NeutronTP's
 ``2 V D`` per layer (:func:`gnncompile.cost_models.formulas.comm_tensor`), independent of the
-graph's structure.
+graph's structure. Every all-gather (and its backward reduce-scatter) moves
+``(n - 1) * V * H * s // n`` bytes per rank (ring convention): a GAT layer adds
+``4 (n - 1) / n V H s`` per rank and step.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.fx
@@ -45,11 +82,12 @@ import torch.fx
 from ..errors import PassError, PlanningError
 from ..graph.core import Graph, GraphStats
 from ..graph.shard import slice_rows
-from ..ir.plan import AllReduce, AllToAll, DevicePlan, Instruction, OptimizerStep, Plan, RankProgram
-from ..ir.tpgraph import TPGraph
+from ..frontend.ops import dropout_rows, masked_propagate, propagate
+from ..ir.plan import AllGather, AllReduce, AllToAll, DevicePlan, Instruction, OptimizerStep, Plan, RankProgram
+from ..ir.tpgraph import TPGraph, TPInfo
 from .data import _dropout_index, check_options, replicate_dropout_masks, row_mixing_ops
-from .lower import Conversion, Decisions, StagedModel, forward_schedule, sequential_schedule, source_input, \
-    split_stages
+from .lower import Conversion, Decisions, StagedModel, call_arguments, forward_schedule, sequential_schedule, \
+    source_input, split_stages
 from .decouple import decouple, plan_decoupling
 from .recompute import insert_recomputation
 
@@ -89,39 +127,80 @@ def row_blocks(num_nodes: int, n: int) -> list[int]:
     return column_splits(num_nodes, n)
 
 
+def _edge_weight_input(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """The ``edge_weight`` argument of a propagation (``None`` if it has none)."""
+    if node.op != "call_function" or node.target not in (propagate, masked_propagate):
+        return None
+    arg = call_arguments(node).get("edge_weight")
+    return arg if isinstance(arg, torch.fx.Node) else None
+
+
 def tensor_decisions(tp: TPGraph) -> Decisions:
-    """P outputs in ``cols``, everything else in ``rows``; conversions where the two meet.
+    """P outputs in ``cols``, E outputs ``replicated``, everything else in ``rows``; conversions where
+    they meet.
 
     Raises :class:`PlanningError` for what the strategy does not support (module docstring).
     """
     layout: dict[str, str] = {}
     needs: dict[tuple[str, str], str] = {}
     graph_inputs = {n.name for n in tp.graph.nodes if n.op == "placeholder" and n.name == "g"}
+
+    def edge_value_refused(p: torch.fx.Node, n: torch.fx.Node) -> PlanningError:
+        return PlanningError(f"strategy 'tensor' does not support edge-wise op {p.name!r} feeding {n.name!r}: "
+                             "edge-wise results are replicated on every rank and may only feed other edge-wise "
+                             "ops or a propagation's edge weights (GAT attention); use strategy='data'")
+
     for n in tp.graph.nodes:
         t = n.meta.get("tp")
+        if n.op == "output":
+            for p in n.all_input_nodes:
+                if layout.get(p.name) == "replicated":
+                    raise edge_value_refused(p, n)
+            continue
         if t is None or t.kind not in ("T", "P", "E"):
             continue
         if t.kind == "E":
-            raise PlanningError(f"strategy 'tensor' does not support edge-wise op {n.name!r} yet (attention needs "
-                                "whole feature rows per edge, NeutronTP §4.1); use strategy='data'")
-        if t.kind == "P":
-            if len(t.dims) != 1:
+            layout[n.name] = "replicated"
+            # a replicated dropout's row index is a model input, the whole tensor's rows on every rank
+            index = call_arguments(n).get("index") if n.op == "call_function" and n.target is dropout_rows else None
+            for p in n.all_input_nodes:
+                if p.name in graph_inputs or p.op == "get_attr" or p is index:
+                    continue
+                have = layout.get(p.name, "rows")
+                if have == "cols":
+                    raise PlanningError(f"strategy 'tensor': edge-wise op {n.name!r} reads {p.name!r}, the output of a "
+                                        "propagation (feature columns cannot be replicated); use strategy='data'")
+                space = p.meta["tp"].space if isinstance(p.meta.get("tp"), TPInfo) else "?"
+                if have == "rows" and space != "V":
+                    raise PlanningError(f"strategy 'tensor': edge-wise op {n.name!r} reads {p.name!r}, whose rows are "
+                                        f"{space!r}, not vertices; use strategy='data'")
+                if have != "replicated":
+                    needs[(n.name, p.name)] = "replicated"
+        elif t.kind == "P":
+            if not t.dims:
                 raise PlanningError(f"strategy 'tensor': propagation {n.name!r} has per-vertex shape {t.dims}; "
-                                    "only [V, D] values are split by columns")
+                                    "only values with a feature dimension are split by columns")
             layout[n.name] = "cols"
             src = source_input(n)
+            weight = _edge_weight_input(n)
             for p in n.all_input_nodes:
                 if p.name in graph_inputs or p.op == "get_attr":
                     continue
+                if p is weight and p is not src and layout.get(p.name) == "replicated":
+                    continue  # edge weights computed by replicated E ops: read as they are
+                if layout.get(p.name) == "replicated":
+                    raise edge_value_refused(p, n)
                 if p is not src:
                     raise PlanningError(f"strategy 'tensor': propagation {n.name!r} reads {p.name!r} besides its "
-                                        "features (computed edge weights are not supported yet)")
+                                        "features (only edge weights computed by edge-wise ops are supported)")
                 if layout.get(p.name, "rows") != "cols":
                     needs[(n.name, p.name)] = "cols"
         else:
             for p in n.all_input_nodes:
                 if layout.get(p.name) == "cols":
                     needs[(n.name, p.name)] = "rows"
+                elif layout.get(p.name) == "replicated":
+                    raise edge_value_refused(p, n)
     # a model ending in a propagation (decoupled models do) has its output gathered back to rows
     return Decisions(layout=layout, needs=needs, default_layout="rows", output_layout="rows")
 
@@ -151,6 +230,13 @@ def _width(tp: TPGraph, value: str) -> tuple[int, str]:
     return math.prod(t.dims), t.dtype or "float32"
 
 
+def _dims(tp: TPGraph, value: str) -> tuple[tuple[int, ...], str]:
+    """The per-vertex shape of ``value`` and its dtype."""
+    node = next(n for n in tp.graph.nodes if n.name == value)
+    t = node.meta["tp"]
+    return tuple(t.dims), t.dtype or "float32"
+
+
 def lower_tensor(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Union[Graph, GraphStats],
                  num_ranks: int, options: TensorOptions) -> Plan:
     """Lower ``tp`` and ``tp_eval`` to a ``tensor`` plan over ``num_ranks`` ranks (see the module docstring).
@@ -178,7 +264,9 @@ def lower_tensor(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: U
     dropout_inputs: dict[str, str] = {}
     if concrete and options.dropout == "replicated":
         tp, dropout_inputs = replicate_dropout_masks(tp, graph)
-        unsupported = sorted(sp for sp in dropout_inputs.values() if sp not in ("V", "nnz"))
+        # V (and sparse feature) masks: the rank's rows; E / E+V masks (attention dropout): every
+        # edge, since E ops are replicated
+        unsupported = sorted(sp for sp in dropout_inputs.values() if sp not in ("V", "nnz", "E", "E+V"))
         if unsupported:
             raise PlanningError(f"strategy 'tensor': dropout of {unsupported[0]}-space values is not supported")
     if options.recompute:
@@ -188,10 +276,11 @@ def lower_tensor(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: U
     staged_eval = split_stages(tp_eval, tensor_decisions(tp_eval))
     for st in (staged, staged_eval):
         for c in st.conversions:
-            if c.kind == "cols" and concrete and c.value == "x" and graph.x is not None and \
+            if c.kind in ("cols", "gathered") and concrete and c.value == "x" and graph.x is not None and \
                     graph.x.layout != torch.strided:
-                raise PlanningError("strategy 'tensor': a propagation reads the sparse input features directly; "
-                                    "densify them (graph.dense_features()) or use strategy='data'")
+                raise PlanningError(f"strategy 'tensor': a {'propagation' if c.kind == 'cols' else 'edge-wise op'} "
+                                    "reads the sparse input features directly; densify them "
+                                    "(graph.dense_features()) or use strategy='data'")
     group = tuple(range(n))
     names = [name for name, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
@@ -200,15 +289,19 @@ def lower_tensor(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: U
 
     def convert_for(rank: int, st: StagedModel):
         def convert(c: Conversion, grad: bool) -> list[Instruction]:
-            width, dtype = _width(st.tp, c.value)
-            cols = column_splits(width, n)
+            dims, dtype = _dims(st.tp, c.value)
+            if c.kind == "gathered":  # rows -> replicated: all-gather (backward: reduce-scatter)
+                return [AllGather(value=c.value, chunk=0, group=group, shape=(stats.num_nodes, *dims), dtype=dtype,
+                                  grad=grad)]
+            # the columns are the last dimension (C of [V, H, C]); the others travel whole
+            mid, cols = dims[:-1], column_splits(dims[-1], n)
             if c.kind == "cols":  # rows -> cols: send my rows of q's columns, receive q's rows of mine
-                send = tuple((blocks[rank], cols[q]) for q in group)
-                recv = tuple((blocks[q], cols[rank]) for q in group)
+                send = tuple((blocks[rank], *mid, cols[q]) for q in group)
+                recv = tuple((blocks[q], *mid, cols[rank]) for q in group)
                 src, dst = "rows", "cols"
             else:  # cols -> rows
-                send = tuple((blocks[q], cols[rank]) for q in group)
-                recv = tuple((blocks[rank], cols[q]) for q in group)
+                send = tuple((blocks[q], *mid, cols[rank]) for q in group)
+                recv = tuple((blocks[rank], *mid, cols[q]) for q in group)
                 src, dst = "cols", "rows"
             return [AllToAll(value=c.value, chunk=0, group=group, src_layout=src, dst_layout=dst, send_shapes=send,
                              recv_shapes=recv, dtype=dtype, grad=grad)]
@@ -237,13 +330,18 @@ def lower_tensor(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: U
                 info=info)
     from ..ir.verify_plan import verify_plan
 
-    report = verify_plan(plan, inputs=info["inputs"])
+    report = verify_plan(plan, inputs=info["inputs"], check_types=False)  # gc.plan checks the chosen one fully
     plan.predictions = {"bytes_sent": [int(round(b)) for b in report.bytes_sent],
                         "bytes_received": [int(round(b)) for b in report.bytes_recv]}
     if concrete:
         plan.program = _rank_programs(graph, staged, staged_eval, convert_for, dropout_inputs, options, names,
                                       params, ranks, blocks, starts)
     return plan
+
+
+def _edge_rows(graph: Graph, space: str) -> int:
+    """Rows of an E- or (E+V)-space value (replicated: a rank's dropout index is all of them)."""
+    return graph.num_edges + (graph.num_nodes if space == "E+V" else 0)
 
 
 @dataclass(frozen=True)
@@ -271,8 +369,8 @@ def _rank_programs(graph: Graph, staged: StagedModel, staged_eval: StagedModel, 
             rank=r, world_size=n, modules=staged.modules, stages=tuple(staged.stages), instructions=ranks[r].instructions,
             eval_modules=staged_eval.modules, eval_stages=tuple(staged_eval.stages), eval_instructions=eval_instrs,
             output=staged.output, eval_output=staged_eval.output,
-            inputs={"g": graph, "x": x,
-                    **{k: _dropout_index(sp, _Block(owned), graph) for k, sp in dropout_inputs.items()}},
+            inputs={"g": graph, "x": x, **{k: _dropout_index(sp, _Block(owned), graph) if sp in ("V", "nnz") else
+                                           torch.arange(_edge_rows(graph, sp)) for k, sp in dropout_inputs.items()}},
             same_seed=options.dropout == "replicated",
             halo=(tuple(torch.zeros(0, dtype=torch.long) for _ in range(n)), (0,) * n),
             labels=graph.y[owned] if graph.y is not None else None, masks=mask, counts=counts,

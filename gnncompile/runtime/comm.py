@@ -5,19 +5,26 @@ forward half and a backward half here, used two ways:
 
 - by the executor, which runs a plan's communication instructions one at a time (``HALO h1`` calls
   :meth:`Communicator.halo_forward`, ``HALO^T grad h1`` calls :meth:`Communicator.halo_backward`);
-- as autograd functions (:func:`halo_exchange`, :func:`rows_to_cols`, :func:`cols_to_rows`) that
-  compose both halves, for code that wants the communication inside one differentiable expression.
+- as autograd functions (:func:`halo_exchange`, :func:`rows_to_cols`, :func:`cols_to_rows`,
+  :func:`all_gather_rows`) that compose both halves, for code that wants the communication inside
+  one differentiable expression.
 
 Conversions: ``halo`` (rows -> rows + halo rows), ``rows_to_cols``/``cols_to_rows`` (the
-all-to-all between vertex-sharded and feature-sharded layouts), ``send``/``recv`` (between device
-groups), ``all_reduce_`` (replicated parameters' gradients).
+all-to-all between vertex-sharded and feature-sharded layouts; the columns are the *last* dimension,
+so ``[n, H, C]`` values split ``C``), ``all_gather_rows``/``reduce_scatter_rows`` (rows ->
+replicated, whose backward sums the members' partial gradients and keeps each member's rows; and
+the reverse), ``send``/``recv`` (between device groups), ``all_reduce_`` (replicated parameters'
+gradients).
 
 Byte accounting: :class:`CommStats` counts, per phase (``"train"``, ``"eval"``, ``"metrics"``)
 and per peer, the bytes of the tensors this rank hands to the communication library. Point-to-point
 and all-to-all traffic is exact. An all-reduce is counted as the ring algorithm moves it:
 ``2 (n - 1) / n * numel * element_size`` bytes sent to the next rank and received from the
 previous one (the bandwidth-optimal volume every cost model uses; the library may pick another
-algorithm on the wire).
+algorithm on the wire). An all-gather or a reduce-scatter of a ``total``-byte (gathered) tensor is
+counted likewise as the ring moves it: ``(n - 1) * total // n`` bytes to the next member and from
+the previous one (:func:`gnncompile.cost_models.formulas.ring_allgather_bytes`), whatever the
+members' row counts; it runs as one all-to-all.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "Communicator", "HaloSpec", "halo_exchange", "rows_to_cols", "cols_to_rows", "offsets"]
+__all__ = ["CommStats", "Communicator", "HaloSpec", "halo_exchange", "rows_to_cols", "cols_to_rows", "all_gather_rows",
+           "reduce_scatter_rows", "offsets"]
 
 
 def offsets(sizes: Sequence[int]) -> list[int]:
@@ -96,18 +104,22 @@ class Communicator:
         self.stats = CommStats()
         self.phase = "train"
 
-    def _all_to_all(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
+    def _exchange(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
+                  group: Any = None, size: Optional[int] = None) -> torch.Tensor:
+        """All-to-all of rows (``send_counts[q]`` rows to member ``q``), not counted."""
         tail = tuple(send.shape[1:])
-        width = 1
-        for d in tail:
-            width *= d
         recv = send.new_empty((sum(recv_counts),) + tail)
-        if self.world_size > 1:
+        if (self.world_size if size is None else size) > 1:
             dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=list(recv_counts),
-                                   input_split_sizes=list(send_counts), group=self.group)
+                                   input_split_sizes=list(send_counts),
+                                   group=group if group is not None else self.group)
         elif recv.numel():  # one rank: what it sends to itself is what it receives
             recv.copy_(send.reshape(recv.shape))
-        es = send.element_size() * width
+        return recv
+
+    def _all_to_all(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
+        recv = self._exchange(send, send_counts, recv_counts)
+        es = send.element_size() * math.prod(send.shape[1:])
         for q in range(self.world_size):
             if q != self.rank:
                 self.stats.add(self.phase, q, sent=send_counts[q] * es, received=recv_counts[q] * es)
@@ -144,30 +156,74 @@ class Communicator:
         return [recv[starts[q]:starts[q + 1]].reshape(recv_shapes[q]) for q in range(len(recv_shapes))]
 
     def rows_to_cols(self, h: torch.Tensor, row_counts: Sequence[int], col_splits: Sequence[int]) -> torch.Tensor:
-        """``rows`` -> ``cols`` layout: ``[n_r, D]`` (this rank's rows) -> ``[N, d_r]`` (every row, this
-        rank's columns). ``row_counts[q]`` rows live on rank ``q``; rank ``q`` gets columns
-        ``col_splits[q]`` wide, in rank order. NeutronTP's *split* and MixGCN's shuffle."""
+        """``rows`` -> ``cols`` layout: ``[n_r, ..., D]`` (this rank's rows) -> ``[N, ..., d_r]`` (every row,
+        this rank's columns of the last dimension). ``row_counts[q]`` rows live on rank ``q``; rank
+        ``q`` gets columns ``col_splits[q]`` wide, in rank order. NeutronTP's *split* and MixGCN's
+        shuffle."""
         h = h.detach()
-        if h.dim() != 2 or h.shape[1] != sum(col_splits) or h.shape[0] != row_counts[self.rank]:
+        if h.dim() < 2 or h.shape[-1] != sum(col_splits) or h.shape[0] != row_counts[self.rank]:
             raise RuntimeError(f"rows_to_cols: rank {self.rank} holds {list(h.shape)}, expected "
-                               f"[{row_counts[self.rank]}, {sum(col_splits)}]")
+                               f"[{row_counts[self.rank]}, ..., {sum(col_splits)}]")
         c = offsets(col_splits)
-        blocks = [h[:, c[q]:c[q + 1]].contiguous() for q in range(self.world_size)]
+        mid = tuple(int(d) for d in h.shape[1:-1])
+        blocks = [h[..., c[q]:c[q + 1]].contiguous() for q in range(self.world_size)]
         mine = col_splits[self.rank]
-        got = self._all_to_all_blocks(blocks, [(int(row_counts[q]), int(mine)) for q in range(self.world_size)])
-        return torch.cat(got) if got else h[:0, :mine]
+        got = self._all_to_all_blocks(blocks, [(int(row_counts[q]),) + mid + (int(mine),)
+                                               for q in range(self.world_size)])
+        return torch.cat(got) if got else h[:0, ..., :mine]
 
     def cols_to_rows(self, h: torch.Tensor, row_counts: Sequence[int], col_splits: Sequence[int]) -> torch.Tensor:
-        """``cols`` -> ``rows`` layout, the inverse of :meth:`rows_to_cols`: ``[N, d_r] -> [n_r, D]``."""
+        """``cols`` -> ``rows`` layout, the inverse of :meth:`rows_to_cols`: ``[N, ..., d_r] -> [n_r, ..., D]``."""
         h = h.detach()
-        if h.dim() != 2 or h.shape[0] != sum(row_counts) or h.shape[1] != col_splits[self.rank]:
+        if h.dim() < 2 or h.shape[0] != sum(row_counts) or h.shape[-1] != col_splits[self.rank]:
             raise RuntimeError(f"cols_to_rows: rank {self.rank} holds {list(h.shape)}, expected "
-                               f"[{sum(row_counts)}, {col_splits[self.rank]}]")
+                               f"[{sum(row_counts)}, ..., {col_splits[self.rank]}]")
         r = offsets(row_counts)
+        mid = tuple(int(d) for d in h.shape[1:-1])
         blocks = [h[r[q]:r[q + 1]].contiguous() for q in range(self.world_size)]
         mine = row_counts[self.rank]
-        got = self._all_to_all_blocks(blocks, [(int(mine), int(col_splits[q])) for q in range(self.world_size)])
-        return torch.cat(got, dim=1) if got else h[:mine, :0]
+        got = self._all_to_all_blocks(blocks, [(int(mine),) + mid + (int(col_splits[q]),)
+                                               for q in range(self.world_size)])
+        return torch.cat(got, dim=-1) if got else h[:mine, ..., :0]
+
+    def _ring_count(self, total_bytes: int, members: list[int]) -> None:
+        """Count a ring all-gather / reduce-scatter of ``total_bytes`` (the gathered tensor)."""
+        n = len(members)
+        if n <= 1:
+            return
+        ring = (n - 1) * total_bytes // n
+        me = members.index(self.rank)
+        self.stats.add(self.phase, members[(me + 1) % n], sent=ring)
+        self.stats.add(self.phase, members[(me - 1) % n], received=ring)
+
+    def all_gather_rows(self, h: torch.Tensor, row_counts: Sequence[int], group: Any = None,
+                        members: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """``rows`` -> ``replicated``: ``[row_counts[me], ...]`` -> ``[sum(row_counts), ...]``, every member's
+        rows in member order. ``group``/``members``: a sub-group instead of all ``world_size`` ranks."""
+        members = list(members) if members is not None else list(range(self.world_size))
+        n, me = len(members), members.index(self.rank)
+        h = h.detach().contiguous()
+        if h.shape[0] != row_counts[me] or len(row_counts) != n:
+            raise RuntimeError(f"all_gather_rows: rank {self.rank} holds {list(h.shape)}, expected "
+                               f"{row_counts[me] if len(row_counts) == n else '?'} rows of {n} members' {list(row_counts)}")
+        out = self._exchange(torch.cat([h] * n) if n > 1 else h, [h.shape[0]] * n, list(row_counts), group, n)
+        self._ring_count(out.numel() * out.element_size(), members)
+        return out
+
+    def reduce_scatter_rows(self, t: torch.Tensor, row_counts: Sequence[int], group: Any = None,
+                            members: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Sum-reduce-scatter, the gradient of :meth:`all_gather_rows`: ``[sum(row_counts), ...]`` (a partial
+        sum on every member) -> ``[row_counts[me], ...]``, this member's rows of the sum over members."""
+        members = list(members) if members is not None else list(range(self.world_size))
+        n, me = len(members), members.index(self.rank)
+        t = t.detach().contiguous()
+        if t.shape[0] != sum(row_counts) or len(row_counts) != n:
+            raise RuntimeError(f"reduce_scatter_rows: rank {self.rank} holds {list(t.shape)}, expected "
+                               f"{sum(row_counts)} rows over {n} members")
+        mine = int(row_counts[me])
+        got = self._exchange(t, list(row_counts), [mine] * n, group, n)
+        self._ring_count(t.numel() * t.element_size(), members)
+        return got.reshape((n, mine) + tuple(t.shape[1:])).sum(0)
 
     def send(self, t: torch.Tensor, peer: int) -> None:
         """Blocking send of ``t`` to rank ``peer`` (counted)."""
@@ -255,3 +311,42 @@ def cols_to_rows(h: torch.Tensor, comm: Communicator, row_counts: Sequence[int],
                  ) -> torch.Tensor:
     """Differentiable all-to-all ``cols -> rows`` (its backward is ``rows -> cols`` of the gradient)."""
     return _Relayout.apply(h, comm, tuple(row_counts), tuple(col_splits), False)
+
+
+class _AllGatherRows(torch.autograd.Function):
+    """rows -> replicated (all-gather); the backward is the sum-reduce-scatter of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, comm: Communicator, row_counts: tuple) -> torch.Tensor:
+        ctx.args = (comm, row_counts)
+        return comm.all_gather_rows(h, row_counts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        comm, row_counts = ctx.args
+        return comm.reduce_scatter_rows(grad.contiguous(), row_counts), None, None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """Sum-reduce-scatter; the backward is the all-gather of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, comm: Communicator, row_counts: tuple) -> torch.Tensor:
+        ctx.args = (comm, row_counts)
+        return comm.reduce_scatter_rows(t, row_counts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        comm, row_counts = ctx.args
+        return comm.all_gather_rows(grad.contiguous(), row_counts), None, None
+
+
+def all_gather_rows(h: torch.Tensor, comm: Communicator, row_counts: Sequence[int]) -> torch.Tensor:
+    """Differentiable all-gather ``rows -> replicated`` (its backward reduce-scatters the gradient: every
+    rank's gradient of the gathered tensor is a partial sum, and rank ``r`` keeps its rows of the total)."""
+    return _AllGatherRows.apply(h, comm, tuple(row_counts))
+
+
+def reduce_scatter_rows(t: torch.Tensor, comm: Communicator, row_counts: Sequence[int]) -> torch.Tensor:
+    """Differentiable sum-reduce-scatter (its backward all-gathers the gradient)."""
+    return _ReduceScatterRows.apply(t, comm, tuple(row_counts))

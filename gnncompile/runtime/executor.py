@@ -27,9 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..errors import RuntimeFailure
-from ..frontend.ops import MaskCache
-from ..ir.plan import (AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, Instruction, OptimizerStep, Plan,
-                       RankProgram, Recv, Send)
+from ..frontend.ops import MaskCache, dropout_noise
+from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, Instruction,
+                       OptimizerStep, Plan, RankProgram, Recv, ReduceScatter, Send, member_rows)
 from .comm import Communicator, HaloSpec
 from .launcher import RankContext, launch
 from .memory import PeakMemory
@@ -210,10 +210,11 @@ class _Rank:
             if (ins.src_layout, ins.dst_layout) not in (("rows", "cols"), ("cols", "rows")):
                 raise RuntimeFailure(f"rank {self.ctx.rank}: no all-to-all from {ins.src_layout} to {ins.dst_layout}")
             # from this rank's side: rows -> cols sends (my rows, q's columns), receives (q's rows, mine)
+            # (the columns are the last dimension: [n, H, C] values split C)
             if to_cols:
-                row_counts, col_splits = [s[0] for s in ins.recv_shapes], [s[1] for s in ins.send_shapes]
+                row_counts, col_splits = [s[0] for s in ins.recv_shapes], [s[-1] for s in ins.send_shapes]
             else:
-                row_counts, col_splits = [s[0] for s in ins.send_shapes], [s[1] for s in ins.recv_shapes]
+                row_counts, col_splits = [s[0] for s in ins.send_shapes], [s[-1] for s in ins.recv_shapes]
             forward = self.comm.rows_to_cols if to_cols else self.comm.cols_to_rows
             backward = self.comm.cols_to_rows if to_cols else self.comm.rows_to_cols
             if not ins.grad:
@@ -224,8 +225,27 @@ class _Rank:
                 if g_out is None:  # no consumer produced a gradient: still take part in the collective
                     g_out = torch.zeros_like(get(ins.output, c))
                 _accumulate(grads, (ins.value, c), backward(g_out.contiguous(), row_counts, col_splits))
+        elif isinstance(ins, (AllGather, ReduceScatter)):
+            # rows -> replicated (AG; its gradient is a sum-reduce-scatter) or the reverse (RS); the
+            # gathered tensor's rows are the members' balanced blocks in group order (member_rows)
+            counts = member_rows(ins.shape[0] if ins.shape else 0, len(ins.group))
+            kw = dict(group=self._group(ins.group), members=ins.group)
+            gather = self.comm.all_gather_rows
+            scatter = self.comm.reduce_scatter_rows
+            forward, backward = (gather, scatter) if isinstance(ins, AllGather) else (scatter, gather)
+            if not ins.grad:
+                src = get(ins.value, c)
+                out = forward(src, counts, **kw)
+                values[(ins.output, c)] = out.requires_grad_(src.requires_grad) if out.is_floating_point() else out
+            else:
+                g_out = grads.pop((ins.output, c), None)
+                if g_out is None:  # no consumer produced a gradient: still take part in the collective
+                    g_out = torch.zeros_like(get(ins.output, c))
+                _accumulate(grads, (ins.value, c), backward(g_out.contiguous(), counts, **kw))
         elif isinstance(ins, AllReduce):
-            params = [p for p in self.prog.params if p.requires_grad]
+            local = set(self.prog.local_params)
+            params = [p for n, p in zip(self.prog.param_names, self.prog.params)
+                      if p.requires_grad and (not local or n in local)]
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -254,7 +274,12 @@ class _Rank:
         logits: dict[int, torch.Tensor] = {}
         t_origin = self.t_origin
         chunked = bool(self.offsets) and len(self.offsets) > 2
-        masks = MaskCache() if chunked and optimizer is not None else None
+        masks = MaskCache() if (chunked or prog.dropout_draws) and optimizer is not None else None
+        if masks is not None and prog.dropout_draws:  # every mask of the step, in single-device order
+            like = prog.params[0] if prog.params else torch.empty(0)
+            for stage, ordinal, shape, dtype, p in prog.dropout_draws:
+                masks.masks[(stage, ordinal)] = dropout_noise(
+                    torch.empty(shape, dtype=getattr(torch, dtype), device=like.device), p)
 
         def get(name: str, chunk: int) -> Any:
             key = (name, chunk)
@@ -478,8 +503,9 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     }
     if capture:
         out["captured"] = captured
-    if ctx.rank == prog.param_rank:
-        out["params"] = {n: p.detach().cpu().clone() for n, p in zip(prog.param_names, params)}
+    owned = {n for n in prog.param_names if prog.param_owner.get(n, prog.param_rank) == ctx.rank}
+    if owned:
+        out["params"] = {n: p.detach().cpu().clone() for n, p in zip(prog.param_names, params) if n in owned}
     return out
 
 
@@ -519,11 +545,12 @@ def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: floa
     captured = None
     if capture:
         captured = _gather_capture(programs, results)
-    owner = programs[0].param_rank
-    if update_model and "params" in results[owner]:
+    if update_model:
         with torch.no_grad():
             for p, name in zip(programs[0].params, programs[0].param_names):
-                p.copy_(results[owner]["params"][name])
+                owner = programs[0].param_owner.get(name, programs[0].param_rank)
+                if name in results[owner].get("params", {}):
+                    p.copy_(results[owner]["params"][name])
     return RunResult(history=history, ranks=ranks, plan=plan, captured=captured)
 
 
@@ -540,7 +567,10 @@ def _gather_capture(programs: list[RankProgram], results: list[dict]) -> dict:
     for p, t in zip(programs, logits_parts):
         if t is not None:
             logits[p.owned] = t
-    return {"logits": logits, "grads": results[programs[0].param_rank]["captured"].get("grads", {})}
+    p0 = programs[0]
+    grads = {n: results[p0.param_owner.get(n, p0.param_rank)]["captured"].get("grads", {}).get(n)
+             for n in p0.param_names}
+    return {"logits": logits, "grads": grads}
 
 
 def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: float = 5e-4, *,
