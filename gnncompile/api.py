@@ -38,7 +38,8 @@ def _cluster(gpus: Any) -> Cluster:
 def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4, *, strategy: Optional[str] = None,
          semantics: str = "exact", partitioner: Optional[str] = None, seed: int = 0, dropout: str = "replicated",
          recompute: Optional[bool] = None, decouple: Optional[bool] = None, chunks: Optional[int] = None,
-         sparse_ranks: Optional[int] = None, reorder: Optional[str] = None, devices: str = "all",
+         sparse_ranks: Optional[int] = None, reorder: Optional[str] = None, p_ranks: Optional[int] = None,
+         devices: str = "all",
          overlap: bool = False, verify: bool = True, **options: Any) -> Plan:
     """Plan parallel training of ``model`` on ``graph`` over the devices ``gpus`` describes.
 
@@ -74,7 +75,11 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         ``mop`` only (:class:`gnncompile.passes.mop.MopOptions`): vertex chunks pipelined between
         the sparse (aggregation) and dense (update) groups, the size of the sparse group (default
         half the ranks), and ``"rcm"`` to renumber vertices by reverse Cuthill–McKee first. ``None``
-        lets the search choose (1 chunk, or 8 RCM-ordered chunks).
+        lets the search choose (1 chunk, or 8 RCM-ordered chunks). ``chunks`` also sets the
+        ``task`` strategy's chunk count (default: a multiple of its group sizes, at least 4).
+    p_ranks:
+        ``task`` only (:class:`gnncompile.passes.task.TaskOptions`): ranks for the P tasks
+        (NeutronTask Eq. 7's ``N_p``); ``None``: from the cost model.
     devices:
         ``"all"`` (default): the plan has one program per device of the cluster. ``"any"``: the
         search may also use fewer devices (halvings), which wins where communication costs more
@@ -100,7 +105,7 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
     if options:
         raise PlanningError(f"unknown planning option(s) {', '.join(sorted(options))}; the options are strategy, "
                             "semantics, partitioner, seed, dropout, recompute, decouple, chunks, sparse_ranks, "
-                            "reorder, devices, overlap, verify")
+                            "reorder, p_ranks, devices, overlap, verify")
     if semantics not in ("exact", "relaxed"):
         raise PlanningError(f"unknown semantics {semantics!r}; valid: 'exact', 'relaxed'")
     if not isinstance(model, torch.nn.Module):
@@ -124,7 +129,7 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         fixed["recompute"] = recompute
     if decouple is not None:
         fixed["decouple"] = decouple
-    for name, value in (("chunks", chunks), ("sparse_ranks", sparse_ranks)):
+    for name, value in (("chunks", chunks), ("sparse_ranks", sparse_ranks), ("p_ranks", p_ranks)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise PlanningError(f"{name}: expected a positive integer or None (searched), got {value!r}")
         if value is not None:

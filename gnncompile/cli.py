@@ -77,7 +77,8 @@ def _make_plan(args: argparse.Namespace):
                                num_layers=args.layers, dropout=args.dropout, **extra)
     strategy = None if args.strategy == "auto" else args.strategy
     p = plan(model, graph, gpus=_gpus(args.gpus), strategy=strategy, semantics=args.semantics,
-             partitioner=args.partitioner, seed=args.seed, recompute=args.recompute, decouple=args.decouple)
+             partitioner=args.partitioner, seed=args.seed, recompute=args.recompute, decouple=args.decouple,
+             chunks=args.chunks, sparse_ranks=args.sparse_ranks, reorder=args.reorder, p_ranks=args.p_ranks)
     return graph, model, p
 
 
@@ -333,6 +334,14 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="recompute T segments in backward (default: searched with auto, off with a named strategy)")
     p.add_argument("--decouple", default=None, action=argparse.BooleanOptionalAction,
                    help="tensor: decoupled model, all T ops then all propagations (relaxed for non-linear models)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="mop, task: vertex chunks pipelined between the device groups (default: searched)")
+    p.add_argument("--sparse-ranks", type=int, default=None,
+                   help="mop: ranks aggregating (the rest run the dense updates; default: half)")
+    p.add_argument("--reorder", default=None, choices=("none", "rcm"),
+                   help="mop: renumber vertices by reverse Cuthill-McKee before chunking (default: searched)")
+    p.add_argument("--p-ranks", type=int, default=None,
+                   help="task: ranks for the P (propagation) tasks (default: NeutronTask Eq. 7 from the cost model)")
     p.add_argument("--explain", action="store_true", help="print the planner's candidates and why it chose the plan")
     p.add_argument("--timeline", default=None, metavar="PATH", help="draw the predicted (and measured) timeline")
     p.add_argument("--memory-plot", default=None, metavar="PATH", help="draw the predicted memory per rank")

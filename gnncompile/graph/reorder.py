@@ -52,7 +52,8 @@ def rcm_order(graph: Graph) -> torch.Tensor:
 def _check_order(order: torch.Tensor, n: int) -> torch.Tensor:
     order = torch.as_tensor(order)
     if order.dtype not in (torch.int32, torch.int64) or order.dim() != 1:
-        raise GraphError(f"permute: order must be a 1-D integer tensor, got {order.dtype} of shape {tuple(order.shape)}")
+        raise GraphError(f"permute: order must be a 1-D integer tensor, got {order.dtype} of shape "
+                         f"{tuple(order.shape)}")
     order = order.to(torch.int64).cpu()
     if order.numel() != n:
         raise GraphError(f"permute: order has {order.numel()} entries for a graph of {n} vertices")

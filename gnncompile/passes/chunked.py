@@ -1,51 +1,54 @@
-"""Chunked two-group lowering: ``rows`` stages on one device group, ``cols`` stages on another, and
-graph chunks pipelined between them over point-to-point messages.
+"""Chunked multi-group lowering: stages placed on device groups, graph chunks pipelined between them
+over point-to-point messages.
 
-The shared machinery of the strategies that put dense (T) and sparse (P) work on different devices
-and stream the graph through them in chunks: MixGCN's mixture of accelerators with its fine-grain
-pipeline (``mop``, §3.2.2) and NeutronTask's T/P task placement with its chunk pipeline (``task``,
-§4.2). A strategy module decides the layouts (:class:`~gnncompile.passes.lower.Decisions` with
-``pure_stages``), the two groups and the chunking; this module
+The shared machinery of the strategies that put different stages on different devices and stream
+the graph through them in chunks: MixGCN's mixture of accelerators with its fine-grain pipeline
+(``mop``, §3.2.2: a dense group and a sparse group) and NeutronTask's task placement with its chunk
+pipeline (``task``, §4.1–4.3: a group per run of tasks). A strategy module decides the stages
+(:class:`~gnncompile.passes.lower.Decisions` with ``pure_stages``), the :class:`Placement` (which
+:class:`Group` runs every stage, and how a group shares a chunk: ``rows`` split, ``cols`` split,
+or whole ``chunks`` dealt round robin) and the chunking; this module
 
 1. cuts the vertices into **chunks** (:class:`Chunking`: contiguous ranges of a vertex order,
    optionally a reordering such as reverse Cuthill–McKee) and finds, for every chunk of
-   destinations, the chunks its in-edges read (:func:`chunk_reads`): a ``cols`` stage's chunk
-   ``j`` waits for exactly those chunks of its source value (exact dependencies: nothing is
-   skipped or stale);
+   destinations, the chunks its in-edges read (:func:`chunk_reads`): a propagation's chunk ``j``
+   waits for exactly those chunks of its source value (exact dependencies: nothing is skipped or
+   stale);
 2. builds each chunk's **graph slice** (:func:`chunk_graph`): the chunk's destinations and their
    in-edges, sources renumbered into the order the stage concatenates its source chunks (the chunk
    itself first, so self loops read its own rows), normalization coefficients of the whole graph;
-3. **schedules** forward and backward tasks ``(stage, chunk)`` on the two groups by list scheduling
-   (:func:`list_schedule`: each group runs one task at a time, a task starts when the tasks it
-   depends on are done, ties by chunk then depth), and projects the resulting global order onto
-   each rank (:func:`emit_programs`): a stage's outputs are sent (eager ``SEND``) right after it
-   runs, received right before their first use, gradients likewise in reverse. Because every rank
-   follows one global order in which each send precedes its receive, the program cannot deadlock.
+3. **schedules** forward and backward tasks ``(stage, chunk)`` by list scheduling
+   (:func:`list_schedule`: each resource — a group, or a group's member for dealt chunks — runs one
+   task at a time, a task starts when the tasks it depends on are done, ties by chunk then depth),
+   and projects the global order onto each rank (:func:`emit_programs`): a stage's outputs are sent
+   (eager ``SEND``) right after it runs, received right before their first use, gradients likewise
+   in reverse. Every rank follows one global order in which each send precedes its receive, and a
+   receiver takes a peer's messages in send order, so the program cannot deadlock.
 
-Messages: for a ``rows -> cols`` conversion of ``v`` at chunk ``k``, rows-group rank ``i`` sends the
-columns of ``cols`` rank ``q`` of its rows of the chunk (``SEND v ck [:,c0:c1] ->q``); rank ``q``
-receives them into rows ``[lo, hi)`` of ``v@cols`` chunk ``k``. The gradient goes the opposite way.
-A ``cols -> rows`` conversion is the mirror image. Each rank moves ``(rows of its chunk part) x
-(columns of the peer)`` per message: the bytes of an all-to-all between the groups.
+Messages: a value read by a stage of another group moves, per chunk, as the intersection of the
+block each producer rank holds (its rows, or its columns, of the chunk) with the block each
+consumer rank reads (its rows, every row for a propagation's sources, or its columns): ``SEND v
+ck [slab] ->q`` / ``RECV v ck (name[slab]) <-p``. Rows -> columns is the all-to-all of feature
+parallelism; rows -> rows between whole-chunk groups moves each row once.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
-import torch.fx
 
 from ..errors import PlanningError
 from ..graph.core import Graph
 from ..graph.shard import LocalGraph
 from ..ir.plan import Backward, Forward, Instruction, Recv, Send, StageSpec
-from .lower import OUTPUT, Conversion, StagedModel
+from .lower import StagedModel
 
-__all__ = ["Chunking", "chunk_bounds", "chunk_reads", "chunk_graph", "Task", "list_schedule", "TwoGroups",
+__all__ = ["Chunking", "chunk_bounds", "chunk_reads", "chunk_graph", "Task", "list_schedule", "Group", "Placement",
            "emit_programs", "stage_groups"]
 
 
@@ -143,14 +146,17 @@ class Task:
         return f"{'B' if self.backward else 'F'}{self.stage}c{self.chunk}"
 
 
-def list_schedule(tasks: Iterable[Task], group_of: dict[int, str], deps: dict[Task, set[Task]],
+def list_schedule(tasks: Iterable[Task], group_of: Any, deps: dict[Task, set[Task]],
                   cost: dict[Task, float]) -> list[tuple[float, Task]]:
-    """Start times of ``tasks`` when each group runs one task at a time (list scheduling).
+    """Start times of ``tasks`` when each resource runs one task at a time (list scheduling).
 
-    Repeatedly starts, over both groups, the ready task that can start earliest; ties go to the
-    lower chunk, then the deeper stage for forwards (a chunk goes through before the next enters)
-    and the later stage for backwards. Returns ``(start, task)`` in start order.
+    ``group_of``: stage -> resource (a dict), or a function task -> resource (e.g.
+    :meth:`Placement.resource`). Repeatedly starts the ready task that can start earliest on its
+    resource; ties go to the lower chunk, then the deeper stage for forwards (a chunk goes through
+    before the next enters) and the later stage for backwards. Returns ``(start, task)`` in start
+    order; raises :class:`PlanningError` if the dependencies have a cycle.
     """
+    resource = group_of if callable(group_of) else (lambda t: group_of[t.stage])
     tasks = list(tasks)
     remaining = {t: len(deps.get(t, ())) for t in tasks}
     users: dict[Task, list[Task]] = {t: [] for t in tasks}
@@ -158,7 +164,7 @@ def list_schedule(tasks: Iterable[Task], group_of: dict[int, str], deps: dict[Ta
         for d in deps.get(t, ()):
             users[d].append(t)
     end: dict[Task, float] = {}
-    free: dict[str, float] = {g: 0.0 for g in set(group_of.values())}
+    free: dict[Any, float] = {}
     ready: list[tuple[float, tuple, Task]] = []
 
     def prio(t: Task) -> tuple:
@@ -172,7 +178,7 @@ def list_schedule(tasks: Iterable[Task], group_of: dict[int, str], deps: dict[Ta
         # the task that can start first on its group (its data ready time vs its group's free time)
         best = None
         for i, (at, p, t) in enumerate(ready):
-            start = max(at, free[group_of[t.stage]])
+            start = max(at, free.get(resource(t), 0.0))
             key = (start, p)
             if best is None or key < best[0]:
                 best = (key, i)
@@ -180,7 +186,7 @@ def list_schedule(tasks: Iterable[Task], group_of: dict[int, str], deps: dict[Ta
         _, _, t = ready.pop(i)
         heapq.heapify(ready)
         end[t] = start + cost.get(t, 1.0)
-        free[group_of[t.stage]] = end[t]
+        free[resource(t)] = end[t]
         out.append((start, t))
         for u in users[t]:
             remaining[u] -= 1
@@ -192,30 +198,41 @@ def list_schedule(tasks: Iterable[Task], group_of: dict[int, str], deps: dict[Ta
     return out
 
 
-def stage_groups(staged: StagedModel, layout_of: Any) -> dict[int, str]:
-    """The layout (``rows`` / ``cols``) of every stage of a ``pure_stages`` split."""
-    groups = {}
-    for st in staged.stages:
-        lays = {layout_of(op) for op in st.ops if op in staged.stage_of}
-        if len(lays) != 1:
-            raise PlanningError(f"stage {st.index} mixes layouts {sorted(lays)}; the chunked lowering needs one per stage")
-        groups[st.index] = lays.pop()
-    return groups
+# --------------------------------------------------------------------------- placement
+#: How a group's members share a chunk: ``rows`` (each member computes a balanced slice of every
+#: chunk's vertices), ``cols`` (each member computes every vertex of every chunk for a slice of the
+#: last dimension), ``chunks`` (whole chunks dealt round robin: member ``k mod t`` runs chunk ``k``).
+GROUP_LAYOUTS = ("rows", "cols", "chunks")
 
 
-# --------------------------------------------------------------------------- programs
 @dataclass(frozen=True)
-class TwoGroups:
-    """The ``rows`` group (vertex rows of every chunk split over its ranks) and the ``cols`` group
-    (every vertex, feature columns split over its ranks)."""
+class Group:
+    """Ranks that run some stages together, and how they share the chunks (:data:`GROUP_LAYOUTS`)."""
 
-    rows: tuple[int, ...]
-    cols: tuple[int, ...]
+    name: str
+    members: tuple[int, ...]
+    layout: str = "rows"
+
+    def __post_init__(self) -> None:
+        if self.layout not in GROUP_LAYOUTS:
+            raise PlanningError(f"group {self.name!r}: layout must be one of {GROUP_LAYOUTS}, got {self.layout!r}")
+        if not self.members:
+            raise PlanningError(f"group {self.name!r} has no ranks")
+
+    def runners(self, k: int) -> tuple[int, ...]:
+        """Indices of the members that run chunk ``k``."""
+        return (k % len(self.members),) if self.layout == "chunks" else tuple(range(len(self.members)))
 
     def sub_rows(self, chunking: Chunking, k: int) -> list[tuple[int, int]]:
-        """Chunk ``k``'s positions held by each rank of the rows group (balanced, in rank order)."""
-        n, t = chunking.size(k), len(self.rows)
-        out, lo = [], chunking.bounds[k]
+        """Chunk ``k``'s positions computed by each member (empty where the member does not run it)."""
+        lo, hi = chunking.bounds[k], chunking.bounds[k + 1]
+        t = len(self.members)
+        if self.layout == "cols":
+            return [(lo, hi)] * t
+        if self.layout == "chunks":
+            return [(lo, hi) if i == k % t else (lo, lo) for i in range(t)]
+        n = hi - lo
+        out = []
         for i in range(t):
             m = n // t + (1 if i < n % t else 0)
             out.append((lo, lo + m))
@@ -223,7 +240,10 @@ class TwoGroups:
         return out
 
     def col_splits(self, width: int) -> list[tuple[int, int]]:
-        p = len(self.cols)
+        """Each member's slice of a last dimension of ``width`` (all of it unless ``cols``)."""
+        p = len(self.members)
+        if self.layout != "cols":
+            return [(0, width)] * p
         out, lo = [], 0
         for q in range(p):
             m = width // p + (1 if q < width % p else 0)
@@ -232,8 +252,85 @@ class TwoGroups:
         return out
 
 
-def _stage_deps(staged: StagedModel, groups: dict[int, str], chunking: Chunking,
-                reads: dict[int, dict[str, tuple[tuple[int, ...], ...]]], training: bool) -> dict[Task, set[Task]]:
+@dataclass(frozen=True)
+class Placement:
+    """Which group runs every stage.
+
+    ``input_group``: the group holding the model's vertex inputs (features), which sends their
+    converted copies; ``None``: a rank reading a model input gets its block of it directly.
+    """
+
+    groups: tuple[Group, ...]
+    stage_group: dict[int, int]
+    input_group: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        seen: set[int] = set()
+        for g in self.groups:
+            if seen & set(g.members):
+                raise PlanningError(f"group {g.name!r} shares ranks {sorted(seen & set(g.members))} with another group")
+            seen |= set(g.members)
+
+    def group(self, stage: int) -> Group:
+        return self.groups[self.stage_group[stage]]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(r for g in self.groups for r in g.members))
+
+    def group_of_rank(self, rank: int) -> Group:
+        return next(g for g in self.groups if rank in g.members)
+
+    def resource(self, t: Task) -> Any:
+        """What task ``t`` occupies: its group, or the member of a ``chunks`` group running its chunk."""
+        gi = self.stage_group[t.stage]
+        g = self.groups[gi]
+        return (gi, t.chunk % len(g.members)) if g.layout == "chunks" else gi
+
+
+#: A block of a chunk's value: positions ``[r0, r1)`` of the vertex order, last-dimension ``[c0, c1)``.
+Block = tuple[int, int, int, int]
+
+
+def held_block(g: Group, i: int, chunking: Chunking, k: int, width: int) -> Optional[Block]:
+    """The block of chunk ``k`` that member ``i`` of ``g`` computes (``None``: a ``chunks`` group's
+    member that does not run chunk ``k``; a ``rows`` member may hold an empty block)."""
+    if i not in g.runners(k):
+        return None
+    r0, r1 = g.sub_rows(chunking, k)[i]
+    c0, c1 = g.col_splits(width)[i]
+    return (r0, r1, c0, c1)
+
+
+def needed_block(g: Group, i: int, chunking: Chunking, k: int, width: int, whole_chunk: bool) -> Block:
+    """The block of chunk ``k`` member ``i`` of ``g`` reads: its rows (every row of the chunk for a
+    propagation's source side, ``whole_chunk``, and in ``cols`` / ``chunks`` groups) and its columns."""
+    if whole_chunk or g.layout != "rows":
+        r0, r1 = chunking.bounds[k], chunking.bounds[k + 1]
+    else:
+        r0, r1 = g.sub_rows(chunking, k)[i]
+    c0, c1 = g.col_splits(width)[i]
+    return (r0, r1, c0, c1)
+
+
+def _intersect(a: Block, b: Block) -> Block:
+    """The overlap of two blocks, clamped to an empty range where they do not overlap (an empty
+    block is still a message: the receiver of an empty slice of rows takes part in the exchange)."""
+    r0, c0 = max(a[0], b[0]), max(a[2], b[2])
+    return (r0, max(r0, min(a[1], b[1])), c0, max(c0, min(a[3], b[3])))
+
+
+def _slab(block: Block, inter: Block) -> tuple[int, int, int]:
+    """``inter`` as a ``(dim, start, stop)`` slab of ``block`` (dim 0 rows, 1 the last dimension)."""
+    if (inter[2], inter[3]) == (block[2], block[3]):
+        return (0, inter[0] - block[0], inter[1] - block[0])
+    if (inter[0], inter[1]) == (block[0], block[1]):
+        return (1, inter[2] - block[2], inter[3] - block[2])
+    raise PlanningError(f"block {inter} of {block} is neither whole rows nor whole columns")
+
+
+def _stage_deps(staged: StagedModel, chunking: Chunking, reads: dict[int, dict[str, tuple[tuple[int, ...], ...]]],
+                training: bool) -> dict[Task, set[Task]]:
     """Dependencies of the forward (and backward) tasks of ``staged``."""
     K = chunking.num_chunks
     conv_out = {c.output: c for c in staged.conversions}
@@ -271,148 +368,211 @@ def _stage_deps(staged: StagedModel, groups: dict[int, str], chunking: Chunking,
     return deps
 
 
-def emit_programs(staged: StagedModel, groups: dict[int, str], two: TwoGroups, chunking: Chunking,
-                  reads: dict[int, dict[str, tuple[tuple[int, ...], ...]]], widths: dict[str, tuple[int, str]],
-                  training: bool, cost: Optional[dict[Task, float]] = None
+@dataclass(frozen=True)
+class _Edge:
+    """A value (``base``) read under the name ``name`` by stages of another group than its producer's."""
+
+    base: str
+    name: str
+    src: int          # producer group index
+    dst: int          # consumer group index
+    needs_grad: bool
+
+
+def emit_programs(staged: StagedModel, place: Placement, chunking: Chunking,
+                  reads: dict[int, dict[str, tuple[tuple[int, ...], ...]]],
+                  dims: dict[str, tuple[tuple[int, ...], str]], needs_grad: set[str], training: bool,
+                  cost: Optional[dict[Task, float]] = None
                   ) -> tuple[dict[int, list[Instruction]], list[tuple[float, Task]]]:
     """Per rank, the instructions of one step (forward only unless ``training``) and the global order.
 
-    ``widths``: value -> (row width, dtype) of every converted value. The step ends without the
-    gradient all-reduce / optimizer step (the strategy appends them).
+    ``dims``: value -> (per-vertex shape, dtype) of every value that crosses groups; ``needs_grad``:
+    the values whose gradients travel back. The step ends without the gradient all-reduce /
+    optimizer step (the strategy appends them).
     """
     K = chunking.num_chunks
-    deps = _stage_deps(staged, groups, chunking, reads, training)
-    order = list_schedule(deps.keys(), groups, deps, cost or {})
-    members = {"rows": two.rows, "cols": two.cols}
-    progs: dict[int, list[Instruction]] = {r: [] for r in two.rows + two.cols}
-    by_value: dict[str, list[Conversion]] = {}
-    for c in staged.conversions:
-        if OUTPUT in c.consumers:
-            raise PlanningError("the chunked lowering needs the model's output computed by the rows group")
-        by_value.setdefault(c.value, []).append(c)
+    deps = _stage_deps(staged, chunking, reads, training)
+    order = list_schedule(deps.keys(), place.resource, deps, cost or {})
+    progs: dict[int, list[Instruction]] = {r: [] for r in place.ranks}
     conv_out = {c.output: c for c in staged.conversions}
-    received: set[tuple[int, int, str, int, bool]] = set()  # (rank, from, value, chunk, grad) taken
-    # contributions still missing before the gradient of (value@conv, chunk) is complete on a rank
-    missing: dict[tuple[str, int], int] = {}
+    producer = {o: st.index for st in staged.stages for o in st.outputs}
+    if staged.output not in producer:
+        raise PlanningError("the chunked lowering needs the model's output computed by a stage")
+    # every cross-group read
+    edges: dict[tuple[str, int], _Edge] = {}
     for st in staged.stages:
-        for v in dict.fromkeys(st.inputs):
-            if v in conv_out:
-                rd = reads.get(st.index, {}).get(v)
-                for j in range(K):
-                    for m in (rd[j] if rd is not None else (j,)):
-                        missing[v, m] = missing.get((v, m), 0) + 1
+        gi = place.stage_group[st.index]
+        for u in dict.fromkeys(st.inputs):
+            base = conv_out[u].value if u in conv_out else u
+            if base in producer:
+                src = place.stage_group[producer[base]]
+                if src == gi:
+                    if u in conv_out:
+                        raise PlanningError(f"stage {st.index} converts {base!r} within group "
+                                            f"{place.groups[gi].name!r}")
+                    continue
+            elif u in conv_out and place.input_group is not None:
+                src = place.input_group
+            else:
+                continue  # a model input the rank reads directly
+            edges.setdefault((u, gi), _Edge(base, u, src, gi, base in needs_grad or
+                                            (u in conv_out and conv_out[u].needs_grad)))
+    by_base: dict[str, list[_Edge]] = {}
+    for e in edges.values():
+        by_base.setdefault(e.base, []).append(e)
+    # per (name, consumer group): the consumer tasks' chunks reading each chunk, and whether whole chunks
+    readers: dict[tuple[str, int], dict[int, set[int]]] = {}
+    whole: set[tuple[str, int]] = set()
+    for st in staged.stages:
+        gi = place.stage_group[st.index]
+        for u in dict.fromkeys(st.inputs):
+            if (u, gi) not in edges:
+                continue
+            rd = reads.get(st.index, {}).get(u)
+            if rd is not None:
+                whole.add((u, gi))
+            per = readers.setdefault((u, gi), {})
+            for k in range(K):
+                for m in (rd[k] if rd is not None else (k,)):
+                    per.setdefault(m, set()).add(k)
 
-    sub = [two.sub_rows(chunking, k) for k in range(K)]
-    row_index = {r: i for i, r in enumerate(two.rows)}
-    col_index = {r: q for q, r in enumerate(two.cols)}
-    splits = {v: two.col_splits(w) for v, (w, _) in widths.items()}
+    cache: dict[tuple[_Edge, int], list[tuple[int, int, Block, Block, Block]]] = {}
 
-    def pieces(c: Conversion, k: int, src_rank: int, dst_rank: int, grad: bool) -> tuple[Send, Recv]:
-        """The message of conversion ``c`` at chunk ``k`` from ``src_rank`` to ``dst_rank`` (or, with
-        ``grad``, its gradient going back from ``dst_rank`` to ``src_rank``)."""
-        _, dtype = widths[c.value]
-        cols = splits[c.value]
-        if c.kind == "cols":  # rows group -> cols group
-            i, q = row_index[src_rank], col_index[dst_rank]
-        else:
-            i, q = row_index[dst_rank], col_index[src_rank]
-        lo, hi = sub[k][i]
-        base = chunking.bounds[k]
-        shape = (hi - lo, cols[q][1] - cols[q][0])
-        row_part = (0, lo - base, hi - base)
-        col_part = (1, cols[q][0], cols[q][1])
-        # the rows side slices columns, the cols side places rows
-        rows_part, cols_part = col_part, row_part
-        src_part, dst_part = (rows_part, cols_part) if c.kind == "cols" else (cols_part, rows_part)
-        if not grad:
-            return (Send(c.value, k, dst_rank, shape, dtype, part=src_part),
-                    Recv(c.value, k, src_rank, shape, dtype, local=c.output, part=dst_part))
-        return (Send(c.value, k, src_rank, shape, dtype, grad=True, local=c.output, part=dst_part),
-                Recv(c.value, k, dst_rank, shape, dtype, grad=True, part=src_part))
+    def messages(e: _Edge, m: int) -> list[tuple[int, int, Block, Block, Block]]:
+        """(producer rank, consumer rank, held block, needed block, intersection) of ``e`` at chunk ``m``."""
+        key = (e, m)
+        if key in cache:
+            return cache[key]
+        sg, dg = place.groups[e.src], place.groups[e.dst]
+        d = dims[e.base][0]
+        width = d[-1] if d else 1
+        need_members = sorted({j for k in readers.get((e.name, e.dst), {}).get(m, ()) for j in dg.runners(k)})
+        out = []
+        for j in need_members:
+            need = needed_block(dg, j, chunking, m, width, (e.name, e.dst) in whole)
+            for i, a in enumerate(sg.members):
+                held = held_block(sg, i, chunking, m, width)
+                if held is None:
+                    continue
+                inter = _intersect(held, need)
+                if inter[0] == inter[1] and inter[2] == inter[3]:
+                    continue  # disjoint in both dimensions: nothing to say
+                out.append((a, dg.members[j], held, need, inter))
+        cache[key] = out
+        return out
 
-    def other(g: str) -> tuple[int, ...]:
-        return members["cols" if g == "rows" else "rows"]
+    def shape_of(e: _Edge, inter: Block) -> tuple[int, ...]:
+        d = dims[e.base][0]
+        return (inter[1] - inter[0],) + tuple(d[:-1]) + ((inter[3] - inter[2],) if d else ())
 
-    # messages in flight per (src, dst), in send order: a receiver takes them in that order (FIFO
-    # matching), so needing one message means receiving every earlier one first
-    inflight: dict[tuple[int, int], list[Recv]] = {}
+    inflight: dict[tuple[int, int], deque[Recv]] = {}
+    received: set[tuple[int, int, str, int, bool]] = set()  # (rank, from, value, chunk, grad) taken
 
-    def send(c: Conversion, k: int, src: int, dst: int, grad: bool) -> None:
-        if not grad:
-            s_, r_ = pieces(c, k, src, dst, False)
-        else:  # the gradient goes from dst back to src
-            s_, r_ = pieces(c, k, src, dst, True)
-            src, dst = dst, src
-        progs[src].append(s_)
-        inflight.setdefault((src, dst), []).append(r_)
+    def send(e: _Edge, m: int, grad: bool, only: Optional[int] = None) -> None:
+        dtype = dims[e.base][1]
+        local = "" if e.name == e.base else e.name
+        for a, b, held, need, inter in messages(e, m):
+            if only is not None and b != only:
+                continue
+            shape = shape_of(e, inter)
+            if not grad:
+                progs[a].append(Send(e.base, m, b, shape, dtype, part=_slab(held, inter)))
+                inflight.setdefault((a, b), deque()).append(
+                    Recv(e.base, m, a, shape, dtype, local=local, part=_slab(need, inter)))
+            else:
+                progs[b].append(Send(e.base, m, a, shape, dtype, grad=True, local=local, part=_slab(need, inter)))
+                inflight.setdefault((b, a), deque()).append(
+                    Recv(e.base, m, b, shape, dtype, grad=True, part=_slab(held, inter)))
 
     def receive(r: int, src: int, value: str, k: int, grad: bool) -> None:
         if (r, src, value, k, grad) in received:
             return
-        queue = inflight.get((src, r), [])
+        queue = inflight.get((src, r), ())
         while queue:
-            m = queue.pop(0)
-            progs[r].append(m)
-            received.add((r, src, m.value, m.chunk, m.grad))
-            if (m.value, m.chunk, m.grad) == (value, k, grad):
+            msg = queue.popleft()
+            progs[r].append(msg)
+            received.add((r, src, msg.value, msg.chunk, msg.grad))
+            if (msg.value, msg.chunk, msg.grad) == (value, k, grad):
                 return
         raise PlanningError(f"chunk schedule: rank {r} needs {'the gradient of ' if grad else ''}{value} c{k} from "
                             f"rank {src}, which was never sent")
 
-    # conversions of model inputs (features read by a propagation): sent before anything else
-    for v, convs in by_value.items():
-        if any(v in st.outputs for st in staged.stages):
-            continue
-        for c in convs:
-            src_g = "rows" if c.kind == "cols" else "cols"
-            for k in range(K):
-                for r in members[src_g]:
-                    for q in other(src_g):
-                        send(c, k, r, q, False)
+    # contributions missing before the gradient of (name, consumer group, member, chunk) is complete
+    missing: dict[tuple[str, int, int, int], int] = {}
+    for st in staged.stages:
+        gi = place.stage_group[st.index]
+        g = place.groups[gi]
+        for u in dict.fromkeys(st.inputs):
+            if (u, gi) in edges:
+                rd = reads.get(st.index, {}).get(u)
+                for k in range(K):
+                    for j in g.runners(k):
+                        for m in (rd[k] if rd is not None else (k,)):
+                            key = (u, gi, g.members[j], m)
+                            missing[key] = missing.get(key, 0) + 1
+
+    for e in edges.values():  # model inputs held by the input group: sent before anything else
+        if e.base not in producer:
+            for m in range(K):
+                send(e, m, False)
     for _, t in order:
-        g = groups[t.stage]
         st = staged.stages[t.stage]
-        for r in members[g]:
-            if not t.backward:
-                for v in st.inputs:
-                    c = conv_out.get(v)
-                    if c is None:
-                        continue
-                    rd = reads.get(t.stage, {}).get(v)
-                    for m in (rd[t.chunk] if rd is not None else (t.chunk,)):
-                        for q in other(g):
-                            receive(r, q, c.value, m, False)
-                progs[r].append(Forward(t.stage, t.chunk))
-                for o in st.outputs:
-                    for c in by_value.get(o, []):
-                        for q in other(g):
-                            send(c, t.chunk, r, q, False)
-            else:
-                for o in st.outputs:
-                    for c in by_value.get(o, []):
-                        if c.needs_grad:
-                            for q in other(g):
-                                receive(r, q, c.value, t.chunk, True)
-                progs[r].append(Backward(t.stage, t.chunk))
-        if t.backward:
-            for v in dict.fromkeys(st.inputs):
-                c = conv_out.get(v)
-                if c is None or not c.needs_grad:
+        gi = place.stage_group[t.stage]
+        g = place.groups[gi]
+        runners = [g.members[j] for j in g.runners(t.chunk)]
+        if not t.backward:
+            for u in st.inputs:
+                e = edges.get((u, gi))
+                if e is None:
                     continue
-                rd = reads.get(t.stage, {}).get(v)
-                done = []
+                rd = reads.get(t.stage, {}).get(u)
                 for m in (rd[t.chunk] if rd is not None else (t.chunk,)):
-                    missing[v, m] -= 1
-                    if missing[v, m] == 0:
-                        done.append(m)
-                for m in sorted(done):  # the gradient of (v@conv, m) is complete: send it back
-                    for r in members[g]:
-                        for q in other(g):
-                            send(c, m, q, r, True)  # forward: q (producer) -> r (consumer)
+                    for a, b, *_ in messages(e, m):
+                        if b in runners:
+                            receive(b, a, e.base, m, False)
+            for r in runners:
+                progs[r].append(Forward(t.stage, t.chunk))
+            for o in st.outputs:
+                for e in by_base.get(o, []):
+                    send(e, t.chunk, False)
+        else:
+            for o in st.outputs:
+                for e in by_base.get(o, []):
+                    if e.needs_grad:
+                        for a, b, *_ in messages(e, t.chunk):
+                            if a in runners:
+                                receive(a, b, e.base, t.chunk, True)
+            for r in runners:
+                progs[r].append(Backward(t.stage, t.chunk))
+            for u in dict.fromkeys(st.inputs):
+                e = edges.get((u, gi))
+                if e is None or not e.needs_grad:
+                    continue
+                rd = reads.get(t.stage, {}).get(u)
+                for r in runners:
+                    done = []
+                    for m in (rd[t.chunk] if rd is not None else (t.chunk,)):
+                        missing[u, gi, r, m] -= 1
+                        if missing[u, gi, r, m] == 0:
+                            done.append(m)
+                    for m in sorted(done):  # the gradient of (u, m) on r is complete: send it back
+                        send(e, m, True, only=r)
     for (src, dst), queue in inflight.items():  # messages no task needed (not expected): receive them last
         progs[dst].extend(queue)
         queue.clear()
     return progs, order
+
+
+def stage_groups(staged: StagedModel, layout_of: Any) -> dict[int, str]:
+    """The layout label (``rows`` / ``cols``) of every stage of a ``pure_stages`` split."""
+    groups = {}
+    for st in staged.stages:
+        lays = {layout_of(op) for op in st.ops if op in staged.stage_of}
+        if len(lays) != 1:
+            raise PlanningError(f"stage {st.index} mixes layouts {sorted(lays)}; the chunked lowering needs one per "
+                                "stage")
+        groups[st.index] = lays.pop()
+    return groups
 
 
 def stage_reads(staged: StagedModel, groups: dict[int, str], chunking: Chunking,

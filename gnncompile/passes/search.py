@@ -56,14 +56,14 @@ class StrategySpace:
 
 
 #: options only the chunked strategies take
-_CHUNK_OPTIONS = ("chunks", "sparse_ranks", "reorder")
+_CHUNK_OPTIONS = ("chunks", "sparse_ranks", "reorder", "p_ranks")
 
 
 def _unchunked(fixed: dict[str, Any]) -> Optional[dict[str, Any]]:
     """``fixed`` without chunk options that are at their defaults; ``None`` if one is set otherwise
     (the strategy has no such option, so it is not a candidate)."""
     out = dict(fixed)
-    defaults = {"chunks": 1, "sparse_ranks": None, "reorder": "none"}
+    defaults = {"chunks": 1, "sparse_ranks": None, "reorder": "none", "p_ranks": None}
     for k in _CHUNK_OPTIONS:
         if k in out and out.pop(k) != defaults[k]:
             return None
@@ -109,7 +109,7 @@ def _tensor_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: 
 
 def _mop_space(semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
     rest = {k: v for k, v in fixed.items() if k != "partitioner"}
-    if rest.pop("recompute", False) or rest.pop("decouple", False):
+    if rest.pop("recompute", False) or rest.pop("decouple", False) or rest.pop("p_ranks", None) is not None:
         return []  # no recomputed or decoupled form
     # the naive workflow and a fine-grain pipeline over RCM-reordered chunks (MixGCN Fig. 5a / 5d)
     chunks = [rest.pop("chunks")] if "chunks" in rest else [1, 8]
@@ -128,10 +128,29 @@ def _mop_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Any
     return lower_mop(tp, tp_eval, model, graph, n, MopOptions(**options))
 
 
+def _task_space(semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
+    rest = {k: v for k, v in fixed.items() if k != "partitioner"}
+    if rest.pop("recompute", False) or rest.pop("decouple", False):
+        return []  # task-decoupled training with recomputation is not built yet
+    if rest.pop("sparse_ranks", None) is not None or rest.pop("reorder", "none") != "none":
+        return []
+    return [{**rest, "semantics": semantics}]
+
+
+def _task_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Any, n: int,
+                options: dict[str, Any]) -> Plan:
+    from .task import TaskOptions, lower_task
+
+    options = dict(options)
+    device = options.pop("device", None)
+    return lower_task(tp, tp_eval, model, graph, n, TaskOptions(**options), device=device)
+
+
 #: Registered strategies: name -> :class:`StrategySpace`. Strategy modules add theirs.
 LOWERINGS: dict[str, StrategySpace] = {"data": StrategySpace(_data_space, _data_lower),
                                        "tensor": StrategySpace(_tensor_space, _tensor_lower),
-                                       "mop": StrategySpace(_mop_space, _mop_lower)}
+                                       "mop": StrategySpace(_mop_space, _mop_lower),
+                                       "task": StrategySpace(_task_space, _task_lower)}
 
 
 @dataclass(frozen=True)
@@ -346,15 +365,18 @@ def _evaluate(cand: Candidate, model: torch.nn.Module, graph: Union[Graph, Graph
     if cand.num_ranks > max(graph.num_nodes, 1):
         ev.rejected = f"{cand.num_ranks} ranks exceed the graph's {graph.num_nodes} vertices"
         return ev
+    used = sub_cluster(cluster, cand.num_ranks)
+    options = dict(cand.options)
+    if cand.strategy == "task":  # NeutronTask Eq. 7 splits the ranks by the cost model's task times
+        options["device"] = used.rank_device(0)
     try:
-        ev.plan = LOWERINGS[cand.strategy].lower(tp, tp_eval, model, graph, cand.num_ranks, dict(cand.options))
+        ev.plan = LOWERINGS[cand.strategy].lower(tp, tp_eval, model, graph, cand.num_ranks, options)
     except GnnCompileError as e:
         ev.rejected = f"cannot lower: {e}"
         return ev
     if semantics == "exact" and ev.plan.relaxations:
         ev.rejected = f"relaxed ({'; '.join(ev.plan.relaxations)}) but semantics='exact'"
         return ev
-    used = sub_cluster(cluster, cand.num_ranks)
     ev.plan.cluster = str(used)
     ev.prediction = predict(ev.plan, used, overlap=overlap)
     ev.plan.prediction = ev.prediction

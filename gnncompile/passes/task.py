@@ -1,0 +1,509 @@
+"""The ``task`` strategy (NeutronTask): T tasks and P tasks on different GPUs, chunks pipelined; exact.
+
+NeutronTask §4.1: instead of cutting the graph over the GPUs, place the *tasks* of each layer — the
+dense NN work (T) and the graph propagation (P, with GAT's edge ops) — on different GPUs, and
+stream the graph through them in chunks (§4.2, Fig. 5): a GPU holds only the intermediate data of
+its own tasks and no neighbour replicas of another GPU's vertices.
+
+Tasks are the stages of a split with one kind per stage (:mod:`gnncompile.passes.lower` with
+``pure_stages``): T ops in ``rows`` stages, P and E ops in ``cols`` stages (the labels only decide
+where stages end; every group here holds whole feature rows). With ``S`` tasks and ``n`` ranks, the
+three regimes of §4.1:
+
+- ``n < S`` (*shared*): ``N_p`` ranks run the P tasks and ``N_t = n - N_p`` the T tasks
+  (NeutronTask Eq. 7–8, ``N_p = n T_p / (T_p + T_t)`` with ``T_t``, ``T_p`` the cost model's time
+  of all T / P tasks on the cluster's device; ``p_ranks`` overrides it). Each kind's tasks are cut
+  into contiguous runs of balanced time, one run per rank (Algorithm 2: GPUs ``< q`` run T tasks);
+- ``n == S`` (*one task per rank*), in task order;
+- ``n > S`` (*hybrid*, §4.3, Fig. 7): one group of ranks per task, ``N_t`` / ``N_p`` ranks spread
+  over the T / P tasks in proportion to their time; inside a group the chunks are dealt round
+  robin (chunk ``k`` runs on member ``k mod size``: data parallelism between chunks, NeutronTask
+  sets the chunk count to a multiple of the group size) and the group's parameters are
+  all-reduced over its members.
+
+Chunks (§4.2): the vertices are cut into ``chunks`` contiguous ranges. A P task on chunk ``j``
+reads the source rows of every chunk its in-edges reach (exact mode: it waits until each of them
+was produced and received); T tasks read their own chunk. Tasks are list-scheduled
+(:mod:`gnncompile.passes.chunked`): a chunk's output is sent (eager ``SEND``) as soon as it is
+computed, so the next task's rank works on chunk ``k`` while this one computes chunk ``k + 1``.
+
+Parameters live on the ranks of the task that uses them (``RankProgram.param_owner``).
+
+Supported: GCN, GraphSAGE, GIN, GCNII, GAT (edge ops run with the propagation). Refused with
+:class:`~gnncompile.errors.PlanningError`: chained propagations (APPNP's and SGC's propagations
+read each other's output across chunks within one task), a model whose output is a propagation,
+a parameter shared by two tasks, row-mixing T ops under ``semantics="exact"``, sparse input
+features read by a propagation, fewer than 2 ranks. Not built yet (issue 7): task-decoupled
+training with recomputation (§5.1) and relaxed vertex dependency management (Algorithm 1).
+
+Communication per step (§5.1): every task boundary moves each vertex's row once forward and once
+backward (when it needs a gradient): ``(2L - 1) |V| d`` per direction for an ``L``-layer model
+whose layers alternate T and P tasks, plus the hybrid groups' gradient all-reduces.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Union
+
+import torch
+
+from ..cost_models.formulas import task_gpu_split
+from ..cost_models.hardware import DeviceSpec
+from ..errors import PlanningError
+from ..graph.core import Graph, GraphStats
+from ..graph.shard import slice_rows
+from ..ir.plan import AllReduce, DevicePlan, OptimizerStep, Plan, RankProgram
+from ..ir.tpgraph import TPGraph
+from .chunked import Chunking, Group, Placement, Task, chunk_bounds, chunk_graph, chunk_reads, emit_programs, \
+    stage_groups, stage_reads, with_reads
+from .data import _dropout_index, _propagation_norms, check_options, replicate_dropout_masks, row_mixing_ops
+from ..frontend.ops import dropout_rows
+from .lower import Decisions, StagedModel, call_arguments, requires_grad_values, source_input, \
+    split_stages
+
+__all__ = ["TaskOptions", "task_decisions", "place_tasks", "lower_task"]
+
+REGIMES = ("shared", "one per rank", "hybrid")
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """Options of the ``task`` strategy.
+
+    ``seed``, ``semantics``, ``dropout`` as for :class:`~gnncompile.passes.data.DataOptions`.
+    ``chunks``: vertex chunks streamed through the tasks (default: at least 4, a multiple of the
+    group sizes, :func:`_default_chunks`). ``p_ranks``: ranks for the P tasks (NeutronTask Eq. 7's
+    ``N_p``; default from the cost model).
+    """
+
+    seed: int = 0
+    semantics: str = "exact"
+    dropout: str = "replicated"
+    chunks: Optional[int] = None
+    p_ranks: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        check_options(self.semantics, self.dropout)
+        for name in ("chunks", "p_ranks"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise PlanningError(f"task: {name} must be a positive int, got {v!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strategy": "task", "seed": self.seed, "semantics": self.semantics, "dropout": self.dropout,
+                "chunks": self.chunks, "p_ranks": self.p_ranks}
+
+
+def task_decisions(tp: TPGraph) -> Decisions:
+    """T ops labelled ``rows``, P and E ops ``cols``, one label per stage (stages become tasks)."""
+    layout: dict[str, str] = {}
+    needs: dict[tuple[str, str], str] = {}
+    for n in tp.graph.nodes:
+        t = n.meta.get("tp")
+        if t is None or t.kind not in ("T", "P", "E"):
+            continue
+        if t.kind in ("P", "E"):
+            layout[n.name] = "cols"
+            for p in n.all_input_nodes:
+                if p.name == "g" or p.op == "get_attr":
+                    continue
+                if layout.get(p.name, "rows") != "cols":
+                    needs[(n.name, p.name)] = "cols"
+        else:
+            for p in n.all_input_nodes:
+                if layout.get(p.name) == "cols":
+                    needs[(n.name, p.name)] = "rows"
+    return Decisions(layout=layout, needs=needs, default_layout="rows", output_layout="rows", pure_stages=True)
+
+
+def _check_model(tp: TPGraph, staged: StagedModel, labels: dict[int, str]) -> dict[int, set[str]]:
+    """Refusals of the module docstring; returns each P task's converted source inputs."""
+    nodes = {n.name: n for n in tp.graph.nodes}
+    sources: dict[int, set[str]] = {}
+    conv = {c.output for c in staged.conversions}
+    for st in staged.stages:
+        if labels[st.index] != "cols":
+            continue
+        for op in st.ops:
+            src = source_input(nodes[op])
+            if src is None:
+                continue
+            name = f"{src.name}@cols"
+            if name not in conv or name not in st.inputs:
+                raise PlanningError(f"strategy 'task': {op!r} reads {src.name!r} on the source side, the output of "
+                                    "another propagation in the same task (chained propagations: APPNP, SGC) — its "
+                                    "other chunks are not computed yet; use strategy='tensor' or 'data'")
+            sources.setdefault(st.index, set()).add(name)
+    if staged.output in staged.stage_of and labels[staged.stage_of[staged.output]] != "rows":
+        raise PlanningError("strategy 'task': the model's output is a propagation; not supported yet")
+    return sources
+
+
+# --------------------------------------------------------------------------- placement
+def _runs(times: list[float], parts: int) -> list[tuple[int, int]]:
+    """Cut ``times`` (in order) into ``parts`` contiguous non-empty runs minimizing the largest sum."""
+    n = len(times)
+    prefix = [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + t)
+    INF = math.inf
+    best = [[INF] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for p in range(1, parts + 1):
+        for i in range(p, n + 1):
+            for j in range(p - 1, i):
+                v = max(best[p - 1][j], prefix[i] - prefix[j])
+                if v < best[p][i]:
+                    best[p][i], cut[p][i] = v, j
+    out, i = [], n
+    for p in range(parts, 0, -1):
+        j = cut[p][i]
+        out.append((j, i))
+        i = j
+    return out[::-1]
+
+
+def _spread(times: list[float], ranks: int) -> list[int]:
+    """Ranks per task (each at least one) so that the largest time per rank is smallest (greedy)."""
+    counts = [1] * len(times)
+    for _ in range(ranks - len(times)):
+        i = max(range(len(times)), key=lambda k: (times[k] / counts[k], -k))
+        counts[i] += 1
+    return counts
+
+
+def place_tasks(labels: dict[int, str], times: dict[int, float], num_ranks: int,
+                p_ranks: Optional[int] = None) -> tuple[Placement, str, tuple[int, int]]:
+    """The groups of a ``task`` plan: ``(placement, regime, (N_t, N_p))`` (module docstring)."""
+    stages = sorted(labels)
+    S = len(stages)
+    t_st = [s for s in stages if labels[s] == "rows"]
+    p_st = [s for s in stages if labels[s] == "cols"]
+    if num_ranks < 2:
+        raise PlanningError(f"strategy 'task' needs at least 2 ranks (T and P tasks on different ranks), got "
+                            f"{num_ranks}")
+    if not p_st or not t_st:
+        raise PlanningError("strategy 'task' needs a model with both T and P tasks")
+    t_time, p_time = sum(times[s] for s in t_st), sum(times[s] for s in p_st)
+    if p_ranks is not None:
+        if not 1 <= p_ranks <= num_ranks - 1:
+            raise PlanningError(f"task: p_ranks must be in 1..{num_ranks - 1} for {num_ranks} ranks, got {p_ranks}")
+        n_t, n_p = num_ranks - p_ranks, p_ranks
+    else:
+        n_t, n_p = task_gpu_split(num_ranks, t_time, p_time)
+    groups: list[Group] = []
+    stage_group: dict[int, int] = {}
+    if num_ranks < S:
+        regime = "shared"
+        # no kind gets more ranks than it has tasks
+        n_p = min(max(n_p, num_ranks - len(t_st)), len(p_st))
+        n_t = num_ranks - n_p
+        rank = 0
+        for kind, sts, parts in (("T", t_st, n_t), ("P", p_st, n_p)):
+            for a, b in _runs([times[s] for s in sts], parts):
+                for s in sts[a:b]:
+                    stage_group[s] = len(groups)
+                groups.append(Group(f"{kind}[{','.join(map(str, sts[a:b]))}]", (rank,), "chunks"))
+                rank += 1
+    else:
+        regime = "one per rank" if num_ranks == S else "hybrid"
+        n_p = min(max(n_p, len(p_st)), num_ranks - len(t_st))
+        n_t = num_ranks - n_p
+        size = dict(zip(t_st, _spread([times[s] for s in t_st], n_t)))
+        size.update(zip(p_st, _spread([times[s] for s in p_st], n_p)))
+        rank = 0
+        for s in stages:
+            stage_group[s] = len(groups)
+            kind = "T" if labels[s] == "rows" else "P"
+            groups.append(Group(f"{kind}[{s}]", tuple(range(rank, rank + size[s])), "chunks"))
+            rank += size[s]
+    return Placement(tuple(groups), stage_group), regime, (n_t, n_p)
+
+
+def task_times(staged: StagedModel, stats: GraphStats, device: DeviceSpec) -> dict[int, float]:
+    """Forward + backward seconds of every task on the whole graph (NeutronTask Eq. 5–6 through the
+    cost model's per-op times)."""
+    from ..cost_models.model import op_time
+
+    sizes = {"nodes": stats.num_nodes, "edges": stats.num_edges, "src": stats.num_nodes,
+             "all_nodes": stats.num_nodes, "halo": 0}
+    return {st.index: sum(op_time(op, sizes, device) + op_time(op, sizes, device, backward=True) for op in st.costs)
+            for st in staged.stages}
+
+
+def _default_chunks(place: Placement, num_nodes: int) -> int:
+    """At least 4 chunks, a multiple of every group's size when that stays small (each rank of a
+    group then gets as many chunks), else of the largest group's size."""
+    sizes = [len(g.members) for g in place.groups]
+    lcm = 1
+    for t in sizes:
+        lcm = lcm * t // math.gcd(lcm, t)
+    base = lcm if lcm <= 4 * max(sizes) else max(sizes)
+    return max(1, min(base * math.ceil(4 / base), num_nodes))
+
+
+# --------------------------------------------------------------------------- lowering
+def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Union[Graph, GraphStats],
+               num_ranks: int, options: TaskOptions, device: Optional[DeviceSpec] = None) -> Plan:
+    """Lower ``tp`` / ``tp_eval`` to a ``task`` plan over ``num_ranks`` ranks (module docstring).
+
+    ``device``: the device whose cost model sets Eq. 7's split (default: an A100; the planner
+    passes the cluster's)."""
+    relaxations: list[str] = []
+    mixing = row_mixing_ops(tp)
+    if mixing:
+        what = "; ".join(f"{op}: {why}" for op, why in mixing)
+        if options.semantics == "exact":
+            raise PlanningError(f"strategy 'task' is not exact for this model: {what}. Each chunk would use its own "
+                                "rows only; pass semantics='relaxed' to accept per-chunk statistics")
+        relaxations.append(f"per-chunk statistics ({', '.join(op for op, _ in mixing)})")
+    concrete = isinstance(graph, Graph)
+    stats = graph.stats() if concrete else graph
+    dropout_inputs: dict[str, str] = {}
+    if concrete and options.dropout == "replicated":
+        tp, dropout_inputs = replicate_dropout_masks(tp, graph)
+
+    def split(t: TPGraph) -> tuple[StagedModel, dict[int, str], dict[int, set[str]]]:
+        d = task_decisions(t)
+        st = split_stages(t, d)
+        labels = stage_groups(st, d.layout_of)
+        return st, labels, _check_model(t, st, labels)
+
+    staged, labels, sources = split(tp)
+    staged_eval, labels_eval, sources_eval = split(tp_eval)
+    if labels_eval != labels:
+        raise PlanningError(f"strategy 'task': the evaluation model splits into other tasks ({labels_eval}) than "
+                            f"the training model ({labels})")
+    if concrete and graph.x is not None and graph.x.layout != torch.strided and \
+            any(c.value == "x" for c in staged.conversions):
+        raise PlanningError("strategy 'task': a propagation reads the sparse input features directly; densify them "
+                            "(graph.dense_features()) or use strategy='data'")
+    if device is None:
+        from ..cost_models.hardware import DEVICES
+
+        device = DEVICES["A100"]
+    times = task_times(staged, stats, device)
+    place, regime, (n_t, n_p) = place_tasks(labels, times, num_ranks, options.p_ranks)
+    K = options.chunks if options.chunks is not None else _default_chunks(place, stats.num_nodes)
+    biggest = max(len(g.members) for g in place.groups)
+    if K < biggest:
+        raise PlanningError(f"task: {K} chunk(s) for a group of {biggest} ranks ({regime} regime) would leave ranks "
+                            f"idle; use chunks >= {biggest} (a multiple of the group sizes balances them)")
+    bounds = chunk_bounds(stats.num_nodes, K)
+    if concrete:
+        chunking = Chunking(bounds, chunk_reads(graph, bounds))
+    else:  # planned from statistics: every chunk reads every chunk (the worst case)
+        chunking = Chunking(bounds, tuple((j,) + tuple(k for k in range(K) if k != j) for j in range(K)))
+    reads = stage_reads(staged, labels, chunking, sources)
+    reads_eval = stage_reads(staged_eval, labels_eval, chunking, sources_eval)
+    dims = _dims(staged)
+    dims_eval = _dims(staged_eval)
+    needs = requires_grad_values(staged.tp)
+    # list-schedule with the tasks' per-chunk times
+    cost = {Task(b, s, k): times[s] / K / 2 for s in times for k in range(K) for b in (False, True)}
+    train_progs, order = emit_programs(staged, place, chunking, reads, dims, needs, training=True, cost=cost)
+    eval_progs, _ = emit_programs(staged_eval, place, chunking, reads_eval, dims_eval, set(), training=False)
+
+    # parameters: on the ranks of the task using them; all-reduced inside hybrid groups
+    names = [n for n, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    by_name = dict(zip(names, params))
+    param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
+    users: dict[str, set[int]] = {}
+    for s, mod in staged.modules.items():
+        for n, _ in mod.named_parameters():
+            users.setdefault(n, set()).add(place.stage_group[s])
+    for n, gs in users.items():
+        if len(gs) > 1:
+            raise PlanningError(f"strategy 'task': parameter {n!r} is used by tasks on different ranks "
+                                f"({', '.join(place.groups[g].name for g in sorted(gs))}); shared parameters are not "
+                                "supported")
+    local: dict[int, list[str]] = {gi: sorted(n for n, gs in users.items() if gi in gs)
+                                   for gi in range(len(place.groups))}
+    owner = {n: place.groups[next(iter(gs))].members[0] for n, gs in users.items()}
+    for gi, g in enumerate(place.groups):
+        numel = sum(by_name[n].numel() for n in local[gi] if by_name[n].requires_grad)
+        for r in g.members:
+            if len(g.members) > 1 and numel:
+                train_progs[r].append(AllReduce("grads", g.members, numel=numel, dtype=param_dtype))
+            train_progs[r].append(OptimizerStep())
+
+    out_group = place.stage_group[staged.stage_of[staged.output]]
+    ranks = []
+    for gi, g in enumerate(place.groups):
+        is_p = any(labels[s] == "cols" for s, x in place.stage_group.items() if x == gi)
+        for i, r in enumerate(g.members):
+            mine = [k for k in range(K) if i in g.runners(k)]
+            rows = sum(chunking.size(k) for k in mine)
+            edges = 0
+            if concrete and is_p:
+                edges = sum(int(graph.indptr[chunking.bounds[k + 1]] - graph.indptr[chunking.bounds[k]]) for k in mine)
+            elif is_p:
+                edges = round(stats.num_edges * rows / max(stats.num_nodes, 1))
+            stages = tuple(replace(with_reads(s, reads.get(s.index, {}), g.name),
+                                   runs=tuple(mine) if len(g.members) > 1 else ()) for s in staged.stages
+                           if place.stage_group[s.index] == gi)
+            reads_x = any(u == "x" or u.startswith("x@") for st in stages for u in st.inputs)
+            sizes = {"nodes": rows, "edges": edges, "halo": 0, "src": stats.num_nodes if is_p else rows,
+                     "all_nodes": stats.num_nodes if is_p else rows, "chunks": max(len(mine), 1),
+                     "feature_rows": (stats.num_nodes if is_p else rows) if reads_x else 0,
+                     "trains": rows if gi == out_group else 0}
+            ranks.append(DevicePlan(rank=r, stages=stages, instructions=tuple(train_progs[r]), sizes=sizes,
+                                    modules=staged.modules))
+    ranks.sort(key=lambda dp: dp.rank)
+    numel = sum(p.numel() for p in params if p.requires_grad)
+    info = {
+        "graph": str(stats), "model": type(model).__name__, "output": staged.output,
+        # model inputs a propagation reads are given to its ranks directly (``x@cols``: rows of x)
+        "inputs": ["g", "x", *dropout_inputs, *sorted({c.output for c in staged.conversions + staged_eval.conversions
+                                                        if c.value in {"x", *dropout_inputs}})],
+        "params": numel,
+        "param_tensors": sum(1 for p in params if p.requires_grad), "param_dtype": param_dtype,
+        "features": stats.num_features, "classes": stats.num_classes,
+        "regime": regime, "t_ranks": n_t, "p_ranks": n_p, "tasks": len(staged.stages),
+        "groups": {g.name: list(g.members) for g in place.groups},
+        "task_seconds": {str(s): t for s, t in times.items()}, "task_order": [str(t) for _, t in order],
+        "pipeline_lag": chunking.lag(),
+        "owned_rows": [dp.sizes["nodes"] if place.stage_group.get(dp.stages[0].index) == out_group else 0
+                       for dp in ranks],
+        "halo_rows": [0] * num_ranks,
+    }
+    plan = Plan(strategy="task", semantics="relaxed" if relaxations else "exact",
+                options={**options.to_dict(), "chunks": K, "p_ranks": n_p}, cluster=f"{num_ranks} local ranks",
+                ranks=ranks, schedule=f"task pipeline ({regime}, {K} chunks, list-scheduled)",
+                relaxations=tuple(relaxations), info=info)
+    from ..ir.verify_plan import verify_plan
+
+    report = verify_plan(plan, inputs=info["inputs"], check_types=False)  # gc.plan checks the chosen one fully
+    plan.predictions = {"bytes_sent": [int(round(b)) for b in report.bytes_sent],
+                        "bytes_received": [int(round(b)) for b in report.bytes_recv]}
+    if concrete:
+        plan.program = _rank_programs(graph, tp, tp_eval, staged, staged_eval, reads, reads_eval, eval_progs, ranks,
+                                      place, chunking, dropout_inputs, options, names, params, local, owner,
+                                      out_group)
+    return plan
+
+
+def _dims(staged: StagedModel) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Per-vertex shape and dtype of every value a stage reads or writes."""
+    out = {}
+    for n in staged.tp.graph.nodes:
+        t = n.meta.get("tp")
+        if t is not None and n.op != "get_attr":
+            out[n.name] = (tuple(t.dims), t.dtype or "float32")
+    return out
+
+
+def _dropout_draws(staged: StagedModel, spaces: dict[str, str]) -> tuple[tuple[int, int, tuple[int, ...], str, float],
+                                                                          ...]:
+    """Every replicated dropout of the training model in single-device order, as
+    ``(stage, ordinal in stage, full shape, dtype, p)`` (``RankProgram.dropout_draws``)."""
+    out = []
+    ordinal: dict[int, int] = {}
+    for n in staged.tp.graph.nodes:
+        if n.op != "call_function" or n.target is not dropout_rows:
+            continue
+        args = call_arguments(n)
+        p = float(args["p"])
+        if p == 0.0:
+            continue  # draws nothing
+        s = staged.stage_of[n.name]
+        k = ordinal.get(s, 0)
+        ordinal[s] = k + 1
+        t = args["x"].meta["tp"]
+        index = args["index"]
+        # a sparse input's mask is over its stored values (``nnz`` space): one draw per value
+        per_row = () if spaces.get(getattr(index, "name", ""), "") == "nnz" else tuple(t.dims)
+        out.append((s, k, (int(args["num_rows"]),) + per_row, t.dtype or "float32", p))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class _ChunkRows:
+    """Chunk rows as a shard for :func:`~gnncompile.passes.data._dropout_index`."""
+
+    owned: torch.Tensor
+    edge_ids: torch.Tensor
+
+
+def _rank_programs(graph: Graph, tp: TPGraph, tp_eval: TPGraph, staged: StagedModel, staged_eval: StagedModel,
+                   reads: dict, reads_eval: dict, eval_progs: dict, ranks: list[DevicePlan], place: Placement,
+                   chunking: Chunking, dropout_inputs: dict[str, str], options: TaskOptions, names: list[str],
+                   params: list[torch.nn.Parameter], local: dict[int, list[str]], owner: dict[str, int],
+                   out_group: int) -> list[RankProgram]:
+    counts = {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
+              for m in ("train", "val", "test")}
+    K = chunking.num_chunks
+    norms = _propagation_norms(tp) | _propagation_norms(tp_eval)
+    edge_coef = {nm: graph.norm_coefficients(nm) for nm, loops in norms if not loops and nm in ("gcn", "mean")}
+    loop_coef = {nm: graph.loop_norm_coefficients(nm) for nm, loops in norms
+                 if loops and nm in ("gcn", "mean", "sum")}
+    conv_out = {c.output: c.value for c in staged.conversions} | {c.output: c.value for c in staged_eval.conversions}
+    model_inputs = {"x", *dropout_inputs}
+
+    def block(name: str, k: int) -> Any:
+        """Chunk ``k``'s block of the model input ``name`` (features or a dropout index)."""
+        ids = torch.arange(chunking.bounds[k], chunking.bounds[k + 1])
+        if name == "x":
+            return slice_rows(graph.x, ids) if graph.x is not None else None
+        e0, e1 = int(graph.indptr[chunking.bounds[k]]), int(graph.indptr[chunking.bounds[k + 1]])
+        return _dropout_index(dropout_inputs[name], _ChunkRows(ids, torch.arange(e0, e1)), graph)
+
+    groups_list = tuple(g.members for g in place.groups if len(g.members) > 1)
+    draws = _dropout_draws(staged, dropout_inputs) if options.dropout == "replicated" else ()
+    graphs: dict[int, Any] = {}
+    programs = []
+    n = len(ranks)
+    for dp in ranks:
+        r = dp.rank
+        gi = next(i for i, g in enumerate(place.groups) if r in g.members)
+        g = place.groups[gi]
+        i = g.members.index(r)
+        mine = [k for k in range(K) if i in g.runners(k)]
+        eval_stages = tuple(replace(with_reads(s, reads_eval.get(s.index, {}), g.name),
+                                    runs=tuple(mine) if len(g.members) > 1 else ()) for s in staged_eval.stages
+                            if place.stage_group[s.index] == gi)
+        chunk_inputs: dict[int, dict[str, Any]] = {}
+        for stages in (dp.stages, eval_stages):
+            for st in stages:
+                for u in st.inputs:
+                    base = conv_out.get(u, u)
+                    for k in mine:
+                        for m in st.chunks_read(u, k) if st.reads else (k,):
+                            d = chunk_inputs.setdefault(m, {})
+                            if u == "g":
+                                if m not in graphs:
+                                    graphs[m] = chunk_graph(graph, chunking, m, edge_coef, loop_coef)
+                                d["g"] = graphs[m]
+                            elif base in model_inputs and u not in d:
+                                d[u] = block(base, m)
+        owned = torch.zeros(0, dtype=torch.long)
+        offsets: tuple[int, ...] = ()
+        labels = None
+        masks: dict[str, Any] = {"train": None, "val": None, "test": None}
+        if gi == out_group:
+            per_chunk = [torch.arange(chunking.bounds[k], chunking.bounds[k + 1]) if k in mine
+                         else torch.zeros(0, dtype=torch.long) for k in range(K)]
+            owned = torch.cat(per_chunk)
+            off = [0]
+            for ids in per_chunk:
+                off.append(off[-1] + int(ids.numel()))
+            offsets = tuple(off)
+            labels = graph.y[owned] if graph.y is not None else None
+            masks = {m: (getattr(graph, f"{m}_mask")[owned] if getattr(graph, f"{m}_mask") is not None else None)
+                     for m in ("train", "val", "test")}
+        else:  # chunk offsets of a rank without rows to score: every chunk empty
+            offsets = (0,) * (K + 1)
+        programs.append(RankProgram(
+            rank=r, world_size=n, modules=staged.modules, eval_modules=staged_eval.modules, output=staged.output,
+            eval_output=staged_eval.output, instructions=dp.instructions, eval_instructions=tuple(eval_progs[r]),
+            stages=dp.stages, eval_stages=eval_stages, same_seed=options.dropout == "replicated", halo=((), ()),
+            counts=counts, params=params, param_names=names, groups=groups_list,
+            param_rank=owner.get(names[0], 0) if names else 0, param_owner=dict(owner),
+            local_params=tuple(local[gi]), dropout_draws=draws, inputs={}, chunk_inputs=chunk_inputs,
+            chunk_offsets=offsets,
+            labels=labels, masks=masks, owned=owned))
+    return programs

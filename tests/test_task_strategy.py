@@ -1,0 +1,156 @@
+"""The ``task`` strategy (NeutronTask): T and P tasks on different ranks, chunks pipelined; exact.
+
+One training step equals the single-device reference in the three regimes of NeutronTask §4.1
+(fewer ranks than tasks, one task per rank, hybrid groups), for GCN, GraphSAGE, GIN and GAT
+(attention dropout included), with any chunk count; bytes per step follow the closed form.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gnncompile as gc
+from gnncompile import PlanningError
+from gnncompile.cost_models.formulas import task_gpu_split
+from gnncompile.ir.plan import Forward, Recv, Send
+from gnncompile.passes.task import _runs, _spread, place_tasks
+from gnncompile.testing import check_plan
+from graph_strategies import DT, small_graphs
+
+MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {
+    "gcn": lambda f, c: gc.nn.GCN(f, 5, c, num_layers=2, dropout=0.5),
+    "gcn3": lambda f, c: gc.nn.GCN(f, 4, c, num_layers=3, dropout=0.5),
+    "sage": lambda f, c: gc.nn.GraphSAGE(f, 5, c, num_layers=2, dropout=0.0),
+    "gin": lambda f, c: gc.nn.GIN(f, 5, c, num_layers=2, dropout=0.0),
+    "gat": lambda f, c: gc.nn.GAT(f, 3, c, heads=2, num_layers=2, dropout=0.5),
+}
+
+
+def model_for(name: str, g: gc.Graph) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name](g.num_features, g.num_classes).to(DT)
+
+
+@pytest.fixture(scope="module")
+def sbm() -> gc.Graph:
+    g = gc.datasets.synthetic("sbm", num_nodes=90, avg_degree=5, num_features=6, num_classes=3, seed=1)
+    return g.replace(x=g.x.to(DT))
+
+
+# --------------------------------------------------------------------------- exactness
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(g=small_graphs(), name=st.sampled_from(sorted(MODELS)), ranks=st.integers(2, 4), chunks=st.integers(1, 4))
+def test_one_step_matches_single_device(g: gc.Graph, name: str, ranks: int, chunks: int) -> None:
+    check_plan(model_for(name, g), g, ranks, strategy="task", chunks=min(chunks, g.num_nodes), rtol=1e-9,
+               atol=1e-11, timeout=60)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("ranks", [2, 5, 7])
+def test_every_regime(sbm: gc.Graph, name: str, ranks: int) -> None:
+    """2 ranks: every T task on one, every P task on the other; 5: about one task per rank; 7: hybrid
+    groups dealing the 6 chunks round robin (with a gradient all-reduce inside the group)."""
+    res = check_plan(model_for(name, sbm), sbm, ranks, strategy="task", chunks=6, rtol=1e-9, atol=1e-11,
+                     timeout=60)
+    assert res.plan.info["regime"] in ("shared", "one per rank", "hybrid")
+
+
+# --------------------------------------------------------------------------- placement
+def test_regimes_and_groups(sbm: gc.Graph) -> None:
+    m = model_for("gcn", sbm)  # tasks: T0 P1 T2 P3 T4
+    two = gc.plan(m, sbm, 2, strategy="task")
+    assert two.info["regime"] == "shared" and two.info["groups"] == {"T[0,2,4]": [0], "P[1,3]": [1]}
+    five = gc.plan(m, sbm, 5, strategy="task")
+    assert five.info["regime"] == "one per rank" and len(five.info["groups"]) == 5
+    eight = gc.plan(m, sbm, 8, strategy="task", chunks=8)
+    assert eight.info["regime"] == "hybrid"
+    sizes = sorted(len(v) for v in eight.info["groups"].values())
+    assert sum(sizes) == 8 and sizes[0] >= 1 and len(sizes) == 5
+    # a hybrid group deals the chunks to its ranks: each runs its share, once
+    for dp in eight.ranks:
+        for s in dp.stages:
+            runs = s.runs or tuple(range(8))
+            assert [i.chunk for i in dp.instructions if isinstance(i, Forward) and i.stage == s.index] == list(runs)
+    # messages go between ranks of different tasks only
+    for dp in two.ranks:
+        assert all(i.peer != dp.rank for i in dp.instructions if isinstance(i, (Send, Recv)))
+
+
+def test_eq7_split_and_override(sbm: gc.Graph) -> None:
+    labels = {0: "rows", 1: "cols", 2: "rows", 3: "cols", 4: "rows"}
+    times = {0: 1.0, 1: 6.0, 2: 1.0, 3: 6.0, 4: 0.5}
+    place, regime, (n_t, n_p) = place_tasks(labels, times, 4)
+    # Eq. 7 asks for 3 P ranks, but with fewer ranks than tasks no kind gets more ranks than tasks
+    assert task_gpu_split(4, 2.5, 12.0) == (1, 3)
+    assert regime == "shared" and (n_t, n_p) == (2, 2)
+    assert [(g.name, g.members) for g in place.groups] == [("T[0]", (0,)), ("T[2,4]", (1,)), ("P[1]", (2,)),
+                                                           ("P[3]", (3,))]
+    _, _, (n_t, n_p) = place_tasks(labels, times, 4, p_ranks=1)
+    assert (n_t, n_p) == (3, 1)
+    # hybrid: 12 ranks spread by time (P tasks are 6x heavier)
+    place, regime, (n_t, n_p) = place_tasks(labels, times, 12)
+    # Eq. 7 asks for 10 P ranks; the 3 T tasks need a rank each, so P gets 9
+    assert task_gpu_split(12, 2.5, 12.0) == (2, 10)
+    assert regime == "hybrid" and (n_t, n_p) == (3, 9)
+    assert [len(g.members) for g in place.groups] == [1, 5, 1, 4, 1]
+    with pytest.raises(PlanningError, match="p_ranks must be in 1..3"):
+        place_tasks(labels, times, 4, p_ranks=4)
+
+
+def test_balanced_runs_and_spread() -> None:
+    assert _runs([1, 1, 1, 3], 2) == [(0, 3), (3, 4)]
+    assert _runs([5, 1, 1, 1], 3) == [(0, 1), (1, 2), (2, 4)]
+    assert _spread([1.0, 3.0], 4) == [1, 3]
+    assert sum(_spread([2.0, 2.0, 1.0], 7)) == 7
+
+
+# --------------------------------------------------------------------------- communication
+def test_bytes_follow_the_closed_form(sbm: gc.Graph) -> None:
+    """Each task boundary moves every vertex's row once forward and once backward: GCN, 2 layers,
+    hidden h, c classes: |V| (h + h + c + c) elements each way, whatever the rank count (no hybrid
+    group, so no all-reduce)."""
+    h, c = 5, sbm.num_classes
+    expected = sbm.num_nodes * (2 * h + 2 * c) * 2 * 8
+    for ranks in (2, 3, 5):
+        plan = gc.plan(model_for("gcn", sbm), sbm, ranks, strategy="task", chunks=3)
+        assert sum(plan.predictions["bytes_sent"]) == expected
+    res = gc.plan(model_for("gcn", sbm), sbm, 3, strategy="task", chunks=3).run(epochs=1, timeout=60)
+    assert [r.bytes_sent for r in res.ranks] == res.plan.predictions["bytes_sent"]
+    assert [r.bytes_received for r in res.ranks] == res.plan.predictions["bytes_received"]
+
+
+def test_pipeline_overlaps_tasks() -> None:
+    """With chunks the tasks' ranks work at the same time: less idle time than one chunk (on a graph
+    large enough that per-task launch overheads do not dominate)."""
+    g = gc.datasets.synthetic("sbm", num_nodes=200_000, avg_degree=8, num_features=64, num_classes=8, seed=0)
+    m = gc.nn.GCN(64, 64, 8, num_layers=2, dropout=0.0)
+    one = gc.plan(m, g, "5xA100", strategy="task", chunks=1).prediction.simulation
+    many = gc.plan(m, g, "5xA100", strategy="task", chunks=4).prediction.simulation
+    assert many.step_time < one.step_time and many.bubble_fraction < one.bubble_fraction
+
+
+# --------------------------------------------------------------------------- refusals and the planner
+def test_refusals(sbm: gc.Graph) -> None:
+    with pytest.raises(PlanningError, match="chained propagations"):
+        gc.plan(gc.nn.SGC(6, 3, K=2).to(DT), sbm, 2, strategy="task")
+    with pytest.raises(PlanningError, match="at least 2 ranks"):
+        gc.plan(model_for("gcn", sbm), sbm, 1, strategy="task")
+    with pytest.raises(PlanningError, match="leave ranks idle"):
+        gc.plan(model_for("gcn", sbm), sbm, 8, strategy="task", chunks=1)
+
+
+def test_planner_considers_task(sbm: gc.Graph) -> None:
+    p = gc.plan(model_for("gcn", sbm), sbm, "4xA5000")
+    assert "task" in {e.candidate.strategy for e in p.search.ranked}
+
+
+def test_plan_from_statistics() -> None:
+    stats = gc.datasets.stats("ogbn-products")
+    m = gc.nn.GCN(stats.num_features, 128, stats.num_classes, num_layers=3)
+    plan = gc.plan(m, stats, "8xA100", strategy="task")
+    assert plan.info["regime"] == "hybrid" and plan.prediction.step_time > 0
