@@ -9,7 +9,6 @@ vertex's row crosses between the groups once per conversion and direction, whate
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import pytest
@@ -20,7 +19,7 @@ from hypothesis import strategies as st
 import gnncompile as gc
 from gnncompile import PlanningError
 from gnncompile.ir.plan import Backward, Forward, Recv, Send
-from gnncompile.passes.chunked import Chunking, Task, chunk_bounds, chunk_reads, list_schedule
+from gnncompile.passes.chunked import Task, chunk_bounds, chunk_reads, list_schedule
 from gnncompile.testing import check_plan
 from graph_strategies import DT, labelled, small_graphs
 
@@ -134,8 +133,8 @@ def test_chunk_reads_of_a_ring_after_rcm() -> None:
     g = ring(64)
     b = chunk_bounds(g.num_nodes, 8)
     assert sum(len(r) for r in chunk_reads(g, b)) >= 5 * 8
-    assert chunk_reads(gc.graph.reorder.reorder(g)[0], b) == ((0, 1),) + tuple((j, j - 1, j + 1) for j in range(1, 7)) \
-        + ((7, 6),)
+    assert chunk_reads(gc.graph.reorder.reorder(g)[0], b) == ((0, 1),) + tuple((j - 1, j, j + 1) for j in range(1, 7)) \
+        + ((6, 7),)
     plan = gc.plan(gc.nn.GCN(4, 4, 3, num_layers=2, dropout=0.0), g, 2, strategy="mop", chunks=8, reorder="rcm")
     assert plan.info["bandwidth"] > 32 and plan.info["bandwidth_reordered"] <= 2
     assert plan.info["pipeline_lag"] == 1
@@ -200,3 +199,21 @@ def test_plan_from_statistics_is_printable_and_simulated() -> None:
                    strategy="mop", chunks=4)
     assert plan.prediction.step_time > 0 and plan.program is None
     assert "mop" in str(plan)
+
+
+def test_chunk_graph_self_loops_read_the_chunks_own_rows() -> None:
+    """Sources are whole chunks in ascending order; a chunk's own rows sit at its offset there."""
+    from gnncompile.passes.chunked import Chunking, chunk_graph
+
+    g = ring(12, shuffle=False)
+    b = chunk_bounds(12, 3)
+    ch = Chunking(b, chunk_reads(g, b))
+    assert ch.reads == ((0, 1, 2), (0, 1, 2), (0, 1, 2))  # the ring's wrap-around edge reaches both ends
+    local = chunk_graph(g, ch, 1, {}, {})
+    assert (local.num_nodes, local.num_src, local.own_offset) == (4, 12, 4)
+    x = torch.arange(12, dtype=DT).unsqueeze(1)
+    out = gc.ops.propagate(local, x, "sum", add_self_loops=True)
+    # vertex v (4..7) sums its neighbours v-1, v+1 and itself
+    assert out.squeeze(1).tolist() == [3.0 * v for v in range(4, 8)]
+    with pytest.raises(gc.GraphError, match="do not fit"):
+        gc.graph.LocalGraph(local.indptr, local.indices, 4, 12, own_offset=9)

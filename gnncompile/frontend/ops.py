@@ -237,7 +237,8 @@ def propagate(g: Graph, x: torch.Tensor, norm: str = "gcn", edge_weight: Optiona
 
 def _own_rows(g: Graph, x: torch.Tensor) -> torch.Tensor:
     """The rows of source-side ``x`` that are the destinations themselves (their self loops)."""
-    return x if g.num_src == g.num_nodes else x[: g.num_nodes]
+    off = getattr(g, "own_offset", 0)
+    return x if g.num_src == g.num_nodes else x[off: off + g.num_nodes]
 
 
 def _edge_rows(g: Graph, add_self_loops: bool) -> int:

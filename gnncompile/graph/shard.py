@@ -38,14 +38,21 @@ class LocalGraph(Graph):
     ``num_src`` adds the halo rows (rows of the input of a propagation or ``gather_src``).
     Normalization coefficients come from the global graph (``norm_coef`` / ``loop_norm_coef``,
     keyed by norm name, float64), so propagation on the local graph computes exactly the global
-    propagation's rows of the owned vertices.
+    propagation's rows of the owned vertices. ``own_offset``: where the owned vertices' own rows
+    start among the sources (their self loops read rows ``own_offset .. own_offset + num_nodes``;
+    0 for a shard, the chunk's position for a graph chunk whose sources are whole chunks in order).
     """
 
     def __init__(self, indptr: torch.Tensor, indices: torch.Tensor, num_nodes: int, num_src: int, *,
                  edge_weight: Optional[torch.Tensor] = None, norm_coef: Optional[dict] = None,
-                 loop_norm_coef: Optional[dict] = None, name: str = "local", **node_data) -> None:
+                 loop_norm_coef: Optional[dict] = None, name: str = "local", own_offset: int = 0,
+                 **node_data) -> None:
         super().__init__(indptr, indices, num_nodes, edge_weight=edge_weight, name=name, validate=False, **node_data)
         self._num_src = int(num_src)
+        self.own_offset = int(own_offset)
+        if not 0 <= self.own_offset <= self._num_src - self.num_nodes:
+            raise GraphError(f"local graph {name!r}: own rows at {self.own_offset} do not fit in "
+                             f"{self._num_src} sources")
         self._norm_coef = dict(norm_coef or {})
         self._loop_norm_coef = dict(loop_norm_coef or {})
 
@@ -81,6 +88,7 @@ class LocalGraph(Graph):
             mv(self.indptr), mv(self.indices), self.num_nodes, self.num_src, edge_weight=mv(self.edge_weight),
             norm_coef={k: mv(v) for k, v in self._norm_coef.items()},
             loop_norm_coef={k: (mv(a), mv(b)) for k, (a, b) in self._loop_norm_coef.items()}, name=self.name,
+            own_offset=self.own_offset,
             x=mv(self.x), y=mv(self.y), train_mask=mv(self.train_mask), val_mask=mv(self.val_mask),
             test_mask=mv(self.test_mask), num_classes=self._num_classes)
 

@@ -15,8 +15,9 @@ or whole ``chunks`` dealt round robin) and the chunking; this module
    waits for exactly those chunks of its source value (exact dependencies: nothing is skipped or
    stale);
 2. builds each chunk's **graph slice** (:func:`chunk_graph`): the chunk's destinations and their
-   in-edges, sources renumbered into the order the stage concatenates its source chunks (the chunk
-   itself first, so self loops read its own rows), normalization coefficients of the whole graph;
+   in-edges, sources renumbered into the order the stage concatenates its source chunks (ascending;
+   self loops read the chunk's own rows at its offset), normalization coefficients of the whole
+   graph;
 3. **schedules** forward and backward tasks ``(stage, chunk)`` by list scheduling
    (:func:`list_schedule`: each resource — a group, or a group's member for dealt chunks — runs one
    task at a time, a task starts when the tasks it depends on are done, ties by chunk then depth),
@@ -64,15 +65,16 @@ def chunk_bounds(num_nodes: int, num_chunks: int) -> tuple[int, ...]:
 
 
 def chunk_reads(graph: Graph, bounds: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-    """For every chunk ``j`` of destinations: the chunks its in-edges' sources lie in, ``j`` first
-    (its own rows: self loops), then the others in ascending order."""
+    """For every chunk ``j`` of destinations: the chunks its in-edges' sources lie in, ``j``
+    included (its own rows: self loops), in ascending order (chunks reading the same set read the
+    same concatenation, which the runtime then builds once per step)."""
     b = torch.as_tensor(list(bounds), dtype=torch.int64)
     indptr, indices = graph.indptr.cpu(), graph.indices.cpu()
     out = []
     for j in range(len(bounds) - 1):
         src = indices[int(indptr[bounds[j]]):int(indptr[bounds[j + 1]])]
         chunks = torch.unique(torch.searchsorted(b, src, right=True) - 1).tolist()
-        out.append((j,) + tuple(k for k in chunks if k != j))
+        out.append(tuple(sorted(set(chunks) | {j})))
     return tuple(out)
 
 
@@ -82,7 +84,7 @@ class Chunking:
 
     ``bounds``: chunk ``k`` is positions ``[bounds[k], bounds[k+1])`` of the order; ``order``:
     position -> vertex id (``None``: the identity); ``reads[j]``: the chunks chunk ``j``'s in-edges
-    read, ``j`` first.
+    read, ``j`` included, ascending.
     """
 
     bounds: tuple[int, ...]
@@ -107,7 +109,8 @@ class Chunking:
 
 def chunk_graph(graph: Graph, chunking: Chunking, j: int, edge_coef: dict[str, torch.Tensor],
                 loop_coef: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> LocalGraph:
-    """Chunk ``j``'s destinations with all their in-edges; sources numbered in ``reads[j]`` order.
+    """Chunk ``j``'s destinations with all their in-edges; sources numbered in ``reads[j]`` order
+    (the chunk's own rows at ``own_offset``).
 
     ``graph`` is in the chunking's vertex order; ``edge_coef`` / ``loop_coef`` its normalization
     coefficients (what the model's propagations use), sliced to the chunk's edges.
@@ -130,7 +133,7 @@ def chunk_graph(graph: Graph, chunking: Chunking, j: int, edge_coef: dict[str, t
         edge_weight=None if graph.edge_weight is None else graph.edge_weight.cpu()[eids],
         norm_coef={nm: c.cpu()[eids] for nm, c in edge_coef.items()},
         loop_norm_coef={nm: (c[0].cpu()[eids], c[1].cpu()[lo:hi]) for nm, c in loop_coef.items()},
-        name=f"{graph.name}[chunk {j}]")
+        name=f"{graph.name}[chunk {j}]", own_offset=int(local_start[j]))
 
 
 # --------------------------------------------------------------------------- tasks and list scheduling

@@ -157,7 +157,7 @@ def _chunking(graph: Union[Graph, GraphStats], options: MopOptions) -> tuple[Chu
     if isinstance(graph, GraphStats):
         bounds = chunk_bounds(graph.num_nodes, options.chunks)
         K = len(bounds) - 1
-        return Chunking(bounds, tuple((j,) + tuple(k for k in range(K) if k != j) for j in range(K))), None, {}
+        return Chunking(bounds, tuple(tuple(range(K)) for _ in range(K))), None, {}
     order = None
     ordered = graph
     info: dict[str, Any] = {}

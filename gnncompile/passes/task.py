@@ -296,7 +296,7 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
     if concrete:
         chunking = Chunking(bounds, chunk_reads(graph, bounds))
     else:  # planned from statistics: every chunk reads every chunk (the worst case)
-        chunking = Chunking(bounds, tuple((j,) + tuple(k for k in range(K) if k != j) for j in range(K)))
+        chunking = Chunking(bounds, tuple(tuple(range(K)) for _ in range(K)))
     reads = stage_reads(staged, labels, chunking, sources)
     reads_eval = stage_reads(staged_eval, labels_eval, chunking, sources_eval)
     dims = _dims(staged)

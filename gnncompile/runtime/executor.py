@@ -275,6 +275,9 @@ class _Rank:
         t_origin = self.t_origin
         chunked = bool(self.offsets) and len(self.offsets) > 2
         masks = MaskCache() if (chunked or prog.dropout_draws) and optimizer is not None else None
+        # cross-chunk reads: one concatenation (and one gradient leaf) per (value, chunks read) and
+        # step, shared by the chunks that read the same chunks
+        concat: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         if masks is not None and prog.dropout_draws:  # every mask of the step, in single-device order
             like = prog.params[0] if prog.params else torch.empty(0)
             for stage, ordinal, shape, dtype, p in prog.dropout_draws:
@@ -315,11 +318,18 @@ class _Rank:
                 for name in st.inputs:
                     read = st.chunks_read(name, ins.chunk) if st.reads else (ins.chunk,)
                     parts = [get(name, k) for k in read]
-                    v = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts])
                     track = any(isinstance(p, torch.Tensor) and p.requires_grad for p in parts)
-                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.layout == torch.strided \
-                            and track and optimizer is not None:
-                        v = v.detach().requires_grad_(True)
+                    if len(parts) > 1 and (name, read) in concat:
+                        v = concat[name, read]
+                    else:
+                        v = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts])
+                        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.layout == torch.strided \
+                                and track and optimizer is not None:
+                            v = v.detach().requires_grad_(True)
+                        if len(parts) > 1:
+                            concat[name, read] = v
+                    if track and optimizer is not None and isinstance(v, torch.Tensor) and v.requires_grad \
+                            and v.is_leaf:
                         leaves[name] = (v, read, [p.shape[0] for p in parts])
                     args.append(v)
                 if masks is not None:
@@ -348,11 +358,13 @@ class _Rank:
                 for name, (leaf, read, rows) in leaves.items():
                     if leaf.grad is None:
                         continue
+                    g_leaf, leaf.grad = leaf.grad, None  # a shared leaf collects the next chunk's gradient
                     if len(read) == 1:
-                        _accumulate(grads, (name, read[0]), leaf.grad)
+                        _accumulate(grads, (name, read[0]), g_leaf)
                     else:
-                        for k, g in zip(read, torch.split(leaf.grad, rows)):
-                            _accumulate(grads, (name, k), g)
+                        for k, g in zip(read, torch.split(g_leaf, rows)):
+                            # a view would keep the whole concatenated gradient alive
+                            _accumulate(grads, (name, k), g if (name, k) in grads else g.clone())
             elif isinstance(ins, OptimizerStep):
                 for work, _ in pending:  # sends must be complete before parameters change
                     work.wait()
