@@ -66,10 +66,11 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         under ``data``) gets another strategy, or a ``PlanningError`` saying why none is exact.
     partitioner, seed, dropout, recompute:
         Options of the ``data`` strategy (:class:`gnncompile.passes.data.DataOptions`; ``tensor``
-        takes all but the partitioner); an option given here is fixed, one left ``None`` is searched.
+        and ``task`` take all but the partitioner); an option given here is fixed, one left ``None``
+        is searched.
     decouple:
-        ``tensor`` only: lower the decoupled model (all T ops, then all propagations; NeutronTP
-        §4.1). It changes non-linear models, so it needs ``semantics="relaxed"`` for them; ``None``
+        ``tensor`` and ``task``: lower the decoupled model (all T ops, then all propagations;
+        NeutronTP §4.1, NeutronTask §5.1). It changes non-linear models, so it needs ``semantics="relaxed"`` for them; ``None``
         lets the search try it where relaxations are allowed.
     chunks, sparse_ranks, reorder:
         ``mop`` only (:class:`gnncompile.passes.mop.MopOptions`): vertex chunks pipelined between

@@ -119,9 +119,11 @@ def test_candidates_keep_fixed_options():
     data = [c for c in cands if c.strategy == "data"]
     assert data and all(c.options["partitioner"] == "metis" for c in data)
     assert all("partitioner" not in c.options for c in cands if c.strategy in ("tensor", "mop", "task"))
-    assert {c.options["recompute"] for c in cands if c.strategy in ("data", "tensor")} == {False, True}
-    # task: one candidate per rank count (regime, Eq. 7 split and chunks follow from the cost model)
-    assert [c.options for c in cands if c.strategy == "task"] == [{"seed": 3, "semantics": "exact"}]
+    assert {c.options["recompute"] for c in cands if c.strategy in ("data", "tensor", "task")} == {False, True}
+    # task: with and without recomputation (regime, Eq. 7 split and chunks follow from the cost model);
+    # task-decoupled training only where relaxations are allowed
+    assert [c.options for c in cands if c.strategy == "task"] == [
+        {"seed": 3, "recompute": rc, "decouple": False, "semantics": "exact"} for rc in (False, True)]
     # mop: the naive MoA workflow and an RCM-ordered fine-grain pipeline
     assert {(c.options["chunks"], c.options["reorder"]) for c in cands if c.strategy == "mop"} == {(1, "none"),
                                                                                                 (8, "rcm")}
@@ -133,7 +135,7 @@ def test_search_ranks_by_predicted_time(sbm):
     res = search(gcn(sbm), sbm, Cluster.parse("4xA5000"))
     times = [e.step_time for e in res.ranked]
     assert times == sorted(times)
-    assert len(res.ranked) + len(res.rejected) == len(candidates(Cluster.parse("4xA5000"), fixed={})) == 9
+    assert len(res.ranked) + len(res.rejected) == len(candidates(Cluster.parse("4xA5000"), fixed={})) == 10
 
 
 def test_fewer_devices_when_allowed(sbm):

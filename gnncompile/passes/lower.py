@@ -237,7 +237,8 @@ def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
             have = "replicated" if p.op == "get_attr" else decisions.layout_of(p.name)
             if need is None or need == have:
                 continue
-            kind = CONVERSIONS.get((have, need))
+            # a strategy may tell stages of one layout apart by a suffix ("cols/1"): same conversions
+            kind = CONVERSIONS.get((have.split("/")[0], need))
             if kind is None:
                 raise PlanningError(f"op {n.name!r} needs {p.name!r} in layout {need!r} but it is {have!r}, and no "
                                     f"conversion {have}->{need} exists (known: "

@@ -130,11 +130,12 @@ def _mop_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Any
 
 def _task_space(semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
     rest = {k: v for k, v in fixed.items() if k != "partitioner"}
-    if rest.pop("recompute", False) or rest.pop("decouple", False):
-        return []  # task-decoupled training with recomputation is not built yet
     if rest.pop("sparse_ranks", None) is not None or rest.pop("reorder", "none") != "none":
         return []
-    return [{**rest, "semantics": semantics}]
+    recompute = [rest.pop("recompute")] if "recompute" in rest else [False, True]
+    # task-decoupled training changes non-linear models: a candidate only where relaxations are allowed
+    decouple = [rest.pop("decouple")] if "decouple" in rest else ([False, True] if semantics == "relaxed" else [False])
+    return [{**rest, "recompute": rc, "decouple": dc, "semantics": semantics} for rc in recompute for dc in decouple]
 
 
 def _task_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Any, n: int,

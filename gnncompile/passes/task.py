@@ -62,6 +62,7 @@ from .data import _dropout_index, _propagation_norms, check_options, replicate_d
 from ..frontend.ops import dropout_rows
 from .lower import Decisions, StagedModel, call_arguments, requires_grad_values, source_input, \
     split_stages
+from .recompute import insert_recomputation
 
 __all__ = ["TaskOptions", "task_decisions", "place_tasks", "lower_task"]
 
@@ -83,9 +84,14 @@ class TaskOptions:
     dropout: str = "replicated"
     chunks: Optional[int] = None
     p_ranks: Optional[int] = None
+    #: task-decoupled training (NeutronTask §5.1, Fig. 8b): the ``decouple`` pass's model, every T
+    #: task first, then the propagations, each its own P task; relaxed unless the model is linear
+    decouple: bool = False
+    #: recompute T segments in backward instead of keeping their intermediates (§5.1, Fig. 8c)
+    recompute: bool = False
 
     def __post_init__(self) -> None:
-        check_options(self.semantics, self.dropout)
+        check_options(self.semantics, self.dropout, recompute=self.recompute, decouple=self.decouple)
         for name in ("chunks", "p_ranks"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -93,29 +99,41 @@ class TaskOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return {"strategy": "task", "seed": self.seed, "semantics": self.semantics, "dropout": self.dropout,
-                "chunks": self.chunks, "p_ranks": self.p_ranks}
+                "chunks": self.chunks, "p_ranks": self.p_ranks, "decouple": self.decouple,
+                "recompute": self.recompute}
 
 
 def task_decisions(tp: TPGraph) -> Decisions:
-    """T ops labelled ``rows``, P and E ops ``cols``, one label per stage (stages become tasks)."""
+    """T ops labelled ``rows``, P and E ops ``cols``, one label per stage (stages become tasks).
+
+    A propagation reading another propagation's output on its source side (chained propagations:
+    decoupled models, SGC) starts a new task: it is labelled ``cols/1``, ``cols/2``... by chain depth,
+    so that it reads every chunk of the previous one across the task boundary."""
     layout: dict[str, str] = {}
     needs: dict[tuple[str, str], str] = {}
+    depth: dict[str, int] = {}
     for n in tp.graph.nodes:
         t = n.meta.get("tp")
         if t is None or t.kind not in ("T", "P", "E"):
             continue
         if t.kind in ("P", "E"):
-            layout[n.name] = "cols"
+            src = source_input(n)
+            d = max((depth[p.name] for p in n.all_input_nodes if p.name in depth), default=0)
+            if src is not None and src.name in depth:
+                d = depth[src.name] + 1  # chained: a new task
+            depth[n.name] = d
+            layout[n.name] = "cols" if d == 0 else f"cols/{d}"
             for p in n.all_input_nodes:
                 if p.name == "g" or p.op == "get_attr":
                     continue
-                if layout.get(p.name, "rows") != "cols":
+                if not layout.get(p.name, "rows").startswith("cols"):
                     needs[(n.name, p.name)] = "cols"
         else:
             for p in n.all_input_nodes:
-                if layout.get(p.name) == "cols":
+                if layout.get(p.name, "").startswith("cols"):
                     needs[(n.name, p.name)] = "rows"
-    return Decisions(layout=layout, needs=needs, default_layout="rows", output_layout="rows", pure_stages=True)
+    # a model ending in a propagation (decoupled models) computes its loss on the P task's ranks
+    return Decisions(layout=layout, needs=needs, default_layout="rows", output_layout=None, pure_stages=True)
 
 
 def _check_model(tp: TPGraph, staged: StagedModel, labels: dict[int, str]) -> dict[int, set[str]]:
@@ -124,20 +142,17 @@ def _check_model(tp: TPGraph, staged: StagedModel, labels: dict[int, str]) -> di
     sources: dict[int, set[str]] = {}
     conv = {c.output for c in staged.conversions}
     for st in staged.stages:
-        if labels[st.index] != "cols":
+        if labels[st.index] == "rows":
             continue
         for op in st.ops:
             src = source_input(nodes[op])
             if src is None:
                 continue
-            name = f"{src.name}@cols"
-            if name not in conv or name not in st.inputs:
-                raise PlanningError(f"strategy 'task': {op!r} reads {src.name!r} on the source side, the output of "
-                                    "another propagation in the same task (chained propagations: APPNP, SGC) — its "
-                                    "other chunks are not computed yet; use strategy='tensor' or 'data'")
+            name = f"{src.name}@cols" if f"{src.name}@cols" in conv else src.name
+            if name not in st.inputs:  # task_decisions starts a new task at every chained propagation
+                raise PlanningError(f"strategy 'task': {op!r} reads {src.name!r} on the source side from inside its "
+                                    "own task; its other chunks would not be computed yet")
             sources.setdefault(st.index, set()).add(name)
-    if staged.output in staged.stage_of and labels[staged.stage_of[staged.output]] != "rows":
-        raise PlanningError("strategy 'task': the model's output is a propagation; not supported yet")
     return sources
 
 
@@ -260,16 +275,25 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
             raise PlanningError(f"strategy 'task' is not exact for this model: {what}. Each chunk would use its own "
                                 "rows only; pass semantics='relaxed' to accept per-chunk statistics")
         relaxations.append(f"per-chunk statistics ({', '.join(op for op, _ in mixing)})")
+    if options.decouple:
+        from .tensor import _decoupled
+
+        tp, tp_eval, relaxation = _decoupled(tp, tp_eval, options.semantics)
+        if relaxation:
+            relaxations.append(relaxation.replace("NeutronTP §4.1", "NeutronTask §5.1"))
     concrete = isinstance(graph, Graph)
     stats = graph.stats() if concrete else graph
     dropout_inputs: dict[str, str] = {}
     if concrete and options.dropout == "replicated":
         tp, dropout_inputs = replicate_dropout_masks(tp, graph)
+    infos = {n.name: n.meta["tp"] for n in tp.graph.nodes if "tp" in n.meta}
+    if options.recompute:
+        tp = insert_recomputation(tp, share_parameters=True)
 
     def split(t: TPGraph) -> tuple[StagedModel, dict[int, str], dict[int, set[str]]]:
         d = task_decisions(t)
         st = split_stages(t, d)
-        labels = stage_groups(st, d.layout_of)
+        labels = {s: ("rows" if lab == "rows" else "cols") for s, lab in stage_groups(st, d.layout_of).items()}
         return st, labels, _check_model(t, st, labels)
 
     staged, labels, sources = split(tp)
@@ -313,9 +337,11 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
     by_name = dict(zip(names, params))
     param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
     users: dict[str, set[int]] = {}
+    ident = {id(p): n for n, p in zip(names, params)}  # stage modules share the model's parameters
     for s, mod in staged.modules.items():
-        for n, _ in mod.named_parameters():
-            users.setdefault(n, set()).add(place.stage_group[s])
+        for _, p in mod.named_parameters():
+            if id(p) in ident:
+                users.setdefault(ident[id(p)], set()).add(place.stage_group[s])
     for n, gs in users.items():
         if len(gs) > 1:
             raise PlanningError(f"strategy 'task': parameter {n!r} is used by tasks on different ranks "
@@ -383,7 +409,7 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
     if concrete:
         plan.program = _rank_programs(graph, tp, tp_eval, staged, staged_eval, reads, reads_eval, eval_progs, ranks,
                                       place, chunking, dropout_inputs, options, names, params, local, owner,
-                                      out_group)
+                                      out_group, infos)
     return plan
 
 
@@ -397,27 +423,51 @@ def _dims(staged: StagedModel) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
-def _dropout_draws(staged: StagedModel, spaces: dict[str, str]) -> tuple[tuple[int, int, tuple[int, ...], str, float],
-                                                                          ...]:
+def _dropout_draws(staged: StagedModel, spaces: dict[str, str], infos: dict[str, Any]
+                   ) -> tuple[tuple[int, int, tuple[int, ...], str, float], ...]:
     """Every replicated dropout of the training model in single-device order, as
-    ``(stage, ordinal in stage, full shape, dtype, p)`` (``RankProgram.dropout_draws``)."""
+    ``(stage, ordinal in stage, full shape, dtype, p)`` (``RankProgram.dropout_draws``); dropouts
+    inside recomputed segments included (a replay in backward looks its mask up again). ``infos``:
+    value name -> ``TPInfo`` of the model before recomputation (segment bodies carry none).
+
+    Raises :class:`PlanningError` when a stage draws several masks and some are recomputed: the
+    backward replays segments in reverse, so the replayed draws would not meet their ordinals."""
+    from .recompute import Recompute
+
     out = []
     ordinal: dict[int, int] = {}
-    for n in staged.tp.graph.nodes:
-        if n.op != "call_function" or n.target is not dropout_rows:
-            continue
-        args = call_arguments(n)
-        p = float(args["p"])
-        if p == 0.0:
-            continue  # draws nothing
-        s = staged.stage_of[n.name]
-        k = ordinal.get(s, 0)
-        ordinal[s] = k + 1
-        t = args["x"].meta["tp"]
-        index = args["index"]
-        # a sparse input's mask is over its stored values (``nnz`` space): one draw per value
-        per_row = () if spaces.get(getattr(index, "name", ""), "") == "nnz" else tuple(t.dims)
-        out.append((s, k, (int(args["num_rows"]),) + per_row, t.dtype or "float32", p))
+    replayed: set[int] = set()
+    modules = dict(staged.tp.named_modules())
+
+    def visit(nodes: Any, stage_of: Any, inside: bool) -> None:
+        for n in nodes:
+            if n.op == "call_module" and isinstance(modules.get(n.target), Recompute):
+                visit(modules[n.target].body.graph.nodes, lambda _: stage_of(n), True)
+                continue
+            if n.op != "call_function" or n.target is not dropout_rows:
+                continue
+            args = call_arguments(n)
+            p = float(args["p"])
+            if p == 0.0:
+                continue  # draws nothing
+            s = stage_of(n)
+            k = ordinal.get(s, 0)
+            ordinal[s] = k + 1
+            if inside:
+                replayed.add(s)
+            x = args["x"]
+            t = x.meta["tp"] if "tp" in x.meta else infos[x.name]
+            index = args["index"]
+            # a sparse input's mask is over its stored values (``nnz`` space): one draw per value
+            per_row = () if spaces.get(getattr(index, "name", ""), "") == "nnz" else tuple(t.dims)
+            out.append((s, k, (int(args["num_rows"]),) + per_row, t.dtype or "float32", p))
+
+    visit(staged.tp.graph.nodes, lambda n: staged.stage_of[n.name], False)
+    bad = sorted(s for s in replayed if ordinal[s] > 1)
+    if bad:
+        raise PlanningError(f"strategy 'task': stage {bad[0]} draws {ordinal[bad[0]]} dropout masks and recomputes "
+                            "some of them; with replicated masks that is not supported yet (use recompute=False or "
+                            "dropout='local')")
     return tuple(out)
 
 
@@ -433,7 +483,7 @@ def _rank_programs(graph: Graph, tp: TPGraph, tp_eval: TPGraph, staged: StagedMo
                    reads: dict, reads_eval: dict, eval_progs: dict, ranks: list[DevicePlan], place: Placement,
                    chunking: Chunking, dropout_inputs: dict[str, str], options: TaskOptions, names: list[str],
                    params: list[torch.nn.Parameter], local: dict[int, list[str]], owner: dict[str, int],
-                   out_group: int) -> list[RankProgram]:
+                   out_group: int, infos: dict[str, Any]) -> list[RankProgram]:
     counts = {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
               for m in ("train", "val", "test")}
     K = chunking.num_chunks
@@ -453,7 +503,7 @@ def _rank_programs(graph: Graph, tp: TPGraph, tp_eval: TPGraph, staged: StagedMo
         return _dropout_index(dropout_inputs[name], _ChunkRows(ids, torch.arange(e0, e1)), graph)
 
     groups_list = tuple(g.members for g in place.groups if len(g.members) > 1)
-    draws = _dropout_draws(staged, dropout_inputs) if options.dropout == "replicated" else ()
+    draws = _dropout_draws(staged, dropout_inputs, infos) if options.dropout == "replicated" else ()
     graphs: dict[int, Any] = {}
     programs = []
     n = len(ranks)

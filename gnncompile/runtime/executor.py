@@ -353,7 +353,10 @@ class _Rank:
                             pairs.append((losses[ins.chunk], None))
                     elif (name, ins.chunk) in grads and isinstance(o, torch.Tensor) and o.requires_grad:
                         pairs.append((o, grads.pop((name, ins.chunk))))
-                if pairs:
+                if pairs and masks is not None:  # recomputed segments redraw the stage's masks from the cache
+                    with masks.stage(ins.stage):
+                        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+                elif pairs:
                     torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
                 for name, (leaf, read, rows) in leaves.items():
                     if leaf.grad is None:
