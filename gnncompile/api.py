@@ -39,7 +39,7 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
          semantics: str = "exact", partitioner: Optional[str] = None, seed: int = 0, dropout: str = "replicated",
          recompute: Optional[bool] = None, decouple: Optional[bool] = None, chunks: Optional[int] = None,
          sparse_ranks: Optional[int] = None, reorder: Optional[str] = None, p_ranks: Optional[int] = None,
-         devices: str = "all",
+         dependencies: Optional[str] = None, devices: str = "all",
          overlap: bool = False, verify: bool = True, **options: Any) -> Plan:
     """Plan parallel training of ``model`` on ``graph`` over the devices ``gpus`` describes.
 
@@ -81,6 +81,9 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
     p_ranks:
         ``task`` only (:class:`gnncompile.passes.task.TaskOptions`): ranks for the P tasks
         (NeutronTask Eq. 7's ``N_p``); ``None``: from the cost model.
+    dependencies:
+        ``task`` only: ``"exact"`` (default) or ``"skip-later"`` (relaxed: a chunk's propagation
+        drops in-edges from later chunks, NeutronTask Algorithm 1; needs ``semantics="relaxed"``).
     devices:
         ``"all"`` (default): the plan has one program per device of the cluster. ``"any"``: the
         search may also use fewer devices (halvings), which wins where communication costs more
@@ -106,7 +109,7 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
     if options:
         raise PlanningError(f"unknown planning option(s) {', '.join(sorted(options))}; the options are strategy, "
                             "semantics, partitioner, seed, dropout, recompute, decouple, chunks, sparse_ranks, "
-                            "reorder, p_ranks, devices, overlap, verify")
+                            "reorder, p_ranks, dependencies, devices, overlap, verify")
     if semantics not in ("exact", "relaxed"):
         raise PlanningError(f"unknown semantics {semantics!r}; valid: 'exact', 'relaxed'")
     if not isinstance(model, torch.nn.Module):
@@ -135,6 +138,10 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
             raise PlanningError(f"{name}: expected a positive integer or None (searched), got {value!r}")
         if value is not None:
             fixed[name] = value
+    if dependencies is not None:
+        if dependencies not in ("exact", "skip-later"):
+            raise PlanningError(f"unknown dependencies {dependencies!r}; valid: 'exact', 'skip-later'")
+        fixed["dependencies"] = dependencies
     if reorder is not None:
         from .passes.mop import REORDERINGS
 

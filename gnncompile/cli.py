@@ -78,7 +78,8 @@ def _make_plan(args: argparse.Namespace):
     strategy = None if args.strategy == "auto" else args.strategy
     p = plan(model, graph, gpus=_gpus(args.gpus), strategy=strategy, semantics=args.semantics,
              partitioner=args.partitioner, seed=args.seed, recompute=args.recompute, decouple=args.decouple,
-             chunks=args.chunks, sparse_ranks=args.sparse_ranks, reorder=args.reorder, p_ranks=args.p_ranks)
+             chunks=args.chunks, sparse_ranks=args.sparse_ranks, reorder=args.reorder, p_ranks=args.p_ranks,
+             dependencies=args.dependencies)
     return graph, model, p
 
 
@@ -340,6 +341,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="mop: ranks aggregating (the rest run the dense updates; default: half)")
     p.add_argument("--reorder", default=None, choices=("none", "rcm"),
                    help="mop: renumber vertices by reverse Cuthill-McKee before chunking (default: searched)")
+    p.add_argument("--dependencies", default=None, choices=("exact", "skip-later"),
+                   help="task: skip in-edges from later chunks (relaxed; NeutronTask Algorithm 1; default: exact)")
     p.add_argument("--p-ranks", type=int, default=None,
                    help="task: ranks for the P (propagation) tasks (default: NeutronTask Eq. 7 from the cost model)")
     p.add_argument("--explain", action="store_true", help="print the planner's candidates and why it chose the plan")

@@ -109,31 +109,47 @@ class Chunking:
 
 def chunk_graph(graph: Graph, chunking: Chunking, j: int, edge_coef: dict[str, torch.Tensor],
                 loop_coef: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> LocalGraph:
-    """Chunk ``j``'s destinations with all their in-edges; sources numbered in ``reads[j]`` order
-    (the chunk's own rows at ``own_offset``).
+    """Chunk ``j``'s destinations with their in-edges from the chunks ``reads[j]`` (all of them
+    unless a relaxed chunking dropped some); sources numbered in ``reads[j]`` order (the chunk's own
+    rows at ``own_offset``).
 
     ``graph`` is in the chunking's vertex order; ``edge_coef`` / ``loop_coef`` its normalization
     coefficients (what the model's propagations use), sliced to the chunk's edges.
     """
     lo, hi = chunking.bounds[j], chunking.bounds[j + 1]
     indptr, indices = graph.indptr.cpu(), graph.indices.cpu()
-    e0, e1 = int(indptr[lo]), int(indptr[hi])
-    src = indices[e0:e1]
+    eids = chunk_edge_ids(graph, chunking, j)
+    src = indices[eids]
     b = torch.as_tensor(chunking.bounds, dtype=torch.int64)
     of = torch.searchsorted(b, src, right=True) - 1
+    dst = torch.searchsorted(indptr, eids, right=True) - 1 - lo
+    local_indptr = torch.zeros(hi - lo + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(dst, minlength=hi - lo), 0, out=local_indptr[1:])
     local_start = torch.zeros(chunking.num_chunks, dtype=torch.int64)
     pos = 0
     for k in chunking.reads[j]:
         local_start[k] = pos
         pos += chunking.size(k)
     local_src = local_start[of] + (src - b[of])
-    eids = torch.arange(e0, e1)
     return LocalGraph(
-        indptr[lo:hi + 1] - e0, local_src, hi - lo, pos,
+        local_indptr, local_src, hi - lo, pos,
         edge_weight=None if graph.edge_weight is None else graph.edge_weight.cpu()[eids],
         norm_coef={nm: c.cpu()[eids] for nm, c in edge_coef.items()},
         loop_norm_coef={nm: (c[0].cpu()[eids], c[1].cpu()[lo:hi]) for nm, c in loop_coef.items()},
         name=f"{graph.name}[chunk {j}]", own_offset=int(local_start[j]))
+
+
+def chunk_edge_ids(graph: Graph, chunking: Chunking, j: int) -> torch.Tensor:
+    """Ids of the in-edges of chunk ``j``'s destinations whose sources lie in ``reads[j]``."""
+    lo, hi = chunking.bounds[j], chunking.bounds[j + 1]
+    e0, e1 = int(graph.indptr[lo]), int(graph.indptr[hi])
+    eids = torch.arange(e0, e1)
+    b = torch.as_tensor(chunking.bounds, dtype=torch.int64)
+    of = torch.searchsorted(b, graph.indices.cpu()[e0:e1], right=True) - 1
+    allowed = torch.zeros(chunking.num_chunks, dtype=torch.bool)
+    allowed[list(chunking.reads[j])] = True
+    keep = allowed[of]
+    return eids if bool(keep.all()) else eids[keep]
 
 
 # --------------------------------------------------------------------------- tasks and list scheduling

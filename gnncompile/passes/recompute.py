@@ -69,7 +69,19 @@ class Recompute(torch.nn.Module):
     def forward(self, *inputs: Any) -> Any:
         if not torch.is_grad_enabled() or any(isinstance(a, torch.fx.Proxy) for a in inputs):
             return self.body(*inputs)
-        return checkpoint(self.body, *inputs, use_reentrant=False, preserve_rng_state=True)
+        cache = ops._MASKS
+        if cache is None:
+            return checkpoint(self.body, *inputs, use_reentrant=False, preserve_rng_state=True)
+        # a chunked executor serves dropout masks from a per-step cache keyed by the call's position
+        # in its stage: the replay in backward takes them from the same positions
+        base = cache._count
+
+        def run(*xs: Any) -> Any:
+            if ops._MASKS is not None:
+                ops._MASKS._count = base
+            return self.body(*xs)
+
+        return checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=True)
 
 
 _RANDOM_FUNCTIONS = {

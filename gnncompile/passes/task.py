@@ -56,8 +56,8 @@ from ..graph.core import Graph, GraphStats
 from ..graph.shard import slice_rows
 from ..ir.plan import AllReduce, DevicePlan, OptimizerStep, Plan, RankProgram
 from ..ir.tpgraph import TPGraph
-from .chunked import Chunking, Group, Placement, Task, chunk_bounds, chunk_graph, chunk_reads, emit_programs, \
-    stage_groups, stage_reads, with_reads
+from .chunked import Chunking, Group, Placement, Task, chunk_bounds, chunk_edge_ids, chunk_graph, chunk_reads, \
+    emit_programs, stage_groups, stage_reads, with_reads
 from .data import _dropout_index, _propagation_norms, check_options, replicate_dropout_masks, row_mixing_ops
 from ..frontend.ops import dropout_rows
 from .lower import Decisions, StagedModel, call_arguments, requires_grad_values, source_input, \
@@ -89,9 +89,19 @@ class TaskOptions:
     decouple: bool = False
     #: recompute T segments in backward instead of keeping their intermediates (§5.1, Fig. 8c)
     recompute: bool = False
+    #: ``"exact"``: a chunk's propagation waits for every chunk its in-edges read; ``"skip-later"``
+    #: (relaxed; NeutronTask Algorithm 1's dependency management without its random regrouping):
+    #: it reads its own and earlier chunks only and drops the in-edges from later ones, so the
+    #: pipeline never waits for a chunk that is not computed yet
+    dependencies: str = "exact"
 
     def __post_init__(self) -> None:
         check_options(self.semantics, self.dropout, recompute=self.recompute, decouple=self.decouple)
+        if self.dependencies not in ("exact", "skip-later"):
+            raise PlanningError(f"task: dependencies must be 'exact' or 'skip-later', got {self.dependencies!r}")
+        if self.dependencies != "exact" and self.semantics == "exact":
+            raise PlanningError("task: dependencies='skip-later' drops in-edges from later chunks (a relaxation); "
+                                "pass semantics='relaxed'")
         for name in ("chunks", "p_ranks"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -100,7 +110,7 @@ class TaskOptions:
     def to_dict(self) -> dict[str, Any]:
         return {"strategy": "task", "seed": self.seed, "semantics": self.semantics, "dropout": self.dropout,
                 "chunks": self.chunks, "p_ranks": self.p_ranks, "decouple": self.decouple,
-                "recompute": self.recompute}
+                "recompute": self.recompute, "dependencies": self.dependencies}
 
 
 def task_decisions(tp: TPGraph) -> Decisions:
@@ -153,6 +163,15 @@ def _check_model(tp: TPGraph, staged: StagedModel, labels: dict[int, str]) -> di
                 raise PlanningError(f"strategy 'task': {op!r} reads {src.name!r} on the source side from inside its "
                                     "own task; its other chunks would not be computed yet")
             sources.setdefault(st.index, set()).add(name)
+    producer = {o: s.index for s in staged.stages for o in s.outputs}
+    for st in staged.stages:
+        for u in st.inputs:
+            node = nodes.get(u)
+            info = node.meta.get("tp") if node is not None else None
+            if u in producer and info is not None and getattr(info, "space", "V") != "V":
+                raise PlanningError(f"strategy 'task': {u!r} ({info.space}-space: one value per edge) is computed in "
+                                    f"task {producer[u]} and read in task {st.index}; edge values cannot cross tasks "
+                                    "(per-chunk edge sets differ) — e.g. a decoupled GAT; use strategy='data'")
     return sources
 
 
@@ -321,6 +340,11 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
         chunking = Chunking(bounds, chunk_reads(graph, bounds))
     else:  # planned from statistics: every chunk reads every chunk (the worst case)
         chunking = Chunking(bounds, tuple(tuple(range(K)) for _ in range(K)))
+    if options.dependencies == "skip-later":
+        chunking = Chunking(bounds, tuple(tuple(k for k in r if k <= j) for j, r in enumerate(chunking.reads)))
+        if K > 1:
+            relaxations.append("vertex dependency management (NeutronTask Algorithm 1): a chunk's propagation skips "
+                               "in-edges from later chunks")
     reads = stage_reads(staged, labels, chunking, sources)
     reads_eval = stage_reads(staged_eval, labels_eval, chunking, sources_eval)
     dims = _dims(staged)
@@ -366,7 +390,7 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
             rows = sum(chunking.size(k) for k in mine)
             edges = 0
             if concrete and is_p:
-                edges = sum(int(graph.indptr[chunking.bounds[k + 1]] - graph.indptr[chunking.bounds[k]]) for k in mine)
+                edges = sum(int(chunk_edge_ids(graph, chunking, k).numel()) for k in mine)
             elif is_p:
                 edges = round(stats.num_edges * rows / max(stats.num_nodes, 1))
             stages = tuple(replace(with_reads(s, reads.get(s.index, {}), g.name),
@@ -427,22 +451,19 @@ def _dropout_draws(staged: StagedModel, spaces: dict[str, str], infos: dict[str,
                    ) -> tuple[tuple[int, int, tuple[int, ...], str, float], ...]:
     """Every replicated dropout of the training model in single-device order, as
     ``(stage, ordinal in stage, full shape, dtype, p)`` (``RankProgram.dropout_draws``); dropouts
-    inside recomputed segments included (a replay in backward looks its mask up again). ``infos``:
-    value name -> ``TPInfo`` of the model before recomputation (segment bodies carry none).
-
-    Raises :class:`PlanningError` when a stage draws several masks and some are recomputed: the
-    backward replays segments in reverse, so the replayed draws would not meet their ordinals."""
+    inside recomputed segments included (a replay in backward looks its mask up again at the same
+    position, :class:`~gnncompile.passes.recompute.Recompute`). ``infos``: value name ->
+    ``TPInfo`` of the model before recomputation (segment bodies carry none)."""
     from .recompute import Recompute
 
     out = []
     ordinal: dict[int, int] = {}
-    replayed: set[int] = set()
     modules = dict(staged.tp.named_modules())
 
-    def visit(nodes: Any, stage_of: Any, inside: bool) -> None:
+    def visit(nodes: Any, stage_of: Any) -> None:
         for n in nodes:
             if n.op == "call_module" and isinstance(modules.get(n.target), Recompute):
-                visit(modules[n.target].body.graph.nodes, lambda _: stage_of(n), True)
+                visit(modules[n.target].body.graph.nodes, lambda _: stage_of(n))
                 continue
             if n.op != "call_function" or n.target is not dropout_rows:
                 continue
@@ -453,8 +474,6 @@ def _dropout_draws(staged: StagedModel, spaces: dict[str, str], infos: dict[str,
             s = stage_of(n)
             k = ordinal.get(s, 0)
             ordinal[s] = k + 1
-            if inside:
-                replayed.add(s)
             x = args["x"]
             t = x.meta["tp"] if "tp" in x.meta else infos[x.name]
             index = args["index"]
@@ -462,12 +481,7 @@ def _dropout_draws(staged: StagedModel, spaces: dict[str, str], infos: dict[str,
             per_row = () if spaces.get(getattr(index, "name", ""), "") == "nnz" else tuple(t.dims)
             out.append((s, k, (int(args["num_rows"]),) + per_row, t.dtype or "float32", p))
 
-    visit(staged.tp.graph.nodes, lambda n: staged.stage_of[n.name], False)
-    bad = sorted(s for s in replayed if ordinal[s] > 1)
-    if bad:
-        raise PlanningError(f"strategy 'task': stage {bad[0]} draws {ordinal[bad[0]]} dropout masks and recomputes "
-                            "some of them; with replicated masks that is not supported yet (use recompute=False or "
-                            "dropout='local')")
+    visit(staged.tp.graph.nodes, lambda n: staged.stage_of[n.name])
     return tuple(out)
 
 
@@ -499,8 +513,7 @@ def _rank_programs(graph: Graph, tp: TPGraph, tp_eval: TPGraph, staged: StagedMo
         ids = torch.arange(chunking.bounds[k], chunking.bounds[k + 1])
         if name == "x":
             return slice_rows(graph.x, ids) if graph.x is not None else None
-        e0, e1 = int(graph.indptr[chunking.bounds[k]]), int(graph.indptr[chunking.bounds[k + 1]])
-        return _dropout_index(dropout_inputs[name], _ChunkRows(ids, torch.arange(e0, e1)), graph)
+        return _dropout_index(dropout_inputs[name], _ChunkRows(ids, chunk_edge_ids(graph, chunking, k)), graph)
 
     groups_list = tuple(g.members for g in place.groups if len(g.members) > 1)
     draws = _dropout_draws(staged, dropout_inputs, infos) if options.dropout == "replicated" else ()
