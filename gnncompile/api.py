@@ -82,8 +82,9 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         ``task`` only (:class:`gnncompile.passes.task.TaskOptions`): ranks for the P tasks
         (NeutronTask Eq. 7's ``N_p``); ``None``: from the cost model.
     dependencies:
-        ``task`` only: ``"exact"`` (default) or ``"skip-later"`` (relaxed: a chunk's propagation
-        drops in-edges from later chunks, NeutronTask Algorithm 1; needs ``semantics="relaxed"``).
+        ``task`` only: ``"exact"`` (default), or relaxed (NeutronTask Algorithm 1; needs
+        ``semantics="relaxed"``): ``"cached"`` (a chunk's propagation reads later chunks from the
+        previous step's copy) or ``"skip-later"`` (it drops their in-edges).
     devices:
         ``"all"`` (default): the plan has one program per device of the cluster. ``"any"``: the
         search may also use fewer devices (halvings), which wins where communication costs more
@@ -139,8 +140,10 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         if value is not None:
             fixed[name] = value
     if dependencies is not None:
-        if dependencies not in ("exact", "skip-later"):
-            raise PlanningError(f"unknown dependencies {dependencies!r}; valid: 'exact', 'skip-later'")
+        from .passes.task import DEPENDENCIES
+
+        if dependencies not in DEPENDENCIES:
+            raise PlanningError(f"unknown dependencies {dependencies!r}; valid: {', '.join(DEPENDENCIES)}")
         fixed["dependencies"] = dependencies
     if reorder is not None:
         from .passes.mop import REORDERINGS

@@ -341,8 +341,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="mop: ranks aggregating (the rest run the dense updates; default: half)")
     p.add_argument("--reorder", default=None, choices=("none", "rcm"),
                    help="mop: renumber vertices by reverse Cuthill-McKee before chunking (default: searched)")
-    p.add_argument("--dependencies", default=None, choices=("exact", "skip-later"),
-                   help="task: skip in-edges from later chunks (relaxed; NeutronTask Algorithm 1; default: exact)")
+    p.add_argument("--dependencies", default=None, choices=("exact", "cached", "skip-later"),
+                   help="task: read later chunks from the previous step (cached) or skip them (skip-later); "
+                        "relaxed, NeutronTask Algorithm 1 (default: exact)")
     p.add_argument("--p-ranks", type=int, default=None,
                    help="task: ranks for the P (propagation) tasks (default: NeutronTask Eq. 7 from the cost model)")
     p.add_argument("--explain", action="store_true", help="print the planner's candidates and why it chose the plan")

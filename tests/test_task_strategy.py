@@ -252,3 +252,32 @@ def test_edge_values_do_not_cross_tasks(sbm: gc.Graph) -> None:
     gat = gc.nn.GAT(6, 3, 3, heads=2, num_layers=2, dropout=0.0).to(DT)
     with pytest.raises(PlanningError, match="edge values cannot cross tasks"):
         gc.plan(gat, sbm, 2, strategy="task", decouple=True, semantics="relaxed")
+
+
+@pytest.mark.parametrize("name", ["gcn", "gat", "gin"])
+def test_cached_dependencies_with_one_chunk_are_exact(sbm: gc.Graph, name: str) -> None:
+    """NeutronTask's cached neighbours: with one chunk nothing is read from a previous step."""
+    res = check_plan(model_for(name, sbm), sbm, 3, strategy="task", chunks=1, dependencies="cached",
+                     semantics="relaxed", rtol=1e-9, atol=1e-11, timeout=60)
+    assert not res.plan.relaxations
+
+
+def test_cached_dependencies_read_later_chunks_stale(sbm: gc.Graph) -> None:
+    plan = gc.plan(model_for("gcn", sbm), sbm, 2, strategy="task", chunks=4, dependencies="cached",
+                   semantics="relaxed")
+    assert "previous step" in plan.relaxations[0]
+    p_stages = [s for dp in plan.ranks for s in dp.stages if s.stale]
+    assert p_stages
+    for s in p_stages:
+        for name, stale in s.stale:
+            fresh = dict(s.reads)[name]
+            for j in range(4):  # earlier chunks fresh, later ones stale, together every chunk read
+                assert all(k <= j for k in fresh[j]) and all(k > j for k in stale[j])
+    # the pipeline no longer waits for later chunks: chunk 0's propagation starts before the T task
+    # has produced chunk 3
+    order = plan.info["task_order"]
+    assert order.index("F1c0") < order.index("F0c3")
+    res = plan.run(epochs=3, timeout=60)
+    assert all(math.isfinite(x) for x in res.history.loss)
+    with pytest.raises(PlanningError, match="semantics='relaxed'"):
+        gc.plan(model_for("gcn", sbm), sbm, 2, strategy="task", dependencies="cached")

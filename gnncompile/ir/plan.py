@@ -448,6 +448,11 @@ class StageSpec:
     #: the chunks this rank runs the stage on, when its group deals chunks out to its ranks
     #: (``()``: every chunk)
     runs: tuple[int, ...] = ()
+    #: relaxed cross-chunk reads served from the previous step's copy (NeutronTask's cached
+    #: neighbours): ``((input, ((stale chunks of chunk 0), ...)), ...)``. ``Forward(s, c)`` reads
+    #: the fresh chunks (:meth:`chunks_read`) and these, in ascending chunk order; no gradient
+    #: flows to a stale copy
+    stale: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...] = ()
 
     def chunks_read(self, value: str, chunk: int) -> tuple[int, ...]:
         """The chunks of ``value`` that ``Forward(self, chunk)`` reads."""
@@ -456,9 +461,16 @@ class StageSpec:
                 return per_chunk[chunk]
         return (chunk,)
 
+    def chunks_stale(self, value: str, chunk: int) -> tuple[int, ...]:
+        """The chunks of ``value`` that ``Forward(self, chunk)`` reads from the previous step."""
+        for name, per_chunk in self.stale:
+            if name == value:
+                return per_chunk[chunk]
+        return ()
+
     def to_dict(self) -> dict[str, Any]:
         d = {k: _as_list(getattr(self, k)) for k in ("index", "inputs", "outputs", "ops", "kinds", "layers", "reads",
-                                                      "group", "runs")}
+                                                      "group", "runs", "stale")}
         d["costs"] = [c.to_dict() for c in self.costs]
         return d
 
@@ -825,3 +837,5 @@ class RankProgram:
     #: training step draws them all first (so each lands on the single-device RNG position) and the
     #: stages look theirs up
     dropout_draws: tuple[tuple[int, int, tuple[int, ...], str, float], ...] = ()
+    #: rows of every chunk (stale reads of a chunk not received yet are zeros of this many rows)
+    chunk_rows: tuple[int, ...] = ()

@@ -401,13 +401,16 @@ class _Edge:
 def emit_programs(staged: StagedModel, place: Placement, chunking: Chunking,
                   reads: dict[int, dict[str, tuple[tuple[int, ...], ...]]],
                   dims: dict[str, tuple[tuple[int, ...], str]], needs_grad: set[str], training: bool,
-                  cost: Optional[dict[Task, float]] = None
+                  cost: Optional[dict[Task, float]] = None,
+                  stale: Optional[dict[int, dict[str, tuple[tuple[int, ...], ...]]]] = None
                   ) -> tuple[dict[int, list[Instruction]], list[tuple[float, Task]]]:
     """Per rank, the instructions of one step (forward only unless ``training``) and the global order.
 
     ``dims``: value -> (per-vertex shape, dtype) of every value that crosses groups; ``needs_grad``:
-    the values whose gradients travel back. The step ends without the gradient all-reduce /
-    optimizer step (the strategy appends them).
+    the values whose gradients travel back. ``stale``: reads served from the previous step's copy
+    (no dependency; the chunk is still sent to the reading rank, which takes it at the end of the
+    step). The step ends without the gradient all-reduce / optimizer step (the strategy appends
+    them).
     """
     K = chunking.num_chunks
     deps = _stage_deps(staged, chunking, reads, training)
@@ -451,8 +454,9 @@ def emit_programs(staged: StagedModel, place: Placement, chunking: Chunking,
             if rd is not None:
                 whole.add((u, gi))
             per = readers.setdefault((u, gi), {})
+            sd = (stale or {}).get(st.index, {}).get(u)
             for k in range(K):
-                for m in (rd[k] if rd is not None else (k,)):
+                for m in (rd[k] if rd is not None else (k,)) + (sd[k] if sd is not None else ()):
                     per.setdefault(m, set()).add(k)
 
     cache: dict[tuple[_Edge, int], list[tuple[int, int, Block, Block, Block]]] = {}
@@ -606,11 +610,13 @@ def stage_reads(staged: StagedModel, groups: dict[int, str], chunking: Chunking,
     return out
 
 
-def with_reads(stage: StageSpec, reads: dict[str, tuple[tuple[int, ...], ...]], group: str) -> StageSpec:
-    """``stage`` carrying its cross-chunk reads and its group."""
+def with_reads(stage: StageSpec, reads: dict[str, tuple[tuple[int, ...], ...]], group: str,
+               stale: Optional[dict[str, tuple[tuple[int, ...], ...]]] = None) -> StageSpec:
+    """``stage`` carrying its cross-chunk reads (fresh, and stale ones), and its group."""
     from dataclasses import replace
 
-    return replace(stage, reads=tuple(sorted(reads.items())), group=group)
+    return replace(stage, reads=tuple(sorted(reads.items())), group=group,
+                   stale=tuple(sorted((stale or {}).items())))
 
 
 def elsize(dtype: str) -> int:

@@ -67,6 +67,7 @@ from .recompute import insert_recomputation
 __all__ = ["TaskOptions", "task_decisions", "place_tasks", "lower_task"]
 
 REGIMES = ("shared", "one per rank", "hybrid")
+DEPENDENCIES = ("exact", "cached", "skip-later")
 
 
 @dataclass(frozen=True)
@@ -89,19 +90,21 @@ class TaskOptions:
     decouple: bool = False
     #: recompute T segments in backward instead of keeping their intermediates (§5.1, Fig. 8c)
     recompute: bool = False
-    #: ``"exact"``: a chunk's propagation waits for every chunk its in-edges read; ``"skip-later"``
-    #: (relaxed; NeutronTask Algorithm 1's dependency management without its random regrouping):
-    #: it reads its own and earlier chunks only and drops the in-edges from later ones, so the
-    #: pipeline never waits for a chunk that is not computed yet
+    #: ``"exact"``: a chunk's propagation waits for every chunk its in-edges read. Relaxed
+    #: (NeutronTask Algorithm 1's dependency management, without its random regrouping), so that
+    #: the pipeline never waits for a chunk that is not computed yet: ``"cached"`` reads later
+    #: chunks from the previous step's copy (zeros at the first step; no gradient flows to it),
+    #: ``"skip-later"`` drops the in-edges from later chunks
     dependencies: str = "exact"
 
     def __post_init__(self) -> None:
         check_options(self.semantics, self.dropout, recompute=self.recompute, decouple=self.decouple)
-        if self.dependencies not in ("exact", "skip-later"):
-            raise PlanningError(f"task: dependencies must be 'exact' or 'skip-later', got {self.dependencies!r}")
+        if self.dependencies not in DEPENDENCIES:
+            raise PlanningError(f"task: dependencies must be one of {', '.join(DEPENDENCIES)}, got "
+                                f"{self.dependencies!r}")
         if self.dependencies != "exact" and self.semantics == "exact":
-            raise PlanningError("task: dependencies='skip-later' drops in-edges from later chunks (a relaxation); "
-                                "pass semantics='relaxed'")
+            raise PlanningError(f"task: dependencies={self.dependencies!r} changes what a chunk's propagation reads "
+                                "(a relaxation); pass semantics='relaxed'")
         for name in ("chunks", "p_ranks"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -340,20 +343,40 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
         chunking = Chunking(bounds, chunk_reads(graph, bounds))
     else:  # planned from statistics: every chunk reads every chunk (the worst case)
         chunking = Chunking(bounds, tuple(tuple(range(K)) for _ in range(K)))
+    exact_chunking = chunking
     if options.dependencies == "skip-later":
         chunking = Chunking(bounds, tuple(tuple(k for k in r if k <= j) for j, r in enumerate(chunking.reads)))
         if K > 1:
             relaxations.append("vertex dependency management (NeutronTask Algorithm 1): a chunk's propagation skips "
                                "in-edges from later chunks")
+    stale_reads: dict[int, dict[str, tuple[tuple[int, ...], ...]]] = {}
+    if options.dependencies == "cached":
+        fresh = Chunking(bounds, tuple(tuple(k for k in r if k <= j) for j, r in enumerate(chunking.reads)))
+        later = tuple(tuple(k for k in r if k > j) for j, r in enumerate(chunking.reads))
+        inputs_read = {c.output for c in staged.conversions if c.value in ("x", *dropout_inputs)}
+        stale_reads = {s: {u: later for u in per if u not in inputs_read}
+                       for s, per in stage_reads(staged, labels, chunking, sources).items()}
+        if K > 1:
+            relaxations.append("vertex dependency management (NeutronTask Algorithm 1): a chunk's propagation reads "
+                               "later chunks from the previous step's copy")
+        chunking = fresh
     reads = stage_reads(staged, labels, chunking, sources)
-    reads_eval = stage_reads(staged_eval, labels_eval, chunking, sources_eval)
+    if options.dependencies == "cached":
+        for s_, per in stage_reads(staged, labels, exact_chunking, sources).items():
+            for u, rd in per.items():  # model inputs are always there: read every chunk fresh
+                if u not in stale_reads.get(s_, {}):
+                    reads[s_][u] = rd
+    eval_chunking = exact_chunking if options.dependencies == "cached" else chunking
+    graph_chunking = eval_chunking  # what a chunk's graph slice holds (a cached read still has its edges)
+    reads_eval = stage_reads(staged_eval, labels_eval, eval_chunking, sources_eval)
     dims = _dims(staged)
     dims_eval = _dims(staged_eval)
     needs = requires_grad_values(staged.tp)
     # list-schedule with the tasks' per-chunk times
     cost = {Task(b, s, k): times[s] / K / 2 for s in times for k in range(K) for b in (False, True)}
-    train_progs, order = emit_programs(staged, place, chunking, reads, dims, needs, training=True, cost=cost)
-    eval_progs, _ = emit_programs(staged_eval, place, chunking, reads_eval, dims_eval, set(), training=False)
+    train_progs, order = emit_programs(staged, place, chunking, reads, dims, needs, training=True, cost=cost,
+                                       stale=stale_reads)
+    eval_progs, _ = emit_programs(staged_eval, place, eval_chunking, reads_eval, dims_eval, set(), training=False)
 
     # parameters: on the ranks of the task using them; all-reduced inside hybrid groups
     names = [n for n, _ in model.named_parameters()]
@@ -393,7 +416,7 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
                 edges = sum(int(chunk_edge_ids(graph, chunking, k).numel()) for k in mine)
             elif is_p:
                 edges = round(stats.num_edges * rows / max(stats.num_nodes, 1))
-            stages = tuple(replace(with_reads(s, reads.get(s.index, {}), g.name),
+            stages = tuple(replace(with_reads(s, reads.get(s.index, {}), g.name, stale_reads.get(s.index)),
                                    runs=tuple(mine) if len(g.members) > 1 else ()) for s in staged.stages
                            if place.stage_group[s.index] == gi)
             reads_x = any(u == "x" or u.startswith("x@") for st in stages for u in st.inputs)
@@ -432,7 +455,7 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
                         "bytes_received": [int(round(b)) for b in report.bytes_recv]}
     if concrete:
         plan.program = _rank_programs(graph, tp, tp_eval, staged, staged_eval, reads, reads_eval, eval_progs, ranks,
-                                      place, chunking, dropout_inputs, options, names, params, local, owner,
+                                      place, graph_chunking, dropout_inputs, options, names, params, local, owner,
                                       out_group, infos)
     return plan
 
@@ -566,7 +589,8 @@ def _rank_programs(graph: Graph, tp: TPGraph, tp_eval: TPGraph, staged: StagedMo
             stages=dp.stages, eval_stages=eval_stages, same_seed=options.dropout == "replicated", halo=((), ()),
             counts=counts, params=params, param_names=names, groups=groups_list,
             param_rank=owner.get(names[0], 0) if names else 0, param_owner=dict(owner),
-            local_params=tuple(local[gi]), dropout_draws=draws, inputs={}, chunk_inputs=chunk_inputs,
+            local_params=tuple(local[gi]), dropout_draws=draws,
+            chunk_rows=tuple(chunking.size(k) for k in range(K)), inputs={}, chunk_inputs=chunk_inputs,
             chunk_offsets=offsets,
             labels=labels, masks=masks, owned=owned))
     return programs

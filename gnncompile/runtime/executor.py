@@ -153,6 +153,8 @@ class _Rank:
         # received values whose gradient this rank sends back: they must require grad
         self.grad_sent = {(i.value, i.chunk) for i in prog.instructions if isinstance(i, Send) and i.grad}
         self.offsets = tuple(prog.chunk_offsets)
+        #: stale reads (relaxed dependencies): the previous step's copy of (value, chunk)
+        self.stale: dict[tuple[str, int], torch.Tensor] = {}
 
     def _group(self, members: tuple[int, ...]) -> Any:
         if len(members) == self.ctx.world_size:
@@ -277,7 +279,7 @@ class _Rank:
         masks = MaskCache() if (chunked or prog.dropout_draws) and optimizer is not None else None
         # cross-chunk reads: one concatenation (and one gradient leaf) per (value, chunks read) and
         # step, shared by the chunks that read the same chunks
-        concat: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        concat: dict[tuple[str, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
         if masks is not None and prog.dropout_draws:  # every mask of the step, in single-device order
             like = prog.params[0] if prog.params else torch.empty(0)
             for stage, ordinal, shape, dtype, p in prog.dropout_draws:
@@ -317,20 +319,33 @@ class _Rank:
                 args = []
                 for name in st.inputs:
                     read = st.chunks_read(name, ins.chunk) if st.reads else (ins.chunk,)
-                    parts = [get(name, k) for k in read]
+                    old = st.chunks_stale(name, ins.chunk) if st.stale else ()
+                    if old:  # relaxed: chunks not computed yet this step come from the previous step
+                        fresh = {k: get(name, k) for k in read}
+                        like = next(iter(fresh.values()))
+                        for k, t in fresh.items():
+                            self.stale[name, k] = t.detach()
+                        read = tuple(sorted(set(read) | set(old)))
+                        parts = [fresh[k] if k in fresh else self.stale.get(
+                            (name, k), like.new_zeros((prog.chunk_rows[k],) + tuple(like.shape[1:]))) for k in read]
+                        stale_here = set(old)
+                    else:
+                        parts = [get(name, k) for k in read]
+                        stale_here = set()
                     track = any(isinstance(p, torch.Tensor) and p.requires_grad for p in parts)
-                    if len(parts) > 1 and (name, read) in concat:
-                        v = concat[name, read]
+                    key = (name, read, tuple(sorted(stale_here)))
+                    if len(parts) > 1 and key in concat:
+                        v = concat[key]
                     else:
                         v = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts])
                         if isinstance(v, torch.Tensor) and v.is_floating_point() and v.layout == torch.strided \
                                 and track and optimizer is not None:
                             v = v.detach().requires_grad_(True)
                         if len(parts) > 1:
-                            concat[name, read] = v
+                            concat[key] = v
                     if track and optimizer is not None and isinstance(v, torch.Tensor) and v.requires_grad \
                             and v.is_leaf:
-                        leaves[name] = (v, read, [p.shape[0] for p in parts])
+                        leaves[name] = (v, read, [p.shape[0] for p in parts], stale_here)
                     args.append(v)
                 if masks is not None:
                     with masks.stage(ins.stage):
@@ -358,7 +373,7 @@ class _Rank:
                         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
                 elif pairs:
                     torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-                for name, (leaf, read, rows) in leaves.items():
+                for name, (leaf, read, rows, stale_here) in leaves.items():
                     if leaf.grad is None:
                         continue
                     g_leaf, leaf.grad = leaf.grad, None  # a shared leaf collects the next chunk's gradient
@@ -366,6 +381,8 @@ class _Rank:
                         _accumulate(grads, (name, read[0]), g_leaf)
                     else:
                         for k, g in zip(read, torch.split(g_leaf, rows)):
+                            if k in stale_here:  # a previous step's copy: no gradient goes back
+                                continue
                             # a view would keep the whole concatenated gradient alive
                             _accumulate(grads, (name, k), g if (name, k) in grads else g.clone())
             elif isinstance(ins, OptimizerStep):
@@ -397,6 +414,11 @@ class _Rank:
                 timeline.append(TimelineEvent(epoch, str(ins), t0 - t_origin, time.perf_counter() - t_origin))
         for work, _ in pending:
             work.wait()
+        for st in stages:  # keep this step's copies of the stale-read chunks for the next step
+            for name, per_chunk in st.stale:
+                for k in {k for ks in per_chunk for k in ks}:
+                    if (name, k) in values or (name, k) in pieces:
+                        self.stale[name, k] = get(name, k).detach()
         if capture is not None and logits:
             capture["logits"] = torch.cat([logits[c] for c in sorted(logits)]).cpu().clone()
         total = None
