@@ -23,6 +23,18 @@ def labelled(g: gc.Graph, num_classes: int = 3, seed: int = 0, num_features: int
                      test_mask=~train, num_classes=num_classes)
 
 
+def sbm_graph(num_nodes: int) -> gc.Graph:
+    """The strategies' fixed test graph: a 3-class SBM with 6 float64 features (seed 1)."""
+    g = gc.datasets.synthetic("sbm", num_nodes=num_nodes, avg_degree=5, num_features=6, num_classes=3, seed=1)
+    return g.replace(x=g.x.to(DT))
+
+
+def seeded_model(make: Callable[[int, int], torch.nn.Module], g: gc.Graph) -> torch.nn.Module:
+    """``make(features, classes)`` with weights drawn from seed 0, in float64."""
+    torch.manual_seed(0)
+    return make(g.num_features, g.num_classes).to(DT)
+
+
 @st.composite
 def small_graphs(draw: Callable[..., Any]) -> gc.Graph:
     """4-14 vertices plus 0-2 isolated ones; self loops, parallel and one-directional edges."""

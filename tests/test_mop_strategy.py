@@ -21,7 +21,7 @@ from gnncompile import PlanningError
 from gnncompile.ir.plan import Backward, Forward, Recv, Send
 from gnncompile.passes.chunked import Task, chunk_bounds, chunk_reads, list_schedule
 from gnncompile.testing import check_plan
-from graph_strategies import DT, labelled, small_graphs
+from graph_strategies import DT, labelled, sbm_graph, seeded_model, small_graphs
 
 MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {
     "gcn": lambda f, c: gc.nn.GCN(f, 5, c, num_layers=2, dropout=0.0),
@@ -35,14 +35,12 @@ MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {
 
 
 def model_for(name: str, g: gc.Graph) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return MODELS[name](g.num_features, g.num_classes).to(DT)
+    return seeded_model(MODELS[name], g)
 
 
 @pytest.fixture(scope="module")
 def sbm() -> gc.Graph:
-    g = gc.datasets.synthetic("sbm", num_nodes=90, avg_degree=5, num_features=6, num_classes=3, seed=1)
-    return g.replace(x=g.x.to(DT))
+    return sbm_graph(90)
 
 
 def ring(n: int, num_features: int = 4, num_classes: int = 3, shuffle: bool = True) -> gc.Graph:

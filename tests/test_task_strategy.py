@@ -21,7 +21,7 @@ from gnncompile.cost_models.formulas import task_gpu_split
 from gnncompile.ir.plan import Forward, Recv, Send
 from gnncompile.passes.task import _runs, _spread, place_tasks
 from gnncompile.testing import check_plan
-from graph_strategies import DT, small_graphs
+from graph_strategies import DT, sbm_graph, seeded_model, small_graphs
 
 MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {
     "gcn": lambda f, c: gc.nn.GCN(f, 5, c, num_layers=2, dropout=0.5),
@@ -33,14 +33,12 @@ MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {
 
 
 def model_for(name: str, g: gc.Graph) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return MODELS[name](g.num_features, g.num_classes).to(DT)
+    return seeded_model(MODELS[name], g)
 
 
 @pytest.fixture(scope="module")
 def sbm() -> gc.Graph:
-    g = gc.datasets.synthetic("sbm", num_nodes=90, avg_degree=5, num_features=6, num_classes=3, seed=1)
-    return g.replace(x=g.x.to(DT))
+    return sbm_graph(90)
 
 
 # --------------------------------------------------------------------------- exactness

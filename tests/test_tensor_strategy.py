@@ -25,7 +25,7 @@ from gnncompile.runtime.comm import Communicator, all_gather_rows, cols_to_rows,
     rows_to_cols
 from gnncompile.runtime.launcher import RankContext, launch
 from gnncompile.testing import check_plan
-from graph_strategies import DT, labelled, small_graphs
+from graph_strategies import DT, labelled, sbm_graph, seeded_model, small_graphs
 
 
 def _attention_dropout(model: torch.nn.Module, p: float) -> torch.nn.Module:
@@ -53,14 +53,12 @@ MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {
 
 
 def model_for(name: str, g: gc.Graph) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return MODELS[name](g.num_features, g.num_classes).to(DT)
+    return seeded_model(MODELS[name], g)
 
 
 @pytest.fixture(scope="module")
 def sbm() -> gc.Graph:
-    g = gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=5, num_features=6, num_classes=3, seed=1)
-    return g.replace(x=g.x.to(DT))
+    return sbm_graph(120)
 
 
 # --------------------------------------------------------------------------- exactness

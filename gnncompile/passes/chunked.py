@@ -36,7 +36,6 @@ parallelism; rows -> rows between whole-chunk groups moves each row once.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
@@ -290,15 +289,9 @@ class Placement:
                 raise PlanningError(f"group {g.name!r} shares ranks {sorted(seen & set(g.members))} with another group")
             seen |= set(g.members)
 
-    def group(self, stage: int) -> Group:
-        return self.groups[self.stage_group[stage]]
-
     @property
     def ranks(self) -> tuple[int, ...]:
         return tuple(sorted(r for g in self.groups for r in g.members))
-
-    def group_of_rank(self, rank: int) -> Group:
-        return next(g for g in self.groups if rank in g.members)
 
     def resource(self, t: Task) -> Any:
         """What task ``t`` occupies: its group, or the member of a ``chunks`` group running its chunk."""
@@ -617,17 +610,3 @@ def with_reads(stage: StageSpec, reads: dict[str, tuple[tuple[int, ...], ...]], 
 
     return replace(stage, reads=tuple(sorted(reads.items())), group=group,
                    stale=tuple(sorted((stale or {}).items())))
-
-
-def elsize(dtype: str) -> int:
-    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-
-
-def message_bytes(progs: dict[int, list[Instruction]]) -> dict[int, tuple[int, int]]:
-    """Bytes sent and received per rank by the messages of ``progs``."""
-    out = {}
-    for r, prog in progs.items():
-        sent = sum(math.prod(i.shape) * elsize(i.dtype) for i in prog if isinstance(i, Send))
-        recv = sum(math.prod(i.shape) * elsize(i.dtype) for i in prog if isinstance(i, Recv))
-        out[r] = (sent, recv)
-    return out

@@ -50,8 +50,8 @@ from .recompute import insert_recomputation
 from .lower import Conversion, Decisions, StagedModel, call_arguments, forward_schedule, sequential_schedule, \
     source_input, split_stages
 
-__all__ = ["DataOptions", "DROPOUT_MODES", "check_options", "data_decisions", "row_mixing_ops", "replicate_dropout_masks",
-           "lower_data", "halo_bytes"]
+__all__ = ["DataOptions", "DROPOUT_MODES", "check_options", "data_decisions", "row_mixing_ops", "row_mixing_relaxations",
+           "replicate_dropout_masks", "lower_data", "halo_bytes"]
 
 DROPOUT_MODES = ("replicated", "local")
 
@@ -192,6 +192,23 @@ def data_decisions(tp: TPGraph) -> Decisions:
     return Decisions(needs=needs)
 
 
+def row_mixing_relaxations(tp: TPGraph, strategy: str, semantics: str, each: str = "rank",
+                           unit: str = "rank") -> list[str]:
+    """The relaxation a strategy records for row-mixing T ops (``[]`` when there are none).
+
+    Under ``semantics="exact"`` raises :class:`PlanningError` naming the ops: each ``each`` (a
+    rank, a chunk...) would normalize with its own rows' statistics (``per-{unit} statistics``).
+    """
+    mixing = row_mixing_ops(tp)
+    if not mixing:
+        return []
+    if semantics == "exact":
+        what = "; ".join(f"{op}: {why}" for op, why in mixing)
+        raise PlanningError(f"strategy {strategy!r} is not exact for this model: {what}. Each {each} would use its "
+                            f"own rows only; pass semantics='relaxed' to accept per-{unit} statistics")
+    return [f"per-{unit} statistics ({', '.join(op for op, _ in mixing)})"]
+
+
 def row_mixing_ops(tp: TPGraph) -> list[tuple[str, str]]:
     """T ops whose output rows depend on other rows of a V-space input: ``(op, why)`` pairs."""
     found = []
@@ -286,14 +303,8 @@ def lower_data(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
     partition: it can be printed, verified and simulated, not run.
     """
     relaxations: list[str] = []
-    mixing = row_mixing_ops(tp)
-    if mixing:
-        what = "; ".join(f"{op}: {why}" for op, why in mixing)
-        if options.semantics == "exact" and num_ranks > 1:
-            raise PlanningError(f"strategy 'data' is not exact for this model: {what}. Each rank would use its own "
-                                "rows only; pass semantics='relaxed' to accept per-rank statistics")
-        if num_ranks > 1:
-            relaxations.append(f"per-rank statistics ({', '.join(op for op, _ in mixing)})")
+    if num_ranks > 1:
+        relaxations += row_mixing_relaxations(tp, "data", options.semantics)
     norms = _propagation_norms(tp) | _propagation_norms(tp_eval)
     concrete = isinstance(graph, Graph)
 

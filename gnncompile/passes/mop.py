@@ -46,13 +46,14 @@ from ..errors import PlanningError
 from ..graph.core import Graph, GraphStats
 from ..graph.reorder import bandwidth, permute, rcm_order
 from ..graph.shard import slice_rows
-from ..ir.plan import AllReduce, DevicePlan, OptimizerStep, Plan, RankProgram, Recv, Send, converted_name
+from ..ir.plan import AllReduce, DevicePlan, OptimizerStep, Plan, RankProgram, converted_name
 from ..ir.tpgraph import TPGraph
 from .chunked import Chunking, Group, Placement, chunk_bounds, chunk_graph, chunk_reads, emit_programs, \
     stage_groups, stage_reads, with_reads
-from .data import _dropout_index, _propagation_norms, check_options, replicate_dropout_masks, row_mixing_ops
+from .data import _dropout_index, _propagation_norms, check_options, replicate_dropout_masks, \
+    row_mixing_relaxations
 from .lower import StagedModel, requires_grad_values, source_input, split_stages
-from .tensor import _Block, tensor_decisions
+from .tensor import _Block, _dims, tensor_decisions
 
 __all__ = ["MopOptions", "lower_mop", "REORDERINGS"]
 
@@ -170,25 +171,11 @@ def _chunking(graph: Union[Graph, GraphStats], options: MopOptions) -> tuple[Chu
     return Chunking(bounds, chunk_reads(ordered, bounds), order), ordered, info
 
 
-def _value_dims(tp: TPGraph, value: str) -> tuple[tuple[int, ...], str]:
-    """The per-vertex shape of ``value`` and its dtype."""
-    node = next(n for n in tp.graph.nodes if n.name == value)
-    t = node.meta["tp"]
-    return tuple(t.dims), t.dtype or "float32"
-
-
 def lower_mop(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Union[Graph, GraphStats],
               num_ranks: int, options: MopOptions) -> Plan:
     """Lower ``tp`` / ``tp_eval`` to a ``mop`` plan over ``num_ranks`` ranks (module docstring)."""
     two = _groups(num_ranks, options)
-    relaxations: list[str] = []
-    mixing = row_mixing_ops(tp)
-    if mixing:
-        what = "; ".join(f"{op}: {why}" for op, why in mixing)
-        if options.semantics == "exact":
-            raise PlanningError(f"strategy 'mop' is not exact for this model: {what}. Each dense rank and chunk would "
-                                "use its own rows only; pass semantics='relaxed' to accept per-chunk statistics")
-        relaxations.append(f"per-chunk statistics ({', '.join(op for op, _ in mixing)})")
+    relaxations = row_mixing_relaxations(tp, "mop", options.semantics, each="dense rank and chunk", unit="chunk")
     concrete = isinstance(graph, Graph)
     stats = graph.stats() if concrete else graph
     dropout_inputs: dict[str, str] = {}
@@ -214,8 +201,8 @@ def lower_mop(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Unio
     K = chunking.num_chunks
     reads = stage_reads(staged, groups, chunking, sources)
     reads_eval = stage_reads(staged_eval, groups_eval, chunking, sources_eval)
-    dims = {c.value: _value_dims(staged.tp, c.value) for c in staged.conversions}
-    dims_eval = {c.value: _value_dims(staged_eval.tp, c.value) for c in staged_eval.conversions}
+    dims = {c.value: _dims(staged.tp, c.value) for c in staged.conversions}
+    dims_eval = {c.value: _dims(staged_eval.tp, c.value) for c in staged_eval.conversions}
     for v, (d, _) in {**dims, **dims_eval}.items():
         if len(d) != 1:
             raise PlanningError(f"strategy 'mop': value {v!r} has per-vertex shape {d}; only [V, D] values are "
@@ -321,10 +308,3 @@ def _rank_programs(graph: Graph, ordered: Graph, tp: TPGraph, tp_eval: TPGraph, 
             inputs={}, chunk_inputs=chunk_inputs, chunk_offsets=tuple(offsets),
             labels=graph.y[owned] if graph.y is not None else None, masks=mask, owned=owned))
     return programs
-
-
-def mop_message_counts(plan: Plan) -> dict[str, int]:
-    """Messages per step of a ``mop`` plan by direction (for printing and tests)."""
-    sends = sum(1 for dp in plan.ranks for i in dp.instructions if isinstance(i, Send))
-    recvs = sum(1 for dp in plan.ranks for i in dp.instructions if isinstance(i, Recv))
-    return {"sends": sends, "recvs": recvs}

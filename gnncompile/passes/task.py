@@ -58,7 +58,8 @@ from ..ir.plan import AllReduce, DevicePlan, OptimizerStep, Plan, RankProgram
 from ..ir.tpgraph import TPGraph
 from .chunked import Chunking, Group, Placement, Task, chunk_bounds, chunk_edge_ids, chunk_graph, chunk_reads, \
     emit_programs, stage_groups, stage_reads, with_reads
-from .data import _dropout_index, _propagation_norms, check_options, replicate_dropout_masks, row_mixing_ops
+from .data import _dropout_index, _propagation_norms, check_options, replicate_dropout_masks, \
+    row_mixing_relaxations
 from ..frontend.ops import dropout_rows
 from .lower import Decisions, StagedModel, call_arguments, requires_grad_values, source_input, \
     split_stages
@@ -289,20 +290,13 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
 
     ``device``: the device whose cost model sets Eq. 7's split (default: an A100; the planner
     passes the cluster's)."""
-    relaxations: list[str] = []
-    mixing = row_mixing_ops(tp)
-    if mixing:
-        what = "; ".join(f"{op}: {why}" for op, why in mixing)
-        if options.semantics == "exact":
-            raise PlanningError(f"strategy 'task' is not exact for this model: {what}. Each chunk would use its own "
-                                "rows only; pass semantics='relaxed' to accept per-chunk statistics")
-        relaxations.append(f"per-chunk statistics ({', '.join(op for op, _ in mixing)})")
+    relaxations = row_mixing_relaxations(tp, "task", options.semantics, each="chunk", unit="chunk")
     if options.decouple:
         from .tensor import _decoupled
 
-        tp, tp_eval, relaxation = _decoupled(tp, tp_eval, options.semantics)
+        tp, tp_eval, relaxation = _decoupled(tp, tp_eval, options.semantics, "task", "NeutronTask §5.1")
         if relaxation:
-            relaxations.append(relaxation.replace("NeutronTP §4.1", "NeutronTask §5.1"))
+            relaxations.append(relaxation)
     concrete = isinstance(graph, Graph)
     stats = graph.stats() if concrete else graph
     dropout_inputs: dict[str, str] = {}

@@ -72,7 +72,6 @@ graph's structure. Every all-gather (and its backward reduce-scatter) moves
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -85,7 +84,7 @@ from ..graph.shard import slice_rows
 from ..frontend.ops import dropout_rows, masked_propagate, propagate
 from ..ir.plan import AllGather, AllReduce, AllToAll, DevicePlan, Instruction, OptimizerStep, Plan, RankProgram
 from ..ir.tpgraph import TPGraph, TPInfo
-from .data import _dropout_index, check_options, replicate_dropout_masks, row_mixing_ops
+from .data import _dropout_index, check_options, replicate_dropout_masks, row_mixing_relaxations
 from .lower import Conversion, Decisions, StagedModel, call_arguments, forward_schedule, sequential_schedule, \
     source_input, split_stages
 from .decouple import decouple, plan_decoupling
@@ -205,8 +204,10 @@ def tensor_decisions(tp: TPGraph) -> Decisions:
     return Decisions(layout=layout, needs=needs, default_layout="rows", output_layout="rows")
 
 
-def _decoupled(tp: TPGraph, tp_eval: TPGraph, semantics: str) -> tuple[TPGraph, TPGraph, str]:
-    """``tp`` and ``tp_eval`` decoupled, and the relaxation to record ("" when exact).
+def _decoupled(tp: TPGraph, tp_eval: TPGraph, semantics: str, strategy: str = "tensor",
+               source: str = "NeutronTP §4.1") -> tuple[TPGraph, TPGraph, str]:
+    """``tp`` and ``tp_eval`` decoupled for ``strategy``, and the relaxation to record ("" when
+    exact; ``source`` names the paper's section).
 
     Raises :class:`PlanningError` under ``semantics="exact"`` when decoupling changes the model.
     """
@@ -218,16 +219,10 @@ def _decoupled(tp: TPGraph, tp_eval: TPGraph, semantics: str) -> tuple[TPGraph, 
         out = (decouple(tp, semantics="relaxed", share_parameters=True),
                decouple(tp_eval, semantics="relaxed", share_parameters=True))
     except PassError as e:
-        raise PlanningError(f"strategy 'tensor' cannot decouple this model: {e}") from None
-    what = "" if plan.exact else (f"decoupled propagation (NeutronTP §4.1): the model becomes MLP then "
+        raise PlanningError(f"strategy {strategy!r} cannot decouple this model: {e}") from None
+    what = "" if plan.exact else (f"decoupled propagation ({source}): the model becomes MLP then "
                                   f"{len(plan.propagations)} propagations")
     return out[0], out[1], what
-
-
-def _width(tp: TPGraph, value: str) -> tuple[int, str]:
-    node = next(n for n in tp.graph.nodes if n.name == value)
-    t = node.meta["tp"]
-    return math.prod(t.dims), t.dtype or "float32"
 
 
 def _dims(tp: TPGraph, value: str) -> tuple[tuple[int, ...], str]:
@@ -243,14 +238,7 @@ def lower_tensor(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: U
 
     With :class:`GraphStats` the plan is data only (printable, simulated), as for ``data``.
     """
-    relaxations: list[str] = []
-    mixing = row_mixing_ops(tp)
-    if mixing and num_ranks > 1:
-        what = "; ".join(f"{op}: {why}" for op, why in mixing)
-        if options.semantics == "exact":
-            raise PlanningError(f"strategy 'tensor' is not exact for this model: {what}. Each rank would use its own "
-                                "rows only; pass semantics='relaxed' to accept per-rank statistics")
-        relaxations.append(f"per-rank statistics ({', '.join(op for op, _ in mixing)})")
+    relaxations = row_mixing_relaxations(tp, "tensor", options.semantics) if num_ranks > 1 else []
     if options.decouple:
         tp, tp_eval, relaxation = _decoupled(tp, tp_eval, options.semantics)
         if relaxation:

@@ -313,40 +313,28 @@ def cols_to_rows(h: torch.Tensor, comm: Communicator, row_counts: Sequence[int],
     return _Relayout.apply(h, comm, tuple(row_counts), tuple(col_splits), False)
 
 
-class _AllGatherRows(torch.autograd.Function):
-    """rows -> replicated (all-gather); the backward is the sum-reduce-scatter of the gradient."""
+class _GatherScatterRows(torch.autograd.Function):
+    """All-gather of rows (``gather``) or sum-reduce-scatter; each one's backward is the other of the
+    gradient."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, comm: Communicator, row_counts: tuple) -> torch.Tensor:
-        ctx.args = (comm, row_counts)
-        return comm.all_gather_rows(h, row_counts)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        comm, row_counts = ctx.args
-        return comm.reduce_scatter_rows(grad.contiguous(), row_counts), None, None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    """Sum-reduce-scatter; the backward is the all-gather of the gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, comm: Communicator, row_counts: tuple) -> torch.Tensor:
-        ctx.args = (comm, row_counts)
-        return comm.reduce_scatter_rows(t, row_counts)
+    def forward(ctx: Any, h: torch.Tensor, comm: Communicator, row_counts: tuple, gather: bool) -> torch.Tensor:
+        ctx.args = (comm, row_counts, gather)
+        return comm.all_gather_rows(h, row_counts) if gather else comm.reduce_scatter_rows(h, row_counts)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        comm, row_counts = ctx.args
-        return comm.all_gather_rows(grad.contiguous(), row_counts), None, None
+        comm, row_counts, gather = ctx.args
+        back = comm.reduce_scatter_rows if gather else comm.all_gather_rows
+        return back(grad.contiguous(), row_counts), None, None, None
 
 
 def all_gather_rows(h: torch.Tensor, comm: Communicator, row_counts: Sequence[int]) -> torch.Tensor:
     """Differentiable all-gather ``rows -> replicated`` (its backward reduce-scatters the gradient: every
     rank's gradient of the gathered tensor is a partial sum, and rank ``r`` keeps its rows of the total)."""
-    return _AllGatherRows.apply(h, comm, tuple(row_counts))
+    return _GatherScatterRows.apply(h, comm, tuple(row_counts), True)
 
 
 def reduce_scatter_rows(t: torch.Tensor, comm: Communicator, row_counts: Sequence[int]) -> torch.Tensor:
     """Differentiable sum-reduce-scatter (its backward all-gathers the gradient)."""
-    return _ReduceScatterRows.apply(t, comm, tuple(row_counts))
+    return _GatherScatterRows.apply(t, comm, tuple(row_counts), False)
