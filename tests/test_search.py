@@ -124,6 +124,9 @@ def test_candidates_keep_fixed_options():
     # task-decoupled training only where relaxations are allowed
     assert [c.options for c in cands if c.strategy == "task"] == [
         {"seed": 3, "recompute": rc, "decouple": False, "semantics": "exact"} for rc in (False, True)]
+    # tensor: whole-graph all-to-alls with and without recomputation, and NeutronTP's chunk pipeline
+    assert sorted((c.options["chunks"], c.options["recompute"]) for c in cands if c.strategy == "tensor") == [
+        (1, False), (1, True), (8, False)]
     # mop: the naive MoA workflow and an RCM-ordered fine-grain pipeline
     assert {(c.options["chunks"], c.options["reorder"]) for c in cands if c.strategy == "mop"} == {(1, "none"),
                                                                                                 (8, "rcm")}
@@ -135,7 +138,7 @@ def test_search_ranks_by_predicted_time(sbm):
     res = search(gcn(sbm), sbm, Cluster.parse("4xA5000"))
     times = [e.step_time for e in res.ranked]
     assert times == sorted(times)
-    assert len(res.ranked) + len(res.rejected) == len(candidates(Cluster.parse("4xA5000"), fixed={})) == 10
+    assert len(res.ranked) + len(res.rejected) == len(candidates(Cluster.parse("4xA5000"), fixed={})) == 11  # data 4, tensor 3, mop 2, task 2
 
 
 def test_fewer_devices_when_allowed(sbm):

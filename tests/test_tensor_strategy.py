@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import gnncompile as gc
 from gnncompile import PlanningError, ops
 from gnncompile.cost_models import formulas
-from gnncompile.ir.plan import AllGather, AllToAll
+from gnncompile.ir.plan import AllGather, AllToAll, Forward
 from gnncompile.passes.tensor import column_splits, row_blocks
 from gnncompile.runtime.comm import Communicator, all_gather_rows, cols_to_rows, offsets, reduce_scatter_rows, \
     rows_to_cols
@@ -317,3 +317,117 @@ def test_decoupling_a_nonlinear_model_is_refused_under_exact(sbm: gc.Graph) -> N
     # the planner never proposes it under exact semantics
     p = gc.plan(gc.nn.GCN(6, 5, 3).to(DT), sbm, "2xA5000")
     assert all(not e.candidate.options.get("decouple") for e in p.search.ranked + p.search.rejected)
+
+
+# --------------------------------------------------------------------------- chunked (NeutronTP §4.2)
+CHUNKED_MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {
+    **{k: MODELS[k] for k in ("gcn", "sage", "gin", "gcnii", "gcn_dropout", "gcnii_dropout")},
+    # chained propagations: each propagation of the chain is a stage of its own reading every chunk
+    "sgc": lambda f, c: gc.nn.SGC(f, c, K=2),
+    "appnp": lambda f, c: gc.nn.APPNP(f, 5, c, K=3, dropout=0.0),
+}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(g=small_graphs(), name=st.sampled_from(sorted(CHUNKED_MODELS)), ranks=st.integers(1, 4),
+       chunks=st.integers(2, 5), recompute=st.booleans())
+def test_chunked_one_step_matches_single_device(g: gc.Graph, name: str, ranks: int, chunks: int,
+                                                recompute: bool) -> None:
+    """Chunk-level all-to-alls, every rank owning a slice of every chunk (empty slices included)."""
+    chunks = min(chunks, g.num_nodes)
+    check_plan(seeded_model(CHUNKED_MODELS[name], g), g, ranks, strategy="tensor", chunks=chunks, recompute=recompute,
+               rtol=1e-9, atol=1e-11, timeout=60)
+
+
+@pytest.mark.parametrize("name", sorted(CHUNKED_MODELS))
+def test_chunked_every_model_on_three_ranks(sbm: gc.Graph, name: str) -> None:
+    check_plan(seeded_model(CHUNKED_MODELS[name], sbm), sbm, 3, strategy="tensor", chunks=4, rtol=1e-9, atol=1e-11,
+               timeout=60)
+
+
+@pytest.mark.parametrize("chunks", [2, 4, 7])
+def test_chunked_moves_the_unchunked_bytes(chunks: int) -> None:
+    """§4.2.2 deduplication: a chunk's slices cross once however many chunks read them, so the step
+    moves NeutronTP's closed form, what the whole-graph all-to-alls move; measured bytes equal the
+    plan's."""
+    g = labelled(gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=5, num_features=6, num_classes=8, seed=2),
+                 num_classes=8, num_features=6)
+    torch.manual_seed(0)
+    model = gc.nn.GCN(6, 8, 8, num_layers=2, dropout=0.0).to(DT)
+    for n in (2, 4):
+        whole = gc.plan(model, g, n, strategy="tensor", chunks=1)
+        cut = gc.plan(model, g, n, strategy="tensor", chunks=chunks)
+        ring = 2 * (n - 1) * cut.info["params"] * 8 // n
+        conversions = sum(cut.predictions["bytes_sent"]) - n * ring
+        assert conversions == formulas.comm_tensor(120, 8, 2, num_workers=n, elsize=8)
+        assert sum(cut.predictions["bytes_sent"]) == sum(whole.predictions["bytes_sent"])
+        a2a = [i for i in cut.ranks[0].instructions if isinstance(i, AllToAll)]
+        # 2 layers x (split + gather) x forward/backward, one per chunk
+        assert len(a2a) == 8 * chunks and sorted({i.chunk for i in a2a}) == list(range(chunks))
+    res = cut.run(epochs=1, timeout=60)
+    assert [r.bytes_sent for r in res.ranks] == cut.predictions["bytes_sent"]
+    assert [r.bytes_received for r in res.ranks] == cut.predictions["bytes_received"]
+
+
+def test_chunked_schedule_waits_for_read_chunks_and_overlaps() -> None:
+    """On a path the propagation of chunk j reads chunks j-1..j+1 only: it starts as soon as their
+    splits are posted, and each chunk's all-to-all is followed by another chunk's task before its
+    first reader (the collective runs while that task computes)."""
+    n = 60
+    src = torch.arange(n - 1)
+    ei = torch.cat([torch.stack([src, src + 1]), torch.stack([src + 1, src])], dim=1)
+    g = labelled(gc.Graph.from_edge_index(ei, num_nodes=n), num_features=6)
+    p = gc.plan(model_for("gcn", g), g, 2, strategy="tensor", chunks=6)
+    prog = [str(i) for i in p.ranks[0].instructions]
+    split = {k: prog.index(f"A2A convs_0_lin c{k} rows->cols") for k in range(6)}
+    agg = {k: prog.index(f"F1c{k}") for k in range(6)}
+    for j in range(6):
+        assert all(split[k] < agg[j] for k in range(max(j - 1, 0), min(j + 1, 5) + 1))
+    assert agg[0] < split[3]  # chunk 0 is aggregated before chunk 3's split: a pipeline, not two phases
+    stage_of = {o: s.index for s in p.ranks[0].stages for o in s.inputs}
+    forward = [i for i in p.ranks[0].instructions if not getattr(i, "grad", False)]
+    for a, nxt in zip(forward, forward[1:]):
+        if isinstance(a, AllToAll) and isinstance(nxt, Forward) and a.chunk < 5:
+            assert not (stage_of.get(a.output) == nxt.stage and nxt.chunk == a.chunk), f"{a} then {nxt}"
+    assert p.info["pipeline_lag"] == 1
+
+
+def test_chunked_decoupled_equals_the_decoupled_model_on_one_rank(sbm: gc.Graph) -> None:
+    """NeutronTP Algorithm 1 (decoupled + chunked) trains what the decoupled model trains on one rank."""
+    results = []
+    for n, chunks in ((1, 1), (3, 4)):
+        torch.manual_seed(0)
+        model = gc.nn.GCN(6, 5, 3, num_layers=3, dropout=0.5).to(DT)
+        p = gc.plan(model, sbm, n, strategy="tensor", decouple=True, semantics="relaxed", chunks=chunks)
+        results.append(p.run(epochs=1, seed=0, capture=True, update_model=False, timeout=60))
+    one, cut = results
+    torch.testing.assert_close(torch.tensor(cut.history.loss[0]), torch.tensor(one.history.loss[0]),
+                               rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(cut.captured["logits"], one.captured["logits"], rtol=1e-9, atol=1e-11)
+    for name, grad in one.captured["grads"].items():
+        torch.testing.assert_close(cut.captured["grads"][name], grad, rtol=1e-9, atol=1e-11)
+
+
+def test_chunked_refusals(sbm: gc.Graph) -> None:
+    with pytest.raises(PlanningError, match="edge-wise op .* use chunks=1"):
+        gc.plan(model_for("gat", sbm), sbm, 2, strategy="tensor", chunks=2)
+    with pytest.raises(PlanningError, match="chunks must be a positive integer"):
+        from gnncompile.passes.tensor import TensorOptions
+        TensorOptions(chunks=0)
+    with pytest.raises(PlanningError, match="chunks must be in 1..120"):
+        gc.plan(model_for("gcn", sbm), sbm, 2, strategy="tensor", chunks=121)
+
+
+def test_chunked_plan_json_round_trip(sbm: gc.Graph, tmp_path) -> None:
+    p = gc.plan(model_for("gcn", sbm), sbm, 2, strategy="tensor", chunks=3)
+    p.save(tmp_path / "plan.json")
+    q = gc.Plan.load(tmp_path / "plan.json", model_for("gcn", sbm), sbm)
+    assert [dp.instructions for dp in q.ranks] == [dp.instructions for dp in p.ranks]
+    assert q.options["chunks"] == 3
+
+
+def test_chunked_plan_from_statistics() -> None:
+    stats = gc.datasets.stats("ogbn-papers100M")
+    torch.manual_seed(0)
+    p = gc.plan(gc.nn.GCN(128, 128, 172, num_layers=3), stats, "8x8xA100-ib200", strategy="tensor", chunks=4)
+    assert p.program is None and p.prediction.step_time > 0 and p.ranks[0].sizes["chunks"] == 4

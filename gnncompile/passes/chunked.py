@@ -38,7 +38,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -46,10 +46,10 @@ from ..errors import PlanningError
 from ..graph.core import Graph
 from ..graph.shard import LocalGraph
 from ..ir.plan import Backward, Forward, Instruction, Recv, Send, StageSpec
-from .lower import StagedModel
+from .lower import OUTPUT, Conversion, StagedModel
 
 __all__ = ["Chunking", "chunk_bounds", "chunk_reads", "chunk_graph", "Task", "list_schedule", "Group", "Placement",
-           "emit_programs", "stage_groups"]
+           "emit_programs", "stage_groups", "collective_chunk_program"]
 
 
 def chunk_bounds(num_nodes: int, num_chunks: int) -> tuple[int, ...]:
@@ -165,14 +165,17 @@ class Task:
 
 
 def list_schedule(tasks: Iterable[Task], group_of: Any, deps: dict[Task, set[Task]],
-                  cost: dict[Task, float]) -> list[tuple[float, Task]]:
+                  cost: dict[Task, float], delay: Optional[Callable[[Task, Task], float]] = None
+                  ) -> list[tuple[float, Task]]:
     """Start times of ``tasks`` when each resource runs one task at a time (list scheduling).
 
     ``group_of``: stage -> resource (a dict), or a function task -> resource (e.g.
-    :meth:`Placement.resource`). Repeatedly starts the ready task that can start earliest on its
-    resource; ties go to the lower chunk, then the deeper stage for forwards (a chunk goes through
-    before the next enters) and the later stage for backwards. Returns ``(start, task)`` in start
-    order; raises :class:`PlanningError` if the dependencies have a cycle.
+    :meth:`Placement.resource`). ``delay(d, t)``: time between the end of dependency ``d`` and the
+    earliest start of ``t`` (the communication between them; default none). Repeatedly starts the
+    ready task that can start earliest on its resource; ties go to the lower chunk, then the deeper
+    stage for forwards (a chunk goes through before the next enters) and the later stage for
+    backwards. Returns ``(start, task)`` in start order; raises :class:`PlanningError` if the
+    dependencies have a cycle.
     """
     resource = group_of if callable(group_of) else (lambda t: group_of[t.stage])
     tasks = list(tasks)
@@ -209,7 +212,8 @@ def list_schedule(tasks: Iterable[Task], group_of: Any, deps: dict[Task, set[Tas
         for u in users[t]:
             remaining[u] -= 1
             if not remaining[u]:
-                heapq.heappush(ready, (max(end[d] for d in deps[u]), prio(u), u))
+                at = max(end[d] + (delay(d, u) if delay is not None else 0.0) for d in deps[u])
+                heapq.heappush(ready, (at, prio(u), u))
     if len(out) != len(tasks):
         stuck = sorted(t for t in tasks if t not in end)
         raise PlanningError(f"chunk schedule: tasks {', '.join(map(str, stuck[:6]))} depend on each other in a cycle")
@@ -610,3 +614,75 @@ def with_reads(stage: StageSpec, reads: dict[str, tuple[tuple[int, ...], ...]], 
 
     return replace(stage, reads=tuple(sorted(reads.items())), group=group,
                    stale=tuple(sorted((stale or {}).items())))
+
+
+# --------------------------------------------------------------------------- one group, chunk-level collectives
+def collective_chunk_program(staged: StagedModel, chunking: Chunking,
+                             reads: dict[int, dict[str, tuple[tuple[int, ...], ...]]], order: list[tuple[float, Task]],
+                             convert: Callable[[Conversion, int, bool], list[Instruction]],
+                             training: bool) -> list[Instruction]:
+    """The instructions of one step on a rank of a group that runs *every* stage together, chunk by
+    chunk, with each conversion cut into chunk-level collectives (NeutronTP §4.2, Fig. 9c–d).
+
+    ``order``: the global task order (:func:`list_schedule` over one resource); every member runs
+    the same order, so their collectives line up. ``convert(conversion, chunk, grad)``: the rank's
+    collective for one chunk of a conversion (or of its gradient). Placement of the collectives:
+
+    - a conversion of a model input runs for every chunk before anything else;
+    - a conversion of a stage output for chunk ``k`` runs right after ``Forward(stage, k)`` (the
+      split of chunk ``k + 1`` is posted while chunk ``k`` is aggregated, Fig. 9c), once per chunk
+      whatever the number of chunks that read it: a vertex's slice crosses once (§4.2.2's
+      deduplication at chunk granularity);
+    - the gradient of the loss's conversion runs right before the Backward of the stage producing
+      the output; the gradient of any other conversion of chunk ``m`` right after the last Backward
+      that reads chunk ``m`` (all its contributions are in).
+
+    The step ends without the gradient all-reduce and optimizer step (the strategy appends them).
+    """
+    K = chunking.num_chunks
+    conv_out = {c.output: c for c in staged.conversions}
+    by_value: dict[str, list[Conversion]] = {}
+    for c in staged.conversions:
+        by_value.setdefault(c.value, []).append(c)
+    producer = {o: st.index for st in staged.stages for o in st.outputs}
+
+    def read(stage: int, name: str, k: int) -> tuple[int, ...]:
+        rd = reads.get(stage, {}).get(name)
+        return rd[k] if rd is not None else (k,)
+
+    missing: dict[tuple[str, int], int] = {}
+    for st in staged.stages:
+        for u in dict.fromkeys(st.inputs):
+            if u in conv_out and conv_out[u].needs_grad:
+                for k in range(K):
+                    for m in read(st.index, u, k):
+                        missing[u, m] = missing.get((u, m), 0) + 1
+    out: list[Instruction] = []
+    for c in staged.conversions:
+        if c.value not in producer:
+            for m in range(K):
+                out.extend(convert(c, m, False))
+    for _, t in order:
+        st = staged.stages[t.stage]
+        if not t.backward:
+            out.append(Forward(t.stage, t.chunk))
+            for o in st.outputs:
+                for c in by_value.get(o, []):
+                    out.extend(convert(c, t.chunk, False))
+            continue
+        if not training:
+            continue
+        for o in st.outputs:
+            for c in by_value.get(o, []):
+                if c.consumers == (OUTPUT,) and c.needs_grad:
+                    out.extend(convert(c, t.chunk, True))
+        out.append(Backward(t.stage, t.chunk))
+        for u in dict.fromkeys(st.inputs):
+            c = conv_out.get(u)
+            if c is None or not c.needs_grad:
+                continue
+            for m in read(t.stage, u, t.chunk):
+                missing[u, m] -= 1
+                if missing[u, m] == 0:
+                    out.extend(convert(c, m, True))
+    return out

@@ -326,7 +326,7 @@ def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
     output = out_arg.name
     have = decisions.layout_of(output)
     if decisions.output_layout is not None and decisions.output_layout != have:
-        kind = CONVERSIONS.get((have, decisions.output_layout))
+        kind = CONVERSIONS.get((have.split("/")[0], decisions.output_layout))
         if kind is None:
             raise PlanningError(f"the loss needs the output {output!r} in layout {decisions.output_layout!r} but it is "
                                 f"{have!r}, and no conversion {have}->{decisions.output_layout} exists")

@@ -90,14 +90,19 @@ def _data_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: An
 
 
 def _tensor_space(semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
-    unchunked = _unchunked(fixed)
+    chunks = [fixed["chunks"]] if "chunks" in fixed else None
+    unchunked = _unchunked({k: v for k, v in fixed.items() if k != "chunks"})
     if unchunked is None:
         return []
     rest = {k: v for k, v in unchunked.items() if k != "partitioner"}  # whole graph on every rank: no partition
     recompute = [rest.pop("recompute")] if "recompute" in rest else [False, True]
     # decoupling changes non-linear models: a candidate only where relaxations are allowed
     decouple = [rest.pop("decouple")] if "decouple" in rest else ([False, True] if semantics == "relaxed" else [False])
-    return [{**rest, "recompute": rc, "decouple": dc, "semantics": semantics} for rc in recompute for dc in decouple]
+    out = [{**rest, "recompute": rc, "decouple": dc, "semantics": semantics, "chunks": k}
+           for rc in recompute for dc in decouple for k in (chunks or [1])]
+    if chunks is None:  # NeutronTP §4.2's chunk pipeline, without recomputation (its T work is per chunk already)
+        out += [{**rest, "recompute": False, "decouple": dc, "semantics": semantics, "chunks": 8} for dc in decouple]
+    return out
 
 
 def _tensor_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Any, n: int,

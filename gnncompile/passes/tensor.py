@@ -72,7 +72,7 @@ graph's structure. Every all-gather (and its backward reduce-scatter) moves
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 import torch
@@ -82,15 +82,19 @@ from ..errors import PassError, PlanningError
 from ..graph.core import Graph, GraphStats
 from ..graph.shard import slice_rows
 from ..frontend.ops import dropout_rows, masked_propagate, propagate
-from ..ir.plan import AllGather, AllReduce, AllToAll, DevicePlan, Instruction, OptimizerStep, Plan, RankProgram
+from ..ir.plan import AllGather, AllReduce, AllToAll, DevicePlan, Instruction, OptimizerStep, Plan, RankProgram, \
+    converted_name
 from ..ir.tpgraph import TPGraph, TPInfo
-from .data import _dropout_index, check_options, replicate_dropout_masks, row_mixing_relaxations
+from .chunked import Chunking, Group, Task, _stage_deps, chunk_bounds, chunk_graph, chunk_reads, \
+    collective_chunk_program, list_schedule, stage_groups, stage_reads, with_reads
+from .data import _dropout_index, _propagation_norms, check_options, replicate_dropout_masks, \
+    row_mixing_relaxations
 from .lower import Conversion, Decisions, StagedModel, call_arguments, forward_schedule, sequential_schedule, \
     source_input, split_stages
 from .decouple import decouple, plan_decoupling
 from .recompute import insert_recomputation
 
-__all__ = ["TensorOptions", "tensor_decisions", "column_splits", "row_blocks", "lower_tensor"]
+__all__ = ["TensorOptions", "tensor_decisions", "chunked_decisions", "column_splits", "row_blocks", "lower_tensor"]
 
 
 @dataclass(frozen=True)
@@ -107,13 +111,20 @@ class TensorOptions:
     #: conversion, the L propagations on columns, one conversion back: 4 collectives per step
     #: whatever L is. Relaxed unless the model is linear after its first transformation.
     decouple: bool = False
+    #: NeutronTP §4.2 chunk-based task scheduling and inter-chunk pipelining: the vertices are cut
+    #: into ``chunks`` contiguous chunks of destinations, every rank owns a balanced slice of each
+    #: chunk's rows, and every conversion runs as one all-to-all per chunk, posted as soon as the
+    #: chunk is computed. ``1``: one whole-graph all-to-all per conversion (NeutronTP §3)
+    chunks: int = 1
 
     def __post_init__(self) -> None:
         check_options(self.semantics, self.dropout, recompute=self.recompute, decouple=self.decouple)
+        if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
+            raise PlanningError(f"tensor: chunks must be a positive integer, got {self.chunks!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"strategy": "tensor", "seed": self.seed, "semantics": self.semantics, "dropout": self.dropout,
-                "recompute": self.recompute, "decouple": self.decouple}
+                "recompute": self.recompute, "decouple": self.decouple, "chunks": self.chunks}
 
 
 def column_splits(width: int, n: int) -> list[int]:
@@ -244,6 +255,8 @@ def lower_tensor(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: U
         if relaxation:
             relaxations.append(relaxation)
     tensor_decisions(tp)  # refuses what the strategy does not support, before any rewriting
+    if options.chunks > 1:
+        return _lower_chunked(tp, tp_eval, model, graph, num_ranks, options, relaxations)
     concrete = isinstance(graph, Graph)
     stats = graph.stats() if concrete else graph
     n = num_ranks
@@ -364,3 +377,196 @@ def _rank_programs(graph: Graph, staged: StagedModel, staged_eval: StagedModel, 
             labels=graph.y[owned] if graph.y is not None else None, masks=mask, counts=counts,
             params=params, param_names=names, owned=owned))
     return programs
+
+
+# --------------------------------------------------------------------------- chunked (NeutronTP §4.2)
+def chunked_decisions(tp: TPGraph) -> Decisions:
+    """:func:`tensor_decisions` with one layout per stage, for the chunked lowering.
+
+    A propagation reading another propagation's output (chained propagations: decoupled models,
+    SGC, APPNP) starts a stage of its own, labelled ``cols/1``, ``cols/2``... by chain depth, so that
+    its chunk ``j`` reads every chunk of the previous one across the stage boundary. Edge-wise ops
+    are refused: GAT's scores are all-gathered whole (``chunks=1``)."""
+    d = tensor_decisions(tp)
+    layout = dict(d.layout)
+    depth: dict[str, int] = {}
+    for n in tp.graph.nodes:
+        lay = layout.get(n.name)
+        if lay == "replicated":
+            raise PlanningError(f"strategy 'tensor' with chunks > 1 does not support edge-wise op {n.name!r} "
+                                "(attention scores are all-gathered whole); use chunks=1")
+        if lay == "cols":
+            src = source_input(n)
+            k = depth[src.name] + 1 if src is not None and src.name in depth else 0
+            depth[n.name] = k
+            if k:
+                layout[n.name] = f"cols/{k}"
+    return replace(d, layout=layout, pure_stages=True)
+
+
+def _chunk_sources(tp: TPGraph, staged: StagedModel, labels: dict[int, str]) -> dict[int, set[str]]:
+    """Each ``cols`` stage's inputs read on the source side of its propagations (every chunk their
+    in-edges reach)."""
+    nodes = {n.name: n for n in tp.graph.nodes}
+    sources: dict[int, set[str]] = {}
+    for st in staged.stages:
+        if labels[st.index] != "cols":
+            continue
+        for op in st.ops:
+            src = source_input(nodes[op])
+            if src is None:
+                continue
+            conv = converted_name(src.name, "cols")
+            name = conv if conv in st.inputs else src.name
+            if name not in st.inputs:
+                raise PlanningError(f"strategy 'tensor': propagation {op!r} reads {src.name!r} from inside its own "
+                                    "stage; its other chunks would not be computed yet")
+            sources.setdefault(st.index, set()).add(name)
+    return sources
+
+
+def _lower_chunked(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Union[Graph, GraphStats],
+                   num_ranks: int, options: TensorOptions, relaxations: list[str]) -> Plan:
+    """The ``tensor`` plan with ``options.chunks`` chunks (NeutronTP §4.2, Algorithm 1).
+
+    Chunk-based task scheduling (§4.2.1): the vertices are cut into ``K`` contiguous chunks of
+    destinations (:func:`~gnncompile.passes.chunked.chunk_bounds`); every rank owns a balanced
+    slice of every chunk's rows (NeutronTP distributes each chunk's vertex tasks evenly over the
+    workers) and runs every chunk's propagation on its columns. Inter-chunk pipelining (§4.2.2):
+    every conversion is one all-to-all per chunk, posted right after the chunk is computed
+    (:func:`~gnncompile.passes.chunked.collective_chunk_program`); a propagation's chunk ``j``
+    waits for exactly the chunks its in-edges read (exact) and each chunk's slices cross once,
+    however many chunks read them, so a step moves the bytes of the unchunked plan. All ranks run
+    the chunks in the same order (one list schedule), so their collectives line up.
+    """
+    concrete = isinstance(graph, Graph)
+    stats = graph.stats() if concrete else graph
+    n = num_ranks
+    K = options.chunks
+    dropout_inputs: dict[str, str] = {}
+    if concrete and options.dropout == "replicated":
+        tp, dropout_inputs = replicate_dropout_masks(tp, graph)
+        bad = sorted(sp for sp in dropout_inputs.values() if sp not in ("V", "nnz"))
+        if bad:
+            raise PlanningError(f"strategy 'tensor' with chunks > 1: dropout of {bad[0]}-space values is not supported")
+    if options.recompute:
+        tp = insert_recomputation(tp, share_parameters=True)
+
+    def split(t: TPGraph) -> tuple[StagedModel, dict[int, str], dict[int, set[str]]]:
+        d = chunked_decisions(t)
+        st = split_stages(t, d)
+        labels = {s: lab.split("/")[0] for s, lab in stage_groups(st, d.layout_of).items()}
+        return st, labels, _chunk_sources(t, st, labels)
+
+    staged, labels, sources = split(tp)
+    staged_eval, labels_eval, sources_eval = split(tp_eval)
+    if concrete and graph.x is not None and graph.x.layout != torch.strided and \
+            any(c.value == "x" and c.kind == "cols" for c in staged.conversions):
+        raise PlanningError("strategy 'tensor': a propagation reads the sparse input features directly; densify them "
+                            "(graph.dense_features()) or use strategy='data'")
+    bounds = chunk_bounds(stats.num_nodes, K)
+    if concrete:
+        chunking = Chunking(bounds, chunk_reads(graph, bounds))
+    else:  # planned from statistics: every chunk reads every chunk (the worst case)
+        chunking = Chunking(bounds, tuple(tuple(range(K)) for _ in range(K)))
+    reads = stage_reads(staged, labels, chunking, sources)
+    reads_eval = stage_reads(staged_eval, labels_eval, chunking, sources_eval)
+    group = tuple(range(n))
+    owners = Group("tensor", group, "rows")
+    sub = [owners.sub_rows(chunking, m) for m in range(K)]  # sub[m][r]: rank r's positions of chunk m
+
+    def schedule(st: StagedModel, lab: dict[int, str], rd: dict, training: bool) -> list[tuple[float, Task]]:
+        # one resource (every rank runs every task); a conversion between two tasks costs as long
+        # as a task, so that another chunk's ready task is placed between a chunk's all-to-all and
+        # its consumer: the collective posted first runs while that task computes (Fig. 9c)
+        deps = _stage_deps(st, chunking, rd, training)
+        return list_schedule(deps.keys(), lambda t: 0, deps, {},
+                             delay=lambda d, t: 1.0 if lab[d.stage] != lab[t.stage] else 0.0)
+
+    order = schedule(staged, labels, reads, True)
+    order_eval = schedule(staged_eval, labels_eval, reads_eval, False)
+
+    def convert_for(rank: int, st: StagedModel) -> Any:
+        def convert(c: Conversion, m: int, grad: bool) -> list[Instruction]:
+            dims, dtype = _dims(st.tp, c.value)
+            mid, cols = dims[:-1], column_splits(dims[-1], n)
+            rows = [hi - lo for lo, hi in sub[m]]
+            if c.kind == "cols":  # my rows of the chunk, q's columns; q's rows of the chunk, my columns
+                send = tuple((rows[rank], *mid, cols[q]) for q in group)
+                recv = tuple((rows[q], *mid, cols[rank]) for q in group)
+                src, dst = "rows", "cols"
+            elif c.kind == "rows":
+                send = tuple((rows[q], *mid, cols[rank]) for q in group)
+                recv = tuple((rows[rank], *mid, cols[q]) for q in group)
+                src, dst = "cols", "rows"
+            else:
+                raise PlanningError(f"strategy 'tensor' with chunks > 1: no chunk-level {c.kind!r} conversion "
+                                    f"(of {c.value!r})")
+            return [AllToAll(value=c.value, chunk=m, group=group, src_layout=src, dst_layout=dst, send_shapes=send,
+                             recv_shapes=recv, dtype=dtype, grad=grad)]
+        return convert
+
+    names = [name for name, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    numel = sum(p.numel() for p in params if p.requires_grad)
+    param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
+    finish = ([AllReduce("grads", group, numel=numel, dtype=param_dtype)] if n > 1 and numel else []) + \
+        [OptimizerStep()]
+    stages = tuple(with_reads(s, reads.get(s.index, {}), labels[s.index]) for s in staged.stages)
+    eval_stages = tuple(with_reads(s, reads_eval.get(s.index, {}), labels_eval[s.index]) for s in staged_eval.stages)
+    ranks = []
+    for r in range(n):
+        instrs = collective_chunk_program(staged, chunking, reads, order, convert_for(r, staged), training=True)
+        rows = sum(sub[m][r][1] - sub[m][r][0] for m in range(K))
+        sizes = {"nodes": rows, "edges": stats.num_edges, "halo": 0, "src": stats.num_nodes,
+                 "all_nodes": stats.num_nodes, "col_share_ppm": round(1e6 / n), "chunks": K}
+        ranks.append(DevicePlan(rank=r, stages=stages, instructions=tuple(instrs + finish), sizes=sizes,
+                                modules=staged.modules))
+    info = {
+        "graph": str(stats), "model": type(model).__name__, "output": staged.output,
+        "inputs": ["g", "x", *dropout_inputs], "owned_rows": [dp.sizes["nodes"] for dp in ranks],
+        "halo_rows": [0] * n, "params": numel, "param_tensors": sum(1 for p in params if p.requires_grad),
+        "param_dtype": param_dtype, "features": stats.num_features, "classes": stats.num_classes,
+        "layouts": {c.output: c.kind for c in staged.conversions},
+        "pipeline_lag": chunking.lag(), "task_order": [str(t) for _, t in order],
+    }
+    plan = Plan(strategy="tensor", semantics="relaxed" if relaxations else "exact", options=options.to_dict(),
+                cluster=f"{n} local ranks", ranks=ranks,
+                schedule=f"chunk pipeline ({K} chunks, chunk-level all-to-alls)", relaxations=tuple(relaxations),
+                info=info)
+    from ..ir.verify_plan import verify_plan
+
+    report = verify_plan(plan, inputs=info["inputs"], check_types=False)  # gc.plan checks the chosen one fully
+    plan.predictions = {"bytes_sent": [int(round(b)) for b in report.bytes_sent],
+                        "bytes_received": [int(round(b)) for b in report.bytes_recv]}
+    if concrete:
+        norms = _propagation_norms(tp) | _propagation_norms(tp_eval)
+        edge_coef = {nm: graph.norm_coefficients(nm) for nm, loops in norms if not loops and nm in ("gcn", "mean")}
+        loop_coef = {nm: graph.loop_norm_coefficients(nm) for nm, loops in norms
+                     if loops and nm in ("gcn", "mean", "sum")}
+        graphs = {j: chunk_graph(graph, chunking, j, edge_coef, loop_coef) for j in range(K)}
+        counts = {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
+                  for m in ("train", "val", "test")}
+        programs = []
+        for r in range(n):
+            per_chunk = [torch.arange(*sub[m][r]) for m in range(K)]
+            owned = torch.cat(per_chunk)
+            offsets = [0]
+            for ids in per_chunk:
+                offsets.append(offsets[-1] + int(ids.numel()))
+            chunk_inputs = {m: {"g": graphs[m], "x": slice_rows(graph.x, ids) if graph.x is not None else None,
+                                **{k: _dropout_index(sp, _Block(ids), graph) for k, sp in dropout_inputs.items()}}
+                            for m, ids in enumerate(per_chunk)}
+            eval_instrs = collective_chunk_program(staged_eval, chunking, reads_eval, order_eval,
+                                                   convert_for(r, staged_eval), training=False)
+            programs.append(RankProgram(
+                rank=r, world_size=n, modules=staged.modules, stages=stages, instructions=ranks[r].instructions,
+                eval_modules=staged_eval.modules, eval_stages=eval_stages, eval_instructions=tuple(eval_instrs),
+                output=staged.output, eval_output=staged_eval.output, inputs={}, chunk_inputs=chunk_inputs,
+                chunk_offsets=tuple(offsets), same_seed=options.dropout == "replicated", halo=((), ()),
+                labels=graph.y[owned] if graph.y is not None else None,
+                masks={m: (getattr(graph, f"{m}_mask")[owned] if getattr(graph, f"{m}_mask") is not None else None)
+                       for m in ("train", "val", "test")},
+                counts=counts, params=params, param_names=names, owned=owned))
+        plan.program = programs
+    return plan

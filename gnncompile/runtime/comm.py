@@ -32,12 +32,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "Communicator", "HaloSpec", "halo_exchange", "rows_to_cols", "cols_to_rows", "all_gather_rows",
+__all__ = ["CommStats", "Communicator", "Pending", "HaloSpec", "halo_exchange", "rows_to_cols", "cols_to_rows", "all_gather_rows",
            "reduce_scatter_rows", "offsets"]
 
 
@@ -47,6 +47,27 @@ def offsets(sizes: Sequence[int]) -> list[int]:
     for n in sizes:
         out.append(out[-1] + int(n))
     return out
+
+
+class Pending:
+    """A posted collective: :meth:`wait` completes it (once) and returns its result.
+
+    ``work``: the communication library's handle (``None``: nothing crossed, e.g. one rank);
+    ``finish``: builds the result from the received buffer; ``keep``: the send buffer, held until
+    the exchange completes (the library reads it in the background).
+    """
+
+    def __init__(self, work: Any, finish: Callable[[], torch.Tensor], keep: Any = None) -> None:
+        self._work, self._finish, self._keep = work, finish, keep
+        self._result: Optional[torch.Tensor] = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            if self._work is not None:
+                self._work.wait()
+            self._result = self._finish()
+            self._work = self._finish = self._keep = None  # type: ignore[assignment]
+        return self._result
 
 
 @dataclass
@@ -105,25 +126,29 @@ class Communicator:
         self.phase = "train"
 
     def _exchange(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
-                  group: Any = None, size: Optional[int] = None) -> torch.Tensor:
-        """All-to-all of rows (``send_counts[q]`` rows to member ``q``), not counted."""
+                  group: Any = None, size: Optional[int] = None, async_op: bool = False) -> Any:
+        """All-to-all of rows (``send_counts[q]`` rows to member ``q``), not counted. With
+        ``async_op`` the exchange is posted and ``(recv, work)`` returned (``work`` is ``None`` when
+        nothing crosses); ``recv`` is valid once ``work.wait()`` returned."""
         tail = tuple(send.shape[1:])
         recv = send.new_empty((sum(recv_counts),) + tail)
+        work = None
         if (self.world_size if size is None else size) > 1:
-            dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=list(recv_counts),
-                                   input_split_sizes=list(send_counts),
-                                   group=group if group is not None else self.group)
+            work = dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=list(recv_counts),
+                                          input_split_sizes=list(send_counts),
+                                          group=group if group is not None else self.group, async_op=async_op)
         elif recv.numel():  # one rank: what it sends to itself is what it receives
             recv.copy_(send.reshape(recv.shape))
-        return recv
+        return (recv, work) if async_op else recv
 
-    def _all_to_all(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
-        recv = self._exchange(send, send_counts, recv_counts)
+    def _all_to_all(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
+                    async_op: bool = False) -> Any:
+        out = self._exchange(send, send_counts, recv_counts, async_op=async_op)
         es = send.element_size() * math.prod(send.shape[1:])
         for q in range(self.world_size):
             if q != self.rank:
                 self.stats.add(self.phase, q, sent=send_counts[q] * es, received=recv_counts[q] * es)
-        return recv
+        return out
 
     def halo_forward(self, h: torch.Tensor, spec: HaloSpec) -> torch.Tensor:
         """``[n_owned, ...] -> [n_owned + n_halo, ...]``: this rank's rows, then the halo rows."""
@@ -145,21 +170,31 @@ class Communicator:
             grad.index_add_(0, idx, back)
         return grad
 
-    def _all_to_all_blocks(self, blocks: Sequence[torch.Tensor], recv_shapes: Sequence[tuple[int, ...]]
-                           ) -> list[torch.Tensor]:
-        """Send ``blocks[q]`` to rank ``q``; return the block received from each rank (shapes given)."""
+    def _all_to_all_blocks(self, blocks: Sequence[torch.Tensor], recv_shapes: Sequence[tuple[int, ...]],
+                           finish: Callable[[list[torch.Tensor]], torch.Tensor]) -> "Pending":
+        """Post sending ``blocks[q]`` to rank ``q``; the result is ``finish`` of the blocks received
+        from each rank (shapes given), once the exchange has completed."""
         send = torch.cat([b.reshape(-1) for b in blocks]) if blocks else torch.zeros(0)
         send_counts = [b.numel() for b in blocks]
         recv_counts = [math.prod(sh) for sh in recv_shapes]
-        recv = self._all_to_all(send.reshape(-1, 1), send_counts, recv_counts).reshape(-1)
+        recv, work = self._all_to_all(send.reshape(-1, 1), send_counts, recv_counts, async_op=True)
         starts = offsets(recv_counts)
-        return [recv[starts[q]:starts[q + 1]].reshape(recv_shapes[q]) for q in range(len(recv_shapes))]
+
+        def unpack() -> torch.Tensor:
+            flat = recv.reshape(-1)
+            return finish([flat[starts[q]:starts[q + 1]].reshape(recv_shapes[q]) for q in range(len(recv_shapes))])
+        return Pending(work, unpack, keep=send)
 
     def rows_to_cols(self, h: torch.Tensor, row_counts: Sequence[int], col_splits: Sequence[int]) -> torch.Tensor:
         """``rows`` -> ``cols`` layout: ``[n_r, ..., D]`` (this rank's rows) -> ``[N, ..., d_r]`` (every row,
         this rank's columns of the last dimension). ``row_counts[q]`` rows live on rank ``q``; rank
         ``q`` gets columns ``col_splits[q]`` wide, in rank order. NeutronTP's *split* and MixGCN's
         shuffle."""
+        return self.rows_to_cols_async(h, row_counts, col_splits).wait()
+
+    def rows_to_cols_async(self, h: torch.Tensor, row_counts: Sequence[int], col_splits: Sequence[int]) -> "Pending":
+        """:meth:`rows_to_cols` posted without waiting (the transfer overlaps what the rank does until
+        it waits for the result)."""
         h = h.detach()
         if h.dim() < 2 or h.shape[-1] != sum(col_splits) or h.shape[0] != row_counts[self.rank]:
             raise RuntimeError(f"rows_to_cols: rank {self.rank} holds {list(h.shape)}, expected "
@@ -168,12 +203,16 @@ class Communicator:
         mid = tuple(int(d) for d in h.shape[1:-1])
         blocks = [h[..., c[q]:c[q + 1]].contiguous() for q in range(self.world_size)]
         mine = col_splits[self.rank]
-        got = self._all_to_all_blocks(blocks, [(int(row_counts[q]),) + mid + (int(mine),)
-                                               for q in range(self.world_size)])
-        return torch.cat(got) if got else h[:0, ..., :mine]
+        return self._all_to_all_blocks(blocks, [(int(row_counts[q]),) + mid + (int(mine),)
+                                                for q in range(self.world_size)],
+                                       lambda got: torch.cat(got) if got else h[:0, ..., :mine])
 
     def cols_to_rows(self, h: torch.Tensor, row_counts: Sequence[int], col_splits: Sequence[int]) -> torch.Tensor:
         """``cols`` -> ``rows`` layout, the inverse of :meth:`rows_to_cols`: ``[N, ..., d_r] -> [n_r, ..., D]``."""
+        return self.cols_to_rows_async(h, row_counts, col_splits).wait()
+
+    def cols_to_rows_async(self, h: torch.Tensor, row_counts: Sequence[int], col_splits: Sequence[int]) -> "Pending":
+        """:meth:`cols_to_rows` posted without waiting."""
         h = h.detach()
         if h.dim() < 2 or h.shape[0] != sum(row_counts) or h.shape[-1] != col_splits[self.rank]:
             raise RuntimeError(f"cols_to_rows: rank {self.rank} holds {list(h.shape)}, expected "
@@ -182,9 +221,9 @@ class Communicator:
         mid = tuple(int(d) for d in h.shape[1:-1])
         blocks = [h[r[q]:r[q + 1]].contiguous() for q in range(self.world_size)]
         mine = row_counts[self.rank]
-        got = self._all_to_all_blocks(blocks, [(int(mine),) + mid + (int(col_splits[q]),)
-                                               for q in range(self.world_size)])
-        return torch.cat(got, dim=-1) if got else h[:mine, ..., :0]
+        return self._all_to_all_blocks(blocks, [(int(mine),) + mid + (int(col_splits[q]),)
+                                                for q in range(self.world_size)],
+                                       lambda got: torch.cat(got, dim=-1) if got else h[:mine, ..., :0])
 
     def _ring_count(self, total_bytes: int, members: list[int]) -> None:
         """Count a ring all-gather / reduce-scatter of ``total_bytes`` (the gathered tensor)."""

@@ -30,7 +30,7 @@ from ..errors import RuntimeFailure
 from ..frontend.ops import MaskCache, dropout_noise
 from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, Instruction,
                        OptimizerStep, Plan, RankProgram, Recv, ReduceScatter, Send, member_rows)
-from .comm import Communicator, HaloSpec
+from .comm import Communicator, HaloSpec, Pending
 from .launcher import RankContext, launch
 from .memory import PeakMemory
 from .trainer import History
@@ -129,6 +129,16 @@ def _part_slice(t: torch.Tensor, part: tuple[int, ...]) -> torch.Tensor:
     return t[lo:hi] if dim == 0 else t[..., lo:hi]
 
 
+class _Posted:
+    """A value whose collective is posted but not waited for (the executor waits at its first read)."""
+
+    def __init__(self, pending: Pending, requires_grad: bool) -> None:
+        self.pending, self.requires_grad = pending, requires_grad
+
+    def result(self) -> torch.Tensor:
+        return self.pending.wait().requires_grad_(self.requires_grad)
+
+
 class _Rank:
     """One rank's state while it executes: the communicator, its process groups and halo lists.
 
@@ -165,7 +175,8 @@ class _Rank:
             raise RuntimeFailure(f"rank {self.ctx.rank}: the plan uses group {tuple(members)}, which it does not list "
                                  "in its process groups") from None
 
-    def _comm(self, ins: Instruction, get: Any, values: dict, grads: dict, pieces: dict, pending: list) -> None:
+    def _comm(self, ins: Instruction, get: Any, values: dict, grads: dict, pieces: dict, pending: list,
+              posted_grads: list) -> None:
         c = ins.chunk if hasattr(ins, "chunk") else 0
         if isinstance(ins, Send):
             src = grads.get((ins.name, c)) if ins.grad else get(ins.name, c)
@@ -217,16 +228,16 @@ class _Rank:
                 row_counts, col_splits = [s[0] for s in ins.recv_shapes], [s[-1] for s in ins.send_shapes]
             else:
                 row_counts, col_splits = [s[0] for s in ins.send_shapes], [s[-1] for s in ins.recv_shapes]
-            forward = self.comm.rows_to_cols if to_cols else self.comm.cols_to_rows
-            backward = self.comm.cols_to_rows if to_cols else self.comm.rows_to_cols
-            if not ins.grad:
+            backward = self.comm.cols_to_rows_async if to_cols else self.comm.rows_to_cols_async
+            if not ins.grad:  # posted: the transfer overlaps the next instructions until a reader waits
                 src = get(ins.value, c)
-                values[(ins.output, c)] = forward(src, row_counts, col_splits).requires_grad_(src.requires_grad)
-            else:
+                post = self.comm.rows_to_cols_async if to_cols else self.comm.cols_to_rows_async
+                values[(ins.output, c)] = _Posted(post(src, row_counts, col_splits), src.requires_grad)
+            else:  # posted too: added into the gradient before anything reads it (see step)
                 g_out = grads.pop((ins.output, c), None)
                 if g_out is None:  # no consumer produced a gradient: still take part in the collective
                     g_out = torch.zeros_like(get(ins.output, c))
-                _accumulate(grads, (ins.value, c), backward(g_out.contiguous(), row_counts, col_splits))
+                posted_grads.append(((ins.value, c), backward(g_out.contiguous(), row_counts, col_splits)))
         elif isinstance(ins, (AllGather, ReduceScatter)):
             # rows -> replicated (AG; its gradient is a sum-reduce-scatter) or the reverse (RS); the
             # gathered tensor's rows are the members' balanced blocks in group order (member_rows)
@@ -289,7 +300,10 @@ class _Rank:
         def get(name: str, chunk: int) -> Any:
             key = (name, chunk)
             if key in values:
-                return values[key]
+                v = values[key]
+                if isinstance(v, _Posted):
+                    v = values[key] = v.result()
+                return v
             if key in pieces:  # blocks received from several ranks: concatenate them in place order
                 parts = sorted(pieces.pop(key), key=lambda pt: pt[0][1])
                 dim = 0 if parts[0][0][0] == 0 else -1
@@ -311,8 +325,26 @@ class _Rank:
             losses[chunk] = loss_fn(out, chunk)
             logits[chunk] = out.detach()
 
+        # gradient all-to-alls posted but not waited for: ((value, chunk), Pending); a gradient is
+        # complete once they are added in, before a Backward of a stage producing it or any
+        # communication (which may read any gradient)
+        posted_grads: list[tuple[tuple[str, int], Pending]] = []
+
+        def settle(keys: Optional[set] = None) -> None:
+            keep = []
+            for key, p in posted_grads:
+                if keys is None or key in keys:
+                    _accumulate(grads, key, p.wait())
+                else:
+                    keep.append((key, p))
+            posted_grads[:] = keep
+
         for ins in instructions:
             t0 = time.perf_counter()
+            if posted_grads and isinstance(ins, Backward):
+                settle({(o, ins.chunk) for o in spec[ins.stage].outputs})
+            elif posted_grads and not isinstance(ins, Forward):
+                settle()
             if isinstance(ins, Forward):
                 st = spec[ins.stage]
                 leaves: dict[str, tuple[torch.Tensor, tuple[int, ...], list[int]]] = {}
@@ -397,12 +429,12 @@ class _Rank:
             elif isinstance(ins, Free):
                 values.pop((ins.value, ins.chunk), None)
             else:
-                self._comm(ins, get, values, grads, pieces, pending)
+                self._comm(ins, get, values, grads, pieces, pending, posted_grads)
                 if getattr(ins, "output", None) == output and not getattr(ins, "grad", False):
                     # the output arrives by communication (e.g. gathered back to rows): the loss starts
                     # here, and its gradient is what the matching gradient communication sends back
                     c = ins.chunk
-                    out = values[(output, c)]
+                    out = get(output, c)
                     if optimizer is not None and out.is_floating_point():
                         out = out.detach().requires_grad_(True)
                         values[(output, c)] = out
@@ -414,6 +446,10 @@ class _Rank:
                 timeline.append(TimelineEvent(epoch, str(ins), t0 - t_origin, time.perf_counter() - t_origin))
         for work, _ in pending:
             work.wait()
+        settle()
+        for key, v in list(values.items()):  # complete every posted collective within its step
+            if isinstance(v, _Posted):
+                values[key] = v.result()
         for st in stages:  # keep this step's copies of the stale-read chunks for the next step
             for name, per_chunk in st.stale:
                 for k in {k for ks in per_chunk for k in ks}:
