@@ -23,3 +23,4 @@ bench: setup
 	$(PY) benchmarks/data_parallel.py
 	$(PY) benchmarks/cost_model.py
 	$(PY) benchmarks/feature_parallel.py
+	$(PY) benchmarks/tensor_pipeline.py

@@ -336,7 +336,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decouple", default=None, action=argparse.BooleanOptionalAction,
                    help="tensor: decoupled model, all T ops then all propagations (relaxed for non-linear models)")
     p.add_argument("--chunks", type=int, default=None,
-                   help="mop, task: vertex chunks pipelined between the device groups (default: searched)")
+                   help="mop, task: vertex chunks pipelined between the device groups; tensor: chunk-level all-to-alls "
+                        "(NeutronTP §4.2; default: searched)")
     p.add_argument("--sparse-ranks", type=int, default=None,
                    help="mop: ranks aggregating (the rest run the dense updates; default: half)")
     p.add_argument("--reorder", default=None, choices=("none", "rcm"),

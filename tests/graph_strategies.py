@@ -44,3 +44,13 @@ def small_graphs(draw: Callable[..., Any]) -> gc.Graph:
     ei = torch.tensor(pairs, dtype=torch.long).t().contiguous()
     g = gc.Graph.from_edge_index(ei, n + extra)
     return labelled(g, seed=draw(st.integers(0, 99)))
+
+
+def assert_same_step(result: Any, reference: Any) -> None:
+    """Two captured one-step runs (``plan.run(epochs=1, capture=True)``) computed the same loss,
+    logits and parameter gradients (float64 tolerances)."""
+    torch.testing.assert_close(torch.tensor(result.history.loss[0]), torch.tensor(reference.history.loss[0]),
+                               rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(result.captured["logits"], reference.captured["logits"], rtol=1e-9, atol=1e-11)
+    for name, grad in reference.captured["grads"].items():
+        torch.testing.assert_close(result.captured["grads"][name], grad, rtol=1e-9, atol=1e-11)

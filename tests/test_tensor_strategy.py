@@ -25,7 +25,7 @@ from gnncompile.runtime.comm import Communicator, all_gather_rows, cols_to_rows,
     rows_to_cols
 from gnncompile.runtime.launcher import RankContext, launch
 from gnncompile.testing import check_plan
-from graph_strategies import DT, labelled, sbm_graph, seeded_model, small_graphs
+from graph_strategies import DT, assert_same_step, labelled, sbm_graph, seeded_model, small_graphs
 
 
 def _attention_dropout(model: torch.nn.Module, p: float) -> torch.nn.Module:
@@ -303,11 +303,7 @@ def test_decoupled_tensor_equals_the_decoupled_model_on_one_rank(sbm: gc.Graph) 
         p = gc.plan(model, sbm, n, strategy="tensor", decouple=True, semantics="relaxed")
         results.append(p.run(epochs=1, seed=0, capture=True, update_model=False, timeout=60))
     one, three = results
-    torch.testing.assert_close(torch.tensor(three.history.loss[0]), torch.tensor(one.history.loss[0]),
-                               rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(three.captured["logits"], one.captured["logits"], rtol=1e-9, atol=1e-11)
-    for name, g in one.captured["grads"].items():
-        torch.testing.assert_close(three.captured["grads"][name], g, rtol=1e-9, atol=1e-11)
+    assert_same_step(three, one)
 
 
 def test_decoupling_a_nonlinear_model_is_refused_under_exact(sbm: gc.Graph) -> None:
@@ -401,11 +397,7 @@ def test_chunked_decoupled_equals_the_decoupled_model_on_one_rank(sbm: gc.Graph)
         p = gc.plan(model, sbm, n, strategy="tensor", decouple=True, semantics="relaxed", chunks=chunks)
         results.append(p.run(epochs=1, seed=0, capture=True, update_model=False, timeout=60))
     one, cut = results
-    torch.testing.assert_close(torch.tensor(cut.history.loss[0]), torch.tensor(one.history.loss[0]),
-                               rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(cut.captured["logits"], one.captured["logits"], rtol=1e-9, atol=1e-11)
-    for name, grad in one.captured["grads"].items():
-        torch.testing.assert_close(cut.captured["grads"][name], grad, rtol=1e-9, atol=1e-11)
+    assert_same_step(cut, one)
 
 
 def test_chunked_refusals(sbm: gc.Graph) -> None:

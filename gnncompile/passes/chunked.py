@@ -49,7 +49,7 @@ from ..ir.plan import Backward, Forward, Instruction, Recv, Send, StageSpec
 from .lower import OUTPUT, Conversion, StagedModel
 
 __all__ = ["Chunking", "chunk_bounds", "chunk_reads", "chunk_graph", "Task", "list_schedule", "Group", "Placement",
-           "emit_programs", "stage_groups", "collective_chunk_program"]
+           "emit_programs", "stage_deps", "stage_groups", "collective_chunk_program"]
 
 
 def chunk_bounds(num_nodes: int, num_chunks: int) -> tuple[int, ...]:
@@ -345,7 +345,7 @@ def _slab(block: Block, inter: Block) -> tuple[int, int, int]:
     raise PlanningError(f"block {inter} of {block} is neither whole rows nor whole columns")
 
 
-def _stage_deps(staged: StagedModel, chunking: Chunking, reads: dict[int, dict[str, tuple[tuple[int, ...], ...]]],
+def stage_deps(staged: StagedModel, chunking: Chunking, reads: dict[int, dict[str, tuple[tuple[int, ...], ...]]],
                 training: bool) -> dict[Task, set[Task]]:
     """Dependencies of the forward (and backward) tasks of ``staged``."""
     K = chunking.num_chunks
@@ -410,7 +410,7 @@ def emit_programs(staged: StagedModel, place: Placement, chunking: Chunking,
     them).
     """
     K = chunking.num_chunks
-    deps = _stage_deps(staged, chunking, reads, training)
+    deps = stage_deps(staged, chunking, reads, training)
     order = list_schedule(deps.keys(), place.resource, deps, cost or {})
     progs: dict[int, list[Instruction]] = {r: [] for r in place.ranks}
     conv_out = {c.output: c for c in staged.conversions}

@@ -62,6 +62,20 @@ unless the layers are linear, so it is refused under ``semantics="exact"`` then,
 relaxation otherwise. Row-mixing T ops
 (BatchNorm) are refused under ``semantics="exact"`` as for ``data``.
 
+``chunks=K > 1`` (NeutronTP §4.2, Algorithm 1; :func:`_lower_chunked`): chunk-based task
+scheduling and inter-chunk pipelining. The vertices are cut into ``K`` contiguous chunks of
+destinations; every rank owns a balanced slice of *every* chunk's rows (NeutronTP distributes each
+chunk's vertex tasks over the workers) and every stage runs chunk by chunk; each conversion becomes
+one all-to-all per chunk (``A2A h c3 rows->cols``), issued right after the chunk is computed and
+waited for by its first reader (the runtime posts all-to-alls asynchronously), and a propagation's
+chunk ``j`` runs once the chunks its in-edges read have been split (exact). A chunk's slices cross
+once, however many chunks read them (§4.2.2's deduplication, at chunk granularity), so the bytes
+per step are the unchunked plan's. Every rank follows one list schedule in which a conversion is
+charged a task's time, so another chunk's ready task sits between an all-to-all and its reader:
+the transfer overlaps that task (Fig. 9c). Chained propagations (decoupled models, SGC, APPNP) are
+stages of their own that read every chunk of the previous propagation. Edge-wise ops (GAT) need
+``chunks=1``.
+
 Communication per step: every all-to-all moves ``(n - 1) / n`` of a ``|V| x D`` tensor in each
 direction it runs (forward, and backward when the value needs a gradient): NeutronTP's
 ``2 V D`` per layer (:func:`gnncompile.cost_models.formulas.comm_tensor`), independent of the
@@ -85,8 +99,8 @@ from ..frontend.ops import dropout_rows, masked_propagate, propagate
 from ..ir.plan import AllGather, AllReduce, AllToAll, DevicePlan, Instruction, OptimizerStep, Plan, RankProgram, \
     converted_name
 from ..ir.tpgraph import TPGraph, TPInfo
-from .chunked import Chunking, Group, Task, _stage_deps, chunk_bounds, chunk_graph, chunk_reads, \
-    collective_chunk_program, list_schedule, stage_groups, stage_reads, with_reads
+from .chunked import Chunking, Group, Task, chunk_bounds, chunk_graph, chunk_reads, \
+    collective_chunk_program, list_schedule, stage_deps, stage_groups, stage_reads, with_reads
 from .data import _dropout_index, _propagation_norms, check_options, replicate_dropout_masks, \
     row_mixing_relaxations
 from .lower import Conversion, Decisions, StagedModel, call_arguments, forward_schedule, sequential_schedule, \
@@ -479,7 +493,7 @@ def _lower_chunked(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph:
         # one resource (every rank runs every task); a conversion between two tasks costs as long
         # as a task, so that another chunk's ready task is placed between a chunk's all-to-all and
         # its consumer: the collective posted first runs while that task computes (Fig. 9c)
-        deps = _stage_deps(st, chunking, rd, training)
+        deps = stage_deps(st, chunking, rd, training)
         return list_schedule(deps.keys(), lambda t: 0, deps, {},
                              delay=lambda d, t: 1.0 if lab[d.stage] != lab[t.stage] else 0.0)
 
