@@ -90,10 +90,10 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         search may also use fewer devices (halvings), which wins where communication costs more
         than the parallelism gains (small graphs).
     overlap:
-        Simulate communication overlapping independent computation. The runtime posts sends and
-        all-to-alls without waiting (a reader waits) but runs the other collectives blocking, so
-        the default ``False`` is what ``plan.run`` measures for most plans; ``True`` is the bound
-        for a runtime that overlaps every transfer (on GPUs with streams).
+        Simulate every transfer overlapping independent computation (the bound for a runtime
+        with a communication stream). The default ``False`` simulates what ``plan.run`` does:
+        blocking collectives, except sends and all-to-alls, which are posted and waited for by
+        their first reader (so a chunked ``tensor`` plan's all-to-alls overlap the next chunk).
     verify:
         Check the plan with :func:`gnncompile.verify_plan` (matching sends and receives, collective
         order, a deadlock dry run) before returning it; a violation raises ``VerificationError``.

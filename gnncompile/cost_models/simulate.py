@@ -7,7 +7,9 @@ many bytes it allocates and releases); it knows nothing of how costs are compute
 Semantics
 ---------
 - Every rank issues its instructions in program order. By default a rank runs one instruction at a
-  time (blocking collectives, as the runtime does). With ``overlap=True`` each rank has two
+  time (blocking collectives, as the runtime does), except all-to-alls, which the runtime posts
+  without waiting: they run in order on a stream of their own, and the instructions reading what
+  they write (their data dependencies, below) wait for them. With ``overlap=True`` each rank has two
   in-order streams, ``compute`` and ``comm``: an instruction starts when its stream is free and the
   instructions of the same rank it depends on (its data dependencies, below) have finished, so
   computation does not wait for unrelated communication.
@@ -18,7 +20,8 @@ Semantics
   collective (it must agree in type, value, chunk and grad); it starts when every member is ready
   and ends on all at ``start + max`` of the members' costs. Time between being ready and the start
   is *wait* time.
-- Data dependencies (``overlap=True`` only), per rank, as in ``verify_plan``'s dataflow rules:
+- Data dependencies (with ``overlap=True``, or for a plan with all-to-alls), per rank, as in
+  ``verify_plan``'s dataflow rules:
   Forward/Recompute read their stage's inputs and write its outputs (``(value, chunk)`` pairs; the
   plan inputs, ``plan.info["inputs"]`` or ``g``/``x``, are there at time 0); Backward reads the
   gradients of its stage's outputs (every contribution issued before it) and the saved stage values,
@@ -53,6 +56,7 @@ from ..errors import VerificationError
 from ..ir.plan import (
     COLLECTIVES,
     AllReduce,
+    AllToAll,
     Backward,
     DevicePlan,
     Forward,
@@ -347,7 +351,7 @@ def simulate(plan: Plan, cost: CostFn, *, overlap: bool = False,
     """Simulate one training step of ``plan`` on all ranks under ``cost`` (semantics: module docstring).
 
     ``overlap``: two streams per rank (compute, comm) ordered by data dependencies instead of one
-    instruction at a time. ``base_memory[r]``: bytes live on rank r before the step (default 0).
+    instruction at a time (with posted all-to-alls beside it). ``base_memory[r]``: bytes live on rank r before the step (default 0).
     Raises :class:`~gnncompile.errors.VerificationError` on a deadlock or a malformed peer/group.
     """
     n = plan.num_ranks
@@ -368,9 +372,11 @@ def simulate(plan: Plan, cost: CostFn, *, overlap: bool = False,
             row.append(c)
         costs.append(row)
 
-    # in-order queues: the two streams, or the whole rank
+    # in-order queues: the two streams, or the whole rank (with the posted all-to-alls on their own)
     streams = [[c.stream for c in row] for row in costs]
-    queues = streams if overlap else [["rank"] * len(p) for p in progs]
+    posted = not overlap and any(isinstance(inst, AllToAll) for p in progs for inst in p)
+    queues = streams if overlap else [["posted" if isinstance(inst, AllToAll) else "rank" for inst in p]
+                                      for p in progs]
     prev = [[-1] * len(p) for p in progs]
     nxt = [[-1] * len(p) for p in progs]
     heads: list[list[int]] = []
@@ -383,10 +389,10 @@ def simulate(plan: Plan, cost: CostFn, *, overlap: bool = False,
         heads.append([i for i in range(len(q)) if prev[r][i] < 0])
 
     # data dependencies
-    if overlap:
+    if overlap or posted:
         names = plan.info.get("inputs", ("g", "x"))
         inputs = frozenset((names,) if isinstance(names, str) else names)
-        deps = [_dependencies(dp, inputs, streams[r]) for r, dp in enumerate(plan.ranks)]
+        deps = [_dependencies(dp, inputs, queues[r]) for r, dp in enumerate(plan.ranks)]
     else:
         deps = [[set() for _ in p] for p in progs]
     dependents: list[list[list[int]]] = [[[] for _ in p] for p in progs]
