@@ -60,6 +60,7 @@ from .chunked import Chunking, Group, Placement, Task, chunk_bounds, chunk_edge_
     emit_programs, stage_groups, stage_reads, with_reads
 from .data import _dropout_index, _propagation_norms, check_options, replicate_dropout_masks, \
     row_mixing_relaxations
+from .free import insert_frees
 from ..frontend.ops import dropout_rows
 from .lower import Decisions, StagedModel, call_arguments, requires_grad_values, source_input, \
     split_stages
@@ -421,6 +422,9 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
             ranks.append(DevicePlan(rank=r, stages=stages, instructions=tuple(train_progs[r]), sizes=sizes,
                                     modules=staged.modules))
     ranks.sort(key=lambda dp: dp.rank)
+    # release each stored value after its last use (and its sends' completion): without it every
+    # cross-task tensor stays on both the producer and the consumer for the whole step
+    ranks = insert_frees(ranks, keep={"g", "x", *dropout_inputs, staged.output})
     numel = sum(p.numel() for p in params if p.requires_grad)
     info = {
         "graph": str(stats), "model": type(model).__name__, "output": staged.output,
