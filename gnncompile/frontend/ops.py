@@ -500,10 +500,11 @@ def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int) 
         return x
     if x.layout == torch.sparse_csr:
         values = x.values()
-        noise = _row_noise(lambda: values.new_empty((num_rows,)), p).index_select(0, index)
+        noise = _row_noise(lambda: values.new_empty(()).expand((num_rows,)), p).index_select(0, index)
         return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), values * noise, size=x.shape,
                                        check_invariants=False)
-    noise = _row_noise(lambda: x.new_empty((num_rows,) + tuple(x.shape[1:])), p)
+    # the template only gives dropout_noise the shape: one element, zero strides
+    noise = _row_noise(lambda: x.new_empty(()).expand((num_rows,) + tuple(x.shape[1:])), p)
     return x * noise.index_select(0, index)
 
 

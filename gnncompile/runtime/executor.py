@@ -325,7 +325,9 @@ class _Rank:
             for stage, ordinal, shape, dtype, p in prog.dropout_draws:
                 # every rank draws every mask (the random stream must match single-device training's)
                 # but keeps only those of its own stages
-                noise = dropout_noise(torch.empty(shape, dtype=getattr(torch, dtype), device=like.device), p)
+                # (the template only gives the shape: one element, zero strides)
+                template = torch.empty((), dtype=getattr(torch, dtype), device=like.device).expand(shape)
+                noise = dropout_noise(template, p)
                 if stage in mine:
                     masks.masks[(stage, ordinal)] = noise
                 del noise
