@@ -146,10 +146,16 @@ def pipeline(gc, torch) -> list[str]:
         lines.append(f"| {k} | {sim.step_time * 1e3:.2f} ms | {100 * sim.bubble_fraction:.0f}% | "
                      f"{', '.join(f'{a}→{b}' for a, b in plan.info['groups'].items())} |")
         print(lines[-1], flush=True)
+        if k == 4:
+            plan.timeline(HERE / TIMELINE)
+            drawn = f"{100 * sim.bubble_fraction:.0f}%"
+    lines += ["", f"![predicted 4-chunk task pipeline]({TIMELINE}) `{TIMELINE}`: the predicted step of the 4-chunk plan "
+                  f"(bubble {drawn}: the first propagation reads every chunk, so it starts after the last one arrived)."]
     return lines
 
 
 PARTS = ("memory", "accuracy", "pipeline")
+TIMELINE = "task_pipeline_timeline.png"
 SECTION = "Task strategy (NeutronTask) vs data: memory, bytes, accuracy"
 
 
@@ -166,7 +172,8 @@ def _section_text(path: Path) -> str:
 
 
 def _old_block(section: str, prefix: str) -> list[str] | None:
-    """The paragraph of ``section`` starting with ``prefix`` and the table after it, as lines."""
+    """The paragraph of ``section`` starting with ``prefix``, the table after it and a figure line
+    right below the table, as lines."""
     lines = section.splitlines()
     start = next((i for i, ln in enumerate(lines) if ln.startswith(prefix)), None)
     if start is None:
@@ -177,6 +184,8 @@ def _old_block(section: str, prefix: str) -> list[str] | None:
     while i < len(lines) and lines[i].startswith("|"):
         out.append(lines[i])
         i += 1
+    if i + 1 < len(lines) and lines[i + 1].startswith("!["):  # a figure under the table
+        out += ["", lines[i + 1]]
     return out
 
 
