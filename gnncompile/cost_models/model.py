@@ -150,12 +150,13 @@ def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
     and int64 pointer per row each), and float32 normalization weights per edge: ``36 |E| + 16 |V|``
     bytes. Features: ``float32`` rows of the input features; labels int64 plus three bool masks.
     Parameters are replicated on every rank that runs a stage (data parallelism) with their
-    gradients and Adam's two moments.
+    gradients and Adam's two moments; a rank whose sizes name its ``params`` (the ``task``
+    strategy: a rank holds its own tasks' parameters) holds that many.
     """
     s = dp.sizes
     nodes, edges, src = s.get("nodes", 0), s.get("edges", 0), s.get("src", s.get("nodes", 0))
     features = int(plan.info.get("features", 0))
-    params = int(plan.info.get("params", 0)) if s.get("trains", 1) else 0
+    params = int(s["params"]) if "params" in s else int(plan.info.get("params", 0)) if s.get("trains", 1) else 0
     pbytes = params * _elsize(plan.info.get("param_dtype", "float32"))
     rows = s.get("feature_rows", nodes)  # a rank that runs no T op holds no features or labels
     return StaticMemory(topology=36 * edges + 8 * (nodes + 1) + 8 * (src + 1) if edges else 0,

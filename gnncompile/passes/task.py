@@ -418,7 +418,9 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
             sizes = {"nodes": rows, "edges": edges, "halo": 0, "src": stats.num_nodes if is_p else rows,
                      "all_nodes": stats.num_nodes if is_p else rows, "chunks": max(len(mine), 1),
                      "feature_rows": (stats.num_nodes if is_p else rows) if reads_x else 0,
-                     "trains": rows if gi == out_group else 0}
+                     "trains": rows if gi == out_group else 0,
+                     # the rank holds its own tasks' parameters (with their gradients and Adam moments)
+                     "params": sum(by_name[n].numel() for n in local[gi] if by_name[n].requires_grad)}
             ranks.append(DevicePlan(rank=r, stages=stages, instructions=tuple(train_progs[r]), sizes=sizes,
                                     modules=staged.modules))
     ranks.sort(key=lambda dp: dp.rank)
