@@ -91,7 +91,8 @@ def memory(gc, torch, ranks: int) -> list[str]:
                     dec_cells = f"n/a ({why}) | – | –"
                 lines.append(
                     f"| {name} | {kind}-{layers} | {max(dm) / mib:.0f} MiB ({max(da) / mib:.0f}) "
-                    f"| {sum(dm) / mib:.0f} MiB ({sum(da) / mib:.0f}) | {max(tm) / mib:.0f} MiB ({max(ta) / mib:.0f}) | "
+                    f"| {sum(dm) / mib:.0f} MiB ({sum(da) / mib:.0f}) "
+                    f"| {max(tm) / mib:.0f} MiB ({max(ta) / mib:.0f}) | "
                     f"{sum(tm) / mib:.0f} MiB ({sum(ta) / mib:.0f}) | {sum(tm) / sum(dm):.2f} | {dec_cells} | "
                     f"{sum(dp.predictions['bytes_sent']) / mib:.1f} MiB | {sum(tp.predictions['bytes_sent']) / mib:.1f} MiB"
                     f" | {tp.info['regime']}: {', '.join(f'{k}→{v}' for k, v in tp.info['groups'].items())} |")
@@ -149,8 +150,9 @@ def pipeline(gc, torch) -> list[str]:
         if k == 4:
             plan.timeline(HERE / TIMELINE)
             drawn = f"{100 * sim.bubble_fraction:.0f}%"
-    lines += ["", f"![predicted 4-chunk task pipeline]({TIMELINE}) `{TIMELINE}`: the predicted step of the 4-chunk plan "
-                  f"(bubble {drawn}: the first propagation reads every chunk, so it starts after the last one arrived)."]
+    lines += ["", f"![predicted 4-chunk task pipeline]({TIMELINE}) `{TIMELINE}`: the predicted step of the "
+                  f"4-chunk plan (bubble {drawn}: the first propagation reads every chunk, so it starts after the "
+                  "last one arrived)."]
     return lines
 
 
