@@ -53,11 +53,17 @@ def _model(gc, kind: str, layers: int, g):
     return gc.nn.GAT(g.num_features, 16, g.num_classes, heads=4, num_layers=layers, dropout=0.5)
 
 
+def _above_resident(pred) -> list[int]:
+    """Predicted peak per rank above what is resident before the first step (graph, features, labels,
+    parameters): the measured first step also allocates the gradients and Adam's moments."""
+    return [p - (s.total - s.gradients - s.optimizer) for p, s in zip(pred.peak_memory, pred.static)]
+
+
 def memory(gc, torch, ranks: int) -> list[str]:
-    lines = ["| graph | model | data peak/rank max (pred) | data total | task peak/rank max (pred) | task total | "
-             "task total / data total | task decoupled+recompute total (relaxed) | dec+rc total / data total | "
-             "data bytes/step | task bytes/step | task regime |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| graph | model | data peak/rank max (pred) | data total (pred) | task peak/rank max (pred) | "
+             "task total (pred) | task total / data total | task dec+rc peak/rank max (pred) | "
+             "task dec+rc total (pred) | dec+rc total / data total | data bytes/step | task bytes/step | task regime |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     mib = 2 ** 20
     for name, g in _graphs(gc).items():
         for kind in ("GCN", "GAT"):
@@ -70,23 +76,24 @@ def memory(gc, torch, ranks: int) -> list[str]:
                     plan = gc.plan(copy.deepcopy(model), g, ranks, strategy=strategy, **kw)
                     res = plan.run(epochs=1, timeout=600)
                     assert [r.bytes_sent for r in res.ranks] == plan.predictions["bytes_sent"], strategy
-                    pred = plan.prediction
-                    act = [p - s.total for p, s in zip(pred.peak_memory, pred.static)]  # above resident data
+                    act = _above_resident(plan.prediction)
                     out[strategy] = (plan, [r.peak_memory for r in res.ranks], act)
                 (dp, dm, da), (tp, tm, ta) = out["data"], out["task"]
                 try:  # NeutronTask's memory configuration: task-decoupled training with recomputation
                     dec = gc.plan(copy.deepcopy(model), g, ranks, strategy="task", decouple=True, recompute=True,
                                   semantics="relaxed")
                     dres = dec.run(epochs=1, timeout=600)
-                    dtot = sum(r.peak_memory for r in dres.ranks)
-                    dec_cells = f"{dtot / mib:.0f} MiB | {dtot / sum(dm):.2f}"
+                    dmeas, dpred = [r.peak_memory for r in dres.ranks], _above_resident(dec.prediction)
+                    dec_cells = (f"{max(dmeas) / mib:.0f} MiB ({max(dpred) / mib:.0f}) | {sum(dmeas) / mib:.0f} MiB "
+                                 f"({sum(dpred) / mib:.0f}) | {sum(dmeas) / sum(dm):.2f}")
                 except gc.PlanningError as e:  # e.g. a decoupled GAT's attention would cross tasks
                     why = "edge values cross tasks" if "edge values" in str(e) else str(e).splitlines()[0][-60:]
-                    dec_cells = f"n/a ({why}) | –"
+                    dec_cells = f"n/a ({why}) | – | –"
                 lines.append(
                     f"| {name} | {kind}-{layers} | {max(dm) / mib:.0f} MiB ({max(da) / mib:.0f}) "
-                    f"| {sum(dm) / mib:.0f} MiB | {max(tm) / mib:.0f} MiB ({max(ta) / mib:.0f}) | "
-                    f"{sum(tm) / mib:.0f} MiB | {sum(tm) / sum(dm):.2f} | {dec_cells} | "
+                    f"| {sum(dm) / mib:.0f} MiB ({sum(da) / mib:.0f}) "
+                    f"| {max(tm) / mib:.0f} MiB ({max(ta) / mib:.0f}) | "
+                    f"{sum(tm) / mib:.0f} MiB ({sum(ta) / mib:.0f}) | {sum(tm) / sum(dm):.2f} | {dec_cells} | "
                     f"{sum(dp.predictions['bytes_sent']) / mib:.1f} MiB | {sum(tp.predictions['bytes_sent']) / mib:.1f} MiB"
                     f" | {tp.info['regime']}: {', '.join(f'{k}→{v}' for k, v in tp.info['groups'].items())} |")
                 print(lines[-1], flush=True)
@@ -140,7 +147,48 @@ def pipeline(gc, torch) -> list[str]:
         lines.append(f"| {k} | {sim.step_time * 1e3:.2f} ms | {100 * sim.bubble_fraction:.0f}% | "
                      f"{', '.join(f'{a}→{b}' for a, b in plan.info['groups'].items())} |")
         print(lines[-1], flush=True)
+        if k == 4:
+            plan.timeline(HERE / TIMELINE)
+            drawn = f"{100 * sim.bubble_fraction:.0f}%"
+    lines += ["", f"![predicted 4-chunk task pipeline]({TIMELINE}) `{TIMELINE}`: the predicted step of the "
+                  f"4-chunk plan (bubble {drawn}: the first propagation reads every chunk, so it starts after the "
+                  "last one arrived)."]
     return lines
+
+
+PARTS = ("memory", "accuracy", "pipeline")
+TIMELINE = "task_pipeline_timeline.png"
+SECTION = "Task strategy (NeutronTask) vs data: memory, bytes, accuracy"
+
+
+def _section_text(path: Path) -> str:
+    """This script's current section of ``path`` ('' when absent)."""
+    if not path.exists():
+        return ""
+    text = path.read_text()
+    start = text.find(f"## {SECTION}\n")
+    if start < 0:
+        return ""
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def _old_block(section: str, prefix: str) -> list[str] | None:
+    """The paragraph of ``section`` starting with ``prefix``, the table after it and a figure line
+    right below the table, as lines."""
+    lines = section.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith(prefix)), None)
+    if start is None:
+        return None
+    out, i = [lines[start], ""], start + 1
+    while i < len(lines) and not lines[i].startswith("|"):
+        i += 1
+    while i < len(lines) and lines[i].startswith("|"):
+        out.append(lines[i])
+        i += 1
+    if i + 1 < len(lines) and lines[i + 1].startswith("!["):  # a figure under the table
+        out += ["", lines[i + 1]]
+    return out
 
 
 def main() -> None:
@@ -149,29 +197,50 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=200)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"comma-separated parts to run ({', '.join(PARTS)}); the others keep their tables from "
+                         "RESULTS.md")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if parts - set(PARTS):
+        ap.error(f"unknown parts {sorted(parts - set(PARTS))}; known: {', '.join(PARTS)}")
 
     import torch
 
     import gnncompile as gc
 
+    old = _section_text(HERE / "RESULTS.md")
+    intro = {
+        "memory": f"Peak tensor memory of one training step on {args.ranks} local ranks, measured by the runtime (the "
+                  "cost model's predicted peak above the resident graph, features and parameters in parentheses: the "
+                  "first step also allocates the gradients and Adam's moments), and total bytes per step (measured = "
+                  "predicted). GCN hidden 64, GAT 4 heads x 16, dropout 0.5:",
+        "accuracy": f"GCN (2 layers, dropout 0.5, Adam lr 0.01, wd 5e-4), {args.epochs} epochs, mean over {args.seeds} "
+                    "seed(s) of test accuracy at best validation; same initial weights, seed and dropout masks:",
+        "pipeline": "Predicted step of a 4-rank task plan on 4xA5000 (coauthor_physics, GCN 2x64) by chunk count:",
+    }
+    run = {"memory": lambda: memory(gc, torch, args.ranks),
+           "accuracy": lambda: accuracy(gc, torch, args.seeds, args.epochs),
+           "pipeline": lambda: pipeline(gc, torch)}
+    blocks = []
+    for part in PARTS:
+        if part in parts:
+            blocks += [intro[part], "", *run[part](), ""]
+        else:
+            kept = _old_block(old, intro[part][:20])
+            if kept is None:
+                raise SystemExit(f"RESULTS.md has no {part} table to keep; run --parts {part}")
+            blocks += [*kept, ""]
     text = "\n".join([
-        f"{today()} · {machine_info(torch.get_num_threads())} · `{command_line()}`", "",
-        f"Peak tensor memory of one training step on {args.ranks} local ranks, measured by the runtime (the cost "
-        "model's predicted peak above the resident graph, features and parameters in parentheses), and total bytes "
-        "per step (measured = predicted). GCN hidden 64, GAT 4 heads x 16, dropout 0.5:", "",
-        *memory(gc, torch, args.ranks), "",
-        f"GCN (2 layers, dropout 0.5, Adam lr 0.01, wd 5e-4), {args.epochs} epochs, mean over {args.seeds} seed(s) of "
-        "test accuracy at best validation; same initial weights, seed and dropout masks:", "",
-        *accuracy(gc, torch, args.seeds, args.epochs), "",
-        "Predicted step of a 4-rank task plan on 4xA5000 (coauthor_physics, GCN 2x64) by chunk count:", "",
-        *pipeline(gc, torch), "",
+        f"{today()} · {machine_info(torch.get_num_threads())} · `{command_line()}`"
+        + ("" if parts == set(PARTS) else " (the other parts' tables are kept from the previous run)"), "",
+        *blocks,
         "The ranks are processes sharing this machine's 2 cores (gloo over loopback): epoch times measure the "
         "runtime's overheads, not a speed-up.",
     ])
     print(text)
     if not args.no_write:
-        update_section(HERE / "RESULTS.md", "Task strategy (NeutronTask) vs data: memory, bytes, accuracy", text)
+        update_section(HERE / "RESULTS.md", SECTION, text)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,14 @@ Memory (per rank, over the instruction list; :class:`MemoryModel`): a static par
 topology in the runtime's layout, features, labels, parameters, gradients and Adam state) plus a
 liveness walk: a stage's ``saved`` activations live from its ``Forward`` to its ``Backward``; a
 value passed between stages (a stage output, a halo-extended tensor) lives from its producer to its
-last consumer's forward; the gradient of a value from the backward that makes it to the backward
-(or gradient communication) that consumes it; transient buffers (an op's output being computed,
-send buffers) only during their instruction.
+last consumer's forward, or to its ``Free`` where the plan has one (the runtime holds what the plan
+has not freed: a sent output until its send completed, see :mod:`gnncompile.passes.free`), and at
+least to the ``Backward`` of each stage that reads it, whose input leaf it is; a stage reading
+several chunks of a value reads their concatenation, held from the first such forward to the last
+such backward (its gradient, of the same size, is made anew in each of those backwards); the
+gradient of a value from the backward that makes it to the backward (or gradient communication)
+that consumes it; transient buffers (an op's output being computed, send buffers) only during
+their instruction.
 """
 
 from __future__ import annotations
@@ -145,12 +150,13 @@ def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
     and int64 pointer per row each), and float32 normalization weights per edge: ``36 |E| + 16 |V|``
     bytes. Features: ``float32`` rows of the input features; labels int64 plus three bool masks.
     Parameters are replicated on every rank that runs a stage (data parallelism) with their
-    gradients and Adam's two moments.
+    gradients and Adam's two moments; a rank whose sizes name its ``params`` (the ``task``
+    strategy: a rank holds its own tasks' parameters) holds that many.
     """
     s = dp.sizes
     nodes, edges, src = s.get("nodes", 0), s.get("edges", 0), s.get("src", s.get("nodes", 0))
     features = int(plan.info.get("features", 0))
-    params = int(plan.info.get("params", 0)) if s.get("trains", 1) else 0
+    params = int(s["params"]) if "params" in s else int(plan.info.get("params", 0)) if s.get("trains", 1) else 0
     pbytes = params * _elsize(plan.info.get("param_dtype", "float32"))
     rows = s.get("feature_rows", nodes)  # a rank that runs no T op holds no features or labels
     return StaticMemory(topology=36 * edges + 8 * (nodes + 1) + 8 * (src + 1) if edges else 0,
@@ -275,6 +281,7 @@ class PlanCost:
         # last forward consumer and backward consumer of every value, per chunk
         last_use: dict[tuple[str, int], int] = {}
         backward_at: dict[tuple[int, int], int] = {}
+        free_at = {(inst.value, inst.chunk): i for i, inst in enumerate(dp.instructions) if isinstance(inst, Free)}
         for i, inst in enumerate(dp.instructions):
             if isinstance(inst, (Forward, Recompute)):
                 st = stages[inst.stage]
@@ -287,6 +294,27 @@ class PlanCost:
                 last_use[inst.value, inst.chunk] = i
             elif isinstance(inst, Backward):
                 backward_at[inst.stage, inst.chunk] = i
+        # a stage's input leaves stay until its backward: a single chunk read is the value itself
+        # (held at least that long), several chunks read are one concatenation per (value, chunks)
+        held: dict[tuple[str, int], int] = {}
+        concat_span: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}  # -> (first forward, last backward)
+        for i, inst in enumerate(dp.instructions):
+            if isinstance(inst, Forward) and (inst.stage, inst.chunk) in backward_at:
+                st = stages[inst.stage]
+                back = backward_at[inst.stage, inst.chunk]
+                for v in dict.fromkeys(st.inputs):
+                    read = st.chunks_read(v, inst.chunk)
+                    if len(read) == 1:
+                        held[v, read[0]] = max(held.get((v, read[0]), back), back)
+                    else:
+                        first, last = concat_span.get((v, read), (i, back))
+                        concat_span[v, read] = (min(first, i), max(last, back))
+
+        def gone(key: tuple[str, int], i: int) -> int:
+            """Where the value ``key`` stored at instruction ``i`` is released."""
+            end = free_at[key] if key in free_at else max(last_use.get(key, i), i)
+            return max(end, held.get(key, end))
+
         frees: dict[int, float] = {}  # instruction index -> bytes released at its end
 
         def release_at(i: int, nbytes: float) -> None:
@@ -308,7 +336,13 @@ class PlanCost:
                 back = backward_at.get((inst.stage, inst.chunk), len(dp.instructions) - 1)
                 release_at(back, saved)
                 for o in st.outputs:
-                    release_at(max(last_use.get((o, inst.chunk), i), i), value_bytes.get(o, 0.0))
+                    release_at(gone((o, inst.chunk), i), value_bytes.get(o, 0.0))
+                for v in dict.fromkeys(st.inputs):
+                    read = st.chunks_read(v, inst.chunk)
+                    if v in value_bytes and len(read) > 1 and concat_span.get((v, read), (-1,))[0] == i:
+                        whole = value_bytes[v] * len(read)
+                        alloc += whole
+                        release_at(concat_span[v, read][1], whole)
                 stream = "compute"
             elif isinstance(inst, Backward):
                 st = stages[inst.stage]
@@ -319,6 +353,9 @@ class PlanCost:
                     if v in value_bytes:
                         alloc += value_bytes[v]
                         grad_made[v, inst.chunk] = value_bytes[v]
+                        read = st.chunks_read(v, inst.chunk)
+                        if len(read) > 1:  # the concatenation's gradient and one temporary of its size
+                            transient += 2 * value_bytes[v] * len(read)
                 # the gradients of the outputs were consumed here
                 for o in st.outputs:
                     release_at(i, grad_made.pop((o, inst.chunk), 0.0))
@@ -342,7 +379,7 @@ class PlanCost:
                         alloc = value_bytes.get(inst.value, 0.0)
                     else:
                         alloc = value_bytes.get(inst.output, 0.0)
-                        release_at(max(last_use.get((inst.output, inst.chunk), i), i), alloc)
+                        release_at(gone((inst.output, inst.chunk), i), alloc)
                 elif isinstance(inst, Recv) and not inst.grad:
                     alloc = math.prod(inst.shape) * _elsize(inst.dtype)
                     if inst.part:  # a block of (name, chunk): the value is the sum of its blocks
@@ -350,7 +387,7 @@ class PlanCost:
                         value_bytes[inst.name] = max(value_bytes.get(inst.name, 0.0), got)
                     else:
                         value_bytes[inst.name] = alloc
-                    release_at(max(last_use.get((inst.name, inst.chunk), i), i), alloc)
+                    release_at(gone((inst.name, inst.chunk), i), alloc)
                 transient = 0.0
             costs[inst] = Cost(seconds=seconds, stream=stream, alloc=int(alloc + transient), free=int(transient))
         for i, nbytes in frees.items():

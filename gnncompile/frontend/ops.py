@@ -464,20 +464,22 @@ class MaskCache:
         global _MASKS
         _MASKS = None
 
-    def draw(self, like: torch.Tensor, p: float) -> torch.Tensor:
+    def draw(self, like: Callable[[], torch.Tensor], p: float) -> torch.Tensor:
+        """The mask of the current stage's next dropout: the cached one, else drawn into ``like()``
+        (called only then: a chunk that reuses the mask allocates no full-size template)."""
         key = (self._scope, self._count)
         self._count += 1
         noise = self.masks.get(key)
         if noise is None:
-            noise = self.masks[key] = dropout_noise(like, p)
+            noise = self.masks[key] = dropout_noise(like(), p)
         return noise
 
 
 _MASKS: Optional[MaskCache] = None
 
 
-def _row_noise(like: torch.Tensor, p: float) -> torch.Tensor:
-    return _MASKS.draw(like, p) if _MASKS is not None else dropout_noise(like, p)
+def _row_noise(like: Callable[[], torch.Tensor], p: float) -> torch.Tensor:
+    return _MASKS.draw(like, p) if _MASKS is not None else dropout_noise(like(), p)
 
 
 def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -498,11 +500,25 @@ def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int) 
         return x
     if x.layout == torch.sparse_csr:
         values = x.values()
-        noise = _row_noise(values.new_empty((num_rows,)), p).index_select(0, index)
+        noise = _take_rows(_row_noise(lambda: values.new_empty(()).expand((num_rows,)), p), index)
         return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), values * noise, size=x.shape,
                                        check_invariants=False)
-    noise = _row_noise(x.new_empty((num_rows,) + tuple(x.shape[1:])), p)
-    return x * noise.index_select(0, index)
+    # the template only gives dropout_noise the shape: one element, zero strides
+    noise = _row_noise(lambda: x.new_empty(()).expand((num_rows,) + tuple(x.shape[1:])), p)
+    return x * _take_rows(noise, index)
+
+
+def _take_rows(noise: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of a dropout mask. While a :class:`MaskCache` holds the whole mask (chunked
+    plans), a contiguous ascending ``index`` (a chunk's rows) gives a view: the product's backward
+    saves it, and a copy would hold those rows twice; otherwise a copy (a view would keep a mask
+    nobody else holds alive whole)."""
+    n = index.numel()
+    if _MASKS is not None and n > 0 and index.dim() == 1 and index.device.type == "cpu":
+        start = int(index[0])
+        if int(index[-1]) - start + 1 == n and (n == 1 or bool((index.diff() == 1).all())):
+            return noise.narrow(0, start, n)
+    return noise.index_select(0, index)
 
 
 def _nonzero_rows(t: torch.Tensor) -> torch.Tensor:

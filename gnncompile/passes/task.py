@@ -60,6 +60,7 @@ from .chunked import Chunking, Group, Placement, Task, chunk_bounds, chunk_edge_
     emit_programs, stage_groups, stage_reads, with_reads
 from .data import _dropout_index, _propagation_norms, check_options, replicate_dropout_masks, \
     row_mixing_relaxations
+from .free import insert_frees
 from ..frontend.ops import dropout_rows
 from .lower import Decisions, StagedModel, call_arguments, requires_grad_values, source_input, \
     split_stages
@@ -417,10 +418,15 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
             sizes = {"nodes": rows, "edges": edges, "halo": 0, "src": stats.num_nodes if is_p else rows,
                      "all_nodes": stats.num_nodes if is_p else rows, "chunks": max(len(mine), 1),
                      "feature_rows": (stats.num_nodes if is_p else rows) if reads_x else 0,
-                     "trains": rows if gi == out_group else 0}
+                     "trains": rows if gi == out_group else 0,
+                     # the rank holds its own tasks' parameters (with their gradients and Adam moments)
+                     "params": sum(by_name[n].numel() for n in local[gi] if by_name[n].requires_grad)}
             ranks.append(DevicePlan(rank=r, stages=stages, instructions=tuple(train_progs[r]), sizes=sizes,
                                     modules=staged.modules))
     ranks.sort(key=lambda dp: dp.rank)
+    # release each stored value after its last use (and its sends' completion): without it every
+    # cross-task tensor stays on both the producer and the consumer for the whole step
+    ranks = insert_frees(ranks, keep={"g", "x", *dropout_inputs, staged.output})
     numel = sum(p.numel() for p in params if p.requires_grad)
     info = {
         "graph": str(stats), "model": type(model).__name__, "output": staged.output,

@@ -106,6 +106,7 @@ from .data import _dropout_index, _propagation_norms, check_options, replicate_d
 from .lower import Conversion, Decisions, StagedModel, call_arguments, forward_schedule, sequential_schedule, \
     source_input, split_stages
 from .decouple import decouple, plan_decoupling
+from .free import insert_frees
 from .recompute import insert_recomputation
 
 __all__ = ["TensorOptions", "tensor_decisions", "chunked_decisions", "column_splits", "row_blocks", "lower_tensor"]
@@ -536,6 +537,9 @@ def _lower_chunked(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph:
                  "all_nodes": stats.num_nodes, "col_share_ppm": round(1e6 / n), "chunks": K}
         ranks.append(DevicePlan(rank=r, stages=stages, instructions=tuple(instrs + finish), sizes=sizes,
                                 modules=staged.modules))
+    # release every chunk after its last reader: a received chunk and the concatenation its
+    # propagation reads would otherwise both live for the whole step
+    ranks = insert_frees(ranks, keep={"g", "x", *dropout_inputs, staged.output})
     info = {
         "graph": str(stats), "model": type(model).__name__, "output": staged.output,
         "inputs": ["g", "x", *dropout_inputs], "owned_rows": [dp.sizes["nodes"] for dp in ranks],

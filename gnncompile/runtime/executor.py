@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.graph import _engine_run_backward
 
 from ..errors import RuntimeFailure
 from ..frontend.ops import MaskCache, dropout_noise
@@ -267,6 +268,38 @@ class _Rank:
             raise RuntimeFailure(f"rank {self.ctx.rank}: the executor cannot run instruction {ins} "
                                  f"({type(ins).__name__}) yet")
 
+    def _free(self, key: tuple[str, int], values: dict, pieces: dict, concat: dict, roots: dict, sends: dict,
+              pending: list, freed: dict, output: str) -> None:
+        """``Free(value, chunk)``: drop this rank's references to the stored value ``key`` and
+        release a stage output's storage that only its stage's backward still holds (as its root).
+
+        The plan puts ``Free`` after the value's last forward read and after its sends certainly
+        completed (:mod:`gnncompile.passes.free`), so waiting for them here returns at once; a send
+        buffer of whole rows aliases the value. The output's autograd node stays; its storage is
+        swapped for one element (Megatron-LM's ``deallocate_output_tensor``) and its backward runs
+        through :func:`_run_backward`, which does not compare the gradient's shape with it. A value
+        some other tensor still shares storage with (a local consumer's input leaf, an autograd node
+        that saved it) keeps that storage alive through it, so the release never changes results.
+        """
+        for work, buf in sends.pop(key, ()):
+            work.wait()
+            pending[:] = [wb for wb in pending if wb[0] is not work]
+        v = values.pop(key, None)
+        if isinstance(v, _Posted):  # a posted all-to-all nobody read: complete it (collectives stay in step)
+            v = v.result()
+        parts = pieces.pop(key, None)
+        if v is None and parts:
+            v = parts[0][1]
+        for ck in [ck for ck in concat if ck[0] == key[0] and key[1] in ck[1]]:
+            del concat[ck]  # the stages that read it keep it as their input leaf until their backward
+        if isinstance(v, torch.Tensor):
+            freed[key] = torch.zeros((), dtype=v.dtype, device=v.device).expand(v.shape) if v.layout == torch.strided \
+                else v
+        root = roots.pop(key, None)
+        if root is not None and key[0] != output and root.grad_fn is not None and root._base is None \
+                and root.layout == torch.strided:
+            root.data = torch.empty((1,), dtype=root.dtype, device=root.device)
+
     def _rows(self, t: Any, chunk: int) -> Any:
         """Chunk ``chunk``'s rows of a rank-wide per-row tensor (labels, masks)."""
         if t is None or not self.offsets:
@@ -281,7 +314,15 @@ class _Rank:
         grads: dict[tuple[str, int], torch.Tensor] = {}
         pieces: dict[tuple[str, int], list] = {}
         pending: list = []  # (work, buffer) of posted sends
+        # forward sends of each (value, chunk): their buffers may alias the value, so its memory
+        # is released (Free) only after they completed
+        sends: dict[tuple[str, int], list] = {}
         saved: dict[tuple[int, int], tuple[dict, dict]] = {}
+        #: stage outputs kept as roots of their stage's backward, by (value, chunk)
+        roots: dict[tuple[str, int], torch.Tensor] = {}
+        #: freed values: a stand-in of their shape and dtype (one element of memory, zero strides) for
+        #: the gradient communication that only needs the shape (zeros of a gradient nobody made)
+        freed: dict[tuple[str, int], torch.Tensor] = {}
         spec = {s.index: s for s in stages}
         losses: dict[int, Any] = {}
         logits: dict[int, torch.Tensor] = {}
@@ -293,9 +334,16 @@ class _Rank:
         concat: dict[tuple[str, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
         if masks is not None and prog.dropout_draws:  # every mask of the step, in single-device order
             like = prog.params[0] if prog.params else torch.empty(0)
+            mine = {s.index for s in stages}
             for stage, ordinal, shape, dtype, p in prog.dropout_draws:
-                masks.masks[(stage, ordinal)] = dropout_noise(
-                    torch.empty(shape, dtype=getattr(torch, dtype), device=like.device), p)
+                # every rank draws every mask (the random stream must match single-device training's)
+                # but keeps only those of its own stages
+                # (the template only gives the shape: one element, zero strides)
+                template = torch.empty((), dtype=getattr(torch, dtype), device=like.device).expand(shape)
+                noise = dropout_noise(template, p)
+                if stage in mine:
+                    masks.masks[(stage, ordinal)] = noise
+                del noise
 
         def get(name: str, chunk: int) -> Any:
             key = (name, chunk)
@@ -315,6 +363,8 @@ class _Rank:
             ci = prog.chunk_inputs.get(chunk)
             if ci is not None and name in ci:
                 return ci[name]
+            if key in freed:
+                return freed[key]
             try:
                 return prog.inputs[name]
             except KeyError:
@@ -339,84 +389,102 @@ class _Rank:
                     keep.append((key, p))
             posted_grads[:] = keep
 
+        def forward(ins: Forward) -> None:
+            # a function, so that its temporaries (inputs, outputs, concatenations) are not kept
+            # alive by this frame until the next forward: Free must be able to release them
+            st = spec[ins.stage]
+            leaves: dict[str, tuple[torch.Tensor, tuple[int, ...], list[int]]] = {}
+            args = []
+            for name in st.inputs:
+                read = st.chunks_read(name, ins.chunk) if st.reads else (ins.chunk,)
+                old = st.chunks_stale(name, ins.chunk) if st.stale else ()
+                if old:  # relaxed: chunks not computed yet this step come from the previous step
+                    fresh = {k: get(name, k) for k in read}
+                    like = next(iter(fresh.values()))
+                    for k, t in fresh.items():
+                        self.stale[name, k] = t.detach()
+                    read = tuple(sorted(set(read) | set(old)))
+                    parts = [fresh[k] if k in fresh else self.stale.get(
+                        (name, k), like.new_zeros((prog.chunk_rows[k],) + tuple(like.shape[1:]))) for k in read]
+                    stale_here = set(old)
+                else:
+                    gone = [k for k in read if (name, k) in freed]
+                    if gone:  # verify_plan rejects such a plan; never compute on a stand-in
+                        raise RuntimeFailure(f"rank {self.ctx.rank}: `{ins}` reads {name} c{gone[0]}, which "
+                                             f"was freed (step {epoch})")
+                    parts = [get(name, k) for k in read]
+                    stale_here = set()
+                track = any(isinstance(p, torch.Tensor) and p.requires_grad for p in parts)
+                key = (name, read, tuple(sorted(stale_here)))
+                if len(parts) > 1 and key in concat:
+                    v = concat[key]
+                else:
+                    v = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts])
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.layout == torch.strided \
+                            and track and optimizer is not None:
+                        v = v.detach().requires_grad_(True)
+                    if len(parts) > 1:
+                        concat[key] = v
+                if track and optimizer is not None and isinstance(v, torch.Tensor) and v.requires_grad \
+                        and v.is_leaf:
+                    leaves[name] = (v, read, [p.shape[0] for p in parts], stale_here)
+                args.append(v)
+            if masks is not None:
+                with masks.stage(ins.stage):
+                    outs = modules[ins.stage](*args)
+            else:
+                outs = modules[ins.stage](*args)
+            outd = dict(zip(st.outputs, outs))
+            for o, v in outd.items():
+                values[(o, ins.chunk)] = v
+            if output in outd:
+                take_loss(ins.chunk, outd[output])
+            if optimizer is not None:
+                saved[(ins.stage, ins.chunk)] = (leaves, outd)
+                for o, v in outd.items():
+                    if isinstance(v, torch.Tensor) and v.requires_grad:
+                        roots[(o, ins.chunk)] = v
+
+        def backward(ins: Backward) -> None:
+            # a function for the same reason: the leaves' gradients die with it
+            leaves, outd = saved.pop((ins.stage, ins.chunk))
+            for o in outd:
+                roots.pop((o, ins.chunk), None)
+            pairs = []
+            for name, o in outd.items():
+                if name == output:
+                    if losses.get(ins.chunk) is not None and losses[ins.chunk].requires_grad:
+                        pairs.append((losses[ins.chunk], None))
+                elif (name, ins.chunk) in grads and isinstance(o, torch.Tensor) and o.requires_grad:
+                    pairs.append((o, grads.pop((name, ins.chunk))))
+            if pairs and masks is not None:  # recomputed segments redraw the stage's masks from the cache
+                with masks.stage(ins.stage):
+                    _run_backward(pairs)
+            elif pairs:
+                _run_backward(pairs)
+            for name, (leaf, read, rows, stale_here) in leaves.items():
+                if leaf.grad is None:
+                    continue
+                g_leaf, leaf.grad = leaf.grad, None  # a shared leaf collects the next chunk's gradient
+                if len(read) == 1:
+                    _accumulate(grads, (name, read[0]), g_leaf)
+                else:
+                    for k, g in zip(read, torch.split(g_leaf, rows)):
+                        if k in stale_here:  # a previous step's copy: no gradient goes back
+                            continue
+                        # a view would keep the whole concatenated gradient alive
+                        _accumulate(grads, (name, k), g if (name, k) in grads else g.clone())
+
         for ins in instructions:
             t0 = time.perf_counter()
             if posted_grads and isinstance(ins, Backward):
                 settle({(o, ins.chunk) for o in spec[ins.stage].outputs})
-            elif posted_grads and not isinstance(ins, Forward):
+            elif posted_grads and not isinstance(ins, (Forward, Free)):  # Free touches no gradient
                 settle()
             if isinstance(ins, Forward):
-                st = spec[ins.stage]
-                leaves: dict[str, tuple[torch.Tensor, tuple[int, ...], list[int]]] = {}
-                args = []
-                for name in st.inputs:
-                    read = st.chunks_read(name, ins.chunk) if st.reads else (ins.chunk,)
-                    old = st.chunks_stale(name, ins.chunk) if st.stale else ()
-                    if old:  # relaxed: chunks not computed yet this step come from the previous step
-                        fresh = {k: get(name, k) for k in read}
-                        like = next(iter(fresh.values()))
-                        for k, t in fresh.items():
-                            self.stale[name, k] = t.detach()
-                        read = tuple(sorted(set(read) | set(old)))
-                        parts = [fresh[k] if k in fresh else self.stale.get(
-                            (name, k), like.new_zeros((prog.chunk_rows[k],) + tuple(like.shape[1:]))) for k in read]
-                        stale_here = set(old)
-                    else:
-                        parts = [get(name, k) for k in read]
-                        stale_here = set()
-                    track = any(isinstance(p, torch.Tensor) and p.requires_grad for p in parts)
-                    key = (name, read, tuple(sorted(stale_here)))
-                    if len(parts) > 1 and key in concat:
-                        v = concat[key]
-                    else:
-                        v = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts])
-                        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.layout == torch.strided \
-                                and track and optimizer is not None:
-                            v = v.detach().requires_grad_(True)
-                        if len(parts) > 1:
-                            concat[key] = v
-                    if track and optimizer is not None and isinstance(v, torch.Tensor) and v.requires_grad \
-                            and v.is_leaf:
-                        leaves[name] = (v, read, [p.shape[0] for p in parts], stale_here)
-                    args.append(v)
-                if masks is not None:
-                    with masks.stage(ins.stage):
-                        outs = modules[ins.stage](*args)
-                else:
-                    outs = modules[ins.stage](*args)
-                outd = dict(zip(st.outputs, outs))
-                for o, v in outd.items():
-                    values[(o, ins.chunk)] = v
-                if output in outd:
-                    take_loss(ins.chunk, outd[output])
-                if optimizer is not None:
-                    saved[(ins.stage, ins.chunk)] = (leaves, outd)
+                forward(ins)
             elif isinstance(ins, Backward):
-                leaves, outd = saved.pop((ins.stage, ins.chunk))
-                pairs = []
-                for name, o in outd.items():
-                    if name == output:
-                        if losses.get(ins.chunk) is not None and losses[ins.chunk].requires_grad:
-                            pairs.append((losses[ins.chunk], None))
-                    elif (name, ins.chunk) in grads and isinstance(o, torch.Tensor) and o.requires_grad:
-                        pairs.append((o, grads.pop((name, ins.chunk))))
-                if pairs and masks is not None:  # recomputed segments redraw the stage's masks from the cache
-                    with masks.stage(ins.stage):
-                        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-                elif pairs:
-                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-                for name, (leaf, read, rows, stale_here) in leaves.items():
-                    if leaf.grad is None:
-                        continue
-                    g_leaf, leaf.grad = leaf.grad, None  # a shared leaf collects the next chunk's gradient
-                    if len(read) == 1:
-                        _accumulate(grads, (name, read[0]), g_leaf)
-                    else:
-                        for k, g in zip(read, torch.split(g_leaf, rows)):
-                            if k in stale_here:  # a previous step's copy: no gradient goes back
-                                continue
-                            # a view would keep the whole concatenated gradient alive
-                            _accumulate(grads, (name, k), g if (name, k) in grads else g.clone())
+                backward(ins)
             elif isinstance(ins, OptimizerStep):
                 for work, _ in pending:  # sends must be complete before parameters change
                     work.wait()
@@ -427,9 +495,11 @@ class _Rank:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             elif isinstance(ins, Free):
-                values.pop((ins.value, ins.chunk), None)
+                self._free((ins.value, ins.chunk), values, pieces, concat, roots, sends, pending, freed, output)
             else:
                 self._comm(ins, get, values, grads, pieces, pending, posted_grads)
+                if isinstance(ins, Send) and not ins.grad:
+                    sends.setdefault((ins.name, ins.chunk), []).append(pending[-1])
                 if getattr(ins, "output", None) == output and not getattr(ins, "grad", False):
                     # the output arrives by communication (e.g. gathered back to rows): the loss starts
                     # here, and its gradient is what the matching gradient communication sends back
@@ -477,6 +547,16 @@ def _move_program(prog: RankProgram, device: torch.device) -> None:
     prog.masks = {k: None if v is None else v.to(device) for k, v in prog.masks.items()}
     send_index, recv_count = prog.halo
     prog.halo = (tuple(t.to(device) for t in send_index), recv_count)
+
+
+def _run_backward(pairs: list[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> None:
+    """``torch.autograd.backward`` of ``(tensor, gradient)`` pairs (``None``: a scalar loss, gradient 1)
+    without its check of each gradient's shape against its tensor: a stage output whose storage a
+    ``Free`` released keeps its autograd node but not its shape (Megatron-LM's ``custom_backward``).
+    The gradients come from the plan's own shapes (the consumer's backward, a received gradient)."""
+    tensors = tuple(t for t, _ in pairs)
+    grads = tuple(torch.ones_like(t) if g is None else g for t, g in pairs)
+    _engine_run_backward(tensors, grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
 def _accumulate(store: dict, name: Any, g: torch.Tensor) -> None:
