@@ -129,8 +129,12 @@ def main() -> None:
         "The ranks are processes sharing this machine's 2 cores (gloo over loopback): a posted all-to-all competes "
         "with the next chunk's compute for the same cores, so the measured times show the runtime's per-chunk "
         "overheads, not the overlap a GPU with its own copy engines gets. 'peak/rank' is every tensor allocated "
-        "during one step (runtime/memory.py); the chunked runtime keeps each received chunk and the per-step "
-        "concatenation a propagation reads, so its measured peak is not lower than the unchunked plan's.",
+        "during one step (runtime/memory.py). A chunked plan releases each chunk after its last reader (FREE), but "
+        "a propagation still reads the concatenation of every chunk its in-edges reach (all of them, in these "
+        "vertex orders), so the per-rank working set stays about one |V| x D/n tensor per converted value: "
+        "chunking trims the transients, it does not bound memory by the chunk size (NeutronTP gets that bound by "
+        "moving NN intermediates to host memory, which a CPU run has no use for). The 4xA5000 columns are the "
+        "cost model's step with the runtime's semantics (posted all-to-alls) and with every transfer overlapped.",
     ])
     print(text)
     if not args.no_write:

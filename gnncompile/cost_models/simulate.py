@@ -29,8 +29,9 @@ Semantics
   ``grad=True``: the gradient of ``output``, or of ``value`` for Send) and write ``output`` (the
   gradient of ``value``); Recv writes ``value`` (or contributes to its gradient); ``AR grads`` reads
   every earlier Backward, ``AR v`` reads and rewrites ``v`` on all chunks; Free waits for the writer
-  and every reader of its value since it was written; OPT waits for every earlier instruction and
-  every later instruction waits for it.
+  and every reader of its value since it was written (but an all-to-all, which copied its input
+  when it was posted); OPT waits for every earlier instruction and every later instruction waits
+  for it.
 - Memory: rank r starts at ``base_memory[r]``; ``alloc`` is added when an instruction starts,
   ``free`` subtracted when it ends (at equal times, frees of instructions that started earlier come
   first).
@@ -326,7 +327,9 @@ def _dependencies(dp: DevicePlan, inputs: frozenset[str], streams: list[str]) ->
             key = (inst.value, inst.chunk)
             if key in writer:
                 deps.add(writer.pop(key))
-            deps.update(readers.pop(key, ()))
+            # an all-to-all packs its input into a send buffer of its own when it is posted: freeing
+            # the input does not wait for the transfer
+            deps.update(j for j in readers.pop(key, ()) if not isinstance(dp.instructions[j], AllToAll))
         elif isinstance(inst, OptimizerStep):
             deps.update(last_on.values())  # streams are in order: their last instructions end last
         if barrier is not None:
