@@ -6,7 +6,8 @@ The public API (see DESIGN.md)::
     graph = gc.datasets.load("cora")
     model = gc.nn.GCN(graph.num_features, 256, graph.num_classes, num_layers=2)
     history = gc.train(model, graph, epochs=200, lr=0.01)
-    plan = gc.plan(model, graph, gpus=4)          # per-rank programs (strategy "data" for now)
+    plan = gc.plan(model, graph, gpus=4)          # per-rank programs, strategy chosen by the cost models
+    plan = gc.plan(model, graph, gc.Cluster.parse("2x4xA5000-ib200"))
     result = plan.run(epochs=200, lr=0.01)        # trains across 4 local processes
 """
 
@@ -33,11 +34,13 @@ from .frontend.tracer import trace
 from .graph import Graph, GraphStats
 from .ir import Plan, TPGraph, verify_plan
 from .api import plan
+from .cost_models.hardware import Cluster
 from .runtime.trainer import History, train
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Cluster",
     "DatasetError",
     "GnnCompileError",
     "Graph",

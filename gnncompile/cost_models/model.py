@@ -193,6 +193,8 @@ class PlanCost:
         self.static = [static_memory(plan, dp) for dp in plan.ranks]
         self.devices = [cluster.rank_device(r) for r in range(plan.num_ranks)]
         self._p2p_times: dict[tuple[bool, tuple[int, ...], str], float] = {}  # (same node, shape, dtype)
+        self._a2a_times: dict[tuple, float] = {}  # (group, member, shapes, dtype, grad)
+        self._links: dict[tuple[int, ...], Any] = {}  # group -> its slowest link
         self._costs: list[dict[Instruction, Cost]] = [self._rank_costs(dp) for dp in plan.ranks]
 
     def __call__(self, rank: int, inst: Instruction) -> Cost:
@@ -229,7 +231,21 @@ class PlanCost:
         n = len(group)
         if n <= 1:
             return 0.0
-        link = c.slowest_link(group)
+        if isinstance(inst, AllToAll):  # chunk-level all-to-alls repeat their shapes chunk after chunk
+            key = (group, group.index(rank), inst.send_shapes, inst.recv_shapes, inst.dtype, inst.grad)
+            t = self._a2a_times.get(key)
+            if t is None:
+                t = self._a2a_times[key] = self._collective_time(rank, inst)
+            return t
+        return self._collective_time(rank, inst)
+
+    def _collective_time(self, rank: int, inst: Instruction) -> float:
+        c = self.cluster
+        group = inst.group
+        n = len(group)
+        link = self._links.get(group)
+        if link is None:
+            link = self._links[group] = c.slowest_link(group)
         if isinstance(inst, AllReduce) and c.nodes == 1:
             link = c.collective_link("all_reduce")
         if c.oversubscription > 1:  # a message waits for its peer process to be scheduled
