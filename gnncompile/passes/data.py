@@ -127,8 +127,12 @@ def _dropout_of(tp: TPGraph, n: torch.fx.Node) -> Optional[tuple[torch.fx.Node, 
     return None
 
 
-def replicate_dropout_masks(tp: TPGraph, graph: Graph) -> tuple[TPGraph, dict[str, str]]:
+def replicate_dropout_masks(tp: TPGraph, graph: Graph, strategy: str = "",
+                            allowed: Optional[tuple[str, ...]] = None) -> tuple[TPGraph, dict[str, str]]:
     """Rewrite every training-mode dropout into :func:`~gnncompile.ops.dropout_rows` over the whole graph.
+
+    ``allowed``: the row spaces (``V``, ``E``, ``E+V``, ``nnz``) whose masks ``strategy`` can hand
+    its ranks (default: all); a dropout of another space raises :class:`PlanningError`.
 
     Requires: ``tp`` traced for ``graph``. Ensures: each dropout of a V-, E- or (E+V)-space value
     (or of sparse input features) reads a new model input ``dropout_index_<space>`` (the global rows
@@ -169,6 +173,9 @@ def replicate_dropout_masks(tp: TPGraph, graph: Graph) -> tuple[TPGraph, dict[st
         n.replace_all_uses_with(new)
         g.erase_node(n)
     out.recompile()
+    unsupported = sorted(sp for sp in spaces.values() if allowed is not None and sp not in allowed)
+    if unsupported:
+        raise PlanningError(f"strategy {strategy!r}: dropout of {unsupported[0]}-space values is not supported")
     return out, spaces
 
 

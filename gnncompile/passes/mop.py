@@ -180,10 +180,7 @@ def lower_mop(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Unio
     stats = graph.stats() if concrete else graph
     dropout_inputs: dict[str, str] = {}
     if concrete and options.dropout == "replicated":
-        tp, dropout_inputs = replicate_dropout_masks(tp, graph)
-        bad = sorted(sp for sp in dropout_inputs.values() if sp not in ("V", "nnz"))
-        if bad:
-            raise PlanningError(f"strategy 'mop': dropout of {bad[0]}-space values is not supported")
+        tp, dropout_inputs = replicate_dropout_masks(tp, graph, "mop", ("V", "nnz"))
 
     def split(t: TPGraph) -> tuple[StagedModel, dict[int, str], dict[int, set[str]]]:
         d = replace(tensor_decisions(t), pure_stages=True)

@@ -279,12 +279,9 @@ def lower_tensor(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: U
     starts = [sum(blocks[:r]) for r in range(n)]
     dropout_inputs: dict[str, str] = {}
     if concrete and options.dropout == "replicated":
-        tp, dropout_inputs = replicate_dropout_masks(tp, graph)
         # V (and sparse feature) masks: the rank's rows; E / E+V masks (attention dropout): every
         # edge, since E ops are replicated
-        unsupported = sorted(sp for sp in dropout_inputs.values() if sp not in ("V", "nnz", "E", "E+V"))
-        if unsupported:
-            raise PlanningError(f"strategy 'tensor': dropout of {unsupported[0]}-space values is not supported")
+        tp, dropout_inputs = replicate_dropout_masks(tp, graph, "tensor", ("V", "nnz", "E", "E+V"))
     if options.recompute:
         tp = insert_recomputation(tp, share_parameters=True)
     decisions = tensor_decisions(tp)
@@ -460,10 +457,7 @@ def _lower_chunked(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph:
     K = options.chunks
     dropout_inputs: dict[str, str] = {}
     if concrete and options.dropout == "replicated":
-        tp, dropout_inputs = replicate_dropout_masks(tp, graph)
-        bad = sorted(sp for sp in dropout_inputs.values() if sp not in ("V", "nnz"))
-        if bad:
-            raise PlanningError(f"strategy 'tensor' with chunks > 1: dropout of {bad[0]}-space values is not supported")
+        tp, dropout_inputs = replicate_dropout_masks(tp, graph, "tensor", ("V", "nnz"))
     if options.recompute:
         tp = insert_recomputation(tp, share_parameters=True)
 
