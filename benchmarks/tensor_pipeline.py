@@ -62,7 +62,8 @@ def pipeline(gc, torch, epochs: int) -> list[str]:
             a2a = sum(1 for i in plan.ranks[0].instructions if type(i).__name__ == "AllToAll")
             last = [e for e in res.ranks[0].timeline if e.step == epochs - 1]  # the last training step
             comm_ms = 1e3 * sum(e.duration for e in last if e.instruction.startswith("A2A"))
-            compute_ms = 1e3 * sum(e.duration for e in last if e.instruction[:1] in "FB" and e.instruction[1:2].isdigit())
+            compute_ms = 1e3 * sum(e.duration for e in last
+                                   if e.instruction[:1] in "FB" and e.instruction[1:2].isdigit())
             gpu = [gc.plan(copy.deepcopy(model), g, "4xA5000", strategy="tensor", chunks=k, overlap=ov,
                            verify=False).prediction.step_time for ov in (False, True)]
             step = statistics.median(res.history.epoch_time[1:]) if epochs > 1 else res.history.epoch_time[0]

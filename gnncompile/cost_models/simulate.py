@@ -354,7 +354,8 @@ def simulate(plan: Plan, cost: CostFn, *, overlap: bool = False,
     """Simulate one training step of ``plan`` on all ranks under ``cost`` (semantics: module docstring).
 
     ``overlap``: two streams per rank (compute, comm) ordered by data dependencies instead of one
-    instruction at a time (with posted all-to-alls beside it). ``base_memory[r]``: bytes live on rank r before the step (default 0).
+    instruction at a time (with posted all-to-alls beside it). ``base_memory[r]``: bytes live on
+    rank r before the step (default 0).
     Raises :class:`~gnncompile.errors.VerificationError` on a deadlock or a malformed peer/group.
     """
     n = plan.num_ranks

@@ -48,8 +48,9 @@ from ..graph.shard import LocalGraph
 from ..ir.plan import Backward, Forward, Instruction, Recv, Send, StageSpec
 from .lower import OUTPUT, Conversion, StagedModel
 
-__all__ = ["Chunking", "chunk_bounds", "chunk_reads", "chunk_graph", "Task", "list_schedule", "Group", "Placement",
-           "emit_programs", "stage_deps", "stage_groups", "collective_chunk_program"]
+__all__ = ["Chunking", "chunk_bounds", "chunk_reads", "chunk_graph", "propagation_coefficients", "Task",
+           "list_schedule", "Group", "Placement", "emit_programs", "stage_deps", "stage_groups",
+           "collective_chunk_program"]
 
 
 def chunk_bounds(num_nodes: int, num_chunks: int) -> tuple[int, ...]:
@@ -136,6 +137,18 @@ def chunk_graph(graph: Graph, chunking: Chunking, j: int, edge_coef: dict[str, t
         norm_coef={nm: c.cpu()[eids] for nm, c in edge_coef.items()},
         loop_norm_coef={nm: (c[0].cpu()[eids], c[1].cpu()[lo:hi]) for nm, c in loop_coef.items()},
         name=f"{graph.name}[chunk {j}]", own_offset=int(local_start[j]))
+
+
+def propagation_coefficients(graph: Graph, norms: Iterable[tuple[str, bool]]
+                             ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The whole graph's normalization coefficients the model's propagations use (``norms``:
+    ``(norm, add_self_loops)`` pairs), as :func:`chunk_graph` takes them: per-edge ones, and with
+    self loops per-edge and per-vertex ones."""
+    norms = set(norms)
+    edge_coef = {nm: graph.norm_coefficients(nm) for nm, loops in norms if not loops and nm in ("gcn", "mean")}
+    loop_coef = {nm: graph.loop_norm_coefficients(nm) for nm, loops in norms
+                 if loops and nm in ("gcn", "mean", "sum")}
+    return edge_coef, loop_coef
 
 
 def chunk_edge_ids(graph: Graph, chunking: Chunking, j: int) -> torch.Tensor:

@@ -179,6 +179,13 @@ def replicate_dropout_masks(tp: TPGraph, graph: Graph, strategy: str = "",
     return out, spaces
 
 
+def mask_counts(graph: Graph) -> dict[str, int]:
+    """The global number of vertices in each of ``graph``'s train/val/test masks (0 when absent):
+    the loss divides each rank's sum by these."""
+    return {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
+            for m in ("train", "val", "test")}
+
+
 def _dropout_index(space: str, shard: Shard, graph: Graph) -> torch.Tensor:
     if space == "V":
         return shard.owned
@@ -398,8 +405,7 @@ def _rank_programs(graph: Graph, model: torch.nn.Module, staged: StagedModel, st
                    options: DataOptions, names: list[str], params: list[torch.nn.Parameter],
                    ranks: list[DevicePlan]) -> list[RankProgram]:
     """The runnable per-rank programs of a data plan over a concrete graph."""
-    counts = {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
-              for m in ("train", "val", "test")}
+    counts = mask_counts(graph)
     programs = []
     for r, shard in enumerate(shards):
         eval_instrs = tuple(forward_schedule(staged_eval, convert_for(rank_data[r], staged_eval)))

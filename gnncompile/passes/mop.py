@@ -49,8 +49,8 @@ from ..graph.shard import slice_rows
 from ..ir.plan import AllReduce, DevicePlan, OptimizerStep, Plan, RankProgram, converted_name
 from ..ir.tpgraph import TPGraph
 from .chunked import Chunking, Group, Placement, chunk_bounds, chunk_graph, chunk_reads, emit_programs, \
-    stage_groups, stage_reads, with_reads
-from .data import _dropout_index, _propagation_norms, check_options, replicate_dropout_masks, \
+    propagation_coefficients, stage_groups, stage_reads, with_reads
+from .data import _dropout_index, _propagation_norms, check_options, mask_counts, replicate_dropout_masks, \
     row_mixing_relaxations
 from .lower import StagedModel, requires_grad_values, source_input, split_stages
 from .tensor import _Block, _dims, tensor_decisions
@@ -265,13 +265,10 @@ def _rank_programs(graph: Graph, ordered: Graph, tp: TPGraph, tp_eval: TPGraph, 
                    eval_progs: dict, ranks: list[DevicePlan], two: TwoGroups, chunking: Chunking,
                    dropout_inputs: dict[str, str], options: MopOptions, names: list[str],
                    params: list[torch.nn.Parameter], stages_of: Any) -> list[RankProgram]:
-    counts = {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
-              for m in ("train", "val", "test")}
+    counts = mask_counts(graph)
     K = chunking.num_chunks
     norms = _propagation_norms(tp) | _propagation_norms(tp_eval)
-    edge_coef = {nm: ordered.norm_coefficients(nm) for nm, loops in norms if not loops and nm in ("gcn", "mean")}
-    loop_coef = {nm: ordered.loop_norm_coefficients(nm) for nm, loops in norms
-                 if loops and nm in ("gcn", "mean", "sum")}
+    edge_coef, loop_coef = propagation_coefficients(ordered, norms)
     chunk_graphs = {j: chunk_graph(ordered, chunking, j, edge_coef, loop_coef) for j in range(K)}
     groups_list = tuple(g for g in (two.rows, two.cols) if len(g) > 1)
     programs = []

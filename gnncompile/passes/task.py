@@ -57,8 +57,8 @@ from ..graph.shard import slice_rows
 from ..ir.plan import AllReduce, DevicePlan, OptimizerStep, Plan, RankProgram
 from ..ir.tpgraph import TPGraph
 from .chunked import Chunking, Group, Placement, Task, chunk_bounds, chunk_edge_ids, chunk_graph, chunk_reads, \
-    emit_programs, stage_groups, stage_reads, with_reads
-from .data import _dropout_index, _propagation_norms, check_options, replicate_dropout_masks, \
+    emit_programs, propagation_coefficients, stage_groups, stage_reads, with_reads
+from .data import _dropout_index, _propagation_norms, check_options, mask_counts, replicate_dropout_masks, \
     row_mixing_relaxations
 from .free import insert_frees
 from ..frontend.ops import dropout_rows
@@ -521,13 +521,10 @@ def _rank_programs(graph: Graph, tp: TPGraph, tp_eval: TPGraph, staged: StagedMo
                    chunking: Chunking, dropout_inputs: dict[str, str], options: TaskOptions, names: list[str],
                    params: list[torch.nn.Parameter], local: dict[int, list[str]], owner: dict[str, int],
                    out_group: int, infos: dict[str, Any]) -> list[RankProgram]:
-    counts = {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
-              for m in ("train", "val", "test")}
+    counts = mask_counts(graph)
     K = chunking.num_chunks
     norms = _propagation_norms(tp) | _propagation_norms(tp_eval)
-    edge_coef = {nm: graph.norm_coefficients(nm) for nm, loops in norms if not loops and nm in ("gcn", "mean")}
-    loop_coef = {nm: graph.loop_norm_coefficients(nm) for nm, loops in norms
-                 if loops and nm in ("gcn", "mean", "sum")}
+    edge_coef, loop_coef = propagation_coefficients(graph, norms)
     conv_out = {c.output: c.value for c in staged.conversions} | {c.output: c.value for c in staged_eval.conversions}
     model_inputs = {"x", *dropout_inputs}
 

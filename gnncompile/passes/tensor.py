@@ -99,9 +99,9 @@ from ..frontend.ops import dropout_rows, masked_propagate, propagate
 from ..ir.plan import AllGather, AllReduce, AllToAll, DevicePlan, Instruction, OptimizerStep, Plan, RankProgram, \
     converted_name
 from ..ir.tpgraph import TPGraph, TPInfo
-from .chunked import Chunking, Group, Task, chunk_bounds, chunk_graph, chunk_reads, \
+from .chunked import Chunking, Group, Task, chunk_bounds, chunk_graph, chunk_reads, propagation_coefficients, \
     collective_chunk_program, list_schedule, stage_deps, stage_groups, stage_reads, with_reads
-from .data import _dropout_index, _propagation_norms, check_options, replicate_dropout_masks, \
+from .data import _dropout_index, _propagation_norms, check_options, mask_counts, replicate_dropout_masks, \
     row_mixing_relaxations
 from .lower import Conversion, Decisions, StagedModel, call_arguments, forward_schedule, sequential_schedule, \
     source_input, split_stages
@@ -368,8 +368,7 @@ def _rank_programs(graph: Graph, staged: StagedModel, staged_eval: StagedModel, 
                    dropout_inputs: dict[str, str], options: TensorOptions, names: list[str],
                    params: list[torch.nn.Parameter], ranks: list[DevicePlan], blocks: list[int],
                    starts: list[int]) -> list[RankProgram]:
-    counts = {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
-              for m in ("train", "val", "test")}
+    counts = mask_counts(graph)
     programs = []
     n = len(blocks)
     for r in range(n):
@@ -553,12 +552,9 @@ def _lower_chunked(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph:
                         "bytes_received": [int(round(b)) for b in report.bytes_recv]}
     if concrete:
         norms = _propagation_norms(tp) | _propagation_norms(tp_eval)
-        edge_coef = {nm: graph.norm_coefficients(nm) for nm, loops in norms if not loops and nm in ("gcn", "mean")}
-        loop_coef = {nm: graph.loop_norm_coefficients(nm) for nm, loops in norms
-                     if loops and nm in ("gcn", "mean", "sum")}
+        edge_coef, loop_coef = propagation_coefficients(graph, norms)
         graphs = {j: chunk_graph(graph, chunking, j, edge_coef, loop_coef) for j in range(K)}
-        counts = {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
-                  for m in ("train", "val", "test")}
+        counts = mask_counts(graph)
         programs = []
         for r in range(n):
             per_chunk = [torch.arange(*sub[m][r]) for m in range(K)]

@@ -37,8 +37,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "Communicator", "Pending", "HaloSpec", "halo_exchange", "rows_to_cols", "cols_to_rows", "all_gather_rows",
-           "reduce_scatter_rows", "offsets"]
+__all__ = ["CommStats", "Communicator", "Pending", "HaloSpec", "halo_exchange", "rows_to_cols", "cols_to_rows",
+           "all_gather_rows", "reduce_scatter_rows", "offsets"]
 
 
 def offsets(sizes: Sequence[int]) -> list[int]:
