@@ -39,7 +39,7 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
          semantics: str = "exact", partitioner: Optional[str] = None, seed: int = 0, dropout: str = "replicated",
          recompute: Optional[bool] = None, decouple: Optional[bool] = None, chunks: Optional[int] = None,
          sparse_ranks: Optional[int] = None, reorder: Optional[str] = None, p_ranks: Optional[int] = None,
-         dependencies: Optional[str] = None, devices: str = "all",
+         dependencies: Optional[str] = None, subgraph_chunks: Optional[int] = None, devices: str = "all",
          overlap: bool = False, verify: bool = True, **options: Any) -> Plan:
     """Plan parallel training of ``model`` on ``graph`` over the devices ``gpus`` describes.
 
@@ -82,9 +82,13 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         ``task`` only (:class:`gnncompile.passes.task.TaskOptions`): ranks for the P tasks
         (NeutronTask Eq. 7's ``N_p``); ``None``: from the cost model.
     dependencies:
-        ``task`` only: ``"exact"`` (default), or relaxed (NeutronTask Algorithm 1; needs
-        ``semantics="relaxed"``): ``"cached"`` (a chunk's propagation reads later chunks from the
-        previous step's copy) or ``"skip-later"`` (it drops their in-edges).
+        ``task`` only: ``"exact"`` (default), or relaxed (NeutronTask's vertex dependency
+        management; needs ``semantics="relaxed"``): ``"regrouped"`` (Algorithm 1: every epoch the
+        chunks are shuffled into ``chunks`` subgraphs of ``subgraph_chunks`` chunks each, default
+        2, and a subgraph's propagation skips the in-edges from later subgraphs;
+        :mod:`gnncompile.graph.regroup`), ``"skip-later"`` (the same skipping in one fixed chunk
+        order) or ``"cached"`` (a chunk's propagation reads later chunks from the previous step's
+        copy).
     devices:
         ``"all"`` (default): the plan has one program per device of the cluster. ``"any"``: the
         search may also use fewer devices (halvings), which wins where communication costs more
@@ -112,7 +116,7 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
     if options:
         raise PlanningError(f"unknown planning option(s) {', '.join(sorted(options))}; the options are strategy, "
                             "semantics, partitioner, seed, dropout, recompute, decouple, chunks, sparse_ranks, "
-                            "reorder, p_ranks, dependencies, devices, overlap, verify")
+                            "reorder, p_ranks, dependencies, subgraph_chunks, devices, overlap, verify")
     if semantics not in ("exact", "relaxed"):
         raise PlanningError(f"unknown semantics {semantics!r}; valid: 'exact', 'relaxed'")
     if not isinstance(model, torch.nn.Module):
@@ -136,7 +140,8 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         fixed["recompute"] = recompute
     if decouple is not None:
         fixed["decouple"] = decouple
-    for name, value in (("chunks", chunks), ("sparse_ranks", sparse_ranks), ("p_ranks", p_ranks)):
+    for name, value in (("chunks", chunks), ("sparse_ranks", sparse_ranks), ("p_ranks", p_ranks),
+                        ("subgraph_chunks", subgraph_chunks)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise PlanningError(f"{name}: expected a positive integer or None (searched), got {value!r}")
         if value is not None:

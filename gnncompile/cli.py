@@ -79,7 +79,7 @@ def _make_plan(args: argparse.Namespace):
     p = plan(model, graph, gpus=_gpus(args.gpus), strategy=strategy, semantics=args.semantics,
              partitioner=args.partitioner, seed=args.seed, recompute=args.recompute, decouple=args.decouple,
              chunks=args.chunks, sparse_ranks=args.sparse_ranks, reorder=args.reorder, p_ranks=args.p_ranks,
-             dependencies=args.dependencies)
+             dependencies=args.dependencies, subgraph_chunks=args.subgraph_chunks)
     return graph, model, p
 
 
@@ -342,9 +342,12 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="mop: ranks aggregating (the rest run the dense updates; default: half)")
     p.add_argument("--reorder", default=None, choices=("none", "rcm"),
                    help="mop: renumber vertices by reverse Cuthill-McKee before chunking (default: searched)")
-    p.add_argument("--dependencies", default=None, choices=("exact", "cached", "skip-later"),
-                   help="task: read later chunks from the previous step (cached) or skip them (skip-later); "
-                        "relaxed, NeutronTask Algorithm 1 (default: exact)")
+    p.add_argument("--dependencies", default=None, choices=("exact", "regrouped", "skip-later", "cached"),
+                   help="task, relaxed (NeutronTask Algorithm 1): shuffle the chunks into subgraphs every epoch and "
+                        "skip in-edges from later subgraphs (regrouped), skip them in a fixed order (skip-later) "
+                        "or read later chunks from the previous step (cached); default: exact")
+    p.add_argument("--subgraph-chunks", type=int, default=None,
+                   help="task with --dependencies regrouped: chunks per subgraph (Algorithm 1's k; default 2)")
     p.add_argument("--p-ranks", type=int, default=None,
                    help="task: ranks for the P (propagation) tasks (default: NeutronTask Eq. 7 from the cost model)")
     p.add_argument("--explain", action="store_true", help="print the planner's candidates and why it chose the plan")

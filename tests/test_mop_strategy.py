@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import gnncompile as gc
 from gnncompile import PlanningError
 from gnncompile.ir.plan import Backward, Forward, Recv, Send
+from gnncompile.graph.reorder import reorder as reorder_graph
 from gnncompile.passes.chunked import Task, chunk_bounds, chunk_reads, list_schedule
 from gnncompile.testing import check_plan
 from graph_strategies import DT, labelled, sbm_graph, seeded_model, small_graphs
@@ -131,7 +132,7 @@ def test_chunk_reads_of_a_ring_after_rcm() -> None:
     g = ring(64)
     b = chunk_bounds(g.num_nodes, 8)
     assert sum(len(r) for r in chunk_reads(g, b)) >= 5 * 8
-    assert chunk_reads(gc.graph.reorder.reorder(g)[0], b) == ((0, 1),) + tuple((j - 1, j, j + 1) for j in range(1, 7)) \
+    assert chunk_reads(reorder_graph(g)[0], b) == ((0, 1),) + tuple((j - 1, j, j + 1) for j in range(1, 7)) \
         + ((6, 7),)
     plan = gc.plan(gc.nn.GCN(4, 4, 3, num_layers=2, dropout=0.0), g, 2, strategy="mop", chunks=8, reorder="rcm")
     assert plan.info["bandwidth"] > 32 and plan.info["bandwidth_reordered"] <= 2

@@ -20,7 +20,7 @@ from gnncompile import PlanningError
 from gnncompile.cost_models.formulas import task_gpu_split
 from gnncompile.ir.plan import Forward, Recv, Send
 from gnncompile.passes.task import _runs, _spread, place_tasks
-from gnncompile.testing import check_plan
+from gnncompile.testing import check_plan, reference_step
 from graph_strategies import DT, sbm_graph, seeded_model, small_graphs
 
 MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {
@@ -226,6 +226,72 @@ def test_skip_later_drops_edges_from_later_chunks(sbm: gc.Graph) -> None:
     assert all(math.isfinite(x) for x in res.history.loss)
     with pytest.raises(PlanningError, match="semantics='relaxed'"):
         gc.plan(model_for("gcn", sbm), sbm, 2, strategy="task", dependencies="skip-later")
+
+
+@pytest.mark.parametrize("name", ["gcn", "gat", "gin"])
+def test_regrouped_with_one_subgraph_is_exact(sbm: gc.Graph, name: str) -> None:
+    """One subgraph of three shuffled chunks reads every edge: the step is single-device training's,
+    dropout masks (vertex and attention) included, though its rows come in a shuffled order."""
+    res = check_plan(model_for(name, sbm), sbm, 3, strategy="task", chunks=1, dependencies="regrouped",
+                     subgraph_chunks=3, semantics="relaxed", rtol=1e-9, atol=1e-11, timeout=60)
+    assert not res.plan.relaxations and res.plan.options["subgraph_chunks"] == 3
+    assert res.plan.program[0].regroup is not None
+
+
+@pytest.mark.parametrize("name, ranks", [("gcn", 3), ("sage", 4), ("gin", 5), ("gat", 2)])
+def test_regrouped_step_trains_on_the_kept_edges(sbm: gc.Graph, name: str, ranks: int) -> None:
+    """NeutronTask Algorithm 1: a regrouped step is single-device training on the graph of the edges
+    whose source's subgraph is not after its destination's, normalized over them (GCN's and
+    SAGE's degrees count the kept edges; GCN's dropout masks are the reference's). Training reads
+    subgraphs 0..j, evaluation every edge."""
+    # GAT without attention dropout: the reference's mask would be over the kept edges only
+    make = {**MODELS, "gat": lambda f, c: gc.nn.GAT(f, 3, c, heads=2, num_layers=2, dropout=0.0)}[name]
+    model = seeded_model(make, sbm)
+    ref_model = seeded_model(make, sbm)
+    plan = gc.plan(model, sbm, ranks, strategy="task", chunks=4, dependencies="regrouped", semantics="relaxed")
+    assert "Algorithm 1" in plan.relaxations[0] and "8 chunks are shuffled into 4 subgraphs" in plan.relaxations[0]
+    for dp, prog in zip(plan.ranks, plan.program):  # training: subgraph j reads 0..j; evaluation: exact
+        for s in dp.stages:
+            for _, per_chunk in s.reads:
+                assert per_chunk == tuple(tuple(range(j + 1)) for j in range(4))
+        for s in prog.eval_stages:
+            for _, per_chunk in s.reads:
+                assert any(max(r) > j for j, r in enumerate(per_chunk))
+    rg = next(p.regroup for p in plan.program if p.regroup is not None).regrouping
+    kept = rg.kept_edges(0)
+    assert 0 < int(kept.sum()) < sbm.num_edges
+    src, dst = sbm.indices[kept], sbm.dst[kept]
+    reduced = gc.Graph.from_edge_index(torch.stack([src, dst]), sbm.num_nodes)
+    reduced = reduced.replace(x=sbm.x, y=sbm.y, train_mask=sbm.train_mask, val_mask=sbm.val_mask,
+                              test_mask=sbm.test_mask, num_classes=sbm.num_classes)
+    ref = reference_step(ref_model, reduced)
+    res = plan.run(epochs=1, seed=0, capture=True, timeout=60)
+    torch.testing.assert_close(torch.tensor(res.history.loss[0], dtype=DT), torch.tensor(ref.loss, dtype=DT),
+                               rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(res.captured["logits"], ref.logits, rtol=1e-9, atol=1e-11)
+    for n, g in ref.grads.items():
+        torch.testing.assert_close(res.captured["grads"][n], g, rtol=1e-9, atol=1e-11)
+
+
+def test_regrouped_plan_round_trips(sbm: gc.Graph, tmp_path) -> None:
+    p = gc.plan(model_for("gcn", sbm), sbm, 3, strategy="task", chunks=3, dependencies="regrouped",
+                subgraph_chunks=3, semantics="relaxed")
+    p.save(tmp_path / "plan.json")
+    q = gc.Plan.load(tmp_path / "plan.json", model_for("gcn", sbm), sbm)
+    assert q.options["subgraph_chunks"] == 3 and q.relaxations == p.relaxations
+    assert [r.regroup.regrouping.base_bounds for r in q.program if r.regroup is not None][0] == \
+        tuple(round(90 * i / 9) for i in range(10))
+
+
+def test_regrouped_options_are_checked(sbm: gc.Graph) -> None:
+    with pytest.raises(PlanningError, match="semantics='relaxed'"):
+        gc.plan(model_for("gcn", sbm), sbm, 2, strategy="task", dependencies="regrouped")
+    with pytest.raises(PlanningError, match="subgraph_chunks applies to dependencies='regrouped'"):
+        gc.plan(model_for("gcn", sbm), sbm, 2, strategy="task", dependencies="skip-later", subgraph_chunks=2,
+                semantics="relaxed")
+    with pytest.raises(PlanningError, match="base chunks, more than the graph's 90 vertices"):
+        gc.plan(model_for("gcn", sbm), sbm, 2, strategy="task", chunks=30, dependencies="regrouped",
+                subgraph_chunks=4, semantics="relaxed")
 
 
 def test_recomputed_stage_with_several_dropouts(sbm: gc.Graph) -> None:

@@ -21,7 +21,7 @@ rows ``[n_r, n_r + h_r)``. Its backward sends the halo rows' gradients back and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -231,3 +231,89 @@ def global_rows(shards: list[Shard], local: list[torch.Tensor], num_nodes: int) 
         out[s.owned] = t
     return out
 
+
+
+def dropout_positions(space: str, graph: Graph, rows: torch.Tensor,
+                      edge_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Where the dropout-mask entries of ``rows`` (and of the edges ``edge_ids``) sit in a mask over
+    the whole graph (replicated dropout: every rank draws the whole mask and keeps these entries).
+
+    ``space``: ``"V"`` one entry per vertex; ``"E"`` one per edge; ``"E+V"`` the edges, then one per
+    vertex (the self loops a propagation adds); ``"nnz"`` one per stored value of the sparse
+    features ``graph.x``.
+    """
+    if space == "V":
+        return rows
+    if space == "nnz":
+        return row_value_positions(graph.x, rows)
+    if edge_ids is None:
+        raise GraphError(f"dropout over {space!r} needs the edge ids of the rows' in-edges")
+    if space == "E":
+        return edge_ids
+    if space == "E+V":
+        return torch.cat([edge_ids, graph.num_edges + rows])
+    raise GraphError(f"unknown dropout space {space!r} (expected V, E, E+V or nnz)")
+
+
+def chunk_subgraph(graph: Graph, bounds: Sequence[int], j: int, reads: Sequence[int],
+                   edge_coef: Optional[dict] = None, loop_coef: Optional[dict] = None,
+                   order: Optional[torch.Tensor] = None) -> tuple[LocalGraph, torch.Tensor]:
+    """Chunk ``j`` of a vertex order cut at ``bounds``: its destinations, with their in-edges whose
+    sources lie in the chunks ``reads`` (ascending, ``j`` included), and those edges' ids in
+    ``graph``.
+
+    ``order`` (position -> vertex id; ``None``: the identity) is the vertex order the chunks cut;
+    ``graph`` keeps its own vertex ids. Sources are numbered as the concatenation of the chunks
+    ``reads`` in that order (the chunk's own rows start at ``own_offset``). ``edge_coef`` /
+    ``loop_coef``: the whole graph's normalization coefficients (per edge; per edge and per vertex
+    with self loops), sliced to the chunk's edges and destinations.
+    """
+    b = torch.as_tensor(list(bounds), dtype=torch.int64)
+    lo, hi = int(b[j]), int(b[j + 1])
+    indptr, indices = graph.indptr.cpu(), graph.indices.cpu()
+    if order is None:
+        ids = torch.arange(lo, hi)
+        eids = torch.arange(int(indptr[lo]), int(indptr[hi]))
+        counts = indptr[lo + 1:hi + 1] - indptr[lo:hi]
+        pos = indices[eids]
+    else:
+        order = order.cpu()
+        ids = order[lo:hi]
+        counts = indptr[ids + 1] - indptr[ids]
+        eids = _ranges(indptr[ids], counts)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel())
+        pos = inverse[indices[eids]]
+    of = torch.searchsorted(b, pos, right=True) - 1
+    dst = torch.repeat_interleave(torch.arange(hi - lo), counts)
+    allowed = torch.zeros(len(b) - 1, dtype=torch.bool)
+    allowed[list(reads)] = True
+    keep = allowed[of]
+    if not bool(keep.all()):
+        eids, pos, of, dst = eids[keep], pos[keep], of[keep], dst[keep]
+    local_start = torch.zeros(len(b) - 1, dtype=torch.int64)
+    width = 0
+    for k in reads:
+        local_start[k] = width
+        width += int(b[k + 1] - b[k])
+    local_indptr = torch.zeros(hi - lo + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(dst, minlength=hi - lo), 0, out=local_indptr[1:])
+    local = LocalGraph(
+        local_indptr, local_start[of] + (pos - b[of]), hi - lo, width,
+        edge_weight=None if graph.edge_weight is None else graph.edge_weight.cpu()[eids],
+        norm_coef={nm: c.cpu()[eids] for nm, c in (edge_coef or {}).items()},
+        loop_norm_coef={nm: (c[0].cpu()[eids], c[1].cpu()[ids]) for nm, c in (loop_coef or {}).items()},
+        name=f"{graph.name}[chunk {j}]", own_offset=int(local_start[j]))
+    return local, eids
+
+
+def propagation_coefficients(graph: Graph, norms: Iterable[tuple[str, bool]]
+                             ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The whole graph's normalization coefficients the model's propagations use (``norms``:
+    ``(norm, add_self_loops)`` pairs), as :func:`chunk_subgraph` takes them: per-edge ones, and
+    with self loops per-edge and per-vertex ones."""
+    norms = set(norms)
+    edge_coef = {nm: graph.norm_coefficients(nm) for nm, loops in norms if not loops and nm in ("gcn", "mean")}
+    loop_coef = {nm: graph.loop_norm_coefficients(nm) for nm, loops in norms
+                 if loops and nm in ("gcn", "mean", "sum")}
+    return edge_coef, loop_coef

@@ -839,3 +839,8 @@ class RankProgram:
     dropout_draws: tuple[tuple[int, int, tuple[int, ...], str, float], ...] = ()
     #: rows of every chunk (stale reads of a chunk not received yet are zeros of this many rows)
     chunk_rows: tuple[int, ...] = ()
+    #: a regrouped chunk pipeline (NeutronTask Algorithm 1; a
+    #: :class:`~gnncompile.graph.regroup.RegroupedInputs`): every training step takes its chunk
+    #: inputs, scored rows, labels and training mask from ``regroup.epoch(step)`` instead of
+    #: ``chunk_inputs`` / ``owned`` / ``labels`` / ``masks["train"]``, which evaluation keeps using
+    regroup: Any = None

@@ -44,7 +44,7 @@ import torch
 
 from ..errors import PlanningError
 from ..graph.core import Graph
-from ..graph.shard import LocalGraph
+from ..graph.shard import LocalGraph, chunk_subgraph, propagation_coefficients
 from ..ir.plan import Backward, Forward, Instruction, Recv, Send, StageSpec
 from .lower import OUTPUT, Conversion, StagedModel
 
@@ -114,54 +114,15 @@ def chunk_graph(graph: Graph, chunking: Chunking, j: int, edge_coef: dict[str, t
     rows at ``own_offset``).
 
     ``graph`` is in the chunking's vertex order; ``edge_coef`` / ``loop_coef`` its normalization
-    coefficients (what the model's propagations use), sliced to the chunk's edges.
+    coefficients (what the model's propagations use), sliced to the chunk's edges
+    (:func:`~gnncompile.graph.shard.chunk_subgraph`).
     """
-    lo, hi = chunking.bounds[j], chunking.bounds[j + 1]
-    indptr, indices = graph.indptr.cpu(), graph.indices.cpu()
-    eids = chunk_edge_ids(graph, chunking, j)
-    src = indices[eids]
-    b = torch.as_tensor(chunking.bounds, dtype=torch.int64)
-    of = torch.searchsorted(b, src, right=True) - 1
-    dst = torch.searchsorted(indptr, eids, right=True) - 1 - lo
-    local_indptr = torch.zeros(hi - lo + 1, dtype=torch.int64)
-    torch.cumsum(torch.bincount(dst, minlength=hi - lo), 0, out=local_indptr[1:])
-    local_start = torch.zeros(chunking.num_chunks, dtype=torch.int64)
-    pos = 0
-    for k in chunking.reads[j]:
-        local_start[k] = pos
-        pos += chunking.size(k)
-    local_src = local_start[of] + (src - b[of])
-    return LocalGraph(
-        local_indptr, local_src, hi - lo, pos,
-        edge_weight=None if graph.edge_weight is None else graph.edge_weight.cpu()[eids],
-        norm_coef={nm: c.cpu()[eids] for nm, c in edge_coef.items()},
-        loop_norm_coef={nm: (c[0].cpu()[eids], c[1].cpu()[lo:hi]) for nm, c in loop_coef.items()},
-        name=f"{graph.name}[chunk {j}]", own_offset=int(local_start[j]))
-
-
-def propagation_coefficients(graph: Graph, norms: Iterable[tuple[str, bool]]
-                             ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """The whole graph's normalization coefficients the model's propagations use (``norms``:
-    ``(norm, add_self_loops)`` pairs), as :func:`chunk_graph` takes them: per-edge ones, and with
-    self loops per-edge and per-vertex ones."""
-    norms = set(norms)
-    edge_coef = {nm: graph.norm_coefficients(nm) for nm, loops in norms if not loops and nm in ("gcn", "mean")}
-    loop_coef = {nm: graph.loop_norm_coefficients(nm) for nm, loops in norms
-                 if loops and nm in ("gcn", "mean", "sum")}
-    return edge_coef, loop_coef
+    return chunk_subgraph(graph, chunking.bounds, j, chunking.reads[j], edge_coef, loop_coef)[0]
 
 
 def chunk_edge_ids(graph: Graph, chunking: Chunking, j: int) -> torch.Tensor:
     """Ids of the in-edges of chunk ``j``'s destinations whose sources lie in ``reads[j]``."""
-    lo, hi = chunking.bounds[j], chunking.bounds[j + 1]
-    e0, e1 = int(graph.indptr[lo]), int(graph.indptr[hi])
-    eids = torch.arange(e0, e1)
-    b = torch.as_tensor(chunking.bounds, dtype=torch.int64)
-    of = torch.searchsorted(b, graph.indices.cpu()[e0:e1], right=True) - 1
-    allowed = torch.zeros(chunking.num_chunks, dtype=torch.bool)
-    allowed[list(chunking.reads[j])] = True
-    keep = allowed[of]
-    return eids if bool(keep.all()) else eids[keep]
+    return chunk_subgraph(graph, chunking.bounds, j, chunking.reads[j])[1]
 
 
 # --------------------------------------------------------------------------- tasks and list scheduling

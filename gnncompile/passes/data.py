@@ -42,7 +42,7 @@ from ..errors import PlanningError
 from ..frontend.ops import dropout_rows, masked_propagate, propagate
 from ..graph.core import Graph, GraphStats
 from ..graph.partition import PARTITIONERS, expected_replication, partition
-from ..graph.shard import Shard, build_shards, row_value_positions
+from ..graph.shard import Shard, build_shards, dropout_positions
 from ..nn.functional import feature_dropout
 from ..ir.plan import AllReduce, DevicePlan, HaloExchange, Instruction, OptimizerStep, Plan, RankProgram
 from ..ir.tpgraph import TPGraph
@@ -184,16 +184,6 @@ def mask_counts(graph: Graph) -> dict[str, int]:
     the loss divides each rank's sum by these."""
     return {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
             for m in ("train", "val", "test")}
-
-
-def _dropout_index(space: str, shard: Shard, graph: Graph) -> torch.Tensor:
-    if space == "V":
-        return shard.owned
-    if space == "E":
-        return shard.edge_ids
-    if space == "E+V":
-        return torch.cat([shard.edge_ids, graph.num_edges + shard.owned])
-    return row_value_positions(graph.x, shard.owned)
 
 
 def data_decisions(tp: TPGraph) -> Decisions:
@@ -415,7 +405,7 @@ def _rank_programs(graph: Graph, model: torch.nn.Module, staged: StagedModel, st
             instructions=ranks[r].instructions,
             eval_modules=staged_eval.modules, eval_stages=tuple(staged_eval.stages), eval_instructions=eval_instrs,
             output=staged.output, eval_output=staged_eval.output,
-            inputs={"g": lg, "x": lg.x, **{k: _dropout_index(sp, shard, graph) for k, sp in dropout_inputs.items()}},
+            inputs={"g": lg, "x": lg.x, **{k: dropout_positions(sp, graph, shard.owned, shard.edge_ids) for k, sp in dropout_inputs.items()}},
             same_seed=options.dropout == "replicated", halo=(tuple(shard.send_index), tuple(shard.recv_count)),
             labels=lg.y, masks={"train": lg.train_mask, "val": lg.val_mask, "test": lg.test_mask},
             counts=counts, params=params, param_names=names, owned=shard.owned))

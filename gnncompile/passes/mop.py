@@ -45,15 +45,15 @@ import torch
 from ..errors import PlanningError
 from ..graph.core import Graph, GraphStats
 from ..graph.reorder import bandwidth, permute, rcm_order
-from ..graph.shard import slice_rows
+from ..graph.shard import dropout_positions, slice_rows
 from ..ir.plan import AllReduce, DevicePlan, OptimizerStep, Plan, RankProgram, converted_name
 from ..ir.tpgraph import TPGraph
 from .chunked import Chunking, Group, Placement, chunk_bounds, chunk_graph, chunk_reads, emit_programs, \
     propagation_coefficients, stage_groups, stage_reads, with_reads
-from .data import _dropout_index, _propagation_norms, check_options, mask_counts, replicate_dropout_masks, \
+from .data import _propagation_norms, check_options, mask_counts, replicate_dropout_masks, \
     row_mixing_relaxations
 from .lower import StagedModel, requires_grad_values, source_input, split_stages
-from .tensor import _Block, _dims, tensor_decisions
+from .tensor import _dims, tensor_decisions
 
 __all__ = ["MopOptions", "lower_mop", "REORDERINGS"]
 
@@ -293,7 +293,7 @@ def _rank_programs(graph: Graph, ordered: Graph, tp: TPGraph, tp_eval: TPGraph, 
         for ids in per_chunk:
             offsets.append(offsets[-1] + int(ids.numel()))
         chunk_inputs = {k: {"x": slice_rows(graph.x, ids) if graph.x is not None else None,
-                            **{name: _dropout_index(sp, _Block(ids), graph) for name, sp in dropout_inputs.items()}}
+                            **{name: dropout_positions(sp, graph, ids) for name, sp in dropout_inputs.items()}}
                         for k, ids in enumerate(per_chunk)}
         mask = {m: (getattr(graph, f"{m}_mask")[owned] if getattr(graph, f"{m}_mask") is not None else None)
                 for m in ("train", "val", "test")}

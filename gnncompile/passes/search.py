@@ -56,14 +56,15 @@ class StrategySpace:
 
 
 #: options only the chunked strategies take
-_CHUNK_OPTIONS = ("chunks", "sparse_ranks", "reorder", "p_ranks", "dependencies")
+_CHUNK_OPTIONS = ("chunks", "sparse_ranks", "reorder", "p_ranks", "dependencies", "subgraph_chunks")
 
 
 def _unchunked(fixed: dict[str, Any]) -> Optional[dict[str, Any]]:
     """``fixed`` without chunk options that are at their defaults; ``None`` if one is set otherwise
     (the strategy has no such option, so it is not a candidate)."""
     out = dict(fixed)
-    defaults = {"chunks": 1, "sparse_ranks": None, "reorder": "none", "p_ranks": None, "dependencies": "exact"}
+    defaults = {"chunks": 1, "sparse_ranks": None, "reorder": "none", "p_ranks": None, "dependencies": "exact",
+                "subgraph_chunks": None}
     for k in _CHUNK_OPTIONS:
         if k in out and out.pop(k) != defaults[k]:
             return None
@@ -115,7 +116,7 @@ def _tensor_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: 
 def _mop_space(semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
     rest = {k: v for k, v in fixed.items() if k != "partitioner"}
     if rest.pop("recompute", False) or rest.pop("decouple", False) or rest.pop("p_ranks", None) is not None \
-            or rest.pop("dependencies", "exact") != "exact":
+            or rest.pop("dependencies", "exact") != "exact" or rest.pop("subgraph_chunks", None) is not None:
         return []  # no recomputed, decoupled or relaxed-dependency form
     # the naive workflow and a fine-grain pipeline over RCM-reordered chunks (MixGCN Fig. 5a / 5d)
     chunks = [rest.pop("chunks")] if "chunks" in rest else [1, 8]

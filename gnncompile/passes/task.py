@@ -29,12 +29,14 @@ computed, so the next task's rank works on chunk ``k`` while this one computes c
 
 Parameters live on the ranks of the task that uses them (``RankProgram.param_owner``).
 
-Supported: GCN, GraphSAGE, GIN, GCNII, GAT (edge ops run with the propagation). Refused with
-:class:`~gnncompile.errors.PlanningError`: chained propagations (APPNP's and SGC's propagations
-read each other's output across chunks within one task), a model whose output is a propagation,
-a parameter shared by two tasks, row-mixing T ops under ``semantics="exact"``, sparse input
-features read by a propagation, fewer than 2 ranks. Not built yet (issue 7): task-decoupled
-training with recomputation (§5.1) and relaxed vertex dependency management (Algorithm 1).
+Supported: GCN, GraphSAGE, GIN, GCNII, GAT (edge ops run with the propagation); chained
+propagations (SGC, APPNP, decoupled models) are tasks of their own. Options: task-decoupled
+training (``decouple``, §5.1, Fig. 8b) with recomputation of T segments in backward
+(``recompute``, Fig. 8c); relaxed vertex dependency management (``dependencies``, Algorithm 1:
+``"regrouped"`` chunks shuffled into subgraphs every epoch, :mod:`gnncompile.graph.regroup`;
+``"skip-later"``; ``"cached"``). Refused with :class:`~gnncompile.errors.PlanningError`: edge
+values crossing tasks (a decoupled GAT), a parameter shared by two tasks, row-mixing T ops under
+``semantics="exact"``, sparse input features read by a propagation, fewer than 2 ranks.
 
 Communication per step (§5.1): every task boundary moves each vertex's row once forward and once
 backward (when it needs a gradient): ``(2L - 1) |V| d`` per direction for an ``L``-layer model
@@ -53,12 +55,13 @@ from ..cost_models.formulas import task_gpu_split
 from ..cost_models.hardware import DeviceSpec
 from ..errors import PlanningError
 from ..graph.core import Graph, GraphStats
-from ..graph.shard import slice_rows
+from ..graph.regroup import ChunkRegrouping, RegroupedInputs
+from ..graph.shard import dropout_positions, slice_rows
 from ..ir.plan import AllReduce, DevicePlan, OptimizerStep, Plan, RankProgram
 from ..ir.tpgraph import TPGraph
 from .chunked import Chunking, Group, Placement, Task, chunk_bounds, chunk_edge_ids, chunk_graph, chunk_reads, \
     emit_programs, propagation_coefficients, stage_groups, stage_reads, with_reads
-from .data import _dropout_index, _propagation_norms, check_options, mask_counts, replicate_dropout_masks, \
+from .data import _propagation_norms, check_options, mask_counts, replicate_dropout_masks, \
     row_mixing_relaxations
 from .free import insert_frees
 from ..frontend.ops import dropout_rows
@@ -69,7 +72,7 @@ from .recompute import insert_recomputation
 __all__ = ["TaskOptions", "task_decisions", "place_tasks", "lower_task"]
 
 REGIMES = ("shared", "one per rank", "hybrid")
-DEPENDENCIES = ("exact", "cached", "skip-later")
+DEPENDENCIES = ("exact", "cached", "skip-later", "regrouped")
 
 
 @dataclass(frozen=True)
@@ -92,12 +95,19 @@ class TaskOptions:
     decouple: bool = False
     #: recompute T segments in backward instead of keeping their intermediates (§5.1, Fig. 8c)
     recompute: bool = False
-    #: ``"exact"``: a chunk's propagation waits for every chunk its in-edges read. Relaxed
-    #: (NeutronTask Algorithm 1's dependency management, without its random regrouping), so that
-    #: the pipeline never waits for a chunk that is not computed yet: ``"cached"`` reads later
-    #: chunks from the previous step's copy (zeros at the first step; no gradient flows to it),
-    #: ``"skip-later"`` drops the in-edges from later chunks
+    #: ``"exact"``: a chunk's propagation waits for every chunk its in-edges read. Relaxed, so
+    #: that the pipeline never waits for a chunk that is not computed yet (NeutronTask's vertex
+    #: dependency management): ``"regrouped"`` is Algorithm 1 in full: before every epoch the
+    #: ``chunks * subgraph_chunks`` base chunks are shuffled and regrouped into ``chunks``
+    #: subgraphs (:mod:`gnncompile.graph.regroup`), a subgraph's propagation skips the in-edges from
+    #: later subgraphs (an epoch trains on the graph of its kept edges, normalized over them), and
+    #: evaluation reads every edge; ``"skip-later"`` skips the in-edges from
+    #: later chunks of the fixed order every epoch; ``"cached"`` reads later chunks from the
+    #: previous step's copy instead (zeros at the first step; no gradient flows to it)
     dependencies: str = "exact"
+    #: ``dependencies="regrouped"``: base chunks per subgraph (Algorithm 1's ``k = M / S``;
+    #: default 2)
+    subgraph_chunks: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_options(self.semantics, self.dropout, recompute=self.recompute, decouple=self.decouple)
@@ -107,7 +117,10 @@ class TaskOptions:
         if self.dependencies != "exact" and self.semantics == "exact":
             raise PlanningError(f"task: dependencies={self.dependencies!r} changes what a chunk's propagation reads "
                                 "(a relaxation); pass semantics='relaxed'")
-        for name in ("chunks", "p_ranks"):
+        if self.subgraph_chunks is not None and self.dependencies != "regrouped":
+            raise PlanningError(f"task: subgraph_chunks applies to dependencies='regrouped' (random regrouping of "
+                                f"chunks), not {self.dependencies!r}")
+        for name in ("chunks", "p_ranks", "subgraph_chunks"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise PlanningError(f"task: {name} must be a positive int, got {v!r}")
@@ -115,7 +128,8 @@ class TaskOptions:
     def to_dict(self) -> dict[str, Any]:
         return {"strategy": "task", "seed": self.seed, "semantics": self.semantics, "dropout": self.dropout,
                 "chunks": self.chunks, "p_ranks": self.p_ranks, "decouple": self.decouple,
-                "recompute": self.recompute, "dependencies": self.dependencies}
+                "recompute": self.recompute, "dependencies": self.dependencies,
+                "subgraph_chunks": self.subgraph_chunks}
 
 
 def task_decisions(tp: TPGraph) -> Decisions:
@@ -339,6 +353,19 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
     else:  # planned from statistics: every chunk reads every chunk (the worst case)
         chunking = Chunking(bounds, tuple(tuple(range(K)) for _ in range(K)))
     exact_chunking = chunking
+    regrouped = options.dependencies == "regrouped"
+    if regrouped:
+        # subgraph j of an epoch's order reads subgraphs 0..j; which vertices they hold changes
+        # every epoch, so the program reads all of them (a chunk's graph slice has the edges)
+        base = K * _subgraph_chunks(options)
+        if base > stats.num_nodes:
+            raise PlanningError(f"task: {K} subgraphs of {_subgraph_chunks(options)} chunks need {base} base chunks, "
+                                f"more than the graph's {stats.num_nodes} vertices")
+        chunking = Chunking(bounds, tuple(tuple(range(j + 1)) for j in range(K)))
+        if K > 1:
+            relaxations.append(f"vertex dependency management (NeutronTask Algorithm 1): every epoch {base} chunks are "
+                               f"shuffled into {K} subgraphs, whose propagations skip in-edges from later subgraphs "
+                               "(an epoch trains on the graph of its kept edges); evaluation reads every edge")
     if options.dependencies == "skip-later":
         chunking = Chunking(bounds, tuple(tuple(k for k in r if k <= j) for j, r in enumerate(chunking.reads)))
         if K > 1:
@@ -361,7 +388,7 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
             for u, rd in per.items():  # model inputs are always there: read every chunk fresh
                 if u not in stale_reads.get(s_, {}):
                     reads[s_][u] = rd
-    eval_chunking = exact_chunking if options.dependencies == "cached" else chunking
+    eval_chunking = exact_chunking if options.dependencies in ("cached", "regrouped") else chunking
     graph_chunking = eval_chunking  # what a chunk's graph slice holds (a cached read still has its edges)
     reads_eval = stage_reads(staged_eval, labels_eval, eval_chunking, sources_eval)
     dims = _dims(staged)
@@ -445,7 +472,9 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
         "halo_rows": [0] * num_ranks,
     }
     plan = Plan(strategy="task", semantics="relaxed" if relaxations else "exact",
-                options={**options.to_dict(), "chunks": K, "p_ranks": n_p}, cluster=f"{num_ranks} local ranks",
+                options={**options.to_dict(), "chunks": K, "p_ranks": n_p,
+                         "subgraph_chunks": _subgraph_chunks(options) if regrouped else None},
+                cluster=f"{num_ranks} local ranks",
                 ranks=ranks, schedule=f"task pipeline ({regime}, {K} chunks, list-scheduled)",
                 relaxations=tuple(relaxations), info=info)
     from ..ir.verify_plan import verify_plan
@@ -458,6 +487,11 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
                                       place, graph_chunking, dropout_inputs, options, names, params, local, owner,
                                       out_group, infos)
     return plan
+
+
+def _subgraph_chunks(options: TaskOptions) -> int:
+    """Base chunks per subgraph under ``dependencies="regrouped"`` (default 2)."""
+    return options.subgraph_chunks if options.subgraph_chunks is not None else 2
 
 
 def _dims(staged: StagedModel) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -508,14 +542,6 @@ def _dropout_draws(staged: StagedModel, spaces: dict[str, str], infos: dict[str,
     return tuple(out)
 
 
-@dataclass(frozen=True)
-class _ChunkRows:
-    """Chunk rows as a shard for :func:`~gnncompile.passes.data._dropout_index`."""
-
-    owned: torch.Tensor
-    edge_ids: torch.Tensor
-
-
 def _rank_programs(graph: Graph, tp: TPGraph, tp_eval: TPGraph, staged: StagedModel, staged_eval: StagedModel,
                    reads: dict, reads_eval: dict, eval_progs: dict, ranks: list[DevicePlan], place: Placement,
                    chunking: Chunking, dropout_inputs: dict[str, str], options: TaskOptions, names: list[str],
@@ -533,9 +559,13 @@ def _rank_programs(graph: Graph, tp: TPGraph, tp_eval: TPGraph, staged: StagedMo
         ids = torch.arange(chunking.bounds[k], chunking.bounds[k + 1])
         if name == "x":
             return slice_rows(graph.x, ids) if graph.x is not None else None
-        return _dropout_index(dropout_inputs[name], _ChunkRows(ids, chunk_edge_ids(graph, chunking, k)), graph)
+        return dropout_positions(dropout_inputs[name], graph, ids, chunk_edge_ids(graph, chunking, k))
 
     groups_list = tuple(g.members for g in place.groups if len(g.members) > 1)
+    regrouping = None
+    if options.dependencies == "regrouped":  # training inputs come per epoch; the program's are evaluation's
+        regrouping = ChunkRegrouping(graph, chunk_bounds(graph.num_nodes, K * _subgraph_chunks(options)),
+                                     chunking.bounds, options.seed, tuple(sorted(norms)))
     draws = _dropout_draws(staged, dropout_inputs, infos) if options.dropout == "replicated" else ()
     graphs: dict[int, Any] = {}
     programs = []
@@ -550,7 +580,18 @@ def _rank_programs(graph: Graph, tp: TPGraph, tp_eval: TPGraph, staged: StagedMo
                                     runs=tuple(mine) if len(g.members) > 1 else ()) for s in staged_eval.stages
                             if place.stage_group[s.index] == gi)
         chunk_inputs: dict[int, dict[str, Any]] = {}
-        for stages in (dp.stages, eval_stages):
+        regroup = None
+        if regrouping is not None:
+            needs: dict[int, dict[str, str]] = {}
+            for st in dp.stages:
+                for u in st.inputs:
+                    base = conv_out.get(u, u)
+                    kind = "graph" if u == "g" else "features" if base == "x" else dropout_inputs.get(base)
+                    for k in mine if kind is not None else ():
+                        for m in st.chunks_read(u, k) if st.reads else (k,):
+                            needs.setdefault(m, {})[u] = kind
+            regroup = RegroupedInputs.for_rank(regrouping, needs, tuple(mine) if gi == out_group else ())
+        for stages in (eval_stages,) if regroup is not None else (dp.stages, eval_stages):
             for st in stages:
                 for u in st.inputs:
                     base = conv_out.get(u, u)
@@ -588,6 +629,6 @@ def _rank_programs(graph: Graph, tp: TPGraph, tp_eval: TPGraph, staged: StagedMo
             param_rank=owner.get(names[0], 0) if names else 0, param_owner=dict(owner),
             local_params=tuple(local[gi]), dropout_draws=draws,
             chunk_rows=tuple(chunking.size(k) for k in range(K)), inputs={}, chunk_inputs=chunk_inputs,
-            chunk_offsets=offsets,
+            chunk_offsets=offsets, regroup=regroup,
             labels=labels, masks=masks, owned=owned))
     return programs

@@ -94,14 +94,14 @@ import torch.fx
 
 from ..errors import PassError, PlanningError
 from ..graph.core import Graph, GraphStats
-from ..graph.shard import slice_rows
+from ..graph.shard import dropout_positions, slice_rows
 from ..frontend.ops import dropout_rows, masked_propagate, propagate
 from ..ir.plan import AllGather, AllReduce, AllToAll, DevicePlan, Instruction, OptimizerStep, Plan, RankProgram, \
     converted_name
 from ..ir.tpgraph import TPGraph, TPInfo
 from .chunked import Chunking, Group, Task, chunk_bounds, chunk_graph, chunk_reads, propagation_coefficients, \
     collective_chunk_program, list_schedule, stage_deps, stage_groups, stage_reads, with_reads
-from .data import _dropout_index, _propagation_norms, check_options, mask_counts, replicate_dropout_masks, \
+from .data import _propagation_norms, check_options, mask_counts, replicate_dropout_masks, \
     row_mixing_relaxations
 from .lower import Conversion, Decisions, StagedModel, call_arguments, forward_schedule, sequential_schedule, \
     source_input, split_stages
@@ -357,13 +357,6 @@ def _edge_rows(graph: Graph, space: str) -> int:
     return graph.num_edges + (graph.num_nodes if space == "E+V" else 0)
 
 
-@dataclass(frozen=True)
-class _Block:
-    """The rows a rank owns in the ``rows`` layout (what ``data``'s dropout index helper reads)."""
-
-    owned: torch.Tensor
-
-
 def _rank_programs(graph: Graph, staged: StagedModel, staged_eval: StagedModel, convert_for: Any,
                    dropout_inputs: dict[str, str], options: TensorOptions, names: list[str],
                    params: list[torch.nn.Parameter], ranks: list[DevicePlan], blocks: list[int],
@@ -381,7 +374,7 @@ def _rank_programs(graph: Graph, staged: StagedModel, staged_eval: StagedModel, 
             rank=r, world_size=n, modules=staged.modules, stages=tuple(staged.stages), instructions=ranks[r].instructions,
             eval_modules=staged_eval.modules, eval_stages=tuple(staged_eval.stages), eval_instructions=eval_instrs,
             output=staged.output, eval_output=staged_eval.output,
-            inputs={"g": graph, "x": x, **{k: _dropout_index(sp, _Block(owned), graph) if sp in ("V", "nnz") else
+            inputs={"g": graph, "x": x, **{k: dropout_positions(sp, graph, owned) if sp in ("V", "nnz") else
                                            torch.arange(_edge_rows(graph, sp)) for k, sp in dropout_inputs.items()}},
             same_seed=options.dropout == "replicated",
             halo=(tuple(torch.zeros(0, dtype=torch.long) for _ in range(n)), (0,) * n),
@@ -563,7 +556,7 @@ def _lower_chunked(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph:
             for ids in per_chunk:
                 offsets.append(offsets[-1] + int(ids.numel()))
             chunk_inputs = {m: {"g": graphs[m], "x": slice_rows(graph.x, ids) if graph.x is not None else None,
-                                **{k: _dropout_index(sp, _Block(ids), graph) for k, sp in dropout_inputs.items()}}
+                                **{k: dropout_positions(sp, graph, ids) for k, sp in dropout_inputs.items()}}
                             for m, ids in enumerate(per_chunk)}
             eval_instrs = collective_chunk_program(staged_eval, chunking, reads_eval, order_eval,
                                                    convert_for(r, staged_eval), training=False)

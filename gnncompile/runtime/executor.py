@@ -15,6 +15,7 @@ from the training step's bytes).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import tempfile
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch.autograd.graph import _engine_run_backward
 
 from ..errors import RuntimeFailure
+from ..graph.regroup import EpochInputs
 from ..frontend.ops import MaskCache, dropout_noise
 from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, Instruction,
                        OptimizerStep, Plan, RankProgram, Recv, ReduceScatter, Send, member_rows)
@@ -144,7 +146,8 @@ class _Rank:
     """One rank's state while it executes: the communicator, its process groups and halo lists.
 
     Values and gradients are stored by ``(name, chunk)``; a name not stored is looked up in the
-    chunk's inputs (``prog.chunk_inputs``), then in the model inputs (chunk-independent).
+    chunk's inputs (``chunk_inputs``: the program's, or a regrouped epoch's), then in the model
+    inputs (chunk-independent).
     """
 
     def __init__(self, prog: RankProgram, ctx: RankContext) -> None:
@@ -163,7 +166,7 @@ class _Rank:
                     self.groups[tuple(members)] = pg
         # received values whose gradient this rank sends back: they must require grad
         self.grad_sent = {(i.value, i.chunk) for i in prog.instructions if isinstance(i, Send) and i.grad}
-        self.offsets = tuple(prog.chunk_offsets)
+        self.use(None)
         #: stale reads (relaxed dependencies): the previous step's copy of (value, chunk)
         self.stale: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -300,6 +303,16 @@ class _Rank:
                 and root.layout == torch.strided:
             root.data = torch.empty((1,), dtype=root.dtype, device=root.device)
 
+    def use(self, epoch: Optional[EpochInputs]) -> None:
+        """Take chunk inputs, scored rows' offsets, labels and training mask from a regrouped
+        epoch (``None``: the program's own, which evaluation uses)."""
+        prog = self.prog
+        self.chunk_inputs = prog.chunk_inputs if epoch is None else epoch.chunk_inputs
+        self.offsets = tuple(prog.chunk_offsets if epoch is None or epoch.offsets is None else epoch.offsets)
+        scored = epoch is not None and epoch.owned is not None
+        self.labels = epoch.labels if scored else prog.labels
+        self.train_mask = epoch.train_mask if scored else prog.masks.get("train")
+
     def _rows(self, t: Any, chunk: int) -> Any:
         """Chunk ``chunk``'s rows of a rank-wide per-row tensor (labels, masks)."""
         if t is None or not self.offsets:
@@ -360,7 +373,7 @@ class _Rank:
                     t.requires_grad_(True)
                 values[key] = t
                 return t
-            ci = prog.chunk_inputs.get(chunk)
+            ci = self.chunk_inputs.get(chunk)
             if ci is not None and name in ci:
                 return ci[name]
             if key in freed:
@@ -574,20 +587,23 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     if device.type != "cpu":
         _move_program(prog, device)
     labels, masks, counts = prog.labels, prog.masks, prog.counts
-    train_mask = masks["train"]
     n_train = max(counts["train"], 1)
 
     def loss_fn(logits: torch.Tensor, chunk: int = 0) -> torch.Tensor:
-        mask, y = rank._rows(train_mask, chunk), rank._rows(labels, chunk)
+        mask, y = rank._rows(rank.train_mask, chunk), rank._rows(rank.labels, chunk)
         if mask is None or not bool(mask.any()):
             return logits.sum() * 0.0
         return F.cross_entropy(logits[mask], y[mask], reduction="sum") / n_train
 
     params = prog.params
-    for store in [prog.inputs, *prog.chunk_inputs.values()]:
-        x = store.get("x")
-        if isinstance(x, torch.Tensor) and x.layout == torch.strided and params and x.dtype != params[0].dtype:
-            store["x"] = x.to(params[0].dtype)
+
+    def cast_features(stores: Any) -> None:
+        for store in stores:
+            x = store.get("x")
+            if isinstance(x, torch.Tensor) and x.layout == torch.strided and params and x.dtype != params[0].dtype:
+                store["x"] = x.to(params[0].dtype)
+
+    cast_features([prog.inputs, *prog.chunk_inputs.values()])
     optimizer = torch.optim.Adam([p for p in params if p.requires_grad], lr=lr, weight_decay=weight_decay)
     rank = _Rank(prog, ctx)
     timeline: list[TimelineEvent] = []
@@ -605,14 +621,19 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
             m.train()
         rank.comm.phase = "train"
         t0 = time.perf_counter()
-        if epoch == 0:
-            with PeakMemory(device) as pm:
-                loss, _ = rank.step(prog.modules, prog.stages, prog.instructions, prog.output, loss_fn, epoch,
-                                    timeline, optimizer, captured if epoch == 0 else None)
-            peak = pm.peak_bytes
-        else:
+        with PeakMemory(device) if epoch == 0 else contextlib.nullcontext() as pm:
+            if prog.regroup is not None:  # this epoch's subgraphs (part of the step's time and memory)
+                inputs = prog.regroup.epoch(epoch, device if device.type != "cpu" else None)
+                cast_features(inputs.chunk_inputs.values())
+                rank.use(inputs)
+                if captured is not None and epoch == 0:
+                    captured["owned"] = inputs.owned
+                del inputs
             loss, _ = rank.step(prog.modules, prog.stages, prog.instructions, prog.output, loss_fn, epoch,
-                                timeline, optimizer)
+                                timeline, optimizer, captured if epoch == 0 else None)
+            rank.use(None)
+        if epoch == 0:
+            peak = pm.peak_bytes
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         epoch_time.append(time.perf_counter() - t0)
@@ -717,9 +738,10 @@ def _gather_capture(programs: list[RankProgram], results: list[dict]) -> dict:
     n = sum(int(p.owned.numel()) for p in programs)
     first = next(t for t in logits_parts if t is not None)
     logits = first.new_zeros((n,) + tuple(first.shape[1:]))
-    for p, t in zip(programs, logits_parts):
-        if t is not None:
-            logits[p.owned] = t
+    for p, r, t in zip(programs, results, logits_parts):
+        if t is not None:  # a regrouped step scores its rows in the epoch's order
+            owned = r["captured"].get("owned")
+            logits[p.owned if owned is None else owned] = t
     p0 = programs[0]
     grads = {n: results[p0.param_owner.get(n, p0.param_rank)]["captured"].get("grads", {}).get(n)
              for n in p0.param_names}
