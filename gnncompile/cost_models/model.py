@@ -33,14 +33,14 @@ Memory (per rank, over the instruction list; :class:`MemoryModel`): a static par
 topology in the runtime's layout, features, labels, parameters, gradients and Adam state) plus a
 liveness walk: a stage's ``saved`` activations live from its ``Forward`` to its ``Backward``; a
 value passed between stages (a stage output, a halo-extended tensor) lives from its producer to its
-last consumer's forward, or to its ``Free`` where the plan has one (the runtime holds what the plan
-has not freed: a sent output until its send completed, see :mod:`gnncompile.passes.free`), and at
-least to the ``Backward`` of each stage that reads it, whose input leaf it is; a stage reading
-several chunks of a value reads their concatenation, held from the first such forward to the last
-such backward (its gradient, of the same size, is made anew in each of those backwards); the
-gradient of a value from the backward that makes it to the backward (or gradient communication)
-that consumes it; transient buffers (an op's output being computed, send buffers) only during
-their instruction.
+last forward read (the ``reads`` of :mod:`gnncompile.ir.dataflow`), or to its ``Free`` where the
+plan has one (the runtime holds what the plan has not freed: a sent output until its send
+completed, see :mod:`gnncompile.passes.free`), and at least to the ``Backward`` of each stage that
+reads it, whose input leaf it is; a stage reading several chunks of a value reads their
+concatenation, held from the first such forward to the last such backward (its gradient, of the
+same size, is made anew in each of those backwards); the gradient of a value from the backward that
+makes it to the backward (or gradient communication) that consumes it; transient buffers (an op's
+output being computed, send buffers) only during their instruction.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PlanningError
+from ..ir.dataflow import effects
 from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, DevicePlan, Forward, Free, HaloExchange,
                        Instruction, OpCost, OptimizerStep, Plan, Recompute, Recv, ReduceScatter, Send, StageSpec)
 from . import formulas
@@ -299,16 +300,8 @@ class PlanCost:
         backward_at: dict[tuple[int, int], int] = {}
         free_at = {(inst.value, inst.chunk): i for i, inst in enumerate(dp.instructions) if isinstance(inst, Free)}
         for i, inst in enumerate(dp.instructions):
-            if isinstance(inst, (Forward, Recompute)):
-                st = stages[inst.stage]
-                for v in st.inputs:
-                    for k in st.chunks_read(v, inst.chunk):
-                        last_use[v, k] = i
-            elif isinstance(inst, Send) and not inst.grad:
-                last_use[inst.name, inst.chunk] = i
-            elif isinstance(inst, (HaloExchange, AllToAll, AllGather, ReduceScatter)) and not inst.grad:
-                last_use[inst.value, inst.chunk] = i
-            elif isinstance(inst, Backward):
+            last_use.update(dict.fromkeys(effects(inst, stages).reads, i))
+            if isinstance(inst, Backward):
                 backward_at[inst.stage, inst.chunk] = i
         # a stage's input leaves stay until its backward: a single chunk read is the value itself
         # (held at least that long), several chunks read are one concatenation per (value, chunks)

@@ -20,18 +20,15 @@ Semantics
   collective (it must agree in type, value, chunk and grad); it starts when every member is ready
   and ends on all at ``start + max`` of the members' costs. Time between being ready and the start
   is *wait* time.
-- Data dependencies (with ``overlap=True``, or for a plan with all-to-alls), per rank, as in
-  ``verify_plan``'s dataflow rules:
-  Forward/Recompute read their stage's inputs and write its outputs (``(value, chunk)`` pairs; the
-  plan inputs, ``plan.info["inputs"]`` or ``g``/``x``, are there at time 0); Backward reads the
-  gradients of its stage's outputs (every contribution issued before it) and the saved stage values,
-  and contributes to the gradients of its inputs; Send and collectives read ``value`` (with
-  ``grad=True``: the gradient of ``output``, or of ``value`` for Send) and write ``output`` (the
-  gradient of ``value``); Recv writes ``value`` (or contributes to its gradient); ``AR grads`` reads
-  every earlier Backward, ``AR v`` reads and rewrites ``v`` on all chunks; Free waits for the writer
-  and every reader of its value since it was written (but an all-to-all, which copied its input
-  when it was posted); OPT waits for every earlier instruction and every later instruction waits
-  for it.
+- Data dependencies (with ``overlap=True``, or for a plan with all-to-alls), per rank, from the
+  effects table of :mod:`gnncompile.ir.dataflow` (``(value, chunk)`` pairs; the plan inputs,
+  ``plan.info["inputs"]`` or ``g``/``x``, are there at time 0): an instruction waits for the last
+  write of each value it reads, including the ``saved`` values of a Backward (so it follows its
+  Forward); for every contribution issued before it to each gradient it reads; ``AR v`` reads and
+  rewrites ``v`` on every chunk written so far; ``AR grads`` waits for the Backwards since the
+  previous ``AR grads`` (and that one). Free waits for the write and every read of its value since
+  (but an all-to-all's, which copied its input when it was posted); OPT waits for every earlier
+  instruction and every later instruction waits for it.
 - Memory: rank r starts at ``base_memory[r]``; ``alloc`` is added when an instruction starts,
   ``free`` subtracted when it ends (at equal times, frees of instructions that started earlier come
   first).
@@ -54,18 +51,13 @@ from pathlib import Path
 from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence, Union
 
 from ..errors import VerificationError
+from ..ir.dataflow import effects
 from ..ir.plan import (
     COLLECTIVES,
-    AllReduce,
     AllToAll,
-    Backward,
     DevicePlan,
-    Forward,
-    Free,
     Instruction,
-    OptimizerStep,
     Plan,
-    Recompute,
     Recv,
     Send,
 )
@@ -252,13 +244,14 @@ class Simulation:
 
 # --------------------------------------------------------------------------- dependencies
 def _dependencies(dp: DevicePlan, inputs: frozenset[str], streams: list[str]) -> list[set[int]]:
-    """Per instruction of ``dp``, the earlier instructions of the rank it depends on (module docstring)."""
+    """Per instruction of ``dp``, the earlier instructions of the rank it depends on: the effects of
+    :mod:`gnncompile.ir.dataflow` with the simulator's policy (module docstring)."""
     stages = {s.index: s for s in dp.stages}
     writer: dict[tuple[str, int], int] = {}
     readers: dict[tuple[str, int], list[int]] = defaultdict(list)
     chunks_of: dict[str, set[int]] = defaultdict(set)
     grad_writers: dict[tuple[str, int], list[int]] = defaultdict(list)
-    backwards: list[int] = []  # Backwards since the last `AR grads`
+    accumulated: list[int] = []  # Backwards since the last `AR grads` (and that one)
     last_on: dict[str, int] = {}
     barrier: Optional[int] = None
     out: list[set[int]] = []
@@ -277,64 +270,41 @@ def _dependencies(dp: DevicePlan, inputs: frozenset[str], streams: list[str]) ->
         chunks_of[v].add(c)
 
     for i, inst in enumerate(dp.instructions):
+        try:
+            eff = effects(inst, stages)
+        except KeyError:  # a Forward/Backward/Recompute of a stage the rank lacks
+            raise VerificationError(
+                f"rank {dp.rank} step {i} `{inst}`: rank {dp.rank} has no stage {inst.stage}") from None
         deps: set[int] = set()
-        if isinstance(inst, (Forward, Backward, Recompute)):
-            spec = stages.get(inst.stage)
-            if spec is None:
-                raise VerificationError(f"rank {dp.rank} step {i} `{inst}`: rank {dp.rank} has no stage {inst.stage}")
-            c = inst.chunk
-            if isinstance(inst, Backward):
-                for o in spec.outputs:
-                    deps.update(grad_writers.get((o, c), ()))
-                    read(deps, i, o, c)
-                for v in dict.fromkeys(spec.inputs):
-                    for k in spec.chunks_read(v, c):
-                        read(deps, i, v, k)
-                        grad_writers[v, k].append(i)
-                backwards.append(i)
-            else:
-                for v in spec.inputs:
-                    for k in spec.chunks_read(v, c):
-                        read(deps, i, v, k)
-                for o in spec.outputs:
-                    write(i, o, c)
-        elif isinstance(inst, Send):
-            if inst.grad:
-                deps.update(grad_writers.get((inst.name, inst.chunk), ()))
-            else:
-                read(deps, i, inst.name, inst.chunk)
-        elif isinstance(inst, Recv):
-            if inst.grad:
-                grad_writers[inst.name, inst.chunk].append(i)
-            else:
-                write(i, inst.name, inst.chunk)
-        elif isinstance(inst, AllReduce):
-            if inst.value == "grads":
-                deps.update(backwards)
-                backwards = [i]  # a later `AR grads` waits for this one (and so for these Backwards)
-            elif inst.value not in inputs:
-                for c in sorted(chunks_of[inst.value]):
-                    read(deps, i, inst.value, c)
-                    write(i, inst.value, c)
-        elif isinstance(inst, COLLECTIVES):
-            if inst.grad:
-                deps.update(grad_writers.get((inst.output, inst.chunk), ()))
-                grad_writers[inst.value, inst.chunk].append(i)
-            else:
-                read(deps, i, inst.value, inst.chunk)
-                write(i, inst.output, inst.chunk)
-        elif isinstance(inst, Free):
-            key = (inst.value, inst.chunk)
+        for v, c in eff.reads + eff.saved:
+            read(deps, i, v, c)
+        for key in eff.grad_reads:
+            deps.update(grad_writers.get(key, ()))
+        for v in eff.reduced:
+            if v not in inputs:
+                for c in sorted(chunks_of[v]):
+                    read(deps, i, v, c)
+                    write(i, v, c)
+        for v, c in eff.writes:
+            write(i, v, c)
+        for key in eff.grad_writes:
+            grad_writers[key].append(i)
+        for key in eff.frees:
             if key in writer:
                 deps.add(writer.pop(key))
             # an all-to-all packs its input into a send buffer of its own when it is posted: freeing
             # the input does not wait for the transfer
             deps.update(j for j in readers.pop(key, ()) if not isinstance(dp.instructions[j], AllToAll))
-        elif isinstance(inst, OptimizerStep):
+        if eff.params == "accumulate":
+            accumulated.append(i)
+        elif eff.params == "reduce":
+            deps.update(accumulated)
+            accumulated = [i]  # a later `AR grads` waits for this one (and so for these Backwards)
+        elif eff.params == "update":
             deps.update(last_on.values())  # streams are in order: their last instructions end last
         if barrier is not None:
             deps.add(barrier)
-        if isinstance(inst, OptimizerStep):
+        if eff.params == "update":
             barrier = i
         deps.discard(i)
         out.append(deps)

@@ -24,15 +24,15 @@ marked ``>>``):
    been posted, a collective when every member of its group is at it. If no rank can advance before all have finished, the deadlock is reported
    with every blocked rank, its instruction and what it waits for.
 
-Dataflow rules. Values are ``(name, chunk)`` pairs, except the plan ``inputs`` (``g``, ``x``), which
-are chunk-independent and always available. A Send/Recv acts on its ``local`` name (default its
-``value``). A chunked stage's cross-chunk input (``StageSpec.reads``) needs every chunk it lists,
-and its Backward contributes to the gradient of each. A value becomes available when a
-Forward/Recompute of a stage producing it, a Recv of it, or a collective writing it (``h@halo``, ``h@cols``,
-``h@gathered``, ``h@scattered``: the instruction's ``output``) runs; ``FREE`` makes it unavailable
-until it is produced again. Forward/Recompute need their stage's inputs; Send and non-grad
-collectives need their value; ``AR v`` (``v != "grads"``) has no chunk and reduces ``v`` in place,
-so it needs ``v`` for some chunk.
+Dataflow rules. What each instruction reads, writes, frees and which gradients it reads and adds
+to is the table of :mod:`gnncompile.ir.dataflow` (values are ``(name, chunk)`` pairs; a chunked
+stage's cross-chunk input, ``StageSpec.reads``, is read at every chunk it lists, and its Backward
+contributes to the gradient of each). The verifier applies it as follows. The plan ``inputs``
+(``g``, ``x``) are chunk-independent and always available. A value becomes available when an
+instruction writes it; ``FREE`` needs it and makes it unavailable until it is written again. Reads
+need the value available; the values a Backward holds in its autograd graph (``saved``) are not
+checked. ``AR v`` (``v != "grads"``) has no chunk and reduces ``v`` in place, so it needs ``v`` for
+some chunk.
 
 The gradient of ``(v, c)`` is complete once *every* contribution to it on the rank has run: the
 Backward of each stage of the rank consuming ``v``, each ``grad=True`` Recv of ``(v, c)`` and each
@@ -67,6 +67,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from ..errors import VerificationError
+from .dataflow import effects
 from .plan import (
     COLLECTIVES,
     AllGather,
@@ -75,7 +76,6 @@ from .plan import (
     Backward,
     DevicePlan,
     Forward,
-    Free,
     HaloExchange,
     Instruction,
     OptimizerStep,
@@ -475,26 +475,22 @@ def _check_pairwise(plan: Plan, group: tuple[int, ...], idx: list[int], insts: l
 
 # --------------------------------------------------------------------------- 4. dataflow
 def _check_dataflow(dp: DevicePlan, inputs: frozenset[str], chunks: int, output: Optional[str] = None) -> None:
-    """Check 4: every value and gradient rank ``dp`` uses is available at that step (rules in the module docstring)."""
+    """Check 4: every value and gradient rank ``dp`` uses is available at that step (the effects of
+    :mod:`gnncompile.ir.dataflow`, applied as the module docstring says)."""
     stages = {s.index: s for s in dp.stages}
+    effs = [effects(inst, stages) for inst in dp.instructions]
     consumers: dict[str, list[int]] = defaultdict(list)
     for s in dp.stages:
         for v in dict.fromkeys(s.inputs):
             consumers[v].append(s.index)
-    # Backward contributions expected to the gradient of (v, c): one per consuming stage, or, for a
-    # cross-chunk read, one per chunk of the stage that reads c
-    expected: Counter[tuple[str, int]] = Counter()
-    for s in dp.stages:
-        for v in dict.fromkeys(s.inputs):
-            for c in (s.runs or range(chunks)):
-                for k in s.chunks_read(v, c):
-                    expected[v, k] += 1
-    incoming: Counter[tuple[str, int]] = Counter()  # grad RECVs and grad collectives per (value, chunk)
-    for inst in dp.instructions:
-        if isinstance(inst, Recv) and inst.grad:
-            incoming[inst.name, inst.chunk] += 1
-        elif isinstance(inst, COLLECTIVES) and getattr(inst, "grad", False):
-            incoming[inst.value, inst.chunk] += 1
+    # contributions expected to the gradient of (v, c): each Backward of the stage table (one per
+    # consuming stage and chunk it runs, or per chunk reading c for a cross-chunk read), and each
+    # grad RECV and grad collective of the program
+    contributions = {b: effects(b, stages).grad_writes
+                     for b in (Backward(s.index, c) for s in dp.stages for c in (s.runs or range(chunks)))}
+    expected: Counter[tuple[str, int]] = Counter(k for keys in contributions.values() for k in keys)
+    incoming: Counter[tuple[str, int]] = Counter(k for inst, e in zip(dp.instructions, effs)
+                                                 if not isinstance(inst, Backward) for k in e.grad_writes)
     with_incoming = {v for v, _ in incoming}
     loss_roots = {o for s in dp.stages for o in s.outputs if not consumers[o] and o not in with_incoming}
     if output is not None and output not in consumers:  # the loss reads it (a converted output, e.g. value@rows)
@@ -509,8 +505,7 @@ def _check_dataflow(dp: DevicePlan, inputs: frozenset[str], chunks: int, output:
         if (v, c) in freed:
             why = f"it was freed at step {freed[v, c]}"
         else:
-            later = next((k for k in range(i + 1, len(dp.instructions))
-                          if (v, c) in _defines(dp.instructions[k], stages)), None)
+            later = next((k for k in range(i + 1, len(effs)) if (v, c) in effs[k].writes), None)
             why = f"it is produced only later, at step {later}" if later is not None else \
                 f"it is never produced on rank {dp.rank} (not a plan input, stage output, RECV or collective output)"
         raise _fail(dp, i, f"needs {v} c{c}, which is not available: {why}")
@@ -523,68 +518,31 @@ def _check_dataflow(dp: DevicePlan, inputs: frozenset[str], chunks: int, output:
                                f"here consumes {v}, and there is no grad RECV or grad collective of {v} c{c})")
         if grads[v, c] < expected[v, c] + incoming[v, c]:
             done = set(dp.instructions[:i])
-            pending = [f"B{s}c{j}" for s in consumers[v] for j in (stages[s].runs or range(chunks))
-                       if c in stages[s].chunks_read(v, j) and Backward(s, j) not in done]
-            pending += [f"`{x}` (step {k})" for k, x in enumerate(dp.instructions)
-                        if k > i and isinstance(x, (Recv,) + COLLECTIVES) and getattr(x, "grad", False)
-                        and ((x.name if isinstance(x, Recv) else x.value), x.chunk) == (v, c)]
+            pending = [str(b) for b, keys in contributions.items() if (v, c) in keys and b not in done]
+            pending += [f"`{x}` (step {k})" for k, (x, e) in enumerate(zip(dp.instructions, effs))
+                        if k > i and not isinstance(x, Backward) and (v, c) in e.grad_writes]
             raise _fail(dp, i, f"needs the gradient of {v} c{c}, which is not complete yet: it still waits for "
                                f"{', '.join(pending)}")
 
-    def produce(v: str, c: int) -> None:
-        available.add((v, c))
-        freed.pop((v, c), None)
-
-    for i, inst in enumerate(dp.instructions):
-        if isinstance(inst, (Forward, Recompute)):
-            spec = stages[inst.stage]
-            for v in spec.inputs:
-                for k in spec.chunks_read(v, inst.chunk):
-                    need(i, v, k)
-            for o in spec.outputs:
-                produce(o, inst.chunk)
-        elif isinstance(inst, Backward):
-            spec = stages[inst.stage]
-            for o in spec.outputs:
-                need_grad(i, o, inst.chunk)
-            for v in dict.fromkeys(spec.inputs):
-                for k in spec.chunks_read(v, inst.chunk):
-                    grads[v, k] += 1
-        elif isinstance(inst, Send):
-            (need_grad if inst.grad else need)(i, inst.name, inst.chunk)
-        elif isinstance(inst, Recv):
-            if inst.grad:
-                grads[inst.name, inst.chunk] += 1
-            else:
-                produce(inst.name, inst.chunk)
-        elif isinstance(inst, AllReduce):
-            if inst.value != "grads" and inst.value not in inputs and \
-                    not any((inst.value, c) in available for c in range(chunks)):
-                raise _fail(dp, i, f"all-reduces {inst.value}, which is not available on any chunk")
-        elif isinstance(inst, COLLECTIVES):
-            if inst.grad:  # consumes the gradient of the output, contributes to the value's
-                need_grad(i, inst.output, inst.chunk)
-                grads[inst.value, inst.chunk] += 1
-            else:
-                need(i, inst.value, inst.chunk)
-                produce(inst.output, inst.chunk)
-        elif isinstance(inst, Free):
-            need(i, inst.value, inst.chunk)
-            if inst.value in inputs:
-                raise _fail(dp, i, f"{inst.value} is a plan input (chunk-independent); it cannot be freed")
-            available.discard((inst.value, inst.chunk))
-            freed[inst.value, inst.chunk] = i
-
-
-def _defines(inst: Instruction, stages: dict[int, StageSpec]) -> set[tuple[str, int]]:
-    """The (value, chunk) pairs ``inst`` makes available (used to explain dataflow errors)."""
-    if isinstance(inst, (Forward, Recompute)):
-        return {(o, inst.chunk) for o in stages[inst.stage].outputs}
-    if isinstance(inst, Recv) and not inst.grad:
-        return {(inst.name, inst.chunk)}
-    if isinstance(inst, COLLECTIVES) and not isinstance(inst, AllReduce) and not inst.grad:
-        return {(inst.output, inst.chunk)}
-    return set()
+    for i, e in enumerate(effs):
+        for v, c in e.reads:
+            need(i, v, c)
+        for v, c in e.grad_reads:
+            need_grad(i, v, c)
+        for v in e.reduced:
+            if v not in inputs and not any((v, c) in available for c in range(chunks)):
+                raise _fail(dp, i, f"all-reduces {v}, which is not available on any chunk")
+        for v, c in e.frees:
+            need(i, v, c)
+            if v in inputs:
+                raise _fail(dp, i, f"{v} is a plan input (chunk-independent); it cannot be freed")
+            available.discard((v, c))
+            freed[v, c] = i
+        for key in e.writes:
+            available.add(key)
+            freed.pop(key, None)
+        for key in e.grad_writes:
+            grads[key] += 1
 
 
 # --------------------------------------------------------------------------- 5. dry run

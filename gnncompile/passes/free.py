@@ -5,8 +5,9 @@ outputs) until the end of the step. In a chunk pipeline (the ``task`` strategy) 
 cross-task tensor: the producer keeps the stage output it sent, the consumer keeps its copy. This
 pass inserts ``Free(v, c)`` into each rank's instruction list at the first point where
 
-1. no local instruction reads ``(v, c)`` any more in the forward direction (``Forward`` /
-   ``Recompute`` reading it, a forward ``Send`` or collective of it), and
+1. no local instruction reads ``(v, c)`` any more in the forward direction (the ``reads`` of
+   :mod:`gnncompile.ir.dataflow`: ``Forward`` / ``Recompute`` reading it, a forward ``Send`` or
+   collective of it; a Backward's ``saved`` values are its autograd graph's), and
 2. every forward ``Send`` of ``(v, c)`` has *provably* completed: the send buffer aliases the value
    (a send of whole rows is not copied), and gloo's ``isend`` completes only when the receiver has
    posted its receive, so the buffer may not be released before. The executor waits for those
@@ -33,12 +34,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterable, Optional
 
-from ..ir.plan import (AllGather, AllToAll, DevicePlan, Forward, Free, HaloExchange, Instruction,
-                       OptimizerStep, Recompute, Recv, ReduceScatter, Send)
+from ..ir.dataflow import effects
+from ..ir.plan import DevicePlan, Free, Instruction, OptimizerStep, Recv, Send
 
 __all__ = ["insert_frees", "send_completions"]
-
-_COLLECTIVES = (HaloExchange, AllToAll, AllGather, ReduceScatter)
 
 
 def send_completions(programs: dict[int, tuple[Instruction, ...]]) -> dict[tuple[int, int], int]:
@@ -75,30 +74,6 @@ def send_completions(programs: dict[int, tuple[Instruction, ...]]) -> dict[tuple
     return out
 
 
-def _reads(inst: Instruction, stages: dict) -> Iterable[tuple[str, int]]:
-    """The stored (value, chunk) pairs ``inst`` reads in the forward direction."""
-    if isinstance(inst, (Forward, Recompute)):
-        st = stages[inst.stage]
-        for v in st.inputs:
-            for k in st.chunks_read(v, inst.chunk):
-                yield v, k
-    elif isinstance(inst, Send) and not inst.grad:
-        yield inst.name, inst.chunk
-    elif isinstance(inst, _COLLECTIVES) and not inst.grad:
-        yield inst.value, inst.chunk
-
-
-def _writes(inst: Instruction, stages: dict) -> Iterable[tuple[str, int]]:
-    """The (value, chunk) pairs ``inst`` stores."""
-    if isinstance(inst, (Forward, Recompute)):
-        for o in stages[inst.stage].outputs:
-            yield o, inst.chunk
-    elif isinstance(inst, Recv) and not inst.grad:
-        yield inst.name, inst.chunk
-    elif isinstance(inst, _COLLECTIVES) and not inst.grad:
-        yield inst.output, inst.chunk
-
-
 def insert_frees(ranks: list[DevicePlan], keep: Iterable[str] = ()) -> list[DevicePlan]:
     """``ranks`` with ``Free`` instructions inserted (see the module docstring); ``keep``: value
     names never freed (the plan inputs and the model's output). Instruction lists that already
@@ -123,15 +98,14 @@ def insert_frees(ranks: list[DevicePlan], keep: Iterable[str] = ()) -> list[Devi
         limit = len(prog) if end is None else end
         until: dict[tuple[str, int], int] = {}  # (value, chunk) -> index after which it may go
         for i, inst in enumerate(prog[:limit]):
-            for key in _writes(inst, stages):
+            eff = effects(inst, stages)
+            for key in eff.writes:
                 if key[0] not in keep and key[0] not in stale:
                     until.setdefault(key, i)
-            for key in _reads(inst, stages):
+            for key in eff.reads:
                 if key in until:
-                    until[key] = max(until[key], i)
-            if isinstance(inst, Send) and not inst.grad and (inst.name, inst.chunk) in until:
-                key = (inst.name, inst.chunk)
-                until[key] = max(until[key], done.get((dp.rank, i), limit))
+                    # a Send's buffer aliases the value until the send has completed
+                    until[key] = max(until[key], done.get((dp.rank, i), limit) if isinstance(inst, Send) else i)
         after: dict[int, list[Free]] = {}
         for (v, c), i in until.items():
             if i < limit:
