@@ -20,7 +20,10 @@ An epoch thus trains the model on the graph of its kept edges (:meth:`ChunkRegro
 normalized as the model normalizes any graph: degrees count the kept edges. NeutronTask says it
 follows ClusterGCN, which normalizes each subgraph's adjacency; keeping the whole graph's
 coefficients instead shrinks every training aggregation against evaluation's (which reads every
-edge) and measured 2-3 points lower on Cora (see the ``task`` benchmark).
+edge): measured on 4 ranks, 4 subgraphs, 200 epochs, one seed, GCN reached 2.0-3.4 points below
+single-device training on Cora (1, 2 or 4 chunks per subgraph) and 1.2 on coauthor_physics, against
+-0.5..+0.5 on Cora with renormalization (``benchmarks/RESULTS.md``, "Task strategy", has the
+renormalized plans over two seeds).
 
 :class:`ChunkRegrouping` is the rank-independent part (the graph, the cuts, the seed);
 :class:`RegroupedInputs` one rank's per-epoch model inputs (its subgraphs' graph slices, feature
@@ -95,19 +98,19 @@ class ChunkRegrouping:
         """Subgraph ``j`` of the vertex order ``order``: its vertices, their in-edges from subgraphs
         ``0..j`` (sources numbered in that order), and those edges' ids in the whole graph.
         ``coefficients``: ``(edge_coef, loop_coef)`` indexed by the whole graph's edges
-        (:meth:`coefficients`; default: the whole graph's)."""
-        edge, loop = coefficients if coefficients is not None else self.coefficients(None)
+        (default: ``coefficients(order)``, computed again on every call)."""
+        edge, loop = coefficients if coefficients is not None else self.coefficients(order)
         return chunk_subgraph(self.graph, self.bounds, j, range(j + 1), edge, loop, order)
 
-    def coefficients(self, epoch: Optional[int]) -> tuple[dict[str, torch.Tensor],
-                                                          dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """The normalization coefficients of ``epoch``'s propagations (:attr:`norms`), indexed by the
-        whole graph's edges: those of the graph of the epoch's kept edges (zero on the skipped
-        ones); ``epoch=None``: the whole graph's."""
+    def coefficients(self, order: Optional[torch.Tensor]) -> tuple[dict[str, torch.Tensor],
+                                                                   dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """The normalization coefficients of the propagations (:attr:`norms`) in an epoch's vertex
+        ``order``, indexed by the whole graph's edges: those of the graph of the epoch's kept edges
+        (zero on the skipped ones); ``order=None``: the whole graph's."""
         g = self.graph
-        if epoch is None:
+        if order is None:
             return propagation_coefficients(g, self.norms)
-        kept = self.kept_edges(epoch)
+        kept = self._kept(order)
         indptr = torch.zeros(g.num_nodes + 1, dtype=torch.int64)
         torch.cumsum(torch.bincount(g.dst.cpu()[kept], minlength=g.num_nodes), 0, out=indptr[1:])
         epoch_graph = Graph(indptr, g.indices.cpu()[kept], g.num_nodes, validate=False,
@@ -124,7 +127,9 @@ class ChunkRegrouping:
 
     def kept_edges(self, epoch: int) -> torch.Tensor:
         """Which edges of the whole graph ``epoch`` trains (bool per edge, CSR order)."""
-        order = self.order(epoch)
+        return self._kept(self.order(epoch))
+
+    def _kept(self, order: torch.Tensor) -> torch.Tensor:
         position = torch.empty_like(order)
         position[order] = torch.arange(order.numel())
         unit = torch.searchsorted(torch.as_tensor(self.bounds), position, right=True) - 1
@@ -200,7 +205,7 @@ class RegroupedInputs:
         b = rg.bounds
         out: dict[int, dict[str, Any]] = {}
         graphs = any(k == "graph" for per in self.needs.values() for k in per.values())
-        coefficients = rg.coefficients(epoch) if graphs else None
+        coefficients = rg.coefficients(order) if graphs else None
         for j, per in sorted(self.needs.items()):
             ids = order[b[j]:b[j + 1]]
             d: dict[str, Any] = {}
