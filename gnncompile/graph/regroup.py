@@ -41,7 +41,7 @@ import torch
 
 from ..errors import GraphError
 from .core import Graph
-from .shard import LocalGraph, chunk_subgraph, dropout_positions, propagation_coefficients, slice_rows
+from .shard import LocalGraph, chunk_edges, chunk_subgraph, dropout_positions, propagation_coefficients, slice_rows
 
 __all__ = ["ChunkRegrouping", "RegroupedInputs", "EpochInputs"]
 
@@ -209,16 +209,19 @@ class RegroupedInputs:
         for j, per in sorted(self.needs.items()):
             ids = order[b[j]:b[j + 1]]
             d: dict[str, Any] = {}
-            sub: Optional[tuple[LocalGraph, torch.Tensor]] = None
+            sub: Optional[LocalGraph] = None
+            eids: Optional[torch.Tensor] = None
             for name, kind in per.items():
-                if kind in ("graph", "E", "E+V") and sub is None:
-                    sub = rg.subgraph(order, j, coefficients)
+                if kind == "graph" and sub is None:
+                    sub, eids = rg.subgraph(order, j, coefficients)
+                elif kind in ("E", "E+V") and eids is None:  # the edge ids alone: no graph slice
+                    eids = chunk_edges(rg.graph, b, j, range(j + 1), order)
                 if kind == "graph":
-                    d[name] = sub[0]
+                    d[name] = sub
                 elif kind == "features":
                     d[name] = slice_rows(rg.graph.x, ids) if rg.graph.x is not None else None
                 else:
-                    d[name] = dropout_positions(kind, rg.graph, ids, sub[1] if sub is not None else None)
+                    d[name] = dropout_positions(kind, rg.graph, ids, eids)
             out[j] = d
         if device is not None and device.type != "cpu":
             out = {j: {k: v.to(device) if hasattr(v, "to") else v for k, v in d.items()} for j, d in out.items()}

@@ -270,6 +270,34 @@ def chunk_subgraph(graph: Graph, bounds: Sequence[int], j: int, reads: Sequence[
     """
     b = torch.as_tensor(list(bounds), dtype=torch.int64)
     lo, hi = int(b[j]), int(b[j + 1])
+    ids, eids, dst, pos, of = _chunk_edges(graph, b, j, reads, order)
+    local_start = torch.zeros(len(b) - 1, dtype=torch.int64)
+    width = 0
+    for k in reads:
+        local_start[k] = width
+        width += int(b[k + 1] - b[k])
+    local_indptr = torch.zeros(hi - lo + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(dst, minlength=hi - lo), 0, out=local_indptr[1:])
+    local = LocalGraph(
+        local_indptr, local_start[of] + (pos - b[of]), hi - lo, width,
+        edge_weight=None if graph.edge_weight is None else graph.edge_weight.cpu()[eids],
+        norm_coef={nm: c.cpu()[eids] for nm, c in (edge_coef or {}).items()},
+        loop_norm_coef={nm: (c[0].cpu()[eids], c[1].cpu()[ids]) for nm, c in (loop_coef or {}).items()},
+        name=f"{graph.name}[chunk {j}]", own_offset=int(local_start[j]))
+    return local, eids
+
+
+def chunk_edges(graph: Graph, bounds: Sequence[int], j: int, reads: Sequence[int],
+                order: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The ids of the edges :func:`chunk_subgraph` keeps (in its edge order), without building it."""
+    return _chunk_edges(graph, torch.as_tensor(list(bounds), dtype=torch.int64), j, reads, order)[1]
+
+
+def _chunk_edges(graph: Graph, b: torch.Tensor, j: int, reads: Sequence[int], order: Optional[torch.Tensor]
+                 ) -> tuple[torch.Tensor, ...]:
+    """Chunk ``j``'s vertex ids, and for its kept in-edges: their ids, local destinations, source
+    positions in ``order`` and the chunks those lie in."""
+    lo, hi = int(b[j]), int(b[j + 1])
     indptr, indices = graph.indptr.cpu(), graph.indices.cpu()
     if order is None:
         ids = torch.arange(lo, hi)
@@ -291,20 +319,7 @@ def chunk_subgraph(graph: Graph, bounds: Sequence[int], j: int, reads: Sequence[
     keep = allowed[of]
     if not bool(keep.all()):
         eids, pos, of, dst = eids[keep], pos[keep], of[keep], dst[keep]
-    local_start = torch.zeros(len(b) - 1, dtype=torch.int64)
-    width = 0
-    for k in reads:
-        local_start[k] = width
-        width += int(b[k + 1] - b[k])
-    local_indptr = torch.zeros(hi - lo + 1, dtype=torch.int64)
-    torch.cumsum(torch.bincount(dst, minlength=hi - lo), 0, out=local_indptr[1:])
-    local = LocalGraph(
-        local_indptr, local_start[of] + (pos - b[of]), hi - lo, width,
-        edge_weight=None if graph.edge_weight is None else graph.edge_weight.cpu()[eids],
-        norm_coef={nm: c.cpu()[eids] for nm, c in (edge_coef or {}).items()},
-        loop_norm_coef={nm: (c[0].cpu()[eids], c[1].cpu()[ids]) for nm, c in (loop_coef or {}).items()},
-        name=f"{graph.name}[chunk {j}]", own_offset=int(local_start[j]))
-    return local, eids
+    return ids, eids, dst, pos, of
 
 
 def propagation_coefficients(graph: Graph, norms: Iterable[tuple[str, bool]]

@@ -44,7 +44,7 @@ import torch
 
 from ..errors import PlanningError
 from ..graph.core import Graph
-from ..graph.shard import LocalGraph, chunk_subgraph, propagation_coefficients
+from ..graph.shard import LocalGraph, chunk_edges, chunk_subgraph, propagation_coefficients
 from ..ir.plan import Backward, Forward, Instruction, Recv, Send, StageSpec
 from .lower import OUTPUT, Conversion, StagedModel
 
@@ -122,7 +122,7 @@ def chunk_graph(graph: Graph, chunking: Chunking, j: int, edge_coef: dict[str, t
 
 def chunk_edge_ids(graph: Graph, chunking: Chunking, j: int) -> torch.Tensor:
     """Ids of the in-edges of chunk ``j``'s destinations whose sources lie in ``reads[j]``."""
-    return chunk_subgraph(graph, chunking.bounds, j, chunking.reads[j])[1]
+    return chunk_edges(graph, chunking.bounds, j, chunking.reads[j])
 
 
 # --------------------------------------------------------------------------- tasks and list scheduling
