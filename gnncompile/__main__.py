@@ -1,5 +1,8 @@
+"""``python -m gnncompile``: the command line (:mod:`gnncompile.cli`)."""
+
 import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a process that starts ranks re-imports the main module
+    sys.exit(main())

@@ -16,12 +16,92 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from .errors import GnnCompileError
 
 SYNTHETIC_DEFAULTS = dict(num_nodes=20_000, avg_degree=20, num_features=128, num_classes=8)
+
+
+# --------------------------------------------------------------------------- argument types
+# Checked by argparse, so a bad value is a usage error before anything is loaded, planned or launched.
+def _number(text: str, kind: type, what: str, *, low: float, strict: bool, high: float = math.inf,
+            high_strict: bool = False) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not math.isfinite(value) or value < low or (strict and value == low) or value > high \
+            or (high_strict and value == high):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be {what}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (epochs, widths, counts)."""
+    return _number(text, int, "a positive integer", low=0, strict=True)
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (seeds)."""
+    return _number(text, int, "an integer >= 0", low=0, strict=False)
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (learning rate, timeout, degree)."""
+    return _number(text, float, "a number > 0", low=0.0, strict=True)
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (weight decay)."""
+    return _number(text, float, "a number >= 0", low=0.0, strict=False)
+
+
+def probability(text: str) -> float:
+    """A dropout probability in [0, 1)."""
+    return _number(text, float, "a probability in [0, 1)", low=0.0, strict=False, high=1.0, high_strict=True)
+
+
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def device_name(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``."""
+    if not _DEVICE.match(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected cpu, cuda or cuda:N")
+    return text
+
+
+def ranks_or_cluster(text: str) -> Union[int, str]:
+    """``--gpus``: a number of local ranks (>= 1), or a cluster description (``4xA5000``), which the
+    planner parses (and refuses, listing the valid names) before anything runs."""
+    if text.strip().lstrip("+-").isdigit():
+        return positive_int(text)
+    return text
+
+
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check_device(device: Optional[str]) -> None:
+    """Refuse a CUDA device this machine does not have, before a model is built or a rank started."""
+    if device is None or device == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise GnnCompileError(f"--device {device}: no CUDA device is visible here (torch.cuda.is_available() is "
+                              f"False; torch {torch.__version__}); use --device cpu")
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        raise GnnCompileError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                              f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
 
 
 def _load_graph(args: argparse.Namespace):
@@ -37,13 +117,25 @@ def _load_graph(args: argparse.Namespace):
     return datasets.load(args.dataset)
 
 
+def _require_trainable(graph, args: argparse.Namespace) -> None:
+    """Refuse a graph without node features or labels, saying which it lacks and which file it is."""
+    from . import datasets
+
+    missing = [what for what, have in (("node features (x)", graph.x), ("labels (y)", graph.y)) if have is None]
+    if not missing:
+        return
+    where = "" if args.dataset in datasets.SYNTHETIC_KINDS else f" ({datasets.locate(args.dataset) or args.dataset})"
+    usable = [i.name for i in datasets.list() if i.trainable]
+    raise GnnCompileError(f"dataset {graph.name!r}{where} has no {' and no '.join(missing)}, so a model cannot be "
+                          f"trained on it; datasets with features and labels: {', '.join(usable) or '(none found)'}")
+
+
 def _build_model(args: argparse.Namespace, graph):
     import torch
 
     from . import nn
 
-    if graph.x is None or graph.y is None:
-        raise GnnCompileError(f"dataset {graph.name!r} has no features or labels; pick a node-classification dataset")
+    _require_trainable(graph, args)
     torch.manual_seed(args.seed)
     extra = {}
     if args.heads is not None:
@@ -83,8 +175,8 @@ def _make_plan(args: argparse.Namespace):
     return graph, model, p
 
 
-def _gpus(text: str):
-    return int(text) if text.isdigit() else text
+def _gpus(value: Union[int, str]) -> Union[int, str]:
+    return int(value) if isinstance(value, int) or value.isdigit() else value
 
 
 def _report_plan(p, args: argparse.Namespace) -> None:
@@ -127,21 +219,32 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    _check_device(args.device)
+    if args.backend == "nccl" and (args.device == "cpu" or not _cuda_visible()):
+        raise GnnCompileError("--backend nccl needs a CUDA device per rank (NCCL does not run on CPU tensors); "
+                              "use --backend gloo, or leave --backend out to let the launcher choose")
+    # only what the user set: the runtime chooses devices and backend itself otherwise
+    placement = {k: v for k, v in (("device", args.device), ("backend", args.backend)) if v is not None}
     if args.torchrun:
         from .runtime.executor import run_plan_torchrun
 
         graph, model, p = _make_plan(args)
         res = run_plan_torchrun(p, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
-                                timeout=args.timeout)
+                                timeout=args.timeout, **placement)
         if res is None:  # not rank 0
             return 0
     else:
+        from .runtime.executor import describe_run, plan_placement
+
         graph, model, p = _make_plan(args)
         if not args.quiet:
             print(p)
             print()
+        # where the ranks will run (and what the plan was made for), before they start; an
+        # impossible forced choice is refused here
+        print(describe_run(p, plan_placement(p, **placement)))
         res = p.run(epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
-                    timeout=args.timeout)
+                    timeout=args.timeout, **placement)
     console = Console()
     console.width = max(console.width, 100)
     hist = res.history
@@ -190,6 +293,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .runtime import kernels
     from .runtime.trainer import train
 
+    _check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.backend:
@@ -200,10 +304,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     model = _build_model(args, graph)
     n_params = sum(p.numel() for p in model.parameters())
     console.print(f"[bold]{graph}[/bold]")
-    console.print(f"model {args.model}: {n_params:,} parameters; kernel backend {kernels.default_backend()}")
+    console.print(f"model {args.model}: {n_params:,} parameters; device {args.device}; "
+                  f"kernel backend {kernels.default_backend()}")
     hist = train(model, graph, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
-                 seed=args.seed, verbose=None if not args.quiet else False)
-    table = Table(title=f"{args.model} on {graph.name}, {args.epochs} epochs")
+                 seed=args.seed, device=args.device, verbose=None if not args.quiet else False)
+    table = Table(title=f"{args.model} on {graph.name}, {args.epochs} epochs on {args.device}")
     for col in ("final loss", "best val acc", "test acc @ best val", "final test acc",
                 "epoch time (median)", "total train time"):
         table.add_column(col, justify="right")
@@ -231,21 +336,25 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
 
     infos = datasets.list()
     if args.json:
-        print(json.dumps([{k: (str(v) if k == "path" else v) for k, v in vars(i).items()} for i in infos], indent=1))
+        print(json.dumps([{**{k: (str(v) if k == "path" else v) for k, v in vars(i).items()},
+                           "trainable": i.trainable, "missing": list(i.missing)} for i in infos], indent=1))
         return 0
     table = Table(title="datasets")
-    for col in ("name", "nodes", "edges (stored)", "symmetric", "features", "classes"):
-        table.add_column(col, justify="left" if col == "name" else "right", no_wrap=True)
+    for col in ("name", "nodes", "edges (stored)", "symmetric", "features", "classes", "trainable"):
+        table.add_column(col, justify="left" if col in ("name", "trainable") else "right", no_wrap=True)
     for i in infos:
         feats = "-" if not i.num_features else f"{i.num_features:,}" + (" (sparse)" if i.sparse_features else "")
         table.add_row(i.name, f"{i.num_nodes:,}", f"{i.num_edges:,}", "yes" if i.symmetric else "no", feats,
-                      str(i.num_classes or "-"))
+                      str(i.num_classes or "-"), "yes" if i.trainable else f"no: no {' or '.join(i.missing)}")
     console = Console()
     console.width = max(console.width, 100)
     console.print(table)
     for folder in sorted({str(i.path.parent.parent if i.path.parent.name == i.name else i.path.parent) for i in infos}):
         print(f"found in: {folder}")
-    print(f"synthetic (built in): {', '.join(datasets.SYNTHETIC_KINDS)}")
+    print(f"synthetic (built in, trainable): {', '.join(datasets.SYNTHETIC_KINDS)}")
+    if any(not i.trainable for i in infos):
+        print("not trainable: graphs without node features or labels can be loaded and partitioned, "
+              "but train, run and plan need both")
     return 0
 
 
@@ -272,8 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model on one device (the reference loop)",
                        description="Full-graph training on one device with Adam; prints accuracy and epoch time.")
     _add_model_args(t, MODELS)
+    t.add_argument("--device", type=device_name, default="cpu", metavar="DEVICE",
+                   help="where to train: cpu (default), cuda or cuda:N")
     t.add_argument("--backend", default=None, help="sparse kernel backend (native, torch, scipy, cupy)")
-    t.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    t.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     t.add_argument("--json", default=None, metavar="PATH", help="also write the history as JSON to PATH")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_cmd_train)
@@ -297,8 +408,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "rank), or under torchrun with --torchrun; prints accuracy and per-rank traffic.")
     _add_model_args(r, MODELS)
     _add_plan_args(r)
-    r.add_argument("--timeout", type=float, default=300.0,
+    r.add_argument("--timeout", type=positive_float, default=300.0,
                    help="seconds a collective or receive may wait before the run fails (default: 300)")
+    r.add_argument("--device", type=device_name, default=None, metavar="DEVICE",
+                   help="where the ranks compute: cpu, or cuda / cuda:N (ranks share the GPUs when they outnumber "
+                        "them); default: a GPU per rank when there are enough, else as the runtime decides")
+    r.add_argument("--backend", default=None, choices=("gloo", "nccl"),
+                   help="torch.distributed backend (default: nccl with a GPU per rank, else gloo)")
     r.add_argument("--torchrun", action="store_true",
                    help="this process is one rank launched by torchrun (reads RANK, WORLD_SIZE, MASTER_ADDR...)")
     r.add_argument("--json", default=None, metavar="PATH", help="also write the history and traffic as JSON")
@@ -323,7 +439,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     from .api import STRATEGIES
     from .graph.partition import PARTITIONERS
 
-    p.add_argument("--gpus", default="4",
+    p.add_argument("--gpus", default="4", type=ranks_or_cluster,
                    help="number of local ranks, or a cluster such as 4xA5000 or 8x8xA100-ib200 (default: 4)")
     p.add_argument("--strategy", default="auto", choices=("auto",) + STRATEGIES,
                    help="parallelization strategy; auto (default) lets the cost models choose")
@@ -335,10 +451,10 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="recompute T segments in backward (default: searched with auto, off with a named strategy)")
     p.add_argument("--decouple", default=None, action=argparse.BooleanOptionalAction,
                    help="tensor: decoupled model, all T ops then all propagations (relaxed for non-linear models)")
-    p.add_argument("--chunks", type=int, default=None,
+    p.add_argument("--chunks", type=positive_int, default=None,
                    help="mop, task: vertex chunks pipelined between the device groups; tensor: chunk-level all-to-alls "
                         "(NeutronTP §4.2; default: searched)")
-    p.add_argument("--sparse-ranks", type=int, default=None,
+    p.add_argument("--sparse-ranks", type=positive_int, default=None,
                    help="mop: ranks aggregating (the rest run the dense updates; default: half)")
     p.add_argument("--reorder", default=None, choices=("none", "rcm"),
                    help="mop: renumber vertices by reverse Cuthill-McKee before chunking (default: searched)")
@@ -346,9 +462,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="task, relaxed (NeutronTask Algorithm 1): shuffle the chunks into subgraphs every epoch and "
                         "skip in-edges from later subgraphs (regrouped), skip them in a fixed order (skip-later) "
                         "or read later chunks from the previous step (cached); default: exact")
-    p.add_argument("--subgraph-chunks", type=int, default=None,
+    p.add_argument("--subgraph-chunks", type=positive_int, default=None,
                    help="task with --dependencies regrouped: chunks per subgraph (Algorithm 1's k; default 2)")
-    p.add_argument("--p-ranks", type=int, default=None,
+    p.add_argument("--p-ranks", type=positive_int, default=None,
                    help="task: ranks for the P (propagation) tasks (default: NeutronTask Eq. 7 from the cost model)")
     p.add_argument("--explain", action="store_true", help="print the planner's candidates and why it chose the plan")
     p.add_argument("--timeline", default=None, metavar="PATH", help="draw the predicted (and measured) timeline")
@@ -359,18 +475,18 @@ def _add_model_args(t: argparse.ArgumentParser, MODELS: dict) -> None:
     t.add_argument("--dataset", default="sbm",
                    help="dataset name or path, or a synthetic kind (sbm, rmat, er); default: sbm")
     t.add_argument("--model", default="gcn", choices=sorted(MODELS), help="model (default: gcn)")
-    t.add_argument("--epochs", type=int, default=200, help="training epochs (default: 200)")
-    t.add_argument("--hidden", type=int, default=64, help="hidden width (per head for gat; default: 64)")
-    t.add_argument("--layers", type=int, default=2, help="number of layers (default: 2)")
-    t.add_argument("--heads", type=int, default=None, help="attention heads (gat only)")
-    t.add_argument("--dropout", type=float, default=0.5, help="dropout probability (default: 0.5)")
-    t.add_argument("--lr", type=float, default=0.01, help="Adam learning rate (default: 0.01)")
-    t.add_argument("--weight-decay", type=float, default=5e-4, help="Adam weight decay (default: 5e-4)")
-    t.add_argument("--seed", type=int, default=0, help="seed for weights, dropout, partitioning and synthetic graphs")
-    t.add_argument("--num-nodes", type=int, default=None, help="synthetic graphs: number of vertices")
-    t.add_argument("--avg-degree", type=float, default=None, help="synthetic graphs: average degree")
-    t.add_argument("--num-features", type=int, default=None, help="synthetic graphs: feature dimension")
-    t.add_argument("--num-classes", type=int, default=None, help="synthetic graphs: number of classes")
+    t.add_argument("--epochs", type=positive_int, default=200, help="training epochs (default: 200)")
+    t.add_argument("--hidden", type=positive_int, default=64, help="hidden width (per head for gat; default: 64)")
+    t.add_argument("--layers", type=positive_int, default=2, help="number of layers (default: 2)")
+    t.add_argument("--heads", type=positive_int, default=None, help="attention heads (gat only)")
+    t.add_argument("--dropout", type=probability, default=0.5, help="dropout probability (default: 0.5)")
+    t.add_argument("--lr", type=positive_float, default=0.01, help="Adam learning rate (default: 0.01)")
+    t.add_argument("--weight-decay", type=non_negative_float, default=5e-4, help="Adam weight decay (default: 5e-4)")
+    t.add_argument("--seed", type=non_negative_int, default=0, help="seed for weights, dropout, partitioning and synthetic graphs")
+    t.add_argument("--num-nodes", type=positive_int, default=None, help="synthetic graphs: number of vertices")
+    t.add_argument("--avg-degree", type=positive_float, default=None, help="synthetic graphs: average degree")
+    t.add_argument("--num-features", type=positive_int, default=None, help="synthetic graphs: feature dimension")
+    t.add_argument("--num-classes", type=positive_int, default=None, help="synthetic graphs: number of classes")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -36,8 +36,8 @@ from .errors import DatasetError, GraphError
 from .graph.core import Graph, GraphStats
 from .graph.io import from_npz, from_planetoid
 
-__all__ = ["DatasetInfo", "SYNTHETIC_KINDS", "KNOWN_STATS", "list_datasets", "load", "search_paths", "stats",
-           "synthetic"]
+__all__ = ["DatasetInfo", "SYNTHETIC_KINDS", "KNOWN_STATS", "list_datasets", "load", "locate", "search_paths",
+           "stats", "synthetic"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -215,12 +215,24 @@ class DatasetInfo:
     num_classes: int
     sparse_features: bool
 
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """What node classification needs and the file lacks: ``"features"``, ``"labels"`` (empty if none)."""
+        return tuple(what for what, have in (("features", self.num_features), ("labels", self.num_classes))
+                     if not have)
+
+    @property
+    def trainable(self) -> bool:
+        """Whether ``gc.train`` / ``gnncompile train`` can use it (it has node features and labels)."""
+        return not self.missing
+
     def __str__(self) -> str:
         feat = "-" if not self.num_features else f"{self.num_features}{' (CSR)' if self.sparse_features else ''}"
         sym = {True: "sym", False: "directed", None: "?"}[self.symmetric]
+        use = "trainable" if self.trainable else f"not trainable: no {' or '.join(self.missing)}"
         return (
             f"{self.name:<20} |V|={self.num_nodes:>10,} |E|={self.num_edges:>11,} {sym:<8} "
-            f"features={feat:<12} classes={self.num_classes or '-'}"
+            f"features={feat:<12} classes={self.num_classes or '-'}  {use}"
         )
 
 
@@ -257,7 +269,9 @@ def _describe(name: str, path: Path) -> DatasetInfo:
                 num_features = int(z["x_shape"][1])
             else:
                 num_features = shapes["x"][1] if "x" in shapes and len(shapes["x"]) == 2 else 0
-            if "class_names" in files:
+            if "num_classes" in files:
+                num_classes = int(z["num_classes"])
+            elif "class_names" in files:
                 num_classes = int(shapes["class_names"][0])
             elif "y" in files:
                 y = z["y"]
@@ -274,6 +288,19 @@ def _describe(name: str, path: Path) -> DatasetInfo:
         symmetric=symmetric, num_features=int(num_features), num_classes=num_classes,
         sparse_features="x_data" in files,
     )
+
+
+def locate(name_or_path: PathLike, *, root: Optional[PathLike] = None) -> Optional[Path]:
+    """The file or folder :func:`load` would read for ``name_or_path``, or ``None`` if there is none."""
+    text = os.fspath(name_or_path)
+    path = Path(text)
+    if isinstance(name_or_path, os.PathLike) or os.sep in text or text.endswith(".npz"):
+        return path if path.exists() else None
+    for directory in search_paths(root):
+        hit = _find_in(directory, text)
+        if hit is not None:
+            return hit
+    return path if path.exists() else None
 
 
 def list_datasets(root: Optional[PathLike] = None) -> builtins.list[DatasetInfo]:

@@ -1,6 +1,7 @@
 """``check_plan``: the one helper that checks a plan preserves the model (used by every strategy's tests).
+``check_trace``: the same for tracing: the traced graph equals the eager model in both modes.
 
-It runs one training step of the single-device reference (:func:`gnncompile.train`'s step: Adam,
+``check_plan`` runs one training step of the single-device reference (:func:`gnncompile.train`'s step: Adam,
 cross-entropy over the training mask) and one step of the plan on its ranks, and compares the loss,
 the logits of the forward, every parameter gradient, and every parameter after the optimizer step,
 with explicit tolerances. Plans are verified first (when the plan verifier is available).
@@ -8,6 +9,7 @@ with explicit tolerances. Plans are verified first (when the plan verifier is av
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -15,9 +17,10 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from .frontend.ops import plan_dropout_draws
 from .graph.core import Graph
 
-__all__ = ["ReferenceStep", "reference_step", "check_plan"]
+__all__ = ["ReferenceStep", "reference_step", "check_plan", "check_trace"]
 
 
 @dataclass
@@ -30,7 +33,8 @@ class ReferenceStep:
 
 def reference_step(model: torch.nn.Module, graph: Graph, lr: float = 0.01, weight_decay: float = 5e-4,
                    seed: int = 0) -> ReferenceStep:
-    """One step of the single-device reference on ``model`` (which it updates)."""
+    """One step of the single-device reference on ``model`` (which it updates), on the device of
+    ``graph`` and ``model``; off the CPU dropout draws its masks as plans do (as :func:`gnncompile.train`)."""
     torch.manual_seed(seed)
     model.train()
     params = dict(model.named_parameters())
@@ -40,7 +44,8 @@ def reference_step(model: torch.nn.Module, graph: Graph, lr: float = 0.01, weigh
         x = x.to(first.dtype)
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
     opt.zero_grad(set_to_none=True)
-    logits = model(graph, x)
+    with contextlib.nullcontext() if x.device.type == "cpu" else plan_dropout_draws():
+        logits = model(graph, x)
     loss = F.cross_entropy(logits[graph.train_mask], graph.y[graph.train_mask])
     loss.backward()
     grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in params.items()}
@@ -51,17 +56,24 @@ def reference_step(model: torch.nn.Module, graph: Graph, lr: float = 0.01, weigh
 
 def check_plan(model: torch.nn.Module, graph: Graph, gpus: int, *, rtol: float = 1e-9, atol: float = 1e-11,
                lr: float = 0.01, weight_decay: float = 5e-4, seed: int = 0, timeout: float = 120.0,
-               **plan_options: Any) -> Any:
+               device: Optional[str] = None, **plan_options: Any) -> Any:
     """Plan ``model`` (a copy) on ``gpus`` ranks, run one step, and compare with the reference step.
 
-    Use a model without dropout (or with ``p=0``): ranks draw their own dropout masks. Raises
-    ``AssertionError`` naming the first quantity that differs; returns the run's result.
+    ``device``: where the ranks compute (``plan.run``'s ``device``); ``None``: CUDA when available
+    (ranks share the GPUs), else the CPU. The reference step runs on the same kind of device.
+    Dropout masks are replicated only under ``dropout="replicated"`` plans; other plans need a model
+    without dropout (or ``p=0``). Raises ``AssertionError`` naming the first quantity that differs;
+    returns the run's result.
     """
     from .api import plan as make_plan
 
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     ref_model = copy.deepcopy(model)
     plan_model = copy.deepcopy(model)
-    ref = reference_step(ref_model, graph, lr, weight_decay, seed)
+    ref = reference_step(ref_model.to(device), graph.to(device), lr, weight_decay, seed)
+    ref = ReferenceStep(ref.loss, ref.logits.cpu(), {n: None if g is None else g.cpu() for n, g in ref.grads.items()},
+                        {n: p.cpu() for n, p in ref.params_after.items()})
     p = make_plan(plan_model, graph, gpus=gpus, **plan_options)
     try:
         from .ir.verify_plan import verify_plan
@@ -69,7 +81,7 @@ def check_plan(model: torch.nn.Module, graph: Graph, gpus: int, *, rtol: float =
         verify_plan = None
     if verify_plan is not None:
         verify_plan(p)
-    res = p.run(epochs=1, lr=lr, weight_decay=weight_decay, seed=seed, capture=True, timeout=timeout)
+    res = p.run(epochs=1, lr=lr, weight_decay=weight_decay, seed=seed, capture=True, timeout=timeout, device=device)
     tol = dict(rtol=rtol, atol=atol)
     torch.testing.assert_close(torch.tensor(res.history.loss[0], dtype=torch.float64),
                                torch.tensor(ref.loss, dtype=torch.float64), **tol, msg=lambda m: f"loss: {m}")
@@ -86,3 +98,53 @@ def check_plan(model: torch.nn.Module, graph: Graph, gpus: int, *, rtol: float =
         torch.testing.assert_close(after[name].detach(), p_ref, **tol,
                                    msg=lambda m, name=name: f"parameter {name} after the step: {m}")
     return res
+
+
+def _forward_and_grads(module: torch.nn.Module, graph: Graph, x: torch.Tensor, seed: int
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Output and parameter gradients for a fixed upstream gradient, torch's RNG seeded with ``seed``."""
+    torch.manual_seed(seed)
+    out = module(graph, x)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=out.dtype)
+    params = dict(module.named_parameters())
+    got = torch.autograd.grad(out, list(params.values()), up, allow_unused=True)
+    return out.detach(), {k: torch.zeros_like(p) if g is None else g for (k, p), g in zip(params.items(), got)}
+
+
+def check_trace(model: torch.nn.Module, graph: Graph, *, seed: int = 0, rtol: float = 0.0, atol: float = 0.0,
+                grad_rtol: float = 1e-12, grad_atol: float = 1e-12) -> Any:
+    """Trace ``model`` (in its current mode) and check the TPGraph against it in both modes.
+
+    Checks that tracing leaves every module's mode unchanged and that the TPGraph starts in the
+    model's modes; then, in eval mode, then training mode, then eval mode again, that the traced
+    module's output (``rtol``/``atol``, exact by default: the same ops run in the same order) and
+    parameter gradients equal the eager model's, with torch's RNG seeded alike (training mode draws
+    the same dropout masks). Eval comes first because training-mode runs move BatchNorm running
+    statistics, which the trace shares with the model. The model's modes are restored at the end
+    (its parameters keep their values: nothing steps an optimizer); the traced graph is verified.
+    Raises ``AssertionError`` naming what differs; returns the TPGraph (in the model's modes).
+    """
+    from .frontend.tracer import trace
+    from .ir.verify import verify
+
+    modes = {name: m.training for name, m in model.named_modules()}
+    tp = verify(trace(model, graph))
+    now = {name: m.training for name, m in model.named_modules()}
+    assert now == modes, f"tracing changed the model's modes: {sorted(k for k in modes if modes[k] != now[k])}"
+    mine = {name: m.training for name, m in tp.named_modules()}
+    assert all(mine[k] == v for k, v in modes.items() if k in mine), "the trace does not start in the model's modes"
+    x = graph.x
+    for step, training in enumerate((False, True, False)):
+        tp.train(training)
+        model.train(training)
+        what = "training mode (same seed)" if training else "eval mode"
+        out_t, grads_t = _forward_and_grads(tp, graph, x, seed + step)
+        out_e, grads_e = _forward_and_grads(model, graph, x, seed + step)
+        torch.testing.assert_close(out_t, out_e, rtol=rtol, atol=atol, msg=lambda m, w=what: f"{w}: output: {m}")
+        for name, g_e in grads_e.items():
+            torch.testing.assert_close(grads_t[name], g_e, rtol=grad_rtol, atol=grad_atol,
+                                       msg=lambda m, w=what, n=name: f"{w}: gradient of {n}: {m}")
+    for module in (model, tp):
+        for name, m in module.named_modules():
+            m.training = modes.get(name, model.training)
+    return tp

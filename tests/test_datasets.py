@@ -538,3 +538,61 @@ def test_synthetic_errors() -> None:
     gerr("train_fraction", datasets.synthetic, "er", num_nodes=10, train_fraction=0.9, val_fraction=0.2)
     full = datasets.synthetic("er", num_nodes=10, num_edges=90, num_features=1)  # complete graph reachable
     assert full.num_edges == 90
+
+
+# ------------------------------------------------------------------------------------ first-run messages (issue 18)
+def test_garbage_npz_is_not_a_graph_and_no_pickle_is_mentioned(tmp_path: Path) -> None:
+    """Random bytes made numpy say "contains pickled data ... load it unsafely": we never load pickles."""
+    for stem, data in (("random", bytes(range(7, 250))), ("text", b"hello\n"), ("zip-magic", b"PK\x03\x04junk")):
+        path = tmp_path / f"{stem}.npz"
+        path.write_bytes(data)
+        with pytest.raises(DatasetError) as info:
+            from_npz(path)
+        msg = str(info.value)
+        assert str(path) in msg and "is not a graph file" in msg, msg
+        assert "allow_pickle" not in msg and "unsafely" not in msg, msg
+    npy = tmp_path / "array.npz"
+    with open(npy, "wb") as f:
+        np.save(f, np.zeros(3))
+    with pytest.raises(DatasetError, match="single .npy array, not a graph"):
+        from_npz(npy)
+    objects = write_npz(tmp_path / "objects.npz", **tiny_arrays(y=np.array([{"a": 1}, None, 1, 2], dtype=object)))
+    msg = gerr("objects.npz|'y'|never loads|not a graph", from_npz, objects)
+    assert "allow_pickle" not in msg
+
+
+def test_label_outside_the_declared_classes_is_refused(tmp_path: Path) -> None:
+    """A file declaring its class count (num_classes or class_names) with a label outside it: refused,
+    naming the vertex and the label (the count used to widen silently to the largest label + 1)."""
+    y = np.array([0, 1, -1, 5])
+    declared = write_npz(tmp_path / "declared.npz", **tiny_arrays(y=y, num_classes=np.int64(3)))
+    gerr("declared.npz|label 5 at vertex 3|num_classes=3|from num_classes", from_npz, declared)
+    named = write_npz(tmp_path / "named.npz", **tiny_arrays(y=y, class_names=np.array(["a", "b", "c"])))
+    gerr("named.npz|label 5 at vertex 3|num_classes=3|from class_names", from_npz, named)
+    both = write_npz(tmp_path / "both.npz", **tiny_arrays(num_classes=np.int64(4), class_names=np.array(["a", "b"])))
+    gerr("both.npz|num_classes|says 4|names 2", from_npz, both)
+    gerr("zero.npz|num_classes|positive", from_npz, write_npz(tmp_path / "zero.npz", **tiny_arrays(num_classes=np.int64(0))))
+    # declared and consistent: the declared count holds even above the largest label
+    assert from_npz(write_npz(tmp_path / "ok.npz", **tiny_arrays(num_classes=np.int64(6)))).num_classes == 6
+    # not declared: the count is inferred from the labels (the largest + 1), as documented
+    assert from_npz(write_npz(tmp_path / "inferred.npz", **tiny_arrays(y=y))).num_classes == 6
+
+
+def test_dataset_info_says_what_training_needs(tmp_path: Path) -> None:
+    structure = write_npz(tmp_path / "structure" / "structure.npz", **tiny_arrays(x=None, y=None, train_mask=None,
+                                                                                   val_mask=None, test_mask=None))
+    nofeat = write_npz(tmp_path / "nofeat" / "nofeat.npz", **tiny_arrays(x=None))
+    full = write_npz(tmp_path / "full" / "full.npz", **tiny_arrays())
+    infos = {i.name: i for i in datasets.list_datasets(root=tmp_path) if i.path in (structure, nofeat, full)}
+    assert infos["full"].trainable and infos["full"].missing == ()
+    assert not infos["nofeat"].trainable and infos["nofeat"].missing == ("features",)
+    assert infos["structure"].missing == ("features", "labels")
+    assert "not trainable: no features" in str(infos["nofeat"])
+    assert datasets.locate(full) == full and datasets.locate("nofeat", root=tmp_path) == nofeat
+    assert datasets.locate(tmp_path / "absent.npz") is None
+
+
+@needs_shared
+def test_pubmed_is_listed_as_not_trainable() -> None:
+    info = next(i for i in gc.datasets.list() if i.name == "pubmed")
+    assert not info.trainable and info.missing == ("features",)

@@ -528,3 +528,34 @@ def test_bad_inputs() -> None:
 
     with pytest.raises(gc.TraceError, match="forward\\(x, edge_index\\)"):
         from_pyg(DataInput())
+
+
+# --------------------------------------------------------------------------- issue 18: modes through gc.trace
+def test_traced_pyg_gat_with_batch_norm_follows_the_mode() -> None:
+    """torch_geometric's GAT(norm="batch_norm") put in eval(), converted and traced with gc.trace: the
+    traced graph starts in eval mode and normalizes with the running statistics (it used batch
+    statistics: 0.20 off PyG's output); in training mode it computes what the converted model does."""
+    g, ei = random_graph(24, 70, seed=5)
+    torch.manual_seed(0)
+    pyg = pnn.models.GAT(D_IN, 4, 3, 3, norm="batch_norm", dropout=0.3).double()
+    with torch.no_grad():
+        for m in pyg.modules():
+            if isinstance(m, nn.BatchNorm1d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    pyg.eval()
+    converted = from_pyg(pyg)
+    tp = gc.trace(converted, gc.GraphStats.from_graph(g.replace(x=features(24, D_IN, 0).detach())))
+    assert not tp.training and not pyg.training and not converted.training
+    x = features(24, D_IN, 1)
+    ref = pyg(x, ei)
+    assert_close(tp(g, x), ref, "traced, eval mode")
+    assert_close(converted(g, x), ref, "converted, eval mode")
+    # training mode, same seed: the converted model's dropout masks and batch statistics (PyG's GATConv
+    # draws its attention dropout in another edge order, see test_nn)
+    converted.train(), tp.train()
+    torch.manual_seed(3)
+    ref = converted(g, x)
+    torch.manual_seed(3)
+    assert_close(tp(g, x), ref, "traced, training mode (same seed)")
+    assert not torch.equal(ref, pyg(x, ei))

@@ -277,3 +277,31 @@ def test_rank_device_interpolates_in_threads() -> None:
 def test_calibrate_needs_two_ranks() -> None:
     with pytest.raises(PlanningError, match="world_size"):
         Cluster.calibrate(world_size=1)
+
+
+def test_cpu_cluster_label_says_the_host_memory_is_shared() -> None:
+    c = Cluster.parse("4xcpu")
+    assert "host memory shared by 4 ranks" in str(c)
+    assert c.rank_device(0).memory * 4 == pytest.approx(c.device.memory, rel=1e-6)
+
+
+def test_local_cluster_with_more_ranks_than_gpus_shares_them(monkeypatch) -> None:
+    """A one-GPU machine plans 4 ranks as 4 shares of its GPU (the runtime's shared-GPU mode)."""
+    a100 = DEVICES["A100-80GB"]
+
+    class Props:
+        total_memory = a100.memory
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: Props())
+    one = Cluster.local(1)
+    assert one.num_devices == 1 and one.device.name == "A100-80GB"
+    four = Cluster.local(4)
+    assert four.num_devices == 4 and four.device.memory == a100.memory // 4
+    assert four.device.flops["float32"] == pytest.approx(a100.flops["float32"] / 4)
+    assert four.intra.name == "shm" and "sharing" in four.name
+    assert Cluster.from_dict(four.to_dict()) == four
+    three = Cluster.shared_gpus(3, 2, a100)           # 2 ranks on one GPU, 1 on the other: cost as halves
+    assert three.device.memory == a100.memory // 2

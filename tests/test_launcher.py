@@ -81,6 +81,29 @@ def _fail_inline(ctx: RankContext) -> None:
     raise KeyError("missing")
 
 
+def _complain_then_die(ctx: RankContext, lines: int) -> None:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if ctx.rank == 1:
+        for i in range(lines):
+            print(f"complaint {i}", file=sys.stderr)
+        os.write(2, b"C-level last words\n")          # straight to fd 2, as C++ code writes
+        os._exit(1)                                   # no Python exception: stderr is all there is
+    dist.all_reduce(t)
+
+
+def _complain_then_raise(ctx: RankContext) -> None:
+    print("warning: the learning rate looks large", file=sys.stderr)
+    raise ValueError("diverged")
+
+
+def _chatty(ctx: RankContext, lines: int) -> int:
+    # far more than a pipe holds (64 KiB): the caller must read while the rank writes
+    for i in range(lines):
+        sys.stderr.write(f"progress {i} " + "." * 100 + "\n")
+    return ctx.rank
+
+
 # --- helpers ---------------------------------------------------------------------------------------
 
 def _child_pids() -> set[int]:
@@ -166,9 +189,63 @@ def test_result_that_cannot_be_unpickled_one_rank() -> None:
         launch(_return_unloadable, 1, timeout=60)
 
 
-def test_unpicklable_function_is_refused() -> None:
-    with pytest.raises(RuntimeFailure, match="module-level function"):
-        launch(lambda ctx: None, 2, timeout=60)
+def test_lambda_and_closure_travel_by_value() -> None:
+    # what the ranks cannot import (a lambda, a nested function) is pickled by value
+    scale = 3
+
+    def scaled(ctx: RankContext, x: int) -> int:
+        return (ctx.rank + x) * scale
+
+    main = vars(sys.modules["__main__"])
+    before = {k: main.get(k, "absent") for k in ("__file__", "__spec__")}
+    assert launch(lambda ctx: ctx.rank * 10, 2, timeout=60) == [0, 10]
+    assert launch(scaled, 2, (1,), timeout=60) == [3, 6]
+    # hidden from multiprocessing while the ranks start, then restored
+    assert {k: main.get(k, "absent") for k in ("__file__", "__spec__")} == before
+
+
+def test_rank_that_dies_quotes_its_last_stderr_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(RankFailure) as info:
+        launch(_complain_then_die, 2, (30,), timeout=60)
+    e = info.value
+    assert (e.rank, e.exitcode, e.exc_type) == (1, 1, None)
+    assert e.stderr_tail == [f"complaint {i}" for i in range(11, 30)] + ["C-level last words"]
+    text = str(e)
+    assert "rank 1 of 2 exited unexpectedly with exit code 1" in text
+    assert "last 20 lines of rank 1's stderr:\n  complaint 11\n  complaint 12\n" in text
+    assert text.endswith("  complaint 29\n  C-level last words")
+    assert "complaint 10\n" not in text
+    # and every line was passed on as it came, marked with its rank
+    err = capsys.readouterr().err
+    assert "[rank1]: complaint 0\n" in err and "[rank1]: C-level last words\n" in err
+
+
+def test_rank_that_raises_quotes_its_stderr_before_the_traceback() -> None:
+    with pytest.raises(RankFailure) as info:
+        launch(_complain_then_raise, 1, timeout=60)
+    e = info.value
+    assert e.stderr_tail == ["warning: the learning rate looks large"]
+    assert "rank 0 of 1 failed with ValueError: diverged\n\nlast 1 line of rank 0's stderr:\n" \
+           "  warning: the learning rate looks large\n\ntraceback on rank 0:" in str(e)
+    assert str(e).endswith("ValueError: diverged")
+
+
+def test_plenty_of_stderr_is_passed_on_without_blocking_the_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert launch(_chatty, 2, (3000,), timeout=60) == [0, 1]
+    err = capsys.readouterr().err
+    for rank in (0, 1):
+        assert err.count(f"[rank{rank}]: progress ") == 3000
+        assert f"[rank{rank}]: progress 2999 ." in err
+
+
+def test_unpicklable_argument_is_refused_in_the_caller() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeFailure, match=r"cannot send the function and its arguments to the ranks "
+                                             r"\(TypeError: cannot pickle '_thread.lock' object\)") as info:
+        launch(_group_size, 2, (threading.Lock(),), timeout=60)
+    assert "\n" not in str(info.value)
+    assert not isinstance(info.value, RankFailure)      # no rank started
+    assert time.monotonic() - t0 < 5
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),

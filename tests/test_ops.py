@@ -478,3 +478,168 @@ def test_fx_records_one_node_per_primitive() -> None:
     g = make_graph("mixed")
     h = rand(g.num_nodes, 3)
     torch.testing.assert_close(gm(g, h), Gat()(g, h))
+
+
+# --------------------------------------------------------------------------- devices (checked on CPU)
+from gnncompile.frontend import ops as fops  # noqa: E402  (the primitives' private helpers)
+
+
+def _tensors_in(value: object, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor reachable from a cache entry (tuples, lists, dicts, cached graphs), with its path."""
+    if isinstance(value, torch.Tensor):
+        return [(path, value)]
+    if isinstance(value, Graph):
+        out = [(f"{path}.{f}", t) for f in ("indptr", "indices", "edge_weight", "x")
+               if (t := getattr(value, f)) is not None]
+        return out + [t for k, v in value._cache.items() for t in _tensors_in(v, f"{path}[{k}]")]
+    if isinstance(value, (tuple, list)):
+        return [t for i, v in enumerate(value) for t in _tensors_in(v, f"{path}[{i}]")]
+    if isinstance(value, dict):
+        return [t for k, v in value.items() for t in _tensors_in(v, f"{path}[{k}]")]
+    return []
+
+
+def _warm_caches(g: Graph) -> None:
+    """Run every primitive forward and backward so the graph caches all its derived structures."""
+    x = rand(g.num_nodes, 3, grad=True)
+    w = rand(g.num_edges, low=0.5, high=1.5, grad=True)
+    out = (propagate(g, x) + propagate(g, x, norm="mean", add_self_loops=True) + propagate(g, x, edge_weight=w)
+           + propagate(g, x, norm="sum")
+           + aggregate(g, gather_src(g, x) * gather_dst(g, x), reduce="max")
+           + fops.masked_propagate(g, x, mask=(x[:, :1] > 0).to(DT)))
+    s = edge_softmax(g, gather_src(g, x, add_self_loops=True).sum(-1), add_self_loops=True)
+    out.sum().backward()
+    s.sum().backward()
+
+
+def test_graph_to_moves_every_cached_structure() -> None:
+    import scipy.sparse as sp
+
+    g = make_graph("mixed", weighted=True)
+    g = g.replace(x=sp.random(g.num_nodes, 4, density=0.5, random_state=0, format="csr"))
+    g._cache = {}
+    _warm_caches(g)
+    # kernel handles (CSR objects holding backend state) are dropped: rebuilt from the moved tensors
+    cached = {p: t for p, t in _tensors_in(g._cache) if not p.startswith(("[csr]", "[csr_t]"))}
+    assert {"[transpose][0]", "[transpose][2]", "[dst]", "[with_loops][order]", "[norm:gcn]"} <= set(cached)
+    m = g.to("meta")
+    assert m.device.type == "meta" and m.x.device.type == "meta" and m.x.layout == torch.sparse_csr
+    moved = dict(_tensors_in(m._cache))
+    assert set(cached) <= set(moved), sorted(set(cached) - set(moved))
+    for path, t in moved.items():
+        assert t.device.type == "meta", f"cache entry {path} stayed on {t.device}"
+        assert t.shape == cached[path].shape and t.dtype == cached[path].dtype, path
+    assert "csr" not in m._cache and "csr_t" not in m._cache
+    # a tensor shared by two entries stays one tensor (float64 weights are their own "sum" coefficients)
+    assert g._cache["norm:sum:torch.float64"] is g.edge_weight
+    assert m._cache["norm:sum:torch.float64"] is m.edge_weight
+    assert g.to("cpu") is g and g.device.type == "cpu" and g._cache
+
+
+@pytest.mark.parametrize("op", ["propagate", "gather_src", "gather_dst", "edge_softmax", "aggregate",
+                                "masked_propagate"])
+def test_tensors_on_another_device_than_the_graph_are_refused(op: str) -> None:
+    g = make_graph("mixed")
+    x = torch.empty(g.num_nodes, 3, dtype=DT, device="meta")
+    e = torch.empty(g.num_edges, dtype=DT, device="meta")
+    call = {
+        "propagate": lambda: propagate(g, x), "gather_src": lambda: gather_src(g, x),
+        "gather_dst": lambda: gather_dst(g, x), "edge_softmax": lambda: edge_softmax(g, e),
+        "aggregate": lambda: aggregate(g, e), "masked_propagate": lambda: fops.masked_propagate(g, x),
+    }[op]
+    with pytest.raises(KernelError, match=r"is on meta but the graph is on cpu; move the graph with "
+                                          r"graph.to\('meta'\)"):
+        call()
+    with pytest.raises(KernelError, match="edge_weight is on meta but the graph is on cpu"):
+        propagate(g, rand(g.num_nodes, 3), edge_weight=e)
+    with pytest.raises(KernelError, match="index is on meta but x is on cpu"):
+        fops.dropout_rows(rand(4, 2), 0.5, torch.arange(2, device="meta"), 4)
+
+
+ZOO = ("GCN", "GraphSAGE", "GAT", "GIN", "GCNII", "APPNP", "SGC", "ResGCN")
+
+
+@pytest.mark.parametrize("features", ["dense", "sparse"])
+@pytest.mark.parametrize("model", ZOO)
+def test_no_tensor_is_created_on_a_hard_coded_device(model: str, features: str) -> None:
+    """A forward pass with ``meta`` as torch's default device: a tensor created without an explicit
+    device (the bug that made sparse-feature backward fail on CUDA) would land on ``meta`` and
+    break the CPU computation or its result. (Default devices do not reach the backward pass; its
+    helpers are called directly in the next test.)"""
+    import scipy.sparse as sp
+
+    if model == "GIN" and features == "sparse":
+        pytest.skip("GIN propagates the raw features: sparse features are refused by design")
+    base = gnncompile.datasets.synthetic("sbm", num_nodes=60, avg_degree=4, num_features=8, num_classes=3, seed=0)
+    if features == "sparse":
+        base = base.replace(x=sp.random(60, 8, density=0.3, random_state=1, format="csr", dtype="float32"))
+    g = Graph(base.indptr, base.indices, x=base.x, y=base.y, train_mask=base.train_mask)  # empty caches
+    torch.manual_seed(0)
+    m = getattr(gnncompile.nn, model)(8, 4, 3)
+    with torch.device("meta"):
+        out = m(g, g.x)
+        loss = torch.nn.functional.cross_entropy(out[g.train_mask], g.y[g.train_mask])
+    assert out.device.type == "cpu" and torch.isfinite(out).all()
+    loss.backward()
+    assert all(p.grad is None or p.grad.device.type == "cpu" for p in m.parameters())
+    assert all(t.device.type == "cpu" for _, t in _tensors_in(g._cache))
+
+
+def test_backward_passes_create_tensors_on_their_inputs_device() -> None:
+    """The hand-written backward passes, called directly with ``meta`` as the default device (the
+    default device does not reach a backward run by autograd): every result is on the CPU."""
+    import scipy.sparse as sp
+    from types import SimpleNamespace
+
+    from gnncompile.nn.functional import _csr_transpose, _SparseLinear
+
+    g = make_graph("mixed", weighted=True)
+    g._cache = {}
+    x = Graph._convert_features(sp.random(g.num_nodes, 5, density=0.4, random_state=2, format="csr"))
+    a, b, e = rand(g.num_nodes, 4), rand(g.num_nodes, 4), rand(g.num_edges, 2)
+    w, gv, glin = rand(g.num_edges, seed=3), rand(g.num_nodes, 4, seed=4), rand(g.num_nodes, 3, seed=5).float()
+    smax = fops._SegmentMax.apply(g, e)
+    soft = fops._EdgeSoftmax.apply(g, e)
+    keep = torch.arange(g.num_nodes) % 2 == 0
+
+    def ctx(*saved: torch.Tensor, grads: tuple[bool, ...] = (False, True, True, False, False)) -> SimpleNamespace:
+        return SimpleNamespace(g=g, backend=None, saved_tensors=saved, needs_input_grad=grads, all_kept=False,
+                               x=x, has_bias=True)
+
+    with torch.device("meta"):
+        results = [
+            _csr_transpose(x), *g.transpose(), *fops._csr_t(g)[1:],
+            kernels.sddmm(fops._csr(g), a, b, backend="torch"),
+            fops._SegmentMax.backward(ctx(e, smax), torch.ones_like(smax))[1],
+            fops._EdgeSoftmax.backward(ctx(soft), torch.ones_like(soft))[1],
+            *fops._SpMM.backward(ctx(w, a), gv)[1:3],
+            *fops._MaskedSpMM.backward(ctx(w, a, keep), gv)[1:3],
+            *_SparseLinear.backward(ctx(), glin)[1:],
+        ]
+    for t in results + [t for _, t in _tensors_in(g._cache)]:
+        assert t.device.type == "cpu"
+    torch.testing.assert_close(results[0].to_dense(), x.to_dense().t())
+
+
+def test_plan_dropout_draws_redirects_dropout_off_the_cpu(monkeypatch) -> None:
+    """Off the CPU, F.dropout and nn.Dropout draw their masks with dropout_noise (as plans do);
+    inactive dropout and CPU tensors are left alone."""
+    import torch.nn.functional as F
+
+    from gnncompile.frontend import ops as ops_module
+
+    calls = []
+    real = ops_module.dropout_noise
+    monkeypatch.setattr(ops_module, "dropout_noise", lambda x, p: calls.append((x.device.type, p)) or real(x, p))
+    x = torch.randn(6, 3, device="meta")
+    with ops_module.plan_dropout_draws():
+        F.dropout(x, 0.25)
+        torch.nn.Dropout(0.5)(x)
+        F.dropout(x, 0.25, training=False)
+        F.dropout(x, 0.0)
+        cpu = torch.randn(6, 3)
+        torch.manual_seed(0)
+        a = F.dropout(cpu, 0.3)
+    torch.manual_seed(0)
+    assert torch.equal(a, F.dropout(cpu, 0.3))
+    assert calls == [("meta", 0.25), ("meta", 0.5)]

@@ -191,10 +191,14 @@ def test_print_plan_shows_the_rank_table() -> None:
     assert lines[0].startswith("Plan: strategy=data semantics=exact ranks=2")
     assert "stage 1 [T1 P1]: (g, h0@halo) -> (logits)" in text
     head = next(i for i, line in enumerate(lines) if line.split()[:1] == ["step"])
-    assert lines[head].split() == ["step", "rank", "0", "rank", "1"]
-    assert lines[head + 2].split() == ["0", "F0c0", "F0c0"]
-    assert lines[head + 5].split() == ["3", "B1c0", "B1c0"]
+    assert lines[head].split() == ["step", "ranks", "0-1"]  # both ranks' lists print the same: one column
+    assert lines[head + 2].split() == ["0", "F0c0"]
+    assert lines[head + 5].split() == ["3", "B1c0"]
     assert "HALO^T grad h0 c0" in lines[head + 6]
+    pipeline = str(pipeline_plan()).splitlines()
+    head = next(i for i, line in enumerate(pipeline) if line.split()[:1] == ["step"])
+    assert pipeline[head].split() == ["step", "rank", "0", "rank", "1"]
+    assert pipeline[head + 2].split() == ["0", "F0c0", "RECV", "h", "c0", "<-0"]
 
 
 def _malformed(d: dict) -> list[tuple[str, Any]]:
@@ -520,3 +524,70 @@ def test_rank_numbering_and_stage_tables() -> None:
         verify_plan(edit(plan, 0, stages=twice))
     with pytest.raises(VerificationError, match="'chunks' must be a positive int"):
         verify_plan(dataclasses.replace(plan, options={"chunks": 0}))
+
+
+# --------------------------------------------------------------------------- printing many ranks (issue 18)
+def ring_plan(num_ranks: int, *, same: bool = True) -> Plan:
+    """A data-parallel-like plan over ``num_ranks`` ranks: every rank's list prints the same, except,
+    with ``same=False``, a SEND/RECV pair to its neighbours that names the peer."""
+    group = tuple(range(num_ranks))
+    stages = (StageSpec(0, ("g", "x"), ("logits",), ("op0",), kinds="T1 P1"),)
+    ranks = []
+    for r in group:
+        body: list[Instruction] = [F(0)]
+        if not same:
+            body += [Send("h", 0, (r + 1) % num_ranks, (4, 4)), Recv("h", 0, (r - 1) % num_ranks, (4, 4))]
+        body += [B(0), AllReduce("grads", group, numel=10), OPT]
+        ranks.append(DevicePlan(r, stages, tuple(body)))
+    return Plan("data", "exact", {}, f"{num_ranks} x cpu", ranks,
+                predictions={"bytes_sent": [100.0] * (num_ranks - 1) + [50.0]})
+
+
+def test_identical_ranks_share_one_column() -> None:
+    """64 ranks printed 418 lines up to 2,310 characters wide; ranks whose lists print the same are
+    now one column, and the per-rank predictions one row per run of equal values."""
+    text = str(ring_plan(64))
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:1] == ["step"])
+    assert lines[head].split() == ["step", "ranks", "0-63"]
+    assert lines[head + 2].split() == ["0", "F0c0"] and lines[head + 5].split() == ["3", "OPT"]
+    assert max(len(line) for line in lines) <= 120
+    assert len(lines) < 30
+    pred = lines.index("  predicted per training step:")
+    assert lines[pred + 2].split() == ["0-62", "100", "B"] and lines[pred + 3].split() == ["63", "50", "B"]
+
+
+def test_wide_plans_continue_in_blocks_of_columns() -> None:
+    """Ranks that differ (peers named in SEND/RECV) stay separate columns, cut into blocks that fit
+    the width, each block with its step column; every rank appears exactly once."""
+    plan = ring_plan(64, same=False)
+    table = plan.instruction_table(width=120)
+    assert max(len(line) for line in table) <= 120
+    heads = [line.split() for line in table if line.split()[:1] == ["step"]]
+    assert len(heads) > 1
+    ranks = [int(x) for h in heads for x in h[1:] if x.isdigit()]
+    assert sorted(ranks) == list(range(64))
+    assert "SEND h c0 ->1" in "\n".join(table) and "RECV h c0 <-63" in "\n".join(table)
+
+
+@pytest.mark.parametrize("ranks, label", [([5], "rank 5"), ([0, 1, 2, 3], "ranks 0-3"), ([0, 1, 2, 3, 8], "ranks 0-3,8"),
+                                          ([1, 3, 5], "ranks 1,3,5")])
+def test_rank_label(ranks: list[int], label: str) -> None:
+    from gnncompile.ir.plan import rank_label
+
+    assert rank_label(ranks) == label
+
+
+def test_plan_differences_name_the_fields() -> None:
+    """``Plan.load`` of a plan for another model or graph said "rank 0 differs" and printed two
+    identical lists (the instructions print the same; the stages' costs or exchange sizes differ)."""
+    from gnncompile.ir.plan import plan_differences
+
+    saved = halo_plan()
+    other = edit(saved, 0, instructions=[halo("h0", 0, rows=(7, 3)) if isinstance(i, HaloExchange) and not i.grad else i
+                                         for i in saved.ranks[0].instructions])
+    diffs = plan_differences(saved, other)
+    assert diffs == ["rank 0 instruction 1 HALO h0 c0 send_rows: saved (0, 5), rebuilt (0, 7)"]
+    assert plan_differences(saved, saved) == []
+    renamed = dataclasses.replace(other, info={**saved.info, "model": "GAT"})
+    assert plan_differences(saved, renamed)[0] == "model: saved 'GCN', rebuilt 'GAT'"

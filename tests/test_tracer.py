@@ -757,13 +757,18 @@ def test_trace_leaves_the_model_and_rng_alone() -> None:
     modes = [m.training for m in model.modules()]
     rng = torch.get_rng_state()
     threads = torch.get_num_threads()
-    tp = gc.trace(model, gc.GraphStats(100, 300, F_IN, F_OUT))  # training-mode trace
+    tp = gc.trace(model, gc.GraphStats(100, 300, F_IN, F_OUT))  # traced in both modes
     assert [m.training for m in model.modules()] == modes
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), f"trace changed {k}"
     assert torch.equal(torch.get_rng_state(), rng)
     assert torch.get_num_threads() == threads
-    # the trace is in training mode throughout, with modes of its own ...
+    # the trace starts in the model's modes (issue 18: it used to start in training mode), with
+    # modes of its own ...
+    tp_modes = {k: m.training for k, m in tp.named_modules()}
+    assert all(tp_modes[k] == m.training for k, m in model.named_modules() if k in tp_modes)
+    assert tp_modes["norms.1"] and not tp.training
+    tp.train()
     assert all(m.training for m in tp.modules())
     tp.eval()
     assert [m.training for m in model.modules()] == modes

@@ -119,3 +119,22 @@ def test_cli_help_and_datasets_via_module() -> None:
                        timeout=120)
     assert r.returncode == 0
     assert isinstance(json.loads(r.stdout), list)
+
+
+@pytest.mark.parametrize("kwargs, what", [(dict(lr=-1.0), "lr"), (dict(lr=float("nan")), "lr"),
+                                          (dict(epochs=-1), "epochs"), (dict(epochs=2.5), "epochs"),
+                                          (dict(weight_decay=-1e-4), "weight_decay")])
+def test_bad_training_arguments_are_refused_before_any_work(kwargs: dict, what: str, monkeypatch) -> None:
+    g = _small_graph()
+    model = gc.nn.GCN(g.num_features, 8, g.num_classes)
+    with pytest.raises(ValueError, match=what):
+        gc.train(model, g, **{"epochs": 1, **kwargs})
+    plan = gc.plan(model, g, gpus=2, strategy="data", partitioner="contiguous")
+    from gnncompile.runtime import executor
+
+    def no_launch(*args, **kw):  # the check must come before any rank starts
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(executor, "launch", no_launch)
+    with pytest.raises(ValueError, match=what):
+        plan.run(**{"epochs": 1, **kwargs})

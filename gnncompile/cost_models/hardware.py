@@ -531,8 +531,11 @@ class Cluster:
     def __str__(self) -> str:
         d = self.device
         fp32 = d.flops.get("float32")
+        memory = f"{d.memory / GiB:.3g} GiB"
+        if d.kind == "cpu" and self.devices_per_node > 1:  # rank_device splits the host's memory
+            memory += f" host memory shared by {self.devices_per_node} ranks"
         text = (f"{self.nodes} node{'s' if self.nodes > 1 else ''} x {self.devices_per_node} {d.name} "
-                f"({d.memory / GiB:.3g} GiB" + (f", {_si(fp32, 'FLOP/s')} fp32)" if fp32 else ")"))
+                f"({memory}" + (f", {_si(fp32, 'FLOP/s')} fp32)" if fp32 else ")"))
         if d.kind == "cpu":
             text += f", {self.cores} core{'s' if self.cores > 1 else ''}"
             text += "" if self.calibration else " (uncalibrated)"
@@ -595,27 +598,48 @@ class Cluster:
     # --- construction
     @classmethod
     def local(cls, num_ranks: int, profile: Union["Cluster", str, Path, None] = None) -> "Cluster":
-        """``num_ranks`` ranks on this machine: one per GPU of a known model when CUDA is available
-        (``torch.cuda.get_device_name`` matched against :data:`DEVICES`), else CPU processes costed
+        """``num_ranks`` ranks on this machine: on its GPUs when CUDA is available (the model from
+        ``torch.cuda.get_device_name`` matched against :data:`DEVICES`), else CPU processes costed
         with the calibrated profile (see :meth:`parse`; uncalibrated without one).
 
-        Raises :class:`PlanningError` for a GPU model the presets do not know (name it with
-        ``Cluster.parse("4xA100")`` or a :class:`Cluster` of your own).
+        With more ranks than GPUs the ranks share them (the runtime's shared-GPU mode: rank ``r`` on
+        GPU ``r % GPUs``, gloo through host memory): each rank is costed as its share of a GPU
+        (memory, FLOP/s and bandwidth divided by the ranks per GPU) and the ranks talk over
+        ``shm``. Raises :class:`PlanningError` for a GPU model the presets do not know (name it
+        with ``Cluster.parse("4xA100")`` or a :class:`Cluster` of your own).
         """
-        if torch.cuda.is_available():
-            name = torch.cuda.get_device_name(0)
-            if num_ranks > torch.cuda.device_count():
-                raise PlanningError(f"{num_ranks} ranks requested but this machine has {torch.cuda.device_count()} "
-                                    f"GPU(s) ({name})")
-            known = sorted((k for k in DEVICES if k != "cpu" and k.split("-")[0].lower() in name.lower()),
-                           key=lambda k: (-len(k), k))
-            mem = torch.cuda.get_device_properties(0).total_memory
-            match = next((k for k in known if abs(DEVICES[k].memory - mem) <= 0.1 * DEVICES[k].memory), None)
-            if match is None:
-                raise PlanningError(f"GPU {name!r} ({mem / 2**30:.0f} GiB) is not among the device presets "
-                                    f"({', '.join(DEVICES)}); pass a cluster, e.g. gpus='{num_ranks}xA100'")
+        if not torch.cuda.is_available():
+            return cls.parse(f"{num_ranks}xcpu", profile=profile)
+        name = torch.cuda.get_device_name(0)
+        gpus = torch.cuda.device_count()
+        known = sorted((k for k in DEVICES if k != "cpu" and k.split("-")[0].lower() in name.lower()),
+                       key=lambda k: (-len(k), k))
+        mem = torch.cuda.get_device_properties(0).total_memory
+        match = next((k for k in known if abs(DEVICES[k].memory - mem) <= 0.1 * DEVICES[k].memory), None)
+        if match is None:
+            raise PlanningError(f"GPU {name!r} ({mem / 2**30:.0f} GiB) is not among the device presets "
+                                f"({', '.join(DEVICES)}); pass a cluster, e.g. gpus='{num_ranks}xA100'")
+        if num_ranks <= gpus:
             return cls.parse(f"{num_ranks}x{match}")
-        return cls.parse(f"{num_ranks}xcpu", profile=profile)
+        return cls.shared_gpus(num_ranks, gpus, DEVICES[match])
+
+    @classmethod
+    def shared_gpus(cls, num_ranks: int, num_gpus: int, device: DeviceSpec) -> "Cluster":
+        """``num_ranks`` ranks sharing ``num_gpus`` GPUs of model ``device`` on one machine.
+
+        Each rank is costed as ``1/k`` of a GPU, ``k = ceil(num_ranks / num_gpus)`` ranks per GPU:
+        its memory, FLOP/s and bandwidths divided by ``k``; ranks communicate through host memory
+        (``shm``), as the runtime's gloo path does.
+        """
+        if num_gpus < 1 or num_ranks < 1:
+            raise PlanningError(f"shared_gpus: need at least one rank and one GPU, got {num_ranks} and {num_gpus}")
+        share = -(-num_ranks // num_gpus)
+        spec = dataclasses.replace(
+            device, name=f"{device.name}/{share}", memory=device.memory // share,
+            flops={k: v / share for k, v in device.flops.items()}, mem_bandwidth=device.mem_bandwidth / share,
+            spmm_bandwidth=device.spmm_bandwidth / share,
+            edge_rate=None if device.edge_rate is None else device.edge_rate / share)
+        return cls(1, num_ranks, spec, LINKS["shm"], name=f"{num_ranks} ranks sharing {num_gpus}x{device.name}")
 
     @property
     def calibrated(self) -> bool:

@@ -110,11 +110,15 @@ def _check_graph(g: Any, op: str) -> Graph:
     return g
 
 
-def _check_rows(t: torch.Tensor, n: int, op: str, what: str, space: str) -> None:
+def _check_rows(t: torch.Tensor, n: int, op: str, what: str, space: str, g: Optional[Graph] = None) -> None:
+    """``t`` is a tensor of ``n`` rows (and, given ``g``, on the graph's device)."""
     if not isinstance(t, torch.Tensor):
         raise KernelError(f"{op}: {what} must be a tensor, got {type(t).__name__}")
     if t.dim() == 0 or t.shape[0] != n:
         raise KernelError(f"{op}: {what} must have {n} rows (one per {space}), got shape {list(t.shape)}")
+    if g is not None and t.device != g.device:
+        raise KernelError(f"{op}: {what} is on {t.device} but the graph is on {g.device}; move the graph with "
+                          f"graph.to({str(t.device)!r}) (it moves the structure, features and cached indices)")
 
 
 # --------------------------------------------------------------------------- propagate (P)
@@ -215,14 +219,14 @@ def propagate(g: Graph, x: torch.Tensor, norm: str = "gcn", edge_weight: Optiona
         Kernel backend override (see :mod:`gnncompile.runtime.kernels`).
     """
     g = _check_graph(g, "propagate")
-    _check_rows(x, g.num_src, "propagate", "x", "vertex")
+    _check_rows(x, g.num_src, "propagate", "x", "vertex", g)
     if x.layout != torch.strided:
         raise KernelError(f"propagate: x must be a dense tensor, got layout {x.layout}; apply a Linear first "
                           "(it accepts sparse features) or densify with graph.dense_features()")
     if not x.is_floating_point():
         raise KernelError(f"propagate: x must be floating point, got {x.dtype}")
     if edge_weight is not None:
-        _check_rows(edge_weight, _edge_rows(g, add_self_loops), "propagate", "edge_weight", "edge")
+        _check_rows(edge_weight, _edge_rows(g, add_self_loops), "propagate", "edge_weight", "edge", g)
         if edge_weight.dtype != x.dtype:
             edge_weight = edge_weight.to(x.dtype)
     if not add_self_loops:
@@ -279,7 +283,7 @@ def _loop_norm(g: Graph, norm: str, w: torch.Tensor) -> tuple[torch.Tensor, torc
 def gather_src(g: Graph, x: torch.Tensor, add_self_loops: bool = False) -> torch.Tensor:
     """Vertex -> edge: ``out[e] = x[src(e)]`` (``[E, ...]``, or ``[E + N, ...]`` with self loops)."""
     g = _check_graph(g, "gather_src")
-    _check_rows(x, g.num_src, "gather_src", "x", "vertex")
+    _check_rows(x, g.num_src, "gather_src", "x", "vertex", g)
     out = x.index_select(0, g.indices)
     return torch.cat([out, _own_rows(g, x)]) if add_self_loops else out
 
@@ -288,7 +292,7 @@ def gather_src(g: Graph, x: torch.Tensor, add_self_loops: bool = False) -> torch
 def gather_dst(g: Graph, x: torch.Tensor, add_self_loops: bool = False) -> torch.Tensor:
     """Vertex -> edge: ``out[e] = x[dst(e)]`` (``[E, ...]``, or ``[E + N, ...]`` with self loops)."""
     g = _check_graph(g, "gather_dst")
-    _check_rows(x, g.num_nodes, "gather_dst", "x", "vertex")
+    _check_rows(x, g.num_nodes, "gather_dst", "x", "vertex", g)
     out = x.index_select(0, g.dst)
     return torch.cat([out, x]) if add_self_loops else out
 
@@ -389,7 +393,7 @@ def edge_softmax(g: Graph, e: torch.Tensor, add_self_loops: bool = False) -> tor
     With ``add_self_loops`` ``e`` has ``E + N`` rows and each vertex's self loop joins its softmax.
     """
     g = _check_graph(g, "edge_softmax")
-    _check_rows(e, _edge_rows(g, add_self_loops), "edge_softmax", "e", "edge")
+    _check_rows(e, _edge_rows(g, add_self_loops), "edge_softmax", "e", "edge", g)
     if not add_self_loops:
         return _EdgeSoftmax.apply(g, e)
     aug, e_csr, order = _to_csr_order(g, e)
@@ -406,7 +410,7 @@ def aggregate(g: Graph, msg: torch.Tensor, reduce: str = "sum", add_self_loops: 
     g = _check_graph(g, "aggregate")
     if reduce not in REDUCES:
         raise KernelError(f"aggregate: unknown reduce {reduce!r}; valid: {', '.join(repr(r) for r in REDUCES)}")
-    _check_rows(msg, _edge_rows(g, add_self_loops), "aggregate", "msg", "edge")
+    _check_rows(msg, _edge_rows(g, add_self_loops), "aggregate", "msg", "edge", g)
     if not add_self_loops:
         return _segment(g, msg, reduce)
     aug, m_csr, _ = _to_csr_order(g, msg)
@@ -416,7 +420,7 @@ def aggregate(g: Graph, msg: torch.Tensor, reduce: str = "sum", add_self_loops: 
 # --------------------------------------------------------------------------- masked propagate (P, S-SpMM)
 from ..runtime.kernels import masked as _masked_kernels  # noqa: E402  (appended section)
 
-__all__ += ["masked_propagate", "dropout_noise", "dropout_rows"]
+__all__ += ["masked_propagate", "dropout_noise", "dropout_rows", "plan_dropout_draws"]
 
 
 def dropout_noise(x: torch.Tensor, p: float) -> torch.Tensor:
@@ -435,6 +439,28 @@ def dropout_noise(x: torch.Tensor, p: float) -> torch.Tensor:
     if not 0.0 <= p < 1.0:
         raise KernelError(f"dropout_noise: p must be in [0, 1), got {p}")
     return torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p).div_(1.0 - p)
+
+
+class plan_dropout_draws(torch.overrides.TorchFunctionMode):
+    """Context in which ``F.dropout`` (and so ``nn.Dropout``) draws its mask with :func:`dropout_noise`.
+
+    On CPU this changes nothing (the draws are already the same). On other devices ``F.dropout``
+    runs a fused kernel with its own RNG stream, while plans draw every mask with
+    :func:`dropout_noise`; the single-device reference (:func:`gnncompile.train`) runs its forward
+    in this context there, so for the same seed a plan's masks equal the reference's on every
+    device. Only active dropout (``training``, ``0 < p < 1``, dense ``x``) is redirected.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.dropout:
+            bound = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
+            x, p = bound["input"], bound.get("p", 0.5)
+            if (bound.get("training", True) and 0.0 < p < 1.0 and isinstance(x, torch.Tensor)
+                    and x.layout == torch.strided and x.device.type != "cpu"):
+                noise = dropout_noise(x, p)
+                return x.mul_(noise) if bound.get("inplace", False) else x * noise
+        return func(*args, **kwargs)
 
 
 class MaskCache:
@@ -498,11 +524,13 @@ def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int) 
         return proxy.tracer.create_proxy("call_function", dropout_rows, (x, p, index, num_rows), {})
     if p == 0.0:
         return x
+    if index.device != x.device:
+        raise KernelError(f"dropout_rows: index is on {index.device} but x is on {x.device}; move both to one device")
     if x.layout == torch.sparse_csr:
         values = x.values()
         noise = _take_rows(_row_noise(lambda: values.new_empty(()).expand((num_rows,)), p), index)
         return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), values * noise, size=x.shape,
-                                       check_invariants=False)
+                                       device=x.device, check_invariants=False)
     # the template only gives dropout_noise the shape: one element, zero strides
     noise = _row_noise(lambda: x.new_empty(()).expand((num_rows,) + tuple(x.shape[1:])), p)
     return x * _take_rows(noise, index)
@@ -598,16 +626,16 @@ def masked_propagate(g: Graph, x: torch.Tensor, mask: Optional[torch.Tensor] = N
         differentiated.
     """
     g = _check_graph(g, "masked_propagate")
-    _check_rows(x, g.num_src, "masked_propagate", "x", "vertex")
+    _check_rows(x, g.num_src, "masked_propagate", "x", "vertex", g)
     if not x.is_floating_point():
         raise KernelError(f"masked_propagate: x must be floating point, got {x.dtype}")
     if mask is None:
         keep_rows = torch.ones(g.num_nodes, dtype=torch.bool, device=x.device)
     else:
-        _check_rows(mask, g.num_nodes, "masked_propagate", "mask", "vertex")
+        _check_rows(mask, g.num_nodes, "masked_propagate", "mask", "vertex", g)
         keep_rows = _nonzero_rows(mask)
     if edge_weight is not None:
-        _check_rows(edge_weight, _edge_rows(g, add_self_loops), "masked_propagate", "edge_weight", "edge")
+        _check_rows(edge_weight, _edge_rows(g, add_self_loops), "masked_propagate", "edge_weight", "edge", g)
         if edge_weight.dtype != x.dtype:
             edge_weight = edge_weight.to(x.dtype)
     if not add_self_loops:

@@ -30,6 +30,21 @@ Cost formulas (per op, on the concrete sample shapes; ``s`` = element size in by
 - Norms: 5 FLOPs per element; every other op: one FLOP per output element, inputs read, output
   written.
 
+Training and eval mode
+----------------------
+fx records ``self.training`` as a constant, so a trace holds one mode's behaviour of functional
+code: ``F.dropout(x, p, self.training)`` (or ``training=self.training``, attention dropout on an
+``[E, H]`` tensor, ``F.batch_norm(..., self.training)``) and ``if self.training:`` branches.
+``trace(model, g)`` therefore traces the forward in both modes and compares the two graphs node
+by node (:func:`mode_difference`). If they are equal, one graph serves both modes (``torch.nn``
+leaves such as ``Dropout`` and ``BatchNorm1d`` read their own mode when they run); otherwise the
+eval-mode graph is kept as ``tp.eval_graph`` and the TPGraph runs it in eval mode (see
+:mod:`gnncompile.ir.tpgraph`). The returned graph starts in the model's modes (every submodule's),
+and tracing never changes the model's modes. A model whose traced-through submodules are in a
+mode other than the model's, in a way that changes the graph, cannot be represented by a
+two-mode graph and is a :class:`~gnncompile.TraceError` naming the line. ``trace(..., training=b)``
+traces one mode only (the planner's per-mode graphs; mode constants frozen).
+
 Layers
 ------
 A layer ends with a propagation: a P op, or an ``aggregate`` (the E -> V reduction that ends
@@ -46,12 +61,14 @@ import contextlib
 import copy
 import functools
 import inspect
+import itertools
 import linecache
 import operator
 import os
 import re
 import sys
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
@@ -64,7 +81,7 @@ from ..ir.symbolic import Lin, solve_lin
 from ..ir.tpgraph import TPGraph, TPInfo, ends_layer
 from .ops import PRIMITIVES, is_primitive
 
-__all__ = ["trace", "GNNTracer", "SAMPLE_SIZES"]
+__all__ = ["trace", "GNNTracer", "SAMPLE_SIZES", "ModeDifference", "mode_difference"]
 
 # (|V|, |E|) of the sample graphs; generic sizes unlikely to equal a feature dimension.
 SAMPLE_SIZES = ((23, 71), (37, 61), (29, 113), (41, 89))
@@ -457,8 +474,13 @@ def _primitive_flag(node: torch.fx.Node, name: str, default: Any) -> Any:
 
 
 def _rows_of(t: Any) -> Optional[int]:
-    if isinstance(t, torch.Tensor) and t.dim() >= 1:
-        return int(t.shape[0])
+    """First dimension of a tensor output; of a tuple/list output (``max(dim)``, ``split``), the
+    first dimension its tensors share (``None`` when they differ, e.g. an LSTM's ``(out, (h, c))``)."""
+    if isinstance(t, torch.Tensor):
+        return int(t.shape[0]) if t.dim() >= 1 else None
+    if isinstance(t, (tuple, list)) and t:
+        rows = {_rows_of(v) if isinstance(v, (torch.Tensor, tuple, list)) else None for v in t}
+        return rows.pop() if len(rows) == 1 else None
     return None
 
 
@@ -540,8 +562,112 @@ def _op_label(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> str:
     return node.op
 
 
+# --------------------------------------------------------------------------- training and eval mode
+# Parameters through which a functional op receives the module's mode (F.dropout & co.,
+# gnncompile.nn.functional.feature_dropout: ``training``; F.instance_norm: ``use_input_stats``).
+_MODE_PARAMETERS = ("training", "use_input_stats")
+
+
+@dataclass(frozen=True)
+class ModeDifference:
+    """How a model's eval-mode graph differs from its training-mode graph.
+
+    ``kind``: ``"none"`` (the same graph), ``"flags"`` (the same ops; only the mode arguments of
+    ``flag_nodes``, e.g. dropout's ``training``, differ) or ``"graph"`` (different ops or other
+    arguments). ``where`` describes the first difference with the user's line.
+    """
+
+    kind: str
+    flag_nodes: tuple[str, ...] = ()
+    where: str = ""
+
+    def note(self) -> str:
+        """One line for the table header (what eval mode does differently)."""
+        if self.kind == "flags":
+            return f"the same ops with their mode argument (training=False) in {', '.join(self.flag_nodes)}"
+        if self.kind == "graph":
+            return f"a different graph (first difference: {self.where})"
+        return ""
+
+
+def _bound_arguments(node: torch.fx.Node) -> Optional[dict[str, Any]]:
+    if node.op != "call_function":
+        return None
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # tensors among the constants: no elementwise truth value
+        return a is b
+
+
+def _describe_node(node: torch.fx.Node) -> str:
+    src = _node_source(node)
+    return f"{node.op} {_target_name(node)} ({node.name})" + (f" at {src}" if src else "")
+
+
+def mode_difference(train: torch.fx.Graph, evalg: torch.fx.Graph,
+                    labels: tuple[str, str] = ("training mode", "eval mode")) -> ModeDifference:
+    """Compare two traces of one forward node by node (same position, op, target and arguments);
+    ``labels`` name the two traces in ``where``."""
+    mapping: dict[torch.fx.Node, torch.fx.Node] = {}
+    flags: list[str] = []
+    first_flag = ""
+    for t, e in itertools.zip_longest(train.nodes, evalg.nodes):
+        if t is None or e is None or (t.op, t.target) != (e.op, e.target):
+            return ModeDifference("graph", where=f"{labels[0]} runs {_describe_node(t) if t else 'nothing more'}, "
+                                                 f"{labels[1]} runs {_describe_node(e) if e else 'nothing more'}")
+        mapping[t] = e
+        t_args = torch.fx.node.map_arg(t.args, lambda n: mapping[n])
+        t_kwargs = torch.fx.node.map_arg(t.kwargs, lambda n: mapping[n])
+        if _same(t_args, e.args) and _same(t_kwargs, e.kwargs):
+            continue
+        tb, eb = _bound_arguments(t), _bound_arguments(e)
+        differing = [] if tb is None or eb is None else \
+            [k for k in tb if not _same(torch.fx.node.map_arg(tb[k], lambda n: mapping[n]), eb.get(k))]
+        if differing and all(k in _MODE_PARAMETERS and isinstance(tb[k], bool) and isinstance(eb[k], bool)
+                             for k in differing):
+            if not flags:
+                k = differing[0]
+                first_flag = f"{_describe_node(t)} has {k}={tb[k]} in {labels[0]}, {k}={eb[k]} in {labels[1]}"
+            flags.append(t.name)
+            continue
+        shown = f"arguments {differing}" if differing else "arguments"
+        return ModeDifference("graph", where=f"{_describe_node(t)} has {shown} that differ between "
+                                             f"{labels[0]} and {labels[1]}")
+    return ModeDifference("flags", tuple(flags), first_flag) if flags else ModeDifference("none")
+
+
+def _mixed_mode_check(model: torch.nn.Module, reference: torch.fx.GraphModule) -> None:
+    """Refuse a model whose traced-through submodules are in another mode than the model, when that
+    changes the graph: ``tp.train()``/``tp.eval()`` can only represent the model in one mode."""
+    tracer = GNNTracer()
+    odd = [name for name, m in model.named_modules()
+           if name and m.training != model.training and not tracer.is_leaf_module(m, name)]
+    if not odd:
+        return
+    as_is = _symbolic_trace(_module_view(model))  # every module in its own current mode
+    diff = mode_difference(reference.graph, as_is.graph, ("the model's mode", "the submodules' own modes"))
+    if diff.kind == "none":
+        return
+    mode, other = ("training", "eval") if model.training else ("eval", "training")
+    raise TraceError(
+        f"{type(model).__name__} is in {mode} mode but its submodule(s) {', '.join(odd)} are in {other} mode, and "
+        f"that changes what forward computes (first difference: {diff.where}); a traced graph runs "
+        "the whole model in training or in eval mode (tp.train()/tp.eval()): put the model in one mode before "
+        "tracing (model.train() or model.eval()); torch.nn leaf modules such as BatchNorm may keep a mode of "
+        "their own")
+
+
 # --------------------------------------------------------------------------- public entry point
-def trace(model: torch.nn.Module, graph_or_stats: Union[Graph, GraphStats], *, training: bool = True,
+def trace(model: torch.nn.Module, graph_or_stats: Union[Graph, GraphStats], *, training: Optional[bool] = None,
           dtype: Optional[torch.dtype] = None) -> TPGraph:
     """Trace ``model`` into an annotated :class:`~gnncompile.ir.tpgraph.TPGraph`.
 
@@ -553,9 +679,12 @@ def trace(model: torch.nn.Module, graph_or_stats: Union[Graph, GraphStats], *, t
         The graph to train on, or just its :class:`GraphStats` (annotations are evaluated for
         these sizes; nothing proportional to the graph is allocated).
     training:
-        Trace the training-mode forward (dropout active), which is what plans execute. fx records
-        ``self.training`` as a constant, so functional dropout (``F.dropout(..., training=self.training)``)
-        keeps this mode in the traced graph whatever ``tp.train()``/``tp.eval()`` say later.
+        ``None`` (default): a graph that follows ``.train()``/``.eval()`` like the model: the
+        forward is traced in both modes; ``tp.graph`` (and every annotation) is the training-mode
+        graph, and ``tp.eval_graph`` the eval-mode graph where it differs (see the module
+        docstring). ``tp`` starts in the model's modes. ``True``/``False``: trace that mode only
+        (what the planner lowers: training steps and evaluation); mode constants such as
+        dropout's ``training`` flag are frozen, and calling the graph in the other mode raises.
     dtype:
         Floating dtype of the sample features (element sizes in the byte counts). Default: the
         dtype of the model's first floating parameter or buffer, else the graph's features, else
@@ -563,18 +692,21 @@ def trace(model: torch.nn.Module, graph_or_stats: Union[Graph, GraphStats], *, t
 
     The returned graph shares the model's parameters and buffers (training it trains the model)
     but not its module objects: it holds shallow copies of them (see :func:`_module_view`), so
-    its modes are its own. ``tp`` is in mode ``training`` throughout (module-based dropout and
-    norms included), and tracing leaves ``model`` as it found it: its modes are untouched and
+    its modes are its own. Tracing leaves ``model`` as it found it: its modes are untouched and
     its buffers (BatchNorm running statistics) are restored after the sample runs.
 
     Raises
     ------
     TraceError
         For data-dependent control flow, graph attribute reads inside forward, ops that cannot be
-        classified (raw sparse products, scatters), or a forward that does not return one tensor.
+        classified (raw sparse products, scatters), a forward that does not return one tensor, a
+        forward that cannot be traced in one of the modes, or submodules in a mode other than
+        the model's that change the graph (all naming the user's line).
     """
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"trace expects a torch.nn.Module, got {type(model).__name__}")
+    if training is not None and not isinstance(training, bool):
+        raise TraceError(f"trace: training must be None (follow the mode), True or False; got {training!r}")
     if isinstance(graph_or_stats, Graph):
         stats = GraphStats.from_graph(graph_or_stats)
         x_like = graph_or_stats.x
@@ -586,16 +718,52 @@ def trace(model: torch.nn.Module, graph_or_stats: Union[Graph, GraphStats], *, t
     if dtype is None:
         dtype = _default_dtype(model, x_like)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    view = _module_view(model)
-    view.train(training)
     try:
+        if training is None:
+            return _trace_both_modes(model, stats, x_like, dtype)
+        view = _module_view(model)
+        view.train(training)
         gm = _symbolic_trace(view)
         _check(gm, model)
-        return _annotate(model, gm, stats, x_like, training, dtype)
+        tp = _annotate(model, gm, stats, x_like, training, dtype)
+        tp.specialized = training
+        return tp
     finally:
         with torch.no_grad():
             for b, value in buffers:
                 b.copy_(value)
+
+
+def _trace_both_modes(model: torch.nn.Module, stats: GraphStats, x_like: Optional[torch.Tensor],
+                      dtype: torch.dtype) -> TPGraph:
+    """The mode-following TPGraph: training graph, plus the eval graph where it differs."""
+    view = _module_view(model)
+    graphs: dict[bool, torch.fx.GraphModule] = {}
+    for mode in (model.training, not model.training):  # the model's own mode first: its errors come first
+        view.train(mode)
+        try:
+            gm = _symbolic_trace(view)
+            _check(gm, model)
+        except TraceError as exc:
+            if mode == model.training:
+                raise
+            raise TraceError(f"in {'training' if mode else 'eval'} mode (the model is traced in both modes, so "
+                             f"that tp.train()/tp.eval() run it like the model): {exc}") from exc
+        graphs[mode] = gm
+    _mixed_mode_check(model, graphs[model.training])
+    diff = mode_difference(graphs[True].graph, graphs[False].graph)
+    view.train(True)
+    tp = _annotate(model, graphs[True], stats, x_like, True, dtype)
+    if diff.kind != "none":
+        view.train(False)
+        tp_eval = _annotate(model, graphs[False], stats, x_like, False, dtype)
+        tp_eval.specialized = False
+        tp.set_eval_graph(tp_eval, diff.note())
+    # start in the model's modes, module by module (the two graphs share their submodules)
+    modes = {name: m.training for name, m in model.named_modules()}
+    for name, m in tp.named_modules():
+        m.training = modes.get(name, model.training)
+    return tp
 
 
 def _module_view(module: torch.nn.Module) -> torch.nn.Module:

@@ -138,6 +138,7 @@ class Graph:
                 torch.from_numpy(csr.indices.astype(np.int64)),
                 torch.from_numpy(csr.data.astype(np.float32, copy=False)),
                 size=csr.shape,
+                device="cpu",  # host arrays from scipy
                 check_invariants=False,  # scipy built it; sorted above
             )
         t = _as_tensor(x, "x")
@@ -316,7 +317,9 @@ class Graph:
             if bool(nf.any()):
                 if x.layout == torch.sparse_csr:
                     k = _first_true(nf)
-                    row = int(torch.searchsorted(x.crow_indices(), torch.tensor(k), right=True)) - 1
+                    crow = x.crow_indices()
+                    row = int(torch.searchsorted(crow, torch.tensor(k, dtype=crow.dtype, device=crow.device),
+                                                 right=True)) - 1
                     col = int(x.col_indices()[k])
                 else:
                     row, col = (int(v) for v in torch.nonzero(nf, as_tuple=False)[0])
@@ -397,7 +400,7 @@ class Graph:
         return self.cached(
             "dst",
             lambda: torch.repeat_interleave(
-                torch.arange(self.num_nodes, device=self.device), self.in_degree()
+                torch.arange(self.num_nodes, device=self.device), self.in_degree(), output_size=self.num_edges
             ),
         )
 
@@ -595,14 +598,30 @@ class Graph:
         return self._rebuild(self.indices[keep], self.dst[keep], w)
 
     def to(self, device: torch.device | str) -> "Graph":
-        """Move structure and node data to ``device`` (derived caches are rebuilt there on demand)."""
+        """This graph on ``device``: structure, node data (sparse features included) and derived caches.
+
+        Every cached tensor moves with it (degrees, destinations, the transposed CSR and its edge
+        permutation, normalization coefficients, the self-loop-augmented graph; see
+        :func:`_move_cached`), each once, so no later step reads a structure left on the old
+        device. A graph already on ``device`` is returned as is.
+        """
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device == self.device:
+            return self
+
+        moved: dict[int, torch.Tensor] = {}
+
         def mv(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return None if t is None else t.to(device)
-        return Graph(
+            return None if t is None else _move_cached(t, device, moved)
+        g = Graph(
             mv(self.indptr), mv(self.indices), self.num_nodes, edge_weight=mv(self.edge_weight),
             x=mv(self.x), y=mv(self.y), train_mask=mv(self.train_mask), val_mask=mv(self.val_mask),
             test_mask=mv(self.test_mask), num_classes=self._num_classes, name=self.name, validate=False,
         )
+        g._cache = _move_cached(self._cache, device, moved)
+        return g
 
     def normalize_features(self) -> "Graph":
         """Row-normalize ``x`` so every non-zero row sums to 1 (Kipf & Welling's preprocessing)."""
@@ -612,12 +631,12 @@ class Graph:
         if x.layout == torch.sparse_csr:
             vals = x.values()
             rows = torch.repeat_interleave(
-                torch.arange(x.shape[0]), x.crow_indices()[1:] - x.crow_indices()[:-1]
-            )
-            sums = torch.zeros(x.shape[0], dtype=vals.dtype).index_add_(0, rows, vals)
+                torch.arange(x.shape[0], device=vals.device), x.crow_indices()[1:] - x.crow_indices()[:-1],
+                output_size=vals.numel())
+            sums = torch.zeros(x.shape[0], dtype=vals.dtype, device=vals.device).index_add_(0, rows, vals)
             inv = torch.where(sums != 0, 1.0 / sums, torch.zeros_like(sums))
             new = torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), vals * inv[rows], size=x.shape,
-                                          check_invariants=False)
+                                          device=vals.device, check_invariants=False)
         else:
             sums = x.sum(dim=1, keepdim=True)
             new = x * torch.where(sums != 0, 1.0 / sums, torch.zeros_like(sums))
@@ -634,6 +653,36 @@ class Graph:
 
     # Graphs are passed to fx-traced modules as inputs; make them hash by identity.
     __hash__ = object.__hash__
+
+
+def _move_cached(value: Any, device: torch.device, moved: dict[int, torch.Tensor]) -> Any:
+    """A derived-cache entry on ``device``, or :data:`_UNMOVABLE` (dropped; rebuilt on demand).
+
+    Tensors move once each (``moved`` maps the id of a tensor already moved, e.g. the graph's own
+    ``indptr``, to its copy, so entries that share a tensor still share it); tuples, lists and
+    dicts of movable entries and cached graphs move; plain values (bools, numbers, strings, None)
+    are kept. Anything else (handles holding device-specific state, such as the kernels' CSR
+    objects with their cuSPARSE descriptors) is dropped: it is a view of moved tensors, rebuilt on
+    first use on the new device.
+    """
+    if isinstance(value, torch.Tensor):
+        if id(value) not in moved:
+            moved[id(value)] = value.to(device)
+        return moved[id(value)]
+    if isinstance(value, Graph):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        items = [_move_cached(v, device, moved) for v in value]
+        return _UNMOVABLE if any(m is _UNMOVABLE for m in items) else type(value)(items)
+    if isinstance(value, dict):
+        out = {k: _move_cached(v, device, moved) for k, v in value.items()}
+        return {k: v for k, v in out.items() if v is not _UNMOVABLE}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return _UNMOVABLE
+
+
+_UNMOVABLE = object()
 
 
 @dataclass(frozen=True)

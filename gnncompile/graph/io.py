@@ -329,6 +329,39 @@ def from_pyg(data: Any, split: int = 0) -> Graph:
 
 
 # ---------------------------------------------------------------------------------------- npz
+#: the arrays an npz graph holds (see ``shared/datasets/README.md``), for error messages
+_NPZ_ARRAYS = "edge_index, num_nodes, x, y, masks, ..."
+
+
+def _require_npz_archive(p: Path) -> None:
+    """Refuse a file that is not a zip archive before numpy tries it as a pickle."""
+    if zipfile.is_zipfile(p):
+        return
+    with open(p, "rb") as f:
+        head = f.read(8)
+    if head.startswith(b"\x93NUMPY"):
+        raise DatasetError(f"{p}: is a single .npy array, not a graph (an npz archive of arrays: {_NPZ_ARRAYS})")
+    raise DatasetError(f"{p}: is not a graph file: an npz graph is a zip archive of arrays ({_NPZ_ARRAYS}), and "
+                       f"this file is not a zip archive (it starts with the bytes {head!r})")
+
+
+def _declared_classes(get: Any, files: set[str], where: str) -> Optional[tuple[int, str]]:
+    """The class count the file declares (``num_classes``, or the length of ``class_names``) and which
+    array says so; ``None`` when the file declares none (the count is then inferred from ``y``)."""
+    declared: Optional[tuple[int, str]] = None
+    if "class_names" in files:
+        declared = (int(get("class_names").shape[0]), "class_names")
+    if "num_classes" in files:
+        nc = get("num_classes")
+        if nc.size != 1 or not np.issubdtype(nc.dtype, np.integer) or int(nc.reshape(())) < 1:
+            raise GraphError(f"{where}: num_classes: expected one positive int, got {nc.tolist()!r}")
+        count = int(nc.reshape(()))
+        if declared is not None and declared[0] != count:
+            raise GraphError(f"{where}: num_classes: says {count} but class_names names {declared[0]} classes")
+        declared = (count, "num_classes")
+    return declared
+
+
 def from_npz(path: PathLike, split: int = 0, symmetrize: Optional[bool] = None) -> Graph:
     """Read a graph in the ``shared/datasets`` npz format (see ``shared/datasets/README.md``).
 
@@ -350,7 +383,9 @@ def from_npz(path: PathLike, split: int = 0, symmetrize: Optional[bool] = None) 
     Graph
         Features stored as CSR parts (``x_data``/``x_indices``/``x_indptr``/``x_shape``) stay
         sparse (a torch sparse CSR ``x``); dense ``x`` stays dense. ``y = -1`` marks unlabeled
-        vertices. ``num_classes`` is ``len(class_names)`` when the file names its classes. Arrays
+        vertices. ``num_classes`` is the file's ``num_classes`` scalar or ``len(class_names)`` when the
+        file declares its classes (a label outside them is a :class:`GraphError`), else inferred from
+        ``y`` (its largest label + 1). Arrays
         the file lacks (``x``, ``y``, masks) are ``None``.
 
     Raises
@@ -364,12 +399,13 @@ def from_npz(path: PathLike, split: int = 0, symmetrize: Optional[bool] = None) 
     p = Path(path)
     if not p.is_file():
         raise DatasetError(f"{p}: no such npz file")
+    _require_npz_archive(p)
     try:
         archive = np.load(p, allow_pickle=False)
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise DatasetError(f"{p}: cannot read as an npz archive: {exc}") from exc
+        raise DatasetError(f"{p}: is not a graph file: cannot read it as an npz archive ({exc})") from exc
     if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise DatasetError(f"{p}: is a single .npy array, not an npz archive")
+        raise DatasetError(f"{p}: is a single .npy array, not a graph (an npz archive of arrays: {_NPZ_ARRAYS})")
     where = p.name
     with archive:
         files = set(archive.files)
@@ -377,8 +413,10 @@ def from_npz(path: PathLike, split: int = 0, symmetrize: Optional[bool] = None) 
         def get(key: str) -> np.ndarray:
             try:
                 return archive[key]
-            except ValueError as exc:  # object arrays need pickles, which are refused
-                raise GraphError(f"{where}: array {key!r} cannot be read without pickle: {exc}") from exc
+            except ValueError as exc:  # object arrays need pickles, which are never loaded
+                raise GraphError(f"{where}: array {key!r} holds Python objects (pickled data), which gnncompile never "
+                                 f"loads: this file is not a graph in the npz format (plain arrays: {_NPZ_ARRAYS})"
+                                 ) from exc
             except (OSError, zipfile.BadZipFile, EOFError) as exc:
                 raise DatasetError(f"{where}: array {key!r} is corrupt: {exc}") from exc
 
@@ -440,8 +478,18 @@ def from_npz(path: PathLike, split: int = 0, symmetrize: Optional[bool] = None) 
                 num_nodes = int(edge_index.max()) + 1 if edge_index.size else 0
         if "y" in files:
             node_data["y"] = get("y")
-        if "class_names" in files:
-            node_data["num_classes"] = int(get("class_names").shape[0])
+        declared = _declared_classes(get, files, where)
+        if declared is not None:
+            count, source = declared
+            node_data["num_classes"] = count
+            y = node_data.get("y")
+            if y is not None and np.issubdtype(y.dtype, np.integer) and y.ndim == 1 and y.size:
+                outside = y >= count
+                if outside.any():
+                    i = _first(outside)
+                    raise GraphError(f"{where}: y: label {int(y[i])} at vertex {i} is outside the classes the file "
+                                     f"declares (num_classes={count}, from {source}); labels must lie in [0, {count}) "
+                                     f"or be -1 (unlabeled)")
 
         flag: Optional[bool] = None
         if "is_symmetric" in files:

@@ -46,7 +46,7 @@ __all__ = [
     "Instruction", "Forward", "Backward", "Recompute", "Send", "Recv", "HaloExchange", "AllToAll",
     "AllGather", "ReduceScatter", "AllReduce", "Free", "OptimizerStep", "INSTRUCTIONS",
     "OpCost", "StageSpec", "DevicePlan", "Plan", "RankProgram", "converted_name", "member_rows", "human_bytes",
-    "PLAN_FORMAT_VERSION",
+    "PLAN_FORMAT_VERSION", "plan_differences", "rank_label",
 ]
 
 PLAN_FORMAT_VERSION = 1
@@ -540,6 +540,27 @@ class DevicePlan:
         return f"rank {self.rank}: " + " ".join(str(i) for i in self.instructions)
 
 
+#: the width ``print(plan)`` keeps its instruction table to (wider plans continue below)
+TABLE_WIDTH = 120
+
+
+def rank_label(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 3, 8]`` -> ``"ranks 0-3,8"``; one rank -> ``"rank 5"``."""
+    rs = sorted(ranks)
+    if len(rs) == 1:
+        return f"rank {rs[0]}"
+    runs: list[str] = []
+    start = prev = rs[0]
+    for r in rs[1:] + [None]:  # type: ignore[list-item]
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        runs.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return "ranks " + ",".join(runs)
+
+
 def human_bytes(n: float) -> str:
     """``1536`` -> ``"1.50 KiB"`` (binary units; ``"-"`` for NaN)."""
     if n is None or (isinstance(n, float) and math.isnan(n)):
@@ -603,7 +624,8 @@ class Plan:
     def header(self) -> list[str]:
         rel = ", ".join(self.relaxations) if self.relaxations else "none"
         lines = [f"Plan: strategy={self.strategy} semantics={self.semantics} ranks={self.num_ranks} "
-                 f"schedule={self.schedule} cluster={self.cluster}",
+                 f"schedule={self.schedule}",
+                 f"  cluster: {self.cluster}",
                  f"  relaxed transformations applied: {rel}"]
         if self.info.get("graph"):
             lines.append(f"  graph: {self.info['graph']}")
@@ -626,30 +648,60 @@ class Plan:
             seen.setdefault(tuple(str(s) for s in dp.stages), []).append(dp.rank)
         lines = []
         for stages, ranks in seen.items():
-            who = "all ranks" if len(ranks) == self.num_ranks and self.num_ranks > 1 else \
-                "rank" + ("s " if len(ranks) > 1 else " ") + ",".join(map(str, ranks))
+            who = "all ranks" if len(ranks) == self.num_ranks and self.num_ranks > 1 else rank_label(ranks)
             lines.append(f"  stages on {who}:")
             lines.extend(f"    {s}" for s in stages)
         return lines
 
-    def instruction_table(self) -> list[str]:
-        """Steps as rows, ranks as columns (like pipeline-schedule action tables)."""
-        cols = [[str(i) for i in dp.instructions] for dp in self.ranks]
+    def instruction_table(self, width: int = TABLE_WIDTH) -> list[str]:
+        """Steps as rows, ranks as columns (like pipeline-schedule action tables).
+
+        Ranks whose instruction lists print the same share one column (``ranks 0-7``); when the
+        columns do not fit in ``width`` characters, they continue in further tables below, each
+        with the step column, so no line is much wider than ``width``.
+        """
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for dp in self.ranks:
+            groups.setdefault(tuple(str(i) for i in dp.instructions), []).append(dp.rank)
+        cols = list(groups)
+        heads = [rank_label(ranks) for ranks in groups.values()]
         depth = max((len(c) for c in cols), default=0)
-        head = ["step"] + [f"rank {dp.rank}" for dp in self.ranks]
-        rows = [[str(k)] + [c[k] if k < len(c) else "" for c in cols] for k in range(depth)]
-        widths = [max(len(r[j]) for r in [head] + rows) for j in range(len(head))]
-        fmt = lambda r: "  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip()  # noqa: E731
-        return [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+        steps = [str(k) for k in range(depth)]
+        step_w = max([len("step")] + [len(x) for x in steps])
+        col_w = [max([len(h)] + [len(x) for x in c]) for h, c in zip(heads, cols)]
+        blocks: list[list[int]] = [[]]
+        used = 2 + step_w
+        for j, w in enumerate(col_w):
+            if blocks[-1] and used + 2 + w > width:
+                blocks.append([])
+                used = 2 + step_w
+            blocks[-1].append(j)
+            used += 2 + w
+        lines: list[str] = []
+        for block in blocks:
+            widths = [step_w] + [col_w[j] for j in block]
+            fmt = lambda r: "  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip()  # noqa: E731,B023
+            if lines:
+                lines.append("")
+            lines += [fmt(["step"] + [heads[j] for j in block]), fmt(["-" * w for w in widths])]
+            lines += [fmt([steps[k]] + [cols[j][k] if k < len(cols[j]) else "" for j in block]) for k in range(depth)]
+        return lines
 
     def prediction_table(self) -> list[str]:
+        """Per-rank predictions, one row per run of consecutive ranks with the same printed values."""
         per_rank = {k: v for k, v in self.predictions.items() if isinstance(v, (list, tuple)) and len(v) == self.num_ranks}
         if not per_rank:
             return []
         keys = sorted(per_rank)
         head = ["rank"] + keys
-        rows = [[str(r)] + [human_bytes(per_rank[k][r]) if "bytes" in k or "memory" in k else f"{per_rank[k][r]:.4g}"
-                            for k in keys] for r in range(self.num_ranks)]
+        values = [[human_bytes(per_rank[k][r]) if "bytes" in k or "memory" in k else f"{per_rank[k][r]:.4g}"
+                   for k in keys] for r in range(self.num_ranks)]
+        rows: list[list[str]] = []
+        start = 0
+        for r in range(1, self.num_ranks + 1):
+            if r == self.num_ranks or values[r] != values[start]:
+                rows.append([f"{start}" if r - 1 == start else f"{start}-{r - 1}"] + values[start])
+                start = r
         widths = [max(len(x[j]) for x in [head] + rows) for j in range(len(head))]
         fmt = lambda r: "  " + "  ".join(x.rjust(w) for x, w in zip(r, widths))  # noqa: E731
         return ["  predicted per training step:", fmt(head)] + [fmt(r) for r in rows]
@@ -714,11 +766,13 @@ class Plan:
         from ..api import plan as make_plan  # lazy: ir does not depend on the planner
 
         rebuilt = make_plan(model, graph, gpus=saved.num_ranks, **saved.options)
-        for a, b in zip(saved.ranks, rebuilt.ranks):
-            if a.instructions != b.instructions or a.stages != b.stages:
-                raise VerificationError(
-                    f"plan file {str(path)!r} does not match this model and graph: rank {a.rank} differs\n"
-                    f"  saved:   {a}\n  rebuilt: {b}")
+        diffs = plan_differences(saved, rebuilt)
+        if diffs:
+            shown = diffs[:8] + ([f"... {len(diffs) - 8} more"] if len(diffs) > 8 else [])
+            raise VerificationError(
+                f"plan file {str(path)!r} does not match this model and graph (saved = the file, rebuilt = "
+                f"planned again for them; plan the model again or pass the model and graph it was made for):\n"
+                + "\n".join(f"  {d}" for d in shown))
         return rebuilt
 
     # ------------------------------------------------------------------ predictions
@@ -746,8 +800,7 @@ class Plan:
         from ..viz.timeline import draw_timelines
 
         sim = self._require_prediction("timeline").simulation
-        panels = [(f"predicted ({self.cluster}): {sim.step_time * 1e3:.3f} ms per step",
-                   sim.bars(), 0)]
+        panels = [(f"predicted: {sim.step_time * 1e3:.3f} ms per step on {self.cluster}", sim.bars(), 0)]
         run = measured if measured is not None else self.last_run
         if run is not None:
             events = [r.timeline for r in run.ranks]
@@ -761,19 +814,96 @@ class Plan:
         """Predicted memory per rank over one step, with the device capacity (see the cost models)."""
         from ..viz.timeline import draw_memory
 
-        pred = self._require_prediction("memory_plot")
-        return draw_memory([r.memory_curve for r in pred.simulation.ranks], path, capacity=pred.capacity,
-                           title=f"predicted memory per rank: {self.strategy} on {self.cluster}")
+        return draw_memory(path=path, **self.memory_plot_data())
 
-    def run(self, epochs: int = 200, lr: float = 0.01, **kwargs: Any) -> Any:
-        """Train with this plan across its ranks; see :func:`gnncompile.runtime.executor.run_plan`."""
+    def memory_plot_data(self) -> dict[str, Any]:
+        """What :meth:`memory_plot` draws, as :func:`gnncompile.viz.timeline.memory_figure`'s arguments:
+        each rank's predicted memory curve, the step time, the memory a rank may use and its label.
+
+        On a CPU host the ranks share the host's memory, so the capacity is the host's memory divided
+        among them, and the label says so (the cluster's description names the whole host's memory).
+        """
+        pred = self._require_prediction("memory_plot")
+        cluster = pred.cluster
+        whole, per_rank = cluster.device.memory, pred.capacity
+        if per_rank != whole:
+            label = (f"memory per rank (this host's {human_bytes(whole)} shared by {cluster.devices_per_node} "
+                     f"ranks)")
+        else:
+            label = f"memory of one {cluster.device.name}"
+        return {"curves": [r.memory_curve for r in pred.simulation.ranks], "capacity": per_rank,
+                "step_time": pred.simulation.step_time, "capacity_label": label,
+                "title": f"predicted memory per rank over one step ({pred.simulation.step_time * 1e3:.3g} ms): "
+                         f"{self.strategy} on {self.num_ranks} ranks, {cluster.nodes} node(s) x "
+                         f"{cluster.devices_per_node} {cluster.device.name}"}
+
+    def run(self, epochs: int = 200, lr: float = 0.01, *, device: Any = None, backend: Union[str, None] = None,
+            **kwargs: Any) -> Any:
+        """Train with this plan across its ranks; see :func:`gnncompile.runtime.executor.run_plan`.
+
+        ``device``: ``None`` (auto: the GPUs when CUDA is available, else the CPU), ``"cpu"``,
+        ``"cuda"`` or ``"cuda:N"``; ``backend``: ``None`` (auto: NCCL with a GPU per rank, else
+        gloo, ranks sharing GPUs), ``"gloo"`` or ``"nccl"``. The result's
+        ``describe_placement()`` says where the ranks ran and what the plan was planned for."""
         if self.program is None:
             raise PlanningError("this plan holds no model (it was loaded from a file without one); "
                                 "use gnncompile.Plan.load(path, model, graph) to run it")
         from ..runtime.executor import run_plan  # lazy: the runtime is imported only to run
 
-        self.last_run = run_plan(self, epochs=epochs, lr=lr, **kwargs)
+        self.last_run = run_plan(self, epochs=epochs, lr=lr, device=device, backend=backend, **kwargs)
         return self.last_run
+
+
+def _short(v: Any, limit: int = 100) -> str:
+    if isinstance(v, tuple) and v and all(isinstance(x, OpCost) for x in v):
+        v = tuple(f"{x.name} ({x.kind})" for x in v)
+    text = str(v) if isinstance(v, (Lin, Instruction)) else repr(v)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _field_differences(what: str, a: Any, b: Any) -> list[str]:
+    """``what field: saved X, rebuilt Y`` for each dataclass field of ``a`` and ``b`` that differs;
+    nested tuples of dataclasses (a stage's op costs) are compared element by element."""
+    out = []
+    for f in fields(a):
+        va, vb = getattr(a, f.name), getattr(b, f.name)
+        if va == vb:
+            continue
+        if isinstance(va, tuple) and isinstance(vb, tuple) and len(va) == len(vb) and va \
+                and all(hasattr(x, "__dataclass_fields__") for x in va + vb):
+            for k, (xa, xb) in enumerate(zip(va, vb)):
+                if xa != xb:
+                    label = f"{what} {f.name}[{k}]" + (f" ({xa.name})" if hasattr(xa, "name") else "")
+                    out += _field_differences(label, xa, xb)
+        else:
+            out.append(f"{what} {f.name}: saved {_short(va)}, rebuilt {_short(vb)}")
+    return out
+
+
+def plan_differences(saved: "Plan", rebuilt: "Plan") -> list[str]:
+    """What differs between two plans' data, one line per field (what :meth:`Plan.load` reports):
+    the graph and model they were made for, then per rank the stages' fields and the first
+    instruction that differs."""
+    out = [f"{key}: saved {saved.info.get(key)!r}, rebuilt {rebuilt.info.get(key)!r}"
+           for key in ("graph", "model") if saved.info.get(key) != rebuilt.info.get(key)]
+    if saved.num_ranks != rebuilt.num_ranks:
+        out.append(f"ranks: saved {saved.num_ranks}, rebuilt {rebuilt.num_ranks}")
+    for a, b in zip(saved.ranks, rebuilt.ranks):
+        if len(a.stages) != len(b.stages):
+            out.append(f"rank {a.rank} stages: saved {len(a.stages)}, rebuilt {len(b.stages)}")
+        for sa, sb in zip(a.stages, b.stages):
+            if sa != sb:
+                out += _field_differences(f"rank {a.rank} stage {sa.index}", sa, sb)
+        if a.instructions != b.instructions:
+            k = next((k for k, (x, y) in enumerate(zip(a.instructions, b.instructions)) if x != y),
+                     min(len(a.instructions), len(b.instructions)))
+            x = a.instructions[k] if k < len(a.instructions) else "(end of list)"
+            y = b.instructions[k] if k < len(b.instructions) else "(end of list)"
+            if str(x) == str(y):  # same short form: the difference is in a field the short form omits
+                out += _field_differences(f"rank {a.rank} instruction {k} {x}", x, y)
+            else:
+                out.append(f"rank {a.rank} instruction {k}: saved {x}, rebuilt {y}")
+    return out
 
 
 def iter_collectives(instructions: Iterable[Instruction]) -> Iterable[Instruction]:

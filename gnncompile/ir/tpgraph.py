@@ -21,6 +21,28 @@ params             number of parameters owned by the op (module parameters, or a
 
 Size-dependent fields are linear forms in ``|V|`` and ``|E|``; :meth:`TPGraph.value` evaluates
 them for the graph statistics the graph was traced (or re-bound) for.
+
+Training and eval mode
+----------------------
+fx records ``self.training`` as a constant, so one fx graph holds one mode's behaviour of
+functional code (``F.dropout(x, p, self.training)``, ``if self.training:``). A ``TPGraph`` is
+therefore one of:
+
+- **mode-following** (``specialized is None``, what ``gnncompile.trace(model, g)`` returns):
+  ``graph`` is the training-mode graph and, where the model's eval-mode graph differs from it,
+  :attr:`TPGraph.eval_graph` holds that graph (a ``TPGraph`` specialized to eval mode, sharing the
+  submodules and parameters). Calling the module runs ``graph`` in training mode and
+  ``eval_graph`` in eval mode, exactly like the eager model; ``tp.train()``/``tp.eval()`` switch
+  it. With no ``eval_graph`` the one graph serves both modes (mode-dependent work, if any, is in
+  ``torch.nn`` modules such as ``Dropout`` or ``BatchNorm1d``, which read their own mode).
+- **specialized** (``specialized`` is ``True`` or ``False``: ``trace(..., training=...)``, the
+  planner's per-mode graphs): mode constants are frozen; calling it in the other mode raises
+  :class:`~gnncompile.errors.TraceError` instead of silently running the wrong behaviour.
+
+Keeping the two modes as two plain graphs (rather than one graph whose dropout reads the mode at run
+time) means every pass and lowering sees dropout in the one form they are written for (a call with
+a constant ``training`` flag); graph passes registered with
+:func:`gnncompile.passes.infra.graph_pass` transform both graphs.
 """
 
 from __future__ import annotations
@@ -34,6 +56,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.fx
 
+from ..errors import TraceError
 from ..graph.core import GraphStats
 from .symbolic import Lin
 
@@ -124,23 +147,82 @@ class TPGraph(torch.fx.GraphModule):
 
     Construct it with :func:`gnncompile.trace`. ``stats`` is the :class:`GraphStats` its numbers are
     evaluated for; :meth:`bind` returns the same graph evaluated for other statistics (the linear
-    forms do not change).
+    forms do not change). ``specialized`` and :attr:`eval_graph` say how it runs in training and
+    eval mode (see the module docstring); ``mode_note`` is the one-line account the table prints.
     """
 
     stats: GraphStats
+    #: ``None``: follows the module's mode; ``True``/``False``: traced for that mode only.
+    specialized: Optional[bool] = None
+    #: what differs in eval mode, in words ('' when nothing does or the graph is specialized)
+    mode_note: str = ""
 
     def __init__(self, root: torch.nn.Module | dict, graph: torch.fx.Graph, stats: GraphStats,
                  class_name: str = "TPGraph") -> None:
         super().__init__(root, graph, class_name)
         self.stats = stats
 
+    # ------------------------------------------------------------------ modes
+    @property
+    def eval_graph(self) -> Optional["TPGraph"]:
+        """The graph run in eval mode when it differs from ``graph`` (``None``: ``graph`` serves both).
+
+        A ``TPGraph`` specialized to eval mode that shares this graph's submodules, parameters and
+        buffers. Kept out of the module tree (not a submodule), so parameters, ``state_dict`` and
+        ``named_modules`` list everything once.
+        """
+        return self.__dict__.get("_eval_graph")
+
+    def set_eval_graph(self, eval_graph: Optional["TPGraph"], note: str = "") -> None:
+        """Attach (or with ``None`` drop) the eval-mode graph; ``note`` says what differs in eval mode."""
+        if eval_graph is not None:
+            if not isinstance(eval_graph, TPGraph) or eval_graph.specialized is not False:
+                raise TypeError("the eval graph must be a TPGraph specialized to eval mode "
+                                "(gnncompile.trace(..., training=False))")
+            eval_graph.training = False  # its root only: the submodules are shared
+        self.__dict__["_eval_graph"] = eval_graph
+        self.mode_note = note if eval_graph is not None else ""
+
+    def copy_modes_from(self, other: "TPGraph") -> None:
+        """Take ``other``'s mode contract: ``specialized``, mode note, and each submodule's mode by name."""
+        self.specialized = other.specialized
+        self.mode_note = other.mode_note
+        modes = {name: m.training for name, m in other.named_modules()}
+        for name, m in self.named_modules():
+            m.training = modes.get(name, other.training)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.training and self.eval_graph is not None:
+            return self.eval_graph(*args, **kwargs)
+        if self.specialized is not None and self.specialized != self.training:
+            traced, now = ("training", "eval") if self.specialized else ("eval", "training")
+            raise TraceError(
+                f"this {type(self).__name__} was traced for {traced} mode only "
+                f"(gnncompile.trace(..., training={self.specialized})) and is called in {now} mode; "
+                "trace without training= for a graph that follows .train()/.eval(), or call "
+                f"{'.train()' if self.specialized else '.eval()'} first")
+        return super().__call__(*args, **kwargs)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "TPGraph":
+        # ``.to()``, ``.double()``...: the eval graph holds its own references to root-level
+        # parameters and buffers (get_attr targets), so it is converted too (the conversions are
+        # idempotent on the submodules the two graphs share).
+        super()._apply(fn, recurse)
+        if self.eval_graph is not None:
+            self.eval_graph._apply(fn, recurse)
+        return self
+
     def __deepcopy__(self, memo: dict) -> "TPGraph":
         # GraphModule.__deepcopy__ rebuilds the module through GraphModule.__init__, which drops
-        # attributes it does not know (``stats``), resets the root's ``training`` flag and renames
-        # the (per-instance) class "GraphModule".
+        # attributes it does not know (``stats``, the mode contract), resets the root's
+        # ``training`` flag and renames the (per-instance) class "GraphModule".
         res = super().__deepcopy__(memo)
         res.stats = self.stats  # immutable
         res.training = self.training
+        res.specialized = self.specialized
+        res.mode_note = self.mode_note
+        # same memo: the copy's eval graph shares the copy's submodules as the original's does
+        res.__dict__["_eval_graph"] = copy.deepcopy(self.eval_graph, memo)
         type(res).__name__ = type(self).__name__
         return res
 
@@ -167,6 +249,9 @@ class TPGraph(torch.fx.GraphModule):
         graph = copy.deepcopy(self.graph)
         new = TPGraph(self, graph, stats, class_name=type(self).__name__)
         new.training = self.training
+        new.copy_modes_from(self)
+        if self.eval_graph is not None:
+            new.set_eval_graph(self.eval_graph.bind(stats), self.mode_note)
         return new
 
     @property
@@ -195,7 +280,7 @@ class TPGraph(torch.fx.GraphModule):
                 f"{t.params:,}" if t.params else "",
             ))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        out = [f"TPGraph for {self.stats}"]
+        out = [f"TPGraph for {self.stats}{self._mode_header()}"]
         for i, r in enumerate(rows):
             out.append("  ".join(c.ljust(w) if j < 3 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
             if i == 0:
@@ -203,6 +288,13 @@ class TPGraph(torch.fx.GraphModule):
         if any(n.meta.get("tp") is not None and n.meta["tp"].recompute for n in self.graph.nodes):
             out.append("* recomputed in backward instead of saved")
         return "\n".join(out)
+
+    def _mode_header(self) -> str:
+        if self.specialized is not None:
+            return f" (traced for {'training' if self.specialized else 'eval'} mode only)"
+        if self.eval_graph is not None:
+            return f" (training mode; eval mode runs tp.eval_graph: {self.mode_note})"
+        return ""
 
     def __str__(self) -> str:
         return self.table()

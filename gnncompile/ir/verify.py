@@ -15,7 +15,11 @@ faulty node and its neighbourhood printed):
 5. shapes: the rows of each P/E op's output match its inputs' spaces, ``Linear`` modules see
    inputs of ``in_features`` columns and produce ``out_features``, and layer indices never
    decrease along an edge of the graph;
-6. the output is a single tensor.
+6. the output is a single tensor;
+7. modes: a graph that carries an eval-mode graph (``tp.eval_graph``) follows the mode itself
+   (``specialized is None``), and its eval graph is specialized to eval mode, evaluated for the same
+   statistics, carries no eval graph of its own and passes checks 1-6 (its errors say "eval-mode
+   graph").
 """
 
 from __future__ import annotations
@@ -134,7 +138,27 @@ def verify(tp: TPGraph) -> TPGraph:
     out_arg = outputs[0].args[0]
     if not isinstance(out_arg, torch.fx.Node):
         raise _fail(tp, outputs[0], "the output must be a single tensor")
+    _verify_modes(tp)
     return tp
+
+
+def _verify_modes(tp: TPGraph) -> None:
+    ev = tp.eval_graph
+    if ev is None:
+        return
+    if tp.specialized is not None:
+        raise VerificationError(f"a graph traced for {'training' if tp.specialized else 'eval'} mode only "
+                                "(specialized) must not carry an eval-mode graph")
+    if not isinstance(ev, TPGraph) or ev.specialized is not False or ev.eval_graph is not None:
+        raise VerificationError("eval-mode graph (tp.eval_graph): must be a TPGraph specialized to eval mode "
+                                "without an eval graph of its own")
+    if ev.stats != tp.stats:
+        raise VerificationError(f"eval-mode graph (tp.eval_graph): evaluated for {ev.stats}, the training graph "
+                                f"for {tp.stats}; bind both to the same statistics")
+    try:
+        verify(ev)
+    except VerificationError as exc:
+        raise VerificationError(f"eval-mode graph (tp.eval_graph): {exc}") from exc
 
 
 def _rows(node: Any) -> Optional[Lin]:

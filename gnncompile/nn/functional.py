@@ -26,12 +26,12 @@ def feature_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True) -> t
     if not training or p == 0.0:
         return x
     values = F.dropout(x.values(), p=p, training=True)
-    return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), values, size=x.shape,
+    return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), values, size=x.shape, device=x.device,
                                    check_invariants=False)
 
 
 # --------------------------------------------------------------------------- sparse-input linear
-#: Transposition plans of sparse CSR structures: (crow, col) data pointers, shape and nnz ->
+#: Transposition plans of sparse CSR structures: device, (crow, col) data pointers, shape and nnz ->
 #: (crow, col, perm, crow_t, col_t). The entry holds the index tensors, so their memory (and the
 #: pointers in the key) cannot be reused while cached. A few entries: one per feature matrix.
 _TRANSPOSES: "OrderedDict[tuple, tuple[torch.Tensor, ...]]" = OrderedDict()
@@ -45,13 +45,15 @@ def _csr_transpose(x: torch.Tensor) -> torch.Tensor:
     every step of training reuses the plan: transposing costs one gather of the values.
     """
     crow, col = x.crow_indices(), x.col_indices()
-    key = (crow.data_ptr(), col.data_ptr(), tuple(x.shape), int(col.numel()))
+    key = (str(col.device), crow.data_ptr(), col.data_ptr(), tuple(x.shape), int(col.numel()))
     plan = _TRANSPOSES.get(key)
     if plan is None:
         n, f = x.shape
-        rows = torch.repeat_interleave(torch.arange(n, dtype=col.dtype), crow[1:] - crow[:-1])
+        dev = col.device
+        rows = torch.repeat_interleave(torch.arange(n, dtype=col.dtype, device=dev), crow[1:] - crow[:-1],
+                                       output_size=col.numel())
         perm = torch.argsort(col * n + rows, stable=True)
-        crow_t = torch.zeros(f + 1, dtype=crow.dtype)
+        crow_t = torch.zeros(f + 1, dtype=crow.dtype, device=dev)
         crow_t[1:] = torch.cumsum(torch.bincount(col, minlength=f), 0)
         plan = (crow, col, perm, crow_t, rows[perm])
         _TRANSPOSES[key] = plan
@@ -61,7 +63,7 @@ def _csr_transpose(x: torch.Tensor) -> torch.Tensor:
         _TRANSPOSES.move_to_end(key)
     _, _, perm, crow_t, col_t = plan
     return torch.sparse_csr_tensor(crow_t, col_t, x.values()[perm], size=(x.shape[1], x.shape[0]),
-                                   check_invariants=False)
+                                   device=x.device, check_invariants=False)
 
 
 class _SparseLinear(torch.autograd.Function):

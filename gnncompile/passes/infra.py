@@ -7,6 +7,13 @@ passes run only when the caller opts in with ``semantics="relaxed"``). The decor
 pass the same guarantees: it receives a private copy (a pass never mutates its input), and its
 result is re-verified by the :class:`PassManager`.
 
+Both modes: a mode-following :class:`~gnncompile.ir.tpgraph.TPGraph` (``gnncompile.trace(model, g)``)
+may carry an eval-mode graph (``tp.eval_graph``). The decorator applies the pass to the training
+graph (in training mode) and to the eval graph (in eval mode) and returns a mode-following result
+with the same mode contract and submodule modes as the input; a pass that fails on the eval graph is
+a :class:`~gnncompile.errors.PassError` saying so (trace with ``training=True`` to transform the
+training graph alone).
+
 The :class:`PassManager` (after TVM's ``Sequential``/``PassContext`` and torch.fx's pass manager)
 runs a list of passes, verifies the IR before and after each one (on by default), calls
 instruments around each pass (:class:`PrintIR`, :class:`Timing`), and on any failure raises
@@ -65,7 +72,13 @@ def graph_pass(*, exact: bool, name: Optional[str] = None) -> Callable[[Callable
             memo: dict[int, object] = {}
             if share_parameters:
                 memo = {id(t): t for t in (*tp.parameters(), *tp.buffers())}
-            return fn(copy.deepcopy(tp, memo), **options)
+            work = copy.deepcopy(tp, memo)
+            if tp.eval_graph is not None:
+                return _both_modes(fn, pass_name, tp, work, options)
+            out = fn(work, **options)
+            if isinstance(out, TPGraph):  # a pass that re-traces must not change the mode contract
+                out.specialized = tp.specialized
+            return out
 
         pass_name = name or fn.__name__
         p = GraphPass(pass_name, run, exact, doc)
@@ -73,6 +86,31 @@ def graph_pass(*, exact: bool, name: Optional[str] = None) -> Callable[[Callable
         return p
 
     return deco
+
+
+def _both_modes(fn: Callable[..., TPGraph], pass_name: str, original: TPGraph, work: TPGraph,
+                options: dict[str, object]) -> TPGraph:
+    """Run ``fn`` on ``work`` (a private copy of ``original``) in training mode and on its eval graph
+    in eval mode; return the training result carrying the eval result and ``original``'s modes."""
+    eval_work = work.eval_graph
+    assert eval_work is not None
+    work.set_eval_graph(None)
+    work.train(True)  # the passes read module modes (e.g. whether a Dropout module is active)
+    out = fn(work, **options)
+    eval_work.train(False)  # shares submodules with ``work``: they are now in eval mode
+    try:
+        out_eval = fn(eval_work, **options)
+    except Exception as exc:
+        raise PassError(f"pass {pass_name} cannot transform the eval-mode graph (tp.eval_graph) of this model: "
+                        f"{type(exc).__name__}: {exc}; passes apply to both modes of a graph from "
+                        "gnncompile.trace(model, g): trace with training=True to transform the training graph "
+                        "alone") from exc
+    if not isinstance(out, TPGraph) or not isinstance(out_eval, TPGraph):
+        return out  # the PassManager reports a result that is not a TPGraph
+    out_eval.specialized = False
+    out.copy_modes_from(original)
+    out.set_eval_graph(out_eval, original.mode_note)
+    return out
 
 
 class PassInstrument:
@@ -122,6 +160,10 @@ class Timing(PassInstrument):
 
 class PassManager:
     """Run graph passes in order, verifying the IR around each one.
+
+    A mode-following graph (``gnncompile.trace(model, g)``) with an eval-mode graph has every pass
+    applied to both graphs (see :func:`graph_pass`) and both verified; a pass that cannot transform
+    the eval graph fails with a :class:`~gnncompile.errors.PassError` that says so.
 
     Parameters
     ----------

@@ -270,10 +270,24 @@ class SearchResult:
         return lines
 
     def __str__(self) -> str:
+        return self.report()
+
+    def report(self, top: int = 8) -> str:
+        """The search as ``plan.explain()`` prints it: how many candidates fit and were rejected, the
+        fastest ``top`` in a table, the others named, why the winner won, each rejection's reason."""
         cap = self.cluster.rank_device(0).memory
-        lines = [f"Search over {len(self.ranked) + len(self.rejected)} candidates on {self.cluster} "
-                 f"(semantics={self.semantics}, {self.seconds:.2f} s); device memory {human_bytes(cap)}",
-                 *self.table()]
+        total = len(self.ranked) + len(self.rejected)
+        shown = min(top, len(self.ranked))
+        ranked = f"{len(self.ranked)} fit" + (f" (the fastest {shown} below)" if shown < len(self.ranked) else "")
+        lines = [f"Search over {total} candidates on {self.cluster} (semantics={self.semantics}, "
+                 f"{self.seconds:.2f} s); memory per rank {human_bytes(cap)}",
+                 f"  {ranked}, {len(self.rejected)} rejected",
+                 *self.table(top)]
+        if shown < len(self.ranked):
+            rest = self.ranked[shown:]
+            lines.append(f"  ... {len(rest)} slower candidate{'s' if len(rest) > 1 else ''} not shown: "
+                         + ", ".join(f"{e.candidate.describe()} {_fmt_time(e.step_time)}" for e in rest[:6])
+                         + (f", ... ({len(rest) - 6} more)" if len(rest) > 6 else ""))
         lines += self.why()
         if self.rejected:
             lines.append(f"  rejected ({len(self.rejected)}):")

@@ -1,7 +1,13 @@
 """Differentiable communication over ``torch.distributed``, with byte accounting per peer.
 
-One code path for every backend (gloo on CPU, NCCL on GPUs). Each conversion of the lowering has a
-forward half and a backward half here, used two ways:
+One code path for every backend (gloo on CPU, NCCL with one GPU per rank, gloo with ranks sharing
+GPUs). The backends differ only in the process group and in *host staging*: the operations in
+``Communicator.stage_through_host`` (:func:`host_staged_ops`: ``send``/``recv`` for gloo on CUDA
+tensors, which gloo runs only on host memory) copy their tensors to host memory, communicate there
+and copy the result back to the device; the rest hand device tensors to the library. Staging can be
+forced for any operation on any device (tests run the staging path on the CPU).
+
+Each conversion of the lowering has a forward half and a backward half here, used two ways:
 
 - by the executor, which runs a plan's communication instructions one at a time (``HALO h1`` calls
   :meth:`Communicator.halo_forward`, ``HALO^T grad h1`` calls :meth:`Communicator.halo_backward`);
@@ -38,7 +44,24 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CommStats", "Communicator", "Pending", "HaloSpec", "halo_exchange", "rows_to_cols", "cols_to_rows",
-           "all_gather_rows", "reduce_scatter_rows", "offsets"]
+           "all_gather_rows", "reduce_scatter_rows", "offsets", "STAGEABLE_OPS", "host_staged_ops"]
+
+#: the ``torch.distributed`` operations a :class:`Communicator` makes, by the names its staging uses:
+#: ``send`` (``send``/``isend``), ``recv``, ``all_to_all`` (``all_to_all_single``: halo exchanges,
+#: relayouts, and the all-gather and reduce-scatter of rows, which run as all-to-alls) and
+#: ``all_reduce``
+STAGEABLE_OPS = frozenset({"send", "recv", "all_to_all", "all_reduce"})
+
+
+def host_staged_ops(backend: str, device_type: str) -> frozenset[str]:
+    """The operations whose tensors must go through host memory for ``backend`` on ``device_type``.
+
+    gloo on CUDA tensors (torch 2.11) runs ``all_reduce``, ``all_gather`` and ``all_to_all_single``
+    but fails ``send``/``recv`` (and ``reduce_scatter``, which the communicator never calls: its
+    reduce-scatter of rows is an all-to-all): those two are staged. NCCL, and gloo on the CPU,
+    need none.
+    """
+    return frozenset({"send", "recv"}) if backend == "gloo" and device_type == "cuda" else frozenset()
 
 
 def offsets(sizes: Sequence[int]) -> list[int]:
@@ -47,6 +70,18 @@ def offsets(sizes: Sequence[int]) -> list[int]:
     for n in sizes:
         out.append(out[-1] + int(n))
     return out
+
+
+class _HeldWork:
+    """A posted send's work handle that keeps its host staging buffer alive until :meth:`wait`."""
+
+    def __init__(self, work: Any, buffer: torch.Tensor) -> None:
+        self._work, self._buffer = work, buffer
+
+    def wait(self) -> bool:
+        done = self._work.wait()
+        self._buffer = None  # type: ignore[assignment]
+        return done
 
 
 class Pending:
@@ -115,31 +150,55 @@ class Communicator:
     """This rank's communication: halo exchange, all-reduce, point-to-point, with accounting.
 
     ``group`` is the process group (``None``: the default group of all ranks). ``phase`` selects the
-    :class:`CommStats` bucket that traffic is counted in.
+    :class:`CommStats` bucket that traffic is counted in. ``stage_through_host``: the operations
+    (names from :data:`STAGEABLE_OPS`) whose tensors go through host memory: copied to a host
+    buffer, communicated, and the received data copied back to the tensors' device (a copy even
+    when that device is the CPU, so the staging path runs, and is tested, everywhere). Results,
+    byte counts and the order of operations do not depend on it.
     """
 
-    def __init__(self, rank: int, world_size: int, group: Any = None) -> None:
+    def __init__(self, rank: int, world_size: int, group: Any = None,
+                 stage_through_host: frozenset[str] | set[str] = frozenset()) -> None:
+        unknown = sorted(set(stage_through_host) - STAGEABLE_OPS)
+        if unknown:
+            raise ValueError(f"stage_through_host: unknown operation(s) {unknown}; valid: {sorted(STAGEABLE_OPS)}")
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        self.stage_through_host = frozenset(stage_through_host)
         self.stats = CommStats()
         self.phase = "train"
 
+    def _host(self, op: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` itself, or a host copy of it when ``op`` is staged."""
+        return t.to("cpu", copy=True) if op in self.stage_through_host else t
+
     def _exchange(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
                   group: Any = None, size: Optional[int] = None, async_op: bool = False) -> Any:
-        """All-to-all of rows (``send_counts[q]`` rows to member ``q``), not counted. With
-        ``async_op`` the exchange is posted and ``(recv, work)`` returned (``work`` is ``None`` when
-        nothing crosses); ``recv`` is valid once ``work.wait()`` returned."""
+        """All-to-all of rows (``send_counts[q]`` rows to member ``q``), not counted; returns the
+        received rows. With ``async_op`` the exchange is posted and a :class:`Pending` returned whose
+        ``wait()`` gives them (on the device of ``send``, staged or not)."""
         tail = tuple(send.shape[1:])
         recv = send.new_empty((sum(recv_counts),) + tail)
-        work = None
+        send = send.contiguous()
+        work, finish = None, (lambda: recv)
+        keep: Any = send
         if (self.world_size if size is None else size) > 1:
-            work = dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=list(recv_counts),
+            staged = "all_to_all" in self.stage_through_host
+            send_buf = self._host("all_to_all", send)
+            recv_buf = torch.empty(recv.shape, dtype=recv.dtype) if staged else recv
+            work = dist.all_to_all_single(recv_buf, send_buf, output_split_sizes=list(recv_counts),
                                           input_split_sizes=list(send_counts),
                                           group=group if group is not None else self.group, async_op=async_op)
+            if staged:
+                keep = send_buf
+
+                def finish() -> torch.Tensor:
+                    return recv.copy_(recv_buf)
         elif recv.numel():  # one rank: what it sends to itself is what it receives
             recv.copy_(send.reshape(recv.shape))
-        return (recv, work) if async_op else recv
+        pending = Pending(work, finish, keep=keep)
+        return pending if async_op else pending.wait()
 
     def _all_to_all(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
                     async_op: bool = False) -> Any:
@@ -174,16 +233,16 @@ class Communicator:
                            finish: Callable[[list[torch.Tensor]], torch.Tensor]) -> "Pending":
         """Post sending ``blocks[q]`` to rank ``q``; the result is ``finish`` of the blocks received
         from each rank (shapes given), once the exchange has completed."""
-        send = torch.cat([b.reshape(-1) for b in blocks]) if blocks else torch.zeros(0)
+        send = torch.cat([b.reshape(-1) for b in blocks])
         send_counts = [b.numel() for b in blocks]
         recv_counts = [math.prod(sh) for sh in recv_shapes]
-        recv, work = self._all_to_all(send.reshape(-1, 1), send_counts, recv_counts, async_op=True)
+        posted = self._all_to_all(send.reshape(-1, 1), send_counts, recv_counts, async_op=True)
         starts = offsets(recv_counts)
 
         def unpack() -> torch.Tensor:
-            flat = recv.reshape(-1)
+            flat = posted.wait().reshape(-1)
             return finish([flat[starts[q]:starts[q + 1]].reshape(recv_shapes[q]) for q in range(len(recv_shapes))])
-        return Pending(work, unpack, keep=send)
+        return Pending(None, unpack)
 
     def rows_to_cols(self, h: torch.Tensor, row_counts: Sequence[int], col_splits: Sequence[int]) -> torch.Tensor:
         """``rows`` -> ``cols`` layout: ``[n_r, ..., D]`` (this rank's rows) -> ``[N, ..., d_r]`` (every row,
@@ -267,13 +326,18 @@ class Communicator:
     def send(self, t: torch.Tensor, peer: int) -> None:
         """Blocking send of ``t`` to rank ``peer`` (counted)."""
         t = t.detach().contiguous()
-        dist.send(t, dst=peer, group=self.group)
+        dist.send(self._host("send", t), dst=peer, group=self.group)
         self.stats.add(self.phase, peer, sent=t.numel() * t.element_size())
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, peer: int, device: Any = "cpu") -> torch.Tensor:
-        """Blocking receive of a ``shape``/``dtype`` tensor from rank ``peer`` (counted)."""
+        """Blocking receive of a ``shape``/``dtype`` tensor from rank ``peer`` onto ``device`` (counted)."""
         t = torch.empty(tuple(shape), dtype=dtype, device=device)
-        dist.recv(t, src=peer, group=self.group)
+        if "recv" in self.stage_through_host:
+            host = torch.empty(tuple(shape), dtype=dtype)
+            dist.recv(host, src=peer, group=self.group)
+            t.copy_(host)
+        else:
+            dist.recv(t, src=peer, group=self.group)
         self.stats.add(self.phase, peer, received=t.numel() * t.element_size())
         return t
 
@@ -282,7 +346,9 @@ class Communicator:
         stay alive and unchanged until the handle's ``wait()`` returns."""
         t = t.detach().contiguous()
         self.stats.add(self.phase, peer, sent=t.numel() * t.element_size())
-        return dist.isend(t, dst=peer, group=self.group)
+        buf = self._host("send", t)
+        work = dist.isend(buf, dst=peer, group=self.group)
+        return work if buf is t else _HeldWork(work, buf)
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], group: Any = None,
                     members: Optional[Sequence[int]] = None) -> None:
@@ -298,13 +364,23 @@ class Communicator:
         if n <= 1:
             return
         flat = torch._utils._flatten_dense_tensors(list(tensors))
-        dist.all_reduce(flat, group=group if group is not None else self.group)
+        self.sum_(flat, group)
         for t, r in zip(tensors, torch._utils._unflatten_dense_tensors(flat, list(tensors))):
             t.copy_(r)
         ring = 2 * (n - 1) * flat.numel() * flat.element_size() // n
         me = members.index(self.rank)
         self.stats.add(self.phase, members[(me + 1) % n], sent=ring)
         self.stats.add(self.phase, members[(me - 1) % n], received=ring)
+
+    def sum_(self, t: torch.Tensor, group: Any = None) -> torch.Tensor:
+        """Sum ``t`` in place across the group (``None``: this communicator's) and return it; not
+        counted (the caller counts what it moves)."""
+        if "all_reduce" in self.stage_through_host:
+            host = t.to("cpu", copy=True)
+            dist.all_reduce(host, group=group if group is not None else self.group)
+            return t.copy_(host)
+        dist.all_reduce(t, group=group if group is not None else self.group)
+        return t
 
 
 class _HaloExchange(torch.autograd.Function):

@@ -6,7 +6,12 @@ value does), runs the stage module and keeps the leaves and outputs for the back
 pipeline stage. ``Backward(s, c)`` back-propagates the stage's outputs with the gradients found in
 the gradient store (the loss, for the stage that produces the logits) and adds the leaves'
 gradients into the store. Communication instructions call :class:`~gnncompile.runtime.comm.Communicator`
-(their ``grad=True`` form moves gradients). Every instruction's start and end time is recorded.
+(their ``grad=True`` form moves gradients). Every instruction's start and end time is recorded
+(the host clock on the CPU, CUDA events on a GPU).
+
+Devices: a rank computes on ``ctx.device`` (see :func:`~gnncompile.runtime.launcher.resolve_placement`):
+its program (modules, graph, features, labels, masks, halo lists) moves there before training,
+received tensors and dropout masks are made there, and its measurements come back on the CPU.
 
 The loss on a rank is ``sum of cross-entropy over its training rows / global training count``;
 the reported loss and accuracies are reduced across ranks (counted as ``metrics`` traffic, apart
@@ -18,11 +23,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -34,17 +41,19 @@ from ..frontend.ops import MaskCache, dropout_noise
 from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, Instruction,
                        OptimizerStep, Plan, RankProgram, Recv, ReduceScatter, Send, member_rows)
 from .comm import Communicator, HaloSpec, Pending
-from .launcher import RankContext, launch
+from .launcher import Placement, RankContext, launch, resolve_placement, visible_gpus
 from .memory import PeakMemory
-from .trainer import History
+from .trainer import History, ProgressLines, check_training_args
 
-__all__ = ["TimelineEvent", "RankResult", "RunResult", "run_plan", "run_plan_torchrun", "execute_rank"]
+__all__ = ["TimelineEvent", "RankResult", "RunResult", "run_plan", "run_plan_torchrun", "execute_rank",
+           "plan_placement", "describe_run"]
 
 
 @dataclass(frozen=True)
 class TimelineEvent:
     """One executed instruction: the training step (epoch), its short form, start and end in seconds
-    since training started (the ranks pass a barrier there, so their times are comparable)."""
+    since training started (the ranks pass a barrier there, so their times are comparable; on a
+    GPU, CUDA events recorded around the instruction on the rank's stream)."""
 
     step: int
     instruction: str
@@ -98,6 +107,15 @@ class RunResult:
     plan: Plan
     #: with ``capture=True``: the first step's logits (global row order) and parameter gradients
     captured: Optional[dict[str, Any]] = None
+    #: where the ranks ran and how they communicated (backend, rank -> device, host staging)
+    placement: Optional[Placement] = None
+
+    def describe_placement(self) -> str:
+        """One line for a run's header: where the ranks ran, and where the plan was planned for
+        (see :func:`describe_run`)."""
+        if self.placement is None:
+            return f"{self.plan.num_ranks} ranks (placement not recorded)"
+        return describe_run(self.plan, self.placement)
 
     def timeline(self, path: str, step: Optional[int] = None) -> Any:
         """Draw the measured timeline of ``step`` (default: the last) of every rank into ``path``
@@ -124,6 +142,47 @@ def _mib(n: float) -> str:
 
 
 # --------------------------------------------------------------------------- one rank
+class _Clock:
+    """Start and end times of instructions, in seconds since the rank's time origin.
+
+    On the CPU the host clock at the instruction's start and end. On CUDA, where kernels run
+    after the host queues them, CUDA events recorded on the rank's current stream before and after
+    the instruction: the device's time of the work (host time where the work blocks the host, as
+    gloo's communication does). :meth:`mark` returns an opaque mark; :meth:`settle` (once the
+    marks are recorded) waits for the device, after which :meth:`seconds` reads them.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.origin: Any = None
+        self.t0 = time.perf_counter()
+
+    def start(self) -> None:
+        """Set the time origin (after the ranks' barrier, so their timelines line up)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.origin = torch.cuda.Event(enable_timing=True)
+            self.origin.record()
+        self.t0 = time.perf_counter()
+
+    def mark(self) -> Any:
+        if self.cuda:
+            if self.origin is None:
+                self.start()
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter() - self.t0
+
+    def settle(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def seconds(self, mark: Any) -> float:
+        return self.origin.elapsed_time(mark) / 1e3 if self.cuda else float(mark)
+
+
 def _part_slice(t: torch.Tensor, part: tuple[int, ...]) -> torch.Tensor:
     """``t``'s slice ``part = (dim, start, stop)`` (dim 0: rows; 1: the last dimension)."""
     if not part:
@@ -153,7 +212,8 @@ class _Rank:
     def __init__(self, prog: RankProgram, ctx: RankContext) -> None:
         self.prog = prog
         self.ctx = ctx
-        self.comm = Communicator(ctx.rank, ctx.world_size)
+        self.comm = Communicator(ctx.rank, ctx.world_size, stage_through_host=ctx.stage_through_host)
+        self.clock = _Clock(ctx.device)
         send_index, recv_count = prog.halo
         g = prog.inputs.get("g")
         self.halo = HaloSpec(tuple(send_index), tuple(recv_count), int(g.num_nodes) if g is not None else 0)
@@ -193,9 +253,7 @@ class _Rank:
             pending.append((self.comm.isend(t, ins.peer), t))
         elif isinstance(ins, Recv):
             dtype = getattr(torch, ins.dtype)
-            like = self.prog.params[0] if self.prog.params else None
-            device = like.device if like is not None else "cpu"
-            t = self.comm.recv(ins.shape, dtype, ins.peer, device=device)
+            t = self.comm.recv(ins.shape, dtype, ins.peer, device=self.ctx.device)
             key = (ins.name, c)
             if ins.grad:
                 if ins.part:
@@ -339,20 +397,20 @@ class _Rank:
         spec = {s.index: s for s in stages}
         losses: dict[int, Any] = {}
         logits: dict[int, torch.Tensor] = {}
-        t_origin = self.t_origin
+        clock = self.clock
+        marks: list[tuple[str, Any, Any]] = []  # (instruction, start mark, end mark)
         chunked = bool(self.offsets) and len(self.offsets) > 2
         masks = MaskCache() if (chunked or prog.dropout_draws) and optimizer is not None else None
         # cross-chunk reads: one concatenation (and one gradient leaf) per (value, chunks read) and
         # step, shared by the chunks that read the same chunks
         concat: dict[tuple[str, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
         if masks is not None and prog.dropout_draws:  # every mask of the step, in single-device order
-            like = prog.params[0] if prog.params else torch.empty(0)
             mine = {s.index for s in stages}
             for stage, ordinal, shape, dtype, p in prog.dropout_draws:
                 # every rank draws every mask (the random stream must match single-device training's)
                 # but keeps only those of its own stages
                 # (the template only gives the shape: one element, zero strides)
-                template = torch.empty((), dtype=getattr(torch, dtype), device=like.device).expand(shape)
+                template = torch.empty((), dtype=getattr(torch, dtype), device=self.ctx.device).expand(shape)
                 noise = dropout_noise(template, p)
                 if stage in mine:
                     masks.masks[(stage, ordinal)] = noise
@@ -489,7 +547,7 @@ class _Rank:
                         _accumulate(grads, (name, k), g if (name, k) in grads else g.clone())
 
         for ins in instructions:
-            t0 = time.perf_counter()
+            t0 = clock.mark() if timeline is not None else None
             if posted_grads and isinstance(ins, Backward):
                 settle({(o, ins.chunk) for o in spec[ins.stage].outputs})
             elif posted_grads and not isinstance(ins, (Forward, Free)):  # Free touches no gradient
@@ -526,13 +584,16 @@ class _Rank:
                     if optimizer is not None and loss is not None and loss.requires_grad:
                         grads[(output, c)] = torch.autograd.grad(loss, out)[0]
             if timeline is not None:
-                timeline.append(TimelineEvent(epoch, str(ins), t0 - t_origin, time.perf_counter() - t_origin))
+                marks.append((str(ins), t0, clock.mark()))
         for work, _ in pending:
             work.wait()
         settle()
         for key, v in list(values.items()):  # complete every posted collective within its step
             if isinstance(v, _Posted):
                 values[key] = v.result()
+        if timeline is not None and marks:
+            clock.settle()
+            timeline.extend(TimelineEvent(epoch, text, clock.seconds(a), clock.seconds(b)) for text, a, b in marks)
         for st in stages:  # keep this step's copies of the stale-read chunks for the next step
             for name, per_chunk in st.stale:
                 for k in {k for ks in per_chunk for k in ks}:
@@ -577,8 +638,10 @@ def _accumulate(store: dict, name: Any, g: torch.Tensor) -> None:
 
 
 def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, weight_decay: float,
-                 seed: Optional[int], eval_every: int, capture: bool, fail_at: Optional[tuple[int, int]]) -> dict:
-    """Train on one rank for ``epochs`` steps; returns this rank's measurements (picklable)."""
+                 seed: Optional[int], eval_every: int, capture: bool, fail_at: Optional[tuple[int, int]],
+                 progress: bool = False) -> dict:
+    """Train on one rank for ``epochs`` steps on ``ctx.device``; returns this rank's measurements
+    (picklable, on the CPU). With ``progress``, rank 0 prints :class:`ProgressLines` to stderr."""
     if seed is not None:
         # replicated masks: every rank makes single-device training's RNG calls from its seed;
         # otherwise rank 0 uses the seed and the others distinct streams
@@ -613,7 +676,8 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     captured: Optional[dict] = {} if capture else None
     if ctx.world_size > 1:
         dist.barrier()  # a common time origin, so the ranks' timelines line up
-    rank.t_origin = time.perf_counter()
+    rank.clock.start()
+    lines = ProgressLines(epochs, f"run {prog.world_size} ranks") if progress and ctx.rank == 0 else None
     for epoch in range(epochs):
         if fail_at is not None and fail_at == (ctx.rank, epoch):
             raise RuntimeError(f"injected failure on rank {ctx.rank} in epoch {epoch}")
@@ -627,7 +691,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
                 cast_features(inputs.chunk_inputs.values())
                 rank.use(inputs)
                 if captured is not None and epoch == 0:
-                    captured["owned"] = inputs.owned
+                    captured["owned"] = None if inputs.owned is None else inputs.owned.cpu()
                 del inputs
             loss, _ = rank.step(prog.modules, prog.stages, prog.instructions, prog.output, loss_fn, epoch,
                                 timeline, optimizer, captured if epoch == 0 else None)
@@ -656,7 +720,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
         rank.comm.phase = "metrics"
         if ctx.world_size > 1:
             flat = stats.clone()
-            dist.all_reduce(flat)
+            rank.comm.sum_(flat)
             rank.comm.stats.add("metrics", (ctx.rank + 1) % ctx.world_size, sent=flat.numel() * 8)
             stats = flat
         stats = stats.cpu()
@@ -664,6 +728,10 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
         for i, m in enumerate(("train", "val", "test")):
             history[f"{m}_acc"].append(float(stats[1 + i]) / counts[m] if do_eval and counts[m] else math.nan)
         history["eval_time"].append(time.perf_counter() - t1)
+        if lines is not None:
+            lines.update(epoch, history["loss"][-1], history["val_acc"][-1])
+    if lines is not None:
+        lines.close()
 
     cs = rank.comm.stats
     steps = max(epochs, 1)
@@ -683,28 +751,75 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     return out
 
 
+def plan_placement(plan: Plan, device: Any = None, backend: Optional[str] = None,
+                   stage_through_host: Optional[Any] = None) -> Placement:
+    """Where :func:`run_plan` with these arguments runs ``plan``'s ranks on this machine (decided
+    before anything starts; raises :class:`~gnncompile.RuntimeFailure` for an impossible request).
+    See :func:`~gnncompile.runtime.launcher.resolve_placement`."""
+    return resolve_placement(plan.num_ranks, visible_gpus(), device, backend, stage_through_host)
+
+
+def describe_run(plan: Plan, placement: Placement) -> str:
+    """One line for a run's header: where the ranks run (:meth:`Placement.describe`) and what the
+    plan was planned for (``plan.cluster``), with a note when the two differ in kind (GPUs vs
+    CPU) or in the number of devices, e.g. ``4 ranks on CPU, gloo; planned for 1 node x 4
+    A100-80GB: runs on this machine's CPU instead (predicted times and memory are for the planned
+    devices)``."""
+    text = placement.describe()
+    cluster = str(plan.cluster or "").strip()
+    if not cluster:
+        return text
+    planned = cluster.split(" (")[0]
+    m = re.search(r"(\d+) nodes? x (\d+) (\S+)", cluster)
+    text += f"; planned for {planned}"
+    if m is None:
+        return text
+    planned_devices = int(m.group(1)) * int(m.group(2))
+    planned_kind = "cpu" if m.group(3).lower().startswith("cpu") else "cuda"
+    used = len(set(placement.devices)) if placement.device_type == "cuda" else 0
+    if planned_kind != placement.device_type:
+        where = "this machine's CPU" if placement.device_type == "cpu" else \
+            f"{used} GPU{'s' if used != 1 else ''}"
+        text += f": runs on {where} instead (predicted times and memory are for the planned devices)"
+    elif planned_kind == "cuda" and used != planned_devices:
+        text += (f": runs on {used} GPU{'s' if used != 1 else ''} instead of {planned_devices} (predicted times and "
+                 "memory are for the planned devices)")
+    return text
+
+
 def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: float = 5e-4, *,
              seed: Optional[int] = 0, eval_every: int = 1, timeout: float = 300.0, capture: bool = False,
              update_model: bool = True, fail_at: Optional[tuple[int, int]] = None,
-             threads_per_rank: Optional[int] = None) -> RunResult:
-    """Train with ``plan`` on ``plan.num_ranks`` local processes (gloo on CPU, NCCL with a GPU per rank).
+             threads_per_rank: Optional[int] = None, device: Any = None, backend: Optional[str] = None,
+             stage_through_host: Optional[Any] = None, progress: bool = True) -> RunResult:
+    """Train with ``plan`` on ``plan.num_ranks`` local processes.
 
+    ``device``: ``None`` (auto: the GPUs when CUDA is available, else the CPU), ``"cpu"``,
+    ``"cuda"`` (rank ``r`` on ``cuda:(r % GPUs)``) or ``"cuda:N"``. ``backend``: ``None`` (auto:
+    NCCL when every rank has a GPU of its own, else gloo, with ranks sharing GPUs), ``"gloo"`` or
+    ``"nccl"``. An impossible request (CUDA without a GPU, NCCL on the CPU or with fewer GPUs
+    than ranks) raises :class:`~gnncompile.RuntimeFailure` before any rank starts; the choice is
+    in the result's ``placement`` (:meth:`RunResult.describe_placement`; :func:`plan_placement`
+    gives it before the run). ``stage_through_host``: force host staging of these communication
+    operations (see :class:`~gnncompile.runtime.comm.Communicator`; for tests).
     ``timeout`` bounds every collective and receive: a rank that raises or dies makes the run
     raise :class:`~gnncompile.RuntimeFailure` naming it, and no process is left behind.
     With ``update_model`` the user's model receives the trained parameters. ``capture`` returns the
     first step's logits and gradients (for checks against the single-device reference).
-    ``fail_at=(rank, epoch)`` injects a failure (for testing fault handling).
+    ``fail_at=(rank, epoch)`` injects a failure (for testing fault handling). ``progress``: rank 0
+    prints a progress line to stderr about every 10 s (runs shorter than that print nothing).
     """
-    if epochs < 0:
-        raise ValueError(f"epochs must be >= 0, got {epochs}")
+    check_training_args(epochs, lr, weight_decay)
+    placement = plan_placement(plan, device, backend, stage_through_host)
     programs: list[RankProgram] = plan.program
     with tempfile.TemporaryDirectory(prefix="gnncompile-plan-") as tmp:
         # each rank loads only its own program (a rank's graph shard can be large)
         for prog in programs:
-            torch.save(prog, os.path.join(tmp, f"rank{prog.rank}.pt"))
+            # by value what ranks cannot import: model classes defined in __main__ (a script, a notebook)
+            torch.save(prog, os.path.join(tmp, f"rank{prog.rank}.pt"), pickle_module=cloudpickle)
         results = launch(_rank_main, plan.num_ranks, (tmp, epochs, lr, weight_decay, seed, eval_every, capture,
-                                                      fail_at),
-                         timeout=timeout, threads_per_rank=threads_per_rank)
+                                                      fail_at, progress),
+                         placement=placement, timeout=timeout, threads_per_rank=threads_per_rank)
     results = sorted(results, key=lambda r: r["rank"])
     h0 = results[0]["history"]
     history = History(loss=h0["loss"], train_acc=h0["train_acc"], val_acc=h0["val_acc"], test_acc=h0["test_acc"],
@@ -725,7 +840,7 @@ def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: floa
                 owner = programs[0].param_owner.get(name, programs[0].param_rank)
                 if name in results[owner].get("params", {}):
                     p.copy_(results[owner]["params"][name])
-    return RunResult(history=history, ranks=ranks, plan=plan, captured=captured)
+    return RunResult(history=history, ranks=ranks, plan=plan, captured=captured, placement=placement)
 
 
 def _rank_main(ctx: RankContext, program_dir: str, *args: Any) -> dict:
@@ -749,8 +864,12 @@ def _gather_capture(programs: list[RankProgram], results: list[dict]) -> dict:
 
 
 def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: float = 5e-4, *,
-                      seed: Optional[int] = 0, eval_every: int = 1, timeout: float = 300.0) -> Optional[RunResult]:
+                      seed: Optional[int] = 0, eval_every: int = 1, timeout: float = 300.0, device: Any = None,
+                      backend: Optional[str] = None, progress: bool = True) -> Optional[RunResult]:
     """Run this process's rank of ``plan`` under ``torchrun`` (one process per rank, any number of machines).
+
+    ``device``/``backend`` as for :func:`run_plan`, decided over this machine's local ranks
+    (``LOCAL_WORLD_SIZE``) and its GPUs.
 
     Every process builds the same plan (planning is deterministic for the same model, graph, seed and
     options) and executes the program of its ``RANK``; ``WORLD_SIZE`` must equal ``plan.num_ranks``.
@@ -759,17 +878,21 @@ def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_de
     """
     from .launcher import torchrun_main
 
+    check_training_args(epochs, lr, weight_decay)
     world = int(os.environ.get("WORLD_SIZE", "0"))
     if world != plan.num_ranks:
         raise RuntimeFailure(f"torchrun started {world or 'no'} processes (WORLD_SIZE) but the plan has "
                              f"{plan.num_ranks} ranks; pass --gpus {world} or --nproc-per-node x --nnodes = "
                              f"{plan.num_ranks}")
     programs: list[RankProgram] = plan.program
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    placement = resolve_placement(local_world, visible_gpus(), device, backend)
 
     def main(ctx: RankContext) -> dict:
-        return execute_rank(ctx, programs[ctx.rank], epochs, lr, weight_decay, seed, eval_every, False, None)
+        return execute_rank(ctx, programs[ctx.rank], epochs, lr, weight_decay, seed, eval_every, False, None,
+                            progress)
 
-    r = torchrun_main(main, ())
+    r = torchrun_main(main, (), placement=placement, timeout=timeout)
     if r["rank"] != 0:
         return None
     h = r["history"]
@@ -779,4 +902,4 @@ def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_de
                       sent_to=r["sent_to"], received_from=r["received_from"], comm=r["comm"],
                       peak_memory=r["peak_memory"], timeline=r["timeline"], epoch_time=r["epoch_time"],
                       num_owned=r["num_owned"])
-    return RunResult(history=history, ranks=[rank], plan=plan)
+    return RunResult(history=history, ranks=[rank], plan=plan, placement=placement)

@@ -1,8 +1,8 @@
 """Starting ranks: local processes (:func:`launch`) or one rank per process under torchrun (:func:`torchrun_main`).
 
 Every rank runs ``fn(ctx, *args)`` with a :class:`RankContext` inside an initialized
-``torch.distributed`` process group (gloo on CPU, NCCL with one GPU per rank) and returns a
-picklable value.
+``torch.distributed`` process group (gloo on CPU, NCCL with one GPU per rank, gloo when ranks
+share GPUs; :func:`resolve_placement` decides) and returns a picklable value.
 
 **One machine**: ``launch(fn, world_size, args)`` starts ``world_size`` processes (start method
 ``forkserver``, whose server has imported torch and the runtime once, see :func:`_context`), returns their results ordered by rank, and supervises them. The ranks meet through a
@@ -31,6 +31,16 @@ Failure handling (every path leaves no child process behind):
 - Children die with the caller (Linux ``PR_SET_PDEATHSIG``) and ignore SIGINT, so a Ctrl-C is
   handled once, by the caller, which stops them.
 
+The ranks do not run the launching program's main script (multiprocessing would re-run it in
+every child, see :func:`_main_module_hidden`): ``fn`` and ``args`` are pickled once, in the
+caller, by reference where the ranks can import them and by value (cloudpickle) where they
+cannot (``__main__`` of a script, ``python -c``, stdin or a notebook), so a script needs no
+``if __name__ == "__main__":`` guard and may define its models itself. Something unpicklable is
+refused in the caller before any rank starts. Each rank's stderr (its fd 2: Python's and C's
+messages) is a pipe the caller reads while it waits, copying it to ``sys.stderr`` line by line
+(``[rankN]: ...``); a :class:`RankFailure` quotes the failed rank's last 20 lines
+(``stderr_tail``), which for a rank that died without a Python exception is often all there is.
+
 Children get ``threads_per_rank`` threads (``torch.set_num_threads``; ``OMP_NUM_THREADS``,
 ``MKL_NUM_THREADS`` and ``OPENBLAS_NUM_THREADS`` are set for them too, as those libraries read
 them when they load).
@@ -45,6 +55,7 @@ them when they load).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import multiprocessing.connection
@@ -59,15 +70,16 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import RuntimeFailure
 
-__all__ = ["RankContext", "RankFailure", "launch", "torchrun_main"]
+__all__ = ["Placement", "RankContext", "RankFailure", "launch", "resolve_placement", "torchrun_main", "visible_gpus"]
 
 T = TypeVar("T")
 
@@ -77,6 +89,8 @@ _BUSY_FRACTION = 0.05    # a rank using more than this fraction of a core is mak
 _CPU_WINDOW_S = 1.0      # how often the ranks' CPU time is sampled
 _GUARD_SLACK_S = 5.0     # the hang guard waits this much longer than the ranks' own timeouts
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+_STDERR_TAIL_LINES = 20    # a RankFailure quotes this many of the failed rank's last stderr lines
+_STDERR_LINE_CHARS = 500   # ... each cut to this many characters
 _SECONDARY_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError"}
 _SECONDARY_MESSAGE = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused|ECONNRESET|EPIPE|"
                                 r"timed out|timeout", re.IGNORECASE)
@@ -85,13 +99,18 @@ _SECONDARY_MESSAGE = re.compile(r"closed by peer|reset by peer|broken pipe|conne
 @dataclass(frozen=True)
 class RankContext:
     """Where ``fn`` runs: its rank among ``world_size``, the process group's backend, the device
-    to compute on (``cuda:local_rank`` under NCCL, else CPU) and the rank's index on its machine."""
+    to compute on (see :class:`Placement`: ``cuda:local_rank`` under NCCL, a shared
+    ``cuda:(local_rank % GPUs)`` under gloo on GPUs, else CPU) and the rank's index on its machine.
+    ``stage_through_host``: the ``torch.distributed`` operations whose tensors this rank must copy
+    to host memory and back (those the backend cannot run on the device's tensors; see
+    :class:`~gnncompile.runtime.comm.Communicator`)."""
 
     rank: int
     world_size: int
     backend: str
     device: torch.device
     local_rank: int
+    stage_through_host: frozenset[str] = frozenset()
 
 
 class RankFailure(RuntimeFailure):
@@ -101,12 +120,14 @@ class RankFailure(RuntimeFailure):
     raised (``None`` if it died without one); ``remote_traceback``: that rank's formatted
     traceback; ``exitcode``: its exit code if it died (negative: killed by that signal);
     ``still_running``: ranks that had not finished (hang); ``secondary``: one line per other
-    failed rank.
+    failed rank; ``stderr_tail``: the last lines (up to 20) the root-cause rank wrote to its
+    stderr (also quoted in the message; empty when it wrote none or ran in this process).
     """
 
     def __init__(self, message: str, *, rank: Optional[int] = None, exc_type: Optional[str] = None,
                  remote_traceback: Optional[str] = None, exitcode: Optional[int] = None,
-                 still_running: Sequence[int] = (), secondary: Sequence[str] = ()) -> None:
+                 still_running: Sequence[int] = (), secondary: Sequence[str] = (),
+                 stderr_tail: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.rank = rank
         self.exc_type = exc_type
@@ -114,18 +135,27 @@ class RankFailure(RuntimeFailure):
         self.exitcode = exitcode
         self.still_running = list(still_running)
         self.secondary = list(secondary)
+        self.stderr_tail = list(stderr_tail)
 
 
 def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: Optional[str] = None,
-           timeout: float = 300.0, threads_per_rank: Optional[int] = None, inline: bool = False) -> list[T]:
+           device: Optional[str] = None, placement: Optional[Placement] = None, timeout: float = 300.0,
+           threads_per_rank: Optional[int] = None, inline: bool = False) -> list[T]:
     """Run ``fn(ctx, *args)`` on ``world_size`` ranks and return the results ordered by rank.
 
-    ``fn`` must be importable by child processes (a module-level function) and ``args`` and the
-    results picklable; a script that calls ``launch`` needs the ``if __name__ == "__main__":``
-    guard (children re-import the main module). ``backend``: ``None`` picks NCCL when there is a
-    GPU per rank, else gloo. ``timeout`` (seconds) bounds every collective and is the hang guard
-    (see the module docstring). ``threads_per_rank`` defaults to the usable cores divided among
-    the ranks.
+    ``fn``, ``args`` and the results must be picklable; what the ranks cannot import (functions
+    and classes defined in ``__main__``: a script, ``python -c``, stdin, a notebook; lambdas)
+    travels by value (cloudpickle). The ranks never run the main script, so no
+    ``if __name__ == "__main__":`` guard is needed. Each rank's stderr is passed on to
+    ``sys.stderr`` line by line, prefixed ``[rankN]:``.
+
+    ``backend``: ``None`` picks NCCL when there is a GPU per rank, else gloo. ``device``: ``None``
+    (the backend's: one GPU per rank under NCCL, the CPU under gloo), ``"cpu"``, ``"cuda"`` (ranks
+    share the GPUs when they outnumber them) or ``"cuda:N"``; see :func:`resolve_placement`, which
+    refuses impossible requests before any rank starts. ``placement``: one decided beforehand
+    (instead of ``backend``/``device``). ``timeout`` (seconds) bounds every collective and is the
+    hang guard (see the module docstring). ``threads_per_rank`` defaults to the usable cores
+    divided among the ranks.
     ``inline=True`` (``world_size`` 1 only) runs ``fn`` in this process in a single-process gloo
     group, destroyed afterwards; ``threads_per_rank`` does not apply there.
 
@@ -138,49 +168,64 @@ def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: 
     if threads_per_rank is not None and threads_per_rank < 1:
         raise ValueError(f"threads_per_rank must be >= 1, got {threads_per_rank}")
     if inline:
-        if world_size != 1 or backend not in (None, "gloo"):
-            raise ValueError("inline=True runs one rank with gloo: use world_size=1 and backend None or 'gloo'")
+        if world_size != 1 or backend not in (None, "gloo") or device not in (None, "cpu") or placement is not None:
+            raise ValueError("inline=True runs one rank with gloo on the CPU: use world_size=1, backend None or "
+                             "'gloo', device None or 'cpu' and no placement")
         return [_run_inline(fn, args, timeout)]
-    backend = backend or _default_backend(world_size)
+    if placement is None:
+        gpus = visible_gpus()
+        if device is None and not (backend == "nccl" or (backend is None and 0 < world_size <= gpus)):
+            device = "cpu"  # the backend's device: the CPU under gloo (under NCCL, auto: the GPUs)
+        placement = resolve_placement(world_size, gpus, device, backend)
+    elif backend is not None or device is not None:
+        raise ValueError("launch: pass either placement or backend/device, not both")
+    if placement.num_ranks != world_size:
+        raise ValueError(f"launch: the placement has {placement.num_ranks} ranks, world_size is {world_size}")
     threads = threads_per_rank or max(1, _usable_cores() // world_size)
+    payload = _pickle_payload(fn, args)
     mpc = _context()
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
     procs: list[multiprocessing.process.BaseProcess] = []
-    conns: list[multiprocessing.connection.Connection] = []
+    conns: list[multiprocessing.connection.Connection] = []        # each rank's result
+    err_readers: list[multiprocessing.connection.Connection] = []  # each rank's stderr
+    tee = _StderrTee()
     finished = False
     try:
-        with _child_environment(threads), _main_module_importable():
+        with _child_environment(threads), _main_module_hidden():
             for rank in range(world_size):
                 reader, writer = mpc.Pipe(duplex=False)
+                err_reader, err_writer = mpc.Pipe(duplex=False)
                 conns.append(reader)
+                err_readers.append(err_reader)
+                tee.add(rank, err_reader)
                 p = mpc.Process(target=_child_main, name=f"gnncompile-rank{rank}",
-                                args=(rank, world_size, backend, store.port, timeout, threads, os.getpid(), fn,
-                                      args, writer))
+                                args=(rank, world_size, placement, store.port, timeout, threads, os.getpid(),
+                                      payload, writer, err_writer))
                 try:
                     p.start()
-                except (pickle.PicklingError, AttributeError, TypeError) as exc:
-                    raise RuntimeFailure(f"cannot start rank {rank}: fn must be a module-level function and "
-                                         f"args picklable ({exc})") from exc
                 finally:
                     writer.close()
+                    err_writer.close()
                 procs.append(p)
-        results = _Supervisor(procs, conns, timeout).run()
+        results = _Supervisor(procs, conns, timeout, tee).run()
         finished = True
         return results
     finally:
-        _shutdown(procs, polite=finished)
-        for c in conns:
+        _shutdown(procs, polite=finished, tee=tee)
+        tee.close()
+        for c in conns + err_readers:
             c.close()
 
 
 def torchrun_main(fn: Callable[..., T], args: tuple = (), *, backend: Optional[str] = None,
-                  timeout: float = 300.0, threads_per_rank: Optional[int] = None) -> T:
+                  device: Optional[str] = None, placement: Optional[Placement] = None, timeout: float = 300.0,
+                  threads_per_rank: Optional[int] = None) -> T:
     """Run ``fn(ctx, *args)`` as the rank torchrun started this process as; return its result.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (and ``LOCAL_WORLD_SIZE``), ``MASTER_ADDR`` and
     ``MASTER_PORT`` as torchrun sets them and joins the group with ``init_method="env://"``.
-    ``backend``: ``None`` picks NCCL when this machine has a GPU per local rank, else gloo.
-    Exceptions propagate (torchrun tears the other processes down); the group is destroyed on
+    ``backend``: ``None`` picks NCCL when this machine has a GPU per local rank, else gloo;
+    ``device`` and ``placement`` as for :func:`launch`, over this machine's local ranks. Exceptions propagate (torchrun tears the other processes down); the group is destroyed on
     every path.
     """
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -188,10 +233,20 @@ def torchrun_main(fn: Callable[..., T], args: tuple = (), *, backend: Optional[s
         raise RuntimeFailure(f"not started by torchrun: environment variable(s) {', '.join(missing)} unset")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    backend = backend or _default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)))
+    if placement is None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        gpus = visible_gpus()
+        if device is None and not (backend == "nccl" or (backend is None and 0 < local_world <= gpus)):
+            device = "cpu"  # the backend's device: the CPU under gloo (under NCCL, auto: the GPUs)
+        placement = resolve_placement(local_world, gpus, device, backend)
+    elif backend is not None or device is not None:
+        raise ValueError("torchrun_main: pass either placement or backend/device, not both")
+    if local_rank >= placement.num_ranks:
+        raise RuntimeFailure(f"LOCAL_RANK {local_rank} is outside the placement's {placement.num_ranks} local ranks "
+                             "(LOCAL_WORLD_SIZE)")
     if threads_per_rank:
         torch.set_num_threads(threads_per_rank)
-    ctx = _init_group(rank, world_size, local_rank, backend, timeout, init_method="env://")
+    ctx = _init_group(rank, world_size, local_rank, placement, timeout, init_method="env://")
     try:
         return fn(ctx, *args)
     finally:
@@ -224,11 +279,16 @@ _CONTEXT: Any = None
 # --- the child side --------------------------------------------------------------------------------
 
 
-def _child_main(rank: int, world_size: int, backend: str, port: int, timeout: float, threads: int,
-                parent_pid: int, fn: Callable[..., Any], args: tuple,
-                conn: multiprocessing.connection.Connection) -> None:
-    """Body of a spawned rank: join the group, run ``fn``, send ``("ok", pickled result)`` or
-    ``("error", type name, message, traceback)`` to the caller, destroy the group."""
+def _child_main(rank: int, world_size: int, placement: "Placement", port: int, timeout: float, threads: int,
+                parent_pid: int, payload: bytes, conn: multiprocessing.connection.Connection,
+                stderr: multiprocessing.connection.Connection) -> None:
+    """Body of a spawned rank: make ``stderr`` its fd 2, unpickle ``(fn, args)`` from ``payload``,
+    join the group, run ``fn``, send ``("ok", pickled result)`` or ``("error", type name, message,
+    traceback)`` to the caller, destroy the group."""
+    if sys.stderr is not None:
+        sys.stderr.flush()
+    os.dup2(stderr.fileno(), 2)     # sys.stderr writes to fd 2: Python's and C's messages both go there
+    stderr.close()
     _exit_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # a forkserver child inherits the server's environment, not the launcher's: set the thread
@@ -238,14 +298,18 @@ def _child_main(rank: int, world_size: int, backend: str, port: int, timeout: fl
     failed = False
     try:
         try:
+            fn, args = pickle.loads(payload)
             store = dist.TCPStore("127.0.0.1", port, world_size, False, timedelta(seconds=timeout))
-            ctx = _init_group(rank, world_size, rank, backend, timeout, store=store)
-            message: tuple = ("ok", pickle.dumps(fn(ctx, *args), protocol=pickle.HIGHEST_PROTOCOL))
+            ctx = _init_group(rank, world_size, rank, placement, timeout, store=store)
+            # by value where needed: a result may hold objects of classes that came from __main__
+            message: tuple = ("ok", cloudpickle.dumps(fn(ctx, *args), protocol=pickle.HIGHEST_PROTOCOL))
         except BaseException as exc:  # noqa: BLE001 - every failure is reported to the caller
             failed = True
-            message = ("error", type(exc).__name__, str(exc), traceback.format_exc())
+            message = ("error", type(exc).__name__, str(exc) + _main_lookup_hint(exc), traceback.format_exc())
         # sent before the group is destroyed, so a root cause arrives before its peers' symptoms
         conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        if not failed:
+            _wait_for_peers(store, world_size)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -254,16 +318,28 @@ def _child_main(rank: int, world_size: int, backend: str, port: int, timeout: fl
         sys.exit(1)
 
 
-def _init_group(rank: int, world_size: int, local_rank: int, backend: str, timeout: float,
+def _wait_for_peers(store: dist.Store, world_size: int) -> None:
+    """Return when every rank has finished ``fn`` (bounded by the store's timeout; when a rank fails
+    the caller stops the others meanwhile). A rank that destroyed its group and exited at once could
+    close its connections while a peer is still completing the group's set-up (gloo's
+    connectFullMesh: "Connection closed by peer") or the tail of a last collective with it."""
+    if store.add("gnncompile/finished", 1) == world_size:
+        store.set("gnncompile/all-finished", b"1")
+    store.wait(["gnncompile/all-finished"])
+
+
+def _init_group(rank: int, world_size: int, local_rank: int, placement: "Placement", timeout: float,
                 **init: Any) -> RankContext:
-    """Select the device and initialize the default process group; ``init``: its ``store`` or
-    ``init_method``."""
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
+    """Select the rank's device (``placement.devices[local_rank]``; a CUDA device becomes the
+    current one) and initialize the default process group with ``placement.backend``; ``init``:
+    its ``store`` or ``init_method``."""
+    device = placement.device(local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout), **init)
-    return RankContext(rank=rank, world_size=world_size, backend=backend, device=device, local_rank=local_rank)
+    dist.init_process_group(placement.backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout), **init)
+    return RankContext(rank=rank, world_size=world_size, backend=placement.backend, device=device,
+                       local_rank=local_rank, stage_through_host=placement.stage_through_host)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -285,6 +361,19 @@ def _exit_with_parent(parent_pid: int) -> None:
         os._exit(1)
     except PermissionError:
         pass
+
+
+_MAIN_LOOKUP = re.compile(r"on <module '__main__'|from '__main__'|No module named '__mp_main__'")
+
+
+def _main_lookup_hint(exc: BaseException) -> str:
+    """A sentence to append to ``exc`` when it is a failed lookup in ``__main__`` (unpickling an
+    object pickled by reference to the launching program's main script), else ``""``."""
+    if not isinstance(exc, (AttributeError, ImportError)) or not _MAIN_LOOKUP.search(str(exc)):
+        return ""
+    return (" (ranks do not run the launching program's main script, so what it defines reaches them only "
+            "by value: pickle it with cloudpickle, e.g. torch.save(obj, f, pickle_module=cloudpickle), or "
+            "define it in an importable module)")
 
 
 def _run_inline(fn: Callable[..., T], args: tuple, timeout: float) -> T:
@@ -343,11 +432,13 @@ class _Failure:
 
 
 class _Supervisor:
-    """Collects the ranks' results, watching their pipes, process sentinels and CPU time."""
+    """Collects the ranks' results, watching their pipes, process sentinels and CPU time (and
+    passing their stderr on through ``tee`` meanwhile)."""
 
     def __init__(self, procs: list[multiprocessing.process.BaseProcess],
-                 conns: list[multiprocessing.connection.Connection], timeout: float) -> None:
+                 conns: list[multiprocessing.connection.Connection], timeout: float, tee: "_StderrTee") -> None:
         self.procs = procs
+        self.tee = tee
         self.timeout = timeout
         self.world_size = len(procs)
         self.results: dict[int, Any] = {}
@@ -363,7 +454,7 @@ class _Supervisor:
             wait_s = self.guard.interval
             if settle_until is not None:
                 wait_s = max(0.0, min(wait_s, settle_until - time.monotonic()))
-            ready = multiprocessing.connection.wait(list(self.pipes) + list(self.sentinels), wait_s)
+            ready = self.tee.wait(list(self.pipes) + list(self.sentinels), wait_s)
             if ready:
                 self.guard.progress()
             for obj in ready:
@@ -410,7 +501,8 @@ class _Supervisor:
             self.failures.append(_Failure.from_exit(rank, proc.exitcode))
 
     def _hang_error(self) -> RankFailure:
-        running = sorted(self.sentinels.values())
+        # a rank that returned its result waits for the others (_wait_for_peers): finished, not running
+        running = sorted(r for r in self.sentinels.values() if r not in self.results)
         text = (f"run hung: no rank made progress (used CPU) for {self.timeout + _GUARD_SLACK_S:g} s, every rank "
                 f"blocked (waiting to receive from another?); still running: ranks {', '.join(map(str, running))}")
         if self.results:
@@ -427,10 +519,16 @@ class _Supervisor:
         text += f"rank {root.rank} of {self.world_size} {root.describe()}"
         if others:
             text += "\nthen: " + "\n      ".join(others)
+        # a rank that died: its last words (up to the end of its stderr, which its exit closes);
+        # one that raised wrote what it wrote before its report, already in the pipe
+        tail = self.tee.tail(root.rank, wait=_TERM_GRACE_S if root.exc_type is None else 0.0)
+        if tail:
+            text += (f"\n\nlast {len(tail)} line{'s' if len(tail) != 1 else ''} of rank {root.rank}'s stderr:\n"
+                     + textwrap.indent("\n".join(tail), "  ", lambda line: True))
         if root.remote_traceback:
             text += f"\n\ntraceback on rank {root.rank}:\n" + textwrap.indent(root.remote_traceback.rstrip(), "  ")
         return RankFailure(text, rank=root.rank, exc_type=root.exc_type, remote_traceback=root.remote_traceback,
-                           exitcode=root.exitcode, secondary=others)
+                           exitcode=root.exitcode, secondary=others, stderr_tail=tail)
 
 
 class _HangGuard:
@@ -474,9 +572,10 @@ def _cpu_seconds(pid: int) -> Optional[float]:
         return None
 
 
-def _shutdown(procs: list[multiprocessing.process.BaseProcess], polite: bool) -> None:
+def _shutdown(procs: list[multiprocessing.process.BaseProcess], polite: bool, tee: "_StderrTee") -> None:
     """Stop and reap every process: SIGTERM, then SIGKILL after ``_TERM_GRACE_S``; with ``polite``
-    (the ranks are finishing on their own) they first get ``_TERM_GRACE_S`` to exit."""
+    (the ranks are finishing on their own) they first get ``_TERM_GRACE_S`` to exit. Their stderr
+    is passed on meanwhile (a rank blocked on a full stderr pipe could not exit)."""
     for sig in ((None,) if polite else ()) + (signal.SIGTERM, signal.SIGKILL):
         alive = [p for p in procs if p.exitcode is None]
         if not alive:
@@ -486,7 +585,10 @@ def _shutdown(procs: list[multiprocessing.process.BaseProcess], polite: bool) ->
                 p.terminate()
             elif sig == signal.SIGKILL:
                 p.kill()
-        multiprocessing.connection.wait([p.sentinel for p in alive], _TERM_GRACE_S)
+        waiting = {p.sentinel for p in alive}
+        deadline = time.monotonic() + _TERM_GRACE_S
+        while waiting and time.monotonic() < deadline:
+            waiting.difference_update(tee.wait(list(waiting), deadline - time.monotonic()))
         for p in alive:
             p.join(0)
     for p in procs:
@@ -509,27 +611,308 @@ def _child_environment(threads: int) -> Iterator[None]:
                 os.environ[k] = v
 
 
-@contextlib.contextmanager
-def _main_module_importable() -> Iterator[None]:
-    """Hide ``__main__.__file__`` while ranks start when it names no file (``python -``, ``-c``).
+_MISSING = object()
 
-    multiprocessing re-runs the launcher's main script in every child; a main read from stdin
-    cannot be re-run, and the ranks need nothing from it (``fn`` must live in an importable module).
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Hide where ``__main__`` came from (its ``__file__`` and ``__spec__``) while ranks start.
+
+    multiprocessing's forkserver and spawn start methods re-run the launching program's main
+    script (or ``-m`` module) in every child, as ``__mp_main__``, from these two attributes
+    (``multiprocessing.spawn.get_preparation_data``): a script without an
+    ``if __name__ == "__main__":`` guard would run again in every rank and start ranks of its own,
+    and ``python -`` or a notebook have no file to re-run. Hidden, the children run no main at all;
+    they need nothing from it: ``fn``, ``args`` and what they refer to in ``__main__`` travel by
+    value (:func:`_pickle_payload`). ``sys.path`` and the working directory still reach them.
     """
     main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if main is None or path is None or os.path.isfile(path):
+    namespace = getattr(main, "__dict__", None)
+    if namespace is None:
         yield
         return
-    del main.__file__
+    saved = {k: namespace.get(k, _MISSING) for k in ("__file__", "__spec__")}
+    namespace.pop("__file__", None)
+    namespace["__spec__"] = None
     try:
         yield
     finally:
-        main.__file__ = path
+        for k, v in saved.items():
+            if v is _MISSING:
+                namespace.pop(k, None)
+            else:
+                namespace[k] = v
 
 
-def _default_backend(ranks_per_machine: int) -> str:
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks_per_machine else "gloo"
+def _pickle_payload(fn: Callable[..., Any], args: tuple) -> bytes:
+    """``(fn, args)`` pickled for the ranks: by reference what they can import, by value (cloudpickle)
+    what they cannot: functions and classes defined in ``__main__`` (the ranks do not run it, see
+    :func:`_main_module_hidden`), lambdas and nested functions. Raises
+    :class:`~gnncompile.errors.RuntimeFailure` at once, in the caller, when something cannot be pickled."""
+    try:
+        return cloudpickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - pickling raises TypeError, PicklingError, AttributeError, ...
+        raise RuntimeFailure(f"cannot send the function and its arguments to the ranks ({type(exc).__name__}: "
+                             f"{_first_line(str(exc))}); pass picklable values (no open files, locks, sockets "
+                             f"or generators) and refer to such things by name or path instead") from exc
+
+
+class _StderrTee:
+    """The ranks' stderr, passed on to this process's ``sys.stderr`` and remembered.
+
+    Each rank's fd 2 is the write end of a pipe (:func:`_child_main`); this process reads the read
+    ends whenever it waits for the ranks (:meth:`wait`), writes every line to ``sys.stderr``
+    prefixed ``[rankN]:`` (so warnings are seen as they come, in a notebook too) and keeps each
+    rank's last ``_STDERR_TAIL_LINES`` lines for :class:`RankFailure` (:meth:`tail`).
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[int, int] = {}       # read end still open (no EOF yet) -> rank
+        self._partial: dict[int, bytes] = {}  # rank -> the start of a line not yet ended
+        self._tails: dict[int, collections.deque[str]] = {}
+
+    def add(self, rank: int, reader: multiprocessing.connection.Connection) -> None:
+        """Watch ``reader`` (the read end of rank ``rank``'s stderr pipe; the caller closes it)."""
+        fd = reader.fileno()
+        os.set_blocking(fd, False)
+        self._open[fd] = rank
+        self._partial[rank] = b""
+        self._tails[rank] = collections.deque(maxlen=_STDERR_TAIL_LINES)
+
+    def wait(self, objects: list[Any], timeout: float) -> list[Any]:
+        """Like :func:`multiprocessing.connection.wait` over ``objects`` (returns those ready, or
+        ``[]`` after ``timeout`` seconds), passing the ranks' stderr on meanwhile."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            ready = multiprocessing.connection.wait(list(objects) + list(self._open),
+                                                    max(0.0, deadline - time.monotonic()))
+            hits = []
+            for obj in ready:
+                if isinstance(obj, int) and obj in self._open:
+                    self._read(obj)
+                else:
+                    hits.append(obj)
+            if hits or time.monotonic() >= deadline:
+                return hits
+
+    def tail(self, rank: int, wait: float = 0.0) -> list[str]:
+        """The last lines rank ``rank`` wrote to stderr: what its pipe holds now, and what arrives
+        until the pipe closes (the rank and anything it started exited) or ``wait`` seconds pass."""
+        deadline = time.monotonic() + wait
+        fd = next((f for f, r in self._open.items() if r == rank), None)
+        while fd in self._open:
+            if self._read(fd):
+                if time.monotonic() > deadline + 1.0:    # a rank that writes without a pause
+                    break
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not multiprocessing.connection.wait([fd], remaining):
+                break
+        lines = list(self._tails.get(rank, ()))
+        if self._partial.get(rank):
+            lines.append(_tail_line(self._partial[rank]))
+        return lines[-_STDERR_TAIL_LINES:]
+
+    def close(self) -> None:
+        """Pass on what the pipes still hold (the ranks have exited) and any unfinished last lines."""
+        for fd in list(self._open):
+            for _ in range(64):     # bounded: something the rank started may still be writing
+                if fd not in self._open or not self._read(fd):
+                    break
+        for rank, rest in self._partial.items():
+            if rest:
+                self._emit(rank, [rest])
+        self._open.clear()
+        self._partial = {r: b"" for r in self._partial}
+
+    def _read(self, fd: int) -> bool:
+        """Read what ``fd`` holds (up to 1 MiB); whether anything was read or the pipe closed."""
+        rank = self._open[fd]
+        chunks: list[bytes] = []
+        closed = False
+        while len(chunks) < 16:
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:
+                closed = True
+                del self._open[fd]
+                break
+            chunks.append(data)
+        if not chunks and not closed:
+            return False
+        *lines, rest = (self._partial[rank] + b"".join(chunks)).split(b"\n")
+        if closed or len(rest) > 65536:   # the end, or a very long line (a progress bar): pass it on
+            if rest:
+                lines.append(rest)
+            rest = b""
+        self._partial[rank] = rest
+        if lines:
+            self._emit(rank, lines)
+        return True
+
+    def _emit(self, rank: int, lines: list[bytes]) -> None:
+        self._tails[rank].extend(_tail_line(line) for line in lines)
+        text = "".join(f"[rank{rank}]: {line.decode(errors='replace')}\n" for line in lines)
+        try:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+        except (AttributeError, OSError, ValueError):   # no stderr (pythonw), or closed
+            pass
+
+
+def _tail_line(line: bytes) -> str:
+    """A stderr line as a terminal would show it last (after its last carriage return), cut to size."""
+    text = line.decode(errors="replace").rstrip("\r").rsplit("\r", 1)[-1].rstrip()
+    return text if len(text) <= _STDERR_LINE_CHARS else text[: _STDERR_LINE_CHARS - 3] + "..."
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's ranks compute and how they communicate, as :func:`resolve_placement` decided it.
+
+    ``backend``: the process group's backend (``"gloo"`` or ``"nccl"``); ``devices``: the device of
+    each rank on this machine (index: the local rank), ``"cpu"`` or ``"cuda:N"``; ``num_gpus``:
+    the GPUs visible when it was decided; ``stage_through_host``: the ``torch.distributed``
+    operations whose tensors the ranks copy to host memory and back (see
+    :func:`~gnncompile.runtime.comm.host_staged_ops`).
+    """
+
+    backend: str
+    devices: tuple[str, ...]
+    num_gpus: int = 0
+    stage_through_host: frozenset[str] = frozenset()
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.devices)
+
+    @property
+    def device_type(self) -> str:
+        """``"cuda"`` when the ranks compute on GPUs, else ``"cpu"``."""
+        return "cuda" if self.devices and self.devices[0].startswith("cuda") else "cpu"
+
+    @property
+    def shared(self) -> bool:
+        """Whether some GPU hosts more than one rank (shared-GPU mode: gloo, with host staging)."""
+        return self.device_type == "cuda" and len(set(self.devices)) < len(self.devices)
+
+    def device(self, local_rank: int) -> torch.device:
+        """The device rank ``local_rank`` computes on."""
+        return torch.device(self.devices[local_rank])
+
+    def describe(self) -> str:
+        """One line: ranks, devices (which ranks share which GPU), backend and host staging, e.g.
+        ``4 ranks on 1 GPU (cuda:0: ranks 0-3), gloo; send, recv staged through host memory``."""
+        n = self.num_ranks
+        ranks = f"{n} rank{'s' if n != 1 else ''}"
+        if self.device_type == "cpu":
+            where = f"{ranks} on CPU"
+        else:
+            by_device: dict[str, list[int]] = {}
+            for r, d in enumerate(self.devices):
+                by_device.setdefault(d, []).append(r)
+            if not self.shared:
+                where = f"{ranks} on {len(by_device)} GPU{'s' if len(by_device) != 1 else ''} (one per rank: " + \
+                        ", ".join(f"{r}->{d}" for r, d in enumerate(self.devices)) + ")"
+            else:
+                where = f"{ranks} sharing {len(by_device)} GPU{'s' if len(by_device) != 1 else ''} (" + \
+                        "; ".join(f"{d}: ranks {_ranges(rs)}" for d, rs in by_device.items()) + ")"
+        text = f"{where}, {self.backend}"
+        if self.stage_through_host:
+            text += f"; {', '.join(sorted(self.stage_through_host))} staged through host memory"
+        return text
+
+
+def visible_gpus() -> int:
+    """The number of CUDA devices this process can use (0 without CUDA); does not create a CUDA context."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_placement(num_ranks: int, num_gpus: int, device: Any = None, backend: Optional[str] = None,
+                      stage_through_host: Optional[Iterable[str]] = None) -> Placement:
+    """Decide where ``num_ranks`` ranks on one machine with ``num_gpus`` GPUs compute and how they talk.
+
+    ``device``: ``None`` (auto: the GPUs when there are any, else the CPU), ``"cpu"``, ``"cuda"``
+    (every GPU: rank ``r`` on ``cuda:(r % num_gpus)``) or ``"cuda:N"`` (every rank on GPU ``N``).
+    ``backend``: ``None`` (auto: NCCL when every rank has a GPU of its own, else gloo: ranks on
+    the CPU, or sharing GPUs), ``"gloo"`` or ``"nccl"``. ``stage_through_host``: ``None`` (what
+    the backend needs on the device: :func:`~gnncompile.runtime.comm.host_staged_ops`) or the
+    operations to stage anyway (a subset of :data:`~gnncompile.runtime.comm.STAGEABLE_OPS`, or
+    ``{"all"}``; tests use it to run the staging path on the CPU).
+
+    Pure (the caller passes ``num_gpus``, e.g. :func:`visible_gpus`). Raises
+    :class:`~gnncompile.errors.RuntimeFailure` naming the problem and the fix when the request is
+    impossible: CUDA without a GPU, a GPU index out of range, NCCL on the CPU, NCCL with fewer
+    GPUs than ranks (NCCL refuses two ranks on one GPU).
+    """
+    from .comm import STAGEABLE_OPS, host_staged_ops
+
+    if num_ranks < 1:
+        raise RuntimeFailure(f"a run needs at least one rank, got {num_ranks}")
+    if backend not in (None, "gloo", "nccl"):
+        raise RuntimeFailure(f"backend must be 'gloo', 'nccl' or None (auto), got {backend!r}")
+    text = None if device is None else str(device)
+    index: Optional[int] = None
+    if text is None:
+        kind = "cuda" if num_gpus > 0 else "cpu"
+    elif text == "cpu" or text == "cuda":
+        kind = text
+    elif re.fullmatch(r"cuda:\d+", text):
+        kind, index = "cuda", int(text.split(":")[1])
+    else:
+        raise RuntimeFailure(f"device must be 'cpu', 'cuda', 'cuda:N' or None (auto), got {device!r}")
+    if kind == "cuda" and num_gpus == 0:
+        raise RuntimeFailure(f"device={text!r} requested but no CUDA GPU is visible (torch.cuda.is_available() is "
+                             "False or CUDA_VISIBLE_DEVICES hides them); use device='cpu', or None to run on the "
+                             "CPU when there is no GPU")
+    if index is not None and index >= num_gpus:
+        raise RuntimeFailure(f"device={text!r} requested but this machine has {num_gpus} GPU(s) (cuda:0.."
+                             f"cuda:{num_gpus - 1}); use one of those, or 'cuda' to spread the ranks over all")
+    if kind == "cpu":
+        devices = ("cpu",) * num_ranks
+        if backend == "nccl":
+            why = "no GPU is visible" if text is None else "device='cpu' was asked for"
+            raise RuntimeFailure(f"backend='nccl' needs the ranks on GPUs, but {why}; use backend='gloo' (or None) "
+                                 "to run on the CPU")
+        chosen = "gloo"
+    else:
+        gpus = [index] if index is not None else list(range(num_gpus))
+        devices = tuple(f"cuda:{gpus[r % len(gpus)]}" for r in range(num_ranks))
+        if backend == "nccl" and num_ranks > len(gpus):
+            raise RuntimeFailure(f"backend='nccl' needs one GPU per rank (NCCL refuses two ranks on one GPU): "
+                                 f"{num_ranks} ranks, {len(gpus)} GPU(s)"
+                                 f"{' (device=' + repr(text) + ')' if index is not None else ''}; use backend='gloo' "
+                                 f"(or None) to let ranks share GPUs, or at most {len(gpus)} rank(s)")
+        chosen = backend or ("nccl" if num_ranks <= len(gpus) else "gloo")
+    if stage_through_host is None:
+        staged = host_staged_ops(chosen, kind)
+    else:
+        staged = frozenset(stage_through_host)
+        if "all" in staged:
+            staged = STAGEABLE_OPS
+        unknown = sorted(staged - STAGEABLE_OPS)
+        if unknown:
+            raise RuntimeFailure(f"stage_through_host: unknown operation(s) {unknown}; valid: "
+                                 f"{sorted(STAGEABLE_OPS)} or 'all'")
+    return Placement(backend=chosen, devices=tuple(devices), num_gpus=num_gpus, stage_through_host=staged)
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    start = prev = ranks[0]
+    for r in list(ranks[1:]) + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ", ".join(out)
 
 
 def _usable_cores() -> int:

@@ -25,7 +25,10 @@ What is counted (``peak_bytes`` is never negative):
   ``torch.cuda.memory_allocated(device)`` at entry and ``peak_bytes`` is
   ``torch.cuda.max_memory_allocated(device)`` over the region minus the baseline: allocated blocks
   (sizes rounded up by the allocator, to 512 bytes at least), net of frees of tensors older than
-  the region; memory cached by the allocator but unused is not counted.
+  the region; memory cached by the allocator but unused is not counted. The statistics are the
+  calling process's: ranks sharing a GPU each count their own tensors, not the GPU's total (nor
+  the CUDA context, nor memory of libraries that bypass the caching allocator, e.g. NCCL's
+  buffers).
 
 Accuracy (CPU, ``tests/test_memory.py``): allocating 8 MiB, freeing it and allocating 4 MiB reports
 8 MiB exactly; a 2-layer MLP's forward and backward reports within 2% of a count by hand.

@@ -7,6 +7,7 @@ must reproduce this loop's losses and gradients; relaxed plans report their dist
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -16,10 +17,11 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from ..errors import GraphError
+from ..errors import GraphError, RuntimeFailure
+from ..frontend.ops import plan_dropout_draws
 from ..graph.core import Graph
 
-__all__ = ["History", "train", "evaluate", "masked_accuracy"]
+__all__ = ["History", "ProgressLines", "train", "evaluate", "masked_accuracy"]
 
 
 @dataclass
@@ -74,6 +76,45 @@ class History:
         return asdict(self)
 
 
+class ProgressLines:
+    """Plain progress lines for long runs, for a stderr that is not a terminal (a log, CI, a pipe).
+
+    :meth:`update` after each epoch prints one line when at least ``every_s`` seconds have passed
+    since the start or the last line, e.g. ``train GCN on cora: epoch 40/200 loss 0.5120 val
+    0.774 (10.3 s)``; :meth:`close` prints the last epoch's line if any line was printed before
+    it. A run shorter than ``every_s`` prints nothing.
+    """
+
+    def __init__(self, total: int, label: str, every_s: float = 10.0, stream: Any = None) -> None:
+        self.total, self.label, self.every_s = total, label, every_s
+        self.stream = stream
+        self.start = self.last = time.monotonic()
+        self.printed = 0
+        self._pending: Optional[tuple[int, float, float]] = None
+
+    def update(self, epoch: int, loss: float, val_acc: float = math.nan) -> None:
+        """Epoch ``epoch`` (0-based) finished with ``loss`` and validation accuracy ``val_acc`` (NaN: not evaluated)."""
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self._print(epoch, loss, val_acc, now)
+            self._pending = None
+        else:
+            self._pending = (epoch, loss, val_acc)
+
+    def close(self) -> None:
+        if self.printed and self._pending is not None:
+            self._print(*self._pending, time.monotonic())
+        self._pending = None
+
+    def _print(self, epoch: int, loss: float, val_acc: float, now: float) -> None:
+        val = "-" if math.isnan(val_acc) else f"{val_acc:.3f}"
+        stream = self.stream if self.stream is not None else sys.stderr
+        print(f"{self.label}: epoch {epoch + 1}/{self.total} loss {loss:.4f} val {val} ({now - self.start:.1f} s)",
+              file=stream, flush=True)
+        self.last = now
+        self.printed += 1
+
+
 def masked_accuracy(logits: torch.Tensor, y: torch.Tensor, mask: Optional[torch.Tensor]) -> float:
     """Fraction of vertices in ``mask`` whose argmax logit equals the label (NaN for an empty mask)."""
     if mask is None:
@@ -113,6 +154,18 @@ def evaluate(model: torch.nn.Module, graph: Graph, x: Optional[torch.Tensor] = N
     return out
 
 
+def check_training_args(epochs: Any, lr: Any, weight_decay: Any) -> None:
+    """Refuse training arguments no run can use (before any work or rank starts): ``epochs`` an
+    int >= 0, ``lr`` finite and > 0, ``weight_decay`` finite and >= 0; raises ``ValueError``."""
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+        raise ValueError(f"epochs must be an int >= 0, got {epochs!r}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+    if (isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))
+            or not math.isfinite(weight_decay) or weight_decay < 0):
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+
+
 def train(
     model: torch.nn.Module,
     graph: Graph,
@@ -142,26 +195,37 @@ def train(
         histories. The model's initial weights come from its construction: seed before building
         it (``torch.manual_seed``) for fully reproducible runs. ``None`` leaves the RNG alone.
     device, dtype:
-        Where and in which floating dtype to train (the model and features are moved/cast).
+        Where and in which floating dtype to train: ``device`` is ``"cpu"``, ``"cuda"``,
+        ``"cuda:N"`` or a ``torch.device``; the graph (features, labels, masks and every cached
+        structure, :meth:`Graph.to`) and the model (in place, as ``Module.to`` does) move there,
+        so the optimizer state lives there too; features are cast to ``dtype`` (default: the
+        parameters' dtype). ``"cuda"`` without a GPU raises :class:`~gnncompile.errors.RuntimeFailure`.
     eval_every:
         Evaluate accuracies every this many epochs (NaN in between); the last epoch is always
         evaluated.
     verbose:
-        Show a tqdm progress bar; ``None`` means "only when stderr is a terminal".
+        ``None`` (default): a tqdm progress bar when stderr is a terminal, else plain progress
+        lines about every 10 s (:class:`ProgressLines`; runs shorter than that print nothing);
+        ``True``: the tqdm bar always; ``False``: nothing.
 
     Returns
     -------
     History
         Loss and accuracies per epoch, and per-epoch step times.
     """
-    if epochs < 0:
-        raise ValueError(f"epochs must be >= 0, got {epochs}")
+    check_training_args(epochs, lr, weight_decay)
     if eval_every < 1:
         raise ValueError(f"eval_every must be >= 1, got {eval_every}")
     _check_trainable(graph)
     if seed is not None:
         torch.manual_seed(seed)
     device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeFailure(f"train(device={str(device)!r}): no CUDA GPU is visible (torch.cuda.is_available() "
+                                 "is False); train with device='cpu'")
+        if device.index is None:  # the current GPU, named, so the graph's and the model's devices compare equal
+            device = torch.device("cuda", torch.cuda.current_device())
     if graph.device != device:
         graph = graph.to(device)
     model = model.to(device)
@@ -174,20 +238,25 @@ def train(
     y, train_mask = graph.y, graph.train_mask
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
 
-    if verbose is None:
-        verbose = sys.stderr.isatty()
+    label = f"train {type(model).__name__} on {graph.name}"
     progress = None
-    if verbose:
+    lines = None
+    if verbose or (verbose is None and sys.stderr.isatty()):
         from tqdm.auto import tqdm
 
-        progress = tqdm(total=epochs, desc=f"train {type(model).__name__} on {graph.name}", unit="epoch")
+        progress = tqdm(total=epochs, desc=label, unit="epoch")
+    elif verbose is None:
+        lines = ProgressLines(epochs, label)
 
+    # off the CPU, dropout draws its masks as plans do (see plan_dropout_draws)
+    draws = contextlib.nullcontext() if device.type == "cpu" else plan_dropout_draws()
     hist = History()
     for epoch in range(epochs):
         model.train()
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        logits = model(graph, x)
+        with draws:
+            logits = model(graph, x)
         loss = F.cross_entropy(logits[train_mask], y[train_mask])
         loss.backward()
         optimizer.step()
@@ -209,6 +278,10 @@ def train(
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{hist.loss[-1]:.4f}", val=f"{hist.val_acc[-1]:.3f}")
+        if lines is not None:
+            lines.update(epoch, hist.loss[-1], hist.val_acc[-1])
     if progress is not None:
         progress.close()
+    if lines is not None:
+        lines.close()
     return hist

@@ -1,5 +1,11 @@
-"""Pictures: timelines of plans (measured and simulated)."""
+"""Pictures: timelines of plans (measured and simulated) and predicted memory per rank.
 
-from .timeline import KIND_COLORS, draw_timeline, instruction_kind
+``*_figure`` functions return the matplotlib figure (the caller closes it); ``draw_*`` write it to
+a file.
+"""
 
-__all__ = ["KIND_COLORS", "draw_timeline", "instruction_kind"]
+from .timeline import (KIND_COLORS, draw_memory, draw_timeline, draw_timelines, instruction_kind, memory_figure,
+                       timelines_figure)
+
+__all__ = ["KIND_COLORS", "draw_memory", "draw_timeline", "draw_timelines", "instruction_kind", "memory_figure",
+           "timelines_figure"]

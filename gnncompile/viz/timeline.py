@@ -9,10 +9,12 @@ send-receive / all-reduce (communication), optimizer step; gaps are idle time.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-__all__ = ["instruction_kind", "KIND_COLORS", "draw_timeline", "draw_timelines", "draw_memory"]
+__all__ = ["instruction_kind", "KIND_COLORS", "draw_timeline", "draw_timelines", "draw_memory", "timelines_figure",
+           "memory_figure", "byte_unit"]
 
 KIND_COLORS = {
     "forward": "#4c72b0",
@@ -57,10 +59,12 @@ def _draw_on(ax: Any, ranks: Sequence[Sequence[Any]], step: Optional[int], title
             used.add(kind)
             ax.barh(r, (e.end - e.start) * 1e3, left=(e.start - t0) * 1e3, height=0.7,
                     color=KIND_COLORS[kind], edgecolor="white", linewidth=0.3)
+    t1 = max(e.end for events in chosen for e in events)
+    ax.set_xlim(0.0, (t1 - t0) * 1e3 if t1 > t0 else 1.0)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))])
-    ax.invert_yaxis()
+    ax.set_ylim(len(ranks) - 0.5, -0.5)
     ax.set_xlabel("time in the step (ms)")
-    ax.set_title(title or f"timeline of step {step}")
+    ax.set_title(_wrap(title or f"timeline of step {step}"), fontsize=10)
     return used
 
 
@@ -74,63 +78,121 @@ def draw_timeline(ranks: Sequence[Sequence[Any]], path: Union[str, Path], *, ste
     return draw_timelines([(title, ranks, step)], path)
 
 
-def draw_timelines(panels: Sequence[tuple[str, Sequence[Sequence[Any]], Optional[int]]],
-                   path: Union[str, Path]) -> Path:
-    """Several timelines stacked in one figure (e.g. simulated above measured), same units.
+def timelines_figure(panels: Sequence[tuple[str, Sequence[Sequence[Any]], Optional[int]]]) -> Any:
+    """Several timelines stacked in one matplotlib figure (e.g. simulated above measured), same units.
 
-    ``panels`` holds ``(title, ranks, step)`` triples as :func:`draw_timeline` takes them.
+    ``panels`` holds ``(title, ranks, step)`` triples as :func:`draw_timeline` takes them. Each
+    panel's x-axis spans its step from the first event's start to the last event's end; long
+    titles are wrapped. The caller owns the figure (``matplotlib.pyplot.close(fig)``).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     from matplotlib.patches import Patch
 
     if not panels:
         raise ValueError("draw_timelines: no panels")
-    heights = [1.0 + 0.45 * max(len(ranks), 1) for _, ranks, _ in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, sum(heights) + 0.4), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
+    heights = [1.3 + 0.45 * max(len(ranks), 1) for _, ranks, _ in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, sum(heights) + 0.8), squeeze=False,
+                             gridspec_kw={"height_ratios": heights}, layout="constrained")
     used: set[str] = set()
     for ax, (title, ranks, step) in zip(axes[:, 0], panels):
         used |= _draw_on(ax, ranks, step, title)
-    axes[-1, 0].legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in KIND_COLORS if k in used],
-                       loc="upper center", bbox_to_anchor=(0.5, -0.3 if len(panels) == 1 else -0.45),
-                       ncol=min(len(used), 5), frameon=False)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    fig.legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in KIND_COLORS if k in used],
+               loc="outside lower center", ncol=min(len(used), 5), frameon=False)
+    return fig
 
 
-def draw_memory(curves: Sequence[Sequence[tuple[float, float]]], path: Union[str, Path], *,
-                capacity: Optional[float] = None, title: str = "") -> Path:
-    """Memory over one step per rank (``curves[r]``: ``(seconds, bytes)`` points), in GiB/ms.
+def draw_timelines(panels: Sequence[tuple[str, Sequence[Sequence[Any]], Optional[int]]],
+                   path: Union[str, Path]) -> Path:
+    """:func:`timelines_figure` written to ``path`` (the file type follows the suffix)."""
+    return _save(timelines_figure(panels), path)
 
-    ``capacity`` draws the device's memory as a dashed line.
-    """
+
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if not curves or not any(curves):
-        raise ValueError("draw_memory: no memory curve to draw")
-    fig, ax = plt.subplots(figsize=(9, 4))
-    for r, pts in enumerate(curves):
-        if pts:
-            ax.step([t * 1e3 for t, _ in pts], [b / 2**30 for _, b in pts], where="post",
-                    label=f"rank {r}" if len(curves) <= 16 else None, linewidth=1)
-    if capacity is not None:
-        ax.axhline(capacity / 2**30, color="black", linestyle="--", linewidth=1, label="device memory")
-    ax.set_xlabel("time in the step (ms)")
-    ax.set_ylabel("memory (GiB)")
-    ax.set_title(title or "memory per rank over one step")
-    if len(curves) <= 16 or capacity is not None:
-        ax.legend(loc="best", fontsize=8, ncol=2)
-    fig.tight_layout()
+    return plt
+
+
+def _save(fig: Any, path: Union[str, Path]) -> Path:
     out = Path(path)
     fig.savefig(out, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
     return out
+
+
+def _wrap(title: str, width: int = 90) -> str:
+    return "\n".join(textwrap.wrap(title, width)) if title else title
+
+
+_UNITS = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B"))
+
+
+def byte_unit(n: float) -> tuple[float, str]:
+    """The binary unit that shows ``n`` bytes as a number >= 1: ``(2**20, "MiB")`` for 10 MiB."""
+    return next(((scale, name) for scale, name in _UNITS if abs(n) >= scale), (1, "B"))
+
+
+def _fmt_bytes(n: float) -> str:
+    scale, name = byte_unit(n)
+    return f"{n / scale:.3g} {name}"
+
+
+#: the memory plot draws the capacity as a line when the peak is at least this fraction of it
+CAPACITY_LINE_FRACTION = 0.2
+
+
+def memory_figure(curves: Sequence[Sequence[tuple[float, float]]], *, capacity: Optional[float] = None,
+                  step_time: Optional[float] = None, title: str = "", capacity_label: str = "device memory") -> Any:
+    """Memory over one step per rank (``curves[r]``: ``(seconds, bytes)`` points, each holding until
+    the next) as a matplotlib figure; the caller owns it.
+
+    The x-axis covers the whole step (``step_time``, default the last point; a curve is held at its
+    last value up to there); the y-axis fits the data, in the binary unit its peak reads best in.
+    ``capacity`` is drawn as a dashed line (``capacity_label``) when the peak reaches at least
+    :data:`CAPACITY_LINE_FRACTION` of it, else stated in a note so the curves are not flattened.
+    """
+    plt = _pyplot()
+    if not curves or not any(curves):
+        raise ValueError("draw_memory: no memory curve to draw")
+    last = max(t for pts in curves for t, _ in pts)
+    end = max(step_time or 0.0, last)
+    peak = max(b for pts in curves for _, b in pts)
+    draw_capacity = capacity is not None and capacity > 0 and peak >= CAPACITY_LINE_FRACTION * capacity
+    top = max(peak, capacity if draw_capacity else 0.0)
+    scale, unit = byte_unit(top)
+    fig, ax = plt.subplots(figsize=(9, 4.2), layout="constrained")
+    labelled = len(curves) <= 16
+    for r, pts in enumerate(curves):
+        if not pts:
+            continue
+        xs = [t * 1e3 for t, _ in pts]
+        ys = [b / scale for _, b in pts]
+        if xs[-1] < end * 1e3:
+            xs.append(end * 1e3)
+            ys.append(ys[-1])
+        ax.step(xs, ys, where="post", label=f"rank {r}" if labelled else None, linewidth=1)
+    if draw_capacity:
+        ax.axhline(capacity / scale, color="black", linestyle="--", linewidth=1,
+                   label=f"{capacity_label}: {_fmt_bytes(capacity)}")
+    elif capacity:
+        ax.text(0.01, 0.97, f"{capacity_label}: {_fmt_bytes(capacity)}; the peak, {_fmt_bytes(peak)}, is "
+                f"{peak / capacity:.2%} of it (not drawn to scale)", transform=ax.transAxes, va="top", fontsize=8)
+    ax.set_xlim(0.0, end * 1e3 if end > 0 else 1.0)
+    ax.set_ylim(0.0, top / scale * (1.12 if not draw_capacity or peak > capacity else 1.06) if top > 0 else 1.0)
+    ax.set_xlabel("time in the step (ms)")
+    ax.set_ylabel(f"memory ({unit})")
+    ax.set_title(_wrap(title or "memory per rank over one step"))
+    if labelled or draw_capacity:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    return fig
+
+
+def draw_memory(curves: Sequence[Sequence[tuple[float, float]]], path: Union[str, Path], *,
+                capacity: Optional[float] = None, step_time: Optional[float] = None, title: str = "",
+                capacity_label: str = "device memory") -> Path:
+    """:func:`memory_figure` written to ``path`` (the file type follows the suffix)."""
+    return _save(memory_figure(curves, capacity=capacity, step_time=step_time, title=title,
+                               capacity_label=capacity_label), path)

@@ -1,0 +1,366 @@
+"""Sparse kernels, graph primitives and the model zoo on CUDA, against the CPU (``pytest -m gpu``).
+
+Every check runs on each CUDA kernel backend available here (``torch``; ``cupy`` when CuPy is
+installed) and compares with the CPU computation of the same thing: kernel outputs, every
+primitive's forward and backward (float64), gradcheck on CUDA, sparse input features, one training
+step of every zoo model, and a step run under a guard that fails on any CPU tensor reaching an op.
+Without CUDA every test skips with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional
+
+import pytest
+import scipy.sparse as sp
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import gnncompile as gc
+from gnncompile import Graph
+from gnncompile.frontend import ops
+from gnncompile.nn.functional import Linear, feature_dropout
+from gnncompile.runtime import kernels
+from gnncompile.runtime.kernels import CSR
+from test_kernels import SHAPES, SPMM_CASES, TOL, random_csr, randn, values_for
+from test_ops import DT, GRAPHS, edge_weight_for, make_graph, norm_weight_pairs, rand, x_for
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"),
+]
+CUDA_BACKENDS = ("torch", "cupy")
+F64 = dict(rtol=1e-10, atol=1e-12)
+
+
+@pytest.fixture(params=CUDA_BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each CUDA kernel backend (``cupy`` skips where CuPy is not installed)."""
+    if request.param not in kernels.available_backends("cuda"):
+        pytest.skip(f"backend {request.param!r} unavailable here (install the CuPy build matching your CUDA)")
+    return request.param
+
+
+@pytest.fixture
+def default_backend(backend: str) -> Iterator[str]:
+    """``backend`` as the process-wide default for the test (restored afterwards)."""
+    saved = kernels._default_override
+    kernels.set_default_backend(backend)
+    yield backend
+    kernels._default_override = saved
+
+
+def cuda(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A detached CUDA copy that keeps ``requires_grad``."""
+    return None if t is None else t.detach().cuda().requires_grad_(t.requires_grad)
+
+
+def assert_close_to_cpu(out: torch.Tensor, ref: torch.Tensor, **tol: float) -> None:
+    assert out.device.type == "cuda"
+    torch.testing.assert_close(out.detach().cpu(), ref.detach(), **(tol or F64))
+
+
+# --------------------------------------------------------------------------- kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("shape,weights", SPMM_CASES)
+def test_spmm_matches_cpu(backend: str, shape: str, weights: str, dtype: torch.dtype) -> None:
+    rows, cols, nnz, feat, heads = SHAPES[shape]
+    csr = random_csr(rows, cols, nnz, seed=len(shape), hub=shape == "hub")  # duplicates and empty rows
+    x = randn(cols, *feat, dtype=dtype, seed=1)
+    values = values_for(csr, weights, heads, dtype, seed=2)
+    expected = kernels.spmm(csr, values, x, backend="torch")
+    gpu_csr = CSR(csr.indptr.cuda(), csr.indices.cuda(), rows, cols)
+    out = kernels.spmm(gpu_csr, cuda(values), x.cuda(), backend=backend)
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert_close_to_cpu(out, expected, **TOL[dtype])
+    # a CPU structure with CUDA operands: its indices move to the device once and are cached
+    out_cpu_csr = kernels.spmm(csr, cuda(values), x.cuda(), backend=backend)
+    assert_close_to_cpu(out_cpu_csr, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("rows,cols,nnz,heads,width", [(60, 60, 4.0, 1, 16), (31, 17, 3.0, 3, 15),
+                                                       (50, 50, 0.2, 2, 4), (12, 0, 3.0, 1, 8)])
+def test_sddmm_matches_cpu(backend: str, rows: int, cols: int, nnz: float, heads: int, width: int) -> None:
+    csr = random_csr(rows, cols, nnz, seed=rows + width)
+    a, b = randn(rows, width, dtype=DT, seed=1), randn(cols, width, dtype=DT, seed=2)
+    expected = kernels.sddmm(csr, a, b, heads, backend="torch")
+    gpu_csr = CSR(csr.indptr.cuda(), csr.indices.cuda(), rows, cols)
+    assert_close_to_cpu(kernels.sddmm(gpu_csr, a.cuda(), b.cuda(), heads, backend=backend), expected)
+
+
+@pytest.mark.parametrize("heads", [1, 4])
+def test_spmm_takes_tensors_that_require_grad(backend: str, heads: int) -> None:
+    """Issue 16: ``cupy.from_dlpack`` refused tensors requiring grad, so every CUDA training crashed."""
+    csr = random_csr(80, 70, 4.0, seed=5)
+    gpu_csr = CSR(csr.indptr.cuda(), csr.indices.cuda(), 80, 70)
+    x = randn(70, heads, 8, dtype=torch.float32, seed=6)
+    w = randn(csr.nnz, heads, dtype=torch.float32, seed=7)
+    if heads == 1:
+        x, w = x[:, 0], w[:, 0]
+    out = kernels.spmm(gpu_csr, w.cuda().requires_grad_(), x.cuda().requires_grad_(), backend=backend)
+    assert_close_to_cpu(out, kernels.spmm(csr, w, x, backend="torch"), **TOL[torch.float32])
+
+
+def test_cupy_runs_on_torchs_current_stream_and_builds_its_structure_once() -> None:
+    if "cupy" not in kernels.available_backends("cuda"):
+        pytest.skip("CuPy is not installed")
+    import cupy
+    from cupy_backends.cuda.libs import cusparse
+
+    csr = random_csr(3000, 3000, 8.0, seed=8, hub=True)
+    gpu_csr = CSR(csr.indptr.cuda(), csr.indices.cuda(), 3000, 3000)
+    torch.cuda.synchronize()  # the structure's copy (default stream) is complete before `side` reads it
+    side = torch.cuda.Stream()
+    expected = []
+    outs = []
+    with torch.cuda.stream(side):
+        for seed in range(3):  # everything below is queued on `side` and read only after it finishes
+            x = randn(3000, 64, dtype=torch.float32, seed=seed)
+            w = randn(csr.nnz, dtype=torch.float32, seed=seed + 10)
+            expected.append(kernels.spmm(csr, w, x, backend="torch"))
+            outs.append(kernels.spmm(gpu_csr, w.cuda(), x.cuda(), backend="cupy") * 2)
+        with cupy.cuda.Device(torch.cuda.current_device()):
+            assert cusparse.getStream(cupy.cuda.device.get_cusparse_handle()) == side.cuda_stream
+    side.synchronize()
+    for out, ref in zip(outs, expected):
+        assert_close_to_cpu(out, ref * 2, **TOL[torch.float32])
+    handles = [k for k in gpu_csr.cache if k.startswith("cusparse:")]
+    assert handles == [f"cusparse:{torch.device('cuda', torch.cuda.current_device())}:torch.float32"]
+    first = gpu_csr.cache[handles[0]]
+    kernels.spmm(gpu_csr, None, randn(3000, 8, dtype=torch.float32, seed=9).cuda(), backend="cupy")
+    assert gpu_csr.cache[handles[0]] is first and first.indptr.dtype == torch.int32
+
+
+# --------------------------------------------------------------------------- primitives: forward and backward
+def cpu_and_cuda(fn: Callable[..., torch.Tensor], g: Graph, *inputs: Optional[torch.Tensor],
+                 **kwargs: Any) -> None:
+    """``fn(g, *inputs, **kwargs)`` on CPU and on CUDA: equal outputs and equal input gradients."""
+    out = fn(g, *inputs, **kwargs)
+    gg = g.to("cuda")
+    cuda_inputs = [cuda(t) for t in inputs]
+    out_cuda = fn(gg, *cuda_inputs, **kwargs)
+    assert_close_to_cpu(out_cuda, out)
+    grad = rand(*out.shape, seed=11)
+    diff = [t for t in inputs if t is not None and t.requires_grad]
+    if not diff:
+        return
+    ref = torch.autograd.grad(out, diff, grad, allow_unused=True)
+    got = torch.autograd.grad(out_cuda, [t for t in cuda_inputs if t is not None and t.requires_grad],
+                              grad.cuda(), allow_unused=True)
+    for r, c in zip(ref, got):
+        if r is None:
+            assert c is None or not c.abs().sum()
+        else:
+            assert_close_to_cpu(c, r)
+
+
+@pytest.mark.parametrize("add_self_loops", [False, True])
+@pytest.mark.parametrize("graph", GRAPHS[:3])
+@pytest.mark.parametrize("norm,weights", norm_weight_pairs(("none", "stored", "1d", "heads")))
+def test_propagate(backend: str, graph: str, norm: str, weights: str, add_self_loops: bool) -> None:
+    g = make_graph(graph, weighted=weights == "stored")
+    x = x_for(g, weights, grad=True)
+    w = edge_weight_for(g, "none" if weights == "stored" else weights, add_self_loops, grad=True)
+    cpu_and_cuda(lambda gr, xx, ww: ops.propagate(gr, xx, norm, ww, add_self_loops,
+                                                  backend if gr.device.type == "cuda" else None), g, x, w)
+
+
+@pytest.mark.parametrize("add_self_loops", [False, True])
+@pytest.mark.parametrize("graph", GRAPHS[:3])
+def test_gather_softmax_aggregate(graph: str, add_self_loops: bool) -> None:
+    g = make_graph(graph)
+    x = rand(g.num_nodes, 2, 3, seed=1, grad=True)
+    rows = g.num_edges + (g.num_nodes if add_self_loops else 0)
+    e = rand(rows, 2, seed=2, grad=True)
+    cpu_and_cuda(ops.gather_src, g, x, add_self_loops=add_self_loops)
+    cpu_and_cuda(ops.gather_dst, g, x, add_self_loops=add_self_loops)
+    cpu_and_cuda(ops.edge_softmax, g, e, add_self_loops=add_self_loops)
+    for reduce in ("sum", "mean", "max"):
+        cpu_and_cuda(ops.aggregate, g, e, reduce=reduce, add_self_loops=add_self_loops)
+
+
+@pytest.mark.parametrize("add_self_loops", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_masked_propagate(backend: str, weighted: bool, add_self_loops: bool) -> None:
+    g = make_graph("mixed")
+    x = rand(g.num_nodes, 3, seed=1, grad=True)
+    mask = (rand(g.num_nodes, 3, seed=4) > 0).to(DT)
+    w = edge_weight_for(g, "1d" if weighted else "none", add_self_loops, grad=True)
+    for index_cost in (None, 0):  # full product, and the row-subset path whenever a row is dropped
+        saved = kernels.masked.FORWARD_INDEX_COST, kernels.masked.BACKWARD_INDEX_COST
+        if index_cost == 0:
+            kernels.masked.FORWARD_INDEX_COST = kernels.masked.BACKWARD_INDEX_COST = 0
+        try:
+            cpu_and_cuda(lambda gr, xx, mm, ww: ops.masked_propagate(gr, xx, mm, "mean", ww, add_self_loops,
+                                                                     backend if gr.device.type == "cuda" else None),
+                         g, x, mask, w)
+        finally:
+            kernels.masked.FORWARD_INDEX_COST, kernels.masked.BACKWARD_INDEX_COST = saved
+
+
+def test_dropout_rows_and_noise_on_cuda() -> None:
+    x = torch.ones(50, 4, dtype=DT, device="cuda")
+    index = torch.arange(10, 30, device="cuda")
+    out = ops.dropout_rows(x[10:30], 0.5, index, 50)
+    assert out.device.type == "cuda" and set(out.unique().tolist()) <= {0.0, 2.0}
+    noise = ops.dropout_noise(x, 0.25)
+    assert noise.device.type == "cuda" and set(noise.unique().tolist()) <= {0.0, 1 / 0.75}
+
+
+# --------------------------------------------------------------------------- gradcheck on CUDA (float64)
+@pytest.mark.parametrize("add_self_loops", [False, True])
+def test_gradcheck(backend: str, add_self_loops: bool) -> None:
+    g = make_graph("mixed").to("cuda")
+    rows = g.num_edges + (g.num_nodes if add_self_loops else 0)
+    x = rand(g.num_nodes, 3, seed=1).cuda().requires_grad_()
+    xh = rand(g.num_nodes, 2, 3, seed=1).cuda().requires_grad_()
+    w = rand(rows, seed=2, low=0.5, high=1.5).cuda().requires_grad_()
+    wh = rand(rows, 2, seed=3, low=0.5, high=1.5).cuda().requires_grad_()
+    e = rand(rows, 2, seed=4).cuda().requires_grad_()
+    mask = (x[:, :1] > 0).detach().to(DT)
+    checks = [
+        (lambda a: ops.propagate(g, a, "gcn", add_self_loops=add_self_loops, backend=backend), (x,)),
+        (lambda a, b: ops.propagate(g, a, "mean", b, add_self_loops, backend=backend), (x, w)),
+        (lambda a, b: ops.propagate(g, a, "none", b, add_self_loops, backend=backend), (xh, wh)),
+        (lambda a: ops.edge_softmax(g, a, add_self_loops), (e,)),
+        (lambda a: ops.aggregate(g, a, "max", add_self_loops), (e,)),
+        (lambda a: ops.gather_src(g, a, add_self_loops) * ops.gather_dst(g, a, add_self_loops), (x,)),
+        (lambda a, b: ops.masked_propagate(g, a, mask, "sum", b, add_self_loops, backend=backend), (x, w)),
+    ]
+    for fn, args in checks:
+        assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- sparse input features
+def sparse_graph(num_features: int = 20) -> Graph:
+    base = gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=5, num_features=4, num_classes=3, seed=2)
+    x = sp.random(120, num_features, density=0.15, random_state=3, format="csr", dtype="float64")
+    return base.replace(x=x)
+
+
+def test_sparse_feature_linear_and_dropout_on_cuda() -> None:
+    g = sparse_graph()
+    x = g.x.to(DT)
+    torch.manual_seed(0)
+    lin = Linear(20, 5).to(DT)
+    lin_c = Linear(20, 5).to(DT).cuda()
+    lin_c.load_state_dict(lin.state_dict())
+    out, out_c = lin(x), lin_c(x.cuda())
+    assert_close_to_cpu(out_c, out)
+    grad = rand(120, 5, seed=3)
+    out.backward(grad)
+    out_c.backward(grad.cuda())
+    for p, q in zip(lin.parameters(), lin_c.parameters()):
+        assert_close_to_cpu(q.grad, p.grad)
+    dropped = feature_dropout(x.cuda(), 0.5, training=True)
+    assert dropped.layout == torch.sparse_csr and dropped.device.type == "cuda"
+    assert torch.equal(dropped.col_indices().cpu(), x.col_indices())
+    assert set(dropped.values().unique().cpu().tolist()) <= {0.0} | set((x.values() * 2).tolist())
+    rows = ops.dropout_rows(x.cuda(), 0.5, torch.arange(x.values().numel(), device="cuda"), x.values().numel())
+    assert rows.layout == torch.sparse_csr and rows.device.type == "cuda"
+
+
+def test_graph_to_cuda_moves_sparse_features_and_caches() -> None:
+    g = sparse_graph()
+    x = rand(g.num_nodes, 3, grad=True)
+    (ops.propagate(g, x) + ops.propagate(g, x, "mean", add_self_loops=True)).sum().backward()
+    gg = g.to("cuda")
+    assert gg.x.device.type == "cuda" and gg.x.layout == torch.sparse_csr
+    for key, value in gg._cache.items():
+        for t in tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                assert t.device.type == "cuda", key
+
+
+# --------------------------------------------------------------------------- the zoo: one step on CUDA == CPU
+MAKERS: dict[str, Callable[[int, int], torch.nn.Module]] = {
+    "GCN": lambda f, c: gc.nn.GCN(f, 8, c, dropout=0.0),
+    "GraphSAGE": lambda f, c: gc.nn.GraphSAGE(f, 8, c, dropout=0.0),
+    "GAT": lambda f, c: gc.nn.GAT(f, 4, c, heads=2, dropout=0.0),
+    "GIN": lambda f, c: gc.nn.GIN(f, 8, c, dropout=0.0),
+    "GCNII": lambda f, c: gc.nn.GCNII(f, 8, c, num_layers=4, dropout=0.0),
+    "APPNP": lambda f, c: gc.nn.APPNP(f, 8, c, K=3, dropout=0.0),
+    "SGC": lambda f, c: gc.nn.SGC(f, c, K=2),
+    "ResGCN": lambda f, c: gc.nn.ResGCN(f, 8, c, num_layers=3, dropout=0.0),
+}
+SPARSE_MODELS = tuple(name for name in MAKERS if name != "GIN")  # GIN propagates its raw input
+
+
+def step(model: torch.nn.Module, g: Graph) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One training step's loss and parameter gradients (train mode; no optimizer)."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    x = g.x if g.x.layout != torch.strided else g.x.to(DT)
+    loss = F.cross_entropy(model(g, x)[g.train_mask], g.y[g.train_mask])
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("features", ["dense", "sparse"])
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_zoo_training_step_on_cuda_equals_cpu(default_backend: str, name: str, features: str) -> None:
+    if features == "sparse" and name not in SPARSE_MODELS:
+        pytest.skip(f"{name} propagates its raw input: sparse features are refused by design")
+    g = sparse_graph() if features == "sparse" else gc.datasets.synthetic(
+        "sbm", num_nodes=150, avg_degree=5, num_features=12, num_classes=3, seed=4)
+    if features == "sparse":
+        g = g.replace(x=g.x.to(DT))
+    torch.manual_seed(0)
+    model = MAKERS[name](g.num_features, g.num_classes).to(DT)
+    model_c = MAKERS[name](g.num_features, g.num_classes).to(DT).cuda()
+    model_c.load_state_dict(model.state_dict())
+    saved = kernels._default_override
+    kernels.set_default_backend(None)  # CPU reference on the CPU default backend
+    try:
+        loss, grads = step(model, g)
+    finally:
+        kernels._default_override = saved
+    loss_c, grads_c = step(model_c, g.to("cuda"))
+    assert_close_to_cpu(loss_c, loss, rtol=1e-9, atol=1e-11)
+    assert grads.keys() == grads_c.keys()
+    for k in grads:
+        assert_close_to_cpu(grads_c[k], grads[k], rtol=1e-8, atol=1e-10)
+
+
+# --------------------------------------------------------------------------- no CPU tensor in a CUDA step
+class OnlyCuda(TorchDispatchMode):
+    """Fails any op (forward or backward) that receives or returns a tensor not on CUDA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.device.type != "cuda":
+                raise AssertionError(f"{func} received a tensor on {t.device} (shape {list(t.shape)})")
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "cuda":
+                raise AssertionError(f"{func} produced a tensor on {t.device}")
+        self.ops += 1
+        return out
+
+
+@pytest.mark.parametrize("features", ["dense", "sparse"])
+@pytest.mark.parametrize("name", ["GCN", "GraphSAGE", "GAT"])
+def test_a_cuda_step_touches_no_cpu_tensor(default_backend: str, name: str, features: str) -> None:
+    g = sparse_graph() if features == "sparse" else gc.datasets.synthetic(
+        "sbm", num_nodes=150, avg_degree=5, num_features=12, num_classes=3, seed=4)
+    gg = g.to("cuda")
+    torch.manual_seed(0)
+    # default dropouts: input dropout on (sparse) features and attention dropout run too
+    model = getattr(gc.nn, name)(g.num_features, 4, g.num_classes).cuda()
+    model.train()
+    x = gg.x if gg.x.layout != torch.strided else gg.x.float()
+    torch.cuda.synchronize()
+    guard = OnlyCuda()
+    with guard:
+        logits = model(gg, x)
+        loss = F.cross_entropy(logits[gg.train_mask], gg.y[gg.train_mask])
+        loss.backward()
+    torch.cuda.synchronize()
+    assert guard.ops > 10 and all(p.grad is not None and p.grad.device.type == "cuda" for p in model.parameters())
