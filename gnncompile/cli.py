@@ -220,11 +220,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     _check_device(args.device)
-    if args.backend == "nccl" and (args.device == "cpu" or not _cuda_visible()):
-        raise GnnCompileError("--backend nccl needs a CUDA device per rank (NCCL does not run on CPU tensors); "
-                              "use --backend gloo, or leave --backend out to let the launcher choose")
+    if args.dist_backend == "nccl" and (args.device == "cpu" or not _cuda_visible()):
+        raise GnnCompileError("--dist-backend nccl needs a CUDA device per rank (NCCL does not run on CPU tensors); "
+                              "use --dist-backend gloo, or leave it out to let the launcher choose")
     # only what the user set: the runtime chooses devices and backend itself otherwise
-    placement = {k: v for k, v in (("device", args.device), ("backend", args.backend)) if v is not None}
+    placement = {k: v for k, v in (("device", args.device), ("backend", args.dist_backend)) if v is not None}
     if args.torchrun:
         from .runtime.executor import run_plan_torchrun
 
@@ -412,9 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a collective or receive may wait before the run fails (default: 300)")
     r.add_argument("--device", type=device_name, default=None, metavar="DEVICE",
                    help="where the ranks compute: cpu, or cuda / cuda:N (ranks share the GPUs when they outnumber "
-                        "them); default: a GPU per rank when there are enough, else as the runtime decides")
-    r.add_argument("--backend", default=None, choices=("gloo", "nccl"),
-                   help="torch.distributed backend (default: nccl with a GPU per rank, else gloo)")
+                        "them); default: the GPUs when there are any, else cpu")
+    r.add_argument("--dist-backend", default=None, choices=("gloo", "nccl"),
+                   help="torch.distributed backend (default: nccl with a GPU per rank, else gloo, which ranks "
+                        "sharing a GPU use with host-staged send/recv)")
     r.add_argument("--torchrun", action="store_true",
                    help="this process is one rank launched by torchrun (reads RANK, WORLD_SIZE, MASTER_ADDR...)")
     r.add_argument("--json", default=None, metavar="PATH", help="also write the history and traffic as JSON")

@@ -53,7 +53,7 @@ BAD = [
     (["train", "--seed", "-1"], "--seed", ">= 0"),
     (["train", "--num-nodes", "0"], "--num-nodes", "positive integer"),
     (["train", "--device", "gpu"], "--device", "cpu, cuda or cuda:N"),
-    (["run", "--backend", "mpi"], "--backend", "invalid choice"),
+    (["run", "--dist-backend", "mpi"], "--dist-backend", "invalid choice"),
 ]
 
 
@@ -115,14 +115,14 @@ def test_run_passes_device_and_backend_only_when_given(monkeypatch: pytest.Monke
     assert cli.main(["run", *SMALL, "--gpus", "2", "--strategy", "data", "--partitioner", "random", "--quiet"]) == 1
     assert "device" not in seen[-1] and "backend" not in seen[-1]
     assert cli.main(["run", *SMALL, "--gpus", "2", "--strategy", "data", "--partitioner", "random", "--quiet",
-                     "--device", "cpu", "--backend", "gloo"]) == 1
+                     "--device", "cpu", "--dist-backend", "gloo"]) == 1
     assert seen[-1]["device"] == "cpu" and seen[-1]["backend"] == "gloo"
     assert seen[-1]["epochs"] == 200 and seen[-1]["lr"] == 0.01
 
 
 def test_nccl_on_cpu_is_refused_before_planning(nothing_runs: None, capsys: Any) -> None:
-    assert cli.main(["run", *SMALL, "--device", "cpu", "--backend", "nccl"]) == 1
-    assert "--backend nccl needs a CUDA device" in capsys.readouterr().err
+    assert cli.main(["run", *SMALL, "--device", "cpu", "--dist-backend", "nccl"]) == 1
+    assert "--dist-backend nccl needs a CUDA device" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- messages

@@ -85,6 +85,7 @@ from torch import nn
 
 from ..errors import TraceError
 from ..nn import layers as gnn
+from .tracer import bound_arguments, mode_difference
 
 __all__ = ["from_pyg", "PygConverted", "SUPPORTED_CONVS"]
 
@@ -434,51 +435,28 @@ def _erase_check(node: torch.fx.Node) -> None:
 
 
 # --------------------------------------------------------------------------- training mode
-def _map_args(value: Any, mapping: dict[torch.fx.Node, torch.fx.Node]) -> Any:
-    return torch.fx.node.map_arg(value, lambda n: mapping[n])
-
-
-def _bound(node: torch.fx.Node) -> Optional[dict[str, Any]]:
-    try:
-        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
 def _mode_independent(train: torch.fx.Graph, evalg: torch.fx.Graph, root: nn.Module,
                       model_name: str) -> torch.fx.Graph:
     """Merge the training-mode and eval-mode traces into one graph that follows the module's mode.
 
     The two traces must be identical except for functional dropout whose ``training`` argument is
-    ``True`` in one and ``False`` in the other; such a call is replaced by the matching ``torch.nn``
-    dropout module (registered on ``root``), which reads the mode when it runs. Returns ``train``,
-    rewritten in place.
+    ``True`` in one and ``False`` in the other (:func:`~gnncompile.frontend.tracer.mode_difference`);
+    such a call is replaced by the matching ``torch.nn`` dropout module (registered on ``root``),
+    which reads the mode when it runs. Returns ``train``, rewritten in place.
     """
-    t_nodes, e_nodes = list(train.nodes), list(evalg.nodes)
-    mapping: dict[torch.fx.Node, torch.fx.Node] = {}
-    replace: list[tuple[torch.fx.Node, dict[str, Any]]] = []
     hint = ("the converted model must compute the same graph of operations in both modes: use torch.nn.Dropout "
             "modules or F.dropout(x, p, training=self.training), not branches on self.training")
-    for t, e in itertools.zip_longest(t_nodes, e_nodes):
-        if t is None or e is None or (t.op, t.target) != (e.op, e.target):
-            where = _describe(t if t is not None else e)
-            raise TraceError(f"{model_name}.forward runs different operations in training and eval mode "
-                             f"(first difference at {where}); {hint}")
-        mapping[t] = e
-        if _map_args(t.args, mapping) == e.args and _map_args(t.kwargs, mapping) == e.kwargs:
-            continue
-        tb, eb = (_bound(t), _bound(e)) if t.op == "call_function" and t.target in _DROPOUT_MODULES else (None, None)
-        if tb is None or eb is None:
-            raise TraceError(f"{model_name}.forward calls {_describe(t)} with different arguments in training "
-                             f"and eval mode; {hint}")
-        differing = sorted(k for k in tb if _map_args(tb[k], mapping) != eb[k])
-        if differing != ["training"] or (tb["training"], eb["training"]) != (True, False):
-            raise TraceError(f"{model_name}.forward calls {_describe(t)} with arguments {differing} depending on "
-                             f"the mode; {hint}")
-        replace.append((t, tb))
-    for node, args in replace:
+    diff = mode_difference(train, evalg)
+    if diff.kind == "graph":
+        raise TraceError(f"{model_name}.forward runs different operations in training and eval mode "
+                         f"(first difference: {diff.where}); {hint}")
+    nodes = {n.name: n for n in train.nodes}
+    for name in diff.flag_nodes:
+        node = nodes[name]
+        args = bound_arguments(node)
+        if node.target not in _DROPOUT_MODULES or args is None or args.get("training") is not True:
+            raise TraceError(f"{model_name}.forward calls {_describe(node)} with an argument depending on the "
+                             f"mode; {hint}")
         _dropout_to_module(train, node, args, root, model_name)
     return train
 

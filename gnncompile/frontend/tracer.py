@@ -81,7 +81,7 @@ from ..ir.symbolic import Lin, solve_lin
 from ..ir.tpgraph import TPGraph, TPInfo, ends_layer
 from .ops import PRIMITIVES, is_primitive
 
-__all__ = ["trace", "GNNTracer", "SAMPLE_SIZES", "ModeDifference", "mode_difference"]
+__all__ = ["trace", "GNNTracer", "SAMPLE_SIZES", "ModeDifference", "mode_difference", "bound_arguments"]
 
 # (|V|, |E|) of the sample graphs; generic sizes unlikely to equal a feature dimension.
 SAMPLE_SIZES = ((23, 71), (37, 61), (29, 113), (41, 89))
@@ -590,7 +590,9 @@ class ModeDifference:
         return ""
 
 
-def _bound_arguments(node: torch.fx.Node) -> Optional[dict[str, Any]]:
+def bound_arguments(node: torch.fx.Node) -> Optional[dict[str, Any]]:
+    """A ``call_function`` node's arguments by parameter name, defaults applied (``None`` when its
+    target has no inspectable signature or the node is not a function call)."""
     if node.op != "call_function":
         return None
     try:
@@ -629,7 +631,7 @@ def mode_difference(train: torch.fx.Graph, evalg: torch.fx.Graph,
         t_kwargs = torch.fx.node.map_arg(t.kwargs, lambda n: mapping[n])
         if _same(t_args, e.args) and _same(t_kwargs, e.kwargs):
             continue
-        tb, eb = _bound_arguments(t), _bound_arguments(e)
+        tb, eb = bound_arguments(t), bound_arguments(e)
         differing = [] if tb is None or eb is None else \
             [k for k in tb if not _same(torch.fx.node.map_arg(tb[k], lambda n: mapping[n]), eb.get(k))]
         if differing and all(k in _MODE_PARAMETERS and isinstance(tb[k], bool) and isinstance(eb[k], bool)

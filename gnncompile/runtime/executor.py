@@ -158,28 +158,35 @@ class _Clock:
         self.origin: Any = None
         self.t0 = time.perf_counter()
 
+    def _event(self) -> Any:
+        """A timing event recorded on this rank's device's current stream (named explicitly: an event
+        records on the current *device's* stream otherwise, and ``elapsed_time`` needs both events on
+        one device)."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
     def start(self) -> None:
         """Set the time origin (after the ranks' barrier, so their timelines line up)."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            self.origin = torch.cuda.Event(enable_timing=True)
-            self.origin.record()
+            self.origin = self._event()
         self.t0 = time.perf_counter()
 
     def mark(self) -> Any:
         if self.cuda:
             if self.origin is None:
                 self.start()
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
+            return self._event()
         return time.perf_counter() - self.t0
 
     def settle(self) -> None:
+        """Wait for the device: ``elapsed_time`` fails on an event the device has not reached yet."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
     def seconds(self, mark: Any) -> float:
+        """Seconds from the origin to ``mark`` (CUDA: call :meth:`settle` after the last mark first)."""
         return self.origin.elapsed_time(mark) / 1e3 if self.cuda else float(mark)
 
 

@@ -172,13 +172,7 @@ def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: 
             raise ValueError("inline=True runs one rank with gloo on the CPU: use world_size=1, backend None or "
                              "'gloo', device None or 'cpu' and no placement")
         return [_run_inline(fn, args, timeout)]
-    if placement is None:
-        gpus = visible_gpus()
-        if device is None and not (backend == "nccl" or (backend is None and 0 < world_size <= gpus)):
-            device = "cpu"  # the backend's device: the CPU under gloo (under NCCL, auto: the GPUs)
-        placement = resolve_placement(world_size, gpus, device, backend)
-    elif backend is not None or device is not None:
-        raise ValueError("launch: pass either placement or backend/device, not both")
+    placement = _launch_placement(world_size, device, backend, placement, "launch")
     if placement.num_ranks != world_size:
         raise ValueError(f"launch: the placement has {placement.num_ranks} ranks, world_size is {world_size}")
     threads = threads_per_rank or max(1, _usable_cores() // world_size)
@@ -217,6 +211,21 @@ def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: 
             c.close()
 
 
+def _launch_placement(ranks: int, device: Any, backend: Optional[str], placement: Optional["Placement"],
+                      caller: str) -> "Placement":
+    """The placement of ``ranks`` local ranks given to ``launch``/``torchrun_main``: ``placement``
+    itself, or one resolved from ``device``/``backend``, where a device left ``None`` is the
+    backend's (the CPU under gloo; under NCCL, chosen automatically, the GPUs)."""
+    if placement is not None:
+        if backend is not None or device is not None:
+            raise ValueError(f"{caller}: pass either placement or backend/device, not both")
+        return placement
+    gpus = visible_gpus()
+    if device is None and not (backend == "nccl" or (backend is None and 0 < ranks <= gpus)):
+        device = "cpu"
+    return resolve_placement(ranks, gpus, device, backend)
+
+
 def torchrun_main(fn: Callable[..., T], args: tuple = (), *, backend: Optional[str] = None,
                   device: Optional[str] = None, placement: Optional[Placement] = None, timeout: float = 300.0,
                   threads_per_rank: Optional[int] = None) -> T:
@@ -233,14 +242,8 @@ def torchrun_main(fn: Callable[..., T], args: tuple = (), *, backend: Optional[s
         raise RuntimeFailure(f"not started by torchrun: environment variable(s) {', '.join(missing)} unset")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if placement is None:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
-        gpus = visible_gpus()
-        if device is None and not (backend == "nccl" or (backend is None and 0 < local_world <= gpus)):
-            device = "cpu"  # the backend's device: the CPU under gloo (under NCCL, auto: the GPUs)
-        placement = resolve_placement(local_world, gpus, device, backend)
-    elif backend is not None or device is not None:
-        raise ValueError("torchrun_main: pass either placement or backend/device, not both")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    placement = _launch_placement(local_world, device, backend, placement, "torchrun_main")
     if local_rank >= placement.num_ranks:
         raise RuntimeFailure(f"LOCAL_RANK {local_rank} is outside the placement's {placement.num_ranks} local ranks "
                              "(LOCAL_WORLD_SIZE)")

@@ -288,6 +288,11 @@ def _spmm_scipy(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor) -> to
 # cudaDataType_t values (CUDA's library_types.h) of the value types the kernels take.
 _CUDA_DATA_TYPE = {torch.float32: 0, torch.float64: 1}  # CUDA_R_32F, CUDA_R_64F
 _INT32_MAX = 2**31 - 1
+# cusparseSpMMAlg_t's CUSPARSE_SPMM_CSR_ALG2 (cusparse.h, CUDA 11 to 13): the CSR algorithm cuSPARSE's
+# SpMM documentation names as the one intended for row-major dense operands, which ours are. CuPy's
+# bindings export only the pre-CUDA-11 names of this enum (CUSPARSE_MM_ALG_DEFAULT,
+# CUSPARSE_CSRMM_ALG1), so the value is spelled here.
+_SPMM_CSR_ALG2 = 6
 
 
 def _import_cupy() -> tuple[Any, Any]:
@@ -317,8 +322,8 @@ class _CusparseCSR:
         index_dtype = torch.int32 if small else torch.int64
         index_type = cusparse.CUSPARSE_INDEX_32I if small else cusparse.CUSPARSE_INDEX_64I
         indptr, indices = csr.on(device)
-        self.indptr = indptr.to(index_dtype).contiguous()
-        self.indices = indices.to(index_dtype).contiguous()
+        self.indptr = _aligned(indptr.to(index_dtype))
+        self.indices = _aligned(indices.to(index_dtype))
         self.ones = torch.ones(csr.nnz, dtype=dtype, device=device)
         self.desc = cusparse.createCsr(
             csr.num_rows, csr.num_cols, csr.nnz, self.indptr.data_ptr(), self.indices.data_ptr(),
@@ -337,8 +342,9 @@ class _CusparseCSR:
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` (contiguous) itself when its data is 16-byte aligned, else an aligned copy.
 
-    torch's allocations are aligned; a view at an offset (rows of a larger tensor) may not be,
-    and cuSPARSE's vectorized kernels read 16-byte words.
+    cuSPARSE documents alignment to the element size (``cusparseCreateDnMat``), which every torch
+    tensor has; its kernels may also read wider words, so operands keep the 16-byte alignment of
+    torch's own allocations, and a view at an odd offset (rows of a larger tensor) is copied.
     """
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
@@ -349,9 +355,11 @@ def _cusparse_spmm(cusparse: Any, handle: int, mat: _CusparseCSR, values: torch.
     """``c = A_values @ b`` with row-major ``b`` ``[K, n]`` and ``c`` ``[M, n]`` (contiguous, aligned)."""
     dt = _CUDA_DATA_TYPE[b.dtype]
     np_dtype = np.float32 if b.dtype == torch.float32 else np.float64
+    # host scalars: the handle's pointer mode is cuSPARSE's default, CUSPARSE_POINTER_MODE_HOST (CuPy never
+    # changes it), and cuSPARSE reads host scalars before the call returns
     alpha, beta = np.ones((), dtype=np_dtype), np.zeros((), dtype=np_dtype)
     op = cusparse.CUSPARSE_OPERATION_NON_TRANSPOSE
-    alg = cusparse.CUSPARSE_SPMM_ALG_DEFAULT
+    alg = _SPMM_CSR_ALG2
     cusparse.spMatSetValues(mat.desc, values.data_ptr())
     k, n = b.shape
     desc_b = cusparse.createDnMat(k, n, n, b.data_ptr(), dt, cusparse.CUSPARSE_ORDER_ROW)
@@ -389,7 +397,10 @@ def _spmm_cupy(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor) -> tor
     vals = None if values is None else values.detach()
     stream = torch.cuda.current_stream(dev)
     with cupy.cuda.Device(dev.index), cupy.cuda.ExternalStream(stream.cuda_stream, dev.index):
+        # CuPy's spMM binds its shared handle to CuPy's current stream (torch's, entered above) before
+        # launching; binding it here too keeps the product on torch's stream whatever the CuPy version
         handle = cupy.cuda.device.get_cusparse_handle()
+        cusparse.setStream(handle, stream.cuda_stream)
         if heads == 1:
             v = mat.ones if vals is None else _aligned(vals.reshape(-1))
             _cusparse_spmm(cusparse, handle, mat, v, _aligned(x2), out)
