@@ -244,7 +244,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         # impossible forced choice is refused here
         print(describe_run(p, plan_placement(p, **placement)))
         res = p.run(epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
-                    timeout=args.timeout, **placement)
+                    timeout=args.timeout, **placement, **_checkpointing(args))
     console = Console()
     console.width = max(console.width, 100)
     hist = res.history
@@ -307,7 +307,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     console.print(f"model {args.model}: {n_params:,} parameters; device {args.device}; "
                   f"kernel backend {kernels.default_backend()}")
     hist = train(model, graph, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
-                 seed=args.seed, device=args.device, verbose=None if not args.quiet else False)
+                 seed=args.seed, device=args.device, verbose=None if not args.quiet else False, **_checkpointing(args))
     table = Table(title=f"{args.model} on {graph.name}, {args.epochs} epochs on {args.device}")
     for col in ("final loss", "best val acc", "test acc @ best val", "final test acc",
                 "epoch time (median)", "total train time"):
@@ -387,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     t.add_argument("--json", default=None, metavar="PATH", help="also write the history as JSON to PATH")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_checkpoint_args(t)
     t.set_defaults(func=_cmd_train)
 
     tr = sub.add_parser("trace", help="trace a model and print its T/P operator graph",
@@ -420,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this process is one rank launched by torchrun (reads RANK, WORLD_SIZE, MASTER_ADDR...)")
     r.add_argument("--json", default=None, metavar="PATH", help="also write the history and traffic as JSON")
     r.add_argument("--quiet", action="store_true", help="do not print the plan")
+    _add_checkpoint_args(r)
     r.set_defaults(func=_cmd_run)
 
     c = sub.add_parser("calibrate", help="measure this machine for the cost models",
@@ -490,9 +492,32 @@ def _add_model_args(t: argparse.ArgumentParser, MODELS: dict) -> None:
     t.add_argument("--num-classes", type=positive_int, default=None, help="synthetic graphs: number of classes")
 
 
+def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="write checkpoints (torch.distributed.checkpoint) and the best model (best.pt) to DIR")
+    p.add_argument("--checkpoint-every", type=positive_int, default=10, metavar="N",
+                   help="checkpoint every N epochs and after the last one (default: 10)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint-dir up to --epochs in total")
+    p.add_argument("--patience", type=positive_int, default=None, metavar="N",
+                   help="stop after N epochs without a higher validation accuracy")
+
+
+def _checkpointing(args: argparse.Namespace) -> dict:
+    """The checkpoint and early-stopping keyword arguments of ``train`` / ``plan.run`` the user set."""
+    out: dict = {"patience": args.patience}
+    if args.checkpoint_dir is not None:
+        out.update(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume)
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "resume", False) and args.checkpoint_dir is None:
+        parser.error("--resume needs --checkpoint-dir DIR (the directory of the run's checkpoints)")
+    if getattr(args, "torchrun", False) and (args.checkpoint_dir is not None or args.patience is not None):
+        parser.error("--checkpoint-dir and --patience are not supported with --torchrun yet; run without --torchrun")
     try:
         return int(args.func(args) or 0)
     except (GnnCompileError, ValueError, FileNotFoundError) as exc:

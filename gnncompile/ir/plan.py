@@ -844,7 +844,9 @@ class Plan:
         ``device``: ``None`` (auto: the GPUs when CUDA is available, else the CPU), ``"cpu"``,
         ``"cuda"`` or ``"cuda:N"``; ``backend``: ``None`` (auto: NCCL with a GPU per rank, else
         gloo, ranks sharing GPUs), ``"gloo"`` or ``"nccl"``. The result's
-        ``describe_placement()`` says where the ranks ran and what the plan was planned for."""
+        ``describe_placement()`` says where the ranks ran and what the plan was planned for.
+        Checkpoints and early stopping: ``checkpoint_dir=``, ``checkpoint_every=``, ``resume=``,
+        ``patience=`` (passed on to ``run_plan``); ``result.best_state_dict()``."""
         if self.program is None:
             raise PlanningError("this plan holds no model (it was loaded from a file without one); "
                                 "use gnncompile.Plan.load(path, model, graph) to run it")

@@ -35,16 +35,71 @@ members' row counts; it runs as one all-to-all.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["CommStats", "Communicator", "Pending", "HaloSpec", "halo_exchange", "rows_to_cols", "cols_to_rows",
-           "all_gather_rows", "reduce_scatter_rows", "offsets", "STAGEABLE_OPS", "host_staged_ops"]
+           "all_gather_rows", "reduce_scatter_rows", "offsets", "STAGEABLE_OPS", "host_staged_ops",
+           "ProgressRecorder", "set_progress_recorder", "note_progress"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class ProgressRecorder(Protocol):
+    """Where a rank records its progress, so that the process supervising it can tell, when a run
+    stalls, which rank did not reach a communication the others wait in (the launcher installs
+    one in each rank it starts: shared memory it reads). Every call must be cheap (microseconds)."""
+
+    def begin(self, op: str) -> None:
+        """This process enters communication ``op`` (``"all_reduce"``, ``"recv"``, ...), where it may block."""
+
+    def end(self) -> None:
+        """The communication entered last returned."""
+
+    def where(self, text: str) -> None:
+        """The program's own position, e.g. ``"step 3 instruction 7 (AR grads)"``."""
+
+
+_recorder: Optional[ProgressRecorder] = None
+
+
+def set_progress_recorder(recorder: Optional[ProgressRecorder]) -> None:
+    """Record this process's communications (and :func:`note_progress` calls) in ``recorder`` (``None``: stop)."""
+    global _recorder
+    _recorder = recorder
+
+
+def note_progress(where: str) -> None:
+    """Record the program's position (e.g. ``"step 3 instruction 7 (AR grads)"``) for failure reports;
+    a no-op unless a recorder is installed (ranks started by the launcher)."""
+    if _recorder is not None:
+        _recorder.where(where)
+
+
+def _tracked(op: str) -> Callable[[_F], _F]:
+    """Decorate a method that communicates (and may block) so that the installed
+    :class:`ProgressRecorder` sees this process enter and leave it."""
+
+    def wrap(method: _F) -> _F:
+        @functools.wraps(method)
+        def tracked(*args: Any, **kwargs: Any) -> Any:
+            recorder = _recorder
+            if recorder is None:
+                return method(*args, **kwargs)
+            recorder.begin(op)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                recorder.end()
+        return tracked  # type: ignore[return-value]
+    return wrap
+
 
 #: the ``torch.distributed`` operations a :class:`Communicator` makes, by the names its staging uses:
 #: ``send`` (``send``/``isend``), ``recv``, ``all_to_all`` (``all_to_all_single``: halo exchanges,
@@ -78,10 +133,16 @@ class _HeldWork:
     def __init__(self, work: Any, buffer: torch.Tensor) -> None:
         self._work, self._buffer = work, buffer
 
+    @_tracked("wait for a send")
     def wait(self) -> bool:
         done = self._work.wait()
         self._buffer = None  # type: ignore[assignment]
         return done
+
+
+@_tracked("wait for a posted collective")
+def _wait_posted(work: Any) -> None:
+    work.wait()
 
 
 class Pending:
@@ -99,7 +160,7 @@ class Pending:
     def wait(self) -> torch.Tensor:
         if self._result is None:
             if self._work is not None:
-                self._work.wait()
+                _wait_posted(self._work)
             self._result = self._finish()
             self._work = self._finish = self._keep = None  # type: ignore[assignment]
         return self._result
@@ -173,6 +234,7 @@ class Communicator:
         """``t`` itself, or a host copy of it when ``op`` is staged."""
         return t.to("cpu", copy=True) if op in self.stage_through_host else t
 
+    @_tracked("all_to_all")
     def _exchange(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
                   group: Any = None, size: Optional[int] = None, async_op: bool = False) -> Any:
         """All-to-all of rows (``send_counts[q]`` rows to member ``q``), not counted; returns the
@@ -323,12 +385,14 @@ class Communicator:
         self._ring_count(t.numel() * t.element_size(), members)
         return got.reshape((n, mine) + tuple(t.shape[1:])).sum(0)
 
+    @_tracked("send")
     def send(self, t: torch.Tensor, peer: int) -> None:
         """Blocking send of ``t`` to rank ``peer`` (counted)."""
         t = t.detach().contiguous()
         dist.send(self._host("send", t), dst=peer, group=self.group)
         self.stats.add(self.phase, peer, sent=t.numel() * t.element_size())
 
+    @_tracked("recv")
     def recv(self, shape: Sequence[int], dtype: torch.dtype, peer: int, device: Any = "cpu") -> torch.Tensor:
         """Blocking receive of a ``shape``/``dtype`` tensor from rank ``peer`` onto ``device`` (counted)."""
         t = torch.empty(tuple(shape), dtype=dtype, device=device)
@@ -341,6 +405,7 @@ class Communicator:
         self.stats.add(self.phase, peer, received=t.numel() * t.element_size())
         return t
 
+    @_tracked("isend")
     def isend(self, t: torch.Tensor, peer: int) -> Any:
         """Non-blocking send of ``t`` to rank ``peer`` (counted); returns the work handle. ``t`` must
         stay alive and unchanged until the handle's ``wait()`` returns."""
@@ -372,6 +437,7 @@ class Communicator:
         self.stats.add(self.phase, members[(me + 1) % n], sent=ring)
         self.stats.add(self.phase, members[(me - 1) % n], received=ring)
 
+    @_tracked("all_reduce")
     def sum_(self, t: torch.Tensor, group: Any = None) -> torch.Tensor:
         """Sum ``t`` in place across the group (``None``: this communicator's) and return it; not
         counted (the caller counts what it moves)."""

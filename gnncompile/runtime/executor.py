@@ -16,17 +16,24 @@ received tensors and dropout masks are made there, and its measurements come bac
 The loss on a rank is ``sum of cross-entropy over its training rows / global training count``;
 the reported loss and accuracies are reduced across ranks (counted as ``metrics`` traffic, apart
 from the training step's bytes).
+
+Checkpoints (:mod:`gnncompile.runtime.checkpoint`): with ``checkpoint_dir`` every rank writes its
+owned parameters and their Adam state, its random streams and its stale chunks after every
+``checkpoint_every`` epochs; a resumed rank loads them before its first step and continues the
+epoch loop where the checkpoint ended.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import cloudpickle
@@ -40,13 +47,14 @@ from ..graph.regroup import EpochInputs
 from ..frontend.ops import MaskCache, dropout_noise
 from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, Instruction,
                        OptimizerStep, Plan, RankProgram, Recv, ReduceScatter, Send, member_rows)
-from .comm import Communicator, HaloSpec, Pending
-from .launcher import Placement, RankContext, launch, resolve_placement, visible_gpus
+from . import checkpoint as ckpt
+from .comm import Communicator, HaloSpec, Pending, note_progress
+from .launcher import Placement, RankContext, RankFailure, launch, resolve_placement, visible_gpus
 from .memory import PeakMemory
 from .trainer import History, ProgressLines, check_training_args
 
 __all__ = ["TimelineEvent", "RankResult", "RunResult", "run_plan", "run_plan_torchrun", "execute_rank",
-           "plan_placement", "describe_run"]
+           "plan_placement", "describe_run", "plan_fingerprint"]
 
 
 @dataclass(frozen=True)
@@ -74,7 +82,10 @@ class RankResult:
     ``comm``: all traffic of the run by phase (``train``, ``eval``, ``metrics``) and peer.
     ``peak_memory``: peak bytes of live tensors during the first training step (CUDA allocator on
     GPU; profiler allocation accounting on CPU), above what was live before it.
-    ``timeline``: every executed instruction of every training step.
+    ``timeline``: every executed instruction of every training step (of this run: a resumed run's
+    first step is the one after its checkpoint, and its peak memory is measured there).
+    ``checkpoint_time``: seconds each checkpoint write took on this rank (from its start to the
+    rename on rank 0); ``restore_time``: seconds the resume's load took (``None``: not resumed).
     """
 
     rank: int
@@ -87,6 +98,8 @@ class RankResult:
     timeline: list[TimelineEvent]
     epoch_time: list[float]
     num_owned: int = 0
+    checkpoint_time: list[float] = field(default_factory=list)
+    restore_time: Optional[float] = None
 
     def time_by_kind(self) -> dict[str, float]:
         """Total time per instruction kind (``F``, ``B``, ``HALO``, ``AR``...) over all steps."""
@@ -109,6 +122,12 @@ class RunResult:
     captured: Optional[dict[str, Any]] = None
     #: where the ranks ran and how they communicated (backend, rank -> device, host staging)
     placement: Optional[Placement] = None
+
+    def best_state_dict(self) -> dict[str, torch.Tensor]:
+        """The parameters (by the model's names) at the epoch of the best validation accuracy
+        (``history.best_epoch``; on a resumed run, over all its epochs): ``model.load_state_dict(
+        result.best_state_dict(), strict=False)``. See :meth:`History.best_state_dict`."""
+        return self.history.best_state_dict()
 
     def describe_placement(self) -> str:
         """One line for a run's header: where the ranks ran, and where the plan was planned for
@@ -553,7 +572,9 @@ class _Rank:
                         # a view would keep the whole concatenated gradient alive
                         _accumulate(grads, (name, k), g if (name, k) in grads else g.clone())
 
-        for ins in instructions:
+        phase = "step" if optimizer is not None else "evaluation"
+        for i, ins in enumerate(instructions):
+            note_progress(f"{phase} {epoch} instruction {i} ({ins})")
             t0 = clock.mark() if timeline is not None else None
             if posted_grads and isinstance(ins, Backward):
                 settle({(o, ins.chunk) for o in spec[ins.stage].outputs})
@@ -646,9 +667,13 @@ def _accumulate(store: dict, name: Any, g: torch.Tensor) -> None:
 
 def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, weight_decay: float,
                  seed: Optional[int], eval_every: int, capture: bool, fail_at: Optional[tuple[int, int]],
-                 progress: bool = False) -> dict:
-    """Train on one rank for ``epochs`` steps on ``ctx.device``; returns this rank's measurements
-    (picklable, on the CPU). With ``progress``, rank 0 prints :class:`ProgressLines` to stderr."""
+                 progress: bool = False, run_options: Optional[dict] = None) -> dict:
+    """Train on one rank up to ``epochs`` steps on ``ctx.device``; returns this rank's measurements
+    (picklable, on the CPU). With ``progress``, rank 0 prints :class:`ProgressLines` to stderr.
+
+    ``run_options`` (from :func:`run_plan`): ``checkpoint`` (a :class:`CheckpointOptions`),
+    ``resume_from``/``resume_meta`` (the checkpoint to continue from and its ``meta.json``),
+    ``patience``, ``fingerprint`` and ``plan_json`` (written into each checkpoint)."""
     if seed is not None:
         # replicated masks: every rank makes single-device training's RNG calls from its seed;
         # otherwise rank 0 uses the seed and the others distinct streams
@@ -681,18 +706,39 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     peak = 0
     history = {"loss": [], "train_acc": [], "val_acc": [], "test_acc": [], "eval_time": []}
     captured: Optional[dict] = {} if capture else None
+    owned = {n for n in prog.param_names if prog.param_owner.get(n, prog.param_rank) == ctx.rank}
+    opts = run_options or {}
+    checkpoint: Optional[ckpt.CheckpointOptions] = opts.get("checkpoint")
+    patience: Optional[int] = opts.get("patience")
+    ck_group = None
+    if checkpoint is not None and ctx.world_size > 1 and dist.get_backend() != "gloo":
+        ck_group = dist.new_group(backend="gloo")  # torch.distributed.checkpoint coordinates with host objects
+    #: best validation accuracy so far: its epoch and this rank's owned parameters there
+    best: dict[str, Any] = {"val": -math.inf, "epoch": None, "params": {}}
+    stopped_at: Optional[int] = None
+    start = 0
+    checkpoint_time: list[float] = []
+    restore_time: Optional[float] = None
+    if opts.get("resume_from") is not None:
+        t_restore = time.perf_counter()
+        start = _restore_rank(rank, optimizer, opts["resume_from"], opts["resume_meta"], best, ck_group)
+        saved = opts["resume_meta"]["history"]
+        for k in history:
+            history[k] = list(saved[k])
+        epoch_time = list(saved["epoch_time"])
+        restore_time = time.perf_counter() - t_restore
     if ctx.world_size > 1:
         dist.barrier()  # a common time origin, so the ranks' timelines line up
     rank.clock.start()
     lines = ProgressLines(epochs, f"run {prog.world_size} ranks") if progress and ctx.rank == 0 else None
-    for epoch in range(epochs):
+    for epoch in range(start, epochs):
         if fail_at is not None and fail_at == (ctx.rank, epoch):
             raise RuntimeError(f"injected failure on rank {ctx.rank} in epoch {epoch}")
         for m in prog.modules.values():
             m.train()
         rank.comm.phase = "train"
         t0 = time.perf_counter()
-        with PeakMemory(device) if epoch == 0 else contextlib.nullcontext() as pm:
+        with PeakMemory(device) if epoch == start else contextlib.nullcontext() as pm:
             if prog.regroup is not None:  # this epoch's subgraphs (part of the step's time and memory)
                 inputs = prog.regroup.epoch(epoch, device if device.type != "cpu" else None)
                 cast_features(inputs.chunk_inputs.values())
@@ -703,7 +749,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
             loss, _ = rank.step(prog.modules, prog.stages, prog.instructions, prog.output, loss_fn, epoch,
                                 timeline, optimizer, captured if epoch == 0 else None)
             rank.use(None)
-        if epoch == 0:
+        if epoch == start:
             peak = pm.peak_bytes
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -737,25 +783,171 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
         history["eval_time"].append(time.perf_counter() - t1)
         if lines is not None:
             lines.update(epoch, history["loss"][-1], history["val_acc"][-1])
+        val = history["val_acc"][-1]
+        if do_eval and not math.isnan(val) and val > best["val"]:  # the first epoch of the best accuracy
+            best.update(val=val, epoch=epoch, params={n: p.detach().cpu().clone()
+                                                      for n, p in zip(prog.param_names, params) if n in owned})
+        if patience is not None and do_eval and epoch - (-1 if best["epoch"] is None else best["epoch"]) >= patience:
+            stopped_at = epoch  # every rank sees the same (reduced) accuracies, so all stop here
+        if checkpoint is not None and ((epoch + 1) % checkpoint.every == 0 or epoch == epochs - 1
+                                       or stopped_at is not None):
+            t_save = time.perf_counter()
+            _save_rank(rank, optimizer, checkpoint, epoch + 1, owned, best, history, epoch_time, stopped_at, opts,
+                       ck_group)
+            checkpoint_time.append(time.perf_counter() - t_save)
+        if stopped_at is not None:
+            break
     if lines is not None:
         lines.close()
 
     cs = rank.comm.stats
-    steps = max(epochs, 1)
+    steps = max(len(epoch_time) - start, 1)
     train_sent = {q: b // steps for q, b in cs.sent.get("train", {}).items()}
     train_recv = {q: b // steps for q, b in cs.received.get("train", {}).items()}
     out = {
         "rank": ctx.rank, "history": history, "epoch_time": epoch_time, "timeline": timeline,
         "sent_to": train_sent, "received_from": train_recv, "comm": cs.as_dict(), "peak_memory": peak,
         "num_owned": int(prog.owned.numel()) if prog.owned is not None else int(prog.inputs["g"].num_nodes),
-        "pid": os.getpid(),
+        "pid": os.getpid(), "stopped_at": stopped_at, "checkpoint_time": checkpoint_time,
+        "restore_time": restore_time,
+        "best": {"epoch": best["epoch"], "val": best["val"], "params": best["params"]},
     }
     if capture:
         out["captured"] = captured
-    owned = {n for n in prog.param_names if prog.param_owner.get(n, prog.param_rank) == ctx.rank}
     if owned:
         out["params"] = {n: p.detach().cpu().clone() for n, p in zip(prog.param_names, params) if n in owned}
     return out
+
+
+def _stale_state(rank: "_Rank") -> dict[str, torch.Tensor]:
+    return {f"{name}/{chunk}": t for (name, chunk), t in rank.stale.items()}
+
+
+def _restore_stale(rank: "_Rank", tensors: dict[str, torch.Tensor]) -> None:
+    rank.stale = {}
+    for key, t in tensors.items():
+        name, chunk = key.rsplit("/", 1)
+        rank.stale[name, int(chunk)] = t.to(rank.ctx.device)
+
+
+# relaxed plans' stale reads: the previous step's copies of chunks not computed yet (per rank)
+ckpt.register_rank_state("stale", _stale_state, _restore_stale)
+
+
+def _save_rank(rank: "_Rank", optimizer: torch.optim.Optimizer, options: ckpt.CheckpointOptions, done: int,
+               owned: set[str], best: dict, history: dict, epoch_time: list[float], stopped_at: Optional[int],
+               opts: dict, group: Any) -> None:
+    """Write this rank's part of the checkpoint after ``done`` epochs (collective; see
+    :mod:`gnncompile.runtime.checkpoint` for the keys)."""
+    prog, r = rank.prog, rank.ctx.rank
+    tensors: dict[str, torch.Tensor] = {}
+    for n, p in zip(prog.param_names, prog.params):
+        if n not in owned:
+            continue
+        tensors[f"params/{n}"] = p
+        for field_name, v in optimizer.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"optim/{n}/{field_name}"] = v
+        if n in best["params"]:
+            tensors[f"best/{n}"] = best["params"][n]
+    tensors[f"rank{r}/rng/cpu"] = torch.get_rng_state()
+    if rank.ctx.device.type == "cuda":
+        tensors[f"rank{r}/rng/cuda"] = torch.cuda.get_rng_state(rank.ctx.device)
+    for name, (get, _) in ckpt.RANK_STATE.items():
+        for k, v in get(rank).items():
+            tensors[f"rank{r}/{name}/{k}"] = v
+
+    def meta() -> dict:
+        return {"history": {**history, "epoch_time": list(epoch_time)}, "best_epoch": best["epoch"],
+                "best_val": best["val"] if best["epoch"] is not None else None, "stopped_at": stopped_at,
+                "fingerprint": opts["fingerprint"], "same_seed": bool(prog.same_seed),
+                # same-seed plans: the rank that computes every parameterized op draws every mask (a
+                # rank without dense ops draws none), so its stream is the one to continue
+                "rng_rank": int(prog.param_rank)}
+
+    ckpt.save(options, done, tensors, rank=r, meta=meta, plan_json=opts.get("plan_json"), process_group=group)
+
+
+def _restore_rank(rank: "_Rank", optimizer: torch.optim.Optimizer, path: str, meta: dict, best: dict,
+                  group: Any) -> int:
+    """Load this rank's state from checkpoint ``path``: parameters and optimizer state by name (so
+    another rank count can read them), the best parameters, the random streams and the registered
+    per-rank state (same rank count; with another one, ranks of a same-seed plan take the
+    stream of the rank that drew every mask, ``rng_rank``, and the others keep their fresh seeds).
+    Returns the epoch to continue from."""
+    prog, ctx = rank.prog, rank.ctx
+    saved_ranks = meta["fingerprint"]["plan"]["ranks"]
+    same = saved_ranks == ctx.world_size
+    src = ctx.rank if same else (int(meta.get("rng_rank", 0)) if prog.same_seed
+                                 else (ctx.rank if ctx.rank < saved_ranks else None))
+    names = set(prog.param_names)
+
+    def wanted(key: str) -> bool:
+        head, _, rest = key.partition("/")
+        if head in ("params", "best"):
+            return rest in names
+        if head == "optim":
+            return rest.rsplit("/", 1)[0] in names
+        if same:
+            return head == f"rank{ctx.rank}"
+        return src is not None and key.startswith(f"rank{src}/rng/")
+
+    t = ckpt.load_tensors(Path(path), wanted, process_group=group)
+    device = ctx.device
+    with torch.no_grad():
+        for n, p in zip(prog.param_names, prog.params):
+            if f"params/{n}" in t:
+                p.copy_(t[f"params/{n}"])
+    for n, p in zip(prog.param_names, prog.params):
+        state = {k.rsplit("/", 1)[1]: v for k, v in t.items() if k.startswith(f"optim/{n}/")}
+        if p.requires_grad and state:  # Adam keeps a scalar step on the CPU, moments beside the parameter
+            optimizer.state[p] = {f: v if v.dim() == 0 else v.to(device) for f, v in state.items()}
+    owned = {n for n in prog.param_names if prog.param_owner.get(n, prog.param_rank) == ctx.rank}
+    if meta.get("best_epoch") is not None:
+        best.update(val=meta["best_val"], epoch=meta["best_epoch"],
+                    params={n: t[f"best/{n}"] for n in owned if f"best/{n}" in t})
+    if src is not None and f"rank{src}/rng/cpu" in t:
+        torch.set_rng_state(t[f"rank{src}/rng/cpu"])
+    if src is not None and device.type == "cuda" and f"rank{src}/rng/cuda" in t:
+        torch.cuda.set_rng_state(t[f"rank{src}/rng/cuda"], device)
+    if same:
+        for name, (_, set_) in ckpt.RANK_STATE.items():
+            prefix = f"rank{ctx.rank}/{name}/"
+            set_(rank, {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)})
+    return int(meta["epoch"])
+
+
+def plan_fingerprint(plan: Plan) -> dict[str, Any]:
+    """What a checkpoint of ``plan``'s run must match to be resumed: the model (class, parameter
+    names, shapes, dtypes), the graph (its description and a hash of each rank's structure) and the
+    plan (strategy, semantics, relaxations, options, ranks)."""
+    programs: list[RankProgram] = plan.program
+    p0 = programs[0]
+
+    def structure(prog: RankProgram) -> str:
+        graphs = [prog.inputs.get("g")] + [ci.get("g") for _, ci in sorted(prog.chunk_inputs.items())]
+        return ckpt.tensor_hash(*[t for g in graphs if g is not None for t in (g.indptr, g.indices)])
+
+    options = json.loads(json.dumps(plan.options, sort_keys=True, default=str))
+    return {"model": {"class": plan.info.get("model"),
+                      "params": [[n, list(p.shape), str(p.dtype)] for n, p in zip(p0.param_names, p0.params)]},
+            "graph": {"description": plan.info.get("graph"), "structure_by_rank": [structure(p) for p in programs]},
+            "plan": {"strategy": plan.strategy, "semantics": plan.semantics, "relaxations": list(plan.relaxations),
+                     "options": options, "ranks": plan.num_ranks}}
+
+
+def _reshard_refusal(path: Path, meta: dict) -> Optional[str]:
+    """Why a checkpoint cannot continue on another number of ranks (``None``: it can). Parameters
+    and optimizer state are stored by name, once, so every strategy's ranks can read theirs; state
+    that belongs to one rank (registered rank state, e.g. stale chunks) cannot move."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    kinds = sorted({k.split("/")[1] for k in keys if k.startswith("rank") and k.split("/")[1] != "rng"})
+    if kinds:
+        return (f"it holds per-rank state ({', '.join(kinds)}) that belongs to its "
+                f"{meta['fingerprint']['plan']['ranks']} ranks' chunks")
+    return None
 
 
 def plan_placement(plan: Plan, device: Any = None, backend: Optional[str] = None,
@@ -798,7 +990,70 @@ def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: floa
              seed: Optional[int] = 0, eval_every: int = 1, timeout: float = 300.0, capture: bool = False,
              update_model: bool = True, fail_at: Optional[tuple[int, int]] = None,
              threads_per_rank: Optional[int] = None, device: Any = None, backend: Optional[str] = None,
-             stage_through_host: Optional[Any] = None, progress: bool = True) -> RunResult:
+             stage_through_host: Optional[Any] = None, progress: bool = True,
+             checkpoint_dir: Optional[str | os.PathLike] = None, checkpoint_every: int = 10, resume: bool = False,
+             patience: Optional[int] = None) -> RunResult:
+    """Train with ``plan`` on ``plan.num_ranks`` local processes (see :func:`_run_plan` for the
+    run's own arguments); this adds checkpoints, resuming and early stopping.
+
+    ``checkpoint_dir``: write a checkpoint there every ``checkpoint_every`` epochs and after the
+    last one (:mod:`gnncompile.runtime.checkpoint`: parameters, Adam state, random streams, stale
+    chunks, history; atomic), and the best-validation parameters to ``checkpoint_dir/best.pt``. A
+    directory that already holds checkpoints is refused unless ``resume``. ``resume=True``
+    continues from the newest checkpoint up to ``epochs`` in total (the history covers all of
+    them): for exact plans the trajectory is bit-identical to an uninterrupted run on the CPU; a
+    checkpoint of another model, graph or plan, a damaged one, or none at all is refused with a
+    :class:`~gnncompile.RuntimeFailure` naming why. On another number of ranks the parameters and
+    optimizer state are re-sharded (stored by name); random streams follow rank 0's for plans with
+    replicated dropout masks and are fresh for other ranks, and checkpoints with per-rank state
+    (stale chunks) are refused. When a rank fails, the :class:`RankFailure`'s message ends with a
+    line saying how to resume. ``patience``: stop after this many epochs without a higher
+    validation accuracy (``history.stopped_at`` says where). ``result.best_state_dict()`` gives
+    the parameters at the best validation accuracy.
+    """
+    check_training_args(epochs, lr, weight_decay)
+    if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
+        raise ValueError(f"patience must be an int >= 1 or None, got {patience!r}")
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs checkpoint_dir (the directory of the run's checkpoints)")
+    programs: list[RankProgram] = plan.program
+    if patience is not None and not programs[0].counts.get("val"):
+        raise ValueError("patience needs validation vertices (the graph's val_mask is empty)")
+    options: Optional[ckpt.CheckpointOptions] = None
+    run_options: dict[str, Any] = {"patience": patience}
+    if checkpoint_dir is not None:
+        options = ckpt.CheckpointOptions(str(checkpoint_dir), checkpoint_every, resume)
+        if capture and resume:
+            raise ValueError("capture=True records the first step, which a resumed run does not take; drop one")
+        fingerprint = plan_fingerprint(plan)
+        found = ckpt.prepare(options, fingerprint, reshard=_reshard_refusal)
+        if found is not None and found.epoch > epochs:
+            raise RuntimeFailure(f"checkpoint {found.path} holds {found.epoch} epochs, more than epochs={epochs}; "
+                                 f"pass epochs >= {found.epoch} to continue it")
+        run_options.update(checkpoint=options, fingerprint=fingerprint, plan_json=plan.to_json(),
+                           resume_from=None if found is None else str(found.path),
+                           resume_meta=None if found is None else found.meta)
+    try:
+        result = _run_plan(plan, epochs, lr, weight_decay, seed=seed, eval_every=eval_every, timeout=timeout,
+                           capture=capture, update_model=update_model, fail_at=fail_at,
+                           threads_per_rank=threads_per_rank, device=device, backend=backend,
+                           stage_through_host=stage_through_host, progress=progress, run_options=run_options)
+    except RankFailure as e:
+        if options is not None:
+            e.args = (f"{e}\n{ckpt.resume_hint(options.directory, 'plan.run')}",)
+        raise
+    if options is not None and getattr(result.history, "_best_state", None) is not None:
+        ckpt.write_best(options.directory, result.history._best_state, result.history.best_epoch,
+                        result.history.best_val_acc)
+    return result
+
+
+def _run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: float = 5e-4, *,
+              seed: Optional[int] = 0, eval_every: int = 1, timeout: float = 300.0, capture: bool = False,
+              update_model: bool = True, fail_at: Optional[tuple[int, int]] = None,
+              threads_per_rank: Optional[int] = None, device: Any = None, backend: Optional[str] = None,
+              stage_through_host: Optional[Any] = None, progress: bool = True,
+              run_options: Optional[dict] = None) -> RunResult:
     """Train with ``plan`` on ``plan.num_ranks`` local processes.
 
     ``device``: ``None`` (auto: the GPUs when CUDA is available, else the CPU), ``"cpu"``,
@@ -819,25 +1074,32 @@ def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: floa
     check_training_args(epochs, lr, weight_decay)
     placement = plan_placement(plan, device, backend, stage_through_host)
     programs: list[RankProgram] = plan.program
-    with tempfile.TemporaryDirectory(prefix="gnncompile-plan-") as tmp:
+    # each rank deletes its program once loaded and the last one the directory (_rank_main); if this
+    # process dies, the ranks delete it (launch's temp_paths)
+    with tempfile.TemporaryDirectory(prefix="gnncompile-plan-", ignore_cleanup_errors=True) as tmp:
         # each rank loads only its own program (a rank's graph shard can be large)
         for prog in programs:
             # by value what ranks cannot import: model classes defined in __main__ (a script, a notebook)
             torch.save(prog, os.path.join(tmp, f"rank{prog.rank}.pt"), pickle_module=cloudpickle)
         results = launch(_rank_main, plan.num_ranks, (tmp, epochs, lr, weight_decay, seed, eval_every, capture,
-                                                      fail_at, progress),
-                         placement=placement, timeout=timeout, threads_per_rank=threads_per_rank)
+                                                      fail_at, progress, run_options),
+                         placement=placement, timeout=timeout, threads_per_rank=threads_per_rank, temp_paths=(tmp,))
     results = sorted(results, key=lambda r: r["rank"])
     h0 = results[0]["history"]
     history = History(loss=h0["loss"], train_acc=h0["train_acc"], val_acc=h0["val_acc"], test_acc=h0["test_acc"],
-                      epoch_time=[max(r["epoch_time"][e] for r in results) for e in range(epochs)],
-                      eval_time=h0["eval_time"])
+                      epoch_time=[max(r["epoch_time"][e] for r in results) for e in range(len(h0["loss"]))],
+                      eval_time=h0["eval_time"], stopped_at=results[0].get("stopped_at"))
+    p0 = programs[0]
+    if results[0]["best"]["epoch"] is not None:  # each parameter from its owner
+        history._best_state = {n: results[p0.param_owner.get(n, p0.param_rank)]["best"]["params"][n]
+                               for n in p0.param_names}
     ranks = []
     for r in results:
         ranks.append(RankResult(
             rank=r["rank"], bytes_sent=sum(r["sent_to"].values()), bytes_received=sum(r["received_from"].values()),
             sent_to=r["sent_to"], received_from=r["received_from"], comm=r["comm"], peak_memory=r["peak_memory"],
-            timeline=r["timeline"], epoch_time=r["epoch_time"], num_owned=r["num_owned"]))
+            timeline=r["timeline"], epoch_time=r["epoch_time"], num_owned=r["num_owned"],
+            checkpoint_time=r["checkpoint_time"], restore_time=r["restore_time"]))
     captured = None
     if capture:
         captured = _gather_capture(programs, results)
@@ -851,7 +1113,11 @@ def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: floa
 
 
 def _rank_main(ctx: RankContext, program_dir: str, *args: Any) -> dict:
-    prog = torch.load(os.path.join(program_dir, f"rank{ctx.rank}.pt"), weights_only=False)
+    path = os.path.join(program_dir, f"rank{ctx.rank}.pt")
+    prog = torch.load(path, weights_only=False)
+    os.unlink(path)
+    with contextlib.suppress(OSError):  # not empty: another rank has yet to load its program
+        os.rmdir(program_dir)
     return execute_rank(ctx, prog, *args)
 
 

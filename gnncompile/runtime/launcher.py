@@ -21,15 +21,28 @@ Failure handling (every path leaves no child process behind):
   timeouts, ``torch.distributed`` backend errors) is a secondary failure. When the first failure
   looks secondary, the caller waits up to half a second for a primary one (another rank's
   exception, or a rank that died); secondary failures are listed briefly after the root cause.
+- Lagging ranks: each rank records its progress in shared memory (:class:`_ProgressBoard`: how
+  many communications it entered, the one it is in, and the program's own position, see
+  :func:`~gnncompile.runtime.comm.note_progress`). When every failure is a timeout or a lost peer,
+  the root cause is the rank that did not fail: a rank that was stopped (SIGSTOP, a debugger:
+  process state ``T`` in ``/proc``) or the one furthest behind, still running (its Python stack
+  is dumped to its stderr, ``faulthandler`` on SIGUSR1, and quoted). So a stopped or stuck rank
+  is named within the collective timeout plus the half-second settle.
 - Hangs: the collective timeout bounds gloo and NCCL collectives, but not gloo point-to-point
   receives in every version, nor waits outside the process group. So the caller also watches the
   ranks' CPU time (``/proc``): when no rank has used CPU for ``timeout`` seconds plus 5 (every
   rank blocked, e.g. each waiting to receive from another; the 5 s let the ranks' own timeouts,
   with their tracebacks, come first) the run is declared hung and :class:`RankFailure` lists the
-  ranks still running. Where ``/proc`` is missing the guard counts wall time since the last rank
-  reported instead. A run that computes is never cut short, however long it takes.
-- Children die with the caller (Linux ``PR_SET_PDEATHSIG``) and ignore SIGINT, so a Ctrl-C is
-  handled once, by the caller, which stops them.
+  ranks still running, where each is, and names a stopped rank or one behind the others. Where
+  ``/proc`` is missing the guard counts wall time since the last rank reported instead. A run that
+  computes is never cut short, however long it takes.
+- Children die with the caller, within a fraction of a second and quietly: a thread in each rank
+  waits for the calling process to exit (a pidfd; polling its pid where pidfds are missing), then
+  deletes the run's ``temp_paths`` and ends the rank with ``os._exit`` (its stderr pointed at
+  ``/dev/null`` first: the pipe it wrote to is gone). The first to notice also kills the
+  forkserver (which would wait for its last client, then take most of a second to tear torch
+  down), and the other ranks with it: they die with the forkserver (Linux ``PR_SET_PDEATHSIG``).
+  Ranks ignore SIGINT, so a Ctrl-C is handled once, by the caller, which stops them.
 
 The ranks do not run the launching program's main script (multiprocessing would re-run it in
 every child, see :func:`_main_module_hidden`): ``fn`` and ``args`` are pickled once, in the
@@ -58,13 +71,18 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import faulthandler
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import pickle
 import re
+import select
+import shutil
 import signal
 import sys
 import textwrap
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -78,6 +96,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import RuntimeFailure
+from .comm import set_progress_recorder
 
 __all__ = ["Placement", "RankContext", "RankFailure", "launch", "resolve_placement", "torchrun_main", "visible_gpus"]
 
@@ -91,6 +110,9 @@ _GUARD_SLACK_S = 5.0     # the hang guard waits this much longer than the ranks'
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 _STDERR_TAIL_LINES = 20    # a RankFailure quotes this many of the failed rank's last stderr lines
 _STDERR_LINE_CHARS = 500   # ... each cut to this many characters
+_WATCH_POLL_S = 0.2        # without pidfds, how often a rank checks that the calling process lives
+_LABEL_BYTES = 120         # a rank's progress labels are cut to this many bytes
+_DUMP_WAIT_S = 0.3         # how long the caller waits for a lagging rank's stack dump
 _SECONDARY_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError"}
 _SECONDARY_MESSAGE = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused|ECONNRESET|EPIPE|"
                                 r"timed out|timeout", re.IGNORECASE)
@@ -116,18 +138,20 @@ class RankContext:
 class RankFailure(RuntimeFailure):
     """A launched run failed.
 
-    ``rank``: the root-cause rank (``None`` for a hang); ``exc_type``: the name of the exception it
-    raised (``None`` if it died without one); ``remote_traceback``: that rank's formatted
+    ``rank``: the root-cause rank (``None`` for a hang where no rank is stopped or behind the
+    others); ``exc_type``: the name of the exception it raised (``None`` if it died without one,
+    or did not fail but was stopped or fell behind); ``remote_traceback``: that rank's formatted
     traceback; ``exitcode``: its exit code if it died (negative: killed by that signal);
-    ``still_running``: ranks that had not finished (hang); ``secondary``: one line per other
-    failed rank; ``stderr_tail``: the last lines (up to 20) the root-cause rank wrote to its
-    stderr (also quoted in the message; empty when it wrote none or ran in this process).
+    ``still_running``: ranks that had not finished (a hang, or a stopped or lagging root cause);
+    ``secondary``: one line per other failed rank; ``stderr_tail``: the last lines (up to 20) the
+    root-cause rank wrote to its stderr (also quoted in the message; empty when it wrote none or ran in this process);
+    ``stopped``: the root-cause rank was stopped (SIGSTOP or a debugger) while the others waited.
     """
 
     def __init__(self, message: str, *, rank: Optional[int] = None, exc_type: Optional[str] = None,
                  remote_traceback: Optional[str] = None, exitcode: Optional[int] = None,
                  still_running: Sequence[int] = (), secondary: Sequence[str] = (),
-                 stderr_tail: Sequence[str] = ()) -> None:
+                 stderr_tail: Sequence[str] = (), stopped: bool = False) -> None:
         super().__init__(message)
         self.rank = rank
         self.exc_type = exc_type
@@ -136,11 +160,13 @@ class RankFailure(RuntimeFailure):
         self.still_running = list(still_running)
         self.secondary = list(secondary)
         self.stderr_tail = list(stderr_tail)
+        self.stopped = stopped
 
 
 def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: Optional[str] = None,
            device: Optional[str] = None, placement: Optional[Placement] = None, timeout: float = 300.0,
-           threads_per_rank: Optional[int] = None, inline: bool = False) -> list[T]:
+           threads_per_rank: Optional[int] = None, inline: bool = False,
+           temp_paths: Sequence[str] = ()) -> list[T]:
     """Run ``fn(ctx, *args)`` on ``world_size`` ranks and return the results ordered by rank.
 
     ``fn``, ``args`` and the results must be picklable; what the ranks cannot import (functions
@@ -155,7 +181,8 @@ def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: 
     refuses impossible requests before any rank starts. ``placement``: one decided beforehand
     (instead of ``backend``/``device``). ``timeout`` (seconds) bounds every collective and is the
     hang guard (see the module docstring). ``threads_per_rank`` defaults to the usable cores
-    divided among the ranks.
+    divided among the ranks. ``temp_paths``: files or directories of this run that the ranks
+    delete if this process dies while they run (the caller deletes them otherwise).
     ``inline=True`` (``world_size`` 1 only) runs ``fn`` in this process in a single-process gloo
     group, destroyed afterwards; ``threads_per_rank`` does not apply there.
 
@@ -179,6 +206,9 @@ def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: 
     payload = _pickle_payload(fn, args)
     mpc = _context()
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+    board = _ProgressBoard(mpc, world_size)
+    # multiprocessing's directory of this process (the forkserver's socket): also deleted if this process dies
+    temp_paths = tuple(map(str, temp_paths)) + (multiprocessing.util.get_temp_dir(),)
     procs: list[multiprocessing.process.BaseProcess] = []
     conns: list[multiprocessing.connection.Connection] = []        # each rank's result
     err_readers: list[multiprocessing.connection.Connection] = []  # each rank's stderr
@@ -194,14 +224,14 @@ def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: 
                 tee.add(rank, err_reader)
                 p = mpc.Process(target=_child_main, name=f"gnncompile-rank{rank}",
                                 args=(rank, world_size, placement, store.port, timeout, threads, os.getpid(),
-                                      payload, writer, err_writer))
+                                      payload, writer, err_writer, board, temp_paths))
                 try:
                     p.start()
                 finally:
                     writer.close()
                     err_writer.close()
                 procs.append(p)
-        results = _Supervisor(procs, conns, timeout, tee).run()
+        results = _Supervisor(procs, conns, timeout, tee, board).run()
         finished = True
         return results
     finally:
@@ -284,16 +314,20 @@ _CONTEXT: Any = None
 
 def _child_main(rank: int, world_size: int, placement: "Placement", port: int, timeout: float, threads: int,
                 parent_pid: int, payload: bytes, conn: multiprocessing.connection.Connection,
-                stderr: multiprocessing.connection.Connection) -> None:
-    """Body of a spawned rank: make ``stderr`` its fd 2, unpickle ``(fn, args)`` from ``payload``,
-    join the group, run ``fn``, send ``("ok", pickled result)`` or ``("error", type name, message,
-    traceback)`` to the caller, destroy the group."""
+                stderr: multiprocessing.connection.Connection, board: "_ProgressBoard",
+                temp_paths: tuple[str, ...]) -> None:
+    """Body of a spawned rank: make ``stderr`` its fd 2, watch the calling process ``parent_pid``
+    (exit quietly, deleting ``temp_paths``, when it dies), record progress on ``board``, unpickle
+    ``(fn, args)`` from ``payload``, join the group, run ``fn``, send ``("ok", pickled result)`` or
+    ``("error", type name, message, traceback)`` to the caller, destroy the group."""
     if sys.stderr is not None:
         sys.stderr.flush()
     os.dup2(stderr.fileno(), 2)     # sys.stderr writes to fd 2: Python's and C's messages both go there
     stderr.close()
-    _exit_with_parent(parent_pid)
+    _exit_with_parent(parent_pid, temp_paths)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # the caller asks a lagging rank where it is
+    set_progress_recorder(_RankRecorder(board, rank))
     # a forkserver child inherits the server's environment, not the launcher's: set the thread
     # variables here too (libraries that size their pools later read them)
     os.environ.update({k: str(threads) for k in _THREAD_ENV})
@@ -345,25 +379,87 @@ def _init_group(rank: int, world_size: int, local_rank: int, placement: "Placeme
                        local_rank=local_rank, stage_through_host=placement.stage_through_host)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Have the kernel kill this process when its parent dies (Linux; elsewhere a no-op).
+def _exit_with_parent(parent_pid: int, temp_paths: Sequence[str] = ()) -> None:
+    """End this rank, quietly, within a fraction of a second of the death of the calling process
+    ``parent_pid``, deleting ``temp_paths`` first (see :func:`_watch_caller`); and have the kernel
+    kill it when its kernel parent, the forkserver, dies (Linux ``PR_SET_PDEATHSIG``).
 
-    The kernel parent is the forkserver, which exits when the launching process ``parent_pid``
-    does, so a rank dies with the process that launched it either way.
+    The forkserver alone is no guard: it exits only when its last client has, and every rank is one.
     """
+    server = _forkserver_pidfd(parent_pid)
+    pidfd: Optional[int] = None
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except ProcessLookupError:          # the caller died before this rank got here
+        _exit_quietly(temp_paths, server)
+    except (AttributeError, OSError):   # no pidfds (not Linux, or a kernel before 5.3): poll the pid
+        pidfd = None
+    threading.Thread(target=_watch_caller, args=(parent_pid, pidfd, tuple(temp_paths), server), daemon=True,
+                     name="gnncompile-watch-caller").start()
     if sys.platform != "linux":
         return
     pr_set_pdeathsig = 1
     try:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     except (OSError, AttributeError):
-        return
-    try:
-        os.kill(parent_pid, 0)  # the launcher died before the request took effect
-    except ProcessLookupError:
-        os._exit(1)
-    except PermissionError:
         pass
+
+
+def _forkserver_pidfd(caller_pid: int) -> Optional[int]:
+    """A pidfd of the forkserver that started this process (its parent, when that is not the caller
+    ``caller_pid`` and runs ``multiprocessing.forkserver``), or ``None``."""
+    server = os.getppid()
+    if server in (caller_pid, 1) or not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        fd = os.pidfd_open(server)
+        with open(f"/proc/{server}/cmdline", "rb") as f:
+            if b"multiprocessing.forkserver" not in f.read():
+                os.close(fd)
+                return None
+        return fd
+    except OSError:
+        return None
+
+
+def _watch_caller(pid: int, pidfd: Optional[int], temp_paths: tuple[str, ...], server: Optional[int]) -> None:
+    """Thread body: wait until process ``pid`` exits (its ``pidfd`` turns readable; without one,
+    check every ``_WATCH_POLL_S`` seconds), then :func:`_exit_quietly`."""
+    if pidfd is not None:
+        select.select([pidfd], [], [])
+    else:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:     # a process of another user took the pid: the caller is gone
+                break
+            time.sleep(_WATCH_POLL_S)
+    _exit_quietly(temp_paths, server)
+
+
+def _exit_quietly(temp_paths: Sequence[str], server: Optional[int] = None) -> None:
+    """The calling process is gone: delete ``temp_paths``, kill the forkserver (pidfd ``server``:
+    it serves only the dead caller, and would take most of a second to tear torch down) and end
+    this process at once, writing nothing (stdout and stderr go to ``/dev/null``: the caller's end
+    of the stderr pipe is closed, and every write would raise ``BrokenPipeError``)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+    except OSError:
+        pass
+    for path in temp_paths:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    if server is not None:      # the other ranks die with it (PR_SET_PDEATHSIG), after their deletions or not
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(server, signal.SIGKILL)
+    os._exit(1)
 
 
 _MAIN_LOOKUP = re.compile(r"on <module '__main__'|from '__main__'|No module named '__mp_main__'")
@@ -396,6 +492,93 @@ def _run_inline(fn: Callable[..., T], args: tuple, timeout: float) -> T:
         dist.destroy_process_group()
 
 
+# --- progress -------------------------------------------------------------------------------------
+
+
+class _ProgressBoard:
+    """Every rank's progress, in memory shared between the caller and the ranks: per rank, how many
+    communications it entered, whether it is inside one now, the name of the last one and the
+    program's last position (:func:`~gnncompile.runtime.comm.note_progress`). Ranks write their
+    own slots (:class:`_RankRecorder`); the caller reads them (:meth:`read`) when a run stalls."""
+
+    def __init__(self, mpc: Any, world_size: int) -> None:
+        self.counts = mpc.RawArray(ctypes.c_int64, 2 * world_size)           # entered, inside (0/1)
+        self.labels = mpc.RawArray(ctypes.c_char, 2 * world_size * _LABEL_BYTES)  # last op, position
+
+    def read(self, rank: int) -> "_Position":
+        """Rank ``rank``'s progress as last written (the rank may be writing: a label may be torn)."""
+        def label(slot: int) -> str:
+            start = (2 * rank + slot) * _LABEL_BYTES
+            return self.labels[start:start + _LABEL_BYTES].rstrip(b"\0").decode(errors="replace")
+        return _Position(int(self.counts[2 * rank]), bool(self.counts[2 * rank + 1]), label(0), label(1))
+
+
+class _RankRecorder:
+    """A rank's :class:`~gnncompile.runtime.comm.ProgressRecorder`: writes its slots of a
+    :class:`_ProgressBoard` (a few shared-memory stores per call)."""
+
+    def __init__(self, board: _ProgressBoard, rank: int) -> None:
+        # memoryviews: a store through one takes a tenth of the time of one through ctypes
+        self._counts = memoryview(board.counts).cast("B").cast("q")
+        self._labels = memoryview(board.labels).cast("B")
+        self._rank = rank
+        self._encoded: dict[str, bytes] = {}
+
+    def begin(self, op: str) -> None:
+        i = 2 * self._rank
+        self._counts[i] += 1
+        self._counts[i + 1] = 1
+        self._put(0, op)
+
+    def end(self) -> None:
+        self._counts[2 * self._rank + 1] = 0
+
+    def where(self, text: str) -> None:
+        self._put(1, text)
+
+    def _put(self, slot: int, text: str) -> None:
+        data = self._encoded.get(text)
+        if data is None:
+            data = text.encode(errors="replace")[:_LABEL_BYTES].ljust(_LABEL_BYTES, b"\0")
+            if len(self._encoded) < 256:    # communication names repeat; positions mostly do not
+                self._encoded[text] = data
+        start = (2 * self._rank + slot) * _LABEL_BYTES
+        self._labels[start:start + _LABEL_BYTES] = data
+
+
+@dataclass(frozen=True)
+class _Position:
+    """A rank's progress (see :class:`_ProgressBoard`)."""
+
+    communications: int
+    inside: bool
+    op: str
+    where: str
+
+    def describe(self) -> str:
+        """E.g. ``waiting in communication 42 (all_reduce), at step 3 instruction 7 (AR grads)``."""
+        if self.communications == 0:
+            text = "before its first communication"
+        elif self.inside:
+            text = f"waiting in communication {self.communications} ({self.op})"
+        else:
+            text = f"past communication {self.communications} ({self.op})"
+        return text + (f", at {self.where}" if self.where else "")
+
+
+def _process_state(pid: Optional[int]) -> Optional[str]:
+    """The state letter of process ``pid`` in ``/proc`` (``R`` running, ``S`` sleeping, ``T``
+    stopped, ``t`` stopped by a debugger, ...), or ``None`` if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+_STATE_NAMES = {"R": "running", "S": "sleeping", "D": "in uninterruptible sleep"}
+
+
 # --- the caller side -------------------------------------------------------------------------------
 
 
@@ -408,6 +591,8 @@ class _Failure:
     message: str
     remote_traceback: Optional[str] = None
     exitcode: Optional[int] = None
+    stopped: bool = False              # a rank that did not fail but was stopped while the others waited
+    lagging: bool = False              # a rank that did not fail but stayed behind the others
 
     @property
     def secondary(self) -> bool:
@@ -439,9 +624,11 @@ class _Supervisor:
     passing their stderr on through ``tee`` meanwhile)."""
 
     def __init__(self, procs: list[multiprocessing.process.BaseProcess],
-                 conns: list[multiprocessing.connection.Connection], timeout: float, tee: "_StderrTee") -> None:
+                 conns: list[multiprocessing.connection.Connection], timeout: float, tee: "_StderrTee",
+                 board: _ProgressBoard) -> None:
         self.procs = procs
         self.tee = tee
+        self.board = board
         self.timeout = timeout
         self.world_size = len(procs)
         self.results: dict[int, Any] = {}
@@ -510,11 +697,72 @@ class _Supervisor:
                 f"blocked (waiting to receive from another?); still running: ranks {', '.join(map(str, running))}")
         if self.results:
             text += f"; finished: ranks {', '.join(map(str, sorted(self.results)))}"
-        return RankFailure(text, still_running=running)
+        text += "\nwhere they are: " + "; ".join(f"rank {r} {self.board.read(r).describe()}" for r in running)
+        behind = self._laggard(running, unique=True)
+        tail: list[str] = []
+        if behind is not None:
+            text += f"\nrank {behind.rank} of {self.world_size} {behind.describe()}"
+            tail = self._lagging_tail(behind)
+            if tail:
+                text += self._quote_tail(behind.rank, tail)
+        return RankFailure(text, rank=behind.rank if behind else None, still_running=running, stderr_tail=tail,
+                           stopped=bool(behind and behind.stopped))
+
+    def _laggard(self, candidates: Sequence[int], unique: bool = False) -> Optional[_Failure]:
+        """Among ``candidates`` (live ranks that have not failed), the one the others wait for: a
+        stopped one (process state ``T``/``t``), else the one that entered the fewest communications
+        (with ``unique``, only if no other has as few). ``None`` if there is none."""
+        if not candidates:
+            return None
+        states = {r: _process_state(self.procs[r].pid) for r in candidates}
+        positions = {r: self.board.read(r) for r in range(self.world_size)}
+        stopped = [r for r in candidates if states[r] in ("T", "t")]
+        rank = min(stopped or candidates, key=lambda r: (positions[r].communications, r))
+        if not stopped and unique and sum(positions[r].communications == positions[rank].communications
+                                          for r in candidates) > 1:
+            return None
+        where = positions[rank].describe()
+        state = states[rank]
+        if stopped:
+            how = "a debugger" if state == "t" else "SIGSTOP"
+            text = f"was stopped ({how}; process state {state}) {where}"
+        else:
+            shown = f"process state {state}: {_STATE_NAMES[state]}" if state in _STATE_NAMES else \
+                f"process state {state or 'unknown'}"
+            text = f"did not keep up with the other ranks: it is still running ({shown}), {where}"
+        others: dict[str, list[int]] = {}
+        for r in range(self.world_size):
+            if r != rank and r not in self.results:
+                p = positions[r]
+                key = f"communication {p.communications} ({p.op})" if p.communications else "no communication"
+                others.setdefault(key + (f", at {p.where}" if p.where else ""), []).append(r)
+        if others:
+            text += "; the others were at " + "; ".join(
+                f"{where} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})" for where, rs in others.items())
+        return _Failure(rank, None, text, stopped=bool(stopped), lagging=not stopped)
+
+    def _lagging_tail(self, root: _Failure) -> list[str]:
+        """The last stderr lines of a lagging rank; a running one is first asked for its Python stack
+        (``faulthandler``, SIGUSR1), a stopped one cannot answer."""
+        if root.lagging:
+            with contextlib.suppress(OSError, TypeError):
+                os.kill(self.procs[root.rank].pid, signal.SIGUSR1)
+            return self.tee.tail(root.rank, wait=_DUMP_WAIT_S)
+        return self.tee.tail(root.rank)
+
+    @staticmethod
+    def _quote_tail(rank: int, tail: list[str]) -> str:
+        return (f"\n\nlast {len(tail)} line{'s' if len(tail) != 1 else ''} of rank {rank}'s stderr:\n"
+                + textwrap.indent("\n".join(tail), "  ", lambda line: True))
 
     def _error(self) -> RankFailure:
         root = next((f for f in self.failures if not f.secondary), None)
         text = ""
+        if root is None:
+            # every failure is a symptom: the cause is a rank that has not failed, stopped or behind
+            failed = {f.rank for f in self.failures}
+            root = self._laggard([r for r in sorted(self.sentinels.values())
+                                  if r not in self.results and r not in failed])
         if root is None:
             root = self.failures[0]
             text = "every failed rank lost a peer or timed out (a deadlock, or a rank stuck outside the group?)\n"
@@ -524,14 +772,19 @@ class _Supervisor:
             text += "\nthen: " + "\n      ".join(others)
         # a rank that died: its last words (up to the end of its stderr, which its exit closes);
         # one that raised wrote what it wrote before its report, already in the pipe
-        tail = self.tee.tail(root.rank, wait=_TERM_GRACE_S if root.exc_type is None else 0.0)
+        if root.stopped or root.lagging:
+            tail = self._lagging_tail(root)
+        else:
+            tail = self.tee.tail(root.rank, wait=_TERM_GRACE_S if root.exc_type is None else 0.0)
         if tail:
-            text += (f"\n\nlast {len(tail)} line{'s' if len(tail) != 1 else ''} of rank {root.rank}'s stderr:\n"
-                     + textwrap.indent("\n".join(tail), "  ", lambda line: True))
+            text += self._quote_tail(root.rank, tail)
         if root.remote_traceback:
             text += f"\n\ntraceback on rank {root.rank}:\n" + textwrap.indent(root.remote_traceback.rstrip(), "  ")
+        running = [r for r in sorted(self.sentinels.values()) if r not in self.results] if root.stopped or \
+            root.lagging else []
         return RankFailure(text, rank=root.rank, exc_type=root.exc_type, remote_traceback=root.remote_traceback,
-                           exitcode=root.exitcode, secondary=others, stderr_tail=tail)
+                           exitcode=root.exitcode, still_running=running, secondary=others, stderr_tail=tail,
+                           stopped=root.stopped)
 
 
 class _HangGuard:
@@ -586,6 +839,8 @@ def _shutdown(procs: list[multiprocessing.process.BaseProcess], polite: bool, te
         for p in alive:
             if sig == signal.SIGTERM:
                 p.terminate()
+                with contextlib.suppress(OSError, TypeError):   # a stopped process acts on it once continued
+                    os.kill(p.pid, signal.SIGCONT)
             elif sig == signal.SIGKILL:
                 p.kill()
         waiting = {p.sentinel for p in alive}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from ..errors import GraphError, RuntimeFailure
 from ..frontend.ops import plan_dropout_draws
 from ..graph.core import Graph
+from . import checkpoint as ckpt
 
 __all__ = ["History", "ProgressLines", "train", "evaluate", "masked_accuracy"]
 
@@ -31,7 +33,9 @@ class History:
     ``epoch_time`` is the wall time of the training step (forward, backward, optimizer step);
     evaluation time is kept apart in ``eval_time``. ``best_epoch`` is the epoch with the highest
     validation accuracy (first on ties) and ``test_acc_at_best_val`` the test accuracy there: the
-    number papers report.
+    number papers report. ``stopped_at``: the epoch after which ``patience`` stopped training
+    (``None``: it ran every epoch). :meth:`best_state_dict` gives the parameters at ``best_epoch``
+    when the run kept them (``gc.train`` and ``plan.run`` do).
     """
 
     loss: list[float] = field(default_factory=list)
@@ -40,6 +44,18 @@ class History:
     test_acc: list[float] = field(default_factory=list)
     epoch_time: list[float] = field(default_factory=list)
     eval_time: list[float] = field(default_factory=list)
+    stopped_at: Optional[int] = None
+
+    def best_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state (by parameter name) at ``best_epoch``, the epoch of the highest
+        validation accuracy: ``model.load_state_dict(history.best_state_dict())`` (``plan.run``
+        keeps parameters only: pass ``strict=False`` for a model with buffers). Raises
+        :class:`~gnncompile.RuntimeFailure` when no validation accuracy was measured."""
+        state = getattr(self, "_best_state", None)
+        if state is None:
+            raise RuntimeFailure("this history keeps no best parameters: no validation accuracy was measured (the "
+                                 "graph has no val_mask) or it was not made by gc.train / plan.run")
+        return dict(state)
 
     @property
     def epochs(self) -> int:
@@ -73,7 +89,7 @@ class History:
         return s[len(s) // 2]
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self)  # dataclass fields only: the best parameters stay out
 
 
 class ProgressLines:
@@ -178,6 +194,10 @@ def train(
     dtype: Optional[torch.dtype] = None,
     eval_every: int = 1,
     verbose: Optional[bool] = None,
+    checkpoint_dir: Optional[str | os.PathLike] = None,
+    checkpoint_every: int = 10,
+    resume: bool = False,
+    patience: Optional[int] = None,
 ) -> History:
     """Train ``model`` on the whole ``graph`` on one device; the single-device reference.
 
@@ -207,16 +227,35 @@ def train(
         ``None`` (default): a tqdm progress bar when stderr is a terminal, else plain progress
         lines about every 10 s (:class:`ProgressLines`; runs shorter than that print nothing);
         ``True``: the tqdm bar always; ``False``: nothing.
+    checkpoint_dir, checkpoint_every, resume:
+        Write a checkpoint (:mod:`gnncompile.runtime.checkpoint`: the model's state, Adam's state,
+        torch's random streams, the history) into ``checkpoint_dir`` every ``checkpoint_every``
+        epochs and after the last one, and the best-validation state to ``checkpoint_dir/best.pt``;
+        ``resume=True`` continues from the newest checkpoint there up to ``epochs`` in total
+        (bit-identical to an uninterrupted run on the CPU). A checkpoint of another model or graph,
+        a damaged one, none at all with ``resume``, or existing ones without it are refused with a
+        :class:`~gnncompile.errors.RuntimeFailure`.
+    patience:
+        Stop after this many epochs without a higher validation accuracy (``History.stopped_at``).
 
     Returns
     -------
     History
-        Loss and accuracies per epoch, and per-epoch step times.
+        Loss and accuracies per epoch, and per-epoch step times; ``best_state_dict()`` gives the
+        model's state at the best validation accuracy.
     """
     check_training_args(epochs, lr, weight_decay)
     if eval_every < 1:
         raise ValueError(f"eval_every must be >= 1, got {eval_every}")
+    if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
+        raise ValueError(f"patience must be an int >= 1 or None, got {patience!r}")
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs checkpoint_dir (the directory of the run's checkpoints)")
     _check_trainable(graph)
+    if patience is not None and (graph.val_mask is None or int(graph.val_mask.sum()) == 0):
+        raise ValueError("patience needs validation vertices (the graph's val_mask is empty)")
+    options = None if checkpoint_dir is None else ckpt.CheckpointOptions(str(checkpoint_dir), checkpoint_every,
+                                                                           resume)
     if seed is not None:
         torch.manual_seed(seed)
     device = torch.device(device)
@@ -251,7 +290,18 @@ def train(
     # off the CPU, dropout draws its masks as plans do (see plan_dropout_draws)
     draws = contextlib.nullcontext() if device.type == "cpu" else plan_dropout_draws()
     hist = History()
-    for epoch in range(epochs):
+    best: dict[str, Any] = {"val": -math.inf, "epoch": None, "state": None}
+    start = 0
+    fingerprint: dict[str, Any] = {}
+    if options is not None:
+        fingerprint = _train_fingerprint(model, graph)
+        found = ckpt.prepare(options, fingerprint)
+        if found is not None:
+            if found.epoch > epochs:
+                raise RuntimeFailure(f"checkpoint {found.path} holds {found.epoch} epochs, more than epochs={epochs}; "
+                                     f"pass epochs >= {found.epoch} to continue it")
+            start = _restore_train(found, model, optimizer, hist, best, device)
+    for epoch in range(start, epochs):
         model.train()
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -280,8 +330,74 @@ def train(
             progress.set_postfix(loss=f"{hist.loss[-1]:.4f}", val=f"{hist.val_acc[-1]:.3f}")
         if lines is not None:
             lines.update(epoch, hist.loss[-1], hist.val_acc[-1])
+        val = hist.val_acc[-1]
+        if not math.isnan(val) and val > best["val"]:
+            best.update(val=val, epoch=epoch, state={k: v.detach().clone() for k, v in model.state_dict().items()})
+        if patience is not None and not math.isnan(val) and \
+                epoch - (-1 if best["epoch"] is None else best["epoch"]) >= patience:
+            hist.stopped_at = epoch
+        if options is not None and ((epoch + 1) % options.every == 0 or epoch == epochs - 1
+                                    or hist.stopped_at is not None):
+            _save_train(options, epoch + 1, model, optimizer, hist, best, fingerprint, device)
+        if hist.stopped_at is not None:
+            break
     if progress is not None:
         progress.close()
     if lines is not None:
         lines.close()
+    if best["state"] is not None:
+        hist._best_state = best["state"]
+        if options is not None:
+            ckpt.write_best(options.directory, best["state"], best["epoch"], best["val"])
     return hist
+
+
+def _train_fingerprint(model: torch.nn.Module, graph: Graph) -> dict[str, Any]:
+    """What a checkpoint of :func:`train` must match: the model (class, state names, shapes,
+    dtypes), the graph (name, sizes, a hash of its structure) and the run (single device)."""
+    return {"model": {"class": type(model).__name__,
+                      "params": [[k, list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()]},
+            "graph": {"name": graph.name, "num_nodes": int(graph.num_nodes), "num_edges": int(graph.num_edges),
+                      "features": int(graph.x.shape[-1]), "structure": ckpt.tensor_hash(graph.indptr, graph.indices)},
+            "plan": {"strategy": "single-device", "ranks": 1}}
+
+
+def _save_train(options: ckpt.CheckpointOptions, done: int, model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer, hist: History, best: dict, fingerprint: dict,
+                device: torch.device) -> None:
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors = {f"params/{k}": v for k, v in model.state_dict().items()}
+    for p, st in optimizer.state.items():
+        for f, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"optim/{names[id(p)]}/{f}"] = v
+    if best["state"] is not None:
+        tensors.update({f"best/{k}": v for k, v in best["state"].items()})
+    tensors["rank0/rng/cpu"] = torch.get_rng_state()
+    if device.type == "cuda":
+        tensors["rank0/rng/cuda"] = torch.cuda.get_rng_state(device)
+    meta = {"history": hist.to_dict(), "best_epoch": best["epoch"],
+            "best_val": best["val"] if best["epoch"] is not None else None, "fingerprint": fingerprint}
+    ckpt.save(options, done, tensors, rank=0, meta=lambda: meta, distributed=False)
+
+
+def _restore_train(found: ckpt.Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hist: History,
+                   best: dict, device: torch.device) -> int:
+    """Load a :func:`train` checkpoint into the model, the optimizer, torch's generators, ``hist``
+    and ``best``; returns the epoch to continue from."""
+    t = ckpt.load_tensors(found.path, lambda k: True, distributed=False)
+    model.load_state_dict({k[len("params/"):]: v for k, v in t.items() if k.startswith("params/")})
+    for n, p in model.named_parameters():
+        state = {k.rsplit("/", 1)[1]: v for k, v in t.items() if k.startswith(f"optim/{n}/")}
+        if state:
+            optimizer.state[p] = {f: v if v.dim() == 0 else v.to(device) for f, v in state.items()}
+    saved = found.meta["history"]
+    for f in ("loss", "train_acc", "val_acc", "test_acc", "epoch_time", "eval_time"):
+        setattr(hist, f, list(saved[f]))
+    if found.meta.get("best_epoch") is not None:
+        best.update(val=found.meta["best_val"], epoch=found.meta["best_epoch"],
+                    state={k[len("best/"):]: v.to(device) for k, v in t.items() if k.startswith("best/")})
+    torch.set_rng_state(t["rank0/rng/cpu"])
+    if device.type == "cuda" and "rank0/rng/cuda" in t:
+        torch.cuda.set_rng_state(t["rank0/rng/cuda"], device)
+    return found.epoch

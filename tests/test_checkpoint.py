@@ -1,0 +1,366 @@
+"""Checkpoints, resuming, best model and early stopping (plan.run and gc.train).
+
+:func:`check_resume_matches_straight` is the template a strategy's tests reuse (layer and split
+when they arrive, with their own state registered through
+:func:`gnncompile.runtime.checkpoint.register_rank_state`): it runs a plan straight through while
+checkpointing, then resumes a copy of the middle checkpoint to the end, and requires the same
+history and the same final and best parameters, bit for bit (on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import gnncompile as gc
+from gnncompile.errors import RuntimeFailure
+from gnncompile.runtime import checkpoint as ckpt
+from gnncompile.runtime.launcher import RankFailure
+
+from graph_strategies import sbm_graph
+
+
+@pytest.fixture(scope="module")
+def sbm() -> gc.Graph:
+    return sbm_graph(60)
+
+
+def _gcn(g: gc.Graph, hidden: int = 6) -> torch.nn.Module:
+    torch.manual_seed(0)  # dropout 0.5: the random stream matters
+    return gc.nn.GCN(g.num_features, hidden, g.num_classes, num_layers=2).double()
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state letter) of every process, from ``/proc``."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+                out[int(entry)] = (int(fields[1]), fields[0])
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _descendants() -> set[int]:
+    """Live (non-zombie) descendants of this process."""
+    table = _processes()
+    found, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, (pp, _) in table.items() if pp in frontier} - found
+        found |= frontier
+    return {p for p in found if table[p][1] != "Z"}
+
+
+def _ranks() -> list[int]:
+    """The live ranks: children of this process's forkserver (which runs ``multiprocessing.forkserver``)."""
+    table = _processes()
+    servers = set()
+    for pid, (pp, _) in table.items():
+        if pp == os.getpid():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"forkserver" in f.read():
+                        servers.add(pid)
+            except OSError:
+                pass
+    return sorted(pid for pid, (pp, state) in table.items() if pp in servers and state != "Z")
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool = True) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        if exact:
+            assert torch.equal(a[n], b[n]), f"parameter {n} differs"
+        else:
+            torch.testing.assert_close(a[n].cpu(), b[n].cpu(), rtol=1e-6, atol=1e-8, msg=f"parameter {n} differs")
+
+
+def check_resume_matches_straight(make_plan: Callable[[], Any], tmp: Path, epochs: int = 6, split: int = 3,
+                                  exact: bool = True, **run: Any) -> Any:
+    """The checkpoint template: ``make_plan()`` builds a fresh model and plan (same seed each time).
+    A straight run of ``epochs`` writes checkpoints every ``split`` epochs; a copy holding only the
+    ``epoch-split`` checkpoint is resumed to ``epochs`` with a fresh model and plan. Loss, accuracy
+    histories, final parameters and best parameters must be identical (``exact=False``: equal up
+    to float reordering, for devices whose kernels are not deterministic). ``run``: more
+    ``plan.run`` arguments. Returns the straight run."""
+    straight_dir, resumed_dir = tmp / "straight", tmp / "resumed"
+    plan = make_plan()
+    straight = plan.run(epochs, checkpoint_dir=straight_dir, checkpoint_every=split, progress=False, timeout=60, **run)
+    final = {n: p.detach().clone() for n, p in zip(plan.program[0].param_names, plan.program[0].params)}
+    assert (straight_dir / f"epoch-{split}").is_dir() and (straight_dir / f"epoch-{epochs}").is_dir()
+    assert (straight_dir / "latest").read_text().strip() == f"epoch-{epochs}"
+    resumed_dir.mkdir()
+    shutil.copytree(straight_dir / f"epoch-{split}", resumed_dir / f"epoch-{split}")
+    plan2 = make_plan()
+    resumed = plan2.run(epochs, checkpoint_dir=resumed_dir, resume=True, progress=False, timeout=60, **run)
+    for f in ("loss", "train_acc", "val_acc", "test_acc"):
+        if exact:
+            assert getattr(resumed.history, f) == getattr(straight.history, f), f
+        else:
+            assert getattr(resumed.history, f) == pytest.approx(getattr(straight.history, f), rel=1e-6, nan_ok=True), f
+    _assert_same(final, {n: p.detach().clone() for n, p in zip(plan2.program[0].param_names, plan2.program[0].params)},
+                 exact)
+    _assert_same(straight.best_state_dict(), resumed.best_state_dict(), exact)
+    assert resumed.history.best_epoch == straight.history.best_epoch
+    return straight
+
+
+# strategy -> plan options; ranks 2, tiny graph
+RESUMABLE = {
+    "data": dict(strategy="data"),
+    "tensor": dict(strategy="tensor", chunks=1),
+    "mop": dict(strategy="mop", chunks=2, sparse_ranks=1),
+    "task": dict(strategy="task", chunks=2),
+    "task-regrouped": dict(strategy="task", chunks=4, dependencies="regrouped", subgraph_chunks=2,
+                           semantics="relaxed"),
+    "task-cached": dict(strategy="task", chunks=3, dependencies="cached", semantics="relaxed"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RESUMABLE))
+def test_resume_matches_straight(sbm: gc.Graph, name: str, tmp_path: Path) -> None:
+    """Exact strategies and relaxed ones whose streams are all restored (regrouping orders come from
+    (seed, epoch); cached dependencies' stale chunks are rank state)."""
+    check_resume_matches_straight(lambda: gc.plan(_gcn(sbm), sbm, gpus=2, **RESUMABLE[name]), tmp_path)
+
+
+def test_checkpoint_layout_and_atomic_pointer(sbm: gc.Graph, tmp_path: Path) -> None:
+    plan = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data")
+    res = plan.run(5, checkpoint_dir=tmp_path, checkpoint_every=2, progress=False, timeout=60)
+    # every 2 epochs and the last; the two newest kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "epoch-4", "epoch-5", "latest"]
+    last = tmp_path / "epoch-5"
+    meta = json.loads((last / "meta.json").read_text())
+    assert meta["epoch"] == 5 and meta["history"]["loss"] == res.history.loss
+    assert json.loads((last / "plan.json").read_text())["strategy"] == "data"
+    assert any(f.suffix == ".distcp" for f in last.iterdir()) and (last / ".metadata").is_file()
+    best = torch.load(tmp_path / "best.pt")
+    assert best["epoch"] == res.history.best_epoch
+    _assert_same(best["state_dict"], res.best_state_dict())
+    # a write that died before its rename leaves a staging directory: the previous checkpoint stays
+    (tmp_path / ".staging-epoch6").mkdir()
+    (tmp_path / ".staging-epoch6" / "__0_0.distcp").write_bytes(b"partial")
+    assert ckpt.latest(tmp_path) == last
+    # a lost pointer: the newest complete directory
+    (tmp_path / "latest").unlink()
+    assert ckpt.latest(tmp_path) == last
+
+
+def test_refusals_before_any_rank_starts(sbm: gc.Graph, tmp_path: Path) -> None:
+    plan = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data")
+    with pytest.raises(RuntimeFailure, match="holds no complete checkpoint"):
+        plan.run(4, checkpoint_dir=tmp_path / "empty", resume=True, progress=False)
+    with pytest.raises(ValueError, match="resume=True needs checkpoint_dir"):
+        plan.run(4, resume=True)
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        plan.run(4, checkpoint_dir=tmp_path / "x", checkpoint_every=0)
+    with pytest.raises(ValueError, match="patience"):
+        plan.run(4, patience=0)
+    plan.run(2, checkpoint_dir=tmp_path / "d", checkpoint_every=1, progress=False, timeout=60)
+    with pytest.raises(RuntimeFailure, match="already holds checkpoints"):
+        plan.run(2, checkpoint_dir=tmp_path / "d", progress=False)
+    with pytest.raises(RuntimeFailure, match="more than epochs=1"):
+        plan.run(1, checkpoint_dir=tmp_path / "d", resume=True, progress=False)
+    # another model: hidden width 5
+    other = gc.plan(_gcn(sbm, hidden=5), sbm, gpus=2, strategy="data")
+    with pytest.raises(RuntimeFailure, match=r"model\.params") as info:
+        other.run(4, checkpoint_dir=tmp_path / "d", resume=True, progress=False)
+    assert "graph" not in str(info.value).split("what differs:")[1].split("\nresume")[0]
+    # another graph of other size
+    g2 = sbm_graph(70)
+    with pytest.raises(RuntimeFailure, match=r"graph\.description"):
+        gc.plan(_gcn(g2), g2, gpus=2, strategy="data").run(4, checkpoint_dir=tmp_path / "d", resume=True,
+                                                          progress=False)
+    # the same graph renumbered: same name, sizes and degrees, other structure
+    perm = torch.randperm(sbm.num_nodes, generator=torch.Generator().manual_seed(3))
+    data = {k: torch.empty_like(v).index_copy_(0, perm, v) for k, v in
+            dict(x=sbm.x, y=sbm.y, train_mask=sbm.train_mask, val_mask=sbm.val_mask, test_mask=sbm.test_mask).items()}
+    renumbered = gc.Graph.from_edge_index(perm[sbm.edge_index()], sbm.num_nodes, name=sbm.name, **data)
+    with pytest.raises(RuntimeFailure, match="written for another graph"):
+        gc.plan(_gcn(renumbered), renumbered, gpus=2, strategy="data").run(
+            4, checkpoint_dir=tmp_path / "d", resume=True, progress=False)
+    # another plan
+    with pytest.raises(RuntimeFailure, match=r"plan\.options"):
+        gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data", partitioner="random").run(
+            4, checkpoint_dir=tmp_path / "d", resume=True, progress=False)
+    with pytest.raises(RuntimeFailure, match=r"plan\.strategy"):
+        gc.plan(_gcn(sbm), sbm, gpus=2, strategy="tensor", chunks=1).run(
+            4, checkpoint_dir=tmp_path / "d", resume=True, progress=False)
+
+
+def test_damaged_checkpoint_refused(sbm: gc.Graph, tmp_path: Path) -> None:
+    plan = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data")
+    plan.run(2, checkpoint_dir=tmp_path, checkpoint_every=1, progress=False, timeout=60)
+    data = sorted((tmp_path / "epoch-2").glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # truncated
+    with pytest.raises(RuntimeFailure, match=rf"epoch-2 is damaged: {data.name} has .* bytes.*delete"):
+        plan.run(4, checkpoint_dir=tmp_path, resume=True, progress=False)
+    # deleting it, as the message says, resumes from the one before
+    shutil.rmtree(tmp_path / "epoch-2")
+    res = plan.run(3, checkpoint_dir=tmp_path, resume=True, progress=False, timeout=60)
+    assert res.history.epochs == 3
+    # damaged inside a file of the right size: torch.distributed.checkpoint's error, named
+    meta_file = tmp_path / "epoch-3" / ".metadata"
+    meta_file.write_bytes(b"\0" * meta_file.stat().st_size)
+    (tmp_path / "epoch-3" / "meta.json").write_text(json.dumps(
+        {**json.loads((tmp_path / "epoch-3" / "meta.json").read_text()), "files": {}}))
+    with pytest.raises(RuntimeFailure, match="epoch-3"):
+        plan.run(4, checkpoint_dir=tmp_path, resume=True, progress=False, timeout=60)
+
+
+@pytest.mark.parametrize("name", ["data", "tensor", "mop", "task"])
+def test_resume_on_more_ranks_reshards(sbm: gc.Graph, name: str, tmp_path: Path) -> None:
+    """Parameters and Adam state are stored once by name: 2 ranks, then 3. These plans' dropout
+    masks are replicated (the ranks continue the stream of the rank that drew them all), so the run
+    is the 2-rank run's up to float reassociation."""
+    opts = RESUMABLE[name]
+    straight = gc.plan(_gcn(sbm), sbm, gpus=2, **opts).run(6, checkpoint_dir=tmp_path / "a", checkpoint_every=3,
+                                                           progress=False, timeout=60)
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a" / "epoch-3", tmp_path / "b" / "epoch-3")
+    res = gc.plan(_gcn(sbm), sbm, gpus=3, **opts).run(6, checkpoint_dir=tmp_path / "b", resume=True, progress=False,
+                                                      timeout=60)
+    assert res.history.loss[:3] == straight.history.loss[:3]
+    assert res.history.loss[3:] == pytest.approx(straight.history.loss[3:], rel=1e-9, abs=1e-12)
+    _assert_same(res.best_state_dict(), straight.best_state_dict(), exact=res.history.best_epoch < 3)
+
+
+def test_per_rank_state_cannot_move_to_another_rank_count(sbm: gc.Graph, tmp_path: Path) -> None:
+    opts = RESUMABLE["task-cached"]
+    gc.plan(_gcn(sbm), sbm, gpus=2, **opts).run(2, checkpoint_dir=tmp_path, progress=False, timeout=60)
+    with pytest.raises(RuntimeFailure, match=r"written on 2 ranks, this plan has 3: .*per-rank state \(stale\)"):
+        gc.plan(_gcn(sbm), sbm, gpus=3, **opts).run(4, checkpoint_dir=tmp_path, resume=True, progress=False)
+
+
+def test_failure_message_says_how_to_resume_and_resume_finishes(sbm: gc.Graph, tmp_path: Path) -> None:
+    straight = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data").run(6, progress=False, timeout=60)
+    plan = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data")
+    before = _descendants()
+    with pytest.raises(RankFailure, match="injected failure") as info:
+        plan.run(6, checkpoint_dir=tmp_path, checkpoint_every=2, fail_at=(1, 5), progress=False, timeout=60)
+    deadline = time.monotonic() + 5
+    while _descendants() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _descendants() - before == set(), "the failed run left processes behind"
+    last = str(info.value).splitlines()[-1]
+    assert "epoch-4" in last and "resume=True" in last and "--resume" in last and str(tmp_path) in last
+    res = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data").run(6, checkpoint_dir=tmp_path, resume=True,
+                                                               progress=False, timeout=60)
+    assert res.history.loss == straight.history.loss
+
+
+def test_sigkill_of_a_rank_then_resume(sbm: gc.Graph, tmp_path: Path) -> None:
+    """A rank killed with SIGKILL once a checkpoint exists: the run fails naming it, no process is
+    left behind, and resuming gives the uninterrupted run's history."""
+    epochs = 60
+    straight = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data").run(epochs, progress=False, timeout=60)
+    before = _descendants()
+    killed: list[int] = []
+
+    def kill_a_rank() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (tmp_path / "latest").exists():
+            time.sleep(0.002)
+        ranks = _ranks()
+        if ranks:
+            pid = ranks[-1]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    watcher = threading.Thread(target=kill_a_rank)
+    watcher.start()
+    plan = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data")
+    with pytest.raises(RankFailure, match="SIGKILL") as info:
+        plan.run(epochs, checkpoint_dir=tmp_path, checkpoint_every=2, progress=False, timeout=30)
+    watcher.join()
+    assert killed
+    assert "resume=True" in str(info.value).splitlines()[-1]
+    deadline = time.monotonic() + 5
+    while _descendants() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _descendants() - before == set(), "the failed run left processes behind"
+    res = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data").run(epochs, checkpoint_dir=tmp_path, resume=True,
+                                                               progress=False, timeout=60)
+    assert res.history.loss == straight.history.loss
+
+
+def test_patience_stops_and_best_state_is_the_best_epochs(sbm: gc.Graph, tmp_path: Path) -> None:
+    plan = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data")
+    res = plan.run(40, patience=2, checkpoint_dir=tmp_path, progress=False, timeout=60)
+    h = res.history
+    assert h.stopped_at is not None and h.epochs == h.stopped_at + 1 < 40
+    assert h.stopped_at - h.best_epoch == 2
+    assert all(v <= h.best_val_acc for v in h.val_acc)
+    assert (tmp_path / f"epoch-{h.epochs}").is_dir()  # the stopping epoch is checkpointed
+    # the best parameters are those a run of best_epoch + 1 epochs ends with
+    short = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data")
+    short.run(h.best_epoch + 1, progress=False, timeout=60)
+    _assert_same(res.best_state_dict(), {n: p.detach() for n, p in zip(short.program[0].param_names,
+                                                                        short.program[0].params)})
+
+
+def test_train_resume_best_and_patience(sbm: gc.Graph, tmp_path: Path) -> None:
+    straight_model = _gcn(sbm)
+    straight = gc.train(straight_model, sbm, 6, verbose=False)
+    gc.train(_gcn(sbm), sbm, 3, verbose=False, checkpoint_dir=tmp_path, checkpoint_every=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "epoch-2", "epoch-3", "latest"]
+    model = _gcn(sbm)
+    resumed = gc.train(model, sbm, 6, verbose=False, checkpoint_dir=tmp_path, resume=True)
+    assert resumed.loss == straight.loss and resumed.val_acc == straight.val_acc
+    _assert_same(_params(model), _params(straight_model))
+    _assert_same(resumed.best_state_dict(), straight.best_state_dict())
+    with pytest.raises(RuntimeFailure, match=r"model\.params"):
+        gc.train(_gcn(sbm, hidden=5), sbm, 6, verbose=False, checkpoint_dir=tmp_path, resume=True)
+    stopped = gc.train(_gcn(sbm), sbm, 100, verbose=False, patience=3)
+    assert stopped.stopped_at is not None and stopped.epochs == stopped.stopped_at + 1
+    best_model = _gcn(sbm)
+    gc.train(best_model, sbm, stopped.best_epoch + 1, verbose=False)
+    _assert_same(stopped.best_state_dict(), best_model.state_dict())
+    with pytest.raises(RuntimeFailure, match="keeps no best parameters"):
+        gc.History().best_state_dict()
+
+
+def test_cli_checkpoint_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gnncompile.cli import main
+
+    small = ["--dataset", "sbm", "--num-nodes", "60", "--avg-degree", "4", "--num-features", "6", "--num-classes", "3",
+             "--hidden", "6", "--quiet"]
+    d = tmp_path / "ck"
+    assert main(["run", *small, "--gpus", "2", "--strategy", "data", "--epochs", "2", "--checkpoint-dir", str(d),
+                 "--checkpoint-every", "1"]) == 0
+    assert (d / "epoch-2").is_dir()
+    assert main(["run", *small, "--gpus", "2", "--strategy", "data", "--epochs", "3", "--checkpoint-dir", str(d),
+                 "--resume", "--patience", "5"]) == 0
+    assert json.loads((d / "epoch-3" / "meta.json").read_text())["epoch"] == 3
+    assert main(["train", *small, "--epochs", "2", "--checkpoint-dir", str(tmp_path / "t")]) == 0
+    assert (tmp_path / "t" / "best.pt").is_file()
+    for bad in (["--checkpoint-every", "0"], ["--patience", "0"], ["--resume"]):
+        with pytest.raises(SystemExit):
+            main(["train", *small, "--epochs", "2", *bad])
+    capsys.readouterr()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("name", ["data", "task-regrouped"])
+def test_resume_matches_straight_on_gpu(sbm: gc.Graph, name: str, tmp_path: Path) -> None:
+    """On CUDA: the CUDA generator (dropout masks drawn on the device) and the moments on the
+    device are restored; checkpoints go through a gloo group when the ranks use NCCL."""
+    check_resume_matches_straight(lambda: gc.plan(_gcn(sbm), sbm, gpus=2, **RESUMABLE[name]), tmp_path,
+                                  exact=False, device="cuda")
