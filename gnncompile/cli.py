@@ -230,7 +230,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         graph, model, p = _make_plan(args)
         res = run_plan_torchrun(p, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
-                                timeout=args.timeout, **placement)
+                                timeout=args.timeout, **placement, **_checkpointing(args))
         if res is None:  # not rank 0
             return 0
     else:
@@ -494,7 +494,8 @@ def _add_model_args(t: argparse.ArgumentParser, MODELS: dict) -> None:
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
-                   help="write checkpoints (torch.distributed.checkpoint) and the best model (best.pt) to DIR")
+                   help="write checkpoints (torch.distributed.checkpoint) and the best model (best.pt) to DIR "
+                        "(with --torchrun on several machines: a filesystem they all share)")
     p.add_argument("--checkpoint-every", type=positive_int, default=10, metavar="N",
                    help="checkpoint every N epochs and after the last one (default: 10)")
     p.add_argument("--resume", action="store_true",
@@ -516,8 +517,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "resume", False) and args.checkpoint_dir is None:
         parser.error("--resume needs --checkpoint-dir DIR (the directory of the run's checkpoints)")
-    if getattr(args, "torchrun", False) and (args.checkpoint_dir is not None or args.patience is not None):
-        parser.error("--checkpoint-dir and --patience are not supported with --torchrun yet; run without --torchrun")
     try:
         return int(args.func(args) or 0)
     except (GnnCompileError, ValueError, FileNotFoundError) as exc:

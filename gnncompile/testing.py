@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -59,8 +60,8 @@ def check_plan(model: torch.nn.Module, graph: Graph, gpus: int, *, rtol: float =
                device: Optional[str] = None, **plan_options: Any) -> Any:
     """Plan ``model`` (a copy) on ``gpus`` ranks, run one step, and compare with the reference step.
 
-    ``device``: where the ranks compute (``plan.run``'s ``device``); ``None``: CUDA when available
-    (ranks share the GPUs), else the CPU. The reference step runs on the same kind of device.
+    ``device``: where the ranks compute (``plan.run``'s ``device``); ``None``: ``$GNNCOMPILE_DEVICE``
+    if set, else CUDA when available (ranks share the GPUs), else the CPU. The reference step runs on the same kind of device.
     Dropout masks are replicated only under ``dropout="replicated"`` plans; other plans need a model
     without dropout (or ``p=0``). Raises ``AssertionError`` naming the first quantity that differs;
     returns the run's result.
@@ -68,7 +69,7 @@ def check_plan(model: torch.nn.Module, graph: Graph, gpus: int, *, rtol: float =
     from .api import plan as make_plan
 
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = os.environ.get("GNNCOMPILE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     ref_model = copy.deepcopy(model)
     plan_model = copy.deepcopy(model)
     ref = reference_step(ref_model.to(device), graph.to(device), lr, weight_decay, seed)

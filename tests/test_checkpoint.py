@@ -364,3 +364,57 @@ def test_resume_matches_straight_on_gpu(sbm: gc.Graph, name: str, tmp_path: Path
     device are restored; checkpoints go through a gloo group when the ranks use NCCL."""
     check_resume_matches_straight(lambda: gc.plan(_gcn(sbm), sbm, gpus=2, **RESUMABLE[name]), tmp_path,
                                   exact=False, device="cuda")
+
+
+def test_torchrun_resume_matches_straight(tmp_path: Path) -> None:
+    """``gnncompile run --torchrun`` (2 processes under ``torchrun --standalone``): 4 epochs with
+    checkpoints, then ``--resume`` to 6, give the history of 6 straight epochs, loss for loss."""
+    import subprocess
+    import sys
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip(f"torchrun is not installed next to {sys.executable}")
+    small = ["--dataset", "sbm", "--num-nodes", "60", "--avg-degree", "4", "--num-features", "6", "--num-classes", "3",
+             "--hidden", "6", "--quiet", "--strategy", "data", "--device", "cpu"]
+    d = tmp_path / "ck"
+
+    def start(name: str, *extra: str) -> subprocess.Popen:
+        argv = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "gnncompile", "run", "--torchrun",
+                "--gpus", "2", *small, "--json", str(tmp_path / f"{name}.json"), *extra]
+        return subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def finish(proc: subprocess.Popen) -> None:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out[-3000:]
+
+    straight = start("straight", "--epochs", "6")  # independent of the other two: runs beside them
+    finish(start("first", "--epochs", "4", "--checkpoint-dir", str(d), "--checkpoint-every", "2"))
+    assert sorted(p.name for p in d.glob("epoch-*")) == ["epoch-2", "epoch-4"]
+    finish(start("resumed", "--epochs", "6", "--checkpoint-dir", str(d), "--checkpoint-every", "2", "--resume"))
+    finish(straight)
+    a = json.loads((tmp_path / "straight.json").read_text())
+    b = json.loads((tmp_path / "resumed.json").read_text())
+    first = json.loads((tmp_path / "first.json").read_text())
+    assert len(a["loss"]) == len(b["loss"]) == 6 and first["loss"] == a["loss"][:4]
+    assert b["loss"] == a["loss"] and b["val_acc"] == a["val_acc"] and b["test_acc"] == a["test_acc"]
+    assert len(set(a["loss"])) > 1  # it trained
+    assert json.loads((d / "epoch-6" / "meta.json").read_text())["epoch"] == 6
+    best = torch.load(d / "best.pt")  # rank 0 gathers it from the owners' parts of the last checkpoint
+    assert best["epoch"] == a["val_acc"].index(max(a["val_acc"]))
+    assert set(best["state_dict"]) == {n for n, _ in _gcn(sbm_graph(60)).named_parameters()}
+
+
+def test_torchrun_decision_reads_only(tmp_path: Path) -> None:
+    """What every torchrun process runs before the group is up (``create=False``) writes nothing,
+    and a checkpoint it cannot see is refused with the shared-filesystem requirement."""
+    d = tmp_path / "ck"
+    fingerprint = {"model": {}, "graph": {}, "plan": {"ranks": 2}}
+    assert ckpt.prepare(ckpt.CheckpointOptions(str(d)), fingerprint, create=False) is None
+    assert not d.exists()
+    with pytest.raises(RuntimeFailure, match="no complete checkpoint.*filesystem every machine shares"):
+        ckpt.prepare(ckpt.CheckpointOptions(str(d), resume=True), fingerprint, create=False,
+                     missing_note=ckpt.SHARED_FS)
+    assert not d.exists()
+    with pytest.raises(RuntimeFailure, match="not there as this process sees.*filesystem every machine shares"):
+        ckpt.load_tensors(d / "epoch-2", lambda k: True, distributed=False)

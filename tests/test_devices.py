@@ -294,3 +294,21 @@ def test_progress_lines() -> None:
 def test_train_prints_no_progress_lines_for_a_short_run(sbm: gc.Graph, capsys: pytest.CaptureFixture) -> None:
     gc.train(_gcn(sbm), sbm, epochs=2)
     assert "epoch" not in capsys.readouterr().err
+
+
+def test_gnncompile_device_sets_the_default_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$GNNCOMPILE_DEVICE`` is the device of a run that names none (tests set it to cpu)."""
+    from gnncompile.runtime.executor import plan_placement
+
+    g = sbm_graph(40)
+    plan = gc.plan(gc.nn.GCN(g.num_features, 4, g.num_classes), g, gpus=2, strategy="data",
+                   partitioner="contiguous")
+    monkeypatch.setenv("GNNCOMPILE_DEVICE", "cpu")
+    assert plan_placement(plan).device_type == "cpu"
+    monkeypatch.setenv("GNNCOMPILE_DEVICE", "cuda:7")
+    if torch.cuda.device_count() <= 7:
+        with pytest.raises(RuntimeFailure, match="cuda"):
+            plan_placement(plan)
+    assert plan_placement(plan, device="cpu").device_type == "cpu"   # a named device wins
+    monkeypatch.delenv("GNNCOMPILE_DEVICE")
+    assert plan_placement(plan).device_type == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -296,6 +296,7 @@ def test_local_cluster_with_more_ranks_than_gpus_shares_them(monkeypatch) -> Non
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: Props())
+    monkeypatch.delenv("GNNCOMPILE_DEVICE", raising=False)
     one = Cluster.local(1)
     assert one.num_devices == 1 and one.device.name == "A100-80GB"
     four = Cluster.local(4)
@@ -305,3 +306,5 @@ def test_local_cluster_with_more_ranks_than_gpus_shares_them(monkeypatch) -> Non
     assert Cluster.from_dict(four.to_dict()) == four
     three = Cluster.shared_gpus(3, 2, a100)           # 2 ranks on one GPU, 1 on the other: cost as halves
     assert three.device.memory == a100.memory // 2
+    monkeypatch.setenv("GNNCOMPILE_DEVICE", "cpu")      # ranks told to compute on the CPU: planned for it
+    assert Cluster.local(4).device.kind == "cpu"

@@ -605,10 +605,11 @@ class Cluster:
         With more ranks than GPUs the ranks share them (the runtime's shared-GPU mode: rank ``r`` on
         GPU ``r % GPUs``, gloo through host memory): each rank is costed as its share of a GPU
         (memory, FLOP/s and bandwidth divided by the ranks per GPU) and the ranks talk over
-        ``shm``. Raises :class:`PlanningError` for a GPU model the presets do not know (name it
+        ``shm``. ``$GNNCOMPILE_DEVICE=cpu`` (the runtime's default device) plans for CPU ranks on a
+        GPU machine too. Raises :class:`PlanningError` for a GPU model the presets do not know (name it
         with ``Cluster.parse("4xA100")`` or a :class:`Cluster` of your own).
         """
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available() or os.environ.get("GNNCOMPILE_DEVICE", "").strip().lower() == "cpu":
             return cls.parse(f"{num_ranks}xcpu", profile=profile)
         name = torch.cuda.get_device_name(0)
         gpus = torch.cuda.device_count()

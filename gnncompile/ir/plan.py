@@ -841,7 +841,8 @@ class Plan:
             **kwargs: Any) -> Any:
         """Train with this plan across its ranks; see :func:`gnncompile.runtime.executor.run_plan`.
 
-        ``device``: ``None`` (auto: the GPUs when CUDA is available, else the CPU), ``"cpu"``,
+        ``device``: ``None`` (``$GNNCOMPILE_DEVICE`` if set, else auto: the GPUs when CUDA is
+        available, else the CPU), ``"cpu"``,
         ``"cuda"`` or ``"cuda:N"``; ``backend``: ``None`` (auto: NCCL with a GPU per rank, else
         gloo, ranks sharing GPUs), ``"gloo"`` or ``"nccl"``. The result's
         ``describe_placement()`` says where the ranks ran and what the plan was planned for.

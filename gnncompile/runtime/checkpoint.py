@@ -22,6 +22,12 @@ rank 0 adds ``meta.json`` (written last) and ``plan.json``, renames the staging 
 rename leaves the previous checkpoint and ``latest`` untouched; a leftover staging directory is
 removed by the next run. The two newest checkpoints are kept.
 
+Under ``torchrun`` on several machines ``D`` must be on a filesystem every machine shares (as
+``torch.distributed.checkpoint``'s ``FileSystemWriter`` assumes): each rank writes its own files
+into the staging directory and rank 0 alone creates ``D``, renames and reads them back. Every
+process decides what to resume from the files it sees (:func:`prepare` with ``create=False``, read
+only); a rank that sees another decision, or rank 0 missing a rank's files, is an error saying so.
+
 Strategies with state of their own (historical embeddings, sampler positions) add it through
 :func:`register_rank_state`: a name, a function returning the rank's tensors and one taking them
 back. ``tests/test_checkpoint.py::check_resume_matches_straight`` is the test to reuse for them.
@@ -43,11 +49,15 @@ import torch
 
 from ..errors import RuntimeFailure
 
-__all__ = ["CheckpointOptions", "Checkpoint", "RANK_STATE", "register_rank_state", "prepare", "save",
-           "load_tensors", "write_best", "resume_hint", "tensor_hash", "compare_fingerprints", "latest"]
+__all__ = ["CheckpointOptions", "Checkpoint", "RANK_STATE", "register_rank_state", "prepare", "make_directory", "save",
+           "load_tensors", "write_best", "resume_hint", "tensor_hash", "compare_fingerprints", "latest",
+           "SHARED_FS"]
 
 _EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
 FORMAT_VERSION = 1
+#: the end of every error about a checkpoint one process wrote and another cannot see
+SHARED_FS = ("under torchrun on several machines, checkpoint_dir must be on a filesystem every machine shares "
+             "(NFS, Lustre, ...): each rank writes its own files there and rank 0 renames them into place")
 
 
 @dataclass(frozen=True)
@@ -173,24 +183,34 @@ def _check_files(path: Path, meta: dict[str, Any]) -> None:
                                  f"(truncated or overwritten); delete {path} to resume from the checkpoint before it")
 
 
+def make_directory(options: CheckpointOptions) -> None:
+    """Create ``options.directory`` and remove the staging directories a crashed run left there
+    (the one process that writes: the launcher, or rank 0 under torchrun)."""
+    d = Path(options.directory)
+    d.mkdir(parents=True, exist_ok=True)
+    for stale in [*d.glob(".staging-epoch*"), *d.glob(".replaced-epoch*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def prepare(options: CheckpointOptions, fingerprint: dict[str, Any], *,
-            reshard: Callable[[Path, dict[str, Any]], Optional[str]] = lambda path, meta: "the rank count differs") \
-        -> Optional[Checkpoint]:
-    """Before a run starts (in the launching process): create ``options.directory``, remove leftover
-    staging directories and, with ``resume``, return the checkpoint to continue from.
+            reshard: Callable[[Path, dict[str, Any]], Optional[str]] = lambda path, meta: "the rank count differs",
+            create: bool = True, missing_note: str = "") -> Optional[Checkpoint]:
+    """Before a run starts: with ``create``, :func:`make_directory`; then, with ``resume``, return the
+    checkpoint to continue from (``create=False``: only reads, so every torchrun process can decide
+    from the files it sees and one rank creates the directory later).
 
     Refuses (:class:`~gnncompile.RuntimeFailure`): a fresh run (``resume=False``) into a directory
     that already holds checkpoints (they would be mixed with the new run's); ``resume=True`` with no
-    checkpoint there; a damaged checkpoint (a file missing or of another size); a checkpoint of
-    another model, graph or plan (each differing field named). A different rank count
-    (``plan.ranks``) is accepted when ``reshard(path, meta)`` returns ``None``, else refused with its reason.
+    checkpoint there (the message ends with ``missing_note``); a damaged checkpoint (a file missing
+    or of another size); a checkpoint of another model, graph or plan (each differing field named).
+    A different rank count (``plan.ranks``) is accepted when ``reshard(path, meta)`` returns
+    ``None``, else refused with its reason.
     """
     d = Path(options.directory)
     if d.exists() and not d.is_dir():
         raise RuntimeFailure(f"checkpoint_dir {str(d)!r} exists and is not a directory")
-    d.mkdir(parents=True, exist_ok=True)
-    for stale in [*d.glob(".staging-epoch*"), *d.glob(".replaced-epoch*")]:
-        shutil.rmtree(stale, ignore_errors=True)
+    if create:
+        make_directory(options)
     found = latest(d)
     if not options.resume:
         if found is not None:
@@ -199,7 +219,7 @@ def prepare(options: CheckpointOptions, fingerprint: dict[str, Any], *,
         return None
     if found is None:
         raise RuntimeFailure(f"resume=True but checkpoint_dir {str(d)!r} holds no complete checkpoint; run without "
-                             "resume to start from scratch")
+                             "resume to start from scratch" + (f" ({missing_note})" if missing_note else ""))
     meta = _read_meta(found)
     _check_files(found, meta)
     saved = meta.get("fingerprint", {})
@@ -229,7 +249,8 @@ def save(options: CheckpointOptions, epoch: int, tensors: dict[str, torch.Tensor
     d = Path(options.directory)
     staging = d / f".staging-epoch{epoch}"
     final = d / f"epoch-{epoch}"
-    staging.mkdir(parents=True, exist_ok=True)
+    if rank == 0:  # the other ranks' FileSystemWriter creates it where they do not see it yet
+        staging.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu() for k, v in tensors.items()}
     with warnings.catch_warnings():  # the single-process note of a no_dist save
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -238,6 +259,11 @@ def save(options: CheckpointOptions, epoch: int, tensors: dict[str, torch.Tensor
     # dcp.save returns on every rank after rank 0 wrote .metadata: every rank's files are complete
     if rank != 0:
         return final
+    written = {info.relative_path for info in dcp.FileSystemReader(str(staging)).read_metadata().storage_data.values()}
+    unseen = sorted(name for name in written if not (staging / name).is_file())
+    if unseen:
+        raise RuntimeFailure(f"checkpoint of epoch {epoch}: rank 0 cannot find {', '.join(unseen)} that other ranks "
+                             f"wrote into {staging}; {SHARED_FS}")
     if plan_json is not None:
         (staging / "plan.json").write_text(plan_json)
     info = dict(meta())
@@ -283,6 +309,9 @@ def load_tensors(path: Path, wanted: Callable[[str], bool], *, process_group: An
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    if not path.is_dir():
+        raise RuntimeFailure(f"checkpoint {path} is not there as this process sees the filesystem (removed, or "
+                             f"found by another rank on another machine); {SHARED_FS}")
     reader = dcp.FileSystemReader(str(path))
     try:
         md = reader.read_metadata()

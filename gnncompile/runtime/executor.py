@@ -954,8 +954,17 @@ def plan_placement(plan: Plan, device: Any = None, backend: Optional[str] = None
                    stage_through_host: Optional[Any] = None) -> Placement:
     """Where :func:`run_plan` with these arguments runs ``plan``'s ranks on this machine (decided
     before anything starts; raises :class:`~gnncompile.RuntimeFailure` for an impossible request).
-    See :func:`~gnncompile.runtime.launcher.resolve_placement`."""
+    See :func:`~gnncompile.runtime.launcher.resolve_placement`; a ``device`` left ``None`` is
+    ``$GNNCOMPILE_DEVICE`` when set (e.g. ``cpu`` on a GPU machine), else chosen automatically."""
+    if device is None:
+        device = default_device()
     return resolve_placement(plan.num_ranks, visible_gpus(), device, backend, stage_through_host)
+
+
+def default_device() -> Optional[str]:
+    """The device a run uses when none is named: ``$GNNCOMPILE_DEVICE`` if set, else ``None``
+    (automatic: the GPUs when there are any, else the CPU)."""
+    return os.environ.get("GNNCOMPILE_DEVICE") or None
 
 
 def describe_run(plan: Plan, placement: Placement) -> str:
@@ -1011,6 +1020,33 @@ def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: floa
     validation accuracy (``history.stopped_at`` says where). ``result.best_state_dict()`` gives
     the parameters at the best validation accuracy.
     """
+    options, run_options = _prepare_run(plan, epochs, lr, weight_decay, capture=capture,
+                                        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                                        resume=resume, patience=patience)
+    try:
+        result = _run_plan(plan, epochs, lr, weight_decay, seed=seed, eval_every=eval_every, timeout=timeout,
+                           capture=capture, update_model=update_model, fail_at=fail_at,
+                           threads_per_rank=threads_per_rank, device=device, backend=backend,
+                           stage_through_host=stage_through_host, progress=progress, run_options=run_options)
+    except RankFailure as e:
+        if options is not None:
+            e.args = (f"{e}\n{ckpt.resume_hint(options.directory, 'plan.run')}",)
+        raise
+    if options is not None and getattr(result.history, "_best_state", None) is not None:
+        ckpt.write_best(options.directory, result.history._best_state, result.history.best_epoch,
+                        result.history.best_val_acc)
+    return result
+
+
+def _prepare_run(plan: Plan, epochs: int, lr: float, weight_decay: float, *, capture: bool,
+                 checkpoint_dir: Optional[str | os.PathLike], checkpoint_every: int, resume: bool,
+                 patience: Optional[int], create: bool = True, missing_note: str = "") \
+        -> tuple[Optional[ckpt.CheckpointOptions], dict[str, Any]]:
+    """What :func:`run_plan` and :func:`run_plan_torchrun` do before any rank trains: check the
+    arguments, fingerprint the plan and decide what to resume from (:func:`ckpt.prepare`; with
+    ``create=False`` it only reads, for every torchrun process; ``missing_note`` ends the error for
+    a missing checkpoint). Returns the checkpoint options (``None``: no checkpoints) and the
+    ``run_options`` of :func:`execute_rank`."""
     check_training_args(epochs, lr, weight_decay)
     if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
         raise ValueError(f"patience must be an int >= 1 or None, got {patience!r}")
@@ -1026,26 +1062,14 @@ def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: floa
         if capture and resume:
             raise ValueError("capture=True records the first step, which a resumed run does not take; drop one")
         fingerprint = plan_fingerprint(plan)
-        found = ckpt.prepare(options, fingerprint, reshard=_reshard_refusal)
+        found = ckpt.prepare(options, fingerprint, reshard=_reshard_refusal, create=create, missing_note=missing_note)
         if found is not None and found.epoch > epochs:
             raise RuntimeFailure(f"checkpoint {found.path} holds {found.epoch} epochs, more than epochs={epochs}; "
                                  f"pass epochs >= {found.epoch} to continue it")
         run_options.update(checkpoint=options, fingerprint=fingerprint, plan_json=plan.to_json(),
                            resume_from=None if found is None else str(found.path),
                            resume_meta=None if found is None else found.meta)
-    try:
-        result = _run_plan(plan, epochs, lr, weight_decay, seed=seed, eval_every=eval_every, timeout=timeout,
-                           capture=capture, update_model=update_model, fail_at=fail_at,
-                           threads_per_rank=threads_per_rank, device=device, backend=backend,
-                           stage_through_host=stage_through_host, progress=progress, run_options=run_options)
-    except RankFailure as e:
-        if options is not None:
-            e.args = (f"{e}\n{ckpt.resume_hint(options.directory, 'plan.run')}",)
-        raise
-    if options is not None and getattr(result.history, "_best_state", None) is not None:
-        ckpt.write_best(options.directory, result.history._best_state, result.history.best_epoch,
-                        result.history.best_val_acc)
-    return result
+    return options, run_options
 
 
 def _run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: float = 5e-4, *,
@@ -1138,7 +1162,9 @@ def _gather_capture(programs: list[RankProgram], results: list[dict]) -> dict:
 
 def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: float = 5e-4, *,
                       seed: Optional[int] = 0, eval_every: int = 1, timeout: float = 300.0, device: Any = None,
-                      backend: Optional[str] = None, progress: bool = True) -> Optional[RunResult]:
+                      backend: Optional[str] = None, progress: bool = True,
+                      checkpoint_dir: Optional[str | os.PathLike] = None, checkpoint_every: int = 10,
+                      resume: bool = False, patience: Optional[int] = None) -> Optional[RunResult]:
     """Run this process's rank of ``plan`` under ``torchrun`` (one process per rank, any number of machines).
 
     ``device``/``backend`` as for :func:`run_plan`, decided over this machine's local ranks
@@ -1148,6 +1174,14 @@ def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_de
     options) and executes the program of its ``RANK``; ``WORLD_SIZE`` must equal ``plan.num_ranks``.
     Rank 0 returns a :class:`RunResult` with its own measurements (the history is global); the other
     ranks return ``None``.
+
+    ``checkpoint_dir``, ``checkpoint_every``, ``resume`` and ``patience`` as for :func:`run_plan`.
+    Every process decides what to resume from by reading the directory (nothing written); once
+    the group is up the ranks compare their decisions, and rank 0 alone creates the directory
+    and renames checkpoints into place. On several machines the directory must be on a
+    filesystem every machine shares: a rank that does not see the checkpoint others see, or rank
+    0 not seeing a rank's files, is a :class:`~gnncompile.RuntimeFailure` saying so. Rank 0
+    writes ``checkpoint_dir/best.pt`` from the last checkpoint's best parameters.
     """
     from .launcher import torchrun_main
 
@@ -1157,22 +1191,49 @@ def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_de
         raise RuntimeFailure(f"torchrun started {world or 'no'} processes (WORLD_SIZE) but the plan has "
                              f"{plan.num_ranks} ranks; pass --gpus {world} or --nproc-per-node x --nnodes = "
                              f"{plan.num_ranks}")
+    options, run_options = _prepare_run(plan, epochs, lr, weight_decay, capture=False, checkpoint_dir=checkpoint_dir,
+                                        checkpoint_every=checkpoint_every, resume=resume, patience=patience,
+                                        create=False, missing_note=ckpt.SHARED_FS)
     programs: list[RankProgram] = plan.program
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    placement = resolve_placement(local_world, visible_gpus(), device, backend)
+    placement = resolve_placement(local_world, visible_gpus(), default_device() if device is None else device, backend)
 
     def main(ctx: RankContext) -> dict:
+        if options is not None:
+            _agree_on_checkpoint(ctx, options, run_options.get("resume_from"))
         return execute_rank(ctx, programs[ctx.rank], epochs, lr, weight_decay, seed, eval_every, False, None,
-                            progress)
+                            progress, run_options)
 
     r = torchrun_main(main, (), placement=placement, timeout=timeout)
     if r["rank"] != 0:
         return None
     h = r["history"]
     history = History(loss=h["loss"], train_acc=h["train_acc"], val_acc=h["val_acc"], test_acc=h["test_acc"],
-                      epoch_time=r["epoch_time"], eval_time=h["eval_time"])
+                      epoch_time=r["epoch_time"], eval_time=h["eval_time"], stopped_at=r.get("stopped_at"))
+    last = None if options is None else ckpt.latest(options.directory)
+    if last is not None and r["best"]["epoch"] is not None:  # each owner wrote its best parameters there
+        names = programs[0].param_names
+        best = ckpt.load_tensors(last, lambda k: k.startswith("best/") and k[5:] in names, distributed=False)
+        history._best_state = {n: best[f"best/{n}"] for n in names if f"best/{n}" in best}
+        ckpt.write_best(options.directory, history._best_state, r["best"]["epoch"], r["best"]["val"])
     rank = RankResult(rank=0, bytes_sent=sum(r["sent_to"].values()), bytes_received=sum(r["received_from"].values()),
                       sent_to=r["sent_to"], received_from=r["received_from"], comm=r["comm"],
                       peak_memory=r["peak_memory"], timeline=r["timeline"], epoch_time=r["epoch_time"],
-                      num_owned=r["num_owned"])
+                      num_owned=r["num_owned"], checkpoint_time=r["checkpoint_time"],
+                      restore_time=r["restore_time"])
     return RunResult(history=history, ranks=[rank], plan=plan, placement=placement)
+
+
+def _agree_on_checkpoint(ctx: RankContext, options: ckpt.CheckpointOptions, resume_from: Optional[str]) -> None:
+    """Under torchrun, after the group is up: every rank must have decided to resume from the
+    same checkpoint (or none); then rank 0 creates the directory (:func:`ckpt.make_directory`)
+    and the others wait for it."""
+    seen: list[Any] = [None] * ctx.world_size
+    mine = None if resume_from is None else Path(resume_from).name
+    dist.all_gather_object(seen, mine)
+    if len(set(seen)) > 1:
+        found = ", ".join(f"rank {q}: {s or 'no checkpoint'}" for q, s in enumerate(seen))
+        raise RuntimeFailure(f"the ranks see different checkpoints in {options.directory} ({found}); {ckpt.SHARED_FS}")
+    if ctx.rank == 0:
+        ckpt.make_directory(options)
+    dist.barrier()
