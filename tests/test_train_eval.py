@@ -42,12 +42,7 @@ F_IN, HID, C = 5, 6, 3
 HERE = os.path.basename(__file__)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only add waits
 
 
 # =========================================================================== the idioms

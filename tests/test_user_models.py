@@ -30,12 +30,7 @@ from graph_strategies import DT, sbm_graph, small_graphs
 F_IN, C = 6, 3  # sbm_graph's features and classes
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only add waits
 
 
 # =========================================================================== the models

@@ -1047,11 +1047,7 @@ def _prepare_run(plan: Plan, epochs: int, lr: float, weight_decay: float, *, cap
     ``create=False`` it only reads, for every torchrun process; ``missing_note`` ends the error for
     a missing checkpoint). Returns the checkpoint options (``None``: no checkpoints) and the
     ``run_options`` of :func:`execute_rank`."""
-    check_training_args(epochs, lr, weight_decay)
-    if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
-        raise ValueError(f"patience must be an int >= 1 or None, got {patience!r}")
-    if resume and checkpoint_dir is None:
-        raise ValueError("resume=True needs checkpoint_dir (the directory of the run's checkpoints)")
+    check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir)
     programs: list[RankProgram] = plan.program
     if patience is not None and not programs[0].counts.get("val"):
         raise ValueError("patience needs validation vertices (the graph's val_mask is empty)")

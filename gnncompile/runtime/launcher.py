@@ -566,14 +566,20 @@ class _Position:
         return text + (f", at {self.where}" if self.where else "")
 
 
+def _proc_stat(pid: Optional[int]) -> Optional[list[str]]:
+    """The fields of ``/proc/PID/stat`` after the command name (state first), or ``None`` if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
 def _process_state(pid: Optional[int]) -> Optional[str]:
     """The state letter of process ``pid`` in ``/proc`` (``R`` running, ``S`` sleeping, ``T``
     stopped, ``t`` stopped by a debugger, ...), or ``None`` if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return None
+    fields = _proc_stat(pid)
+    return fields[0] if fields else None
 
 
 _STATE_NAMES = {"R": "running", "S": "sleeping", "D": "in uninterruptible sleep"}
@@ -820,11 +826,10 @@ class _HangGuard:
 
 def _cpu_seconds(pid: int) -> Optional[float]:
     """User + system CPU seconds used by process ``pid`` (all its threads), or ``None`` if unknown."""
+    fields = _proc_stat(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else None
+    except (ValueError, IndexError):
         return None
 
 

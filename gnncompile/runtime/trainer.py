@@ -170,9 +170,11 @@ def evaluate(model: torch.nn.Module, graph: Graph, x: Optional[torch.Tensor] = N
     return out
 
 
-def check_training_args(epochs: Any, lr: Any, weight_decay: Any) -> None:
+def check_training_args(epochs: Any, lr: Any, weight_decay: Any, patience: Any = None, resume: bool = False,
+                        checkpoint_dir: Any = None) -> None:
     """Refuse training arguments no run can use (before any work or rank starts): ``epochs`` an
-    int >= 0, ``lr`` finite and > 0, ``weight_decay`` finite and >= 0; raises ``ValueError``."""
+    int >= 0, ``lr`` finite and > 0, ``weight_decay`` finite and >= 0, ``patience`` ``None`` or an
+    int >= 1, ``resume`` only with a ``checkpoint_dir``; raises ``ValueError``."""
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
         raise ValueError(f"epochs must be an int >= 0, got {epochs!r}")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
@@ -180,6 +182,10 @@ def check_training_args(epochs: Any, lr: Any, weight_decay: Any) -> None:
     if (isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))
             or not math.isfinite(weight_decay) or weight_decay < 0):
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
+        raise ValueError(f"patience must be an int >= 1 or None, got {patience!r}")
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs checkpoint_dir (the directory of the run's checkpoints)")
 
 
 def train(
@@ -244,13 +250,9 @@ def train(
         Loss and accuracies per epoch, and per-epoch step times; ``best_state_dict()`` gives the
         model's state at the best validation accuracy.
     """
-    check_training_args(epochs, lr, weight_decay)
+    check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir)
     if eval_every < 1:
         raise ValueError(f"eval_every must be >= 1, got {eval_every}")
-    if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
-        raise ValueError(f"patience must be an int >= 1 or None, got {patience!r}")
-    if resume and checkpoint_dir is None:
-        raise ValueError("resume=True needs checkpoint_dir (the directory of the run's checkpoints)")
     _check_trainable(graph)
     if patience is not None and (graph.val_mask is None or int(graph.val_mask.sum()) == 0):
         raise ValueError("patience needs validation vertices (the graph's val_mask is empty)")
