@@ -12,8 +12,10 @@ setup:
 run: setup
 	$(PY) -m gnncompile run --dataset sbm --model gcn --gpus 4 --strategy data --epochs 100
 
-# The whole test suite (pytest + hypothesis), two workers.
+# The layers contract (import-linter, [tool.importlinter] in pyproject.toml), then the whole test
+# suite (pytest + hypothesis), two workers.
 test: setup
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -n 2 -q
 
 bench: setup

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Cost-model fidelity: predicted vs measured step time of candidate plans, and planning at scale.
 
-Part 1 (local runs): calibrate this machine (``Cluster.calibrate``: GEMM, STREAM, SpMM, gloo
+Part 1 (local runs): calibrate this machine (``gnncompile.calibrate``: GEMM, STREAM, SpMM, gloo
 collectives), then for cora and coauthor_physics lower several candidate plans (``data`` over 1, 2
 and 4 ranks, METIS and random partitions, with and without recomputation; ``tensor`` over 2 and 4
 ranks), predict each one's step
@@ -72,7 +72,7 @@ def spearman(a, b) -> float:
 def local_fidelity(args, gc, Cluster) -> tuple[str, list[tuple]]:
     profile_path = Path(tempfile.mkdtemp()) / "cpu_profile.json"
     t0 = time.perf_counter()
-    cal = Cluster.calibrate(profile_path)
+    cal = gc.calibrate(profile_path)
     cal_s = time.perf_counter() - t0
     print(f"calibrated in {cal_s:.1f} s: {cal}")
     rows = []
@@ -105,7 +105,7 @@ def local_fidelity(args, gc, Cluster) -> tuple[str, list[tuple]]:
     all_meas = [r[6] for r in rows]
     rho = spearman(all_pred, all_meas)
     lines = [
-        f"Calibrated profile (`Cluster.calibrate()`, {cal_s:.1f} s): {cal}.",
+        f"Calibrated profile (`gnncompile.calibrate()`, {cal_s:.1f} s): {cal}.",
         "",
         "| dataset | ranks | strategy | partitioner | recompute | predicted step | measured step | ratio | "
         "predicted activation peak | measured tensor peak |",

@@ -19,8 +19,8 @@ runs after one warm-up, both variants interleaved in every repeat. "kept rows" i
 rows with any nonzero mask entry.
 
 A second table sweeps the kept-row fraction of a row mask for the kernels alone, each forced onto
-its subset path: forward :func:`gnncompile.runtime.kernels.masked.masked_spmm` vs the full
-product + ``masked_fill`` and backward :func:`~gnncompile.runtime.kernels.masked.masked_spmm_t`
+its subset path: forward :func:`gnncompile.kernels.masked.masked_spmm` vs the full
+product + ``masked_fill`` and backward :func:`~gnncompile.kernels.masked.masked_spmm_t`
 vs the full transposed product; where they cross sets ``FORWARD_INDEX_COST`` and
 ``BACKWARD_INDEX_COST`` (the subset is used below ``1 - cost / d`` of the rows kept).
 
@@ -54,8 +54,8 @@ from _results import command_line, machine_info, today, update_section  # noqa: 
 
 import gnncompile as gc  # noqa: E402
 from gnncompile.frontend.ops import dropout_noise, masked_propagate, propagate  # noqa: E402
-from gnncompile.runtime.kernels import CSR, spmm  # noqa: E402
-from gnncompile.runtime.kernels import masked as mk  # noqa: E402
+from gnncompile.kernels import CSR, spmm  # noqa: E402
+from gnncompile.kernels import masked as mk  # noqa: E402
 
 SECTION = "Masked propagation (S-SpMM)"
 MASKS = ("dropout 0.5 (elements)", "dropout 0.5 (rows)", "rows kept 10%")

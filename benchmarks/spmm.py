@@ -7,7 +7,7 @@ Measures, in one run on one machine:
    ``--threads`` Python threads in L2-sized blocks so each block is one fused pass; best of 10,
    bytes counted as 3 x 8 per element as STREAM does);
 2. the forward product ``out = A x`` with GCN-normalized edge values, float32, for every CPU backend
-   of :mod:`gnncompile.runtime.kernels` (``native``, ``torch``, ``scipy``; scipy is single-threaded),
+   of :mod:`gnncompile.kernels` (``native``, ``torch``, ``scipy``; scipy is single-threaded),
    ``torch.sparse.mm`` on a prebuilt CSR tensor, PyG 2.8.1's ``torch_geometric.utils.spmm`` on a
    CSR ``adj_t`` and ``EdgeIndex.matmul`` (without ``torch_sparse``/``pyg_lib`` installed, both end
    in ``torch.sparse.mm``: the fastest CPU path PyG has here), plus the transposed product
@@ -53,8 +53,8 @@ sys.path.insert(0, str(HERE.parent))
 
 from _results import command_line, machine_info, today, update_section  # noqa: E402
 
-from gnncompile.runtime import kernels  # noqa: E402
-from gnncompile.runtime.kernels import CSR  # noqa: E402
+from gnncompile import kernels  # noqa: E402
+from gnncompile.kernels import CSR  # noqa: E402
 
 GRAPHS = ("cora", "coauthor_physics", "rmat")
 DATASETS = HERE.parent.parent / "shared" / "datasets"

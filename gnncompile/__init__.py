@@ -9,6 +9,8 @@ The public API (see DESIGN.md)::
     plan = gc.plan(model, graph, gpus=4)          # per-rank programs, strategy chosen by the cost models
     plan = gc.plan(model, graph, gc.Cluster.parse("2x4xA5000-ib200"))
     result = plan.run(epochs=200, lr=0.01)        # trains across 4 local processes
+    plan.save("plan.json"); plan = gc.load_plan("plan.json", model, graph)
+    gc.calibrate("profile.json")                  # measure this host for the cost models
 """
 
 import warnings as _warnings
@@ -32,8 +34,9 @@ from .errors import (
 from .frontend.pyg_import import PygConverted, from_pyg
 from .frontend.tracer import trace
 from .graph import Graph, GraphStats
-from .ir import Plan, TPGraph, verify_plan
-from .api import plan
+from .ir import TPGraph, verify_plan
+from .api import Plan, load_plan, plan
+from .calibration import calibrate
 from .cost_models.hardware import Cluster
 from .runtime.trainer import History, train
 
@@ -53,6 +56,8 @@ __all__ = [
     "TPGraph",
     "Plan",
     "plan",
+    "load_plan",
+    "calibrate",
     "verify_plan",
     "VerificationError",
     "trace",

@@ -1,22 +1,31 @@
-"""``gnncompile.plan``: trace a model, apply a strategy's lowering, return a runnable :class:`Plan`."""
+"""``gnncompile.plan``: trace a model, apply a strategy's lowering, return a runnable :class:`Plan`.
+
+:class:`Plan` is the IR's plan data (:class:`gnncompile.ir.plan.Plan`) plus what needs the layers
+above it (running, explaining, plotting); :func:`load_plan` reads a saved plan back."""
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
-from .errors import PlanningError
+from .errors import PlanningError, VerificationError
 from .graph.core import Graph, GraphStats
 from .cost_models.hardware import Cluster
-from .ir.plan import Plan
+from .ir.plan import Plan as PlanData
+from .ir.plan import human_bytes, plan_differences, read_plan
 from .ir.verify_plan import verify_plan
+from .passes import registry as _registry
+from .passes.strategy import ANY as _ANY
+from .passes.search import rank_counts, search
 
-__all__ = ["plan", "STRATEGIES"]
+__all__ = ["plan", "Plan", "runnable", "load_plan", "STRATEGIES"]
 
-#: The strategies of DESIGN.md; those with a lowering are registered in
-#: :data:`gnncompile.passes.search.LOWERINGS`.
-STRATEGIES = ("data", "task", "layer", "tensor", "mop", "split")
+#: The registered strategies (:mod:`gnncompile.passes.registry`), in search order.
+STRATEGIES = tuple(_registry.STRATEGIES)
 
 
 def _cluster(gpus: Any) -> Cluster:
@@ -36,11 +45,8 @@ def _cluster(gpus: Any) -> Cluster:
 
 
 def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4, *, strategy: Optional[str] = None,
-         semantics: str = "exact", partitioner: Optional[str] = None, seed: int = 0, dropout: str = "replicated",
-         recompute: Optional[bool] = None, decouple: Optional[bool] = None, chunks: Optional[int] = None,
-         sparse_ranks: Optional[int] = None, reorder: Optional[str] = None, p_ranks: Optional[int] = None,
-         dependencies: Optional[str] = None, subgraph_chunks: Optional[int] = None, devices: str = "all",
-         overlap: bool = False, verify: bool = True, **options: Any) -> Plan:
+         semantics: str = "exact", devices: str = "all", overlap: bool = False, verify: bool = True,
+         **options: Any) -> "Plan":
     """Plan parallel training of ``model`` on ``graph`` over the devices ``gpus`` describes.
 
     Parameters
@@ -55,40 +61,16 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         A number of local ranks, a cluster description (``"4xA5000"``, ``"8x8xA100-ib200"``, see
         :meth:`Cluster.parse`) or a :class:`Cluster`.
     strategy:
-        ``None`` (default): the cost models choose among every registered strategy, its options
-        (:func:`gnncompile.passes.search.search`);
-        ``plan.explain()`` says why. A strategy name (``"data"``) lowers that strategy over all
-        the devices, with the given options (partitioner defaults to METIS, no recomputation).
+        ``None`` (default): the cost models choose among every registered strategy and its options
+        (:func:`gnncompile.passes.search.search`); ``plan.explain()`` says why. A strategy name
+        (``gnncompile.api.STRATEGIES``) lowers that strategy over all the devices with the given
+        options; its options marked *pinned* (partitioner, recompute, decouple) take their defaults
+        when not given, the others (chunks, reorder) are still searched.
     semantics:
         ``"exact"`` (default: plans that change the model's results are never returned) or
         ``"relaxed"`` (relaxed transformations allowed, and recorded in ``plan.relaxations``).
         Under ``"exact"`` a model that one strategy cannot run exactly over several ranks (BatchNorm
         under ``data``) gets another strategy, or a ``PlanningError`` saying why none is exact.
-    partitioner, seed, dropout, recompute:
-        Options of the ``data`` strategy (:class:`gnncompile.passes.data.DataOptions`; ``tensor``
-        and ``task`` take all but the partitioner); an option given here is fixed, one left ``None``
-        is searched.
-    decouple:
-        ``tensor`` and ``task``: lower the decoupled model (all T ops, then all propagations;
-        NeutronTP §4.1, NeutronTask §5.1). It changes non-linear models, so it needs ``semantics="relaxed"`` for them; ``None``
-        lets the search try it where relaxations are allowed.
-    chunks, sparse_ranks, reorder:
-        ``mop`` only (:class:`gnncompile.passes.mop.MopOptions`): vertex chunks pipelined between
-        the sparse (aggregation) and dense (update) groups, the size of the sparse group (default
-        half the ranks), and ``"rcm"`` to renumber vertices by reverse Cuthill–McKee first. ``None``
-        lets the search choose (1 chunk, or 8 RCM-ordered chunks). ``chunks`` also sets the
-        ``task`` strategy's chunk count (default: a multiple of its group sizes, at least 4).
-    p_ranks:
-        ``task`` only (:class:`gnncompile.passes.task.TaskOptions`): ranks for the P tasks
-        (NeutronTask Eq. 7's ``N_p``); ``None``: from the cost model.
-    dependencies:
-        ``task`` only: ``"exact"`` (default), or relaxed (NeutronTask's vertex dependency
-        management; needs ``semantics="relaxed"``): ``"regrouped"`` (Algorithm 1: every epoch the
-        chunks are shuffled into ``chunks`` subgraphs of ``subgraph_chunks`` chunks each, default
-        2, and a subgraph's propagation skips the in-edges from later subgraphs;
-        :mod:`gnncompile.graph.regroup`), ``"skip-later"`` (the same skipping in one fixed chunk
-        order) or ``"cached"`` (a chunk's propagation reads later chunks from the previous step's
-        copy).
     devices:
         ``"all"`` (default): the plan has one program per device of the cluster. ``"any"``: the
         search may also use fewer devices (halvings), which wins where communication costs more
@@ -101,73 +83,35 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
     verify:
         Check the plan with :func:`gnncompile.verify_plan` (matching sends and receives, collective
         order, a deadlock dry run) before returning it; a violation raises ``VerificationError``.
+    options:
+        The strategies' options, as each strategy's options class declares them
+        (:class:`gnncompile.passes.data.DataOptions`: ``partitioner``, ``seed``, ``dropout``,
+        ``recompute``; :class:`~gnncompile.passes.tensor.TensorOptions`: ``decouple``, ``chunks``;
+        :class:`~gnncompile.passes.mop.MopOptions`: ``chunks``, ``sparse_ranks``, ``reorder``;
+        :class:`~gnncompile.passes.task.TaskOptions`: ``chunks``, ``p_ranks``, ``dependencies``,
+        ``subgraph_chunks``...; ``gnncompile plan --help`` lists them all). An option given is
+        fixed; one left out (or ``None``) is searched. A strategy without an option is a candidate
+        only while that option is at its neutral value (``chunks=1``: no chunking).
 
     Returns a :class:`Plan`: ``print(plan)`` shows it, ``plan.explain()`` the choice,
     ``plan.run(epochs, lr)`` trains with it. Raises :class:`PlanningError` when no plan fits the
     devices' memory (saying by how much and what would help).
     """
-    from .passes.search import LOWERINGS, rank_counts, search
-
     cluster = _cluster(gpus)
-    if strategy is not None and strategy not in STRATEGIES:
-        raise PlanningError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
-    if strategy is not None and strategy not in LOWERINGS:
-        raise PlanningError(f"strategy {strategy!r} has no lowering yet; implemented: {', '.join(LOWERINGS)}")
-    if options:
-        raise PlanningError(f"unknown planning option(s) {', '.join(sorted(options))}; the options are strategy, "
-                            "semantics, partitioner, seed, dropout, recompute, decouple, chunks, sparse_ranks, "
-                            "reorder, p_ranks, dependencies, subgraph_chunks, devices, overlap, verify")
+    named = _registry.get(strategy) if strategy is not None else None
     if semantics not in ("exact", "relaxed"):
         raise PlanningError(f"unknown semantics {semantics!r}; valid: 'exact', 'relaxed'")
     if not isinstance(model, torch.nn.Module):
         raise PlanningError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(graph, (Graph, GraphStats)):
         raise PlanningError(f"graph: expected a gnncompile Graph or GraphStats, got {type(graph).__name__}")
-    from .graph.partition import PARTITIONERS
-    from .passes.data import DROPOUT_MODES
-
-    if partitioner is not None and partitioner not in PARTITIONERS:
-        raise PlanningError(f"unknown partitioner {partitioner!r}; valid: {', '.join(PARTITIONERS)}")
-    if dropout not in DROPOUT_MODES:
-        raise PlanningError(f"unknown dropout mode {dropout!r}; valid: {', '.join(DROPOUT_MODES)}")
-    for name, value in (("recompute", recompute), ("decouple", decouple)):
-        if value is not None and not isinstance(value, bool):
-            raise PlanningError(f"{name}: expected True, False or None (searched), got {value!r}")
-    fixed: dict[str, Any] = {"seed": seed, "dropout": dropout}
-    if partitioner is not None:
-        fixed["partitioner"] = partitioner
-    if recompute is not None:
-        fixed["recompute"] = recompute
-    if decouple is not None:
-        fixed["decouple"] = decouple
-    for name, value in (("chunks", chunks), ("sparse_ranks", sparse_ranks), ("p_ranks", p_ranks),
-                        ("subgraph_chunks", subgraph_chunks)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise PlanningError(f"{name}: expected a positive integer or None (searched), got {value!r}")
-        if value is not None:
-            fixed[name] = value
-    if dependencies is not None:
-        from .passes.task import DEPENDENCIES
-
-        if dependencies not in DEPENDENCIES:
-            raise PlanningError(f"unknown dependencies {dependencies!r}; valid: {', '.join(DEPENDENCIES)}")
-        fixed["dependencies"] = dependencies
-    if reorder is not None:
-        from .passes.mop import REORDERINGS
-
-        if reorder not in REORDERINGS:
-            raise PlanningError(f"unknown reorder {reorder!r}; valid: {', '.join(REORDERINGS)}")
-        fixed["reorder"] = reorder
+    fixed = _fixed_options(options, named)
     if devices not in ("all", "any"):
         raise PlanningError(f"devices: expected 'all' or 'any', got {devices!r}")
     ranks = rank_counts(cluster) if devices == "any" else [cluster.num_devices]
     if max(ranks) > max(graph.num_nodes, 1) and devices == "all":
         raise PlanningError(f"gpus={cluster.num_devices} exceeds the graph's {graph.num_nodes} vertices")
-    if strategy is not None:
-        fixed.setdefault("partitioner", "metis")
-        fixed.setdefault("recompute", False)
-        fixed.setdefault("decouple", False)
-    result = search(model, graph, cluster, semantics=semantics, strategies=None if strategy is None else [strategy],
+    result = search(model, graph, cluster, semantics=semantics, strategies=None if named is None else [named.name],
                     fixed=fixed, ranks=ranks, overlap=overlap)
     best = result.best
     chosen = best.plan
@@ -175,4 +119,179 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
     chosen.prediction = best.prediction
     if verify:
         verify_plan(chosen)
-    return chosen
+    return runnable(chosen)
+
+
+def _fixed_options(options: dict[str, Any], named: Any) -> dict[str, Any]:
+    """The strategy options the caller fixed, checked against the declarations (``None``: searched);
+    with a ``named`` strategy, its pinned options not given take their defaults."""
+    specs = _registry.option_specs()
+    unknown = sorted(set(options) - set(specs))
+    if unknown:
+        raise PlanningError(f"unknown planning option(s) {', '.join(unknown)}; the options are strategy, semantics, "
+                            f"devices, overlap, verify and the strategies' options: {', '.join(sorted(specs))}")
+    fixed = {}
+    neutral = _registry.neutral_values()
+    for name, value in options.items():
+        if value is None:
+            continue
+        owner, spec = specs[name][0]
+        if named is not None:
+            mine = {s.name: s for s in named.options.specs()}
+            if name in mine:
+                spec = mine[name]
+            elif neutral[name] is not _ANY and value != neutral[name]:
+                raise PlanningError(f"strategy {named.name!r} has no option {name} (its options: "
+                                    f"{', '.join(named.options.names())})")
+        spec.check(value, searched=True)
+        fixed[name] = value
+    if named is not None:
+        for spec in named.options.specs():
+            if spec.pinned and spec.name not in fixed:
+                fixed[spec.name] = spec.default
+    return fixed
+
+
+# --------------------------------------------------------------------------- runnable plans
+class Plan(PlanData):
+    """What :func:`plan` and :func:`load_plan` return: the plan's data (:class:`gnncompile.ir.plan.Plan`,
+    every field, printing, ``save``) plus what needs the layers above the IR: :meth:`run` (the
+    runtime), :meth:`explain` (the planner's search), :meth:`timeline` and :meth:`memory_plot`
+    (the cost models' prediction, drawn by :mod:`gnncompile.viz`).
+
+    It adds no data: it equals the data-only plan it was made from (:func:`runnable`).
+    """
+
+    @classmethod
+    def load(cls, path: Union[str, Path], model: Any = None, graph: Any = None) -> "Plan":
+        """Deprecated alias of :func:`load_plan`."""
+        warnings.warn("gnncompile.Plan.load is deprecated; use gnncompile.load_plan(path, model, graph)",
+                      DeprecationWarning, stacklevel=2)
+        return load_plan(path, model, graph)
+
+    # ------------------------------------------------------------------ the planner's choice
+    def explanation(self) -> str:
+        """The text :meth:`explain` prints."""
+        from .passes.search import explain_plan
+
+        return explain_plan(self)
+
+    def explain(self) -> None:
+        """Print why the planner chose this plan: the top alternatives (strategy, decisions,
+        predicted step time, peak memory per rank, bytes, bubbles), the winner's margin, the
+        candidates rejected and why, and the chosen plan's per-rank prediction."""
+        print(self.explanation())
+
+    # ------------------------------------------------------------------ predictions, drawn
+    def _require_prediction(self, what: str) -> Any:
+        if self.prediction is None:
+            raise PlanningError(f"plan.{what} needs the cost models' prediction, which this plan lacks (loaded "
+                                "from a file?); use gnncompile.cost_models.predict(plan, cluster)")
+        return self.prediction
+
+    def timeline(self, path: Union[str, Path], *, measured: Any = None) -> Path:
+        """Gantt chart of one step per rank as simulated by the cost models, and below it the measured
+        step of ``measured`` (a ``RunResult``; default: the last :meth:`run`, if any)."""
+        from .viz.timeline import draw_timelines
+
+        sim = self._require_prediction("timeline").simulation
+        panels = [(f"predicted: {sim.step_time * 1e3:.3f} ms per step on {self.cluster}", sim.bars(), 0)]
+        run = measured if measured is not None else self.last_run
+        if run is not None:
+            events = [r.timeline for r in run.ranks]
+            last = max(e.step for ev in events for e in ev)
+            t = [e for ev in events for e in ev if e.step == last]
+            span = max(e.end for e in t) - min(e.start for e in t)
+            panels.append((f"measured (last step): {span * 1e3:.3f} ms", events, last))
+        return draw_timelines(panels, path)
+
+    def memory_plot(self, path: Union[str, Path]) -> Path:
+        """Predicted memory per rank over one step, with the device capacity (see the cost models)."""
+        from .viz.timeline import draw_memory
+
+        return draw_memory(path=path, **self.memory_plot_data())
+
+    def memory_plot_data(self) -> dict[str, Any]:
+        """What :meth:`memory_plot` draws, as :func:`gnncompile.viz.timeline.memory_figure`'s arguments:
+        each rank's predicted memory curve, the step time, the memory a rank may use and its label.
+
+        On a CPU host the ranks share the host's memory, so the capacity is the host's memory divided
+        among them, and the label says so (the cluster's description names the whole host's memory).
+        """
+        pred = self._require_prediction("memory_plot")
+        cluster = pred.cluster
+        whole, per_rank = cluster.device.memory, pred.capacity
+        if per_rank != whole:
+            label = (f"memory per rank (this host's {human_bytes(whole)} shared by {cluster.devices_per_node} "
+                     f"ranks)")
+        else:
+            label = f"memory of one {cluster.device.name}"
+        return {"curves": [r.memory_curve for r in pred.simulation.ranks], "capacity": per_rank,
+                "step_time": pred.simulation.step_time, "capacity_label": label,
+                "title": f"predicted memory per rank over one step ({pred.simulation.step_time * 1e3:.3g} ms): "
+                         f"{self.strategy} on {self.num_ranks} ranks, {cluster.nodes} node(s) x "
+                         f"{cluster.devices_per_node} {cluster.device.name}"}
+
+    # ------------------------------------------------------------------ running
+    def run(self, epochs: int = 200, lr: float = 0.01, *, device: Any = None, backend: Union[str, None] = None,
+            **kwargs: Any) -> Any:
+        """Train with this plan across its ranks; see :func:`gnncompile.runtime.executor.run_plan`.
+
+        ``device``: ``None`` (``$GNNCOMPILE_DEVICE`` if set, else auto: the GPUs when CUDA is
+        available, else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; ``backend``: ``None``
+        (auto: NCCL with a GPU per rank, else gloo, ranks sharing GPUs), ``"gloo"`` or ``"nccl"``.
+        The result's ``describe_placement()`` says where the ranks ran and what the plan was planned
+        for. Checkpoints and early stopping: ``checkpoint_dir=``, ``checkpoint_every=``,
+        ``resume=``, ``patience=`` (passed on to ``run_plan``); ``result.best_state_dict()``."""
+        if self.program is None:
+            raise PlanningError("this plan holds no model (it was loaded from a file without one); "
+                                "use gnncompile.load_plan(path, model, graph) to run it")
+        from .runtime.executor import run_plan
+
+        self.last_run = run_plan(self, epochs=epochs, lr=lr, device=device, backend=backend, **kwargs)
+        return self.last_run
+
+
+def runnable(plan: PlanData) -> Plan:
+    """``plan`` as a :class:`Plan`, with every field value, including those that are not data
+    (``program``, ``search``, ``prediction``, ``last_run``).
+
+    A plain :class:`gnncompile.ir.plan.Plan` is converted in place (a :class:`Plan` adds methods,
+    no state), so the object keeps its identity: the search's record of the chosen plan
+    (``plan.search.ranked[0].plan``) is the returned plan. Another subclass is copied field by field.
+    """
+    if isinstance(plan, Plan):
+        return plan
+    if not isinstance(plan, PlanData):
+        raise PlanningError(f"runnable: expected a gnncompile.ir.plan.Plan, got {type(plan).__name__}")
+    if type(plan) is PlanData:
+        plan.__class__ = Plan
+        return plan  # type: ignore[return-value]
+    return Plan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)})
+
+
+def load_plan(path: Union[str, Path], model: Optional[torch.nn.Module] = None,
+              graph: Union[Graph, GraphStats, None] = None) -> Plan:
+    """Read a plan saved by :meth:`Plan.save`.
+
+    Without ``model`` and ``graph`` the result is data only (print it, verify it; ``run`` refuses).
+    With them, the recorded decisions are lowered again for this model and graph
+    (:func:`plan` with the saved options), the instruction lists are checked to be the saved ones
+    (a :class:`~gnncompile.VerificationError` lists what differs otherwise), and the returned plan
+    can run. An unreadable file or only one of ``model`` and ``graph`` raises
+    :class:`PlanningError`.
+    """
+    if (model is None) != (graph is None):
+        raise PlanningError("load_plan: pass both model and graph to rebuild a runnable plan (or neither)")
+    saved = read_plan(path)
+    if model is None:
+        return runnable(saved)
+    rebuilt = runnable(plan(model, graph, gpus=saved.num_ranks, **saved.options))
+    diffs = plan_differences(saved, rebuilt)
+    if diffs:
+        shown = diffs[:8] + ([f"... {len(diffs) - 8} more"] if len(diffs) > 8 else [])
+        raise VerificationError(
+            f"plan file {str(path)!r} does not match this model and graph (saved = the file, rebuilt = "
+            f"planned again for them; plan the model again or pass the model and graph it was made for):\n"
+            + "\n".join(f"  {d}" for d in shown))
+    return rebuilt

@@ -168,10 +168,8 @@ def _make_plan(args: argparse.Namespace):
         model = nn.build_model(args.model, graph.num_features, args.hidden, graph.num_classes,
                                num_layers=args.layers, dropout=args.dropout, **extra)
     strategy = None if args.strategy == "auto" else args.strategy
-    p = plan(model, graph, gpus=_gpus(args.gpus), strategy=strategy, semantics=args.semantics,
-             partitioner=args.partitioner, seed=args.seed, recompute=args.recompute, decouple=args.decouple,
-             chunks=args.chunks, sparse_ranks=args.sparse_ranks, reorder=args.reorder, p_ranks=args.p_ranks,
-             dependencies=args.dependencies, subgraph_chunks=args.subgraph_chunks)
+    p = plan(model, graph, gpus=_gpus(args.gpus), strategy=strategy, semantics=args.semantics, seed=args.seed,
+             **_strategy_options(args))
     return graph, model, p
 
 
@@ -290,7 +288,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .runtime import kernels
+    from . import kernels
     from .runtime.trainer import train
 
     _check_device(args.device)
@@ -359,10 +357,11 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from .cost_models.hardware import Cluster, default_profile_path
+    from .calibration import calibrate
+    from .cost_models.hardware import default_profile_path
 
     path = args.out or default_profile_path()
-    cluster = Cluster.calibrate(path, quick=args.quick)
+    cluster = calibrate(path, quick=args.quick)
     print(cluster)
     cal = getattr(cluster, "calibration", None) or {}
     if cal:
@@ -438,37 +437,71 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: strategy options with a command-line flag of their own name ("--seed" is shared with the model's
+#: initialization; "--semantics" is a common flag; the model's "--dropout" is its probability)
+_SHARED_OPTIONS = {"seed", "semantics"}
+_FLAGS = {"dropout": "--dropout-masks"}
+
+
+def _first_sentence(text: str) -> str:
+    return text.split(". ")[0].rstrip(".")
+
+
+def _add_strategy_options(p: argparse.ArgumentParser) -> None:
+    """One flag per strategy option the registered strategies declare (their declarations' kinds,
+    choices and documentation); an option not given is searched (or, with a named strategy and a
+    pinned option, takes its default)."""
+    from .passes.registry import option_specs
+
+    from .passes.registry import STRATEGIES
+
+    tried: dict[str, set] = {}  # what the strategies' search spaces vary
+    for strat in STRATEGIES.values():
+        for opts in strat.options.space("relaxed", {}):
+            for k, v in opts.items():
+                tried.setdefault(k, set()).add(repr(v))
+    for name, owners in option_specs().items():
+        if name in _SHARED_OPTIONS:
+            continue
+        spec = owners[0][1]
+        docs: dict[str, list[str]] = {}
+        for who, s in owners:
+            docs.setdefault(s.cli or _first_sentence(s.doc), []).append(who)
+        text = "; ".join(f"{', '.join(who)}: {doc}" for doc, who in docs.items())
+        if len(tried.get(name, ())) > 1:
+            default = "searched" + (f", or {spec.default!r} with a named strategy" if spec.pinned else "")
+        else:
+            default = "the strategy's default"
+        kwargs: dict[str, Any] = {"default": None, "dest": f"strategy_{name}", "help": f"{text} (default: {default})"}
+        if spec.kind == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif spec.kind == "choice":
+            kwargs["choices"] = spec.choices
+        elif spec.kind == "int":
+            kwargs["type"] = non_negative_int
+        else:
+            kwargs["type"] = positive_int
+        p.add_argument(_FLAGS.get(name, "--" + name.replace("_", "-")), **kwargs)
+
+
+def _strategy_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The strategy options of the parsed ``args`` (``None``: not given, searched)."""
+    from .passes.registry import option_specs
+
+    return {name: getattr(args, f"strategy_{name}") for name in option_specs() if name not in _SHARED_OPTIONS}
+
+
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     from .api import STRATEGIES
-    from .graph.partition import PARTITIONERS
+    from .passes.registry import PLANNED
 
     p.add_argument("--gpus", default="4", type=ranks_or_cluster,
                    help="number of local ranks, or a cluster such as 4xA5000 or 8x8xA100-ib200 (default: 4)")
-    p.add_argument("--strategy", default="auto", choices=("auto",) + STRATEGIES,
+    p.add_argument("--strategy", default="auto", choices=("auto",) + STRATEGIES + PLANNED,
                    help="parallelization strategy; auto (default) lets the cost models choose")
     p.add_argument("--semantics", default="exact", choices=("exact", "relaxed"),
                    help="refuse (exact, default) or allow relaxed transformations")
-    p.add_argument("--partitioner", default=None, choices=PARTITIONERS,
-                   help="vertex partitioner (default: searched with auto, metis with a named strategy)")
-    p.add_argument("--recompute", default=None, action=argparse.BooleanOptionalAction,
-                   help="recompute T segments in backward (default: searched with auto, off with a named strategy)")
-    p.add_argument("--decouple", default=None, action=argparse.BooleanOptionalAction,
-                   help="tensor: decoupled model, all T ops then all propagations (relaxed for non-linear models)")
-    p.add_argument("--chunks", type=positive_int, default=None,
-                   help="mop, task: vertex chunks pipelined between the device groups; tensor: chunk-level all-to-alls "
-                        "(NeutronTP §4.2; default: searched)")
-    p.add_argument("--sparse-ranks", type=positive_int, default=None,
-                   help="mop: ranks aggregating (the rest run the dense updates; default: half)")
-    p.add_argument("--reorder", default=None, choices=("none", "rcm"),
-                   help="mop: renumber vertices by reverse Cuthill-McKee before chunking (default: searched)")
-    p.add_argument("--dependencies", default=None, choices=("exact", "regrouped", "skip-later", "cached"),
-                   help="task, relaxed (NeutronTask Algorithm 1): shuffle the chunks into subgraphs every epoch and "
-                        "skip in-edges from later subgraphs (regrouped), skip them in a fixed order (skip-later) "
-                        "or read later chunks from the previous step (cached); default: exact")
-    p.add_argument("--subgraph-chunks", type=positive_int, default=None,
-                   help="task with --dependencies regrouped: chunks per subgraph (Algorithm 1's k; default 2)")
-    p.add_argument("--p-ranks", type=positive_int, default=None,
-                   help="task: ranks for the P (propagation) tasks (default: NeutronTask Eq. 7 from the cost model)")
+    _add_strategy_options(p)
     p.add_argument("--explain", action="store_true", help="print the planner's candidates and why it chose the plan")
     p.add_argument("--timeline", default=None, metavar="PATH", help="draw the predicted (and measured) timeline")
     p.add_argument("--memory-plot", default=None, metavar="PATH", help="draw the predicted memory per rank")

@@ -15,7 +15,7 @@ import torch
 import gnncompile as gc
 from gnncompile import cli, datasets
 from gnncompile.errors import GnnCompileError
-from gnncompile.ir.plan import Plan
+from gnncompile import Plan
 
 SMALL = ["--dataset", "sbm", "--num-nodes", "300", "--avg-degree", "4", "--num-features", "8", "--num-classes", "3",
          "--hidden", "8"]
@@ -192,7 +192,7 @@ def test_plan_load_for_another_model_shows_what_differs(tmp_path: Path) -> None:
     plan = gc.plan(gc.nn.GCN(8, 16, 3, num_layers=2), g, gpus=2, strategy="data", partitioner="random")
     path = plan.save(tmp_path / "plan.json")
     with pytest.raises(gc.VerificationError) as info:
-        Plan.load(path, gc.nn.GCN(8, 32, 3, num_layers=2), g)
+        gc.load_plan(path, gc.nn.GCN(8, 32, 3, num_layers=2), g)
     msg = str(info.value)
     assert "rank 0 differs" not in msg
     details = msg.splitlines()[1:]

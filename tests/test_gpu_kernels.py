@@ -22,8 +22,8 @@ import gnncompile as gc
 from gnncompile import Graph
 from gnncompile.frontend import ops
 from gnncompile.nn.functional import Linear, feature_dropout
-from gnncompile.runtime import kernels
-from gnncompile.runtime.kernels import CSR
+from gnncompile import kernels
+from gnncompile.kernels import CSR
 from test_kernels import SHAPES, SPMM_CASES, TOL, random_csr, randn, values_for
 from test_ops import DT, GRAPHS, edge_weight_for, make_graph, norm_weight_pairs, rand, x_for
 

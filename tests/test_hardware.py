@@ -23,6 +23,7 @@ from gnncompile.cost_models.hardware import (
     LinkSpec,
     default_profile_path,
 )
+from gnncompile.calibration import calibrate
 from gnncompile.errors import PlanningError
 
 
@@ -38,7 +39,7 @@ def no_saved_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Cluster, Path]:
     path = tmp_path_factory.mktemp("profile") / "cpu.json"
-    return Cluster.calibrate(path, quick=True), path
+    return calibrate(path, quick=True), path
 
 
 # --- parsing -----------------------------------------------------------------------------------------
@@ -276,7 +277,35 @@ def test_rank_device_interpolates_in_threads() -> None:
 
 def test_calibrate_needs_two_ranks() -> None:
     with pytest.raises(PlanningError, match="world_size"):
-        Cluster.calibrate(world_size=1)
+        calibrate(world_size=1)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"world_size": 1}, "world_size must be an integer >= 2"),
+    ({"world_size": True}, "world_size must be an integer >= 2"),
+    ({"world_size": 2.0}, "world_size must be an integer >= 2"),
+    ({"backend": "mpi"}, "unknown backend 'mpi'; valid: gloo, nccl"),
+    ({"quick": "yes"}, "quick must be True or False"),
+    ({"path": 3}, "path must be a file path or None"),
+])
+def test_calibrate_checks_its_arguments_before_measuring(kwargs: dict, fragment: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad argument is refused at once: nothing is launched or measured."""
+    import gnncompile.calibration as calibration
+
+    def no_launch(*args: object, **kw: object) -> None:
+        raise AssertionError("calibrate launched ranks before checking its arguments")
+
+    monkeypatch.setattr(calibration, "launch", no_launch)
+    with pytest.raises(PlanningError, match=fragment):
+        calibration.calibrate(**kwargs)
+
+
+def test_calibrate_is_public_and_no_longer_a_cluster_method() -> None:
+    import gnncompile as gc
+
+    assert gc.calibrate is calibrate
+    assert not hasattr(Cluster, "calibrate")   # it launches the runtime: above the cost models
 
 
 def test_cpu_cluster_label_says_the_host_memory_is_shared() -> None:

@@ -1,4 +1,4 @@
-"""The native CPU kernels' build key (`gnncompile.runtime.kernels.native_extension_name`) and build line.
+"""The native CPU kernels' build key (`gnncompile.kernels.native_extension_name`) and build line.
 
 Two checkouts or virtual environments must never share (and so rebuild) one extension build: the
 extension name is a hash of the source, the torch build, the interpreter and the flags. Nothing
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from gnncompile.runtime import kernels
+from gnncompile import kernels
 
 SOURCE = b"// kernels\nint f() { return 1; }\n"
 TORCH = "2.13.0 /venv-a/lib/python3.11/site-packages/torch"
@@ -106,3 +106,14 @@ def test_gpu_extras_pick_the_cupy_build_by_cuda_major_and_cpu_setup_installs_non
     assert not any("cupy" in d for name in ("dev", "pyg") for d in extras[name])
     with open(os.path.join(root, "scripts", "setup.sh")) as f:
         assert "cupy" not in f.read()
+
+
+def test_a_killed_builds_lock_does_not_hang_the_next_load(fake_load: list[dict[str, Any]], tmp_path: Any) -> None:
+    """torch's build lock left by a killed build is removed (our flock shows nobody is building)."""
+    name = kernels.native_extension_name(*kernels._native_build_key())
+    build_dir = os.path.join(str(tmp_path), name)
+    os.makedirs(build_dir)
+    with open(os.path.join(build_dir, "lock"), "w"):
+        pass
+    kernels._load_native()
+    assert len(fake_load) == 1 and not os.path.exists(os.path.join(build_dir, "lock"))

@@ -1,4 +1,4 @@
-"""Sparse kernel backends (`gnncompile.runtime.kernels`): every backend against the torch backend.
+"""Sparse kernel backends (`gnncompile.kernels`): every backend against the torch backend.
 
 The torch backend (``torch.sparse.mm``) is itself checked against a dense product first; the other
 backends are then compared with it on random CSR matrices with empty rows, duplicate entries,
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from gnncompile import KernelError
-from gnncompile.runtime import kernels
-from gnncompile.runtime.kernels import CSR
+from gnncompile import kernels
+from gnncompile.kernels import CSR
 
 CPU_BACKENDS = ("native", "torch", "scipy")
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
@@ -339,7 +339,7 @@ def test_environment_variable_sets_the_default() -> None:
         """
         import importlib, os
         from gnncompile import KernelError
-        from gnncompile.runtime import kernels
+        from gnncompile import kernels
         assert kernels.default_backend("cpu") == "scipy", kernels.default_backend("cpu")
         os.environ["GNNCOMPILE_BACKEND"] = "bogus"
         importlib.reload(kernels)

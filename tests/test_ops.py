@@ -28,7 +28,7 @@ from gnncompile.ops import (
     is_primitive,
     propagate,
 )
-from gnncompile.runtime import kernels
+from gnncompile import kernels
 
 DT = torch.float64
 CPU_BACKENDS = ("native", "torch", "scipy")

@@ -29,8 +29,8 @@ from gnncompile.passes import PassManager, PrintIR, Timing, graph_pass, verify
 from gnncompile.passes.decouple import decouple, decouple_exact, plan_decoupling
 from gnncompile.passes.fuse_masked_propagate import find_masked_propagations, fuse_masked_propagate
 from gnncompile.passes.recompute import Recompute, insert_recomputation, source_name, t_segments
-from gnncompile.runtime.kernels import CSR
-from gnncompile.runtime.kernels import masked as masked_kernels
+from gnncompile.kernels import CSR
+from gnncompile.kernels import masked as masked_kernels
 
 DT = torch.float64
 EXACT = dict(rtol=0.0, atol=0.0)  # same ops in the same order: bit for bit

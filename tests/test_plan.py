@@ -38,6 +38,7 @@ from gnncompile.ir.plan import (
     ReduceScatter,
     Send,
     StageSpec,
+    read_plan,
 )
 from gnncompile.ir.verify_plan import PlanReport, verify_plan
 
@@ -178,7 +179,7 @@ def test_instruction_dict_round_trip(cls: type, data: st.DataObject) -> None:
 def test_plan_save_load_round_trip(build: Any, tmp_path: Path) -> None:
     plan = build()
     path = plan.save(tmp_path / "plan.json")
-    loaded = Plan.load(path)
+    loaded = read_plan(path)
     assert loaded == plan
     assert loaded.program is None
     assert Plan.from_dict(json.loads(plan.to_json())) == plan
@@ -236,7 +237,7 @@ def test_load_rejects_unknown_format_version(tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(d))
     with pytest.raises(VerificationError, match="plan format 2 is not supported"):
-        Plan.load(path)
+        read_plan(path)
 
 
 # --------------------------------------------------------------------------- valid plans
@@ -579,7 +580,7 @@ def test_rank_label(ranks: list[int], label: str) -> None:
 
 
 def test_plan_differences_name_the_fields() -> None:
-    """``Plan.load`` of a plan for another model or graph said "rank 0 differs" and printed two
+    """``gnncompile.load_plan`` of a plan for another model or graph said "rank 0 differs" and printed two
     identical lists (the instructions print the same; the stages' costs or exchange sizes differ)."""
     from gnncompile.ir.plan import plan_differences
 
@@ -591,3 +592,75 @@ def test_plan_differences_name_the_fields() -> None:
     assert plan_differences(saved, saved) == []
     renamed = dataclasses.replace(other, info={**saved.info, "model": "GAT"})
     assert plan_differences(saved, renamed)[0] == "model: saved 'GCN', rebuilt 'GAT'"
+
+
+# --------------------------------------------------------------------------- runnable plans: gc.Plan, load_plan
+def test_ir_plan_is_data_only() -> None:
+    """The IR's plan has no behaviour that needs the layers above it; gc.Plan adds it."""
+    import gnncompile as gc
+
+    for name in ("run", "explain", "explanation", "timeline", "memory_plot", "memory_plot_data", "load"):
+        assert not hasattr(Plan, name), name
+        assert hasattr(gc.Plan, name), name
+    assert issubclass(gc.Plan, Plan)
+
+
+def test_runnable_keeps_every_field_and_equals_the_data() -> None:
+    from gnncompile.api import runnable
+
+    import gnncompile as gc
+
+    data = dataclasses.replace(halo_plan(), program=["programs"], search="search", prediction="prediction",
+                               last_run="run")
+    values = {f.name: getattr(data, f.name) for f in dataclasses.fields(Plan)}
+    plan = runnable(data)
+    assert plan is data and type(plan) is gc.Plan       # converted in place: references to it see gc.Plan
+    for name, value in values.items():
+        assert getattr(plan, name) is value, name
+    assert runnable(plan) is plan
+    assert plan == halo_plan() and halo_plan() == plan   # equal data, whichever class
+    assert plan != dataclasses.replace(halo_plan(), strategy="tensor")
+
+    class Annotated(Plan):
+        pass
+
+    other = Annotated(**{f.name: getattr(halo_plan(), f.name) for f in dataclasses.fields(Plan)})
+    copied = runnable(other)
+    assert type(copied) is gc.Plan and copied is not other and copied == other
+
+
+def test_load_plan_without_model_gives_the_data(tmp_path: Path) -> None:
+    import gnncompile as gc
+    from gnncompile.errors import PlanningError
+
+    plan = halo_plan()
+    path = plan.save(tmp_path / "plan.json")
+    loaded = gc.load_plan(path)
+    assert isinstance(loaded, gc.Plan) and loaded == plan and loaded.program is None
+    with pytest.raises(PlanningError, match=r"gnncompile\.load_plan\(path, model, graph\)"):
+        loaded.run(epochs=1)
+    with pytest.raises(PlanningError, match="pass both model and graph"):
+        gc.load_plan(path, model=object())
+    with pytest.raises(PlanningError, match="cannot read plan file"):
+        gc.load_plan(tmp_path / "absent.json")
+
+
+def test_load_plan_rebuilds_a_runnable_plan_and_plan_load_is_its_deprecated_alias(tmp_path: Path) -> None:
+    import torch
+
+    import gnncompile as gc
+
+    graph = gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=4, num_features=6, num_classes=3, seed=0)
+    torch.manual_seed(0)
+    model = gc.nn.GCN(6, 8, 3, num_layers=2)
+    plan = gc.plan(model, graph, gpus=2, strategy="data", partitioner="random")
+    assert isinstance(plan, gc.Plan)                                      # gc.plan returns the runnable plan
+    path = plan.save(tmp_path / "plan.json")
+    rebuilt = gc.load_plan(path, model, graph)
+    assert isinstance(rebuilt, gc.Plan) and rebuilt.program is not None
+    assert rebuilt == plan
+    with pytest.warns(DeprecationWarning, match="use gnncompile.load_plan"):
+        alias = gc.Plan.load(path, model, graph)
+    assert isinstance(alias, gc.Plan) and alias == rebuilt and alias.program is not None
+    with pytest.warns(DeprecationWarning):
+        assert gc.Plan.load(path) == plan

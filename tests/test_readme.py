@@ -149,7 +149,7 @@ class _Session:
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Session]:
     import gnncompile
-    from gnncompile.ir.plan import Plan
+    from gnncompile import Plan
 
     real_train, real_run = gnncompile.train, Plan.run
 

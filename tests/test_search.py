@@ -13,7 +13,7 @@ from gnncompile import PlanningError, datasets
 from gnncompile.cost_models import formulas
 from gnncompile.cost_models.hardware import Cluster
 from gnncompile.cost_models.model import PlanCost, static_memory
-from gnncompile.ir.plan import AllReduce, Backward, Forward, HaloExchange, Plan
+from gnncompile.ir.plan import AllReduce, Backward, Forward, HaloExchange
 from gnncompile.passes.search import candidates, rank_counts, search
 
 
@@ -214,7 +214,7 @@ def test_timeline_and_memory_plot(sbm, tmp_path):
     p = gc.plan(gcn(sbm), sbm, "4xA5000", strategy="data")
     assert p.timeline(tmp_path / "t.png").stat().st_size > 1000
     assert p.memory_plot(tmp_path / "m.png").stat().st_size > 1000
-    loaded = Plan.load(p.save(tmp_path / "p.json"))
+    loaded = gc.load_plan(p.save(tmp_path / "p.json"))
     with pytest.raises(PlanningError, match="prediction"):
         loaded.timeline(tmp_path / "x.png")
 

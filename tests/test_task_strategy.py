@@ -277,7 +277,7 @@ def test_regrouped_plan_round_trips(sbm: gc.Graph, tmp_path) -> None:
     p = gc.plan(model_for("gcn", sbm), sbm, 3, strategy="task", chunks=3, dependencies="regrouped",
                 subgraph_chunks=3, semantics="relaxed")
     p.save(tmp_path / "plan.json")
-    q = gc.Plan.load(tmp_path / "plan.json", model_for("gcn", sbm), sbm)
+    q = gc.load_plan(tmp_path / "plan.json", model_for("gcn", sbm), sbm)
     assert q.options["subgraph_chunks"] == 3 and q.relaxations == p.relaxations
     assert [r.regroup.regrouping.base_bounds for r in q.program if r.regroup is not None][0] == \
         tuple(round(90 * i / 9) for i in range(10))

@@ -416,7 +416,7 @@ def test_chunked_refusals(sbm: gc.Graph) -> None:
 def test_chunked_plan_json_round_trip(sbm: gc.Graph, tmp_path) -> None:
     p = gc.plan(model_for("gcn", sbm), sbm, 2, strategy="tensor", chunks=3)
     p.save(tmp_path / "plan.json")
-    q = gc.Plan.load(tmp_path / "plan.json", model_for("gcn", sbm), sbm)
+    q = gc.load_plan(tmp_path / "plan.json", model_for("gcn", sbm), sbm)
     assert [dp.instructions for dp in q.ranks] == [dp.instructions for dp in p.ranks]
     assert q.options["chunks"] == 3
 

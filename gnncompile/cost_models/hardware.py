@@ -1,4 +1,4 @@
-"""Hardware descriptions for the cost models: devices, links, clusters, presets, parsing, calibration.
+"""Clusters for the cost models: ranks of a device, the links between them, parsing, presets, profiles.
 
 A :class:`Cluster` is ``nodes`` machines of ``devices_per_node`` identical ranks (one GPU, or one
 process on a CPU host), linked inside a machine by ``intra`` and between machines by ``inter``::
@@ -6,49 +6,33 @@ process on a CPU host), linked inside a machine by ``intra`` and between machine
     Cluster.parse("2x4xA5000-ib200")     # 2 nodes x 4 A5000, PCIe 4.0 inside, 200 Gbit/s IB across
     Cluster.parse("neutrontask")         # a paper's testbed (see CLUSTERS)
     Cluster.parse("4xcpu")               # 4 ranks on this host, from the saved CPU profile
-    Cluster.calibrate("profile.json")    # measure this host's CPU and gloo and save a profile
+    gnncompile.calibrate("profile.json") # measure this host's CPU and gloo and save a profile
 
 Grammar of :meth:`Cluster.parse`: ``[NODESx]DEVICESxMODEL[-LINK]``, a bare ``MODEL`` (one device)
 or a preset name from :data:`CLUSTERS`. ``LINK`` names the inter-node link when ``NODES > 1``
 (default :data:`DEFAULT_INTER`), else it replaces the model's default intra-node link.
 
-Conventions
------------
-- Rates are per second and per rank: FLOP/s by dtype, bytes/s for memory and links (one direction).
-- GPU memory: vendors' "GB" for GPU memory are GiB (an A100 80GB reports 81920 MiB), so the presets
-  use ``2**30``-byte units. Network links are quoted in Gbit/s; ``bandwidth`` is that / 8 bytes/s.
-- GPU FLOP/s: ``float32`` is the non-tensor-core FP32 peak (PyTorch does not use TF32 for matmul
-  by default); ``float16``/``bfloat16`` are dense tensor-core peaks (no 2:4 sparsity); ``float64``
-  the FP64 peak. All are datasheet peaks, not achieved rates.
-- ``spmm_bandwidth`` is the effective bandwidth of sparse propagation in the byte convention of
-  NeutronTask Eq. 6 (Sec. 5.2): a P op over ``|V|`` rows, ``|E| = |V|·d̄`` edges and width ``d``
-  moves ``4·(|V|·d̄·(1 + 2d) + |V|)`` bytes (float32 elements). The Eq. 6 P-op time is
-  ``γ·2|V|d̄d / FLOPS + (1 − γ)·bytes / spmm_bandwidth``.
-- GPU presets take ``spmm_bandwidth = SPMM_DERATE · mem_bandwidth`` (an assumption: a gather of
-  random neighbour rows reaches a fraction of STREAM bandwidth) and ``γ = GPU_GAMMA``. NeutronTask
-  determines γ "empirically based on hardware characteristics" and reports no value; 0.3 is a
-  placeholder to be replaced by a measurement on the target. CPUs use ``γ = 0``: a CPU has no
-  separate compute engine to overlap with, and the calibrated ``spmm_bandwidth`` is measured over
-  whole SpMM kernels, so Eq. 6 with ``γ = 0`` reproduces the measured time.
+The devices and links (:class:`DeviceSpec`, :class:`LinkSpec`, the presets :data:`DEVICES`,
+:data:`LINKS`, the units and conventions) are in :mod:`gnncompile.cost_models.specs` and importable
+from here too. Calibration (measuring a host, which launches the runtime) is above the runtime, in
+:mod:`gnncompile.calibration`; a saved profile is read here (:meth:`Cluster.load`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
-import math
 import os
 import re
-import socket
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from ..errors import PlanningError
+from .specs import (CPU_GAMMA, DEFAULT_INTRA, DEFAULT_LAUNCH_OVERHEAD, DEVICES, GPU_GAMMA, LINKS,  # noqa: F401
+                    SPMM_DERATE, DeviceSpec, GiB, LinkSpec, _fields_from_dict, _si)
 
 __all__ = [
     "DeviceSpec",
@@ -67,17 +51,10 @@ __all__ = [
     "default_profile_path",
 ]
 
-GiB = 2**30
-SPMM_DERATE = 0.5          # default spmm_bandwidth / mem_bandwidth (assumed, see the module docstring)
-GPU_GAMMA = 0.3            # Eq. 6 overlap factor of GPUs (placeholder, see the module docstring)
-CPU_GAMMA = 0.0            # Eq. 6 overlap factor of CPUs
-DEFAULT_LAUNCH_OVERHEAD = 5e-6   # s per kernel: a CUDA kernel launch; calibration measures the CPU's
 DEFAULT_INTER = "ib100"    # inter-node link of a multi-node spec that names none
 PROFILE_ENV = "GNNCOMPILE_PROFILE"
 _FORMAT = "gnncompile.cluster"
 _FORMAT_VERSION = 1
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
-                  "bf16": "bfloat16", "fp64": "float64", "double": "float64"}
 _GRAMMAR = "[NODESx]DEVICESxMODEL[-LINK] (e.g. '4xA5000', '2x4xA5000-ib200', 'A100', '4xcpu') or a preset name"
 
 
@@ -86,272 +63,6 @@ def default_profile_path() -> Path:
     else ``~/.cache/gnncompile/cpu_profile.json``."""
     env = os.environ.get(PROFILE_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "gnncompile" / "cpu_profile.json"
-
-
-def _check_number(value: Any, what: str, *, low: float = 0.0, high: float = math.inf,
-                  strict: bool = True) -> None:
-    """Raise :class:`PlanningError` unless ``value`` is a finite real number above ``low`` (or at
-    least ``low`` when not ``strict``) and at most ``high``."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < low or (strict and value == low) or value > high:
-        bound = f"> {low:g}" if strict else f">= {low:g}"
-        bound += f" and <= {high:g}" if high < math.inf else ""
-        raise PlanningError(f"{what} must be a finite number {bound}, got {value!r}")
-
-
-def _fields_from_dict(cls: type, data: Any, what: str) -> dict[str, Any]:
-    """The constructor arguments of dataclass ``cls`` in ``data``; unknown or missing keys raise."""
-    if not isinstance(data, dict):
-        raise PlanningError(f"{what}: expected a JSON object, got {type(data).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    required = {f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    unknown = sorted(set(data) - names - {"format", "version"})
-    missing = sorted(required - set(data))
-    if unknown or missing:
-        raise PlanningError(f"{what}: " + "; ".join(
-            ([f"unknown field(s) {', '.join(unknown)}"] if unknown else [])
-            + ([f"missing field(s) {', '.join(missing)}"] if missing else [])))
-    return {k: v for k, v in data.items() if k in names}
-
-
-# --------------------------------------------------------------------------- specs
-@dataclass(frozen=True)
-class DeviceSpec:
-    """One rank's compute device.
-
-    Parameters
-    ----------
-    name : str
-        Model name, e.g. ``"A100-80GB"``.
-    flops : dict[str, float]
-        FLOP/s by dtype name (``"float32"``, ``"float16"``, ``"bfloat16"``, ``"float64"``).
-    mem_bandwidth : float
-        STREAM-like memory bandwidth, bytes/s.
-    memory : int
-        Capacity, bytes.
-    spmm_bandwidth : float, optional
-        Effective bytes/s of sparse propagation (Eq. 6 byte convention); default
-        ``SPMM_DERATE * mem_bandwidth``.
-    gamma : float, optional
-        Eq. 6 compute/memory overlap factor in [0, 1]; default ``GPU_GAMMA`` or ``CPU_GAMMA``.
-    launch_overhead : float
-        Seconds per kernel launch / operator dispatch.
-    kind : str
-        ``"gpu"`` or ``"cpu"``.
-    runtime : dict[str, float]
-        Measured fixed costs of gnncompile's runtime on this device, seconds
-        (:func:`gnncompile.runtime.calibrate.runtime_overheads`): ``stage`` per Forward/Backward
-        instruction, ``op_forward``/``op_backward`` per op of a stage, ``comm`` per communication
-        instruction, ``optimizer_tensor`` per parameter tensor of the optimizer step, ``step``
-        per training step outside the instructions (loss, zeroing gradients). Empty for
-        presets: the cost models then charge ``launch_overhead`` per op only.
-    edge_rate : float, optional
-        Edges per second a propagation visits on top of its bytes (random row gathers are
-        latency bound at small widths): calibrated from SpMM at two widths; ``None``: bytes only.
-    rng_rate : float, optional
-        Random numbers per second (dropout masks); ``None``: not charged.
-    spmm_curve : tuple of (working set bytes, spmm bandwidth, edge rate)
-        Calibrated propagation rates by the size of the gathered source rows (a working set in
-        the last-level cache is gathered faster than one in DRAM); empty: ``spmm_bandwidth`` and
-        ``edge_rate`` for every size. See :meth:`spmm_rates`.
-    """
-
-    name: str
-    flops: dict[str, float] = field(hash=False)
-    mem_bandwidth: float
-    memory: int
-    spmm_bandwidth: Optional[float] = None
-    gamma: Optional[float] = None
-    launch_overhead: float = DEFAULT_LAUNCH_OVERHEAD
-    kind: str = "gpu"
-    runtime: dict[str, float] = field(default_factory=dict, hash=False)
-    edge_rate: Optional[float] = None
-    rng_rate: Optional[float] = None
-    spmm_curve: tuple[tuple[float, float, float], ...] = ()
-
-    def __post_init__(self) -> None:
-        what = f"device {self.name!r}"
-        if self.kind not in ("gpu", "cpu"):
-            raise PlanningError(f"{what}: kind must be 'gpu' or 'cpu', got {self.kind!r}")
-        if not isinstance(self.flops, dict) or not self.flops:
-            raise PlanningError(f"{what}: flops must be a non-empty dict of FLOP/s by dtype")
-        for dtype, rate in self.flops.items():
-            _check_number(rate, f"{what}: flops[{dtype!r}]")
-        _check_number(self.mem_bandwidth, f"{what}: mem_bandwidth")
-        _check_number(self.memory, f"{what}: memory")
-        if self.spmm_bandwidth is None:
-            object.__setattr__(self, "spmm_bandwidth", SPMM_DERATE * self.mem_bandwidth)
-        _check_number(self.spmm_bandwidth, f"{what}: spmm_bandwidth")
-        if self.gamma is None:
-            object.__setattr__(self, "gamma", GPU_GAMMA if self.kind == "gpu" else CPU_GAMMA)
-        _check_number(self.gamma, f"{what}: gamma", strict=False, high=1.0)
-        _check_number(self.launch_overhead, f"{what}: launch_overhead (s)", strict=False)
-        object.__setattr__(self, "flops", dict(self.flops))
-        object.__setattr__(self, "memory", int(self.memory))
-        if not isinstance(self.runtime, dict):
-            raise PlanningError(f"{what}: runtime must be a dict of seconds by overhead name")
-        for key, value in self.runtime.items():
-            _check_number(value, f"{what}: runtime[{key!r}] (s)", strict=False)
-        object.__setattr__(self, "runtime", dict(self.runtime))
-        for key in ("edge_rate", "rng_rate"):
-            if getattr(self, key) is not None:
-                _check_number(getattr(self, key), f"{what}: {key}")
-        try:
-            curve = tuple(sorted((float(w), float(b), float(e)) for w, b, e in self.spmm_curve))
-        except (TypeError, ValueError):
-            raise PlanningError(f"{what}: spmm_curve must hold (working set, bandwidth, edge rate) triples") from None
-        for point in curve:
-            for value, name in zip(point, ("working set", "bandwidth", "edge rate")):
-                _check_number(value, f"{what}: spmm_curve {name}")
-        object.__setattr__(self, "spmm_curve", curve)
-
-    def spmm_rates(self, working_set: float) -> tuple[float, Optional[float]]:
-        """``(bandwidth, edge rate)`` of a propagation gathering ``working_set`` bytes of source
-        rows: interpolated in log size between the calibrated points, clamped at the ends."""
-        curve = self.spmm_curve
-        if not curve:
-            return self.spmm_bandwidth, self.edge_rate
-        if working_set <= curve[0][0]:
-            return curve[0][1], curve[0][2]
-        for (w0, b0, e0), (w1, b1, e1) in zip(curve, curve[1:]):
-            if working_set <= w1:
-                f = math.log(working_set / w0) / math.log(w1 / w0)
-                return b0 + f * (b1 - b0), e0 + f * (e1 - e0)
-        return curve[-1][1], curve[-1][2]
-
-    def flops_for(self, dtype: Union[str, torch.dtype]) -> float:
-        """FLOP/s for ``dtype`` (a name such as ``"float32"``/``"bf16"`` or a ``torch.dtype``).
-
-        Raises
-        ------
-        PlanningError
-            The device has no rate for that dtype.
-        """
-        key = str(dtype).removeprefix("torch.").lower()
-        key = _DTYPE_ALIASES.get(key, key)
-        try:
-            return self.flops[key]
-        except KeyError:
-            raise PlanningError(f"device {self.name!r} has no FLOP/s for dtype {str(dtype)!r}; "
-                                f"known: {', '.join(self.flops)}") from None
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of the fields."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "DeviceSpec":
-        """Inverse of :meth:`to_dict`; malformed data raises :class:`PlanningError`."""
-        return cls(**_fields_from_dict(cls, data, "device"))
-
-
-@dataclass(frozen=True)
-class LinkSpec:
-    """A link between two ranks: ``bandwidth`` bytes/s per direction, ``latency`` seconds per
-    message; ``network`` marks links quoted in Gbit/s (InfiniBand, Ethernet)."""
-
-    name: str
-    bandwidth: float
-    latency: float
-    network: bool = False
-
-    def __post_init__(self) -> None:
-        _check_number(self.bandwidth, f"link {self.name!r}: bandwidth")
-        _check_number(self.latency, f"link {self.name!r}: latency (s)", strict=False)
-
-    def __str__(self) -> str:
-        if self.network:
-            return f"{self.name} {_si(self.bandwidth * 8, 'bit/s')}"
-        return f"{self.name} {_si(self.bandwidth, 'B/s')}"
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of the fields."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "LinkSpec":
-        """Inverse of :meth:`to_dict`; malformed data raises :class:`PlanningError`."""
-        return cls(**_fields_from_dict(cls, data, "link"))
-
-
-def _si(value: float, unit: str) -> str:
-    """``value`` with an SI prefix and three significant digits: ``_si(2.78e13, "FLOP/s")``."""
-    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if value >= factor:
-            return f"{value / factor:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}"
-
-
-# --------------------------------------------------------------------------- presets
-def _gpu(name: str, fp32: float, memory_gib: float, bandwidth: float, *, fp16: float, fp64: float,
-         bf16: Optional[float] = None) -> DeviceSpec:
-    flops = {"float32": fp32, "float16": fp16, "float64": fp64}
-    if bf16 is not None:
-        flops["bfloat16"] = bf16
-    return DeviceSpec(name, flops, bandwidth, int(memory_gib * GiB), kind="gpu")
-
-
-_V100_16 = _gpu("V100-16GB", 15.7e12, 16, 900e9, fp16=125e12, fp64=7.8e12)
-_A100_80 = _gpu("A100-80GB", 19.5e12, 80, 2039e9, fp16=312e12, bf16=312e12, fp64=9.7e12)
-
-DEVICES: dict[str, DeviceSpec] = {
-    # NVIDIA RTX A5000 datasheet: 27.8 TFLOPS FP32, 24 GB GDDR6, 768 GB/s, PCIe 4.0 x16; tensor
-    # 222.2 TFLOPS with sparsity -> 111.1 dense FP16/BF16; FP64 at 1/32 of FP32 (GA102).
-    "A5000": _gpu("A5000", 27.8e12, 24, 768e9, fp16=111.1e12, bf16=111.1e12, fp64=27.8e12 / 32),
-    # NVIDIA T4 datasheet: 8.1 TFLOPS FP32, 65 TFLOPS FP16 mixed precision, 16 GB GDDR6, 320 GB/s;
-    # FP64 at 1/32 of FP32 (TU104); no BF16.
-    "T4": _gpu("T4", 8.1e12, 16, 320e9, fp16=65e12, fp64=8.1e12 / 32),
-    # NVIDIA V100 SXM2 datasheet: 15.7 TFLOPS FP32, 7.8 FP64, 125 tensor (FP16), 900 GB/s HBM2,
-    # 16 or 32 GB; no BF16. "V100" is the 32 GB part.
-    "V100-16GB": _V100_16,
-    "V100-32GB": dataclasses.replace(_V100_16, name="V100-32GB", memory=32 * GiB),
-    "V100": dataclasses.replace(_V100_16, name="V100-32GB", memory=32 * GiB),
-    # NVIDIA A100 SXM datasheet: 19.5 TFLOPS FP32, 9.7 FP64, 312 FP16/BF16 tensor (dense);
-    # 40 GB HBM2 at 1,555 GB/s, 80 GB HBM2e at 2,039 GB/s. "A100" is the 80 GB part.
-    "A100-40GB": _gpu("A100-40GB", 19.5e12, 40, 1555e9, fp16=312e12, bf16=312e12, fp64=9.7e12),
-    "A100-80GB": _A100_80,
-    "A100": _A100_80,
-    # NVIDIA H100 SXM5 datasheet: 67 TFLOPS FP32, 34 FP64, 989.5 FP16/BF16 tensor (dense; 1,979
-    # with sparsity), 80 GB HBM3 at 3.35 TB/s.
-    "H100": _gpu("H100", 67e12, 80, 3.35e12, fp16=989.5e12, bf16=989.5e12, fp64=34e12),
-    # NVIDIA H200 SXM datasheet: H100 SXM compute, 141 GB HBM3e at 4.8 TB/s.
-    "H200": _gpu("H200", 67e12, 141, 4.8e12, fp16=989.5e12, bf16=989.5e12, fp64=34e12),
-    # Uncalibrated placeholder for a CPU host (all cores together), not a measurement: rough rates
-    # of a small server. Cluster.calibrate() measures the real host and parse() prefers its profile.
-    "cpu": DeviceSpec("cpu", {"float32": 1e11, "float64": 5e10}, 20e9, 16 * GiB, kind="cpu"),
-}
-
-LINKS: dict[str, LinkSpec] = {
-    # PCIe x16 per direction: 3.0 is 15.75 GB/s raw, ~12 GB/s achieved; 4.0 is 31.5 raw, ~25
-    # achieved. Latency of a small peer-to-peer/NCCL message: a few microseconds.
-    "pcie3": LinkSpec("pcie3", 12e9, 5e-6),
-    "pcie4": LinkSpec("pcie4", 25e9, 5e-6),
-    # NVLink per GPU, per direction, all links together (NVIDIA's figures are bidirectional:
-    # 300/600/900 GB/s): V100 6 x 25 GB/s, A100 12 x 25, H100/H200 18 x 25. In a V100 hybrid
-    # cube-mesh (DGX-1, p3.16xlarge) one pair of GPUs shares only 1-2 of those links.
-    "nvlink2": LinkSpec("nvlink2", 150e9, 3e-6),
-    "nvlink3": LinkSpec("nvlink3", 300e9, 3e-6),
-    "nvlink4": LinkSpec("nvlink4", 450e9, 3e-6),
-    # InfiniBand EDR/HDR/NDR: Gbit/s / 8; ~1-2 us through the switch plus the software stack: 3 us.
-    "ib100": LinkSpec("ib100", 100e9 / 8, 3e-6, network=True),
-    "ib200": LinkSpec("ib200", 200e9 / 8, 3e-6, network=True),
-    "ib400": LinkSpec("ib400", 400e9 / 8, 3e-6, network=True),
-    # Ethernet over TCP: 20-50 us per message; 15 Gbit/s is NeutronTP's T4 cluster (Sec. 5.1),
-    # 10 and 100 Gbit/s common datacenter NICs.
-    "eth10": LinkSpec("eth10", 10e9 / 8, 50e-6, network=True),
-    "eth15": LinkSpec("eth15", 15e9 / 8, 30e-6, network=True),
-    "eth100": LinkSpec("eth100", 100e9 / 8, 20e-6, network=True),
-    # Ranks on one host talking through gloo (loopback TCP / shared memory). Uncalibrated
-    # placeholder; Cluster.calibrate() measures it.
-    "shm": LinkSpec("shm", 5e9, 20e-6),
-}
-
-DEFAULT_INTRA: dict[str, str] = {
-    "A5000": "pcie4", "T4": "pcie3", "V100-16GB": "nvlink2", "V100-32GB": "nvlink2", "V100": "nvlink2",
-    "A100-40GB": "nvlink3", "A100-80GB": "nvlink3", "A100": "nvlink3", "H100": "nvlink4", "H200": "nvlink4",
-    "cpu": "shm",
-}
 
 
 def _lookup(name: str, table: dict[str, Any]) -> Optional[str]:
@@ -386,7 +97,7 @@ class Cluster:
     threads_per_rank : int, optional
         Threads of each CPU rank; ``None``: ``max(1, cores // devices_per_node)`` (the launcher's default).
     calibration : dict
-        Raw measurements of :meth:`calibrate` (JSON types only); empty when uncalibrated.
+        Raw measurements of :func:`gnncompile.calibrate` (JSON types only); empty when uncalibrated.
     """
 
     nodes: int
@@ -706,67 +417,6 @@ class Cluster:
         name = (f"{nodes}x" if nodes > 1 else "") + f"{per_node}x{model}" + (f"-{link_key}" if link_key else "")
         return cls(nodes, per_node, device, intra, inter, name=name, cores=cores, calibration=calibration)
 
-    @classmethod
-    def calibrate(cls, path: Union[str, Path, None] = None, *, quick: bool = False, backend: str = "gloo",
-                  world_size: int = 2) -> "Cluster":
-        """Measure this host's CPU and the collectives of ``backend`` between local ranks.
-
-        Measures, at one thread and at all usable cores: float32/float64 GEMM FLOP/s
-        (``torch.mm``, best over square sizes), STREAM-like bandwidth (copy and add of 64 MB
-        arrays; the better of the two), SpMM effective bandwidth (``kernels.spmm`` on a random
-        graph of uniform degree 10, width 64, in the Eq. 6 byte convention). Also the time of a
-        tiny torch op (``launch_overhead``) and, over ``world_size`` launched ranks,
-        ``all_reduce`` and ``all_to_all_single`` at three message sizes, each fitted as
-        ``latency + bus_bytes / bandwidth`` (bus bytes as nccl-tests: ``2(p-1)/p·size`` for
-        all-reduce, ``(p-1)/p·size`` for all-to-all; least squares on relative error). The
-        ``shm`` link takes the all-to-all fit (a plain exchange of data); gloo's all-reduce has a
-        higher latency floor on small messages, kept in ``calibration["collectives"]["fits"]``.
-        The local rates are measured in a launched rank (a fresh process, as ranks run).
-
-        Returns a one-node, one-rank cluster whose device holds the all-core rates, with the
-        raw measurements in :attr:`calibration`; saved as JSON to ``path`` when given.
-        ``quick`` uses smaller problems and fewer repeats (a few seconds on 2 cores).
-        """
-        if world_size < 2:
-            raise PlanningError(f"calibrate: world_size must be >= 2 to measure a link, got {world_size}")
-        cores = _usable_cores()
-        host = socket.gethostname()
-        local = _measure_local(cores, quick)
-        comm = _measure_collectives(backend, world_size, quick)
-        rates = local["rates"]
-        device = DeviceSpec(
-            name=f"cpu ({host})",
-            flops={dtype: pair[1] for dtype, pair in rates["flops"].items()},
-            mem_bandwidth=rates["mem_bandwidth"][1],
-            memory=_total_memory(),
-            spmm_bandwidth=rates["spmm_bandwidth"][1],
-            edge_rate=rates["edge_rate"][1],
-            rng_rate=rates["rng_rate"][1],
-            spmm_curve=tuple((p["working_set"], p["bandwidth"][1], p["edge_rate"][1]) for p in local["spmm_curve"]),
-            gamma=CPU_GAMMA,
-            launch_overhead=local["op_overhead"]["seconds"],
-            kind="cpu",
-        )
-        from ..runtime.calibrate import runtime_overheads  # lazy: it plans and runs a small model
-
-        device = dataclasses.replace(device, runtime=runtime_overheads(
-            cls(1, 1, device, LinkSpec("shm", comm["bandwidth"], comm["latency"]), cores=cores), quick=quick))
-        calibration = {
-            "host": host,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__,
-            "quick": quick,
-            "cores": cores,
-            "threads": [1, cores],
-            **local,
-            "collectives": comm,
-        }
-        cluster = cls(1, 1, device, LinkSpec("shm", comm["bandwidth"], comm["latency"]),
-                      name=f"cpu (calibrated {host})", cores=cores, calibration=calibration)
-        if path is not None:
-            cluster.save(path)
-        return cluster
-
 
 def _cpu_profile(profile: Union[Cluster, str, Path, None]) -> Optional[Cluster]:
     """The CPU profile :meth:`Cluster.parse` uses (see there), or ``None`` for the placeholder."""
@@ -799,199 +449,3 @@ CLUSTERS: dict[str, Cluster] = {
     "gsplit": _preset("gsplit", 1, 4, "V100-16GB"),
     "gsplit8": _preset("gsplit8", 1, 8, "V100-16GB"),
 }
-
-
-# --------------------------------------------------------------------------- calibration
-def _best_time(fn: Callable[[], Any], repeats: int, budget: float) -> float:
-    """The shortest of up to ``repeats`` timed calls of ``fn`` after one warm-up call; stops
-    early once ``budget`` seconds have been spent timing."""
-    fn()
-    best, start = math.inf, time.perf_counter()
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        if time.perf_counter() - start > budget:
-            break
-    return best
-
-
-def _total_memory() -> int:
-    """Physical memory of this host, bytes."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        with open("/proc/meminfo") as f:
-            return int(f.readline().split()[1]) * 1024
-
-
-def _measure_local(cores: int, quick: bool) -> dict[str, Any]:
-    """Local rates at all cores and at one thread, measured in one launched rank.
-
-    A fresh process, as ranks are, that lowers its thread count instead of raising it: on some
-    hosts raising ``torch.set_num_threads`` after parallel work leaves later kernels running
-    several times slower.
-    """
-    from ..runtime.launcher import launch
-
-    threads = [cores, 1] if cores > 1 else [1]
-    return launch(_local_rank, 1, (threads, quick), backend="gloo", timeout=120, threads_per_rank=cores)[0]
-
-
-def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
-    """Run in a launched rank: GEMM, STREAM and SpMM rates at each of ``threads`` (in that order),
-    and the per-op overhead at one thread."""
-    from ..frontend.ops import propagate
-    from ..graph.core import Graph
-    from ..runtime.kernels import default_backend
-
-    repeats, budget = (3, 0.3) if quick else (7, 1.5)
-    sizes = [256, 512] if quick else [256, 512, 1024]
-    stream_elems = (64 * 2**20) // 4
-    degree, width, narrow = 10, 64, 4
-    # working sets from one that fits in the last-level cache to one that does not
-    spmm_rows = [16_000, 50_000] if quick else [16_000, 64_000, 200_000]
-    gen = torch.Generator().manual_seed(0)
-    spmm_cases = []
-    for rows in spmm_rows:
-        # the propagation the models run (GCN normalization, implicit self loops), uniform random edges
-        graph = Graph.from_edge_index(torch.stack([torch.randint(0, rows, (rows * degree,), generator=gen),
-                                                   torch.arange(rows).repeat_interleave(degree)]), rows)
-        nnz = graph.num_edges + rows
-        spmm_cases.append({
-            "graph": graph, "rows": rows, "nnz": nnz, "working_set": 4 * rows * width,
-            "x": torch.randn(rows, width, generator=gen), "x_narrow": torch.randn(rows, narrow, generator=gen),
-            "bytes": 4 * (nnz * (1 + 2 * width) + rows), "narrow_bytes": 4 * (nnz * (1 + 2 * narrow) + rows),
-            "seconds": {}, "narrow_seconds": {}})
-    a, b, c = (torch.rand(stream_elems, generator=gen) for _ in range(3))
-    gemm_inputs = {(dtype, n): (torch.rand(n, n, dtype=getattr(torch, dtype), generator=gen),
-                                torch.rand(n, n, dtype=getattr(torch, dtype), generator=gen))
-                   for dtype in ("float32", "float64") for n in sizes}
-
-    gemm: dict[str, dict[str, list[float]]] = {"float32": {}, "float64": {}}
-    stream: dict[str, dict[str, float]] = {}
-    rng_s: dict[str, float] = {}
-    noise = torch.empty(stream_elems // 4)
-    for t in threads:
-        torch.set_num_threads(t)
-        for (dtype, n), (p, q) in gemm_inputs.items():
-            out = torch.empty_like(p)
-            gemm[dtype].setdefault(str(t), []).append(_best_time(lambda: torch.mm(p, q, out=out), repeats, budget))
-        stream[str(t)] = {"copy": _best_time(lambda: c.copy_(a), repeats, budget),
-                          "add": _best_time(lambda: torch.add(a, b, out=c), repeats, budget)}
-        for case in spmm_cases:
-            g = case["graph"]
-            for key, xs in (("seconds", case["x"]), ("narrow_seconds", case["x_narrow"])):
-                case[key][str(t)] = _best_time(lambda: propagate(g, xs, norm="gcn", add_self_loops=True),
-                                               repeats, budget)
-        rng_s[str(t)] = _best_time(lambda: noise.bernoulli_(0.5), repeats, budget)
-    tiny, ops = torch.zeros(1), 200
-    op_overhead = _best_time(lambda: [tiny.add_(1.0) for _ in range(ops)], repeats, budget) / ops
-
-    def pair(per_thread: Callable[[str], float]) -> list[float]:
-        """``[single thread, all cores]`` of a rate."""
-        return [per_thread(str(min(threads))), per_thread(str(max(threads)))]
-
-    def fit(case: dict[str, Any], t: str) -> tuple[float, float]:
-        return _spmm_fit(case["nnz"], (case["narrow_bytes"], case["narrow_seconds"][t]),
-                         (case["bytes"], case["seconds"][t]))
-
-    large = spmm_cases[-1]
-    array_bytes = 4 * stream_elems
-    return {
-        "rates": {
-            "flops": {dtype: pair(lambda t, d=dtype: max(2 * n**3 / s for n, s in zip(sizes, gemm[d][t])))
-                      for dtype in gemm},
-            "mem_bandwidth": pair(lambda t: max(2 * array_bytes / stream[t]["copy"],
-                                                3 * array_bytes / stream[t]["add"])),
-            "spmm_bandwidth": pair(lambda t: fit(large, t)[1]),
-            "edge_rate": pair(lambda t: fit(large, t)[0]),
-            "rng_rate": pair(lambda t: noise.numel() / rng_s[t]),
-        },
-        "rng": {"op": "bernoulli_(0.5)", "elements": noise.numel(), "seconds": rng_s},
-        "gemm": {"sizes": sizes, "seconds": gemm},
-        "stream": {"array_bytes": array_bytes, "bytes_moved": {"copy": 2 * array_bytes, "add": 3 * array_bytes},
-                   "seconds": stream},
-        "spmm": {"op": "ops.propagate(norm='gcn', add_self_loops=True)", "backend": default_backend("cpu"),
-                 "degree": degree, "widths": [width, narrow],
-                 "bytes_convention": "4*(nnz*(1+2*width)+rows), NeutronTask Eq. 6; nnz with self loops",
-                 "cases": [{k: v for k, v in case.items() if k not in ("graph", "x", "x_narrow")}
-                           for case in spmm_cases]},
-        "spmm_curve": [{"working_set": case["working_set"], "bandwidth": pair(lambda t, c=case: fit(c, t)[1]),
-                        "edge_rate": pair(lambda t, c=case: fit(c, t)[0])} for case in spmm_cases],
-        "op_overhead": {"op": "add_ on a 1-element tensor, 1 thread", "seconds": op_overhead},
-    }
-
-
-def _spmm_fit(edges: int, narrow: tuple[float, float], wide: tuple[float, float]) -> tuple[float, float]:
-    """``(edges/s, bytes/s)`` of ``t = edges / edge_rate + bytes / bandwidth`` through two SpMMs of
-    different widths (``(bytes, seconds)`` each). Without a per-edge term to find (the narrow one
-    is not slower per byte), the edge rate is effectively unlimited and the bandwidth the wide one's."""
-    (b1, t1), (b2, t2) = narrow, wide
-    per_byte = (t2 - t1) / (b2 - b1) if b2 != b1 else 0.0
-    per_edge = (t1 - b1 * per_byte) / edges if per_byte > 0 else 0.0
-    if per_byte <= 0 or per_edge <= 0:
-        return 1e18, b2 / t2
-    return 1.0 / per_edge, 1.0 / per_byte
-
-
-def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int]) -> dict[str, list[float]]:
-    """Run on each launched rank: seconds per ``all_reduce`` / ``all_to_all_single`` of each size
-    (the best over ``batches`` of ``iters[i]`` back-to-back calls)."""
-    import torch.distributed as dist
-
-    sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
-    result: dict[str, list[float]] = {"all_reduce": [], "all_to_all": []}
-    for nbytes, k in zip(sizes, iters):
-        src = torch.zeros(nbytes // 4, device=ctx.device)
-        dst = torch.empty_like(src)
-        for op, call in (("all_reduce", lambda: dist.all_reduce(src)),
-                         ("all_to_all", lambda: dist.all_to_all_single(dst, src))):
-            call()
-            best = math.inf
-            for _ in range(batches):
-                dist.barrier()
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(k):
-                    call()
-                sync()
-                best = min(best, (time.perf_counter() - t0) / k)
-            result[op].append(best)
-    return result
-
-
-def _fit_latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """``(latency, bandwidth)`` of ``seconds ≈ latency + nbytes / bandwidth``, least squares on
-    relative error; latency clamped to >= 1e-7 s, and a bandwidth from the largest message if
-    the fitted slope is not positive."""
-    w = [1 / t**2 for t in seconds]
-    s = sum(w)
-    sx = sum(wi * x for wi, x in zip(w, nbytes))
-    sxx = sum(wi * x * x for wi, x in zip(w, nbytes))
-    st = sum(wi * t for wi, t in zip(w, seconds))
-    sxt = sum(wi * x * t for wi, x, t in zip(w, nbytes, seconds))
-    det = s * sxx - sx * sx
-    alpha, beta = ((sxx * st - sx * sxt) / det, (s * sxt - sx * st) / det) if det > 0 else (0.0, 0.0)
-    alpha = max(alpha, 1e-7)
-    if beta <= 0:
-        x_max, t_max = max(zip(nbytes, seconds))
-        beta = max(t_max - alpha, t_max / 2) / x_max
-    return alpha, 1 / beta
-
-
-def _measure_collectives(backend: str, world_size: int, quick: bool) -> dict[str, Any]:
-    """Launch ``world_size`` ranks and fit latency and bandwidth of their collectives."""
-    from ..runtime.launcher import launch
-
-    sizes = [4 * 2**10, 256 * 2**10, 4 * 2**20] if quick else [4 * 2**10, 2**20, 16 * 2**20]
-    sizes = [s - s % (4 * world_size) for s in sizes]
-    iters, batches = ([20, 5, 2], 3) if quick else ([50, 10, 3], 5)
-    per_rank = launch(_collective_rank, world_size, (sizes, batches, iters), backend=backend, timeout=120)
-    seconds = {op: [max(r[op][i] for r in per_rank) for i in range(len(sizes))] for op in per_rank[0]}
-    factor = {"all_reduce": 2 * (world_size - 1) / world_size, "all_to_all": (world_size - 1) / world_size}
-    fits = {op: _fit_latency_bandwidth([factor[op] * s for s in sizes], seconds[op]) for op in seconds}
-    latency, bandwidth = fits["all_to_all"]
-    return {"backend": backend, "world_size": world_size, "sizes": sizes, "seconds": seconds,
-            "bus_factor": factor, "fits": {op: {"latency": a, "bandwidth": b} for op, (a, b) in fits.items()},
-            "link_from": "all_to_all", "latency": latency, "bandwidth": bandwidth}

@@ -48,12 +48,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Optional, Union
 
 from ..errors import PlanningError
 from ..ir.dataflow import effects
 from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, DevicePlan, Forward, Free, HaloExchange,
                        Instruction, OpCost, OptimizerStep, Plan, Recompute, Recv, ReduceScatter, Send, StageSpec)
+from ..ir.rules import register_cost, rule
 from . import formulas
 from .hardware import Cluster, DeviceSpec
 from .simulate import Cost, Simulation, simulate
@@ -217,193 +218,292 @@ class PlanCost:
         return self.devices[rank].runtime.get("comm", 0.0) + self._transfer_time(rank, inst)
 
     def _transfer_time(self, rank: int, inst: Instruction) -> float:
-        c = self.cluster
-        if isinstance(inst, (Send, Recv)):
-            key = (rank // c.devices_per_node == inst.peer // c.devices_per_node, inst.shape, inst.dtype)
-            t = self._p2p_times.get(key)
-            if t is None:
-                link = c.link(rank, inst.peer)
-                if c.oversubscription > 1:
-                    link = dataclasses.replace(link, latency=link.latency * c.oversubscription)
-                t = self._p2p_times[key] = formulas.p2p_time(math.prod(inst.shape) * _elsize(inst.dtype),
-                                                             link.bandwidth, link.latency)
-            return t
-        group = inst.group
-        n = len(group)
-        if n <= 1:
+        r = rule(inst)
+        if r.kind == "collective" and len(inst.group) <= 1:
             return 0.0
-        if isinstance(inst, AllToAll):  # chunk-level all-to-alls repeat their shapes chunk after chunk
-            key = (group, group.index(rank), inst.send_shapes, inst.recv_shapes, inst.dtype, inst.grad)
-            t = self._a2a_times.get(key)
-            if t is None:
-                t = self._a2a_times[key] = self._collective_time(rank, inst)
-            return t
-        return self._collective_time(rank, inst)
+        transfer = r.cost_rule().transfer
+        if transfer is None:
+            raise PlanningError(f"no communication model for {type(inst).__name__}")
+        return transfer(self, rank, inst)
 
-    def _collective_time(self, rank: int, inst: Instruction) -> float:
+    def _group_link(self, group: tuple[int, ...], collective: str = "") -> Any:
+        """The link a collective over ``group`` runs at: the group's slowest, or on one node the measured
+        link of ``collective`` where it names one; latency scaled by the cluster's oversubscription."""
         c = self.cluster
-        group = inst.group
-        n = len(group)
         link = self._links.get(group)
         if link is None:
             link = self._links[group] = c.slowest_link(group)
-        if isinstance(inst, AllReduce) and c.nodes == 1:
-            link = c.collective_link("all_reduce")
+        if collective and c.nodes == 1:
+            link = c.collective_link(collective)
         if c.oversubscription > 1:  # a message waits for its peer process to be scheduled
             link = dataclasses.replace(link, latency=link.latency * c.oversubscription)
-        es = _elsize(inst.dtype)
-        if isinstance(inst, HaloExchange):
-            out = [r * inst.width * es for r in inst.send_rows]
-            into = [r * inst.width * es for r in inst.recv_rows]
-            if inst.grad:
-                out, into = into, out
-            return formulas.all_to_all_time(out, into, link.bandwidth, link.latency)
-        if isinstance(inst, AllToAll):
-            me = group.index(rank)
-            out = [0 if j == me else math.prod(s) * es for j, s in enumerate(inst.send_shapes)]
-            into = [0 if j == me else math.prod(s) * es for j, s in enumerate(inst.recv_shapes)]
-            if inst.grad:
-                out, into = into, out
-            return formulas.all_to_all_time(out, into, link.bandwidth, link.latency)
-        if isinstance(inst, AllReduce):
-            return formulas.ring_allreduce_time(inst.numel * es, n, link.bandwidth, link.latency)
-        if isinstance(inst, AllGather):
-            fn = formulas.ring_reduce_scatter_time if inst.grad else formulas.ring_allgather_time
-            return fn(math.prod(inst.shape) * es, n, link.bandwidth, link.latency)
-        if isinstance(inst, ReduceScatter):
-            fn = formulas.ring_allgather_time if inst.grad else formulas.ring_reduce_scatter_time
-            return fn(math.prod(inst.shape) * es, n, link.bandwidth, link.latency)
-        raise PlanningError(f"no communication model for {type(inst).__name__}")
+        return link
 
     # ------------------------------------------------------------------ one rank
     def _rank_costs(self, dp: DevicePlan) -> dict[Instruction, Cost]:
-        """Time and memory events of each instruction of ``dp`` (the liveness walk of the module docstring)."""
-        stages = {s.index: s for s in dp.stages}
-        sizes = chunk_sizes(dp.sizes)
-        dev = self.devices[dp.rank]
-        value_bytes: dict[str, float] = {}
-        for s in dp.stages:
-            for op in s.costs:
-                value_bytes[op.name] = op_value(op, op.out, sizes)
-        src_rows = sizes.get("src", sizes.get("nodes", 0))
-        for inst in dp.instructions:
-            if isinstance(inst, HaloExchange):
-                value_bytes[inst.output] = src_rows * inst.width * _elsize(inst.dtype)
-            elif isinstance(inst, AllToAll) and not inst.grad:
-                value_bytes[inst.output] = sum(math.prod(s) for s in inst.recv_shapes) * _elsize(inst.dtype)
-            elif isinstance(inst, (AllGather, ReduceScatter)) and not inst.grad:
-                # the gathered tensor on every member; a reduce-scatter keeps one member's share
-                whole = math.prod(inst.shape) * _elsize(inst.dtype)
-                value_bytes[inst.output] = whole if isinstance(inst, AllGather) else whole / max(len(inst.group), 1)
-        # last forward consumer and backward consumer of every value, per chunk
-        last_use: dict[tuple[str, int], int] = {}
-        backward_at: dict[tuple[int, int], int] = {}
-        free_at = {(inst.value, inst.chunk): i for i, inst in enumerate(dp.instructions) if isinstance(inst, Free)}
-        for i, inst in enumerate(dp.instructions):
-            last_use.update(dict.fromkeys(effects(inst, stages).reads, i))
-            if isinstance(inst, Backward):
-                backward_at[inst.stage, inst.chunk] = i
-        # a stage's input leaves stay until its backward: a single chunk read is the value itself
-        # (held at least that long), several chunks read are one concatenation per (value, chunks)
-        held: dict[tuple[str, int], int] = {}
-        concat_span: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}  # -> (first forward, last backward)
-        for i, inst in enumerate(dp.instructions):
-            if isinstance(inst, Forward) and (inst.stage, inst.chunk) in backward_at:
-                st = stages[inst.stage]
-                back = backward_at[inst.stage, inst.chunk]
-                for v in dict.fromkeys(st.inputs):
-                    read = st.chunks_read(v, inst.chunk)
-                    if len(read) == 1:
-                        held[v, read[0]] = max(held.get((v, read[0]), back), back)
-                    else:
-                        first, last = concat_span.get((v, read), (i, back))
-                        concat_span[v, read] = (min(first, i), max(last, back))
-
-        def gone(key: tuple[str, int], i: int) -> int:
-            """Where the value ``key`` stored at instruction ``i`` is released."""
-            end = free_at[key] if key in free_at else max(last_use.get(key, i), i)
-            return max(end, held.get(key, end))
-
-        frees: dict[int, float] = {}  # instruction index -> bytes released at its end
-
-        def release_at(i: int, nbytes: float) -> None:
-            frees[i] = frees.get(i, 0.0) + nbytes
-
+        """Time and memory events of each instruction of ``dp`` (the liveness walk of the module
+        docstring; each instruction's share is its class's :class:`CostRule`)."""
+        walk = _RankWalk(self, dp)
         costs: dict[Instruction, Cost] = {}
-        grad_made: dict[tuple[str, int], float] = {}
-        received: dict[tuple[str, int], float] = {}
         for i, inst in enumerate(dp.instructions):
-            alloc = 0.0
-            transient = 0.0
-            if isinstance(inst, (Forward, Recompute)):
-                st = stages[inst.stage]
-                seconds = self.stage_time(dp.rank, st, backward=False)
-                saved = sum(op_value(op, op.saved, sizes) for op in st.costs)
-                outs = sum(value_bytes.get(o, 0.0) for o in st.outputs)
-                transient = max((value_bytes.get(op.name, 0.0) for op in st.costs), default=0.0)
-                alloc = saved + outs
-                back = backward_at.get((inst.stage, inst.chunk), len(dp.instructions) - 1)
-                release_at(back, saved)
-                for o in st.outputs:
-                    release_at(gone((o, inst.chunk), i), value_bytes.get(o, 0.0))
-                for v in dict.fromkeys(st.inputs):
-                    read = st.chunks_read(v, inst.chunk)
-                    if v in value_bytes and len(read) > 1 and concat_span.get((v, read), (-1,))[0] == i:
-                        whole = value_bytes[v] * len(read)
-                        alloc += whole
-                        release_at(concat_span[v, read][1], whole)
-                stream = "compute"
-            elif isinstance(inst, Backward):
-                st = stages[inst.stage]
-                seconds = self.stage_time(dp.rank, st, backward=True)
-                transient = 2 * max((value_bytes.get(op.name, 0.0) for op in st.costs), default=0.0)
-                # gradients of the stage's inputs that something upstream consumes
-                for v in dict.fromkeys(st.inputs):
-                    if v in value_bytes:
-                        alloc += value_bytes[v]
-                        grad_made[v, inst.chunk] = value_bytes[v]
-                        read = st.chunks_read(v, inst.chunk)
-                        if len(read) > 1:  # the concatenation's gradient and one temporary of its size
-                            transient += 2 * value_bytes[v] * len(read)
-                # the gradients of the outputs were consumed here
-                for o in st.outputs:
-                    release_at(i, grad_made.pop((o, inst.chunk), 0.0))
-                stream = "compute"
-            elif isinstance(inst, OptimizerStep):
-                params = int(self.plan.info.get("params", 0))
-                tensors = int(self.plan.info.get("param_tensors", 1))
-                # the step's bookkeeping outside instructions (loss, zeroing gradients) is charged here
-                seconds = params * _ADAM_BYTES_PER_PARAM / dev.mem_bandwidth + \
-                    tensors * dev.runtime.get("optimizer_tensor", dev.launch_overhead) + dev.runtime.get("step", 0.0)
-                stream = "compute"
-            elif isinstance(inst, Free):  # the liveness walk already releases values after their last use
-                seconds, stream = 0.0, "compute"
-            else:
-                seconds = self.comm_time(dp.rank, inst)
-                stream = "comm"
-                if isinstance(inst, (HaloExchange, AllToAll, AllGather, ReduceScatter)):
-                    if inst.grad:  # consumes the gradient of the output, makes the value's
-                        release_at(i, grad_made.pop((inst.output, inst.chunk), 0.0))
-                        grad_made[inst.value, inst.chunk] = value_bytes.get(inst.value, 0.0)
-                        alloc = value_bytes.get(inst.value, 0.0)
-                    else:
-                        alloc = value_bytes.get(inst.output, 0.0)
-                        release_at(gone((inst.output, inst.chunk), i), alloc)
-                elif isinstance(inst, Recv) and not inst.grad:
-                    alloc = math.prod(inst.shape) * _elsize(inst.dtype)
-                    if inst.part:  # a block of (name, chunk): the value is the sum of its blocks
-                        got = received[inst.name, inst.chunk] = received.get((inst.name, inst.chunk), 0.0) + alloc
-                        value_bytes[inst.name] = max(value_bytes.get(inst.name, 0.0), got)
-                    else:
-                        value_bytes[inst.name] = alloc
-                    release_at(gone((inst.name, inst.chunk), i), alloc)
-                transient = 0.0
+            seconds, stream, alloc, transient = rule(inst).cost_rule().cost(walk, i, inst)
             costs[inst] = Cost(seconds=seconds, stream=stream, alloc=int(alloc + transient), free=int(transient))
-        for i, nbytes in frees.items():
+        for i, nbytes in walk.frees.items():
             inst = dp.instructions[i]
             c = costs[inst]
             costs[inst] = Cost(seconds=c.seconds, stream=c.stream, alloc=c.alloc, free=c.free + int(nbytes))
         return costs
+
+
+class _RankWalk:
+    """The state of the liveness walk over one rank's instructions that the cost rules share: the
+    bytes of every value, where each value is last used, and what is released after which instruction."""
+
+    def __init__(self, cost: PlanCost, dp: DevicePlan) -> None:
+        self.cost, self.dp = cost, dp
+        self.stages = stages = {s.index: s for s in dp.stages}
+        self.sizes = sizes = chunk_sizes(dp.sizes)
+        self.value_bytes: dict[str, float] = {}
+        for s in dp.stages:
+            for op in s.costs:
+                self.value_bytes[op.name] = op_value(op, op.out, sizes)
+        src_rows = sizes.get("src", sizes.get("nodes", 0))
+        for inst in dp.instructions:
+            output_bytes = rule(inst).cost_rule().output_bytes
+            nbytes = output_bytes(inst, src_rows) if output_bytes is not None else None
+            if nbytes is not None:
+                self.value_bytes[inst.output] = nbytes
+        # last forward consumer and backward consumer of every value, per chunk
+        self.last_use: dict[tuple[str, int], int] = {}
+        self.backward_at: dict[tuple[int, int], int] = {}
+        self.free_at: dict[tuple[str, int], int] = {}
+        for i, inst in enumerate(dp.instructions):
+            eff = effects(inst, stages)
+            self.last_use.update(dict.fromkeys(eff.reads, i))
+            self.free_at.update(dict.fromkeys(eff.frees, i))
+            if rule(inst).runs == "backward":
+                self.backward_at[inst.stage, inst.chunk] = i
+        # a stage's input leaves stay until its backward: a single chunk read is the value itself
+        # (held at least that long), several chunks read are one concatenation per (value, chunks)
+        self.held: dict[tuple[str, int], int] = {}
+        self.concat_span: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}  # -> (first forward, last backward)
+        for i, inst in enumerate(dp.instructions):
+            if rule(inst).runs == "forward" and (inst.stage, inst.chunk) in self.backward_at:
+                st = stages[inst.stage]
+                back = self.backward_at[inst.stage, inst.chunk]
+                for v in dict.fromkeys(st.inputs):
+                    read = st.chunks_read(v, inst.chunk)
+                    if len(read) == 1:
+                        self.held[v, read[0]] = max(self.held.get((v, read[0]), back), back)
+                    else:
+                        first, last = self.concat_span.get((v, read), (i, back))
+                        self.concat_span[v, read] = (min(first, i), max(last, back))
+        self.frees: dict[int, float] = {}  # instruction index -> bytes released at its end
+        self.grad_made: dict[tuple[str, int], float] = {}
+        self.received: dict[tuple[str, int], float] = {}
+
+    def gone(self, key: tuple[str, int], i: int) -> int:
+        """Where the value ``key`` stored at instruction ``i`` is released."""
+        end = self.free_at[key] if key in self.free_at else max(self.last_use.get(key, i), i)
+        return max(end, self.held.get(key, end))
+
+    def release_at(self, i: int, nbytes: float) -> None:
+        self.frees[i] = self.frees.get(i, 0.0) + nbytes
+
+
+#: What a cost rule returns for one instruction: seconds, stream, bytes allocated when it starts
+#: (besides its transient buffers), transient bytes (allocated at its start, released at its end).
+StepCost = tuple[float, str, float, float]
+
+
+@dataclass(frozen=True)
+class CostRule:
+    """The cost model's rule of one instruction class (the ``cost`` field of its
+    :class:`~gnncompile.ir.rules.InstructionRule`).
+
+    ``cost(walk, i, inst) -> (seconds, stream, alloc, transient)``: its share of the rank's liveness
+    walk; ``transfer(plan_cost, rank, inst) -> seconds``: a communication's transfer time (``None``
+    for local instructions); ``output_bytes(inst, src_rows)``: bytes of the value it writes under
+    ``inst.output``, or ``None``.
+    """
+
+    cost: Callable[[_RankWalk, int, Any], StepCost]
+    transfer: Optional[Callable[[PlanCost, int, Any], float]] = None
+    output_bytes: Optional[Callable[[Any, float], Optional[float]]] = None
+
+
+# --------------------------------------------------------------------------- compute rules
+def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> StepCost:
+    st = w.stages[inst.stage]
+    seconds = w.cost.stage_time(w.dp.rank, st, backward=False)
+    saved = sum(op_value(op, op.saved, w.sizes) for op in st.costs)
+    outs = sum(w.value_bytes.get(o, 0.0) for o in st.outputs)
+    transient = max((w.value_bytes.get(op.name, 0.0) for op in st.costs), default=0.0)
+    alloc = saved + outs
+    back = w.backward_at.get((inst.stage, inst.chunk), len(w.dp.instructions) - 1)
+    w.release_at(back, saved)
+    for o in st.outputs:
+        w.release_at(w.gone((o, inst.chunk), i), w.value_bytes.get(o, 0.0))
+    for v in dict.fromkeys(st.inputs):
+        read = st.chunks_read(v, inst.chunk)
+        if v in w.value_bytes and len(read) > 1 and w.concat_span.get((v, read), (-1,))[0] == i:
+            whole = w.value_bytes[v] * len(read)
+            alloc += whole
+            w.release_at(w.concat_span[v, read][1], whole)
+    return seconds, "compute", alloc, transient
+
+
+def _backward_cost(w: _RankWalk, i: int, inst: Backward) -> StepCost:
+    st = w.stages[inst.stage]
+    seconds = w.cost.stage_time(w.dp.rank, st, backward=True)
+    transient = 2 * max((w.value_bytes.get(op.name, 0.0) for op in st.costs), default=0.0)
+    alloc = 0.0
+    # gradients of the stage's inputs that something upstream consumes
+    for v in dict.fromkeys(st.inputs):
+        if v in w.value_bytes:
+            alloc += w.value_bytes[v]
+            w.grad_made[v, inst.chunk] = w.value_bytes[v]
+            read = st.chunks_read(v, inst.chunk)
+            if len(read) > 1:  # the concatenation's gradient and one temporary of its size
+                transient += 2 * w.value_bytes[v] * len(read)
+    # the gradients of the outputs were consumed here
+    for o in st.outputs:
+        w.release_at(i, w.grad_made.pop((o, inst.chunk), 0.0))
+    return seconds, "compute", alloc, transient
+
+
+def _optimizer_cost(w: _RankWalk, i: int, inst: OptimizerStep) -> StepCost:
+    info, dev = w.cost.plan.info, w.cost.devices[w.dp.rank]
+    params = int(info.get("params", 0))
+    tensors = int(info.get("param_tensors", 1))
+    # the step's bookkeeping outside instructions (loss, zeroing gradients) is charged here
+    seconds = params * _ADAM_BYTES_PER_PARAM / dev.mem_bandwidth + \
+        tensors * dev.runtime.get("optimizer_tensor", dev.launch_overhead) + dev.runtime.get("step", 0.0)
+    return seconds, "compute", 0.0, 0.0
+
+
+def _free_cost(w: _RankWalk, i: int, inst: Free) -> StepCost:
+    return 0.0, "compute", 0.0, 0.0  # the liveness walk already releases values after their last use
+
+
+# --------------------------------------------------------------------------- communication rules
+def _message_cost(w: _RankWalk, i: int, inst: Union[Send, Recv, AllReduce]) -> StepCost:
+    """A Send, a gradient Recv or an all-reduce: time only (send buffers and reductions are in place)."""
+    return w.cost.comm_time(w.dp.rank, inst), "comm", 0.0, 0.0
+
+
+def _recv_cost(w: _RankWalk, i: int, inst: Recv) -> StepCost:
+    seconds = w.cost.comm_time(w.dp.rank, inst)
+    if inst.grad:
+        return seconds, "comm", 0.0, 0.0
+    alloc = math.prod(inst.shape) * _elsize(inst.dtype)
+    if inst.part:  # a block of (name, chunk): the value is the sum of its blocks
+        key = (inst.name, inst.chunk)
+        got = w.received[key] = w.received.get(key, 0.0) + alloc
+        w.value_bytes[inst.name] = max(w.value_bytes.get(inst.name, 0.0), got)
+    else:
+        w.value_bytes[inst.name] = alloc
+    w.release_at(w.gone((inst.name, inst.chunk), i), alloc)
+    return seconds, "comm", alloc, 0.0
+
+
+def _conversion_cost(w: _RankWalk, i: int, inst: Union[HaloExchange, AllToAll, AllGather, ReduceScatter]) -> StepCost:
+    seconds = w.cost.comm_time(w.dp.rank, inst)
+    if inst.grad:  # consumes the gradient of the output, makes the value's
+        w.release_at(i, w.grad_made.pop((inst.output, inst.chunk), 0.0))
+        w.grad_made[inst.value, inst.chunk] = w.value_bytes.get(inst.value, 0.0)
+        alloc = w.value_bytes.get(inst.value, 0.0)
+    else:
+        alloc = w.value_bytes.get(inst.output, 0.0)
+        w.release_at(w.gone((inst.output, inst.chunk), i), alloc)
+    return seconds, "comm", alloc, 0.0
+
+
+def _p2p_transfer(pc: PlanCost, rank: int, inst: Union[Send, Recv]) -> float:
+    c = pc.cluster
+    key = (rank // c.devices_per_node == inst.peer // c.devices_per_node, inst.shape, inst.dtype)
+    t = pc._p2p_times.get(key)
+    if t is None:
+        link = c.link(rank, inst.peer)
+        if c.oversubscription > 1:
+            link = dataclasses.replace(link, latency=link.latency * c.oversubscription)
+        t = pc._p2p_times[key] = formulas.p2p_time(math.prod(inst.shape) * _elsize(inst.dtype),
+                                                     link.bandwidth, link.latency)
+    return t
+
+
+def _halo_transfer(pc: PlanCost, rank: int, inst: HaloExchange) -> float:
+    link = pc._group_link(inst.group)
+    es = _elsize(inst.dtype)
+    out = [r * inst.width * es for r in inst.send_rows]
+    into = [r * inst.width * es for r in inst.recv_rows]
+    if inst.grad:
+        out, into = into, out
+    return formulas.all_to_all_time(out, into, link.bandwidth, link.latency)
+
+
+def _all_to_all_transfer(pc: PlanCost, rank: int, inst: AllToAll) -> float:
+    group = inst.group
+    # chunk-level all-to-alls repeat their shapes chunk after chunk
+    key = (group, group.index(rank), inst.send_shapes, inst.recv_shapes, inst.dtype, inst.grad)
+    t = pc._a2a_times.get(key)
+    if t is None:
+        link = pc._group_link(group)
+        es = _elsize(inst.dtype)
+        me = group.index(rank)
+        out = [0 if j == me else math.prod(s) * es for j, s in enumerate(inst.send_shapes)]
+        into = [0 if j == me else math.prod(s) * es for j, s in enumerate(inst.recv_shapes)]
+        if inst.grad:
+            out, into = into, out
+        t = pc._a2a_times[key] = formulas.all_to_all_time(out, into, link.bandwidth, link.latency)
+    return t
+
+
+def _all_reduce_transfer(pc: PlanCost, rank: int, inst: AllReduce) -> float:
+    link = pc._group_link(inst.group, "all_reduce")
+    return formulas.ring_allreduce_time(inst.numel * _elsize(inst.dtype), len(inst.group), link.bandwidth,
+                                        link.latency)
+
+
+def _ring_transfer(gather: bool) -> Callable[[PlanCost, int, Any], float]:
+    """An all-gather (``gather``) or reduce-scatter of the ``shape`` tensor; its gradient is the other one."""
+    def transfer(pc: PlanCost, rank: int, inst: Union[AllGather, ReduceScatter]) -> float:
+        link = pc._group_link(inst.group)
+        fn = formulas.ring_allgather_time if gather != inst.grad else formulas.ring_reduce_scatter_time
+        return fn(math.prod(inst.shape) * _elsize(inst.dtype), len(inst.group), link.bandwidth, link.latency)
+    return transfer
+
+
+# --------------------------------------------------------------------------- output sizes
+def _halo_bytes(inst: HaloExchange, src_rows: float) -> Optional[float]:
+    return src_rows * inst.width * _elsize(inst.dtype)
+
+
+def _all_to_all_bytes(inst: AllToAll, src_rows: float) -> Optional[float]:
+    return None if inst.grad else sum(math.prod(s) for s in inst.recv_shapes) * _elsize(inst.dtype)
+
+
+def _gathered_bytes(inst: AllGather, src_rows: float) -> Optional[float]:
+    return None if inst.grad else math.prod(inst.shape) * _elsize(inst.dtype)  # the whole tensor on every member
+
+
+def _scattered_bytes(inst: ReduceScatter, src_rows: float) -> Optional[float]:
+    # one member's share of the tensor
+    return None if inst.grad else math.prod(inst.shape) * _elsize(inst.dtype) / max(len(inst.group), 1)
+
+
+for _cls, _rule in {
+    Forward: CostRule(_forward_cost), Recompute: CostRule(_forward_cost), Backward: CostRule(_backward_cost),
+    OptimizerStep: CostRule(_optimizer_cost), Free: CostRule(_free_cost),
+    Send: CostRule(_message_cost, _p2p_transfer), Recv: CostRule(_recv_cost, _p2p_transfer),
+    HaloExchange: CostRule(_conversion_cost, _halo_transfer, _halo_bytes),
+    AllToAll: CostRule(_conversion_cost, _all_to_all_transfer, _all_to_all_bytes),
+    AllGather: CostRule(_conversion_cost, _ring_transfer(gather=True), _gathered_bytes),
+    ReduceScatter: CostRule(_conversion_cost, _ring_transfer(gather=False), _scattered_bytes),
+    AllReduce: CostRule(_message_cost, _all_reduce_transfer),
+}.items():
+    register_cost(_cls, _rule)
+del _cls, _rule
 
 
 @dataclass

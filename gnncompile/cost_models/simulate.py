@@ -16,8 +16,9 @@ Semantics
 - Sends are eager (the runtime's ``isend``): a Send runs for its cost as soon as it is ready; the
   k-th Send from r to q matches the k-th Recv on q from r, which ends at the later of its own
   ready time and the Send's end (the data has arrived). A Send/Recv reads/writes its ``local`` name.
-  Collectives (``COLLECTIVES``): the k-th collective over a group on each member is the same
-  collective (it must agree in type, value, chunk and grad); it starts when every member is ready
+  Collectives (``kind == "collective"`` in :mod:`gnncompile.ir.rules`): the k-th collective over a
+  group on each member is the same collective (it must agree in its rule's ``signature``: every
+  field but the per-member ones, as the verifier checks); it starts when every member is ready
   and ends on all at ``start + max`` of the members' costs. Time between being ready and the start
   is *wait* time.
 - Data dependencies (with ``overlap=True``, or for a plan with all-to-alls), per rank, from the
@@ -52,22 +53,14 @@ from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence, Unio
 
 from ..errors import VerificationError
 from ..ir.dataflow import effects
-from ..ir.plan import (
-    COLLECTIVES,
-    AllToAll,
-    DevicePlan,
-    Instruction,
-    Plan,
-    Recv,
-    Send,
-)
+from ..ir.plan import DevicePlan, Instruction, Plan
+from ..ir.rules import channel, rule
+from ..ir.verify_plan import instruction_window
 
 __all__ = ["Cost", "CostFn", "SimEvent", "RankSim", "Simulation", "simulate", "STREAMS"]
 
 #: The streams of a rank.
 STREAMS = ("compute", "comm")
-#: Instructions shown on each side of a blocked one in a deadlock error.
-_WINDOW = 3
 
 
 @dataclass(frozen=True)
@@ -294,7 +287,7 @@ def _dependencies(dp: DevicePlan, inputs: frozenset[str], streams: list[str]) ->
                 deps.add(writer.pop(key))
             # an all-to-all packs its input into a send buffer of its own when it is posted: freeing
             # the input does not wait for the transfer
-            deps.update(j for j in readers.pop(key, ()) if not isinstance(dp.instructions[j], AllToAll))
+            deps.update(j for j in readers.pop(key, ()) if not rule(dp.instructions[j]).posted)
         if eff.params == "accumulate":
             accumulated.append(i)
         elif eff.params == "reduce":
@@ -314,9 +307,8 @@ def _dependencies(dp: DevicePlan, inputs: frozenset[str], streams: list[str]) ->
 
 # --------------------------------------------------------------------------- simulation
 def _signature(inst: Instruction) -> tuple:
-    """What the sides of a rendezvous must agree on."""
-    what = "p2p" if isinstance(inst, (Send, Recv)) else type(inst).__name__
-    return (what, inst.value, getattr(inst, "chunk", None), getattr(inst, "grad", False))
+    """What the sides of a rendezvous must agree on (the rule's ``signature``, as the verifier checks it)."""
+    return rule(inst).signature(inst)
 
 
 def simulate(plan: Plan, cost: CostFn, *, overlap: bool = False,
@@ -348,9 +340,8 @@ def simulate(plan: Plan, cost: CostFn, *, overlap: bool = False,
 
     # in-order queues: the two streams, or the whole rank (with the posted all-to-alls on their own)
     streams = [[c.stream for c in row] for row in costs]
-    posted = not overlap and any(isinstance(inst, AllToAll) for p in progs for inst in p)
-    queues = streams if overlap else [["posted" if isinstance(inst, AllToAll) else "rank" for inst in p]
-                                      for p in progs]
+    posted = not overlap and any(rule(inst).posted for p in progs for inst in p)
+    queues = streams if overlap else [["posted" if rule(inst).posted else "rank" for inst in p] for p in progs]
     prev = [[-1] * len(p) for p in progs]
     nxt = [[-1] * len(p) for p in progs]
     heads: list[list[int]] = []
@@ -383,16 +374,17 @@ def simulate(plan: Plan, cost: CostFn, *, overlap: bool = False,
     counts: Counter = Counter()
     for r, prog in enumerate(progs):
         for i, inst in enumerate(prog):
-            if isinstance(inst, (Send, Recv)):
+            kind = rule(inst).kind
+            if kind == "p2p":
                 if not (0 <= inst.peer < n) or inst.peer == r:
                     raise VerificationError(f"rank {r} step {i} `{inst}`: peer {inst.peer} is not another rank "
                                             f"of this {n}-rank plan")
-                pair = (r, inst.peer) if isinstance(inst, Send) else (inst.peer, r)
-                side = "send" if isinstance(inst, Send) else "recv"
+                pair = channel(inst, r)
+                side = rule(inst).side
                 key: Hashable = ("p2p", pair, counts[side, pair])
                 counts[side, pair] += 1
                 expected[key] = pair
-            elif isinstance(inst, COLLECTIVES):
+            elif kind == "collective":
                 group = tuple(inst.group)
                 if r not in group or not all(0 <= m < n for m in group) or len(set(group)) != len(group):
                     raise VerificationError(f"rank {r} step {i} `{inst}`: group {group} must hold distinct ranks "
@@ -409,9 +401,9 @@ def simulate(plan: Plan, cost: CostFn, *, overlap: bool = False,
         if key[0] == "p2p" and len(at) < 2:
             (r, i), = at.items()
             inst = progs[r][i]
-            other = "RECV on" if isinstance(inst, Send) else "SEND from"
+            other = "RECV on" if rule(inst).side == "send" else "SEND from"
             raise VerificationError(f"rank {r} step {i} `{inst}` has no matching {other} rank {inst.peer}\n"
-                                    + _window(plan.ranks[r], i))
+                                    + instruction_window(plan.ranks[r], i))
 
     # event loop over the dependency graph
     ready: list[list[Optional[float]]] = [[None] * len(p) for p in progs]
@@ -456,7 +448,7 @@ def simulate(plan: Plan, cost: CostFn, *, overlap: bool = False,
             continue
         if key[0] == "p2p":
             inst = progs[r][i]
-            if isinstance(inst, Send):
+            if rule(inst).side == "send":
                 e = t + costs[r][i].seconds
                 finish(r, i, t, e)
                 sent_end[key] = e
@@ -528,16 +520,6 @@ def _covered(events: Sequence[SimEvent]) -> float:
 
 
 # --------------------------------------------------------------------------- deadlock
-def _window(dp: DevicePlan, index: int) -> str:
-    insts = dp.instructions
-    lo, hi = max(0, index - _WINDOW), min(len(insts), index + _WINDOW + 1)
-    lines = [f"  rank {dp.rank}:"] + (["          ..."] if lo > 0 else [])
-    lines += [f"    {'>>' if k == index else '  '} {k:>4}  {insts[k]}" for k in range(lo, hi)]
-    if hi < len(insts):
-        lines.append(f"          ... ({len(insts) - hi} more)")
-    return "\n".join(lines)
-
-
 def _deadlock(plan: Plan, queues: list[list[str]], deps: list[list[set[int]]], ready: list[list[Optional[float]]],
               end: list[list[Optional[float]]], key_of: list[list[Any]], sites: dict, expected: dict,
               done: int, total: int) -> VerificationError:
@@ -551,7 +533,7 @@ def _deadlock(plan: Plan, queues: list[list[str]], deps: list[list[set[int]]], r
         if k is None:
             return "which has finished its instructions"
         inst = progs[q][k]
-        group = f" over group {tuple(inst.group)}" if isinstance(inst, COLLECTIVES) else ""
+        group = f" over group {tuple(inst.group)}" if rule(inst).kind == "collective" else ""
         return f"which is at step {k} `{inst}`{group}"
 
     lines, shown = [], []
@@ -575,10 +557,10 @@ def _deadlock(plan: Plan, queues: list[list[str]], deps: list[list[set[int]]], r
                     why = " (no matching instruction)" if j is None else \
                         " (a different one)" if ready[m][j] is not None else ""
                     others.append(f"rank {m}, {where}{why}")
-                waits = (f"waits for {'; '.join(others)}" if isinstance(inst, (Send, Recv)) else
+                waits = (f"waits for {'; '.join(others)}" if rule(inst).kind == "p2p" else
                          f"waits for group {tuple(inst.group)}: " + "; ".join(others))
             lines.append(f"  rank {r} at step {i} `{inst}` {waits}")
             shown.append((r, i))
-    windows = [_window(plan.ranks[r], i) for r, i in shown[:4]]
+    windows = [instruction_window(plan.ranks[r], i) for r, i in shown[:4]]
     return VerificationError("\n".join([f"deadlock: no rank can advance after {done} of {total} instructions "
                                         f"completed"] + lines + windows))

@@ -35,8 +35,8 @@ import torch.fx
 
 from ..errors import GraphError, KernelError
 from ..graph.core import Graph
-from ..runtime import kernels
-from ..runtime.kernels import CSR
+from .. import kernels
+from ..kernels import CSR
 
 __all__ = [
     "propagate",
@@ -216,7 +216,7 @@ def propagate(g: Graph, x: torch.Tensor, norm: str = "gcn", edge_weight: Optiona
     add_self_loops:
         Propagate over ``A + I`` (see the module docstring); degrees include the self loop.
     backend:
-        Kernel backend override (see :mod:`gnncompile.runtime.kernels`).
+        Kernel backend override (see :mod:`gnncompile.kernels`).
     """
     g = _check_graph(g, "propagate")
     _check_rows(x, g.num_src, "propagate", "x", "vertex", g)
@@ -418,7 +418,7 @@ def aggregate(g: Graph, msg: torch.Tensor, reduce: str = "sum", add_self_loops: 
 
 
 # --------------------------------------------------------------------------- masked propagate (P, S-SpMM)
-from ..runtime.kernels import masked as _masked_kernels  # noqa: E402  (appended section)
+from ..kernels import masked as _masked_kernels  # noqa: E402  (appended section)
 
 __all__ += ["masked_propagate", "dropout_noise", "dropout_rows", "plan_dropout_draws"]
 

@@ -1,8 +1,9 @@
 """What each plan instruction reads and writes: the one table of the plan IR's dataflow rules.
 
 Every :class:`~gnncompile.ir.plan.Instruction` class declares its effects on its rank's store, in the
-style of an fx node's or a JAX primitive's declared effects: :data:`RULES` maps the class to a rule,
-and :func:`effects` applies it to an instruction (and the rank's stages) to give an :class:`Effects`.
+style of an fx node's or a JAX primitive's declared effects: the ``effects`` field of the class's
+record in :mod:`gnncompile.ir.rules` (:data:`RULES` is a view of them), which :func:`effects` applies
+to an instruction (and the rank's stages) to give an :class:`Effects`.
 Values are ``(name, chunk)`` pairs (:data:`Key`); a Send/Recv acts on its ``local`` name (default its
 ``value``), a collective writes its ``output`` (``h@halo``, ``h@cols``, ``h@gathered``,
 ``h@scattered``).
@@ -52,118 +53,23 @@ step's copy, no dependency within the step).
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any, Callable, Literal, Mapping, NamedTuple, Union
+from typing import Any, Callable, Mapping
 
-from .plan import (
-    AllGather,
-    AllReduce,
-    AllToAll,
-    Backward,
-    Forward,
-    Free,
-    HaloExchange,
-    Instruction,
-    OptimizerStep,
-    Recompute,
-    Recv,
-    ReduceScatter,
-    Send,
-    StageSpec,
-)
+from .plan import Instruction
+from .rules import RULE_TABLE, Effects, Key, Stages, rule, stage_reads
 
 __all__ = ["Key", "Effects", "RULES", "effects", "stage_reads"]
 
-#: A stored value of one chunk: ``(name, chunk)``.
-Key = tuple[str, int]
-#: A rank's stages by index.
-Stages = Mapping[int, StageSpec]
-
-
-class Effects(NamedTuple):
-    """What one instruction does to its rank's store of values and gradients (see the module docstring).
-
-    ``reads``: stored values it reads; ``writes``: values it stores (available from then on);
-    ``saved``: values it uses through its autograd graph rather than the store; ``grad_reads``:
-    gradients it reads, complete; ``grad_writes``: gradients it adds a contribution to; ``frees``:
-    stored values it drops; ``reduced``: chunk-less values it reduces in place on every chunk the
-    rank holds; ``params``: what it does to the parameters' gradients (``"accumulate"``,
-    ``"reduce"``) or the parameters (``"update"``), ``""`` nothing. (A named tuple: the users
-    compute the effects of every instruction of every plan they look at.)
-    """
-
-    reads: tuple[Key, ...] = ()
-    writes: tuple[Key, ...] = ()
-    saved: tuple[Key, ...] = ()
-    grad_reads: tuple[Key, ...] = ()
-    grad_writes: tuple[Key, ...] = ()
-    frees: tuple[Key, ...] = ()
-    reduced: tuple[str, ...] = ()
-    params: Literal["", "accumulate", "reduce", "update"] = ""
-
-
-def stage_reads(spec: StageSpec, chunk: int) -> tuple[Key, ...]:
-    """The values ``Forward(spec.index, chunk)`` reads: each input once, at every chunk it reads."""
-    return tuple((v, k) for v in dict.fromkeys(spec.inputs) for k in spec.chunks_read(v, chunk))
-
-
-def _outputs(spec: StageSpec, chunk: int) -> tuple[Key, ...]:
-    return tuple((o, chunk) for o in spec.outputs)
-
-
-def _forward(inst: Union[Forward, Recompute], stages: Stages) -> Effects:
-    spec = stages[inst.stage]
-    return Effects(reads=stage_reads(spec, inst.chunk), writes=_outputs(spec, inst.chunk))
-
-
-def _backward(inst: Backward, stages: Stages) -> Effects:
-    spec = stages[inst.stage]
-    outputs, inputs = _outputs(spec, inst.chunk), stage_reads(spec, inst.chunk)
-    return Effects(saved=outputs + inputs, grad_reads=outputs, grad_writes=inputs, params="accumulate")
-
-
-def _send(inst: Send, stages: Stages) -> Effects:
-    key = ((inst.name, inst.chunk),)
-    return Effects(grad_reads=key) if inst.grad else Effects(reads=key)
-
-
-def _recv(inst: Recv, stages: Stages) -> Effects:
-    key = ((inst.name, inst.chunk),)
-    return Effects(grad_writes=key) if inst.grad else Effects(writes=key)
-
-
-def _conversion(inst: Union[HaloExchange, AllToAll, AllGather, ReduceScatter], stages: Stages) -> Effects:
-    value, output = ((inst.value, inst.chunk),), ((inst.output, inst.chunk),)
-    return Effects(grad_reads=output, grad_writes=value) if inst.grad else Effects(reads=value, writes=output)
-
-
-def _all_reduce(inst: AllReduce, stages: Stages) -> Effects:
-    return Effects(params="reduce") if inst.value == "grads" else Effects(reduced=(inst.value,))
-
-
-def _free(inst: Free, stages: Stages) -> Effects:
-    return Effects(frees=((inst.value, inst.chunk),))
-
-
-def _optimizer_step(inst: OptimizerStep, stages: Stages) -> Effects:
-    return Effects(params="update")
-
-
-_RULES: dict[type[Instruction], Callable[[Any, Stages], Effects]] = {
-    Forward: _forward, Recompute: _forward, Backward: _backward, Send: _send, Recv: _recv,
-    HaloExchange: _conversion, AllToAll: _conversion, AllGather: _conversion, ReduceScatter: _conversion,
-    AllReduce: _all_reduce, Free: _free, OptimizerStep: _optimizer_step,
-}
-#: The rule of each instruction class: ``rule(instruction, stages) -> Effects``.
-RULES: Mapping[type[Instruction], Callable[[Any, Stages], Effects]] = MappingProxyType(_RULES)
+#: The effects rule of each instruction class, ``rule(instruction, stages) -> Effects`` (a view of
+#: the ``effects`` field of :data:`gnncompile.ir.rules.RULE_TABLE`).
+RULES: Mapping[type[Instruction], Callable[[Any, Stages], Effects]] = MappingProxyType(
+    {cls: r.effects for cls, r in RULE_TABLE.items()})
 
 
 def effects(inst: Instruction, stages: Stages) -> Effects:
     """The effects of ``inst`` on its rank, whose stages by index are ``stages``.
 
-    Raises ``KeyError`` if ``inst`` runs a stage missing from ``stages`` and ``TypeError`` for an
-    instruction class without a rule.
+    Raises ``KeyError`` if ``inst`` runs a stage missing from ``stages`` and
+    :class:`~gnncompile.ir.rules.MissingRuleError` (a ``TypeError``) for an instruction class without a rule.
     """
-    rule = _RULES.get(type(inst))
-    if rule is None:
-        raise TypeError(f"no dataflow rule for instruction type {type(inst).__name__}")
-    return rule(inst, stages)
+    return rule(inst, "dataflow").effects(inst, stages)

@@ -25,9 +25,10 @@ Values are named after the fx nodes of the traced model (``linear_1``, ``propaga
 inputs are ``g`` (the rank's graph) and ``x``; a communication instruction writes its result under
 ``value@halo``, ``value@cols`` etc. (:func:`converted_name`).
 
-Plans round-trip through JSON (:meth:`Plan.to_dict`, :meth:`Plan.save`, :meth:`Plan.load`); loading
-with the model and graph re-runs the recorded decisions and checks that the same instruction lists
-come out, which rebuilds the stage modules.
+Plans round-trip through JSON (:meth:`Plan.to_dict`, :meth:`Plan.save`, :func:`read_plan`);
+:func:`gnncompile.load_plan` with the model and graph re-runs the recorded decisions and checks that
+the same instruction lists come out, which rebuilds the stage modules. This module is data only: it
+imports nothing above ``ir`` (running, explaining and plotting live in :mod:`gnncompile.api`).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from .symbolic import Lin
 __all__ = [
     "Instruction", "Forward", "Backward", "Recompute", "Send", "Recv", "HaloExchange", "AllToAll",
     "AllGather", "ReduceScatter", "AllReduce", "Free", "OptimizerStep", "INSTRUCTIONS",
-    "OpCost", "StageSpec", "DevicePlan", "Plan", "RankProgram", "converted_name", "member_rows", "human_bytes",
-    "PLAN_FORMAT_VERSION", "plan_differences", "rank_label",
+    "OpCost", "StageSpec", "DevicePlan", "Plan", "RankProgram", "Schedule", "converted_name", "member_rows", "human_bytes",
+    "PLAN_FORMAT_VERSION", "plan_differences", "rank_label", "read_plan",
 ]
 
 PLAN_FORMAT_VERSION = 1
@@ -571,9 +572,47 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-@dataclass
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a plan orders one training step (structured; ``str`` gives the one-line summary).
+
+    ``kind``: ``"sequential"`` (every stage's forward, then the backwards in reverse),
+    ``"chunk pipeline"`` (stages per vertex chunk, list-scheduled) or ``"task pipeline"`` (tasks
+    on rank groups per chunk); ``chunks``: vertex chunks per step (1: none); ``communication``:
+    how conversions travel (``"chunk-level all-to-alls"``, ``"point to point"``...); ``regime``:
+    the task placement regime, if any.
+    """
+
+    kind: str = "sequential"
+    chunks: int = 1
+    communication: str = ""
+    regime: str = ""
+
+    def __str__(self) -> str:
+        if self.kind == "sequential" and self.chunks == 1:
+            return "sequential"
+        parts = [p for p in (self.regime, f"{self.chunks} chunks", self.communication) if p]
+        return f"{self.kind} ({', '.join(parts)})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "chunks": self.chunks, "communication": self.communication,
+                "regime": self.regime}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Schedule":
+        if isinstance(d, str):  # plans saved before schedules were structured
+            return cls(kind=d)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(eq=False)
 class Plan:
-    """A parallel training plan: what :func:`gnncompile.plan` returns and ``plan.run`` executes.
+    """A parallel training plan as data: instruction lists per rank, stages, predictions.
+
+    :func:`gnncompile.plan` returns it as a :class:`gnncompile.Plan` (this data plus ``run``,
+    ``explain``, ``timeline``, ``memory_plot``); the IR itself knows nothing of its callers.
 
     Fields
     ------
@@ -590,7 +629,7 @@ class Plan:
     ranks:
         One :class:`DevicePlan` per rank.
     schedule:
-        Name of the schedule of the instruction lists (``"sequential"``, ``"gpipe"``, ``"1f1b"``).
+        How the instruction lists order a step (:class:`Schedule`).
     predictions:
         Per-rank predictions, lists indexed by rank (e.g. ``bytes_sent``: the closed-form
         communication volume of one training step), and scalars.
@@ -603,7 +642,7 @@ class Plan:
     options: dict[str, Any]
     cluster: str
     ranks: list[DevicePlan]
-    schedule: str = "sequential"
+    schedule: Schedule = field(default_factory=Schedule)
     relaxations: tuple[str, ...] = ()
     predictions: dict[str, Any] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
@@ -613,8 +652,12 @@ class Plan:
     search: Any = field(default=None, repr=False, compare=False)
     #: The cost models' prediction for this plan (``gnncompile.cost_models.model.Prediction``); not data.
     prediction: Any = field(default=None, repr=False, compare=False)
-    #: The result of the last ``run()`` (``gnncompile.runtime.executor.RunResult``); not data.
+    #: The result of the last ``gnncompile.Plan.run()`` (``gnncompile.runtime.executor.RunResult``); not data.
     last_run: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.schedule, str):  # a schedule kind given by name
+            self.schedule = Schedule(kind=self.schedule)
 
     @property
     def num_ranks(self) -> int:
@@ -714,7 +757,7 @@ class Plan:
         return {
             "format": PLAN_FORMAT_VERSION,
             "strategy": self.strategy, "semantics": self.semantics, "relaxations": list(self.relaxations),
-            "options": self.options, "cluster": self.cluster, "schedule": self.schedule,
+            "options": self.options, "cluster": self.cluster, "schedule": self.schedule.to_dict(),
             "predictions": self.predictions, "info": self.info,
             "ranks": [dp.to_dict() for dp in self.ranks],
         }
@@ -728,7 +771,7 @@ class Plan:
                                     f"reads format {PLAN_FORMAT_VERSION})")
         try:
             return cls(strategy=d["strategy"], semantics=d["semantics"], relaxations=tuple(d.get("relaxations", ())),
-                       options=d["options"], cluster=d["cluster"], schedule=d.get("schedule", "sequential"),
+                       options=d["options"], cluster=d["cluster"], schedule=Schedule.from_dict(d.get("schedule", "sequential")),
                        predictions=d.get("predictions", {}), info=d.get("info", {}),
                        ranks=[DevicePlan.from_dict(r) for r in d["ranks"]])
         except KeyError as e:
@@ -740,121 +783,31 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1)
 
     def save(self, path: Union[str, Path]) -> Path:
-        """Write the plan as JSON to ``path``; :meth:`load` reads it back."""
+        """Write the plan as JSON to ``path``; :func:`read_plan` reads it back as data,
+        :func:`gnncompile.load_plan` as a runnable plan."""
         p = Path(path)
         p.write_text(self.to_json())
         return p
 
-    @classmethod
-    def load(cls, path: Union[str, Path], model: Any = None, graph: Any = None) -> "Plan":
-        """Read a plan saved by :meth:`save`.
+    def __eq__(self, other: object) -> bool:
+        """Plans are equal when their data fields are: a runnable plan (:class:`gnncompile.Plan`,
+        a subclass adding behaviour, no data) equals the data-only plan it was made from."""
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(self) if f.compare)
 
-        Without ``model`` and ``graph`` the result is data only (print it, verify it). With them,
-        the recorded decisions are lowered again for this model and graph, the instruction lists are
-        checked to be the saved ones (a :class:`~gnncompile.VerificationError` names the first rank
-        that differs otherwise), and the returned plan can run.
-        """
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise PlanningError(f"cannot read plan file {str(path)!r}: {e}") from None
-        saved = cls.from_dict(data)
-        if model is None and graph is None:
-            return saved
-        if model is None or graph is None:
-            raise PlanningError("Plan.load: pass both model and graph to rebuild a runnable plan (or neither)")
-        from ..api import plan as make_plan  # lazy: ir does not depend on the planner
+    __hash__ = None  # type: ignore[assignment]  # mutable data, as the dataclass default
 
-        rebuilt = make_plan(model, graph, gpus=saved.num_ranks, **saved.options)
-        diffs = plan_differences(saved, rebuilt)
-        if diffs:
-            shown = diffs[:8] + ([f"... {len(diffs) - 8} more"] if len(diffs) > 8 else [])
-            raise VerificationError(
-                f"plan file {str(path)!r} does not match this model and graph (saved = the file, rebuilt = "
-                f"planned again for them; plan the model again or pass the model and graph it was made for):\n"
-                + "\n".join(f"  {d}" for d in shown))
-        return rebuilt
 
-    # ------------------------------------------------------------------ predictions
-    def explanation(self) -> str:
-        """The text :meth:`explain` prints."""
-        from ..passes.search import explain_plan  # lazy: ir does not depend on the planner
-
-        return explain_plan(self)
-
-    def explain(self) -> None:
-        """Print why the planner chose this plan: the top alternatives (strategy, decisions,
-        predicted step time, peak memory per rank, bytes, bubbles), the winner's margin, the
-        candidates rejected and why, and the chosen plan's per-rank prediction."""
-        print(self.explanation())
-
-    def _require_prediction(self, what: str) -> Any:
-        if self.prediction is None:
-            raise PlanningError(f"plan.{what} needs the cost models' prediction, which this plan lacks (loaded "
-                                "from a file?); use gnncompile.cost_models.predict(plan, cluster)")
-        return self.prediction
-
-    def timeline(self, path: Union[str, Path], *, measured: Any = None) -> Path:
-        """Gantt chart of one step per rank as simulated by the cost models, and below it the measured
-        step of ``measured`` (a ``RunResult``; default: the last :meth:`run`, if any)."""
-        from ..viz.timeline import draw_timelines
-
-        sim = self._require_prediction("timeline").simulation
-        panels = [(f"predicted: {sim.step_time * 1e3:.3f} ms per step on {self.cluster}", sim.bars(), 0)]
-        run = measured if measured is not None else self.last_run
-        if run is not None:
-            events = [r.timeline for r in run.ranks]
-            last = max(e.step for ev in events for e in ev)
-            t = [e for ev in events for e in ev if e.step == last]
-            span = max(e.end for e in t) - min(e.start for e in t)
-            panels.append((f"measured (last step): {span * 1e3:.3f} ms", events, last))
-        return draw_timelines(panels, path)
-
-    def memory_plot(self, path: Union[str, Path]) -> Path:
-        """Predicted memory per rank over one step, with the device capacity (see the cost models)."""
-        from ..viz.timeline import draw_memory
-
-        return draw_memory(path=path, **self.memory_plot_data())
-
-    def memory_plot_data(self) -> dict[str, Any]:
-        """What :meth:`memory_plot` draws, as :func:`gnncompile.viz.timeline.memory_figure`'s arguments:
-        each rank's predicted memory curve, the step time, the memory a rank may use and its label.
-
-        On a CPU host the ranks share the host's memory, so the capacity is the host's memory divided
-        among them, and the label says so (the cluster's description names the whole host's memory).
-        """
-        pred = self._require_prediction("memory_plot")
-        cluster = pred.cluster
-        whole, per_rank = cluster.device.memory, pred.capacity
-        if per_rank != whole:
-            label = (f"memory per rank (this host's {human_bytes(whole)} shared by {cluster.devices_per_node} "
-                     f"ranks)")
-        else:
-            label = f"memory of one {cluster.device.name}"
-        return {"curves": [r.memory_curve for r in pred.simulation.ranks], "capacity": per_rank,
-                "step_time": pred.simulation.step_time, "capacity_label": label,
-                "title": f"predicted memory per rank over one step ({pred.simulation.step_time * 1e3:.3g} ms): "
-                         f"{self.strategy} on {self.num_ranks} ranks, {cluster.nodes} node(s) x "
-                         f"{cluster.devices_per_node} {cluster.device.name}"}
-
-    def run(self, epochs: int = 200, lr: float = 0.01, *, device: Any = None, backend: Union[str, None] = None,
-            **kwargs: Any) -> Any:
-        """Train with this plan across its ranks; see :func:`gnncompile.runtime.executor.run_plan`.
-
-        ``device``: ``None`` (``$GNNCOMPILE_DEVICE`` if set, else auto: the GPUs when CUDA is
-        available, else the CPU), ``"cpu"``,
-        ``"cuda"`` or ``"cuda:N"``; ``backend``: ``None`` (auto: NCCL with a GPU per rank, else
-        gloo, ranks sharing GPUs), ``"gloo"`` or ``"nccl"``. The result's
-        ``describe_placement()`` says where the ranks ran and what the plan was planned for.
-        Checkpoints and early stopping: ``checkpoint_dir=``, ``checkpoint_every=``, ``resume=``,
-        ``patience=`` (passed on to ``run_plan``); ``result.best_state_dict()``."""
-        if self.program is None:
-            raise PlanningError("this plan holds no model (it was loaded from a file without one); "
-                                "use gnncompile.Plan.load(path, model, graph) to run it")
-        from ..runtime.executor import run_plan  # lazy: the runtime is imported only to run
-
-        self.last_run = run_plan(self, epochs=epochs, lr=lr, device=device, backend=backend, **kwargs)
-        return self.last_run
+def read_plan(path: Union[str, Path]) -> Plan:
+    """The data-only plan that :meth:`Plan.save` wrote to ``path`` (no model: print it, verify it,
+    cost it). A file that cannot be read raises :class:`PlanningError`, malformed data
+    :class:`VerificationError`. :func:`gnncompile.load_plan` also rebuilds a runnable plan."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanningError(f"cannot read plan file {str(path)!r}: {e}") from None
+    return Plan.from_dict(data)
 
 
 def _short(v: Any, limit: int = 100) -> str:
@@ -884,7 +837,7 @@ def _field_differences(what: str, a: Any, b: Any) -> list[str]:
 
 
 def plan_differences(saved: "Plan", rebuilt: "Plan") -> list[str]:
-    """What differs between two plans' data, one line per field (what :meth:`Plan.load` reports):
+    """What differs between two plans' data, one line per field (what :func:`gnncompile.load_plan` reports):
     the graph and model they were made for, then per rank the stages' fields and the first
     instruction that differs."""
     out = [f"{key}: saved {saved.info.get(key)!r}, rebuilt {rebuilt.info.get(key)!r}"

@@ -58,44 +58,22 @@ Communication volume (:class:`PlanReport`) is counted from each rank's own instr
 from __future__ import annotations
 
 import functools
-import math
 import typing
 from collections import Counter, defaultdict
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Optional, Sequence
 
-import torch
-
 from ..errors import VerificationError
 from .dataflow import effects
-from .plan import (
-    COLLECTIVES,
-    AllGather,
-    AllReduce,
-    AllToAll,
-    Backward,
-    DevicePlan,
-    Forward,
-    HaloExchange,
-    Instruction,
-    OptimizerStep,
-    Plan,
-    Recompute,
-    Recv,
-    ReduceScatter,
-    Send,
-    StageSpec,
-    human_bytes,
-)
+from .plan import Backward, DevicePlan, Instruction, Plan, StageSpec, human_bytes
+from .rules import MESSAGE_FIELDS, MissingRuleError, elsize, rule
 
-__all__ = ["verify_plan", "PlanReport"]
+__all__ = ["verify_plan", "PlanReport", "instruction_window"]
 
 #: Instructions shown on each side of the faulty one in an error.
 WINDOW = 3
 #: Instructions shown when an error concerns a whole rank.
 WHOLE_RANK = 40
-#: Collective fields that legitimately differ between the members of a group.
-_PER_MEMBER_FIELDS = frozenset({"group", "send_rows", "recv_rows", "send_shapes", "recv_shapes"})
 
 Site = tuple[int, int]  # (rank, instruction index)
 
@@ -175,8 +153,9 @@ def verify_plan(plan: Plan, *, inputs: Optional[Iterable[str]] = None, check_typ
 
 
 # --------------------------------------------------------------------------- errors
-def _window(dp: DevicePlan, index: Optional[int]) -> str:
-    """Rank ``dp``'s instructions around ``index`` (marked ``>>``); all of them when ``index`` is None."""
+def instruction_window(dp: DevicePlan, index: Optional[int]) -> str:
+    """Rank ``dp``'s instructions around ``index`` (marked ``>>``; ``WINDOW`` each side); the first
+    ``WHOLE_RANK`` of them when ``index`` is None. Every plan error shows its sites this way."""
     insts = dp.instructions
     lo, hi = (0, min(len(insts), WHOLE_RANK)) if index is None else \
         (max(0, index - WINDOW), min(len(insts), index + WINDOW + 1))
@@ -194,7 +173,7 @@ def _where(dp: DevicePlan, index: int) -> str:
 
 
 def _error(msg: str, *sites: tuple[DevicePlan, Optional[int]]) -> VerificationError:
-    return VerificationError("\n".join([msg] + [_window(dp, index) for dp, index in sites]))
+    return VerificationError("\n".join([msg] + [instruction_window(dp, index) for dp, index in sites]))
 
 
 def _fail(dp: DevicePlan, index: Optional[int], msg: str) -> VerificationError:
@@ -250,12 +229,6 @@ def _type_problem(obj: Any) -> Optional[str]:
     return None
 
 
-def _elsize(dtype: str) -> Optional[int]:
-    """Bytes per element of the torch dtype named ``dtype`` (None if there is no such dtype)."""
-    t = getattr(torch, dtype, None) if isinstance(dtype, str) else None
-    return t.itemsize if isinstance(t, torch.dtype) else None
-
-
 def _check_structure(plan: Plan, chunks: int, check_types: bool = True) -> None:
     """Check 1: rank numbering, field types, stage tables and each instruction on its own."""
     n = plan.num_ranks
@@ -289,46 +262,21 @@ def _check_structure(plan: Plan, chunks: int, check_types: bool = True) -> None:
 
 def _instruction_problem(inst: Instruction, rank: int, n: int, chunks: int,
                          stages: dict[int, StageSpec]) -> Optional[str]:
-    """What is structurally wrong with ``inst`` issued by ``rank`` (None if nothing)."""
+    """What is structurally wrong with ``inst`` issued by ``rank`` (None if nothing): the checks common
+    to every instruction, then its rule's ``problem``."""
+    try:
+        r = rule(inst)
+    except MissingRuleError as e:
+        return str(e)
     chunk = getattr(inst, "chunk", 0)
     if not 0 <= chunk < chunks:
         return f"chunk {chunk} is outside the plan's chunks 0..{chunks - 1} (options['chunks'] = {chunks})"
-    if isinstance(inst, (Forward, Backward, Recompute)) and inst.stage not in stages:
-        return f"stage {inst.stage} is not one of rank {rank}'s stages {sorted(stages)}"
-    if hasattr(inst, "dtype") and _elsize(inst.dtype) is None:
+    if hasattr(inst, "dtype") and elsize(inst.dtype) is None:
         return f"unknown dtype {inst.dtype!r} (not a torch dtype)"
     shapes = [getattr(inst, "shape", ()), *getattr(inst, "send_shapes", ()), *getattr(inst, "recv_shapes", ())]
     if any(d < 0 for shape in shapes for d in shape):
         return "shapes must not have negative dimensions"
-    if isinstance(inst, (Send, Recv)):
-        if not 0 <= inst.peer < n:
-            return f"peer {inst.peer} is not a rank of this {n}-rank plan"
-        if inst.peer == rank:
-            return f"rank {rank} cannot {'send to' if isinstance(inst, Send) else 'receive from'} itself"
-    if isinstance(inst, COLLECTIVES):
-        group = inst.group
-        if not group or list(group) != sorted(set(group)):
-            return f"group {group} must be non-empty, sorted and without duplicates"
-        if not all(0 <= m < n for m in group):
-            return f"group {group} names ranks outside 0..{n - 1}"
-        if rank not in group:
-            return f"rank {rank} issues a collective over group {group}, which does not include it"
-        me = group.index(rank)
-        if isinstance(inst, HaloExchange):
-            if len(inst.send_rows) != len(group) or len(inst.recv_rows) != len(group):
-                return (f"send_rows {inst.send_rows} and recv_rows {inst.recv_rows} need one entry per member "
-                        f"of group {group}")
-            if inst.send_rows[me] or inst.recv_rows[me]:
-                return f"a rank exchanges no halo rows with itself: entry {me} (rank {rank}) must be 0"
-            if inst.width < 0 or min(inst.send_rows + inst.recv_rows) < 0:
-                return "row counts and width must not be negative"
-        if isinstance(inst, AllToAll):
-            for name in ("send_shapes", "recv_shapes"):
-                if len(getattr(inst, name)) not in (0, len(group)):
-                    return f"{name} needs one shape per member of group {group} (or none)"
-        if isinstance(inst, AllReduce) and inst.numel < 0:
-            return f"numel {inst.numel} is negative"
-    return None
+    return r.problem(inst, rank, n, stages)
 
 
 # --------------------------------------------------------------------------- 2. accounting
@@ -338,15 +286,16 @@ def _check_accounting(dp: DevicePlan, chunks: int) -> None:
     backward: dict[tuple[int, int], int] = {}
     opt: Optional[int] = None
     for i, inst in enumerate(dp.instructions):
-        if isinstance(inst, (Forward, Backward, Recompute)):
+        r = rule(inst)
+        if r.runs:
             key = (inst.stage, inst.chunk)
             f, b = f"F{inst.stage}c{inst.chunk}", f"B{inst.stage}c{inst.chunk}"
-            if isinstance(inst, Forward):
+            if r.runs == "forward":
                 if key in forward:
                     raise _fail(dp, i, f"stage {inst.stage} runs its Forward on chunk {inst.chunk} twice "
                                        f"(first at step {forward[key]})")
                 forward[key] = i
-            elif isinstance(inst, Backward):
+            elif r.runs == "backward":
                 if key not in forward:
                     raise _fail(dp, i, f"Backward before its Forward {f}")
                 if key in backward:
@@ -357,9 +306,9 @@ def _check_accounting(dp: DevicePlan, chunks: int) -> None:
                 backward[key] = i
             elif key not in forward or key in backward:
                 raise _fail(dp, i, f"Recompute must come between {f} and {b}")
-        elif isinstance(inst, AllReduce) and inst.value == "grads" and opt is not None:
+        elif r.kind == "collective" and opt is not None and r.effects(inst, {}).params == "reduce":
             raise _fail(dp, i, f"gradient all-reduce after the optimizer step (OPT at step {opt})")
-        elif isinstance(inst, OptimizerStep):
+        elif r.kind == "optimizer":
             if opt is not None:
                 raise _fail(dp, i, f"second optimizer step (first OPT at step {opt})")
             opt = i
@@ -384,9 +333,10 @@ def _check_point_to_point(plan: Plan) -> None:
     recvs: dict[tuple[int, int], list[int]] = defaultdict(list)
     for dp in plan.ranks:
         for i, inst in enumerate(dp.instructions):
-            if isinstance(inst, Send):
+            side = rule(inst).side
+            if side == "send":
                 sends[dp.rank, inst.peer].append(i)
-            elif isinstance(inst, Recv):
+            elif side == "recv":
                 recvs[inst.peer, dp.rank].append(i)
     for src, dst in sorted(set(sends) | set(recvs)):
         a, b = plan.ranks[src], plan.ranks[dst]
@@ -394,7 +344,7 @@ def _check_point_to_point(plan: Plan) -> None:
         for k, (si, ri) in enumerate(zip(ss, rr)):
             s, r = a.instructions[si], b.instructions[ri]
             diffs = [f"{name} {getattr(s, name)!r} on the SEND vs {getattr(r, name)!r} on the RECV"
-                     for name in ("value", "chunk", "grad", "shape", "dtype") if getattr(s, name) != getattr(r, name)]
+                     for name in MESSAGE_FIELDS if getattr(s, name) != getattr(r, name)]
             if diffs:
                 raise _error(f"SEND/RECV mismatch: message #{k} from rank {src} to rank {dst} is "
                              f"{_where(a, si)} but {_where(b, ri)}: {'; '.join(diffs)}", (a, si), (b, ri))
@@ -409,9 +359,8 @@ def _check_point_to_point(plan: Plan) -> None:
 
 
 def _signature(inst: Instruction) -> tuple:
-    """What every member of a collective's group must agree on."""
-    return (type(inst).__name__,) + tuple(
-        (f.name, getattr(inst, f.name)) for f in fields(inst) if f.name not in _PER_MEMBER_FIELDS)
+    """What every member of a collective's group must agree on (the rule's ``signature``)."""
+    return rule(inst).signature(inst)
 
 
 def _check_collectives(plan: Plan) -> None:
@@ -419,7 +368,7 @@ def _check_collectives(plan: Plan) -> None:
     seqs: dict[tuple[int, ...], dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
     for dp in plan.ranks:
         for i, inst in enumerate(dp.instructions):
-            if isinstance(inst, COLLECTIVES):
+            if rule(inst).kind == "collective":
                 seqs[inst.group][dp.rank].append(i)
     for group in sorted(seqs):
         pos = {m: seqs[group][m] for m in group}
@@ -456,13 +405,11 @@ def _collective_mismatch(group: tuple[int, ...],
 
 def _check_pairwise(plan: Plan, group: tuple[int, ...], idx: list[int], insts: list[Instruction]) -> None:
     """What group[i] sends to group[j] is what group[j] expects from group[i]."""
-    first = insts[0]
-    if isinstance(first, HaloExchange):
-        out, into, what = "send_rows", "recv_rows", "halo row counts disagree"
-    elif isinstance(first, AllToAll):
-        out, into, what = "send_shapes", "recv_shapes", "all-to-all shapes disagree"
-    else:
+    per_member = rule(insts[0]).per_member
+    if not per_member:
         return
+    out, into, counted = per_member
+    what = f"{counted} disagree"
     for i, a in enumerate(insts):
         for j, b in enumerate(insts):
             sent, expected = getattr(a, out), getattr(b, into)
@@ -490,7 +437,7 @@ def _check_dataflow(dp: DevicePlan, inputs: frozenset[str], chunks: int, output:
                      for b in (Backward(s.index, c) for s in dp.stages for c in (s.runs or range(chunks)))}
     expected: Counter[tuple[str, int]] = Counter(k for keys in contributions.values() for k in keys)
     incoming: Counter[tuple[str, int]] = Counter(k for inst, e in zip(dp.instructions, effs)
-                                                 if not isinstance(inst, Backward) for k in e.grad_writes)
+                                                 if rule(inst).runs != "backward" for k in e.grad_writes)
     with_incoming = {v for v, _ in incoming}
     loss_roots = {o for s in dp.stages for o in s.outputs if not consumers[o] and o not in with_incoming}
     if output is not None and output not in consumers:  # the loss reads it (a converted output, e.g. value@rows)
@@ -520,7 +467,7 @@ def _check_dataflow(dp: DevicePlan, inputs: frozenset[str], chunks: int, output:
             done = set(dp.instructions[:i])
             pending = [str(b) for b, keys in contributions.items() if (v, c) in keys and b not in done]
             pending += [f"`{x}` (step {k})" for k, (x, e) in enumerate(zip(dp.instructions, effs))
-                        if k > i and not isinstance(x, Backward) and (v, c) in e.grad_writes]
+                        if k > i and rule(x).runs != "backward" and (v, c) in e.grad_writes]
             raise _fail(dp, i, f"needs the gradient of {v} c{c}, which is not complete yet: it still waits for "
                                f"{', '.join(pending)}")
 
@@ -565,17 +512,19 @@ def _dry_run(plan: Plan) -> list[list[Site]]:
 
     def ready(r: int, inst: Instruction) -> list[int]:
         """The ranks that complete together with ``inst`` at rank r now (empty if it must wait)."""
-        if isinstance(inst, Send):
+        rl = rule(inst)
+        if rl.side == "send":
             posted[r, inst.peer] += 1
             return [r]
-        if isinstance(inst, Recv):
+        if rl.side == "recv":
             if posted[inst.peer, r] > taken[inst.peer, r]:
                 taken[inst.peer, r] += 1
                 return [r]
             return []
-        if isinstance(inst, COLLECTIVES):
+        if rl.kind == "collective":
             at = [current(m) for m in inst.group]
-            return list(inst.group) if all(isinstance(x, COLLECTIVES) and x.group == inst.group for x in at) else []
+            return list(inst.group) if all(x is not None and rule(x).kind == "collective" and x.group == inst.group
+                                           for x in at) else []
         return [r]
 
     steps: list[list[Site]] = []
@@ -608,13 +557,13 @@ def _deadlock(plan: Plan, pc: list[int], blocked: list[int]) -> VerificationErro
         inst = current(q)
         if inst is None:
             return "which has finished its instructions"
-        group = f" over group {inst.group}" if isinstance(inst, COLLECTIVES) else ""
+        group = f" over group {inst.group}" if rule(inst).kind == "collective" else ""
         return f"which is at step {pc[q]} `{inst}`{group}"
 
     lines = []
     for r in blocked:
         inst = current(r)
-        if isinstance(inst, (Send, Recv)):
+        if rule(inst).kind == "p2p":
             waits = f"waits for a SEND from rank {inst.peer}, {state(inst.peer)}"
         else:
             others = [m for m in inst.group if m != r and getattr(current(m), "group", None) != inst.group]
@@ -627,30 +576,7 @@ def _deadlock(plan: Plan, pc: list[int], blocked: list[int]) -> VerificationErro
 
 
 # --------------------------------------------------------------------------- volume
-def _numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)
-
-
 def _volume(inst: Instruction, rank: int) -> tuple[float, float]:
-    """(bytes sent, bytes received) by ``rank`` for ``inst`` (conventions in the module docstring)."""
-    if not inst.communicates:
-        return 0.0, 0.0
-    es = _elsize(inst.dtype)
-    if isinstance(inst, Send):
-        return float(_numel(inst.shape) * es), 0.0
-    if isinstance(inst, Recv):
-        return 0.0, float(_numel(inst.shape) * es)
-    n = len(inst.group)
-    if isinstance(inst, (AllGather, ReduceScatter)):
-        v = float((n - 1) * _numel(inst.shape) * es // n)
-        return v, v
-    if isinstance(inst, AllReduce):
-        v = 2 * (n - 1) / n * inst.numel * es
-        return v, v
-    if isinstance(inst, HaloExchange):
-        out, into = sum(inst.send_rows) * inst.width * es, sum(inst.recv_rows) * inst.width * es
-    else:
-        me = inst.group.index(rank)
-        out = sum(_numel(s) for j, s in enumerate(inst.send_shapes) if j != me) * es
-        into = sum(_numel(s) for j, s in enumerate(inst.recv_shapes) if j != me) * es
-    return (float(into), float(out)) if inst.grad else (float(out), float(into))
+    """(bytes sent, bytes received) by ``rank`` for ``inst`` (the rule's ``volume``; conventions in the
+    module docstring)."""
+    return rule(inst).volume(inst, rank)

@@ -35,7 +35,8 @@ from dataclasses import replace
 from typing import Iterable, Optional
 
 from ..ir.dataflow import effects
-from ..ir.plan import DevicePlan, Free, Instruction, OptimizerStep, Recv, Send
+from ..ir.plan import DevicePlan, Free, Instruction
+from ..ir.rules import rule
 
 __all__ = ["insert_frees", "send_completions"]
 
@@ -53,9 +54,10 @@ def send_completions(programs: dict[int, tuple[Instruction, ...]]) -> dict[tuple
     recvs: dict[tuple[int, int], list[int]] = {}
     for r, prog in programs.items():
         for i, inst in enumerate(prog):
-            if isinstance(inst, Send):
+            side = rule(inst).side
+            if side == "send":
                 sends.setdefault((r, inst.peer), []).append(i)
-            elif isinstance(inst, Recv):
+            elif side == "recv":
                 recvs.setdefault((inst.peer, r), []).append(i)
     out: dict[tuple[int, int], int] = {}
     for (a, b), positions in sends.items():
@@ -89,12 +91,12 @@ def insert_frees(ranks: list[DevicePlan], keep: Iterable[str] = ()) -> list[Devi
     out = []
     for dp in ranks:
         prog = programs[dp.rank]
-        if any(isinstance(inst, Free) for inst in prog):
+        if any(rule(inst).kind == "memory" for inst in prog):
             out.append(dp)
             continue
         stages = {s.index: s for s in dp.stages}
         stale = {v for s in dp.stages for v, _ in s.stale}
-        end: Optional[int] = next((i for i, inst in enumerate(prog) if isinstance(inst, OptimizerStep)), None)
+        end: Optional[int] = next((i for i, inst in enumerate(prog) if rule(inst).kind == "optimizer"), None)
         limit = len(prog) if end is None else end
         until: dict[tuple[str, int], int] = {}  # (value, chunk) -> index after which it may go
         for i, inst in enumerate(prog[:limit]):
@@ -105,7 +107,7 @@ def insert_frees(ranks: list[DevicePlan], keep: Iterable[str] = ()) -> list[Devi
             for key in eff.reads:
                 if key in until:
                     # a Send's buffer aliases the value until the send has completed
-                    until[key] = max(until[key], done.get((dp.rank, i), limit) if isinstance(inst, Send) else i)
+                    until[key] = max(until[key], done.get((dp.rank, i), limit) if rule(inst).side == "send" else i)
         after: dict[int, list[Free]] = {}
         for (v, c), i in until.items():
             if i < limit:

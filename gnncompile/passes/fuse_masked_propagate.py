@@ -24,7 +24,7 @@ constant ``training=True`` and ``0 < p < 1`` count as dropout. A match is skippe
 op that draws random numbers sits between the propagation and the dropout in graph order (moving
 the draw would change which numbers each op gets).
 
-Savings are per row (see :mod:`gnncompile.runtime.kernels.masked`): element-wise dropout on
+Savings are per row (see :mod:`gnncompile.kernels.masked`): element-wise dropout on
 ``d`` features leaves almost every row partly alive (a fraction ``p^d`` is empty), so on CPU the
 fused op skips nothing there and costs two row scans more (mask forward, gradient backward: a few
 percent, ``benchmarks/masked_spmm.py``). Row-structured masks (dropped vertices, rows ReLU zeroed

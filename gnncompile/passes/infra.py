@@ -50,6 +50,11 @@ class GraphPass:
     def __call__(self, tp: TPGraph, **options: object) -> TPGraph:
         return self.fn(tp, **options)
 
+    def bind(self, **options: object) -> "GraphPass":
+        """This pass with ``options`` fixed (what a :class:`PassManager`, which calls passes with
+        the graph alone, runs)."""
+        return GraphPass(self.name, functools.partial(self.fn, **options), self.exact, self.doc)
+
 
 PASSES: dict[str, GraphPass] = {}
 

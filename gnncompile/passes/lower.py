@@ -46,7 +46,7 @@ from .recompute import draws_random_numbers
 __all__ = [
     "LAYOUTS", "OUTPUT", "CONVERSIONS", "Decisions", "Conversion", "StagedModel", "split_stages", "sequential_schedule",
     "forward_schedule",
-    "source_input", "call_arguments", "requires_grad_values",
+    "source_input", "call_arguments", "requires_grad_values", "row_mixing_ops", "propagation_norms", "value_dims",
 ]
 
 LAYOUTS = ("rows", "cols", "replicated")
@@ -338,12 +338,12 @@ def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
 
 
 def sequential_schedule(staged: StagedModel, convert: Callable[[Conversion, bool], list[Instruction]],
-                        finish: Callable[[], list[Instruction]], chunk: int = 0) -> list[Instruction]:
-    """One training step with no pipelining: forwards in stage order, then backwards in reverse.
+                        chunk: int = 0) -> list[Instruction]:
+    """One training step with no pipelining: forwards in stage order, then backwards in reverse
+    (compute and conversions; the driver appends the gradient reduction and the optimizer step).
 
     ``convert(conversion, grad)`` returns the communication instructions of a conversion (its
-    gradient when ``grad``); ``finish()`` the instructions after the last backward (gradient
-    all-reduce, optimizer step).
+    gradient when ``grad``).
     """
     by_first = _conversions_by_first_consumer(staged)
     out = forward_schedule(staged, convert, chunk)
@@ -355,7 +355,6 @@ def sequential_schedule(staged: StagedModel, convert: Callable[[Conversion, bool
         for c in reversed(by_first.get(k, [])):
             if c.needs_grad:
                 out.extend(convert(c, True))
-    out.extend(finish())
     return out
 
 
@@ -380,3 +379,56 @@ def _conversions_by_first_consumer(staged: StagedModel) -> dict[int, list[Conver
     for c in staged.conversions:
         by_first.setdefault(staged.first_consumer_stage(c), []).append(c)
     return by_first
+
+
+_ROW_MIXING_MODULES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.InstanceNorm1d)
+
+
+def row_mixing_ops(tp: TPGraph) -> list[tuple[str, str]]:
+    """T ops whose output rows depend on other rows of a V-space input: ``(op, why)`` pairs."""
+    found = []
+    for n in tp.graph.nodes:
+        info = n.meta.get("tp")
+        if info is None or info.kind != "T":
+            continue
+        if n.op == "call_module" and isinstance(tp.get_submodule(n.target), _ROW_MIXING_MODULES):
+            mod = tp.get_submodule(n.target)
+            if mod.training or not getattr(mod, "track_running_stats", False):
+                found.append((n.name, f"{type(mod).__name__} normalizes with statistics over all vertices"))
+            continue
+        in_spaces = {a.meta["tp"].space for a in n.all_input_nodes if "tp" in a.meta}
+        if ("V" in in_spaces or "E" in in_spaces) and info.space not in ("V", "E", "E+V"):
+            found.append((n.name, f"reduces over {'vertices' if 'V' in in_spaces else 'edges'} "
+                                  f"(output rows {info.space})"))
+    return found
+
+
+def propagation_norms(*tps: TPGraph) -> set[tuple[str, bool]]:
+    """The ``(norm, add_self_loops)`` pairs of the propagations without computed edge weights in
+    ``tps`` (the normalization coefficients a rank's graph must hold).
+
+    Raises :class:`PlanningError` for ``norm="gcn"`` of computed edge weights, which needs every
+    source's global out-degree.
+    """
+    norms = set()
+    for tp in tps:
+        for n in tp.graph.nodes:
+            if n.op == "call_function" and n.target in (propagate, masked_propagate):
+                a = call_arguments(n)
+                if a["edge_weight"] is None:
+                    norms.add((a["norm"], bool(a["add_self_loops"])))
+                elif a["norm"] == "gcn":
+                    raise PlanningError(
+                        f"op {n.name!r}: norm='gcn' of computed edge weights needs every source's global "
+                        "out-degree, which per-rank graphs do not hold; use norm='mean' or normalize first")
+    return norms
+
+
+def value_dims(tp: TPGraph) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Per-vertex shape and dtype of every annotated value of ``tp`` (parameters excluded)."""
+    out = {}
+    for n in tp.graph.nodes:
+        t = n.meta.get("tp")
+        if t is not None and n.op != "get_attr":
+            out[n.name] = (tuple(t.dims), t.dtype or "float32")
+    return out

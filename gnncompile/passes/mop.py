@@ -46,50 +46,44 @@ from ..errors import PlanningError
 from ..graph.core import Graph, GraphStats
 from ..graph.reorder import bandwidth, permute, rcm_order
 from ..graph.shard import dropout_positions, slice_rows
-from ..ir.plan import AllReduce, DevicePlan, OptimizerStep, Plan, RankProgram, converted_name
+from ..ir.plan import Schedule, converted_name
 from ..ir.tpgraph import TPGraph
 from .chunked import Chunking, Group, Placement, chunk_bounds, chunk_graph, chunk_reads, emit_programs, \
     propagation_coefficients, stage_groups, stage_reads, with_reads
-from .data import _propagation_norms, check_options, mask_counts, replicate_dropout_masks, \
-    row_mixing_relaxations
-from .lower import StagedModel, requires_grad_values, source_input, split_stages
-from .tensor import _dims, tensor_decisions
+from .driver import Job, Lowered, RankLowering
+from .lower import StagedModel, propagation_norms, requires_grad_values, source_input, split_stages, value_dims
+from .strategy import Strategy, StrategyOptions, option
+from .tensor import tensor_decisions
 
-__all__ = ["MopOptions", "lower_mop", "REORDERINGS"]
+__all__ = ["MopOptions", "lower_mop", "REORDERINGS", "STRATEGY"]
 
 REORDERINGS = ("none", "rcm")
 
 
 @dataclass(frozen=True)
-class MopOptions:
-    """Options of the ``mop`` strategy.
+class MopOptions(StrategyOptions):
+    """Options of the ``mop`` strategy (``seed``, ``semantics``, ``dropout``: :class:`StrategyOptions`)."""
 
-    ``chunks``: pipeline granularity (vertex chunks streamed between the groups; 1: the naive
-    MoA workflow of Fig. 5a). ``sparse_ranks``: ranks of the aggregation (P) group, the rest update
-    (T); default half (MixGCN pairs one sparse with one dense accelerator). ``reorder``: ``"rcm"``
-    renumbers vertices by reverse Cuthill–McKee before chunking. ``seed``, ``semantics``,
-    ``dropout`` as for :class:`~gnncompile.passes.data.DataOptions`.
-    """
+    strategy = "mop"
 
-    seed: int = 0
-    semantics: str = "exact"
-    dropout: str = "replicated"
-    chunks: int = 1
-    sparse_ranks: Optional[int] = None
-    reorder: str = "none"
+    chunks: int = option(1, "Pipeline granularity: vertex chunks streamed between the sparse and dense groups "
+                            "(1: the naive MoA workflow of MixGCN Fig. 5a).", kind="positive_int",
+                         cli="vertex chunks pipelined between the sparse and dense groups")
+    sparse_ranks: Optional[int] = option(None, "Ranks of the aggregation (P) group, the rest update (T); default "
+                                               "half (MixGCN pairs one sparse with one dense accelerator).",
+                                         kind="optional_positive_int",
+                                         cli="ranks aggregating (the rest run the dense updates; half when not given)")
+    reorder: str = option("none", "'rcm' renumbers vertices by reverse Cuthill-McKee before chunking (MixGCN "
+                                  "§3.2.2).", kind="choice", choices=REORDERINGS)
 
-    def __post_init__(self) -> None:
-        check_options(self.semantics, self.dropout)
-        if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
-            raise PlanningError(f"mop: chunks must be a positive integer, got {self.chunks!r}")
-        if self.sparse_ranks is not None and (not isinstance(self.sparse_ranks, int) or self.sparse_ranks < 1):
-            raise PlanningError(f"mop: sparse_ranks must be a positive integer, got {self.sparse_ranks!r}")
-        if self.reorder not in REORDERINGS:
-            raise PlanningError(f"mop: unknown reorder {self.reorder!r}; valid: {', '.join(REORDERINGS)}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"strategy": "mop", "seed": self.seed, "semantics": self.semantics, "dropout": self.dropout,
-                "chunks": self.chunks, "sparse_ranks": self.sparse_ranks, "reorder": self.reorder}
+    @classmethod
+    def space(cls, semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
+        # the naive workflow and a fine-grain pipeline over RCM-reordered chunks (MixGCN Fig. 5a / 5d)
+        rest = dict(fixed)
+        chunks = [rest.pop("chunks")] if "chunks" in rest else [1, 8]
+        reorder = [rest.pop("reorder")] if "reorder" in rest else None
+        return [{**rest, "chunks": k, "reorder": ro, "semantics": semantics}
+                for k in chunks for ro in reorder or (["rcm"] if k > 1 else ["none"])]
 
 
 @dataclass(frozen=True)
@@ -171,16 +165,14 @@ def _chunking(graph: Union[Graph, GraphStats], options: MopOptions) -> tuple[Chu
     return Chunking(bounds, chunk_reads(ordered, bounds), order), ordered, info
 
 
-def lower_mop(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Union[Graph, GraphStats],
-              num_ranks: int, options: MopOptions) -> Plan:
-    """Lower ``tp`` / ``tp_eval`` to a ``mop`` plan over ``num_ranks`` ranks (module docstring)."""
-    two = _groups(num_ranks, options)
-    relaxations = row_mixing_relaxations(tp, "mop", options.semantics, each="dense rank and chunk", unit="chunk")
-    concrete = isinstance(graph, Graph)
-    stats = graph.stats() if concrete else graph
-    dropout_inputs: dict[str, str] = {}
-    if concrete and options.dropout == "replicated":
-        tp, dropout_inputs = replicate_dropout_masks(tp, graph, "mop", ("V", "nnz"))
+def _check(job: Job, options: MopOptions) -> None:
+    _groups(job.num_ranks, options)
+
+
+def lower_mop(job: Job, options: MopOptions) -> Lowered:
+    """The ``mop`` lowering of ``job`` (module docstring)."""
+    two = _groups(job.num_ranks, options)
+    graph, stats, num_ranks = job.graph, job.stats, job.num_ranks
 
     def split(t: TPGraph) -> tuple[StagedModel, dict[int, str], dict[int, set[str]]]:
         d = replace(tensor_decisions(t), pure_stages=True)
@@ -188,18 +180,16 @@ def lower_mop(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Unio
         groups = stage_groups(st, d.layout_of)
         return st, groups, _check_model(t, st, groups)
 
-    staged, groups, sources = split(tp)
-    staged_eval, groups_eval, sources_eval = split(tp_eval)
-    if concrete and graph.x is not None and graph.x.layout != torch.strided and \
-            any(c.value == "x" for c in staged.conversions):
-        raise PlanningError("strategy 'mop': a propagation reads the sparse input features directly; densify them "
-                            "(graph.dense_features()) or use strategy='data'")
+    staged, groups, sources = split(job.tp)
+    staged_eval, groups_eval, sources_eval = split(job.tp_eval)
+    job.refuse_sparse_features(staged)
     chunking, ordered, order_info = _chunking(graph, options)
     K = chunking.num_chunks
     reads = stage_reads(staged, groups, chunking, sources)
     reads_eval = stage_reads(staged_eval, groups_eval, chunking, sources_eval)
-    dims = {c.value: _dims(staged.tp, c.value) for c in staged.conversions}
-    dims_eval = {c.value: _dims(staged_eval.tp, c.value) for c in staged_eval.conversions}
+    all_dims, all_dims_eval = value_dims(staged.tp), value_dims(staged_eval.tp)
+    dims = {c.value: all_dims[c.value] for c in staged.conversions}
+    dims_eval = {c.value: all_dims_eval[c.value] for c in staged_eval.conversions}
     for v, (d, _) in {**dims, **dims_eval}.items():
         if len(d) != 1:
             raise PlanningError(f"strategy 'mop': value {v!r} has per-vertex shape {d}; only [V, D] values are "
@@ -208,97 +198,64 @@ def lower_mop(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Unio
     train_progs, order = emit_programs(staged, two.placement(groups), chunking, reads, dims, set(), training=True)
     eval_progs, _ = emit_programs(staged_eval, two.placement(groups_eval), chunking, reads_eval, dims_eval, set(),
                                   training=False)
-    names = [n for n, _ in model.named_parameters()]
-    params = [p for _, p in model.named_parameters()]
-    numel = sum(p.numel() for p in params if p.requires_grad)
-    param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
-    for r in two.rows:
-        if len(two.rows) > 1 and numel:
-            train_progs[r].append(AllReduce("grads", two.rows, numel=numel, dtype=param_dtype))
-    for r in range(num_ranks):
-        train_progs[r].append(OptimizerStep())
 
     def stages_of(st: StagedModel, g: dict[int, str], rd: dict, which: str) -> tuple:
         return tuple(with_reads(s, rd.get(s.index, {}), which) for s in st.stages if g[s.index] == which)
 
+    chunk_graphs: dict[int, Any] = {}
+    if job.concrete:
+        edge_coef, loop_coef = propagation_coefficients(ordered, propagation_norms(job.tp, job.tp_eval))
+        chunk_graphs = {j: chunk_graph(ordered, chunking, j, edge_coef, loop_coef) for j in range(K)}
     ranks = []
     for r in range(num_ranks):
         which = "cols" if r in two.cols else "rows"
+        step: dict[str, Any] = {}
         if which == "cols":
             sizes = {"nodes": stats.num_nodes, "edges": stats.num_edges, "halo": 0, "src": stats.num_nodes,
                      "all_nodes": stats.num_nodes, "col_share_ppm": round(1e6 / len(two.cols)), "chunks": K,
                      "feature_rows": 0, "trains": 0}
+            if job.concrete:
+                step = dict(inputs={}, chunk_inputs={j: {"g": chunk_graphs[j]} for j in range(K)}, halo=((), ()),
+                            labels=None, masks={"train": None, "val": None, "test": None},
+                            owned=torch.zeros(0, dtype=torch.long))
         else:
             i = two.rows.index(r)
             rows = sum(hi - lo for k in range(K) for lo, hi in [two.sub_rows(chunking, k)[i]])
             sizes = {"nodes": rows, "edges": 0, "halo": 0, "src": rows, "chunks": K}
-        ranks.append(DevicePlan(rank=r, stages=stages_of(staged, groups, reads, which),
-                                instructions=tuple(train_progs[r]), sizes=sizes, modules=staged.modules))
-    lag = chunking.lag()
-    info = {
-        "graph": str(stats), "model": type(model).__name__, "output": staged.output,
-        "inputs": ["g", "x", *dropout_inputs], "params": numel,
-        "param_tensors": sum(1 for p in params if p.requires_grad), "param_dtype": param_dtype,
-        "features": stats.num_features, "classes": stats.num_classes,
-        "sparse_ranks": list(two.cols), "dense_ranks": list(two.rows),
-        "owned_rows": [ranks[r].sizes["nodes"] if r in two.rows else 0 for r in range(num_ranks)],
-        "halo_rows": [0] * num_ranks,
-        "pipeline_lag": lag, "task_order": [str(t) for _, t in order], **order_info,
-    }
-    plan = Plan(strategy="mop", semantics="relaxed" if relaxations else "exact",
-                options={**options.to_dict(), "chunks": K}, cluster=f"{num_ranks} local ranks", ranks=ranks,
-                schedule=f"chunk pipeline ({K} chunks, list-scheduled)", relaxations=tuple(relaxations), info=info)
-    from ..ir.verify_plan import verify_plan
-
-    report = verify_plan(plan, inputs=info["inputs"], check_types=False)  # gc.plan checks the chosen one fully
-    plan.predictions = {"bytes_sent": [int(round(b)) for b in report.bytes_sent],
-                        "bytes_received": [int(round(b)) for b in report.bytes_recv]}
-    if concrete:
-        plan.program = _rank_programs(graph, ordered, tp, tp_eval, staged, staged_eval, groups, groups_eval, reads,
-                                      reads_eval, eval_progs, ranks, two, chunking, dropout_inputs, options, names,
-                                      params, stages_of)
-    return plan
+            if job.concrete:
+                step = _dense_step(job, two, chunking, i)
+        ranks.append(RankLowering(
+            rank=r, stages=stages_of(staged, groups, reads, which), instructions=list(train_progs[r]), sizes=sizes,
+            eval_stages=stages_of(staged_eval, groups_eval, reads_eval, which),
+            eval_instructions=tuple(eval_progs[r]), step=step))
+    info = {"sparse_ranks": list(two.cols), "dense_ranks": list(two.rows),
+            "owned_rows": [ranks[r].sizes["nodes"] if r in two.rows else 0 for r in range(num_ranks)],
+            "pipeline_lag": chunking.lag(), "task_order": [str(t) for _, t in order], **order_info}
+    # parameters live on the dense group (one gradient all-reduce over it); FREE releases every
+    # chunk after its last reader and its sends' completion
+    return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=[(two.rows, job.numel)],
+                   schedule=Schedule("chunk pipeline", K, "list-scheduled"), info=info, options={"chunks": K},
+                   frees=True, program=dict(groups=tuple(g for g in (two.rows, two.cols) if len(g) > 1),
+                                            param_rank=two.rows[0]))
 
 
-def _rank_programs(graph: Graph, ordered: Graph, tp: TPGraph, tp_eval: TPGraph, staged: StagedModel,
-                   staged_eval: StagedModel, groups: dict, groups_eval: dict, reads: dict, reads_eval: dict,
-                   eval_progs: dict, ranks: list[DevicePlan], two: TwoGroups, chunking: Chunking,
-                   dropout_inputs: dict[str, str], options: MopOptions, names: list[str],
-                   params: list[torch.nn.Parameter], stages_of: Any) -> list[RankProgram]:
-    counts = mask_counts(graph)
-    K = chunking.num_chunks
-    norms = _propagation_norms(tp) | _propagation_norms(tp_eval)
-    edge_coef, loop_coef = propagation_coefficients(ordered, norms)
-    chunk_graphs = {j: chunk_graph(ordered, chunking, j, edge_coef, loop_coef) for j in range(K)}
-    groups_list = tuple(g for g in (two.rows, two.cols) if len(g) > 1)
-    programs = []
-    n = len(ranks)
-    for r in range(n):
-        common = dict(rank=r, world_size=n, modules=staged.modules, eval_modules=staged_eval.modules,
-                      output=staged.output, eval_output=staged_eval.output, instructions=ranks[r].instructions,
-                      eval_instructions=tuple(eval_progs[r]), stages=ranks[r].stages,
-                      same_seed=options.dropout == "replicated", halo=((), ()), counts=counts, params=params,
-                      param_names=names, groups=groups_list, param_rank=two.rows[0])
-        if r in two.cols:
-            programs.append(RankProgram(
-                **common, eval_stages=stages_of(staged_eval, groups_eval, reads_eval, "cols"),
-                inputs={}, chunk_inputs={j: {"g": chunk_graphs[j]} for j in range(K)},
-                labels=None, masks={"train": None, "val": None, "test": None},
-                owned=torch.zeros(0, dtype=torch.long)))
-            continue
-        i = two.rows.index(r)
-        per_chunk = [chunking.vertices(*two.sub_rows(chunking, k)[i]) for k in range(K)]
-        owned = torch.cat(per_chunk) if per_chunk else torch.zeros(0, dtype=torch.long)
-        offsets = [0]
-        for ids in per_chunk:
-            offsets.append(offsets[-1] + int(ids.numel()))
-        chunk_inputs = {k: {"x": slice_rows(graph.x, ids) if graph.x is not None else None,
-                            **{name: dropout_positions(sp, graph, ids) for name, sp in dropout_inputs.items()}}
-                        for k, ids in enumerate(per_chunk)}
-        mask = {m: (getattr(graph, f"{m}_mask")[owned] if getattr(graph, f"{m}_mask") is not None else None)
-                for m in ("train", "val", "test")}
-        programs.append(RankProgram(
-            **common, eval_stages=stages_of(staged_eval, groups_eval, reads_eval, "rows"),
-            inputs={}, chunk_inputs=chunk_inputs, chunk_offsets=tuple(offsets),
-            labels=graph.y[owned] if graph.y is not None else None, masks=mask, owned=owned))
-    return programs
+def _dense_step(job: Job, two: TwoGroups, chunking: Chunking, i: int) -> dict[str, Any]:
+    """The step inputs of the ``i``-th dense rank: its rows of every chunk (in the reordered numbering)."""
+    graph, K = job.graph, chunking.num_chunks
+    per_chunk = [chunking.vertices(*two.sub_rows(chunking, k)[i]) for k in range(K)]
+    owned = torch.cat(per_chunk) if per_chunk else torch.zeros(0, dtype=torch.long)
+    offsets = [0]
+    for ids in per_chunk:
+        offsets.append(offsets[-1] + int(ids.numel()))
+    chunk_inputs = {k: {"x": slice_rows(graph.x, ids) if graph.x is not None else None,
+                        **{name: dropout_positions(sp, graph, ids) for name, sp in job.dropout_inputs.items()}}
+                    for k, ids in enumerate(per_chunk)}
+    mask = {m: (getattr(graph, f"{m}_mask")[owned] if getattr(graph, f"{m}_mask") is not None else None)
+            for m in ("train", "val", "test")}
+    return dict(inputs={}, chunk_inputs=chunk_inputs, chunk_offsets=tuple(offsets), halo=((), ()),
+                labels=graph.y[owned] if graph.y is not None else None, masks=mask, owned=owned)
+
+
+STRATEGY = Strategy("mop", MopOptions, lower_mop, summary="MixGCN: mixture of parallelism on sparse and dense "
+                    "device groups, chunk-pipelined", check=_check, dropout_spaces=lambda options: ("V", "nnz"),
+                    row_mixing=("dense rank and chunk", "chunk"))

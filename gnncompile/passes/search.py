@@ -2,7 +2,7 @@
 
 ``gnncompile.plan(model, graph, gpus)`` without ``strategy=`` calls :func:`search`:
 
-1. **Enumerate** (:func:`candidates`): for every registered strategy (:data:`LOWERINGS`), the
+1. **Enumerate** (:func:`candidates`): for every registered strategy (:mod:`~gnncompile.passes.registry`), the
    product of its option space (``data``: partitioner x recomputation) and of the rank counts to
    try (default: every device; :func:`rank_counts` adds halvings, for ``gc.plan(...,
    devices="any")``: on small graphs communication can cost more than the parallelism gains).
@@ -24,7 +24,6 @@ The result is a :class:`SearchResult`; ``plan.explain()`` prints it.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -38,127 +37,11 @@ from ..errors import GnnCompileError, PlanningError
 from ..graph.core import Graph, GraphStats
 from ..ir.plan import Plan, human_bytes
 from ..ir.tpgraph import TPGraph
+from .driver import lower
+from .registry import STRATEGIES, get, neutral_values
 
-__all__ = ["Candidate", "Evaluated", "SearchResult", "StrategySpace", "LOWERINGS", "candidates", "search",
-           "rank_counts", "sub_cluster", "evaluate", "explain_plan"]
-
-
-@dataclass(frozen=True)
-class StrategySpace:
-    """How the search lowers one strategy: its option space and its lowering function.
-
-    ``space(semantics, fixed)`` lists option dicts to try (``fixed`` holds options the caller set;
-    they must not vary); ``lower(tp, tp_eval, model, graph, num_ranks, options)`` returns a plan.
-    """
-
-    space: Callable[[str, dict[str, Any]], list[dict[str, Any]]]
-    lower: Callable[..., Plan]
-
-
-#: options only the chunked strategies take
-_CHUNK_OPTIONS = ("chunks", "sparse_ranks", "reorder", "p_ranks", "dependencies", "subgraph_chunks")
-
-
-def _unchunked(fixed: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """``fixed`` without chunk options that are at their defaults; ``None`` if one is set otherwise
-    (the strategy has no such option, so it is not a candidate)."""
-    out = dict(fixed)
-    defaults = {"chunks": 1, "sparse_ranks": None, "reorder": "none", "p_ranks": None, "dependencies": "exact",
-                "subgraph_chunks": None}
-    for k in _CHUNK_OPTIONS:
-        if k in out and out.pop(k) != defaults[k]:
-            return None
-    return out
-
-
-def _data_space(semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
-    fixed = _unchunked(fixed)
-    if fixed is None or fixed.pop("decouple", False):  # the data lowering has no chunked or decoupled form
-        return []
-    axes = {"partitioner": ["metis", "random"], "recompute": [False, True]}
-    for k in list(axes):
-        if k in fixed:
-            axes[k] = [fixed[k]]
-    rest = {k: v for k, v in fixed.items() if k not in axes}
-    return [{**rest, **dict(zip(axes, combo)), "semantics": semantics} for combo in itertools.product(*axes.values())]
-
-
-def _data_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Any, n: int,
-                options: dict[str, Any]) -> Plan:
-    from .data import DataOptions, lower_data
-
-    return lower_data(tp, tp_eval, model, graph, n, DataOptions(**options))
-
-
-def _tensor_space(semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
-    chunks = [fixed["chunks"]] if "chunks" in fixed else None
-    unchunked = _unchunked({k: v for k, v in fixed.items() if k != "chunks"})
-    if unchunked is None:
-        return []
-    rest = {k: v for k, v in unchunked.items() if k != "partitioner"}  # whole graph on every rank: no partition
-    recompute = [rest.pop("recompute")] if "recompute" in rest else [False, True]
-    # decoupling changes non-linear models: a candidate only where relaxations are allowed
-    decouple = [rest.pop("decouple")] if "decouple" in rest else ([False, True] if semantics == "relaxed" else [False])
-    out = [{**rest, "recompute": rc, "decouple": dc, "semantics": semantics, "chunks": k}
-           for rc in recompute for dc in decouple for k in (chunks or [1])]
-    if chunks is None:  # NeutronTP §4.2's chunk pipeline, without recomputation (its T work is per chunk already)
-        out += [{**rest, "recompute": False, "decouple": dc, "semantics": semantics, "chunks": 8} for dc in decouple]
-    return out
-
-
-def _tensor_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Any, n: int,
-                  options: dict[str, Any]) -> Plan:
-    from .tensor import TensorOptions, lower_tensor
-
-    return lower_tensor(tp, tp_eval, model, graph, n, TensorOptions(**options))
-
-
-def _mop_space(semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
-    rest = {k: v for k, v in fixed.items() if k != "partitioner"}
-    if rest.pop("recompute", False) or rest.pop("decouple", False) or rest.pop("p_ranks", None) is not None \
-            or rest.pop("dependencies", "exact") != "exact" or rest.pop("subgraph_chunks", None) is not None:
-        return []  # no recomputed, decoupled or relaxed-dependency form
-    # the naive workflow and a fine-grain pipeline over RCM-reordered chunks (MixGCN Fig. 5a / 5d)
-    chunks = [rest.pop("chunks")] if "chunks" in rest else [1, 8]
-    reorder = [rest.pop("reorder")] if "reorder" in rest else None
-    out = []
-    for k in chunks:
-        for ro in reorder or (["rcm"] if k > 1 else ["none"]):
-            out.append({**rest, "chunks": k, "reorder": ro, "semantics": semantics})
-    return out
-
-
-def _mop_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Any, n: int,
-               options: dict[str, Any]) -> Plan:
-    from .mop import MopOptions, lower_mop
-
-    return lower_mop(tp, tp_eval, model, graph, n, MopOptions(**options))
-
-
-def _task_space(semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
-    rest = {k: v for k, v in fixed.items() if k != "partitioner"}
-    if rest.pop("sparse_ranks", None) is not None or rest.pop("reorder", "none") != "none":
-        return []
-    recompute = [rest.pop("recompute")] if "recompute" in rest else [False, True]
-    # task-decoupled training changes non-linear models: a candidate only where relaxations are allowed
-    decouple = [rest.pop("decouple")] if "decouple" in rest else ([False, True] if semantics == "relaxed" else [False])
-    return [{**rest, "recompute": rc, "decouple": dc, "semantics": semantics} for rc in recompute for dc in decouple]
-
-
-def _task_lower(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Any, n: int,
-                options: dict[str, Any]) -> Plan:
-    from .task import TaskOptions, lower_task
-
-    options = dict(options)
-    device = options.pop("device", None)
-    return lower_task(tp, tp_eval, model, graph, n, TaskOptions(**options), device=device)
-
-
-#: Registered strategies: name -> :class:`StrategySpace`. Strategy modules add theirs.
-LOWERINGS: dict[str, StrategySpace] = {"data": StrategySpace(_data_space, _data_lower),
-                                       "tensor": StrategySpace(_tensor_space, _tensor_lower),
-                                       "mop": StrategySpace(_mop_space, _mop_lower),
-                                       "task": StrategySpace(_task_space, _task_lower)}
+__all__ = ["Candidate", "Evaluated", "SearchResult", "candidates", "search", "rank_counts", "sub_cluster", "evaluate",
+           "explain_plan"]
 
 
 @dataclass(frozen=True)
@@ -330,15 +213,16 @@ def sub_cluster(cluster: Cluster, num_ranks: int) -> Cluster:
 def candidates(cluster: Cluster, *, semantics: str = "exact", strategies: Optional[Iterable[str]] = None,
                fixed: Optional[dict[str, Any]] = None, ranks: Optional[Sequence[int]] = None) -> list[Candidate]:
     """The search space: every registered strategy's options x rank counts (see the module docstring)."""
-    names = list(strategies) if strategies is not None else list(LOWERINGS)
-    unknown = [s for s in names if s not in LOWERINGS]
+    names = list(strategies) if strategies is not None else list(STRATEGIES)
+    unknown = [s for s in names if s not in STRATEGIES]
     if unknown:
         raise PlanningError(f"no lowering registered for strategy {', '.join(map(repr, unknown))}; "
-                            f"registered: {', '.join(LOWERINGS)}")
+                            f"registered: {', '.join(STRATEGIES)}")
     counts = list(ranks) if ranks is not None else [cluster.num_devices]
+    neutral = neutral_values()
     out = []
     for name in names:
-        for opts in LOWERINGS[name].space(semantics, dict(fixed or {})):
+        for opts in STRATEGIES[name].candidates(semantics, dict(fixed or {}), neutral):
             out.extend(Candidate(name, opts, n) for n in counts)
     return out
 
@@ -388,11 +272,12 @@ def _evaluate(cand: Candidate, model: torch.nn.Module, graph: Union[Graph, Graph
         ev.rejected = f"{cand.num_ranks} ranks exceed the graph's {graph.num_nodes} vertices"
         return ev
     used = sub_cluster(cluster, cand.num_ranks)
-    options = dict(cand.options)
-    if cand.strategy == "task":  # NeutronTask Eq. 7 splits the ranks by the cost model's task times
-        options["device"] = used.rank_device(0)
+    strategy = get(cand.strategy)
+    # NeutronTask Eq. 7 splits the ranks by the cost model's task times on the cluster's device
+    device = used.rank_device(0) if strategy.needs_device else None
     try:
-        ev.plan = LOWERINGS[cand.strategy].lower(tp, tp_eval, model, graph, cand.num_ranks, options)
+        ev.plan = lower(strategy, tp, tp_eval, model, graph, cand.num_ranks,
+                        strategy.make_options(dict(cand.options)), device=device)
     except GnnCompileError as e:
         ev.rejected = f"cannot lower: {e}"
         return ev
@@ -417,10 +302,10 @@ def evaluate(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: C
     ``options`` are the strategy's options (``partitioner="metis"``, ``recompute=False``...);
     ``num_ranks`` defaults to every device of ``cluster``.
     """
-    if strategy not in LOWERINGS:
-        raise PlanningError(f"no lowering registered for strategy {strategy!r}; registered: {', '.join(LOWERINGS)}")
+    if strategy not in STRATEGIES:
+        raise PlanningError(f"no lowering registered for strategy {strategy!r}; registered: {', '.join(STRATEGIES)}")
     tp, tp_eval = _trace_both(model, graph)
-    opts = LOWERINGS[strategy].space(semantics, options)
+    opts = STRATEGIES[strategy].candidates(semantics, options, neutral_values())
     if len(opts) != 1:
         raise PlanningError(f"evaluate: fix every option of strategy {strategy!r} (got {sorted(options)}); "
                             f"it would try {len(opts)} variants")

@@ -57,79 +57,68 @@ from ..errors import PlanningError
 from ..graph.core import Graph, GraphStats
 from ..graph.regroup import ChunkRegrouping, RegroupedInputs
 from ..graph.shard import dropout_positions, slice_rows
-from ..ir.plan import AllReduce, DevicePlan, OptimizerStep, Plan, RankProgram
+from ..ir.plan import Schedule
 from ..ir.tpgraph import TPGraph
 from .chunked import Chunking, Group, Placement, Task, chunk_bounds, chunk_edge_ids, chunk_graph, chunk_reads, \
     emit_programs, propagation_coefficients, stage_groups, stage_reads, with_reads
-from .data import _propagation_norms, check_options, mask_counts, replicate_dropout_masks, \
-    row_mixing_relaxations
-from .free import insert_frees
 from ..frontend.ops import dropout_rows
-from .lower import Decisions, StagedModel, call_arguments, requires_grad_values, source_input, \
-    split_stages
-from .recompute import insert_recomputation
+from .driver import Job, Lowered, RankLowering
+from .lower import Decisions, StagedModel, call_arguments, propagation_norms, requires_grad_values, source_input, \
+    split_stages, value_dims
+from .strategy import Strategy, StrategyOptions, option, product
 
-__all__ = ["TaskOptions", "task_decisions", "place_tasks", "lower_task"]
+__all__ = ["TaskOptions", "task_decisions", "place_tasks", "lower_task", "STRATEGY"]
 
 REGIMES = ("shared", "one per rank", "hybrid")
 DEPENDENCIES = ("exact", "cached", "skip-later", "regrouped")
 
 
 @dataclass(frozen=True)
-class TaskOptions:
-    """Options of the ``task`` strategy.
+class TaskOptions(StrategyOptions):
+    """Options of the ``task`` strategy (``seed``, ``semantics``, ``dropout``: :class:`StrategyOptions`)."""
 
-    ``seed``, ``semantics``, ``dropout`` as for :class:`~gnncompile.passes.data.DataOptions`.
-    ``chunks``: vertex chunks streamed through the tasks (default: at least 4, a multiple of the
-    group sizes, :func:`_default_chunks`). ``p_ranks``: ranks for the P tasks (NeutronTask Eq. 7's
-    ``N_p``; default from the cost model).
-    """
+    strategy = "task"
 
-    seed: int = 0
-    semantics: str = "exact"
-    dropout: str = "replicated"
-    chunks: Optional[int] = None
-    p_ranks: Optional[int] = None
-    #: task-decoupled training (NeutronTask §5.1, Fig. 8b): the ``decouple`` pass's model, every T
-    #: task first, then the propagations, each its own P task; relaxed unless the model is linear
-    decouple: bool = False
-    #: recompute T segments in backward instead of keeping their intermediates (§5.1, Fig. 8c)
-    recompute: bool = False
-    #: ``"exact"``: a chunk's propagation waits for every chunk its in-edges read. Relaxed, so
-    #: that the pipeline never waits for a chunk that is not computed yet (NeutronTask's vertex
-    #: dependency management): ``"regrouped"`` is Algorithm 1 in full: before every epoch the
-    #: ``chunks * subgraph_chunks`` base chunks are shuffled and regrouped into ``chunks``
-    #: subgraphs (:mod:`gnncompile.graph.regroup`), a subgraph's propagation skips the in-edges from
-    #: later subgraphs (an epoch trains on the graph of its kept edges, normalized over them), and
-    #: evaluation reads every edge; ``"skip-later"`` skips the in-edges from
-    #: later chunks of the fixed order every epoch; ``"cached"`` reads later chunks from the
-    #: previous step's copy instead (zeros at the first step; no gradient flows to it)
-    dependencies: str = "exact"
-    #: ``dependencies="regrouped"``: base chunks per subgraph (Algorithm 1's ``k = M / S``;
-    #: default 2)
-    subgraph_chunks: Optional[int] = None
+    chunks: Optional[int] = option(None, "Vertex chunks streamed through the tasks (default: at least 4, a multiple "
+                                         "of the group sizes).", kind="optional_positive_int", neutral=1,
+                                   cli="vertex chunks streamed through the tasks")
+    p_ranks: Optional[int] = option(None, "Ranks for the P tasks (NeutronTask Eq. 7's N_p; default from the cost "
+                                          "model).", kind="optional_positive_int",
+                                    cli="ranks for the P tasks (default: from the cost model, NeutronTask Eq 7)")
+    decouple: bool = option(False, "Task-decoupled training (NeutronTask §5.1, Fig. 8b): the decouple pass's model, "
+                                   "every T task first, then the propagations, each its own P task; relaxed unless "
+                                   "the model is linear.", kind="bool", pinned=True,
+                            cli="decoupled model, all T ops then all propagations (NeutronTask §5.1; relaxed for "
+                                "non-linear models)")
+    recompute: bool = option(False, "Recompute T segments in backward instead of keeping their intermediates "
+                                    "(NeutronTask §5.1, Fig. 8c).", kind="bool", pinned=True,
+                             cli="recompute T segments in backward instead of keeping their intermediates")
+    dependencies: str = option(
+        "exact", "'exact': a chunk's propagation waits for every chunk its in-edges read. Relaxed (NeutronTask's "
+                 "vertex dependency management; needs semantics='relaxed'): 'regrouped' is Algorithm 1 in full "
+                 "(every epoch the chunks * subgraph_chunks base chunks are shuffled into chunks subgraphs, whose "
+                 "propagations skip the in-edges from later subgraphs; evaluation reads every edge); 'skip-later' "
+                 "skips the in-edges from later chunks of the fixed order; 'cached' reads later chunks from the "
+                 "previous step's copy (zeros at the first step; no gradient flows to it).",
+        kind="choice", choices=DEPENDENCIES,
+        cli="exact, or relaxed (NeutronTask Algorithm 1): regrouped, skip-later or cached")
+    subgraph_chunks: Optional[int] = option(None, "dependencies='regrouped': base chunks per subgraph (Algorithm "
+                                                  "1's k = M / S; default 2).", kind="optional_positive_int",
+                                            cli="with dependencies regrouped: chunks per subgraph (2 when not given)")
 
-    def __post_init__(self) -> None:
-        check_options(self.semantics, self.dropout, recompute=self.recompute, decouple=self.decouple)
-        if self.dependencies not in DEPENDENCIES:
-            raise PlanningError(f"task: dependencies must be one of {', '.join(DEPENDENCIES)}, got "
-                                f"{self.dependencies!r}")
+    def check(self) -> None:
         if self.dependencies != "exact" and self.semantics == "exact":
             raise PlanningError(f"task: dependencies={self.dependencies!r} changes what a chunk's propagation reads "
                                 "(a relaxation); pass semantics='relaxed'")
         if self.subgraph_chunks is not None and self.dependencies != "regrouped":
             raise PlanningError(f"task: subgraph_chunks applies to dependencies='regrouped' (random regrouping of "
                                 f"chunks), not {self.dependencies!r}")
-        for name in ("chunks", "p_ranks", "subgraph_chunks"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise PlanningError(f"task: {name} must be a positive int, got {v!r}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"strategy": "task", "seed": self.seed, "semantics": self.semantics, "dropout": self.dropout,
-                "chunks": self.chunks, "p_ranks": self.p_ranks, "decouple": self.decouple,
-                "recompute": self.recompute, "dependencies": self.dependencies,
-                "subgraph_chunks": self.subgraph_chunks}
+    @classmethod
+    def space(cls, semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
+        # task-decoupled training changes non-linear models: a candidate only where relaxations are allowed
+        decouple = [False, True] if semantics == "relaxed" else [False]
+        return product({"recompute": [False, True], "decouple": decouple}, fixed, semantics=semantics)
 
 
 def task_decisions(tp: TPGraph) -> Decisions:
@@ -299,27 +288,14 @@ def _default_chunks(place: Placement, num_nodes: int) -> int:
 
 
 # --------------------------------------------------------------------------- lowering
-def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Union[Graph, GraphStats],
-               num_ranks: int, options: TaskOptions, device: Optional[DeviceSpec] = None) -> Plan:
-    """Lower ``tp`` / ``tp_eval`` to a ``task`` plan over ``num_ranks`` ranks (module docstring).
+def lower_task(job: Job, options: TaskOptions) -> Lowered:
+    """The ``task`` lowering of ``job`` (module docstring).
 
-    ``device``: the device whose cost model sets Eq. 7's split (default: an A100; the planner
+    ``job.device``: the device whose cost model sets Eq. 7's split (default: an A100; the planner
     passes the cluster's)."""
-    relaxations = row_mixing_relaxations(tp, "task", options.semantics, each="chunk", unit="chunk")
-    if options.decouple:
-        from .tensor import _decoupled
-
-        tp, tp_eval, relaxation = _decoupled(tp, tp_eval, options.semantics, "task", "NeutronTask §5.1")
-        if relaxation:
-            relaxations.append(relaxation)
-    concrete = isinstance(graph, Graph)
-    stats = graph.stats() if concrete else graph
-    dropout_inputs: dict[str, str] = {}
-    if concrete and options.dropout == "replicated":
-        tp, dropout_inputs = replicate_dropout_masks(tp, graph)
-    infos = {n.name: n.meta["tp"] for n in tp.graph.nodes if "tp" in n.meta}
-    if options.recompute:
-        tp = insert_recomputation(tp, share_parameters=True)
+    graph, stats, num_ranks = job.graph, job.stats, job.num_ranks
+    concrete, dropout_inputs, relaxations = job.concrete, job.dropout_inputs, job.relaxations
+    infos = {n.name: n.meta["tp"] for n in job.tp_unrecomputed.graph.nodes if "tp" in n.meta}
 
     def split(t: TPGraph) -> tuple[StagedModel, dict[int, str], dict[int, set[str]]]:
         d = task_decisions(t)
@@ -327,15 +303,13 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
         labels = {s: ("rows" if lab == "rows" else "cols") for s, lab in stage_groups(st, d.layout_of).items()}
         return st, labels, _check_model(t, st, labels)
 
-    staged, labels, sources = split(tp)
-    staged_eval, labels_eval, sources_eval = split(tp_eval)
+    staged, labels, sources = split(job.tp)
+    staged_eval, labels_eval, sources_eval = split(job.tp_eval)
     if labels_eval != labels:
         raise PlanningError(f"strategy 'task': the evaluation model splits into other tasks ({labels_eval}) than "
                             f"the training model ({labels})")
-    if concrete and graph.x is not None and graph.x.layout != torch.strided and \
-            any(c.value == "x" for c in staged.conversions):
-        raise PlanningError("strategy 'task': a propagation reads the sparse input features directly; densify them "
-                            "(graph.dense_features()) or use strategy='data'")
+    job.refuse_sparse_features(staged)
+    device = job.device
     if device is None:
         from ..cost_models.hardware import DEVICES
 
@@ -391,8 +365,8 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
     eval_chunking = exact_chunking if options.dependencies in ("cached", "regrouped") else chunking
     graph_chunking = eval_chunking  # what a chunk's graph slice holds (a cached read still has its edges)
     reads_eval = stage_reads(staged_eval, labels_eval, eval_chunking, sources_eval)
-    dims = _dims(staged)
-    dims_eval = _dims(staged_eval)
+    dims = value_dims(staged.tp)
+    dims_eval = value_dims(staged_eval.tp)
     needs = requires_grad_values(staged.tp)
     # list-schedule with the tasks' per-chunk times
     cost = {Task(b, s, k): times[s] / K / 2 for s in times for k in range(K) for b in (False, True)}
@@ -401,10 +375,8 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
     eval_progs, _ = emit_programs(staged_eval, place, eval_chunking, reads_eval, dims_eval, set(), training=False)
 
     # parameters: on the ranks of the task using them; all-reduced inside hybrid groups
-    names = [n for n, _ in model.named_parameters()]
-    params = [p for _, p in model.named_parameters()]
+    names, params = job.param_names, job.params
     by_name = dict(zip(names, params))
-    param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
     users: dict[str, set[int]] = {}
     ident = {id(p): n for n, p in zip(names, params)}  # stage modules share the model's parameters
     for s, mod in staged.modules.items():
@@ -419,14 +391,11 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
     local: dict[int, list[str]] = {gi: sorted(n for n, gs in users.items() if gi in gs)
                                    for gi in range(len(place.groups))}
     owner = {n: place.groups[next(iter(gs))].members[0] for n, gs in users.items()}
-    for gi, g in enumerate(place.groups):
-        numel = sum(by_name[n].numel() for n in local[gi] if by_name[n].requires_grad)
-        for r in g.members:
-            if len(g.members) > 1 and numel:
-                train_progs[r].append(AllReduce("grads", g.members, numel=numel, dtype=param_dtype))
-            train_progs[r].append(OptimizerStep())
+    grad_groups = [(g.members, sum(by_name[n].numel() for n in local[gi] if by_name[n].requires_grad))
+                   for gi, g in enumerate(place.groups)]
 
     out_group = place.stage_group[staged.stage_of[staged.output]]
+    inputs = _ChunkInputs(job, staged, staged_eval, graph_chunking, options) if concrete else None
     ranks = []
     for gi, g in enumerate(place.groups):
         is_p = any(labels[s] == "cols" for s, x in place.stage_group.items() if x == gi)
@@ -438,9 +407,11 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
                 edges = sum(int(chunk_edge_ids(graph, chunking, k).numel()) for k in mine)
             elif is_p:
                 edges = round(stats.num_edges * rows / max(stats.num_nodes, 1))
+            runs = tuple(mine) if len(g.members) > 1 else ()
             stages = tuple(replace(with_reads(s, reads.get(s.index, {}), g.name, stale_reads.get(s.index)),
-                                   runs=tuple(mine) if len(g.members) > 1 else ()) for s in staged.stages
-                           if place.stage_group[s.index] == gi)
+                                   runs=runs) for s in staged.stages if place.stage_group[s.index] == gi)
+            eval_stages = tuple(replace(with_reads(s, reads_eval.get(s.index, {}), g.name), runs=runs)
+                                for s in staged_eval.stages if place.stage_group[s.index] == gi)
             reads_x = any(u == "x" or u.startswith("x@") for st in stages for u in st.inputs)
             sizes = {"nodes": rows, "edges": edges, "halo": 0, "src": stats.num_nodes if is_p else rows,
                      "all_nodes": stats.num_nodes if is_p else rows, "chunks": max(len(mine), 1),
@@ -448,60 +419,42 @@ def lower_task(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Uni
                      "trains": rows if gi == out_group else 0,
                      # the rank holds its own tasks' parameters (with their gradients and Adam moments)
                      "params": sum(by_name[n].numel() for n in local[gi] if by_name[n].requires_grad)}
-            ranks.append(DevicePlan(rank=r, stages=stages, instructions=tuple(train_progs[r]), sizes=sizes,
-                                    modules=staged.modules))
-    ranks.sort(key=lambda dp: dp.rank)
-    # release each stored value after its last use (and its sends' completion): without it every
-    # cross-task tensor stays on both the producer and the consumer for the whole step
-    ranks = insert_frees(ranks, keep={"g", "x", *dropout_inputs, staged.output})
-    numel = sum(p.numel() for p in params if p.requires_grad)
+            step: dict[str, Any] = {}
+            if inputs is not None:
+                step = {**inputs.rank(stages, eval_stages, mine, gi == out_group), "local_params": tuple(local[gi])}
+            ranks.append(RankLowering(rank=r, stages=stages, instructions=list(train_progs[r]), sizes=sizes,
+                                      eval_stages=eval_stages, eval_instructions=tuple(eval_progs[r]), step=step))
+    ranks.sort(key=lambda rl: rl.rank)
     info = {
-        "graph": str(stats), "model": type(model).__name__, "output": staged.output,
         # model inputs a propagation reads are given to its ranks directly (``x@cols``: rows of x)
         "inputs": ["g", "x", *dropout_inputs, *sorted({c.output for c in staged.conversions + staged_eval.conversions
                                                         if c.value in {"x", *dropout_inputs}})],
-        "params": numel,
-        "param_tensors": sum(1 for p in params if p.requires_grad), "param_dtype": param_dtype,
-        "features": stats.num_features, "classes": stats.num_classes,
         "regime": regime, "t_ranks": n_t, "p_ranks": n_p, "tasks": len(staged.stages),
         "groups": {g.name: list(g.members) for g in place.groups},
         "task_seconds": {str(s): t for s, t in times.items()}, "task_order": [str(t) for _, t in order],
         "pipeline_lag": chunking.lag(),
-        "owned_rows": [dp.sizes["nodes"] if place.stage_group.get(dp.stages[0].index) == out_group else 0
-                       for dp in ranks],
-        "halo_rows": [0] * num_ranks,
+        "owned_rows": [rl.sizes["nodes"] if place.stage_group.get(rl.stages[0].index) == out_group else 0
+                       for rl in ranks],
     }
-    plan = Plan(strategy="task", semantics="relaxed" if relaxations else "exact",
-                options={**options.to_dict(), "chunks": K, "p_ranks": n_p,
-                         "subgraph_chunks": _subgraph_chunks(options) if regrouped else None},
-                cluster=f"{num_ranks} local ranks",
-                ranks=ranks, schedule=f"task pipeline ({regime}, {K} chunks, list-scheduled)",
-                relaxations=tuple(relaxations), info=info)
-    from ..ir.verify_plan import verify_plan
-
-    report = verify_plan(plan, inputs=info["inputs"], check_types=False)  # gc.plan checks the chosen one fully
-    plan.predictions = {"bytes_sent": [int(round(b)) for b in report.bytes_sent],
-                        "bytes_received": [int(round(b)) for b in report.bytes_recv]}
+    program: dict[str, Any] = {}
     if concrete:
-        plan.program = _rank_programs(graph, tp, tp_eval, staged, staged_eval, reads, reads_eval, eval_progs, ranks,
-                                      place, graph_chunking, dropout_inputs, options, names, params, local, owner,
-                                      out_group, infos)
-    return plan
+        program = dict(groups=tuple(g.members for g in place.groups if len(g.members) > 1),
+                       param_rank=owner.get(names[0], 0) if names else 0, param_owner=dict(owner),
+                       dropout_draws=_dropout_draws(staged, dropout_inputs, infos)
+                       if options.dropout == "replicated" else (),
+                       chunk_rows=tuple(chunking.size(k) for k in range(K)))
+    # FREE releases each stored value after its last use (and its sends' completion): without it
+    # every cross-task tensor stays on both the producer and the consumer for the whole step
+    return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=grad_groups,
+                   schedule=Schedule("task pipeline", K, "list-scheduled", regime), info=info,
+                   options={"chunks": K, "p_ranks": n_p,
+                            "subgraph_chunks": _subgraph_chunks(options) if regrouped else None},
+                   frees=True, program=program)
 
 
 def _subgraph_chunks(options: TaskOptions) -> int:
     """Base chunks per subgraph under ``dependencies="regrouped"`` (default 2)."""
     return options.subgraph_chunks if options.subgraph_chunks is not None else 2
-
-
-def _dims(staged: StagedModel) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Per-vertex shape and dtype of every value a stage reads or writes."""
-    out = {}
-    for n in staged.tp.graph.nodes:
-        t = n.meta.get("tp")
-        if t is not None and n.op != "get_attr":
-            out[n.name] = (tuple(t.dims), t.dtype or "float32")
-    return out
 
 
 def _dropout_draws(staged: StagedModel, spaces: dict[str, str], infos: dict[str, Any]
@@ -542,93 +495,82 @@ def _dropout_draws(staged: StagedModel, spaces: dict[str, str], infos: dict[str,
     return tuple(out)
 
 
-def _rank_programs(graph: Graph, tp: TPGraph, tp_eval: TPGraph, staged: StagedModel, staged_eval: StagedModel,
-                   reads: dict, reads_eval: dict, eval_progs: dict, ranks: list[DevicePlan], place: Placement,
-                   chunking: Chunking, dropout_inputs: dict[str, str], options: TaskOptions, names: list[str],
-                   params: list[torch.nn.Parameter], local: dict[int, list[str]], owner: dict[str, int],
-                   out_group: int, infos: dict[str, Any]) -> list[RankProgram]:
-    counts = mask_counts(graph)
-    K = chunking.num_chunks
-    norms = _propagation_norms(tp) | _propagation_norms(tp_eval)
-    edge_coef, loop_coef = propagation_coefficients(graph, norms)
-    conv_out = {c.output: c.value for c in staged.conversions} | {c.output: c.value for c in staged_eval.conversions}
-    model_inputs = {"x", *dropout_inputs}
+class _ChunkInputs:
+    """The step inputs of a concrete ``task`` plan's ranks: per chunk, the graph slice and the blocks
+    of the model inputs its stages read; under ``dependencies="regrouped"`` the training inputs
+    come per epoch (:class:`~gnncompile.graph.regroup.RegroupedInputs`)."""
 
-    def block(name: str, k: int) -> Any:
+    def __init__(self, job: Job, staged: StagedModel, staged_eval: StagedModel, chunking: Chunking,
+                 options: TaskOptions) -> None:
+        self.job, self.chunking = job, chunking
+        graph = job.graph
+        K = chunking.num_chunks
+        norms = propagation_norms(job.tp, job.tp_eval)
+        self.coefficients = propagation_coefficients(graph, norms)
+        self.conv_out = {c.output: c.value for c in staged.conversions} | \
+            {c.output: c.value for c in staged_eval.conversions}
+        self.model_inputs = {"x", *job.dropout_inputs}
+        self.regrouping = None
+        if options.dependencies == "regrouped":  # training inputs come per epoch; the program's are evaluation's
+            self.regrouping = ChunkRegrouping(graph, chunk_bounds(graph.num_nodes, K * _subgraph_chunks(options)),
+                                              chunking.bounds, options.seed, tuple(sorted(norms)))
+        self.graphs: dict[int, Any] = {}
+
+    def block(self, name: str, k: int) -> Any:
         """Chunk ``k``'s block of the model input ``name`` (features or a dropout index)."""
+        graph, chunking = self.job.graph, self.chunking
         ids = torch.arange(chunking.bounds[k], chunking.bounds[k + 1])
         if name == "x":
             return slice_rows(graph.x, ids) if graph.x is not None else None
-        return dropout_positions(dropout_inputs[name], graph, ids, chunk_edge_ids(graph, chunking, k))
+        return dropout_positions(self.job.dropout_inputs[name], graph, ids, chunk_edge_ids(graph, chunking, k))
 
-    groups_list = tuple(g.members for g in place.groups if len(g.members) > 1)
-    regrouping = None
-    if options.dependencies == "regrouped":  # training inputs come per epoch; the program's are evaluation's
-        regrouping = ChunkRegrouping(graph, chunk_bounds(graph.num_nodes, K * _subgraph_chunks(options)),
-                                     chunking.bounds, options.seed, tuple(sorted(norms)))
-    draws = _dropout_draws(staged, dropout_inputs, infos) if options.dropout == "replicated" else ()
-    graphs: dict[int, Any] = {}
-    programs = []
-    n = len(ranks)
-    for dp in ranks:
-        r = dp.rank
-        gi = next(i for i, g in enumerate(place.groups) if r in g.members)
-        g = place.groups[gi]
-        i = g.members.index(r)
-        mine = [k for k in range(K) if i in g.runners(k)]
-        eval_stages = tuple(replace(with_reads(s, reads_eval.get(s.index, {}), g.name),
-                                    runs=tuple(mine) if len(g.members) > 1 else ()) for s in staged_eval.stages
-                            if place.stage_group[s.index] == gi)
+    def rank(self, stages: tuple, eval_stages: tuple, mine: list[int], scores: bool) -> dict[str, Any]:
+        """The step inputs of a rank running ``stages`` on the chunks ``mine`` (``scores``: it computes
+        the output, so it holds the labels and masks of its chunks' rows)."""
+        job, chunking, graph = self.job, self.chunking, self.job.graph
+        K = chunking.num_chunks
         chunk_inputs: dict[int, dict[str, Any]] = {}
         regroup = None
-        if regrouping is not None:
+        if self.regrouping is not None:
             needs: dict[int, dict[str, str]] = {}
-            for st in dp.stages:
+            for st in stages:
                 for u in st.inputs:
-                    base = conv_out.get(u, u)
-                    kind = "graph" if u == "g" else "features" if base == "x" else dropout_inputs.get(base)
+                    base = self.conv_out.get(u, u)
+                    kind = "graph" if u == "g" else "features" if base == "x" else job.dropout_inputs.get(base)
                     for k in mine if kind is not None else ():
                         for m in st.chunks_read(u, k) if st.reads else (k,):
                             needs.setdefault(m, {})[u] = kind
-            regroup = RegroupedInputs.for_rank(regrouping, needs, tuple(mine) if gi == out_group else ())
-        for stages in (eval_stages,) if regroup is not None else (dp.stages, eval_stages):
-            for st in stages:
+            regroup = RegroupedInputs.for_rank(self.regrouping, needs, tuple(mine) if scores else ())
+        for group in (eval_stages,) if regroup is not None else (stages, eval_stages):
+            for st in group:
                 for u in st.inputs:
-                    base = conv_out.get(u, u)
+                    base = self.conv_out.get(u, u)
                     for k in mine:
                         for m in st.chunks_read(u, k) if st.reads else (k,):
                             d = chunk_inputs.setdefault(m, {})
                             if u == "g":
-                                if m not in graphs:
-                                    graphs[m] = chunk_graph(graph, chunking, m, edge_coef, loop_coef)
-                                d["g"] = graphs[m]
-                            elif base in model_inputs and u not in d:
-                                d[u] = block(base, m)
-        owned = torch.zeros(0, dtype=torch.long)
-        offsets: tuple[int, ...] = ()
-        labels = None
-        masks: dict[str, Any] = {"train": None, "val": None, "test": None}
-        if gi == out_group:
+                                if m not in self.graphs:
+                                    self.graphs[m] = chunk_graph(graph, chunking, m, *self.coefficients)
+                                d["g"] = self.graphs[m]
+                            elif base in self.model_inputs and u not in d:
+                                d[u] = self.block(base, m)
+        out: dict[str, Any] = dict(inputs={}, chunk_inputs=chunk_inputs, regroup=regroup, halo=((), ()),
+                                   owned=torch.zeros(0, dtype=torch.long), labels=None,
+                                   masks={"train": None, "val": None, "test": None},
+                                   chunk_offsets=(0,) * (K + 1))  # a rank without rows to score: every chunk empty
+        if scores:
             per_chunk = [torch.arange(chunking.bounds[k], chunking.bounds[k + 1]) if k in mine
                          else torch.zeros(0, dtype=torch.long) for k in range(K)]
             owned = torch.cat(per_chunk)
             off = [0]
             for ids in per_chunk:
                 off.append(off[-1] + int(ids.numel()))
-            offsets = tuple(off)
-            labels = graph.y[owned] if graph.y is not None else None
-            masks = {m: (getattr(graph, f"{m}_mask")[owned] if getattr(graph, f"{m}_mask") is not None else None)
-                     for m in ("train", "val", "test")}
-        else:  # chunk offsets of a rank without rows to score: every chunk empty
-            offsets = (0,) * (K + 1)
-        programs.append(RankProgram(
-            rank=r, world_size=n, modules=staged.modules, eval_modules=staged_eval.modules, output=staged.output,
-            eval_output=staged_eval.output, instructions=dp.instructions, eval_instructions=tuple(eval_progs[r]),
-            stages=dp.stages, eval_stages=eval_stages, same_seed=options.dropout == "replicated", halo=((), ()),
-            counts=counts, params=params, param_names=names, groups=groups_list,
-            param_rank=owner.get(names[0], 0) if names else 0, param_owner=dict(owner),
-            local_params=tuple(local[gi]), dropout_draws=draws,
-            chunk_rows=tuple(chunking.size(k) for k in range(K)), inputs={}, chunk_inputs=chunk_inputs,
-            chunk_offsets=offsets, regroup=regroup,
-            labels=labels, masks=masks, owned=owned))
-    return programs
+            out.update(owned=owned, chunk_offsets=tuple(off), labels=graph.y[owned] if graph.y is not None else None,
+                       masks={m: (getattr(graph, f"{m}_mask")[owned] if getattr(graph, f"{m}_mask") is not None
+                                  else None) for m in ("train", "val", "test")})
+        return out
+
+
+STRATEGY = Strategy("task", TaskOptions, lower_task, summary="NeutronTask: T and P tasks on separate ranks, "
+                    "chunk-pipelined", row_mixing=("chunk", "chunk"), decouple_source="NeutronTask §5.1",
+                    needs_device=True)

@@ -87,59 +87,58 @@ graph's structure. Every all-gather (and its backward reduce-scatter) moves
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 import torch.fx
 
-from ..errors import PassError, PlanningError
-from ..graph.core import Graph, GraphStats
+from ..errors import PlanningError
 from ..graph.shard import dropout_positions, slice_rows
 from ..frontend.ops import dropout_rows, masked_propagate, propagate
-from ..ir.plan import AllGather, AllReduce, AllToAll, DevicePlan, Instruction, OptimizerStep, Plan, RankProgram, \
-    converted_name
+from ..ir.plan import AllGather, AllToAll, Instruction, Schedule, converted_name
 from ..ir.tpgraph import TPGraph, TPInfo
 from .chunked import Chunking, Group, Task, chunk_bounds, chunk_graph, chunk_reads, propagation_coefficients, \
     collective_chunk_program, list_schedule, stage_deps, stage_groups, stage_reads, with_reads
-from .data import _propagation_norms, check_options, mask_counts, replicate_dropout_masks, \
-    row_mixing_relaxations
-from .lower import Conversion, Decisions, StagedModel, call_arguments, forward_schedule, sequential_schedule, \
-    source_input, split_stages
-from .decouple import decouple, plan_decoupling
-from .free import insert_frees
-from .recompute import insert_recomputation
+from .driver import Job, Lowered, RankLowering
+from .lower import Conversion, Decisions, StagedModel, call_arguments, forward_schedule, propagation_norms, \
+    sequential_schedule, source_input, split_stages, value_dims
+from .strategy import Strategy, StrategyOptions, option, product
 
-__all__ = ["TensorOptions", "tensor_decisions", "chunked_decisions", "column_splits", "row_blocks", "lower_tensor"]
+__all__ = ["TensorOptions", "tensor_decisions", "chunked_decisions", "column_splits", "row_blocks", "lower_tensor",
+           "STRATEGY"]
 
 
 @dataclass(frozen=True)
-class TensorOptions:
-    """Options of the ``tensor`` strategy (``seed``, ``semantics``, ``dropout``, ``recompute`` as for
-    :class:`~gnncompile.passes.data.DataOptions`; there is no partitioner: vertex blocks are
-    contiguous and every rank holds the whole graph)."""
+class TensorOptions(StrategyOptions):
+    """Options of the ``tensor`` strategy (``seed``, ``semantics``, ``dropout``: :class:`StrategyOptions`;
+    there is no partitioner: vertex blocks are contiguous and every rank holds the whole graph)."""
 
-    seed: int = 0
-    semantics: str = "exact"
-    dropout: str = "replicated"
-    recompute: bool = False
-    #: NeutronTP §4.1 generalized decoupling (the ``decouple`` pass): all T ops first on rows, one
-    #: conversion, the L propagations on columns, one conversion back: 4 collectives per step
-    #: whatever L is. Relaxed unless the model is linear after its first transformation.
-    decouple: bool = False
-    #: NeutronTP §4.2 chunk-based task scheduling and inter-chunk pipelining: the vertices are cut
-    #: into ``chunks`` contiguous chunks of destinations, every rank owns a balanced slice of each
-    #: chunk's rows, and every conversion runs as one all-to-all per chunk, posted as soon as the
-    #: chunk is computed. ``1``: one whole-graph all-to-all per conversion (NeutronTP §3)
-    chunks: int = 1
+    strategy = "tensor"
 
-    def __post_init__(self) -> None:
-        check_options(self.semantics, self.dropout, recompute=self.recompute, decouple=self.decouple)
-        if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
-            raise PlanningError(f"tensor: chunks must be a positive integer, got {self.chunks!r}")
+    recompute: bool = option(False, "Recompute the T segments between propagations in backward (exact).",
+                             kind="bool", pinned=True,
+                             cli="recompute T segments in backward instead of keeping their intermediates")
+    decouple: bool = option(False, "NeutronTP §4.1 generalized decoupling (the decouple pass): all T ops first on "
+                                   "rows, one conversion, the L propagations on columns, one conversion back: 4 "
+                                   "collectives per step whatever L is. Relaxed unless the model is linear after "
+                                   "its first transformation.", kind="bool", pinned=True,
+                            cli="decoupled model, all T ops then all propagations (NeutronTP §4.1; relaxed for "
+                                "non-linear models)")
+    chunks: int = option(1, "NeutronTP §4.2 chunk pipeline: the vertices are cut into this many contiguous "
+                            "chunks of destinations, every rank owns a balanced slice of each chunk's rows, and "
+                            "every conversion runs as one all-to-all per chunk, posted as soon as the chunk is "
+                            "computed; 1: one whole-graph all-to-all per conversion (NeutronTP §3).",
+                         kind="positive_int", cli="vertex chunks, one all-to-all per chunk (NeutronTP §4.2)")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"strategy": "tensor", "seed": self.seed, "semantics": self.semantics, "dropout": self.dropout,
-                "recompute": self.recompute, "decouple": self.decouple, "chunks": self.chunks}
+    @classmethod
+    def space(cls, semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
+        # decoupling changes non-linear models: a candidate only where relaxations are allowed
+        decouple = [False, True] if semantics == "relaxed" else [False]
+        out = product({"recompute": [False, True], "decouple": decouple, "chunks": [1]}, fixed, semantics=semantics)
+        if "chunks" not in fixed:  # NeutronTP §4.2's chunk pipeline, without recomputation (its T work is per chunk)
+            out += product({"recompute": [False], "decouple": decouple, "chunks": [8]},
+                           {k: v for k, v in fixed.items() if k != "recompute"}, semantics=semantics)
+        return out
 
 
 def column_splits(width: int, n: int) -> list[int]:
@@ -230,79 +229,57 @@ def tensor_decisions(tp: TPGraph) -> Decisions:
     return Decisions(layout=layout, needs=needs, default_layout="rows", output_layout="rows")
 
 
-def _decoupled(tp: TPGraph, tp_eval: TPGraph, semantics: str, strategy: str = "tensor",
-               source: str = "NeutronTP §4.1") -> tuple[TPGraph, TPGraph, str]:
-    """``tp`` and ``tp_eval`` decoupled for ``strategy``, and the relaxation to record ("" when
-    exact; ``source`` names the paper's section).
-
-    Raises :class:`PlanningError` under ``semantics="exact"`` when decoupling changes the model.
-    """
-    plan = plan_decoupling(tp)
-    if not plan.exact and semantics == "exact":
-        raise PlanningError("decoupling changes this model (" + "; ".join(plan.reasons) + "); pass "
-                            "semantics='relaxed' to train the decoupled model")
-    try:
-        out = (decouple(tp, semantics="relaxed", share_parameters=True),
-               decouple(tp_eval, semantics="relaxed", share_parameters=True))
-    except PassError as e:
-        raise PlanningError(f"strategy {strategy!r} cannot decouple this model: {e}") from None
-    what = "" if plan.exact else (f"decoupled propagation ({source}): the model becomes MLP then "
-                                  f"{len(plan.propagations)} propagations")
-    return out[0], out[1], what
+def _check(job: Job, options: TensorOptions) -> None:
+    """Refuse what the strategy does not support, before any rewriting."""
+    tensor_decisions(job.tp)
 
 
-def _dims(tp: TPGraph, value: str) -> tuple[tuple[int, ...], str]:
-    """The per-vertex shape of ``value`` and its dtype."""
-    node = next(n for n in tp.graph.nodes if n.name == value)
-    t = node.meta["tp"]
-    return tuple(t.dims), t.dtype or "float32"
+def _dropout_spaces(options: TensorOptions) -> tuple[str, ...]:
+    """V (and sparse feature) masks: the rank's rows; E / E+V masks (attention dropout): every edge,
+    since E ops are replicated (whole-graph collectives only)."""
+    return ("V", "nnz", "E", "E+V") if options.chunks == 1 else ("V", "nnz")
 
 
-def lower_tensor(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Union[Graph, GraphStats],
-                 num_ranks: int, options: TensorOptions) -> Plan:
-    """Lower ``tp`` and ``tp_eval`` to a ``tensor`` plan over ``num_ranks`` ranks (see the module docstring).
+def _edge_rows(job: Job, space: str) -> int:
+    """Rows of an E- or (E+V)-space value (replicated: a rank's dropout index is all of them)."""
+    return job.stats.num_edges + (job.stats.num_nodes if space == "E+V" else 0)
 
-    With :class:`GraphStats` the plan is data only (printable, simulated), as for ``data``.
-    """
-    relaxations = row_mixing_relaxations(tp, "tensor", options.semantics) if num_ranks > 1 else []
-    if options.decouple:
-        tp, tp_eval, relaxation = _decoupled(tp, tp_eval, options.semantics)
-        if relaxation:
-            relaxations.append(relaxation)
-    tensor_decisions(tp)  # refuses what the strategy does not support, before any rewriting
+
+def _owned_inputs(job: Job, owned: torch.Tensor) -> dict[str, Any]:
+    """The features and dropout indices of the rows ``owned`` (a replicated E-space index: every edge)."""
+    graph = job.graph
+    return {"x": slice_rows(graph.x, owned) if graph.x is not None else None,
+            **{k: dropout_positions(sp, graph, owned) if sp in ("V", "nnz") else torch.arange(_edge_rows(job, sp))
+               for k, sp in job.dropout_inputs.items()}}
+
+
+def _rows_step(job: Job, owned: torch.Tensor) -> dict[str, Any]:
+    """Labels and masks of the rows ``owned`` (in that order)."""
+    graph = job.graph
+    return dict(labels=graph.y[owned] if graph.y is not None else None,
+                masks={m: (getattr(graph, f"{m}_mask")[owned] if getattr(graph, f"{m}_mask") is not None else None)
+                       for m in ("train", "val", "test")}, owned=owned)
+
+
+def lower_tensor(job: Job, options: TensorOptions) -> Lowered:
+    """The ``tensor`` lowering of ``job`` (module docstring); ``chunks > 1``: :func:`_lower_chunked`."""
     if options.chunks > 1:
-        return _lower_chunked(tp, tp_eval, model, graph, num_ranks, options, relaxations)
-    concrete = isinstance(graph, Graph)
-    stats = graph.stats() if concrete else graph
-    n = num_ranks
+        return _lower_chunked(job, options)
+    stats, n = job.stats, job.num_ranks
     blocks = row_blocks(stats.num_nodes, n)
     starts = [sum(blocks[:r]) for r in range(n)]
-    dropout_inputs: dict[str, str] = {}
-    if concrete and options.dropout == "replicated":
-        # V (and sparse feature) masks: the rank's rows; E / E+V masks (attention dropout): every
-        # edge, since E ops are replicated
-        tp, dropout_inputs = replicate_dropout_masks(tp, graph, "tensor", ("V", "nnz", "E", "E+V"))
-    if options.recompute:
-        tp = insert_recomputation(tp, share_parameters=True)
-    decisions = tensor_decisions(tp)
-    staged = split_stages(tp, decisions)
-    staged_eval = split_stages(tp_eval, tensor_decisions(tp_eval))
+    staged = split_stages(job.tp, tensor_decisions(job.tp))
+    staged_eval = split_stages(job.tp_eval, tensor_decisions(job.tp_eval))
     for st in (staged, staged_eval):
-        for c in st.conversions:
-            if c.kind in ("cols", "gathered") and concrete and c.value == "x" and graph.x is not None and \
-                    graph.x.layout != torch.strided:
-                raise PlanningError(f"strategy 'tensor': a {'propagation' if c.kind == 'cols' else 'edge-wise op'} "
-                                    "reads the sparse input features directly; densify them "
-                                    "(graph.dense_features()) or use strategy='data'")
+        job.refuse_sparse_features(st, ("cols",))
+        job.refuse_sparse_features(st, ("gathered",), "an edge-wise op")
     group = tuple(range(n))
-    names = [name for name, _ in model.named_parameters()]
-    params = [p for _, p in model.named_parameters()]
-    numel = sum(p.numel() for p in params if p.requires_grad)
-    param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
 
     def convert_for(rank: int, st: StagedModel):
+        dims_of = value_dims(st.tp)
+
         def convert(c: Conversion, grad: bool) -> list[Instruction]:
-            dims, dtype = _dims(st.tp, c.value)
+            dims, dtype = dims_of[c.value]
             if c.kind == "gathered":  # rows -> replicated: all-gather (backward: reduce-scatter)
                 return [AllGather(value=c.value, chunk=0, group=group, shape=(stats.num_nodes, *dims), dtype=dtype,
                                   grad=grad)]
@@ -320,67 +297,23 @@ def lower_tensor(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: U
                              recv_shapes=recv, dtype=dtype, grad=grad)]
         return convert
 
-    def finish() -> list[Instruction]:
-        ar = [AllReduce("grads", group, numel=numel, dtype=param_dtype)] if n > 1 and numel else []
-        return ar + [OptimizerStep()]
-
     ranks = []
     for r in range(n):
-        instrs = tuple(sequential_schedule(staged, convert_for(r, staged), finish))
-        sizes = {"nodes": blocks[r], "edges": stats.num_edges, "halo": 0, "src": stats.num_nodes,
-                 "all_nodes": stats.num_nodes, "col_share_ppm": round(1e6 / n)}
-        ranks.append(DevicePlan(rank=r, stages=tuple(staged.stages), instructions=instrs, sizes=sizes,
-                                modules=staged.modules))
-    info = {
-        "graph": str(stats), "model": type(model).__name__, "output": staged.output,
-        "inputs": ["g", "x", *dropout_inputs], "owned_rows": blocks, "halo_rows": [0] * n,
-        "params": numel, "param_tensors": sum(1 for p in params if p.requires_grad), "param_dtype": param_dtype,
-        "features": stats.num_features, "classes": stats.num_classes,
-        "layouts": {c.output: c.kind for c in staged.conversions},
-    }
-    plan = Plan(strategy="tensor", semantics="relaxed" if relaxations else "exact", options=options.to_dict(),
-                cluster=f"{n} local ranks", ranks=ranks, schedule="sequential", relaxations=tuple(relaxations),
-                info=info)
-    from ..ir.verify_plan import verify_plan
-
-    report = verify_plan(plan, inputs=info["inputs"], check_types=False)  # gc.plan checks the chosen one fully
-    plan.predictions = {"bytes_sent": [int(round(b)) for b in report.bytes_sent],
-                        "bytes_received": [int(round(b)) for b in report.bytes_recv]}
-    if concrete:
-        plan.program = _rank_programs(graph, staged, staged_eval, convert_for, dropout_inputs, options, names,
-                                      params, ranks, blocks, starts)
-    return plan
-
-
-def _edge_rows(graph: Graph, space: str) -> int:
-    """Rows of an E- or (E+V)-space value (replicated: a rank's dropout index is all of them)."""
-    return graph.num_edges + (graph.num_nodes if space == "E+V" else 0)
-
-
-def _rank_programs(graph: Graph, staged: StagedModel, staged_eval: StagedModel, convert_for: Any,
-                   dropout_inputs: dict[str, str], options: TensorOptions, names: list[str],
-                   params: list[torch.nn.Parameter], ranks: list[DevicePlan], blocks: list[int],
-                   starts: list[int]) -> list[RankProgram]:
-    counts = mask_counts(graph)
-    programs = []
-    n = len(blocks)
-    for r in range(n):
-        owned = torch.arange(starts[r], starts[r] + blocks[r])
-        eval_instrs = tuple(forward_schedule(staged_eval, convert_for(r, staged_eval)))
-        x = slice_rows(graph.x, owned) if graph.x is not None else None
-        mask = {m: (getattr(graph, f"{m}_mask")[owned] if getattr(graph, f"{m}_mask") is not None else None)
-                for m in ("train", "val", "test")}
-        programs.append(RankProgram(
-            rank=r, world_size=n, modules=staged.modules, stages=tuple(staged.stages), instructions=ranks[r].instructions,
-            eval_modules=staged_eval.modules, eval_stages=tuple(staged_eval.stages), eval_instructions=eval_instrs,
-            output=staged.output, eval_output=staged_eval.output,
-            inputs={"g": graph, "x": x, **{k: dropout_positions(sp, graph, owned) if sp in ("V", "nnz") else
-                                           torch.arange(_edge_rows(graph, sp)) for k, sp in dropout_inputs.items()}},
-            same_seed=options.dropout == "replicated",
-            halo=(tuple(torch.zeros(0, dtype=torch.long) for _ in range(n)), (0,) * n),
-            labels=graph.y[owned] if graph.y is not None else None, masks=mask, counts=counts,
-            params=params, param_names=names, owned=owned))
-    return programs
+        step: dict[str, Any] = {}
+        if job.concrete:
+            owned = torch.arange(starts[r], starts[r] + blocks[r])
+            step = dict(inputs={"g": job.graph, **_owned_inputs(job, owned)},
+                        halo=(tuple(torch.zeros(0, dtype=torch.long) for _ in range(n)), (0,) * n),
+                        **_rows_step(job, owned))
+        ranks.append(RankLowering(
+            rank=r, stages=tuple(staged.stages), instructions=sequential_schedule(staged, convert_for(r, staged)),
+            sizes={"nodes": blocks[r], "edges": stats.num_edges, "halo": 0, "src": stats.num_nodes,
+                   "all_nodes": stats.num_nodes, "col_share_ppm": round(1e6 / n)},
+            eval_stages=tuple(staged_eval.stages),
+            eval_instructions=tuple(forward_schedule(staged_eval, convert_for(r, staged_eval))), step=step))
+    info = {"owned_rows": blocks, "layouts": {c.output: c.kind for c in staged.conversions}}
+    return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=[(group, job.numel)],
+                   schedule=Schedule(), info=info)
 
 
 # --------------------------------------------------------------------------- chunked (NeutronTP §4.2)
@@ -429,9 +362,8 @@ def _chunk_sources(tp: TPGraph, staged: StagedModel, labels: dict[int, str]) -> 
     return sources
 
 
-def _lower_chunked(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph: Union[Graph, GraphStats],
-                   num_ranks: int, options: TensorOptions, relaxations: list[str]) -> Plan:
-    """The ``tensor`` plan with ``options.chunks`` chunks (NeutronTP §4.2, Algorithm 1).
+def _lower_chunked(job: Job, options: TensorOptions) -> Lowered:
+    """The ``tensor`` lowering with ``options.chunks`` chunks (NeutronTP §4.2, Algorithm 1).
 
     Chunk-based task scheduling (§4.2.1): the vertices are cut into ``K`` contiguous chunks of
     destinations (:func:`~gnncompile.passes.chunked.chunk_bounds`); every rank owns a balanced
@@ -443,15 +375,7 @@ def _lower_chunked(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph:
     however many chunks read them, so a step moves the bytes of the unchunked plan. All ranks run
     the chunks in the same order (one list schedule), so their collectives line up.
     """
-    concrete = isinstance(graph, Graph)
-    stats = graph.stats() if concrete else graph
-    n = num_ranks
-    K = options.chunks
-    dropout_inputs: dict[str, str] = {}
-    if concrete and options.dropout == "replicated":
-        tp, dropout_inputs = replicate_dropout_masks(tp, graph, "tensor", ("V", "nnz"))
-    if options.recompute:
-        tp = insert_recomputation(tp, share_parameters=True)
+    graph, stats, n, K = job.graph, job.stats, job.num_ranks, options.chunks
 
     def split(t: TPGraph) -> tuple[StagedModel, dict[int, str], dict[int, set[str]]]:
         d = chunked_decisions(t)
@@ -459,14 +383,11 @@ def _lower_chunked(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph:
         labels = {s: lab.split("/")[0] for s, lab in stage_groups(st, d.layout_of).items()}
         return st, labels, _chunk_sources(t, st, labels)
 
-    staged, labels, sources = split(tp)
-    staged_eval, labels_eval, sources_eval = split(tp_eval)
-    if concrete and graph.x is not None and graph.x.layout != torch.strided and \
-            any(c.value == "x" and c.kind == "cols" for c in staged.conversions):
-        raise PlanningError("strategy 'tensor': a propagation reads the sparse input features directly; densify them "
-                            "(graph.dense_features()) or use strategy='data'")
+    staged, labels, sources = split(job.tp)
+    staged_eval, labels_eval, sources_eval = split(job.tp_eval)
+    job.refuse_sparse_features(staged, ("cols",))
     bounds = chunk_bounds(stats.num_nodes, K)
-    if concrete:
+    if job.concrete:
         chunking = Chunking(bounds, chunk_reads(graph, bounds))
     else:  # planned from statistics: every chunk reads every chunk (the worst case)
         chunking = Chunking(bounds, tuple(tuple(range(K)) for _ in range(K)))
@@ -488,8 +409,10 @@ def _lower_chunked(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph:
     order_eval = schedule(staged_eval, labels_eval, reads_eval, False)
 
     def convert_for(rank: int, st: StagedModel) -> Any:
+        dims_of = value_dims(st.tp)
+
         def convert(c: Conversion, m: int, grad: bool) -> list[Instruction]:
-            dims, dtype = _dims(st.tp, c.value)
+            dims, dtype = dims_of[c.value]
             mid, cols = dims[:-1], column_splits(dims[-1], n)
             rows = [hi - lo for lo, hi in sub[m]]
             if c.kind == "cols":  # my rows of the chunk, q's columns; q's rows of the chunk, my columns
@@ -507,67 +430,42 @@ def _lower_chunked(tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module, graph:
                              recv_shapes=recv, dtype=dtype, grad=grad)]
         return convert
 
-    names = [name for name, _ in model.named_parameters()]
-    params = [p for _, p in model.named_parameters()]
-    numel = sum(p.numel() for p in params if p.requires_grad)
-    param_dtype = str(params[0].dtype).replace("torch.", "") if params else "float32"
-    finish = ([AllReduce("grads", group, numel=numel, dtype=param_dtype)] if n > 1 and numel else []) + \
-        [OptimizerStep()]
     stages = tuple(with_reads(s, reads.get(s.index, {}), labels[s.index]) for s in staged.stages)
     eval_stages = tuple(with_reads(s, reads_eval.get(s.index, {}), labels_eval[s.index]) for s in staged_eval.stages)
+    graphs: dict[int, Any] = {}
+    if job.concrete:
+        edge_coef, loop_coef = propagation_coefficients(graph, propagation_norms(job.tp, job.tp_eval))
+        graphs = {j: chunk_graph(graph, chunking, j, edge_coef, loop_coef) for j in range(K)}
     ranks = []
     for r in range(n):
-        instrs = collective_chunk_program(staged, chunking, reads, order, convert_for(r, staged), training=True)
-        rows = sum(sub[m][r][1] - sub[m][r][0] for m in range(K))
-        sizes = {"nodes": rows, "edges": stats.num_edges, "halo": 0, "src": stats.num_nodes,
-                 "all_nodes": stats.num_nodes, "col_share_ppm": round(1e6 / n), "chunks": K}
-        ranks.append(DevicePlan(rank=r, stages=stages, instructions=tuple(instrs + finish), sizes=sizes,
-                                modules=staged.modules))
-    # release every chunk after its last reader: a received chunk and the concatenation its
-    # propagation reads would otherwise both live for the whole step
-    ranks = insert_frees(ranks, keep={"g", "x", *dropout_inputs, staged.output})
-    info = {
-        "graph": str(stats), "model": type(model).__name__, "output": staged.output,
-        "inputs": ["g", "x", *dropout_inputs], "owned_rows": [dp.sizes["nodes"] for dp in ranks],
-        "halo_rows": [0] * n, "params": numel, "param_tensors": sum(1 for p in params if p.requires_grad),
-        "param_dtype": param_dtype, "features": stats.num_features, "classes": stats.num_classes,
-        "layouts": {c.output: c.kind for c in staged.conversions},
-        "pipeline_lag": chunking.lag(), "task_order": [str(t) for _, t in order],
-    }
-    plan = Plan(strategy="tensor", semantics="relaxed" if relaxations else "exact", options=options.to_dict(),
-                cluster=f"{n} local ranks", ranks=ranks,
-                schedule=f"chunk pipeline ({K} chunks, chunk-level all-to-alls)", relaxations=tuple(relaxations),
-                info=info)
-    from ..ir.verify_plan import verify_plan
-
-    report = verify_plan(plan, inputs=info["inputs"], check_types=False)  # gc.plan checks the chosen one fully
-    plan.predictions = {"bytes_sent": [int(round(b)) for b in report.bytes_sent],
-                        "bytes_received": [int(round(b)) for b in report.bytes_recv]}
-    if concrete:
-        norms = _propagation_norms(tp) | _propagation_norms(tp_eval)
-        edge_coef, loop_coef = propagation_coefficients(graph, norms)
-        graphs = {j: chunk_graph(graph, chunking, j, edge_coef, loop_coef) for j in range(K)}
-        counts = mask_counts(graph)
-        programs = []
-        for r in range(n):
+        step: dict[str, Any] = {}
+        if job.concrete:
             per_chunk = [torch.arange(*sub[m][r]) for m in range(K)]
-            owned = torch.cat(per_chunk)
             offsets = [0]
             for ids in per_chunk:
                 offsets.append(offsets[-1] + int(ids.numel()))
-            chunk_inputs = {m: {"g": graphs[m], "x": slice_rows(graph.x, ids) if graph.x is not None else None,
-                                **{k: dropout_positions(sp, graph, ids) for k, sp in dropout_inputs.items()}}
-                            for m, ids in enumerate(per_chunk)}
-            eval_instrs = collective_chunk_program(staged_eval, chunking, reads_eval, order_eval,
-                                                   convert_for(r, staged_eval), training=False)
-            programs.append(RankProgram(
-                rank=r, world_size=n, modules=staged.modules, stages=stages, instructions=ranks[r].instructions,
-                eval_modules=staged_eval.modules, eval_stages=eval_stages, eval_instructions=tuple(eval_instrs),
-                output=staged.output, eval_output=staged_eval.output, inputs={}, chunk_inputs=chunk_inputs,
-                chunk_offsets=tuple(offsets), same_seed=options.dropout == "replicated", halo=((), ()),
-                labels=graph.y[owned] if graph.y is not None else None,
-                masks={m: (getattr(graph, f"{m}_mask")[owned] if getattr(graph, f"{m}_mask") is not None else None)
-                       for m in ("train", "val", "test")},
-                counts=counts, params=params, param_names=names, owned=owned))
-        plan.program = programs
-    return plan
+            step = dict(inputs={}, chunk_inputs={m: {"g": graphs[m], **_owned_inputs(job, ids)}
+                                                  for m, ids in enumerate(per_chunk)},
+                        chunk_offsets=tuple(offsets), halo=((), ()), **_rows_step(job, torch.cat(per_chunk)))
+        rows = sum(sub[m][r][1] - sub[m][r][0] for m in range(K))
+        ranks.append(RankLowering(
+            rank=r, stages=stages,
+            instructions=collective_chunk_program(staged, chunking, reads, order, convert_for(r, staged),
+                                                  training=True),
+            sizes={"nodes": rows, "edges": stats.num_edges, "halo": 0, "src": stats.num_nodes,
+                   "all_nodes": stats.num_nodes, "col_share_ppm": round(1e6 / n), "chunks": K},
+            eval_stages=eval_stages,
+            eval_instructions=tuple(collective_chunk_program(staged_eval, chunking, reads_eval, order_eval,
+                                                             convert_for(r, staged_eval), training=False)),
+            step=step))
+    info = {"owned_rows": [rl.sizes["nodes"] for rl in ranks], "layouts": {c.output: c.kind for c in staged.conversions},
+            "pipeline_lag": chunking.lag(), "task_order": [str(t) for _, t in order]}
+    # FREE releases every chunk after its last reader: a received chunk and the concatenation its
+    # propagation reads would otherwise both live for the whole step
+    return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=[(group, job.numel)],
+                   schedule=Schedule("chunk pipeline", K, "chunk-level all-to-alls"), info=info, frees=True)
+
+
+STRATEGY = Strategy("tensor", TensorOptions, lower_tensor, summary="NeutronTP: T ops on vertex rows, P ops on "
+                    "feature columns", check=_check, dropout_spaces=_dropout_spaces, row_mixing_single=False,
+                    decouple_source="NeutronTP §4.1")

@@ -34,7 +34,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import cloudpickle
 import torch
@@ -45,8 +45,9 @@ from torch.autograd.graph import _engine_run_backward
 from ..errors import RuntimeFailure
 from ..graph.regroup import EpochInputs
 from ..frontend.ops import MaskCache, dropout_noise
-from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, Instruction,
-                       OptimizerStep, Plan, RankProgram, Recv, ReduceScatter, Send, member_rows)
+from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, OptimizerStep, Plan,
+                       RankProgram, Recompute, Recv, ReduceScatter, Send, member_rows)
+from ..ir.rules import register_execute, rule
 from . import checkpoint as ckpt
 from .comm import Communicator, HaloSpec, Pending, note_progress
 from .launcher import Placement, RankContext, RankFailure, launch, resolve_placement, visible_gpus
@@ -251,7 +252,7 @@ class _Rank:
                 if ctx.rank in members:
                     self.groups[tuple(members)] = pg
         # received values whose gradient this rank sends back: they must require grad
-        self.grad_sent = {(i.value, i.chunk) for i in prog.instructions if isinstance(i, Send) and i.grad}
+        self.grad_sent = {(i.value, i.chunk) for i in prog.instructions if rule(i).side == "send" and i.grad}
         self.use(None)
         #: stale reads (relaxed dependencies): the previous step's copy of (value, chunk)
         self.stale: dict[tuple[str, int], torch.Tensor] = {}
@@ -264,96 +265,6 @@ class _Rank:
         except KeyError:
             raise RuntimeFailure(f"rank {self.ctx.rank}: the plan uses group {tuple(members)}, which it does not list "
                                  "in its process groups") from None
-
-    def _comm(self, ins: Instruction, get: Any, values: dict, grads: dict, pieces: dict, pending: list,
-              posted_grads: list) -> None:
-        c = ins.chunk if hasattr(ins, "chunk") else 0
-        if isinstance(ins, Send):
-            src = grads.get((ins.name, c)) if ins.grad else get(ins.name, c)
-            if src is None:  # no gradient reached this value: send zeros of its shape
-                src = torch.zeros_like(get(ins.name, c))
-            t = _part_slice(src.detach(), ins.part).contiguous()
-            if tuple(t.shape) != tuple(ins.shape):
-                raise RuntimeFailure(f"rank {self.ctx.rank}: `{ins}` sends shape {list(t.shape)}, the plan says "
-                                     f"{list(ins.shape)}")
-            pending.append((self.comm.isend(t, ins.peer), t))
-        elif isinstance(ins, Recv):
-            dtype = getattr(torch, ins.dtype)
-            t = self.comm.recv(ins.shape, dtype, ins.peer, device=self.ctx.device)
-            key = (ins.name, c)
-            if ins.grad:
-                if ins.part:
-                    if key not in grads:
-                        grads[key] = torch.zeros_like(get(ins.name, c))
-                    _part_slice(grads[key], ins.part).add_(t)
-                else:
-                    _accumulate(grads, key, t)
-            else:
-                if t.is_floating_point() and (ins.value, c) in self.grad_sent:
-                    t.requires_grad_(True)
-                if ins.part:
-                    pieces.setdefault(key, []).append((ins.part, t))
-                    values.pop(key, None)
-                else:
-                    values[key] = t
-        elif isinstance(ins, HaloExchange):
-            if not ins.grad:
-                src = get(ins.value, c)
-                out = self.comm.halo_forward(src, self.halo)
-                values[(ins.output, c)] = out.requires_grad_(src.requires_grad) if src.is_floating_point() else out
-            else:
-                g_ext = grads.pop((ins.output, c), None)
-                if g_ext is None:  # the consumers produced no gradient (e.g. all rows masked): still take part
-                    g_ext = torch.zeros_like(get(ins.output, c))
-                _accumulate(grads, (ins.value, c), self.comm.halo_backward(g_ext, self.halo))
-        elif isinstance(ins, AllToAll):
-            to_cols = ins.src_layout == "rows"
-            if (ins.src_layout, ins.dst_layout) not in (("rows", "cols"), ("cols", "rows")):
-                raise RuntimeFailure(f"rank {self.ctx.rank}: no all-to-all from {ins.src_layout} to {ins.dst_layout}")
-            # from this rank's side: rows -> cols sends (my rows, q's columns), receives (q's rows, mine)
-            # (the columns are the last dimension: [n, H, C] values split C)
-            if to_cols:
-                row_counts, col_splits = [s[0] for s in ins.recv_shapes], [s[-1] for s in ins.send_shapes]
-            else:
-                row_counts, col_splits = [s[0] for s in ins.send_shapes], [s[-1] for s in ins.recv_shapes]
-            backward = self.comm.cols_to_rows_async if to_cols else self.comm.rows_to_cols_async
-            if not ins.grad:  # posted: the transfer overlaps the next instructions until a reader waits
-                src = get(ins.value, c)
-                post = self.comm.rows_to_cols_async if to_cols else self.comm.cols_to_rows_async
-                values[(ins.output, c)] = _Posted(post(src, row_counts, col_splits), src.requires_grad)
-            else:  # posted too: added into the gradient before anything reads it (see step)
-                g_out = grads.pop((ins.output, c), None)
-                if g_out is None:  # no consumer produced a gradient: still take part in the collective
-                    g_out = torch.zeros_like(get(ins.output, c))
-                posted_grads.append(((ins.value, c), backward(g_out.contiguous(), row_counts, col_splits)))
-        elif isinstance(ins, (AllGather, ReduceScatter)):
-            # rows -> replicated (AG; its gradient is a sum-reduce-scatter) or the reverse (RS); the
-            # gathered tensor's rows are the members' balanced blocks in group order (member_rows)
-            counts = member_rows(ins.shape[0] if ins.shape else 0, len(ins.group))
-            kw = dict(group=self._group(ins.group), members=ins.group)
-            gather = self.comm.all_gather_rows
-            scatter = self.comm.reduce_scatter_rows
-            forward, backward = (gather, scatter) if isinstance(ins, AllGather) else (scatter, gather)
-            if not ins.grad:
-                src = get(ins.value, c)
-                out = forward(src, counts, **kw)
-                values[(ins.output, c)] = out.requires_grad_(src.requires_grad) if out.is_floating_point() else out
-            else:
-                g_out = grads.pop((ins.output, c), None)
-                if g_out is None:  # no consumer produced a gradient: still take part in the collective
-                    g_out = torch.zeros_like(get(ins.output, c))
-                _accumulate(grads, (ins.value, c), backward(g_out.contiguous(), counts, **kw))
-        elif isinstance(ins, AllReduce):
-            local = set(self.prog.local_params)
-            params = [p for n, p in zip(self.prog.param_names, self.prog.params)
-                      if p.requires_grad and (not local or n in local)]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            self.comm.all_reduce_([p.grad for p in params], group=self._group(ins.group), members=ins.group)
-        else:
-            raise RuntimeFailure(f"rank {self.ctx.rank}: the executor cannot run instruction {ins} "
-                                 f"({type(ins).__name__}) yet")
 
     def _free(self, key: tuple[str, int], values: dict, pieces: dict, concat: dict, roots: dict, sends: dict,
               pending: list, freed: dict, output: str) -> None:
@@ -573,44 +484,29 @@ class _Rank:
                         _accumulate(grads, (name, k), g if (name, k) in grads else g.clone())
 
         phase = "step" if optimizer is not None else "evaluation"
+        state = _StepState(self, get, forward, backward, values, grads, pieces, pending, sends, posted_grads, concat,
+                           roots, freed, output, optimizer, capture)
         for i, ins in enumerate(instructions):
             note_progress(f"{phase} {epoch} instruction {i} ({ins})")
             t0 = clock.mark() if timeline is not None else None
-            if posted_grads and isinstance(ins, Backward):
+            r = rule(ins)
+            if posted_grads and r.runs == "backward":
                 settle({(o, ins.chunk) for o in spec[ins.stage].outputs})
-            elif posted_grads and not isinstance(ins, (Forward, Free)):  # Free touches no gradient
+            elif posted_grads and r.runs != "forward" and r.kind != "memory":  # Free touches no gradient
                 settle()
-            if isinstance(ins, Forward):
-                forward(ins)
-            elif isinstance(ins, Backward):
-                backward(ins)
-            elif isinstance(ins, OptimizerStep):
-                for work, _ in pending:  # sends must be complete before parameters change
-                    work.wait()
-                pending.clear()
-                if capture is not None:
-                    capture["grads"] = {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
-                                        for n, p in zip(prog.param_names, prog.params)}
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            elif isinstance(ins, Free):
-                self._free((ins.value, ins.chunk), values, pieces, concat, roots, sends, pending, freed, output)
-            else:
-                self._comm(ins, get, values, grads, pieces, pending, posted_grads)
-                if isinstance(ins, Send) and not ins.grad:
-                    sends.setdefault((ins.name, ins.chunk), []).append(pending[-1])
-                if getattr(ins, "output", None) == output and not getattr(ins, "grad", False):
-                    # the output arrives by communication (e.g. gathered back to rows): the loss starts
-                    # here, and its gradient is what the matching gradient communication sends back
-                    c = ins.chunk
-                    out = get(output, c)
-                    if optimizer is not None and out.is_floating_point():
-                        out = out.detach().requires_grad_(True)
-                        values[(output, c)] = out
-                    take_loss(c, out)
-                    loss = losses[c]
-                    if optimizer is not None and loss is not None and loss.requires_grad:
-                        grads[(output, c)] = torch.autograd.grad(loss, out)[0]
+            r.execute_rule()(state, ins)
+            if r.communicates and getattr(ins, "output", None) == output and not getattr(ins, "grad", False):
+                # the output arrives by communication (e.g. gathered back to rows): the loss starts
+                # here, and its gradient is what the matching gradient communication sends back
+                c = ins.chunk
+                out = get(output, c)
+                if optimizer is not None and out.is_floating_point():
+                    out = out.detach().requires_grad_(True)
+                    values[(output, c)] = out
+                take_loss(c, out)
+                loss = losses[c]
+                if optimizer is not None and loss is not None and loss.requires_grad:
+                    grads[(output, c)] = torch.autograd.grad(loss, out)[0]
             if timeline is not None:
                 marks.append((str(ins), t0, clock.mark()))
         for work, _ in pending:
@@ -635,6 +531,176 @@ class _Rank:
                 total = losses[c] if total is None else total + losses[c]
         out = torch.cat([logits[c] for c in sorted(logits)]) if logits else None
         return total, out
+
+
+@dataclass
+class _StepState:
+    """What the execution rules of one step of a rank share (see :meth:`_Rank.step`): the rank, its
+    stores (values, gradients, received blocks, posted sends and all-to-alls, ...) and the step's
+    closures (``get`` a value, run a stage's ``forward``/``backward``)."""
+
+    rank: "_Rank"
+    get: Callable[[str, int], Any]
+    forward: Callable[[Forward], None]
+    backward: Callable[[Backward], None]
+    values: dict
+    grads: dict
+    pieces: dict
+    pending: list
+    sends: dict
+    posted_grads: list
+    concat: dict
+    roots: dict
+    freed: dict
+    output: str
+    optimizer: Optional[torch.optim.Optimizer]
+    capture: Optional[dict]
+
+
+# --------------------------------------------------------------------------- execution rules
+def _execute_forward(st: _StepState, ins: Forward) -> None:
+    st.forward(ins)
+
+
+def _execute_backward(st: _StepState, ins: Backward) -> None:
+    st.backward(ins)
+
+
+def _execute_recompute(st: _StepState, ins: Recompute) -> None:
+    raise RuntimeFailure(f"rank {st.rank.ctx.rank}: the executor cannot run instruction {ins} "
+                         f"({type(ins).__name__}) yet")
+
+
+def _execute_optimizer_step(st: _StepState, ins: OptimizerStep) -> None:
+    for work, _ in st.pending:  # sends must be complete before parameters change
+        work.wait()
+    st.pending.clear()
+    prog = st.rank.prog
+    if st.capture is not None:
+        st.capture["grads"] = {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
+                               for n, p in zip(prog.param_names, prog.params)}
+    st.optimizer.step()
+    st.optimizer.zero_grad(set_to_none=True)
+
+
+def _execute_free(st: _StepState, ins: Free) -> None:
+    st.rank._free((ins.value, ins.chunk), st.values, st.pieces, st.concat, st.roots, st.sends, st.pending,
+                  st.freed, st.output)
+
+
+def _execute_send(st: _StepState, ins: Send) -> None:
+    rk, c, get = st.rank, ins.chunk, st.get
+    src = st.grads.get((ins.name, c)) if ins.grad else get(ins.name, c)
+    if src is None:  # no gradient reached this value: send zeros of its shape
+        src = torch.zeros_like(get(ins.name, c))
+    t = _part_slice(src.detach(), ins.part).contiguous()
+    if tuple(t.shape) != tuple(ins.shape):
+        raise RuntimeFailure(f"rank {rk.ctx.rank}: `{ins}` sends shape {list(t.shape)}, the plan says "
+                             f"{list(ins.shape)}")
+    st.pending.append((rk.comm.isend(t, ins.peer), t))
+    if not ins.grad:
+        st.sends.setdefault((ins.name, ins.chunk), []).append(st.pending[-1])
+
+
+def _execute_recv(st: _StepState, ins: Recv) -> None:
+    rk, c, get, grads = st.rank, ins.chunk, st.get, st.grads
+    dtype = getattr(torch, ins.dtype)
+    t = rk.comm.recv(ins.shape, dtype, ins.peer, device=rk.ctx.device)
+    key = (ins.name, c)
+    if ins.grad:
+        if ins.part:
+            if key not in grads:
+                grads[key] = torch.zeros_like(get(ins.name, c))
+            _part_slice(grads[key], ins.part).add_(t)
+        else:
+            _accumulate(grads, key, t)
+    else:
+        if t.is_floating_point() and (ins.value, c) in rk.grad_sent:
+            t.requires_grad_(True)
+        if ins.part:
+            st.pieces.setdefault(key, []).append((ins.part, t))
+            st.values.pop(key, None)
+        else:
+            st.values[key] = t
+
+
+def _execute_halo_exchange(st: _StepState, ins: HaloExchange) -> None:
+    rk, c, get, grads = st.rank, ins.chunk, st.get, st.grads
+    if not ins.grad:
+        src = get(ins.value, c)
+        out = rk.comm.halo_forward(src, rk.halo)
+        st.values[(ins.output, c)] = out.requires_grad_(src.requires_grad) if src.is_floating_point() else out
+    else:
+        g_ext = grads.pop((ins.output, c), None)
+        if g_ext is None:  # the consumers produced no gradient (e.g. all rows masked): still take part
+            g_ext = torch.zeros_like(get(ins.output, c))
+        _accumulate(grads, (ins.value, c), rk.comm.halo_backward(g_ext, rk.halo))
+
+
+def _execute_all_to_all(st: _StepState, ins: AllToAll) -> None:
+    rk, c, get, grads = st.rank, ins.chunk, st.get, st.grads
+    to_cols = ins.src_layout == "rows"
+    if (ins.src_layout, ins.dst_layout) not in (("rows", "cols"), ("cols", "rows")):
+        raise RuntimeFailure(f"rank {rk.ctx.rank}: no all-to-all from {ins.src_layout} to {ins.dst_layout}")
+    # from this rank's side: rows -> cols sends (my rows, q's columns), receives (q's rows, mine)
+    # (the columns are the last dimension: [n, H, C] values split C)
+    if to_cols:
+        row_counts, col_splits = [s[0] for s in ins.recv_shapes], [s[-1] for s in ins.send_shapes]
+    else:
+        row_counts, col_splits = [s[0] for s in ins.send_shapes], [s[-1] for s in ins.recv_shapes]
+    backward = rk.comm.cols_to_rows_async if to_cols else rk.comm.rows_to_cols_async
+    if not ins.grad:  # posted: the transfer overlaps the next instructions until a reader waits
+        src = get(ins.value, c)
+        post = rk.comm.rows_to_cols_async if to_cols else rk.comm.cols_to_rows_async
+        st.values[(ins.output, c)] = _Posted(post(src, row_counts, col_splits), src.requires_grad)
+    else:  # posted too: added into the gradient before anything reads it (see step)
+        g_out = grads.pop((ins.output, c), None)
+        if g_out is None:  # no consumer produced a gradient: still take part in the collective
+            g_out = torch.zeros_like(get(ins.output, c))
+        st.posted_grads.append(((ins.value, c), backward(g_out.contiguous(), row_counts, col_splits)))
+
+
+def _execute_rows_collective(gather: bool) -> Callable[[_StepState, Any], None]:
+    """The rule of an all-gather (``gather``) or a reduce-scatter: rows -> replicated (AG; its gradient
+    is a sum-reduce-scatter) or the reverse (RS); the gathered tensor's rows are the members'
+    balanced blocks in group order (:func:`member_rows`)."""
+    def execute(st: _StepState, ins: Union[AllGather, ReduceScatter]) -> None:
+        rk, c, get, grads = st.rank, ins.chunk, st.get, st.grads
+        counts = member_rows(ins.shape[0] if ins.shape else 0, len(ins.group))
+        kw = dict(group=rk._group(ins.group), members=ins.group)
+        forward, backward = (rk.comm.all_gather_rows, rk.comm.reduce_scatter_rows) if gather else \
+            (rk.comm.reduce_scatter_rows, rk.comm.all_gather_rows)
+        if not ins.grad:
+            src = get(ins.value, c)
+            out = forward(src, counts, **kw)
+            st.values[(ins.output, c)] = out.requires_grad_(src.requires_grad) if out.is_floating_point() else out
+        else:
+            g_out = grads.pop((ins.output, c), None)
+            if g_out is None:  # no consumer produced a gradient: still take part in the collective
+                g_out = torch.zeros_like(get(ins.output, c))
+            _accumulate(grads, (ins.value, c), backward(g_out.contiguous(), counts, **kw))
+    return execute
+
+
+def _execute_all_reduce(st: _StepState, ins: AllReduce) -> None:
+    rk = st.rank
+    local = set(rk.prog.local_params)
+    params = [p for n, p in zip(rk.prog.param_names, rk.prog.params) if p.requires_grad and (not local or n in local)]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    rk.comm.all_reduce_([p.grad for p in params], group=rk._group(ins.group), members=ins.group)
+
+
+for _cls, _fn in {
+    Forward: _execute_forward, Backward: _execute_backward, Recompute: _execute_recompute,
+    OptimizerStep: _execute_optimizer_step, Free: _execute_free, Send: _execute_send, Recv: _execute_recv,
+    HaloExchange: _execute_halo_exchange, AllToAll: _execute_all_to_all,
+    AllGather: _execute_rows_collective(gather=True), ReduceScatter: _execute_rows_collective(gather=False),
+    AllReduce: _execute_all_reduce,
+}.items():
+    register_execute(_cls, _fn)
+del _cls, _fn
 
 
 def _move_program(prog: RankProgram, device: torch.device) -> None:

@@ -28,6 +28,7 @@ transposed CSR that :class:`~gnncompile.graph.Graph` caches.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import math
 import os
@@ -39,7 +40,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ...errors import KernelError
+from ..errors import KernelError
 
 __all__ = [
     "CSR",
@@ -175,10 +176,18 @@ def _load_native() -> Any:
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
         build_dir = os.path.join(root, name)
         os.makedirs(build_dir, exist_ok=True)
-        if not os.path.exists(os.path.join(build_dir, f"{name}.so")):
-            print("gnncompile: building native CPU kernels (once, ~30 s)...", file=sys.stderr, flush=True)
-        _native_module = load(name, [_NATIVE_SOURCE], extra_cflags=list(_NATIVE_CFLAGS),
-                              extra_ldflags=list(_NATIVE_LDFLAGS), build_directory=build_dir, verbose=False)
+        # torch's build lock is a plain file that a killed build leaves behind, after which every
+        # later load waits for it forever. An flock (released by the kernel when its holder dies)
+        # serializes our builds instead: whoever holds it and still sees torch's lock knows it is stale.
+        with open(os.path.join(build_dir, "gnncompile.flock"), "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            stale = os.path.join(build_dir, "lock")
+            if os.path.exists(stale):
+                os.remove(stale)
+            if not os.path.exists(os.path.join(build_dir, f"{name}.so")):
+                print("gnncompile: building native CPU kernels (once, ~30 s)...", file=sys.stderr, flush=True)
+            _native_module = load(name, [_NATIVE_SOURCE], extra_cflags=list(_NATIVE_CFLAGS),
+                                  extra_ldflags=list(_NATIVE_LDFLAGS), build_directory=build_dir, verbose=False)
     except Exception as exc:  # compiler missing, ninja missing, ...
         _native_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         raise KernelError(f"native backend unavailable: {_native_error}") from exc

@@ -1,0 +1,381 @@
+"""Calibration: measure this host for the cost models and save a profile (``gnncompile calibrate``).
+
+:func:`calibrate` measures the CPU (GEMM, STREAM, SpMM at one thread and all cores, a tiny op's
+overhead) in a launched rank, the collectives of a backend between launched ranks, and the fixed
+costs of gnncompile's runtime (:func:`runtime_overheads`: it plans and trains small models), and
+returns a calibrated :class:`~gnncompile.cost_models.hardware.Cluster`, saved as JSON when given a
+path; :meth:`Cluster.parse` reads the saved profile for ``<N>xcpu`` clusters.
+
+It launches the runtime and plans with :func:`gnncompile.plan`, so it sits above both (layers:
+``cost_models`` < ``passes`` | ``runtime`` < ``api`` < ``calibration``); the cost models only read
+the profile.
+
+Runtime overheads
+-----------------
+Fixed costs of gnncompile's runtime, measured for the cost models.
+
+On a small graph a training step is dominated by what every instruction costs regardless of its
+data: calling a stage's fx module, autograd's bookkeeping per op, the executor's dispatch of a
+communication instruction, the optimizer's loop over parameter tensors. The hardware calibration
+(GEMM, STREAM, SpMM, collectives) does not see these; :func:`runtime_overheads` measures them by
+training small GCNs (2 and 4 layers, so stages with different op counts) on one rank, subtracting
+the compute time the cost model predicts for each instruction, and fitting
+
+    Forward:  stage + op_forward  * ops        Backward: stage + op_backward * ops
+    comm instruction (a halo exchange with no peer): comm
+    optimizer step: optimizer_tensor * parameter tensors
+    a step beyond its instructions (loss, zeroing gradients): step
+
+by least squares over the instructions' median durations. The result goes into
+:attr:`~gnncompile.cost_models.specs.DeviceSpec.runtime`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import socket
+import statistics
+import time
+from collections import defaultdict
+from typing import Any, Callable, Sequence, Union
+
+import torch
+
+from . import datasets, nn
+from .api import plan as make_plan
+from .cost_models.hardware import Cluster, _usable_cores
+from .cost_models.model import op_time
+from .cost_models.specs import CPU_GAMMA, DeviceSpec, LinkSpec
+from .errors import PlanningError
+from .frontend.ops import propagate
+from .graph.core import Graph
+from .ir.plan import Backward, Forward, HaloExchange, OptimizerStep
+from .kernels import default_backend
+from .runtime.executor import run_plan
+from .runtime.launcher import launch
+
+__all__ = ["calibrate", "runtime_overheads", "BACKENDS"]
+
+#: Backends whose collectives :func:`calibrate` can measure.
+BACKENDS = ("gloo", "nccl")
+
+
+def _check_arguments(path: Any, quick: Any, backend: Any, world_size: Any) -> None:
+    """Raise :class:`PlanningError` for arguments :func:`calibrate` cannot use."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise PlanningError(f"calibrate: path must be a file path or None, got {type(path).__name__}")
+    if not isinstance(quick, bool):
+        raise PlanningError(f"calibrate: quick must be True or False, got {quick!r}")
+    if backend not in BACKENDS:
+        raise PlanningError(f"calibrate: unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+        raise PlanningError(f"calibrate: world_size must be an integer >= 2 to measure a link, got {world_size!r}")
+
+
+def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False, backend: str = "gloo",
+              world_size: int = 2) -> Cluster:
+    """Measure this host's CPU and the collectives of ``backend`` between local ranks.
+
+    Measures, at one thread and at all usable cores: float32/float64 GEMM FLOP/s
+    (``torch.mm``, best over square sizes), STREAM-like bandwidth (copy and add of 64 MB
+    arrays; the better of the two), SpMM effective bandwidth (``kernels.spmm`` on a random
+    graph of uniform degree 10, width 64, in the Eq. 6 byte convention). Also the time of a
+    tiny torch op (``launch_overhead``) and, over ``world_size`` launched ranks,
+    ``all_reduce`` and ``all_to_all_single`` at three message sizes, each fitted as
+    ``latency + bus_bytes / bandwidth`` (bus bytes as nccl-tests: ``2(p-1)/p·size`` for
+    all-reduce, ``(p-1)/p·size`` for all-to-all; least squares on relative error). The
+    ``shm`` link takes the all-to-all fit (a plain exchange of data); gloo's all-reduce has a
+    higher latency floor on small messages, kept in ``calibration["collectives"]["fits"]``.
+    The local rates are measured in a launched rank (a fresh process, as ranks run).
+
+    Returns a one-node, one-rank :class:`~gnncompile.Cluster` whose device holds the all-core rates, with the
+    raw measurements in :attr:`calibration`; saved as JSON to ``path`` when given.
+    ``quick`` uses smaller problems and fewer repeats (a few seconds on 2 cores). Arguments of
+    the wrong type or value (``world_size`` below 2, a ``backend`` other than ``"gloo"`` or
+    ``"nccl"``) raise :class:`PlanningError` before anything is measured.
+    """
+    _check_arguments(path, quick, backend, world_size)
+    cores = _usable_cores()
+    host = socket.gethostname()
+    local = _measure_local(cores, quick)
+    comm = _measure_collectives(backend, world_size, quick)
+    rates = local["rates"]
+    device = DeviceSpec(
+        name=f"cpu ({host})",
+        flops={dtype: pair[1] for dtype, pair in rates["flops"].items()},
+        mem_bandwidth=rates["mem_bandwidth"][1],
+        memory=_total_memory(),
+        spmm_bandwidth=rates["spmm_bandwidth"][1],
+        edge_rate=rates["edge_rate"][1],
+        rng_rate=rates["rng_rate"][1],
+        spmm_curve=tuple((p["working_set"], p["bandwidth"][1], p["edge_rate"][1]) for p in local["spmm_curve"]),
+        gamma=CPU_GAMMA,
+        launch_overhead=local["op_overhead"]["seconds"],
+        kind="cpu",
+    )
+    device = dataclasses.replace(device, runtime=runtime_overheads(
+        Cluster(1, 1, device, LinkSpec("shm", comm["bandwidth"], comm["latency"]), cores=cores), quick=quick))
+    calibration = {
+        "host": host,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "quick": quick,
+        "cores": cores,
+        "threads": [1, cores],
+        **local,
+        "collectives": comm,
+    }
+    cluster = Cluster(1, 1, device, LinkSpec("shm", comm["bandwidth"], comm["latency"]),
+                  name=f"cpu (calibrated {host})", cores=cores, calibration=calibration)
+    if path is not None:
+        cluster.save(path)
+    return cluster
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x`` with both clamped at >= 0 (``a`` alone if the xs do not vary)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    if var == 0:
+        return max(0.0, my), 0.0
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+    b = max(0.0, b)
+    a = max(0.0, my - b * mx)
+    return a, b
+
+
+def runtime_overheads(cluster: Any, *, quick: bool = False) -> dict[str, float]:
+    """Fit the runtime's fixed costs on ``cluster``'s device (one rank; see the module docstring):
+    ``stage``, ``op_forward``, ``op_backward``, ``comm``, ``optimizer_tensor``, ``step``, seconds."""
+    bare = dataclasses.replace(cluster.device, launch_overhead=0.0, runtime={})
+    graph = datasets.synthetic("sbm", num_nodes=256, avg_degree=4, num_features=8, num_classes=4, seed=0)
+    epochs = 12 if quick else 40
+    samples: dict[str, list[tuple[float, float]]] = defaultdict(list)  # kind -> (x, residual seconds)
+    for layers in (2, 4):
+        torch.manual_seed(0)
+        model = nn.GCN(graph.num_features, 8, graph.num_classes, num_layers=layers, dropout=0.5)
+        p = make_plan(model, graph, cluster, strategy="data", verify=False)
+        res = run_plan(p, epochs=epochs, lr=0.01, seed=0, eval_every=epochs, update_model=False, timeout=120)
+        durations: dict[str, list[float]] = defaultdict(list)
+        per_step: dict[int, float] = defaultdict(float)
+        for e in res.ranks[0].timeline:
+            if e.step >= 2:
+                durations[e.instruction].append(e.duration)
+                per_step[e.step] += e.duration
+        # what a step costs beyond its instructions (loss, zeroing gradients, bookkeeping)
+        samples["step"] += [(0.0, res.ranks[0].epoch_time[k] - t) for k, t in per_step.items()]
+        dp = p.ranks[0]
+        stages = {s.index: s for s in dp.stages}
+        tensors = sum(1 for q in model.parameters() if q.requires_grad)
+        for inst in dp.instructions:
+            if str(inst) not in durations:
+                continue
+            measured = statistics.median(durations[str(inst)])
+            if isinstance(inst, (Forward, Backward)):
+                st = stages[inst.stage]
+                back = isinstance(inst, Backward)
+                compute = sum(op_time(op, dp.sizes, bare, backward=back) for op in st.costs)
+                samples["B" if back else "F"].append((len(st.costs), measured - compute))
+            elif isinstance(inst, HaloExchange):
+                samples["comm"].append((0.0, measured))
+            elif isinstance(inst, OptimizerStep):
+                samples["opt"].append((tensors, measured))
+    out: dict[str, float] = {}
+    out["stage"], out["op_forward"] = _fit_line(*map(list, zip(*samples["F"])))
+    stage_b, out["op_backward"] = _fit_line(*map(list, zip(*samples["B"])))
+    out["stage"] = (out["stage"] + stage_b) / 2
+    out["comm"] = statistics.median(y for _, y in samples["comm"]) if samples["comm"] else 0.0
+    out["optimizer_tensor"] = statistics.median(y / x for x, y in samples["opt"] if x) if samples["opt"] else 0.0
+    out["step"] = max(0.0, statistics.median(y for _, y in samples["step"])) if samples["step"] else 0.0
+    return out
+
+
+def _best_time(fn: Callable[[], Any], repeats: int, budget: float) -> float:
+    """The shortest of up to ``repeats`` timed calls of ``fn`` after one warm-up call; stops
+    early once ``budget`` seconds have been spent timing."""
+    fn()
+    best, start = math.inf, time.perf_counter()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() - start > budget:
+            break
+    return best
+
+
+def _total_memory() -> int:
+    """Physical memory of this host, bytes."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        with open("/proc/meminfo") as f:
+            return int(f.readline().split()[1]) * 1024
+
+
+def _measure_local(cores: int, quick: bool) -> dict[str, Any]:
+    """Local rates at all cores and at one thread, measured in one launched rank.
+
+    A fresh process, as ranks are, that lowers its thread count instead of raising it: on some
+    hosts raising ``torch.set_num_threads`` after parallel work leaves later kernels running
+    several times slower.
+    """
+    threads = [cores, 1] if cores > 1 else [1]
+    return launch(_local_rank, 1, (threads, quick), backend="gloo", timeout=120, threads_per_rank=cores)[0]
+
+
+def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
+    """Run in a launched rank: GEMM, STREAM and SpMM rates at each of ``threads`` (in that order),
+    and the per-op overhead at one thread."""
+    repeats, budget = (3, 0.3) if quick else (7, 1.5)
+    sizes = [256, 512] if quick else [256, 512, 1024]
+    stream_elems = (64 * 2**20) // 4
+    degree, width, narrow = 10, 64, 4
+    # working sets from one that fits in the last-level cache to one that does not
+    spmm_rows = [16_000, 50_000] if quick else [16_000, 64_000, 200_000]
+    gen = torch.Generator().manual_seed(0)
+    spmm_cases = []
+    for rows in spmm_rows:
+        # the propagation the models run (GCN normalization, implicit self loops), uniform random edges
+        graph = Graph.from_edge_index(torch.stack([torch.randint(0, rows, (rows * degree,), generator=gen),
+                                                   torch.arange(rows).repeat_interleave(degree)]), rows)
+        nnz = graph.num_edges + rows
+        spmm_cases.append({
+            "graph": graph, "rows": rows, "nnz": nnz, "working_set": 4 * rows * width,
+            "x": torch.randn(rows, width, generator=gen), "x_narrow": torch.randn(rows, narrow, generator=gen),
+            "bytes": 4 * (nnz * (1 + 2 * width) + rows), "narrow_bytes": 4 * (nnz * (1 + 2 * narrow) + rows),
+            "seconds": {}, "narrow_seconds": {}})
+    a, b, c = (torch.rand(stream_elems, generator=gen) for _ in range(3))
+    gemm_inputs = {(dtype, n): (torch.rand(n, n, dtype=getattr(torch, dtype), generator=gen),
+                                torch.rand(n, n, dtype=getattr(torch, dtype), generator=gen))
+                   for dtype in ("float32", "float64") for n in sizes}
+
+    gemm: dict[str, dict[str, list[float]]] = {"float32": {}, "float64": {}}
+    stream: dict[str, dict[str, float]] = {}
+    rng_s: dict[str, float] = {}
+    noise = torch.empty(stream_elems // 4)
+    for t in threads:
+        torch.set_num_threads(t)
+        for (dtype, n), (p, q) in gemm_inputs.items():
+            out = torch.empty_like(p)
+            gemm[dtype].setdefault(str(t), []).append(_best_time(lambda: torch.mm(p, q, out=out), repeats, budget))
+        stream[str(t)] = {"copy": _best_time(lambda: c.copy_(a), repeats, budget),
+                          "add": _best_time(lambda: torch.add(a, b, out=c), repeats, budget)}
+        for case in spmm_cases:
+            g = case["graph"]
+            for key, xs in (("seconds", case["x"]), ("narrow_seconds", case["x_narrow"])):
+                case[key][str(t)] = _best_time(lambda: propagate(g, xs, norm="gcn", add_self_loops=True),
+                                               repeats, budget)
+        rng_s[str(t)] = _best_time(lambda: noise.bernoulli_(0.5), repeats, budget)
+    tiny, ops = torch.zeros(1), 200
+    op_overhead = _best_time(lambda: [tiny.add_(1.0) for _ in range(ops)], repeats, budget) / ops
+
+    def pair(per_thread: Callable[[str], float]) -> list[float]:
+        """``[single thread, all cores]`` of a rate."""
+        return [per_thread(str(min(threads))), per_thread(str(max(threads)))]
+
+    def fit(case: dict[str, Any], t: str) -> tuple[float, float]:
+        return _spmm_fit(case["nnz"], (case["narrow_bytes"], case["narrow_seconds"][t]),
+                         (case["bytes"], case["seconds"][t]))
+
+    large = spmm_cases[-1]
+    array_bytes = 4 * stream_elems
+    return {
+        "rates": {
+            "flops": {dtype: pair(lambda t, d=dtype: max(2 * n**3 / s for n, s in zip(sizes, gemm[d][t])))
+                      for dtype in gemm},
+            "mem_bandwidth": pair(lambda t: max(2 * array_bytes / stream[t]["copy"],
+                                                3 * array_bytes / stream[t]["add"])),
+            "spmm_bandwidth": pair(lambda t: fit(large, t)[1]),
+            "edge_rate": pair(lambda t: fit(large, t)[0]),
+            "rng_rate": pair(lambda t: noise.numel() / rng_s[t]),
+        },
+        "rng": {"op": "bernoulli_(0.5)", "elements": noise.numel(), "seconds": rng_s},
+        "gemm": {"sizes": sizes, "seconds": gemm},
+        "stream": {"array_bytes": array_bytes, "bytes_moved": {"copy": 2 * array_bytes, "add": 3 * array_bytes},
+                   "seconds": stream},
+        "spmm": {"op": "ops.propagate(norm='gcn', add_self_loops=True)", "backend": default_backend("cpu"),
+                 "degree": degree, "widths": [width, narrow],
+                 "bytes_convention": "4*(nnz*(1+2*width)+rows), NeutronTask Eq. 6; nnz with self loops",
+                 "cases": [{k: v for k, v in case.items() if k not in ("graph", "x", "x_narrow")}
+                           for case in spmm_cases]},
+        "spmm_curve": [{"working_set": case["working_set"], "bandwidth": pair(lambda t, c=case: fit(c, t)[1]),
+                        "edge_rate": pair(lambda t, c=case: fit(c, t)[0])} for case in spmm_cases],
+        "op_overhead": {"op": "add_ on a 1-element tensor, 1 thread", "seconds": op_overhead},
+    }
+
+
+def _spmm_fit(edges: int, narrow: tuple[float, float], wide: tuple[float, float]) -> tuple[float, float]:
+    """``(edges/s, bytes/s)`` of ``t = edges / edge_rate + bytes / bandwidth`` through two SpMMs of
+    different widths (``(bytes, seconds)`` each). Without a per-edge term to find (the narrow one
+    is not slower per byte), the edge rate is effectively unlimited and the bandwidth the wide one's."""
+    (b1, t1), (b2, t2) = narrow, wide
+    per_byte = (t2 - t1) / (b2 - b1) if b2 != b1 else 0.0
+    per_edge = (t1 - b1 * per_byte) / edges if per_byte > 0 else 0.0
+    if per_byte <= 0 or per_edge <= 0:
+        return 1e18, b2 / t2
+    return 1.0 / per_edge, 1.0 / per_byte
+
+
+def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int]) -> dict[str, list[float]]:
+    """Run on each launched rank: seconds per ``all_reduce`` / ``all_to_all_single`` of each size
+    (the best over ``batches`` of ``iters[i]`` back-to-back calls)."""
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+    result: dict[str, list[float]] = {"all_reduce": [], "all_to_all": []}
+    for nbytes, k in zip(sizes, iters):
+        src = torch.zeros(nbytes // 4, device=ctx.device)
+        dst = torch.empty_like(src)
+        for op, call in (("all_reduce", lambda: dist.all_reduce(src)),
+                         ("all_to_all", lambda: dist.all_to_all_single(dst, src))):
+            call()
+            best = math.inf
+            for _ in range(batches):
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(k):
+                    call()
+                sync()
+                best = min(best, (time.perf_counter() - t0) / k)
+            result[op].append(best)
+    return result
+
+
+def _fit_latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """``(latency, bandwidth)`` of ``seconds ≈ latency + nbytes / bandwidth``, least squares on
+    relative error; latency clamped to >= 1e-7 s, and a bandwidth from the largest message if
+    the fitted slope is not positive."""
+    w = [1 / t**2 for t in seconds]
+    s = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, nbytes))
+    sxx = sum(wi * x * x for wi, x in zip(w, nbytes))
+    st = sum(wi * t for wi, t in zip(w, seconds))
+    sxt = sum(wi * x * t for wi, x, t in zip(w, nbytes, seconds))
+    det = s * sxx - sx * sx
+    alpha, beta = ((sxx * st - sx * sxt) / det, (s * sxt - sx * st) / det) if det > 0 else (0.0, 0.0)
+    alpha = max(alpha, 1e-7)
+    if beta <= 0:
+        x_max, t_max = max(zip(nbytes, seconds))
+        beta = max(t_max - alpha, t_max / 2) / x_max
+    return alpha, 1 / beta
+
+
+def _measure_collectives(backend: str, world_size: int, quick: bool) -> dict[str, Any]:
+    """Launch ``world_size`` ranks and fit latency and bandwidth of their collectives."""
+    sizes = [4 * 2**10, 256 * 2**10, 4 * 2**20] if quick else [4 * 2**10, 2**20, 16 * 2**20]
+    sizes = [s - s % (4 * world_size) for s in sizes]
+    iters, batches = ([20, 5, 2], 3) if quick else ([50, 10, 3], 5)
+    per_rank = launch(_collective_rank, world_size, (sizes, batches, iters), backend=backend, timeout=120)
+    seconds = {op: [max(r[op][i] for r in per_rank) for i in range(len(sizes))] for op in per_rank[0]}
+    factor = {"all_reduce": 2 * (world_size - 1) / world_size, "all_to_all": (world_size - 1) / world_size}
+    fits = {op: _fit_latency_bandwidth([factor[op] * s for s in sizes], seconds[op]) for op in seconds}
+    latency, bandwidth = fits["all_to_all"]
+    return {"backend": backend, "world_size": world_size, "sizes": sizes, "seconds": seconds,
+            "bus_factor": factor, "fits": {op: {"latency": a, "bandwidth": b} for op, (a, b) in fits.items()},
+            "link_from": "all_to_all", "latency": latency, "bandwidth": bandwidth}

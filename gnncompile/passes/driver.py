@@ -1,0 +1,282 @@
+"""The one lowering driver: everything a plan needs that is not particular to a strategy.
+
+:func:`lower` takes a registered :class:`~gnncompile.passes.strategy.Strategy`, the traced
+training and evaluation graphs, and the strategy's options, and
+
+1. checks the model against the strategy's semantics (row-mixing ops: refused under ``"exact"``,
+   recorded as a relaxation otherwise);
+2. runs the graph passes the options ask for through the :class:`~gnncompile.passes.infra.PassManager`
+   (IR verified around each; ``instruments`` observe them): ``decouple`` (or ``decouple_exact``),
+   ``replicate_dropout_masks`` (concrete graphs, ``dropout="replicated"``) and
+   ``insert_recomputation``;
+3. calls the strategy's lowering with a :class:`Job` (the prepared graphs and the facts every
+   strategy reads: statistics, parameters, mask counts) and gets a :class:`Lowered`: stages,
+   per-rank compute and communication instructions, sizes, step inputs, gradient groups;
+4. runs the plan-to-plan passes: the gradient all-reduce of every group and the optimizer step,
+   then FREE (:func:`~gnncompile.passes.free.insert_frees`) where the strategy keeps values across
+   ranks or chunks;
+5. builds the :class:`~gnncompile.ir.plan.Plan`, predicts every rank's bytes with the verifier's
+   accounting, and (for a concrete graph) the runnable :class:`~gnncompile.ir.plan.RankProgram`
+   of every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Union
+
+import torch
+
+from ..errors import PassError, PlanningError
+from ..graph.core import Graph, GraphStats
+from ..ir.plan import AllReduce, DevicePlan, Instruction, OptimizerStep, Plan, RankProgram, Schedule, StageSpec
+from ..ir.tpgraph import TPGraph
+from ..ir.verify_plan import verify_plan
+from .decouple import decouple, decouple_exact, plan_decoupling
+from .dropout import dropout_inputs, replicate_dropout_masks
+from .free import insert_frees
+from .infra import GraphPass, PassInstrument, PassManager
+from .lower import StagedModel, row_mixing_ops
+from .recompute import insert_recomputation
+from .strategy import Strategy, StrategyOptions
+
+__all__ = ["Job", "RankLowering", "Lowered", "lower", "mask_counts"]
+
+
+def mask_counts(graph: Graph) -> dict[str, int]:
+    """The global number of vertices in each of ``graph``'s train/val/test masks (0 when absent):
+    the loss divides each rank's sum by these."""
+    return {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
+            for m in ("train", "val", "test")}
+
+
+@dataclass
+class Job:
+    """What a strategy's lowering reads: the prepared graphs and the facts every strategy needs.
+
+    ``tp``/``tp_eval``: the training and evaluation graphs after the driver's graph passes;
+    ``tp_unrecomputed``: ``tp`` before recomputation (segment bodies carry no per-op annotations);
+    ``relaxations``: what the plan records (a strategy appends its own); ``dropout_inputs``: the
+    replicated dropout masks' index inputs and their row spaces; ``device``: the device the cost
+    models plan for (``None``: the strategy's default).
+    """
+
+    strategy: str
+    tp: TPGraph
+    tp_eval: TPGraph
+    model: torch.nn.Module
+    graph: Union[Graph, GraphStats]
+    num_ranks: int
+    device: Any = None
+    tp_unrecomputed: Optional[TPGraph] = None
+    relaxations: list[str] = field(default_factory=list)
+    dropout_inputs: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def concrete(self) -> bool:
+        """Whether the graph itself is known (the plan can run), not only its statistics."""
+        return isinstance(self.graph, Graph)
+
+    @functools.cached_property
+    def stats(self) -> GraphStats:
+        return self.graph.stats() if isinstance(self.graph, Graph) else self.graph
+
+    @functools.cached_property
+    def param_names(self) -> list[str]:
+        return [n for n, _ in self.model.named_parameters()]
+
+    @functools.cached_property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for _, p in self.model.named_parameters()]
+
+    @property
+    def numel(self) -> int:
+        """Trainable parameter elements."""
+        return sum(p.numel() for p in self.params if p.requires_grad)
+
+    @property
+    def param_dtype(self) -> str:
+        return str(self.params[0].dtype).replace("torch.", "") if self.params else "float32"
+
+    @property
+    def inputs(self) -> list[str]:
+        """The plan's model inputs: the graph, the features, the dropout indices."""
+        return ["g", "x", *self.dropout_inputs]
+
+    def refuse_sparse_features(self, staged: StagedModel, kinds: Optional[Iterable[str]] = None,
+                               what: str = "a propagation") -> None:
+        """Raise :class:`PlanningError` when a conversion (of ``kinds``; ``None``: any) moves sparse
+        input features (the strategies' collectives move dense rows)."""
+        x = self.graph.x if isinstance(self.graph, Graph) else None
+        if x is None or x.layout == torch.strided:
+            return
+        if any(c.value == "x" and (kinds is None or c.kind in tuple(kinds)) for c in staged.conversions):
+            raise PlanningError(f"strategy {self.strategy!r}: {what} reads the sparse input features directly; "
+                                "densify them (graph.dense_features()) or use strategy='data'")
+
+
+@dataclass
+class RankLowering:
+    """One rank's part of a lowered step, before the driver's plan passes.
+
+    ``instructions``: compute and communication of the training step (the driver appends the
+    gradient reduction and the optimizer step); ``eval_instructions``: the forward-only program;
+    ``step``: the rank's step inputs, :class:`~gnncompile.ir.plan.RankProgram` fields (graph,
+    features, labels, masks, chunk inputs...), for a concrete graph.
+    """
+
+    rank: int
+    stages: tuple[StageSpec, ...]
+    instructions: list[Instruction]
+    sizes: dict[str, Any]
+    eval_stages: tuple[StageSpec, ...] = ()
+    eval_instructions: tuple[Instruction, ...] = ()
+    step: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Lowered:
+    """A strategy's lowering of one step (what :func:`lower` completes into a plan).
+
+    ``grad_groups``: ``(ranks, trainable elements)`` of every group that sums its parameter
+    gradients with one all-reduce (ranks in no group only step their optimizer); ``frees``: insert
+    FREE instructions; ``info``/``options``: plan data the strategy adds or overrides;
+    ``program``: :class:`~gnncompile.ir.plan.RankProgram` fields shared by every rank.
+    """
+
+    staged: StagedModel
+    staged_eval: StagedModel
+    ranks: list[RankLowering]
+    grad_groups: list[tuple[tuple[int, ...], int]]
+    schedule: Schedule
+    info: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+    frees: bool = False
+    program: dict[str, Any] = field(default_factory=dict)
+
+
+def _relaxed_decouple(job: Job, strategy: Strategy, semantics: str) -> GraphPass:
+    """The decoupling pass for ``semantics`` (``decouple_exact`` refuses a model it would change),
+    recording the relaxation where it changes the model."""
+    plan = plan_decoupling(job.tp)
+    if plan.exact:
+        return decouple_exact
+    if semantics == "exact":
+        raise PlanningError("decoupling changes this model (" + "; ".join(plan.reasons) + "); pass "
+                            "semantics='relaxed' to train the decoupled model")
+    job.relaxations.append(f"decoupled propagation ({strategy.decouple_source}): the model becomes MLP then "
+                           f"{len(plan.propagations)} propagations")
+    return decouple.bind(semantics="relaxed")
+
+
+def _run(passes: list[GraphPass], tp: TPGraph, semantics: str, instruments: Iterable[PassInstrument]) -> TPGraph:
+    """``passes`` over ``tp`` through the pass manager; a failing pass is a :class:`PlanningError`
+    with the pass's own message."""
+    if not passes:
+        return tp
+    try:
+        return PassManager(passes, semantics=semantics, instruments=instruments)(tp)
+    except PassError as e:
+        cause = e.__cause__
+        raise PlanningError(str(cause) if isinstance(cause, PlanningError) else str(e)) from None
+
+
+def row_mixing_relaxations(tp: TPGraph, strategy: str, semantics: str, each: str = "rank",
+                           unit: str = "rank") -> list[str]:
+    """The relaxation a strategy records for row-mixing T ops (``[]`` when there are none).
+
+    Under ``semantics="exact"`` raises :class:`PlanningError` naming the ops: each ``each`` (a
+    rank, a chunk...) would normalize with its own rows' statistics (``per-{unit} statistics``).
+    """
+    mixing = row_mixing_ops(tp)
+    if not mixing:
+        return []
+    if semantics == "exact":
+        what = "; ".join(f"{op}: {why}" for op, why in mixing)
+        raise PlanningError(f"strategy {strategy!r} is not exact for this model: {what}. Each {each} would use its "
+                            f"own rows only; pass semantics='relaxed' to accept per-{unit} statistics")
+    return [f"per-{unit} statistics ({', '.join(op for op, _ in mixing)})"]
+
+
+def lower(strategy: Strategy, tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module,
+          graph: Union[Graph, GraphStats], num_ranks: int, options: StrategyOptions, *, device: Any = None,
+          instruments: Iterable[PassInstrument] = ()) -> Plan:
+    """Lower ``tp`` (training-mode trace) and ``tp_eval`` with ``strategy`` over ``num_ranks`` ranks.
+
+    With a :class:`Graph` the plan can run (``plan.program``); with :class:`GraphStats` alone it is
+    built from estimates and can be printed, verified and simulated. Raises
+    :class:`PlanningError` when the strategy cannot lower the model with these options.
+    """
+    if not isinstance(options, strategy.options):
+        raise PlanningError(f"strategy {strategy.name!r} takes {strategy.options.__name__}, got "
+                            f"{type(options).__name__}")
+    job = Job(strategy.name, tp, tp_eval, model, graph, num_ranks, device)
+    semantics = options.semantics
+    if num_ranks > 1 or strategy.row_mixing_single:
+        each, unit = strategy.row_mixing
+        job.relaxations += row_mixing_relaxations(tp, strategy.name, semantics, each, unit)
+    if getattr(options, "decouple", False):
+        step = _relaxed_decouple(job, strategy, semantics)
+        try:
+            job.tp = _run([step.bind(share_parameters=True)], job.tp, "relaxed", instruments)
+            job.tp_eval = _run([step.bind(share_parameters=True)], job.tp_eval, "relaxed", instruments)
+        except PlanningError as e:
+            raise PlanningError(f"strategy {strategy.name!r} cannot decouple this model: {e}") from None
+    if strategy.check is not None:
+        strategy.check(job, options)
+    if job.concrete and options.dropout == "replicated":
+        allowed = strategy.dropout_spaces(options)
+        job.tp = _run([replicate_dropout_masks.bind(graph=graph, strategy=strategy.name, allowed=allowed,
+                                                    share_parameters=True)], job.tp, semantics, instruments)
+        job.dropout_inputs = dropout_inputs(job.tp)
+    job.tp_unrecomputed = job.tp
+    if getattr(options, "recompute", False):
+        job.tp = _run([insert_recomputation.bind(share_parameters=True)], job.tp, semantics, instruments)
+
+    out: Lowered = strategy.lower(job, options)
+    return _complete(job, strategy, options, out)
+
+
+def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lowered) -> Plan:
+    """The plan passes after a strategy's lowering: gradient reduction, optimizer step, FREE;
+    then the plan, its predicted bytes and the rank programs."""
+    staged, staged_eval = out.staged, out.staged_eval
+    group_of = {r: g for g in out.grad_groups for r in g[0]}
+    ranks = []
+    for rl in sorted(out.ranks, key=lambda rl: rl.rank):
+        instrs = list(rl.instructions)
+        members, numel = group_of.get(rl.rank, ((), 0))
+        if len(members) > 1 and numel:
+            instrs.append(AllReduce("grads", members, numel=numel, dtype=job.param_dtype))
+        instrs.append(OptimizerStep())
+        ranks.append(DevicePlan(rank=rl.rank, stages=rl.stages, instructions=tuple(instrs), sizes=dict(rl.sizes),
+                                modules=staged.modules))
+    if out.frees:
+        # release each stored value after its last use (and its sends' completion): without it every
+        # value that crosses ranks or chunks stays for the whole step
+        ranks = insert_frees(ranks, keep={*job.inputs, staged.output})
+    stats = job.stats
+    info = {
+        "graph": str(stats), "model": type(job.model).__name__, "output": staged.output, "inputs": job.inputs,
+        "params": job.numel, "param_tensors": sum(1 for p in job.params if p.requires_grad),
+        "param_dtype": job.param_dtype, "features": stats.num_features, "classes": stats.num_classes,
+        "halo_rows": [0] * job.num_ranks, **out.info,
+    }
+    plan = Plan(strategy=strategy.name, semantics="relaxed" if job.relaxations else "exact",
+                options={**options.to_dict(), **out.options}, cluster=f"{job.num_ranks} local ranks", ranks=ranks,
+                schedule=out.schedule, relaxations=tuple(job.relaxations), info=info)
+    report = verify_plan(plan, inputs=info["inputs"], check_types=False)  # gc.plan checks the chosen one fully
+    plan.predictions = {"bytes_sent": [int(round(b)) for b in report.bytes_sent],
+                        "bytes_received": [int(round(b)) for b in report.bytes_recv]}
+    if job.concrete:
+        counts = mask_counts(job.graph)
+        by_rank = {rl.rank: rl for rl in out.ranks}
+        plan.program = [RankProgram(
+            rank=dp.rank, world_size=job.num_ranks, modules=staged.modules, stages=dp.stages,
+            instructions=dp.instructions, eval_modules=staged_eval.modules, eval_stages=by_rank[dp.rank].eval_stages,
+            eval_instructions=tuple(by_rank[dp.rank].eval_instructions), output=staged.output,
+            eval_output=staged_eval.output, same_seed=options.dropout == "replicated", counts=counts,
+            params=job.params, param_names=job.param_names, **out.program, **by_rank[dp.rank].step)
+            for dp in ranks]
+    return plan

@@ -1,0 +1,104 @@
+"""``replicate_dropout_masks``: every training-mode dropout draws the whole tensor's mask (exact).
+
+A rank that holds some rows of a tensor draws the mask of the *whole* tensor from the common seed
+and keeps its rows (:func:`~gnncompile.ops.dropout_rows`), so distributed training sees the masks
+single-device training sees, bit for bit (the strategies' ``dropout="replicated"``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from ..errors import PlanningError
+from ..frontend.ops import dropout_rows
+from ..graph.core import Graph
+from ..ir.tpgraph import TPGraph
+from ..nn.functional import feature_dropout
+from .infra import graph_pass
+from .lower import call_arguments
+
+__all__ = ["replicate_dropout_masks", "dropout_inputs", "INDEX_INPUTS"]
+
+#: row space -> the model input holding a rank's global rows of that space
+INDEX_INPUTS = {"V": "dropout_index_v", "E": "dropout_index_e", "E+V": "dropout_index_ev",
+                "nnz": "dropout_index_nnz"}
+
+
+def _dropout_of(tp: TPGraph, n: torch.fx.Node) -> Optional[tuple[torch.fx.Node, float]]:
+    """``(input, p)`` if ``n`` is a training-mode dropout that draws a mask, else ``None``."""
+    if n.op == "call_function" and n.target in (F.dropout, feature_dropout):
+        a = call_arguments(n)
+        inp = a.get("input", a.get("x"))
+        if a["training"] and float(a["p"]) > 0 and isinstance(inp, torch.fx.Node):
+            return inp, float(a["p"])
+    elif n.op == "call_module":
+        mod = tp.get_submodule(n.target)
+        if isinstance(mod, torch.nn.Dropout) and mod.training and mod.p > 0 and n.args:
+            return n.args[0], float(mod.p)
+    return None
+
+
+def dropout_inputs(tp: TPGraph) -> dict[str, str]:
+    """The dropout-index inputs :func:`replicate_dropout_masks` added to ``tp``, with their row spaces."""
+    spaces = {name: space for space, name in INDEX_INPUTS.items()}
+    return {n.name: spaces[n.name] for n in tp.graph.nodes if n.op == "placeholder" and n.name in spaces}
+
+
+@graph_pass(exact=True)
+def replicate_dropout_masks(tp: TPGraph, graph: Graph, strategy: str = "",
+                            allowed: Optional[tuple[str, ...]] = None) -> TPGraph:
+    """Rewrite every training-mode dropout into :func:`~gnncompile.ops.dropout_rows` over the whole graph.
+
+    ``allowed``: the row spaces (``V``, ``E``, ``E+V``, ``nnz``) whose masks ``strategy`` can hand
+    its ranks (default: all).
+
+    Requires:
+        ``tp`` traced for ``graph``; every dropout of a space in ``allowed``, else
+        :class:`PlanningError` naming the space.
+    Ensures:
+        Each dropout of a V-, E- or (E+V)-space value (or of sparse input features) reads a model
+        input ``dropout_index_<space>`` (the global rows a rank holds; :func:`dropout_inputs`
+        lists them) and draws the mask of the global tensor.
+    Preserves:
+        The function computed on one rank holding every row (identity index), including the RNG
+        calls, so a rank's masks equal single-device training's for the same seed. Exact.
+    """
+    g = tp.graph
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    inputs: dict[str, torch.fx.Node] = {}
+    spaces: dict[str, str] = {}
+    sizes = {"V": graph.num_nodes, "E": graph.num_edges, "E+V": graph.num_edges + graph.num_nodes}
+    if graph.x is not None and graph.x.layout == torch.sparse_csr:
+        sizes["nnz"] = int(graph.x.values().numel())
+    for n in list(g.nodes):
+        found = _dropout_of(tp, n)
+        if found is None:
+            continue
+        inp, p = found
+        info = inp.meta.get("tp")
+        space = "nnz" if inp.op == "placeholder" and "nnz" in sizes else (info.space if info is not None else "?")
+        if space not in sizes:
+            raise PlanningError(f"op {n.name!r}: dropout of a value with rows {space!r} cannot draw the whole "
+                                "graph's mask; use dropout='local'")
+        name = INDEX_INPUTS[space]
+        if name not in inputs:
+            with g.inserting_after(placeholders[-1]):
+                ph = g.placeholder(name)
+            ph.meta["tp"] = placeholders[-1].meta.get("tp")
+            placeholders.append(ph)
+            inputs[name] = ph
+            spaces[name] = space
+        with g.inserting_before(n):
+            new = g.call_function(dropout_rows, (inp, p, inputs[name], sizes[space]))
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        g.erase_node(n)
+    tp.recompile()
+    unsupported = sorted(sp for sp in spaces.values() if allowed is not None and sp not in allowed)
+    if unsupported:
+        raise PlanningError(f"strategy {strategy!r}: dropout of {unsupported[0]}-space values is not supported")
+    return tp
