@@ -94,7 +94,7 @@ def fingerprint(plan: Any) -> dict[str, Any]:
     for r, dp in enumerate(plan.ranks):
         entry = {"instructions": [repr(i) for i in dp.instructions],
                  "stages": [list(s.ops) for s in dp.stages],
-                 "sizes": {k: v for k, v in sorted(dict(dp.sizes).items())}}
+                 "sizes": dict(sorted(dp.sizes.to_dict().items()))}
         if r < len(programs):
             entry["eval_instructions"] = [repr(i) for i in programs[r].eval_instructions]
         ranks.append(entry)

@@ -134,7 +134,7 @@ def test_task_regrouped(sbm: gc.Graph) -> None:
     model = seeded_model(MODELS["gcn_dropout"], sbm)
     plan, res = _run_on_gpu(model, sbm, 3, strategy="task", chunks=1, dependencies="regrouped", subgraph_chunks=3,
                             semantics="relaxed")
-    assert plan.program[0].regroup is not None
+    assert plan.program[0].step.regroup is not None
     _check_step(res, _cuda_reference(model, sbm))
 
 

@@ -85,9 +85,9 @@ def test_static_memory_counts_what_the_rank_holds(sbm):
     p = gc.plan(gcn(sbm), sbm, "4xA5000", strategy="data")
     for dp in p.ranks:
         m = static_memory(p, dp)
-        assert m.features == 4 * dp.sizes["nodes"] * sbm.num_features
+        assert m.features == 4 * dp.sizes.nodes * sbm.num_features
         assert m.optimizer == 2 * m.parameters == 2 * 4 * p.info["params"]
-        assert m.topology >= 36 * dp.sizes["edges"]
+        assert m.topology >= 36 * dp.sizes.edges
 
 
 def test_recomputation_trades_time_for_memory(sbm):
@@ -253,7 +253,7 @@ def test_graphstats_plan_matches_graph_plan_shape(sbm):
     b = gc.plan(model, stats, "4xA5000", strategy="data")
     assert [[type(i) for i in dp.instructions] for dp in a.ranks] == [[type(i) for i in dp.instructions] for dp in b.ranks]
     assert b.info["partition"]["replication_factor"] == 1.5
-    assert sum(dp.sizes["halo"] for dp in b.ranks) == pytest.approx(0.5 * sbm.num_nodes, rel=0.02)
+    assert sum(dp.sizes.halo for dp in b.ranks) == pytest.approx(0.5 * sbm.num_nodes, rel=0.02)
 
 
 # --------------------------------------------------------------------------- command line

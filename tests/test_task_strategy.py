@@ -235,7 +235,7 @@ def test_regrouped_with_one_subgraph_is_exact(sbm: gc.Graph, name: str) -> None:
     res = check_plan(model_for(name, sbm), sbm, 3, strategy="task", chunks=1, dependencies="regrouped",
                      subgraph_chunks=3, semantics="relaxed", rtol=1e-9, atol=1e-11, timeout=60)
     assert not res.plan.relaxations and res.plan.options["subgraph_chunks"] == 3
-    assert res.plan.program[0].regroup is not None
+    assert res.plan.program[0].step.regroup is not None
 
 
 @pytest.mark.parametrize("name, ranks", [("gcn", 3), ("sage", 4), ("gin", 5), ("gat", 2)])
@@ -257,7 +257,7 @@ def test_regrouped_step_trains_on_the_kept_edges(sbm: gc.Graph, name: str, ranks
         for s in prog.eval_stages:
             for _, per_chunk in s.reads:
                 assert any(max(r) > j for j, r in enumerate(per_chunk))
-    rg = next(p.regroup for p in plan.program if p.regroup is not None).regrouping
+    rg = next(p.step.regroup for p in plan.program if p.step.regroup is not None).regrouping
     kept = rg.kept_edges(0)
     assert 0 < int(kept.sum()) < sbm.num_edges
     src, dst = sbm.indices[kept], sbm.dst[kept]
@@ -279,7 +279,7 @@ def test_regrouped_plan_round_trips(sbm: gc.Graph, tmp_path) -> None:
     p.save(tmp_path / "plan.json")
     q = gc.load_plan(tmp_path / "plan.json", model_for("gcn", sbm), sbm)
     assert q.options["subgraph_chunks"] == 3 and q.relaxations == p.relaxations
-    assert [r.regroup.regrouping.base_bounds for r in q.program if r.regroup is not None][0] == \
+    assert [r.step.regroup.regrouping.base_bounds for r in q.program if r.step.regroup is not None][0] == \
         tuple(round(90 * i / 9) for i in range(10))
 
 

@@ -283,7 +283,7 @@ def test_tensor_plan_from_statistics() -> None:
     torch.manual_seed(0)
     p = gc.plan(gc.nn.GCN(128, 128, 172, num_layers=3), stats, "8x8xA100-ib200", strategy="tensor")
     assert p.program is None and p.prediction.step_time > 0
-    assert p.ranks[0].sizes["all_nodes"] == stats.num_nodes
+    assert p.ranks[0].sizes.all_nodes == stats.num_nodes
 
 
 # --------------------------------------------------------------------------- decoupled (NeutronTP §4.1)
@@ -425,7 +425,7 @@ def test_chunked_plan_from_statistics() -> None:
     stats = gc.datasets.stats("ogbn-papers100M")
     torch.manual_seed(0)
     p = gc.plan(gc.nn.GCN(128, 128, 172, num_layers=3), stats, "8x8xA100-ib200", strategy="tensor", chunks=4)
-    assert p.program is None and p.prediction.step_time > 0 and p.ranks[0].sizes["chunks"] == 4
+    assert p.program is None and p.prediction.step_time > 0 and p.ranks[0].sizes.chunks == 4
 
 
 def test_chunked_all_to_alls_overlap_in_the_simulation() -> None:

@@ -53,7 +53,8 @@ from typing import Any, Callable, Optional, Union
 from ..errors import PlanningError
 from ..ir.dataflow import effects
 from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, DevicePlan, Forward, Free, HaloExchange,
-                       Instruction, OpCost, OptimizerStep, Plan, Recompute, Recv, ReduceScatter, Send, StageSpec)
+                       Instruction, OpCost, OptimizerStep, Plan, RankSizes, Recompute, Recv, ReduceScatter, Send,
+                       StageSpec)
 from ..ir.rules import register_cost, rule
 from . import formulas
 from .hardware import Cluster, DeviceSpec
@@ -75,32 +76,33 @@ def _elsize(dtype: str) -> int:
         raise PlanningError(f"no element size for dtype {dtype!r}; known: {', '.join(ELSIZE)}") from None
 
 
-def _eval(lin: Any, sizes: dict[str, int]) -> float:
-    return float(max(0, lin(sizes.get("nodes", 0), sizes.get("edges", 0))))
+def _eval(lin: Any, sizes: RankSizes) -> float:
+    return float(max(0, lin(sizes.nodes, sizes.edges)))
 
 
-def _op_sizes(op: OpCost, sizes: dict[str, int]) -> tuple[dict[str, int], float]:
+def _op_sizes(op: OpCost, sizes: RankSizes) -> tuple[RankSizes, float]:
     """The sizes an op's forms are evaluated at, and the share of that work the rank does: a ``cols``
     op runs on every vertex for the rank's share of the columns; a ``replicated`` op (the ``tensor``
     strategy's edge-wise attention ops) all of it on every vertex and edge."""
-    if op.layout == "cols" and "all_nodes" in sizes:
-        return {**sizes, "nodes": sizes["all_nodes"]}, sizes.get("col_share_ppm", 1_000_000) / 1e6
-    if op.layout == "replicated" and "all_nodes" in sizes:
-        return {**sizes, "nodes": sizes["all_nodes"]}, 1.0
+    if op.layout == "cols" and sizes.all_nodes is not None:
+        share = sizes.col_share_ppm if sizes.col_share_ppm is not None else 1_000_000
+        return dataclasses.replace(sizes, nodes=sizes.all_nodes), share / 1e6
+    if op.layout == "replicated" and sizes.all_nodes is not None:
+        return dataclasses.replace(sizes, nodes=sizes.all_nodes), 1.0
     return sizes, 1.0
 
 
-def op_value(op: OpCost, lin: Any, sizes: dict[str, int]) -> float:
+def op_value(op: OpCost, lin: Any, sizes: RankSizes) -> float:
     """A size-dependent field of ``op`` (``op.flops``, ``op.out``...) for the rank of ``sizes``."""
     at, share = _op_sizes(op, sizes)
     return _eval(lin, at) * share
 
 
-def op_time(op: OpCost, sizes: dict[str, int], device: DeviceSpec, *, backward: bool = False,
+def op_time(op: OpCost, sizes: RankSizes, device: DeviceSpec, *, backward: bool = False,
             dtype: str = "float32") -> float:
     """Seconds of one op's forward (or backward) on a rank of ``sizes`` (see the module docstring)."""
     at, share = _op_sizes(op, sizes)
-    nodes, edges = at.get("nodes", 0), at.get("edges", 0)
+    nodes, edges = at.nodes, at.edges
     mult = float(op.backward) if backward else 1.0
     if mult == 0:  # autograd does not visit an op none of whose inputs needs a gradient
         return 0.0
@@ -112,7 +114,7 @@ def op_time(op: OpCost, sizes: dict[str, int], device: DeviceSpec, *, backward: 
         # the edges the op visits, implicit self loops included: its FLOPs are 2 |E'| d
         visited = _eval(op.flops, at) / (2 * op.width) if op.width else edges
         width = op.width * share
-        bandwidth, edge_rate = device.spmm_rates(at.get("src", nodes) * width * _elsize(dtype))
+        bandwidth, edge_rate = device.spmm_rates(at.source_rows * width * _elsize(dtype))
         t = formulas.p_task_time(nodes, visited / nodes if nodes else 0.0, [width], device.flops_for(dtype),
                                  bandwidth, device.gamma, elsize=_elsize(dtype))
         if edge_rate:
@@ -156,27 +158,14 @@ def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
     strategy: a rank holds its own tasks' parameters) holds that many.
     """
     s = dp.sizes
-    nodes, edges, src = s.get("nodes", 0), s.get("edges", 0), s.get("src", s.get("nodes", 0))
+    nodes, edges, src = s.nodes, s.edges, s.source_rows
     features = int(plan.info.get("features", 0))
-    params = int(s["params"]) if "params" in s else int(plan.info.get("params", 0)) if s.get("trains", 1) else 0
+    params = s.params if s.params is not None else int(plan.info.get("params", 0)) if s.trains != 0 else 0
     pbytes = params * _elsize(plan.info.get("param_dtype", "float32"))
-    rows = s.get("feature_rows", nodes)  # a rank that runs no T op holds no features or labels
+    rows = nodes if s.feature_rows is None else s.feature_rows  # a rank that runs no T op holds no features or labels
     return StaticMemory(topology=36 * edges + 8 * (nodes + 1) + 8 * (src + 1) if edges else 0,
                         features=4 * rows * features, labels=11 * rows, parameters=pbytes, gradients=pbytes,
                         optimizer=2 * pbytes)
-
-
-def chunk_sizes(sizes: dict[str, int]) -> dict[str, int]:
-    """The sizes one chunk of a chunked rank works on (``sizes["chunks"]`` equal chunks): vertex and
-    edge counts divided, the source rows a propagation reads (its working set) kept."""
-    k = max(int(sizes.get("chunks", 1)), 1)
-    if k == 1:
-        return sizes
-    out = dict(sizes)
-    for key in ("nodes", "edges", "all_nodes"):
-        if key in out:
-            out[key] = -(-out[key] // k)
-    return out
 
 
 class PlanCost:
@@ -206,7 +195,7 @@ class PlanCost:
     def stage_time(self, rank: int, stage: StageSpec, backward: bool) -> float:
         """Seconds of one Forward/Backward of ``stage`` (one chunk's share on a chunked rank)."""
         dev = self.devices[rank]
-        sizes = chunk_sizes(self.plan.ranks[rank].sizes)
+        sizes = self.plan.ranks[rank].sizes.per_chunk()
         t = dev.runtime.get("stage", 0.0) + sum(op_time(op, sizes, dev, backward=backward) for op in stage.costs)
         if backward:  # checkpointed segments run their forward again
             t += sum(op_time(op, sizes, dev) for op in stage.costs if op.recompute)
@@ -262,12 +251,12 @@ class _RankWalk:
     def __init__(self, cost: PlanCost, dp: DevicePlan) -> None:
         self.cost, self.dp = cost, dp
         self.stages = stages = {s.index: s for s in dp.stages}
-        self.sizes = sizes = chunk_sizes(dp.sizes)
+        self.sizes = sizes = dp.sizes.per_chunk()
         self.value_bytes: dict[str, float] = {}
         for s in dp.stages:
             for op in s.costs:
                 self.value_bytes[op.name] = op_value(op, op.out, sizes)
-        src_rows = sizes.get("src", sizes.get("nodes", 0))
+        src_rows = sizes.source_rows
         for inst in dp.instructions:
             output_bytes = rule(inst).cost_rule().output_bytes
             nbytes = output_bytes(inst, src_rows) if output_bytes is not None else None

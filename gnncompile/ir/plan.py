@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Union
+from typing import Any, ClassVar, Iterable, Optional, Union
 
 from ..errors import PlanningError, VerificationError
 from .symbolic import Lin
@@ -46,7 +46,7 @@ from .symbolic import Lin
 __all__ = [
     "Instruction", "Forward", "Backward", "Recompute", "Send", "Recv", "HaloExchange", "AllToAll",
     "AllGather", "ReduceScatter", "AllReduce", "Free", "OptimizerStep", "INSTRUCTIONS",
-    "OpCost", "StageSpec", "DevicePlan", "Plan", "RankProgram", "Schedule", "converted_name", "member_rows", "human_bytes",
+    "OpCost", "StageSpec", "DevicePlan", "Plan", "RankProgram", "RankSizes", "Schedule", "StepInputs", "converted_name", "member_rows", "human_bytes",
     "PLAN_FORMAT_VERSION", "plan_differences", "rank_label", "read_plan",
 ]
 
@@ -497,22 +497,78 @@ class StageSpec:
                 f"({', '.join(self.outputs)})")
 
 
+
+@dataclass(frozen=True)
+class RankSizes:
+    """What one rank works on in a step, the cost models' inputs (an unset field: not applicable).
+
+    ``nodes``: rows its row-wise ops compute; ``edges``: in-edges its propagations visit; ``halo``:
+    remote rows it receives per halo exchange; ``src``: source rows a propagation reads (default
+    ``nodes``); ``all_nodes``: rows of its ``cols``/``replicated`` ops (the whole graph), of which it
+    computes ``col_share_ppm`` parts per million of the columns; ``chunks``: vertex chunks it runs
+    (the per-chunk sizes divide ``nodes``/``edges``/``all_nodes`` by it); ``feature_rows``: input
+    feature rows it holds (default ``nodes``); ``trains``: rows it scores (0: none, so it holds no
+    parameters unless ``params`` says); ``params``: parameter elements it holds (default: all).
+    """
+
+    nodes: int = 0
+    edges: int = 0
+    halo: int = 0
+    src: Optional[int] = None
+    all_nodes: Optional[int] = None
+    col_share_ppm: Optional[int] = None
+    chunks: Optional[int] = None
+    feature_rows: Optional[int] = None
+    trains: Optional[int] = None
+    params: Optional[int] = None
+
+    @property
+    def source_rows(self) -> int:
+        return self.nodes if self.src is None else self.src
+
+    def per_chunk(self) -> "RankSizes":
+        """The sizes one of ``chunks`` equal chunks works on: vertex and edge counts divided (rounded
+        up), the source rows a propagation reads (its working set) kept."""
+        k = max(int(self.chunks or 1), 1)
+        if k == 1:
+            return self
+        return replace(self, nodes=-(-self.nodes // k), edges=-(-self.edges // k),
+                       all_nodes=None if self.all_nodes is None else -(-self.all_nodes // k))
+
+    def to_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "RankSizes":
+        if isinstance(d, RankSizes):
+            return d
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise VerificationError(f"rank sizes: unknown field(s) {', '.join(unknown)}; known: "
+                                    f"{', '.join(sorted(known))}")
+        return cls(**d)
+
+
 @dataclass
 class DevicePlan:
     """One rank's program: its stages and its instruction list for one training step.
 
-    ``sizes``: what the rank holds, for the cost models: ``nodes`` (rows it computes: the ``|V|`` of
-    its stages' cost forms), ``edges`` (its local edges: their ``|E|``), ``halo`` (rows it receives
-    in a halo exchange), ``src`` (source rows its propagations read); for ops in ``cols`` layout,
-    ``all_nodes`` and ``col_share_ppm`` (the rank's share of the columns, in millionths). ``modules`` maps a stage index to the runnable fx module; it is attached by the lowering and is
-    not part of the plan's data (equality, JSON).
+    ``sizes``: what the rank works on, for the cost models (:class:`RankSizes`; a dict of its
+    fields is accepted). ``modules`` maps a stage index to the runnable fx module; it is attached by
+    the lowering and is not part of the plan's data (equality, JSON).
     """
 
     rank: int
     stages: tuple[StageSpec, ...]
     instructions: tuple[Instruction, ...]
-    sizes: dict[str, int] = field(default_factory=dict)
+    sizes: RankSizes = field(default_factory=RankSizes)
     modules: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sizes, RankSizes):
+            self.sizes = RankSizes.from_dict(self.sizes)
 
     def stage(self, index: int) -> StageSpec:
         for s in self.stages:
@@ -522,7 +578,7 @@ class DevicePlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "stages": [s.to_dict() for s in self.stages],
-                "instructions": [i.to_dict() for i in self.instructions], "sizes": dict(self.sizes)}
+                "instructions": [i.to_dict() for i in self.instructions], "sizes": self.sizes.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DevicePlan":
@@ -531,7 +587,7 @@ class DevicePlan:
         try:
             return cls(rank=int(d["rank"]), stages=tuple(StageSpec.from_dict(s) for s in d["stages"]),
                        instructions=tuple(Instruction.from_dict(i) for i in d["instructions"]),
-                       sizes={str(k): int(v) for k, v in d.get("sizes", {}).items()})
+                       sizes=RankSizes.from_dict({str(k): int(v) for k, v in d.get("sizes", {}).items()}))
         except KeyError as e:
             raise VerificationError(f"rank data lacks the field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -867,17 +923,52 @@ def iter_collectives(instructions: Iterable[Instruction]) -> Iterable[Instructio
 
 
 @dataclass
+class StepInputs:
+    """What one rank feeds its steps: a lowering's data, the runtime's step-input provider's source.
+
+    ``inputs``: model inputs by name (``g``: the rank's graph, ``x``: its feature rows, dropout
+    indices); ``chunk_inputs``: chunked plans' per-chunk inputs (``chunk -> {name: value}``: a
+    chunk's graph slice, its feature rows), looked up before ``inputs``; ``labels``/``masks``: the
+    rows the rank scores (its rows of ``y`` and the train/val/test masks) and ``owned`` their global
+    ids, in chunk order, with ``chunk_offsets`` where each chunk's rows start (``()``: one chunk);
+    ``halo``: the halo exchange lists ``(send_index per rank, recv_count per rank)``; ``regroup``: a
+    regrouped chunk pipeline (NeutronTask Algorithm 1, a
+    :class:`~gnncompile.graph.regroup.RegroupedInputs`) whose ``epoch(step)`` replaces the chunk
+    inputs, scored rows, labels and training mask of every training step (evaluation keeps these).
+    """
+
+    inputs: dict[str, Any] = field(default_factory=dict)
+    chunk_inputs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    chunk_offsets: tuple[int, ...] = ()
+    labels: Any = None
+    masks: dict[str, Any] = field(default_factory=lambda: {"train": None, "val": None, "test": None})
+    owned: Any = None
+    halo: tuple[tuple[Any, ...], tuple[int, ...]] = ((), ())
+    regroup: Any = None
+
+    def to(self, device: Any) -> "StepInputs":
+        """A copy with every tensor (and graph) on ``device``; ``regroup`` moves each epoch's itself."""
+        def move(v: Any) -> Any:
+            return v.to(device) if hasattr(v, "to") else v
+
+        send_index, recv_count = self.halo
+        return StepInputs(inputs={k: move(v) for k, v in self.inputs.items()},
+                          chunk_inputs={c: {k: move(v) for k, v in ci.items()} for c, ci in self.chunk_inputs.items()},
+                          chunk_offsets=self.chunk_offsets, labels=move(self.labels),
+                          masks={k: move(v) for k, v in self.masks.items()}, owned=self.owned,
+                          halo=(tuple(move(t) for t in send_index), recv_count), regroup=self.regroup)
+
+
+@dataclass
 class RankProgram:
     """Everything one rank needs to execute its part of a plan (built by a lowering, pickled to the rank).
 
     Plain data plus fx modules: the runtime executes it and imports nothing from the planner.
 
     ``modules``/``stages``/``instructions``: the training step; ``eval_*``: the forward-only program
-    used for evaluation (traced in eval mode). ``inputs``: model inputs by name (``g``: the rank's
-    graph, ``x``: its feature rows). ``halo``: the rank's halo exchange lists
-    ``(send_index per rank, recv_count per rank)`` (local rows sent to each rank, rows received). ``labels``/``masks``: the rank's rows of ``y``
-    and the train/val/test masks; ``counts``: the global number of vertices in each mask (the loss
-    is the sum over this rank's training rows divided by the global count, so the ranks' losses and
+    used for evaluation (traced in eval mode). ``step``: what the rank feeds its steps
+    (:class:`StepInputs`). ``counts``: the global number of vertices in each mask (the loss is the
+    sum over this rank's training rows divided by the global count, so the ranks' losses and
     gradients add up to the single-device ones). ``params``: the parameters in the user model's
     order with their names there (``param_names``), shared by all stage modules.
     """
@@ -892,22 +983,12 @@ class RankProgram:
     eval_instructions: tuple[Instruction, ...]
     output: str
     eval_output: str
-    inputs: dict[str, Any]
-    halo: tuple[tuple[Any, ...], tuple[int, ...]]
-    labels: Any
-    masks: dict[str, Any]
+    step: StepInputs
     counts: dict[str, int]
     params: list[Any]
     param_names: list[str]
-    owned: Any = None
     #: whether every rank seeds its RNG like single-device training (replicated dropout masks)
     same_seed: bool = False
-    #: chunked plans: per-chunk model inputs (``chunk -> {name: value}``: a chunk's graph slice, its
-    #: feature rows), looked up before ``inputs``
-    chunk_inputs: dict[int, dict[str, Any]] = field(default_factory=dict)
-    #: chunked plans: where each chunk's rows start in the rank's rows (``labels``, ``masks``,
-    #: ``owned`` are in chunk order); ``()``: one chunk
-    chunk_offsets: tuple[int, ...] = ()
     #: the process groups other than the world that the plan's collectives use (every rank creates
     #: them, in this order, before training)
     groups: tuple[tuple[int, ...], ...] = ()
@@ -925,8 +1006,3 @@ class RankProgram:
     dropout_draws: tuple[tuple[int, int, tuple[int, ...], str, float], ...] = ()
     #: rows of every chunk (stale reads of a chunk not received yet are zeros of this many rows)
     chunk_rows: tuple[int, ...] = ()
-    #: a regrouped chunk pipeline (NeutronTask Algorithm 1; a
-    #: :class:`~gnncompile.graph.regroup.RegroupedInputs`): every training step takes its chunk
-    #: inputs, scored rows, labels and training mask from ``regroup.epoch(step)`` instead of
-    #: ``chunk_inputs`` / ``owned`` / ``labels`` / ``masks["train"]``, which evaluation keeps using
-    regroup: Any = None

@@ -39,7 +39,7 @@ import torch
 from ..graph.core import GraphStats
 from ..graph.partition import PARTITIONERS, expected_replication, partition
 from ..graph.shard import Shard, build_shards, dropout_positions
-from ..ir.plan import HaloExchange, Instruction, Schedule
+from ..ir.plan import HaloExchange, Instruction, RankSizes, Schedule
 from ..ir.tpgraph import TPGraph
 from .driver import Job, Lowered, RankLowering
 from .lower import Conversion, Decisions, StagedModel, forward_schedule, propagation_norms, sequential_schedule, \
@@ -88,7 +88,7 @@ class _RankData:
 
     send_rows: tuple[int, ...]
     recv_rows: tuple[int, ...]
-    sizes: dict[str, int]
+    sizes: RankSizes
 
 
 def _estimated_ranks(stats: GraphStats, n: int, method: str) -> tuple[list[_RankData], dict[str, Any]]:
@@ -104,8 +104,7 @@ def _estimated_ranks(stats: GraphStats, n: int, method: str) -> tuple[list[_Rank
     for r in range(n):
         rows = tuple(0 if q == r else pair for q in range(n))
         ranks.append(_RankData(send_rows=rows, recv_rows=rows,
-                               sizes={"nodes": owned[r], "edges": edges[r], "halo": halo[r],
-                                      "src": owned[r] + halo[r]}))
+                               sizes=RankSizes(nodes=owned[r], edges=edges[r], halo=halo[r], src=owned[r] + halo[r])))
     part = {"method": method, "num_parts": n, "replication_factor": est.alpha, "estimated": True,
             "source": est.source, "num_local": owned, "num_halo": halo, "num_edges": edges}
     return ranks, part
@@ -126,8 +125,8 @@ def lower_data(job: Job, options: DataOptions) -> Lowered:
         part = partition(graph, n, options.partitioner, seed=options.seed)
         shards = build_shards(graph, part.parts, n, norms=norms)
         rank_data = [_RankData(tuple(s.send_count), tuple(s.recv_count),
-                               {"nodes": s.num_owned, "edges": s.graph.num_edges, "halo": s.num_halo,
-                                "src": s.num_owned + s.num_halo}) for s in shards]
+                               RankSizes(nodes=s.num_owned, edges=s.graph.num_edges, halo=s.num_halo,
+                                         src=s.num_owned + s.num_halo)) for s in shards]
         part_info = part.to_dict(include_parts=False)
     else:
         rank_data, part_info = _estimated_ranks(graph, n, options.partitioner)
@@ -155,10 +154,10 @@ def lower_data(job: Job, options: DataOptions) -> Lowered:
                         masks={"train": lg.train_mask, "val": lg.val_mask, "test": lg.test_mask}, owned=shard.owned)
         ranks.append(RankLowering(
             rank=r, stages=tuple(staged.stages), instructions=sequential_schedule(staged, convert_for(rd, staged)),
-            sizes=dict(rd.sizes), eval_stages=tuple(staged_eval.stages),
+            sizes=rd.sizes, eval_stages=tuple(staged_eval.stages),
             eval_instructions=tuple(forward_schedule(staged_eval, convert_for(rd, staged_eval))), step=step))
-    info = {"partition": part_info, "halo_rows": [rd.sizes["halo"] for rd in rank_data],
-            "owned_rows": [rd.sizes["nodes"] for rd in rank_data]}
+    info = {"partition": part_info, "halo_rows": [rd.sizes.halo for rd in rank_data],
+            "owned_rows": [rd.sizes.nodes for rd in rank_data]}
     return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=[(group, job.numel)],
                    schedule=Schedule(), info=info)
 

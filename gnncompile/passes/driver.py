@@ -30,7 +30,7 @@ import torch
 
 from ..errors import PassError, PlanningError
 from ..graph.core import Graph, GraphStats
-from ..ir.plan import AllReduce, DevicePlan, Instruction, OptimizerStep, Plan, RankProgram, Schedule, StageSpec
+from ..ir.plan import AllReduce, DevicePlan, Instruction, OptimizerStep, Plan, RankProgram, RankSizes, Schedule, StageSpec, StepInputs
 from ..ir.tpgraph import TPGraph
 from ..ir.verify_plan import verify_plan
 from .decouple import decouple, decouple_exact, plan_decoupling
@@ -122,17 +122,19 @@ class RankLowering:
 
     ``instructions``: compute and communication of the training step (the driver appends the
     gradient reduction and the optimizer step); ``eval_instructions``: the forward-only program;
-    ``step``: the rank's step inputs, :class:`~gnncompile.ir.plan.RankProgram` fields (graph,
+    ``step``: the rank's step inputs (:class:`~gnncompile.ir.plan.StepInputs` fields: graph,
     features, labels, masks, chunk inputs...), for a concrete graph.
     """
 
     rank: int
     stages: tuple[StageSpec, ...]
     instructions: list[Instruction]
-    sizes: dict[str, Any]
+    sizes: RankSizes
     eval_stages: tuple[StageSpec, ...] = ()
     eval_instructions: tuple[Instruction, ...] = ()
     step: dict[str, Any] = field(default_factory=dict)
+    #: other :class:`~gnncompile.ir.plan.RankProgram` fields of this rank (``local_params``)
+    program: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -250,7 +252,7 @@ def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lower
         if len(members) > 1 and numel:
             instrs.append(AllReduce("grads", members, numel=numel, dtype=job.param_dtype))
         instrs.append(OptimizerStep())
-        ranks.append(DevicePlan(rank=rl.rank, stages=rl.stages, instructions=tuple(instrs), sizes=dict(rl.sizes),
+        ranks.append(DevicePlan(rank=rl.rank, stages=rl.stages, instructions=tuple(instrs), sizes=rl.sizes,
                                 modules=staged.modules))
     if out.frees:
         # release each stored value after its last use (and its sends' completion): without it every
@@ -277,6 +279,7 @@ def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lower
             instructions=dp.instructions, eval_modules=staged_eval.modules, eval_stages=by_rank[dp.rank].eval_stages,
             eval_instructions=tuple(by_rank[dp.rank].eval_instructions), output=staged.output,
             eval_output=staged_eval.output, same_seed=options.dropout == "replicated", counts=counts,
-            params=job.params, param_names=job.param_names, **out.program, **by_rank[dp.rank].step)
+            params=job.params, param_names=job.param_names, step=StepInputs(**by_rank[dp.rank].step), **out.program,
+            **by_rank[dp.rank].program)
             for dp in ranks]
     return plan

@@ -1,7 +1,8 @@
 """Generic lowering: per-op layout decisions -> conversions -> stage modules -> instruction lists.
 
 Every strategy is a preset of decisions over the traced operator graph (DESIGN.md, "One space,
-not six systems"); this module applies them, so that a strategy module only decides:
+not six systems"); this module applies them, so that a strategy module only decides (and the
+driver, :mod:`gnncompile.passes.driver`, completes the plan):
 
 1. **Decide** (the strategy, as data: :class:`Decisions`): the layout of every value (``rows``:
    sharded by a vertex partition; ``cols``: sharded by feature; ``replicated``), the layout each
@@ -15,10 +16,11 @@ not six systems"); this module applies them, so that a strategy module only deci
    its inputs, of the input's stage plus one if the edge is converted. The ops of one stage become
    one fx ``GraphModule`` whose inputs and outputs are named values (fx node names; converted values
    are ``value@halo`` etc.). Stage modules share the traced model's parameters.
-4. **Schedule** (:func:`sequential_schedule`): the forward of every stage in order with each
+4. **Order** (:func:`sequential_schedule`): the forward of every stage in order with each
    conversion just before its first consumer; then the backward in reverse with each conversion's
-   gradient right after its last consumer's backward; then the gradient all-reduce and the
-   optimizer step. Pipelined schedules (chunks, GPipe, 1F1B) rewrite this list.
+   gradient right after its last consumer's backward. Chunk pipelines order per chunk instead
+   (:mod:`gnncompile.passes.chunked`). The driver (:mod:`gnncompile.passes.driver`) appends the
+   gradient all-reduce and the optimizer step and inserts FREE.
 
 The split preserves the model: running the stages in order, feeding each converted value through
 the identity, computes exactly the traced graph (tested for every model of the zoo).

@@ -46,7 +46,7 @@ from ..errors import PlanningError
 from ..graph.core import Graph, GraphStats
 from ..graph.reorder import bandwidth, permute, rcm_order
 from ..graph.shard import dropout_positions, slice_rows
-from ..ir.plan import Schedule, converted_name
+from ..ir.plan import RankSizes, Schedule, converted_name
 from ..ir.tpgraph import TPGraph
 from .chunked import Chunking, Group, Placement, chunk_bounds, chunk_graph, chunk_reads, emit_programs, \
     propagation_coefficients, stage_groups, stage_reads, with_reads
@@ -211,9 +211,9 @@ def lower_mop(job: Job, options: MopOptions) -> Lowered:
         which = "cols" if r in two.cols else "rows"
         step: dict[str, Any] = {}
         if which == "cols":
-            sizes = {"nodes": stats.num_nodes, "edges": stats.num_edges, "halo": 0, "src": stats.num_nodes,
-                     "all_nodes": stats.num_nodes, "col_share_ppm": round(1e6 / len(two.cols)), "chunks": K,
-                     "feature_rows": 0, "trains": 0}
+            sizes = RankSizes(nodes=stats.num_nodes, edges=stats.num_edges, src=stats.num_nodes,
+                              all_nodes=stats.num_nodes, col_share_ppm=round(1e6 / len(two.cols)), chunks=K,
+                              feature_rows=0, trains=0)
             if job.concrete:
                 step = dict(inputs={}, chunk_inputs={j: {"g": chunk_graphs[j]} for j in range(K)}, halo=((), ()),
                             labels=None, masks={"train": None, "val": None, "test": None},
@@ -221,7 +221,7 @@ def lower_mop(job: Job, options: MopOptions) -> Lowered:
         else:
             i = two.rows.index(r)
             rows = sum(hi - lo for k in range(K) for lo, hi in [two.sub_rows(chunking, k)[i]])
-            sizes = {"nodes": rows, "edges": 0, "halo": 0, "src": rows, "chunks": K}
+            sizes = RankSizes(nodes=rows, src=rows, chunks=K)
             if job.concrete:
                 step = _dense_step(job, two, chunking, i)
         ranks.append(RankLowering(
@@ -229,7 +229,7 @@ def lower_mop(job: Job, options: MopOptions) -> Lowered:
             eval_stages=stages_of(staged_eval, groups_eval, reads_eval, which),
             eval_instructions=tuple(eval_progs[r]), step=step))
     info = {"sparse_ranks": list(two.cols), "dense_ranks": list(two.rows),
-            "owned_rows": [ranks[r].sizes["nodes"] if r in two.rows else 0 for r in range(num_ranks)],
+            "owned_rows": [ranks[r].sizes.nodes if r in two.rows else 0 for r in range(num_ranks)],
             "pipeline_lag": chunking.lag(), "task_order": [str(t) for _, t in order], **order_info}
     # parameters live on the dense group (one gradient all-reduce over it); FREE releases every
     # chunk after its last reader and its sends' completion

@@ -52,12 +52,13 @@ from typing import Any, Optional, Union
 import torch
 
 from ..cost_models.formulas import task_gpu_split
-from ..cost_models.hardware import DeviceSpec
+from ..cost_models.hardware import DEVICES, DeviceSpec
+from ..cost_models.model import op_time
 from ..errors import PlanningError
 from ..graph.core import Graph, GraphStats
 from ..graph.regroup import ChunkRegrouping, RegroupedInputs
 from ..graph.shard import dropout_positions, slice_rows
-from ..ir.plan import Schedule
+from ..ir.plan import RankSizes, Schedule
 from ..ir.tpgraph import TPGraph
 from .chunked import Chunking, Group, Placement, Task, chunk_bounds, chunk_edge_ids, chunk_graph, chunk_reads, \
     emit_programs, propagation_coefficients, stage_groups, stage_reads, with_reads
@@ -268,10 +269,7 @@ def place_tasks(labels: dict[int, str], times: dict[int, float], num_ranks: int,
 def task_times(staged: StagedModel, stats: GraphStats, device: DeviceSpec) -> dict[int, float]:
     """Forward + backward seconds of every task on the whole graph (NeutronTask Eq. 5–6 through the
     cost model's per-op times)."""
-    from ..cost_models.model import op_time
-
-    sizes = {"nodes": stats.num_nodes, "edges": stats.num_edges, "src": stats.num_nodes,
-             "all_nodes": stats.num_nodes, "halo": 0}
+    sizes = RankSizes(nodes=stats.num_nodes, edges=stats.num_edges, src=stats.num_nodes, all_nodes=stats.num_nodes)
     return {st.index: sum(op_time(op, sizes, device) + op_time(op, sizes, device, backward=True) for op in st.costs)
             for st in staged.stages}
 
@@ -311,8 +309,6 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
     job.refuse_sparse_features(staged)
     device = job.device
     if device is None:
-        from ..cost_models.hardware import DEVICES
-
         device = DEVICES["A100"]
     times = task_times(staged, stats, device)
     place, regime, (n_t, n_p) = place_tasks(labels, times, num_ranks, options.p_ranks)
@@ -413,17 +409,16 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
             eval_stages = tuple(replace(with_reads(s, reads_eval.get(s.index, {}), g.name), runs=runs)
                                 for s in staged_eval.stages if place.stage_group[s.index] == gi)
             reads_x = any(u == "x" or u.startswith("x@") for st in stages for u in st.inputs)
-            sizes = {"nodes": rows, "edges": edges, "halo": 0, "src": stats.num_nodes if is_p else rows,
-                     "all_nodes": stats.num_nodes if is_p else rows, "chunks": max(len(mine), 1),
-                     "feature_rows": (stats.num_nodes if is_p else rows) if reads_x else 0,
-                     "trains": rows if gi == out_group else 0,
-                     # the rank holds its own tasks' parameters (with their gradients and Adam moments)
-                     "params": sum(by_name[n].numel() for n in local[gi] if by_name[n].requires_grad)}
-            step: dict[str, Any] = {}
-            if inputs is not None:
-                step = {**inputs.rank(stages, eval_stages, mine, gi == out_group), "local_params": tuple(local[gi])}
+            sizes = RankSizes(nodes=rows, edges=edges, src=stats.num_nodes if is_p else rows,
+                              all_nodes=stats.num_nodes if is_p else rows, chunks=max(len(mine), 1),
+                              feature_rows=(stats.num_nodes if is_p else rows) if reads_x else 0,
+                              trains=rows if gi == out_group else 0,
+                              # the rank holds its own tasks' parameters (with their gradients and Adam moments)
+                              params=sum(by_name[n].numel() for n in local[gi] if by_name[n].requires_grad))
+            step = inputs.rank(stages, eval_stages, mine, gi == out_group) if inputs is not None else {}
             ranks.append(RankLowering(rank=r, stages=stages, instructions=list(train_progs[r]), sizes=sizes,
-                                      eval_stages=eval_stages, eval_instructions=tuple(eval_progs[r]), step=step))
+                                      eval_stages=eval_stages, eval_instructions=tuple(eval_progs[r]), step=step,
+                                      program={"local_params": tuple(local[gi])} if inputs is not None else {}))
     ranks.sort(key=lambda rl: rl.rank)
     info = {
         # model inputs a propagation reads are given to its ranks directly (``x@cols``: rows of x)
@@ -433,7 +428,7 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
         "groups": {g.name: list(g.members) for g in place.groups},
         "task_seconds": {str(s): t for s, t in times.items()}, "task_order": [str(t) for _, t in order],
         "pipeline_lag": chunking.lag(),
-        "owned_rows": [rl.sizes["nodes"] if place.stage_group.get(rl.stages[0].index) == out_group else 0
+        "owned_rows": [rl.sizes.nodes if place.stage_group.get(rl.stages[0].index) == out_group else 0
                        for rl in ranks],
     }
     program: dict[str, Any] = {}

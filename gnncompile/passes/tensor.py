@@ -95,7 +95,7 @@ import torch.fx
 from ..errors import PlanningError
 from ..graph.shard import dropout_positions, slice_rows
 from ..frontend.ops import dropout_rows, masked_propagate, propagate
-from ..ir.plan import AllGather, AllToAll, Instruction, Schedule, converted_name
+from ..ir.plan import AllGather, AllToAll, Instruction, RankSizes, Schedule, converted_name
 from ..ir.tpgraph import TPGraph, TPInfo
 from .chunked import Chunking, Group, Task, chunk_bounds, chunk_graph, chunk_reads, propagation_coefficients, \
     collective_chunk_program, list_schedule, stage_deps, stage_groups, stage_reads, with_reads
@@ -307,8 +307,8 @@ def lower_tensor(job: Job, options: TensorOptions) -> Lowered:
                         **_rows_step(job, owned))
         ranks.append(RankLowering(
             rank=r, stages=tuple(staged.stages), instructions=sequential_schedule(staged, convert_for(r, staged)),
-            sizes={"nodes": blocks[r], "edges": stats.num_edges, "halo": 0, "src": stats.num_nodes,
-                   "all_nodes": stats.num_nodes, "col_share_ppm": round(1e6 / n)},
+            sizes=RankSizes(nodes=blocks[r], edges=stats.num_edges, src=stats.num_nodes, all_nodes=stats.num_nodes,
+                            col_share_ppm=round(1e6 / n)),
             eval_stages=tuple(staged_eval.stages),
             eval_instructions=tuple(forward_schedule(staged_eval, convert_for(r, staged_eval))), step=step))
     info = {"owned_rows": blocks, "layouts": {c.output: c.kind for c in staged.conversions}}
@@ -452,13 +452,13 @@ def _lower_chunked(job: Job, options: TensorOptions) -> Lowered:
             rank=r, stages=stages,
             instructions=collective_chunk_program(staged, chunking, reads, order, convert_for(r, staged),
                                                   training=True),
-            sizes={"nodes": rows, "edges": stats.num_edges, "halo": 0, "src": stats.num_nodes,
-                   "all_nodes": stats.num_nodes, "col_share_ppm": round(1e6 / n), "chunks": K},
+            sizes=RankSizes(nodes=rows, edges=stats.num_edges, src=stats.num_nodes, all_nodes=stats.num_nodes,
+                            col_share_ppm=round(1e6 / n), chunks=K),
             eval_stages=eval_stages,
             eval_instructions=tuple(collective_chunk_program(staged_eval, chunking, reads_eval, order_eval,
                                                              convert_for(r, staged_eval), training=False)),
             step=step))
-    info = {"owned_rows": [rl.sizes["nodes"] for rl in ranks], "layouts": {c.output: c.kind for c in staged.conversions},
+    info = {"owned_rows": [rl.sizes.nodes for rl in ranks], "layouts": {c.output: c.kind for c in staged.conversions},
             "pipeline_lag": chunking.lag(), "task_order": [str(t) for _, t in order]}
     # FREE releases every chunk after its last reader: a received chunk and the concatenation its
     # propagation reads would otherwise both live for the whole step

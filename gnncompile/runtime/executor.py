@@ -10,8 +10,9 @@ gradients into the store. Communication instructions call :class:`~gnncompile.ru
 (the host clock on the CPU, CUDA events on a GPU).
 
 Devices: a rank computes on ``ctx.device`` (see :func:`~gnncompile.runtime.launcher.resolve_placement`):
-its program (modules, graph, features, labels, masks, halo lists) moves there before training,
-received tensors and dropout masks are made there, and its measurements come back on the CPU.
+its modules and its step inputs (graph, features, labels, masks, halo lists: the step-input provider,
+:mod:`gnncompile.runtime.inputs`) move there before training, received tensors and dropout masks
+are made there, and its measurements come back on the CPU.
 
 The loss on a rank is ``sum of cross-entropy over its training rows / global training count``;
 the reported loss and accuracies are reduced across ranks (counted as ``metrics`` traffic, apart
@@ -43,13 +44,13 @@ import torch.nn.functional as F
 from torch.autograd.graph import _engine_run_backward
 
 from ..errors import RuntimeFailure
-from ..graph.regroup import EpochInputs
 from ..frontend.ops import MaskCache, dropout_noise
 from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, OptimizerStep, Plan,
                        RankProgram, Recompute, Recv, ReduceScatter, Send, member_rows)
 from ..ir.rules import register_execute, rule
 from . import checkpoint as ckpt
 from .comm import Communicator, HaloSpec, Pending, note_progress
+from .inputs import StepInputProvider, StepView
 from .launcher import Placement, RankContext, RankFailure, launch, resolve_placement, visible_gpus
 from .memory import PeakMemory
 from .trainer import History, ProgressLines, check_training_args
@@ -236,13 +237,14 @@ class _Rank:
     inputs (chunk-independent).
     """
 
-    def __init__(self, prog: RankProgram, ctx: RankContext) -> None:
+    def __init__(self, prog: RankProgram, ctx: RankContext, provider: StepInputProvider) -> None:
         self.prog = prog
         self.ctx = ctx
+        self.provider = provider
         self.comm = Communicator(ctx.rank, ctx.world_size, stage_through_host=ctx.stage_through_host)
         self.clock = _Clock(ctx.device)
-        send_index, recv_count = prog.halo
-        g = prog.inputs.get("g")
+        send_index, recv_count = provider.step.halo
+        g = provider.inputs.get("g")
         self.halo = HaloSpec(tuple(send_index), tuple(recv_count), int(g.num_nodes) if g is not None else 0)
         #: process groups other than the world, by member tuple (every rank creates every group)
         self.groups: dict[tuple[int, ...], Any] = {}
@@ -253,7 +255,7 @@ class _Rank:
                     self.groups[tuple(members)] = pg
         # received values whose gradient this rank sends back: they must require grad
         self.grad_sent = {(i.value, i.chunk) for i in prog.instructions if rule(i).side == "send" and i.grad}
-        self.use(None)
+        self.use(provider.evaluation())
         #: stale reads (relaxed dependencies): the previous step's copy of (value, chunk)
         self.stale: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -298,15 +300,11 @@ class _Rank:
                 and root.layout == torch.strided:
             root.data = torch.empty((1,), dtype=root.dtype, device=root.device)
 
-    def use(self, epoch: Optional[EpochInputs]) -> None:
-        """Take chunk inputs, scored rows' offsets, labels and training mask from a regrouped
-        epoch (``None``: the program's own, which evaluation uses)."""
-        prog = self.prog
-        self.chunk_inputs = prog.chunk_inputs if epoch is None else epoch.chunk_inputs
-        self.offsets = tuple(prog.chunk_offsets if epoch is None or epoch.offsets is None else epoch.offsets)
-        scored = epoch is not None and epoch.owned is not None
-        self.labels = epoch.labels if scored else prog.labels
-        self.train_mask = epoch.train_mask if scored else prog.masks.get("train")
+    def use(self, view: StepView) -> None:
+        """Take chunk inputs, scored rows' offsets, labels and training mask from ``view`` (the
+        step-input provider's, for a training step or an evaluation)."""
+        self.chunk_inputs, self.offsets = view.chunk_inputs, view.offsets
+        self.labels, self.train_mask = view.labels, view.train_mask
 
     def _rows(self, t: Any, chunk: int) -> Any:
         """Chunk ``chunk``'s rows of a rank-wide per-row tensor (labels, masks)."""
@@ -374,7 +372,7 @@ class _Rank:
             if key in freed:
                 return freed[key]
             try:
-                return prog.inputs[name]
+                return self.provider.inputs[name]
             except KeyError:
                 raise RuntimeFailure(f"rank {self.ctx.rank}: value {name!r} of chunk {chunk} is not available "
                                      f"(step {epoch})") from None
@@ -703,18 +701,11 @@ for _cls, _fn in {
 del _cls, _fn
 
 
-def _move_program(prog: RankProgram, device: torch.device) -> None:
-    """Put a rank's modules, graph, inputs, labels, masks and exchange lists on ``device`` (in place;
-    parameters keep their identity, so every stage module still shares them)."""
+def _move_modules(prog: RankProgram, device: torch.device) -> None:
+    """Put a rank's stage modules on ``device`` (in place; parameters keep their identity, so every
+    stage module still shares them). Its step inputs move with the :class:`StepInputProvider`."""
     for m in list(prog.modules.values()) + list(prog.eval_modules.values()):
         m.to(device)
-    prog.inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in prog.inputs.items()}
-    prog.chunk_inputs = {c: {k: v.to(device) if hasattr(v, "to") else v for k, v in ci.items()}
-                         for c, ci in prog.chunk_inputs.items()}
-    prog.labels = None if prog.labels is None else prog.labels.to(device)
-    prog.masks = {k: None if v is None else v.to(device) for k, v in prog.masks.items()}
-    send_index, recv_count = prog.halo
-    prog.halo = (tuple(t.to(device) for t in send_index), recv_count)
 
 
 def _run_backward(pairs: list[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> None:
@@ -746,8 +737,10 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
         torch.manual_seed(seed if ctx.rank == 0 or prog.same_seed else seed + 1_000_003 * ctx.rank)
     device = ctx.device
     if device.type != "cpu":
-        _move_program(prog, device)
-    labels, masks, counts = prog.labels, prog.masks, prog.counts
+        _move_modules(prog, device)
+    params = prog.params
+    provider = StepInputProvider(prog.step, device, params[0].dtype if params else None)
+    labels, masks, counts = provider.step.labels, provider.step.masks, prog.counts
     n_train = max(counts["train"], 1)
 
     def loss_fn(logits: torch.Tensor, chunk: int = 0) -> torch.Tensor:
@@ -756,17 +749,8 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
             return logits.sum() * 0.0
         return F.cross_entropy(logits[mask], y[mask], reduction="sum") / n_train
 
-    params = prog.params
-
-    def cast_features(stores: Any) -> None:
-        for store in stores:
-            x = store.get("x")
-            if isinstance(x, torch.Tensor) and x.layout == torch.strided and params and x.dtype != params[0].dtype:
-                store["x"] = x.to(params[0].dtype)
-
-    cast_features([prog.inputs, *prog.chunk_inputs.values()])
     optimizer = torch.optim.Adam([p for p in params if p.requires_grad], lr=lr, weight_decay=weight_decay)
-    rank = _Rank(prog, ctx)
+    rank = _Rank(prog, ctx, provider)
     timeline: list[TimelineEvent] = []
     epoch_time: list[float] = []
     peak = 0
@@ -805,16 +789,15 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
         rank.comm.phase = "train"
         t0 = time.perf_counter()
         with PeakMemory(device) if epoch == start else contextlib.nullcontext() as pm:
-            if prog.regroup is not None:  # this epoch's subgraphs (part of the step's time and memory)
-                inputs = prog.regroup.epoch(epoch, device if device.type != "cpu" else None)
-                cast_features(inputs.chunk_inputs.values())
-                rank.use(inputs)
+            if provider.regrouped:  # this epoch's subgraphs (part of the step's time and memory)
+                view = provider.training(epoch)
+                rank.use(view)
                 if captured is not None and epoch == 0:
-                    captured["owned"] = None if inputs.owned is None else inputs.owned.cpu()
-                del inputs
+                    captured["owned"] = None if view.owned is None else view.owned.cpu()
+                del view
             loss, _ = rank.step(prog.modules, prog.stages, prog.instructions, prog.output, loss_fn, epoch,
                                 timeline, optimizer, captured if epoch == 0 else None)
-            rank.use(None)
+            rank.use(provider.evaluation())
         if epoch == start:
             peak = pm.peak_bytes
         if device.type == "cuda":
@@ -873,7 +856,8 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     out = {
         "rank": ctx.rank, "history": history, "epoch_time": epoch_time, "timeline": timeline,
         "sent_to": train_sent, "received_from": train_recv, "comm": cs.as_dict(), "peak_memory": peak,
-        "num_owned": int(prog.owned.numel()) if prog.owned is not None else int(prog.inputs["g"].num_nodes),
+        "num_owned": int(prog.step.owned.numel()) if prog.step.owned is not None else
+        int(prog.step.inputs["g"].num_nodes),
         "pid": os.getpid(), "stopped_at": stopped_at, "checkpoint_time": checkpoint_time,
         "restore_time": restore_time,
         "best": {"epoch": best["epoch"], "val": best["val"], "params": best["params"]},
@@ -991,7 +975,7 @@ def plan_fingerprint(plan: Plan) -> dict[str, Any]:
     p0 = programs[0]
 
     def structure(prog: RankProgram) -> str:
-        graphs = [prog.inputs.get("g")] + [ci.get("g") for _, ci in sorted(prog.chunk_inputs.items())]
+        graphs = [prog.step.inputs.get("g")] + [ci.get("g") for _, ci in sorted(prog.step.chunk_inputs.items())]
         return ckpt.tensor_hash(*[t for g in graphs if g is not None for t in (g.indptr, g.indices)])
 
     options = json.loads(json.dumps(plan.options, sort_keys=True, default=str))
@@ -1209,13 +1193,13 @@ def _rank_main(ctx: RankContext, program_dir: str, *args: Any) -> dict:
 
 def _gather_capture(programs: list[RankProgram], results: list[dict]) -> dict:
     logits_parts = [r["captured"].get("logits") for r in results]
-    n = sum(int(p.owned.numel()) for p in programs)
+    n = sum(int(p.step.owned.numel()) for p in programs)
     first = next(t for t in logits_parts if t is not None)
     logits = first.new_zeros((n,) + tuple(first.shape[1:]))
     for p, r, t in zip(programs, results, logits_parts):
         if t is not None:  # a regrouped step scores its rows in the epoch's order
             owned = r["captured"].get("owned")
-            logits[p.owned if owned is None else owned] = t
+            logits[p.step.owned if owned is None else owned] = t
     p0 = programs[0]
     grads = {n: results[p0.param_owner.get(n, p0.param_rank)]["captured"].get("grads", {}).get(n)
              for n in p0.param_names}

@@ -1,0 +1,76 @@
+"""The step-input provider: what a rank feeds each training step and each evaluation.
+
+A lowering records a rank's :class:`~gnncompile.ir.plan.StepInputs` (the full graph's part,
+regrouped chunks, ...); the provider puts them on the rank's device (features in the parameters'
+dtype) and hands out a :class:`StepView` per step: the program's own inputs, or, for a regrouped
+chunk pipeline (NeutronTask Algorithm 1), the epoch's subgraphs, scored rows, labels and training
+mask. Evaluation always reads the program's inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..ir.plan import StepInputs
+
+__all__ = ["StepView", "StepInputProvider"]
+
+
+@dataclass
+class StepView:
+    """The inputs of one step: per-chunk inputs, where each chunk's scored rows start, their labels
+    and training mask, and (for a regrouped epoch) the vertices scored, in that order."""
+
+    chunk_inputs: dict[int, dict[str, Any]]
+    offsets: tuple[int, ...]
+    labels: Any
+    train_mask: Any
+    owned: Optional[torch.Tensor] = None
+
+
+class StepInputProvider:
+    """One rank's step inputs on ``device`` (in place of the lowering's, which stay on the host)."""
+
+    def __init__(self, step: StepInputs, device: torch.device, dtype: Optional[torch.dtype] = None) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.step = step.to(device) if device.type != "cpu" else step
+        self._cast([self.step.inputs, *self.step.chunk_inputs.values()])
+
+    def _cast(self, stores: Any) -> None:
+        """Dense features in the parameters' dtype (the model computes in it)."""
+        for store in stores:
+            x = store.get("x")
+            if isinstance(x, torch.Tensor) and x.layout == torch.strided and self.dtype is not None \
+                    and x.dtype != self.dtype:
+                store["x"] = x.to(self.dtype)
+
+    @property
+    def inputs(self) -> dict[str, Any]:
+        """The chunk-independent model inputs (graph, features, dropout indices)."""
+        return self.step.inputs
+
+    @property
+    def regrouped(self) -> bool:
+        return self.step.regroup is not None
+
+    def evaluation(self) -> StepView:
+        """The program's own inputs (what evaluation, and training without regrouping, reads)."""
+        s = self.step
+        return StepView(s.chunk_inputs, tuple(s.chunk_offsets), s.labels, s.masks.get("train"))
+
+    def training(self, epoch: int) -> StepView:
+        """The inputs of training step ``epoch`` (a regrouped epoch's subgraphs, made now: part of
+        the step's time and memory)."""
+        if self.step.regroup is None:
+            return self.evaluation()
+        e = self.step.regroup.epoch(epoch, self.device if self.device.type != "cpu" else None)
+        self._cast(e.chunk_inputs.values())
+        mine = self.evaluation()
+        scored = e.owned is not None
+        return StepView(e.chunk_inputs, tuple(mine.offsets if e.offsets is None else e.offsets),
+                        e.labels if scored else mine.labels, e.train_mask if scored else mine.train_mask,
+                        e.owned)
