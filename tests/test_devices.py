@@ -109,6 +109,8 @@ def _gcn(g: gc.Graph, dropout: float = 0.0) -> torch.nn.Module:
 
 def test_header_says_where_the_plan_was_planned_for_and_where_it_runs(sbm: gc.Graph) -> None:
     on_a100 = gc.plan(_gcn(sbm), sbm, gpus="4xA100")
+    assert on_a100.info["devices"] == {"nodes": 1, "per_node": 4, "kind": "gpu", "name": on_a100.info["devices"]["name"]}
+    assert "A100" in on_a100.info["devices"]["name"]
     text = describe_run(on_a100, resolve_placement(4, 0))
     assert text.startswith("4 ranks on CPU, gloo; planned for 1 node x 4 A100")
     assert "runs on this machine's CPU instead (predicted times and memory are for the planned devices)" in text

@@ -158,7 +158,7 @@ class Lowered:
     program: dict[str, Any] = field(default_factory=dict)
 
 
-def _relaxed_decouple(job: Job, strategy: Strategy, semantics: str) -> GraphPass:
+def _decoupling_pass(job: Job, strategy: Strategy, semantics: str) -> GraphPass:
     """The decoupling pass for ``semantics`` (``decouple_exact`` refuses a model it would change),
     recording the relaxation where it changes the model."""
     plan = plan_decoupling(job.tp)
@@ -219,7 +219,7 @@ def lower(strategy: Strategy, tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Mod
         each, unit = strategy.row_mixing
         job.relaxations += row_mixing_relaxations(tp, strategy.name, semantics, each, unit)
     if getattr(options, "decouple", False):
-        step = _relaxed_decouple(job, strategy, semantics)
+        step = _decoupling_pass(job, strategy, semantics)
         try:
             job.tp = _run([step.bind(share_parameters=True)], job.tp, "relaxed", instruments)
             job.tp_eval = _run([step.bind(share_parameters=True)], job.tp_eval, "relaxed", instruments)

@@ -285,6 +285,9 @@ def _evaluate(cand: Candidate, model: torch.nn.Module, graph: Union[Graph, Graph
         ev.rejected = f"relaxed ({'; '.join(ev.plan.relaxations)}) but semantics='exact'"
         return ev
     ev.plan.cluster = str(used)
+    # the devices planned for, as data (the run header compares them with where the ranks run)
+    ev.plan.info["devices"] = {"nodes": used.nodes, "per_node": used.devices_per_node, "kind": used.device.kind,
+                               "name": used.device.name}
     ev.prediction = predict(ev.plan, used, overlap=overlap)
     ev.plan.prediction = ev.prediction
     if not ev.prediction.fits:

@@ -30,7 +30,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -1019,21 +1018,20 @@ def default_device() -> Optional[str]:
 
 def describe_run(plan: Plan, placement: Placement) -> str:
     """One line for a run's header: where the ranks run (:meth:`Placement.describe`) and what the
-    plan was planned for (``plan.cluster``), with a note when the two differ in kind (GPUs vs
-    CPU) or in the number of devices, e.g. ``4 ranks on CPU, gloo; planned for 1 node x 4
-    A100-80GB: runs on this machine's CPU instead (predicted times and memory are for the planned
-    devices)``."""
+    plan was planned for (``plan.cluster``; the planner records its devices in
+    ``plan.info["devices"]``), with a note when the two differ in kind (GPUs vs CPU) or in the
+    number of devices, e.g. ``4 ranks on CPU, gloo; planned for 1 node x 4 A100-80GB: runs on this
+    machine's CPU instead (predicted times and memory are for the planned devices)``."""
     text = placement.describe()
     cluster = str(plan.cluster or "").strip()
     if not cluster:
         return text
-    planned = cluster.split(" (")[0]
-    m = re.search(r"(\d+) nodes? x (\d+) (\S+)", cluster)
-    text += f"; planned for {planned}"
-    if m is None:
+    text += f"; planned for {cluster.split(' (')[0]}"
+    devices = plan.info.get("devices")  # recorded by the planner (absent from plans made by hand)
+    if not isinstance(devices, dict):
         return text
-    planned_devices = int(m.group(1)) * int(m.group(2))
-    planned_kind = "cpu" if m.group(3).lower().startswith("cpu") else "cuda"
+    planned_devices = int(devices["nodes"]) * int(devices["per_node"])
+    planned_kind = "cpu" if devices["kind"] == "cpu" else "cuda"
     used = len(set(placement.devices)) if placement.device_type == "cuda" else 0
     if planned_kind != placement.device_type:
         where = "this machine's CPU" if placement.device_type == "cpu" else \
