@@ -92,10 +92,21 @@ def test_data(sbm: gc.Graph, name: str, ranks: int) -> None:
     _check_bytes(plan, res)
 
 
-@pytest.mark.parametrize("name, ranks, chunks", [("gcn", 2, 1), ("gin", 3, 1), ("gcn_dropout", 4, 3), ("sage", 3, 4)])
-def test_tensor(sbm: gc.Graph, name: str, ranks: int, chunks: int) -> None:
+#: (strategy, model, ranks, options) of the chunked and tensor strategies' one-step checks
+CHUNKED_CASES = [
+    *[("tensor", name, ranks, {"chunks": chunks})
+      for name, ranks, chunks in [("gcn", 2, 1), ("gin", 3, 1), ("gcn_dropout", 4, 3), ("sage", 3, 4)]],
+    *[("mop", name, ranks, {"chunks": chunks, "sparse_ranks": 1, "reorder": "rcm"})
+      for name, ranks, chunks in [("gcn", 3, 2), ("gcn_dropout", 4, 3), ("sage", 2, 1)]],
+    *[("task", name, ranks, {"chunks": chunks})
+      for name, ranks, chunks in [("gcn_dropout", 2, 2), ("gin", 3, 3), ("gcn", 4, 2)]],
+]
+
+
+@pytest.mark.parametrize("strategy, name, ranks, options", CHUNKED_CASES)
+def test_strategy_step(sbm: gc.Graph, strategy: str, name: str, ranks: int, options: dict) -> None:
     model = seeded_model(MODELS[name], sbm)
-    plan, res = _run_on_gpu(model, sbm, ranks, strategy="tensor", chunks=chunks)
+    plan, res = _run_on_gpu(model, sbm, ranks, strategy=strategy, **options)
     _check_step(res, _cuda_reference(model, sbm))
     _check_bytes(plan, res)
 
@@ -111,22 +122,6 @@ def test_tensor_decoupled_equals_one_rank(sbm: gc.Graph) -> None:
     assert one.placement.backend == "nccl"  # one rank, one GPU
     _check_step(three, type("Ref", (), dict(loss=one.history.loss[0], logits=one.captured["logits"],
                                              grads=one.captured["grads"])))
-
-
-@pytest.mark.parametrize("name, ranks, chunks", [("gcn", 3, 2), ("gcn_dropout", 4, 3), ("sage", 2, 1)])
-def test_mop(sbm: gc.Graph, name: str, ranks: int, chunks: int) -> None:
-    model = seeded_model(MODELS[name], sbm)
-    plan, res = _run_on_gpu(model, sbm, ranks, strategy="mop", chunks=chunks, sparse_ranks=1, reorder="rcm")
-    _check_step(res, _cuda_reference(model, sbm))
-    _check_bytes(plan, res)
-
-
-@pytest.mark.parametrize("name, ranks, chunks", [("gcn_dropout", 2, 2), ("gin", 3, 3), ("gcn", 4, 2)])
-def test_task(sbm: gc.Graph, name: str, ranks: int, chunks: int) -> None:
-    model = seeded_model(MODELS[name], sbm)
-    plan, res = _run_on_gpu(model, sbm, ranks, strategy="task", chunks=chunks)
-    _check_step(res, _cuda_reference(model, sbm))
-    _check_bytes(plan, res)
 
 
 def test_task_regrouped(sbm: gc.Graph) -> None:

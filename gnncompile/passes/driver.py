@@ -104,6 +104,24 @@ class Job:
         """The plan's model inputs: the graph, the features, the dropout indices."""
         return ["g", "x", *self.dropout_inputs]
 
+    def scored_rows(self, rows: Union[torch.Tensor, list[torch.Tensor]]) -> dict[str, Any]:
+        """The :class:`~gnncompile.ir.plan.StepInputs` fields of a rank scoring the vertices ``rows``
+        (global ids; a list: chunk by chunk): ``owned`` (in that order), their labels and masks, and
+        for chunks where each chunk's rows start (``chunk_offsets``)."""
+        graph = self.graph
+        out: dict[str, Any] = {}
+        if isinstance(rows, list):
+            offsets = [0]
+            for ids in rows:
+                offsets.append(offsets[-1] + int(ids.numel()))
+            out["chunk_offsets"] = tuple(offsets)
+            rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+        owned = rows
+        return dict(out, owned=owned,
+                    labels=graph.y[owned] if graph.y is not None else None,
+                    masks={m: getattr(graph, f"{m}_mask")[owned] if getattr(graph, f"{m}_mask") is not None else None
+                           for m in ("train", "val", "test")})
+
     def refuse_sparse_features(self, staged: StagedModel, kinds: Optional[Iterable[str]] = None,
                                what: str = "a propagation") -> None:
         """Raise :class:`PlanningError` when a conversion (of ``kinds``; ``None``: any) moves sparse

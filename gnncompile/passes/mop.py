@@ -243,17 +243,10 @@ def _dense_step(job: Job, two: TwoGroups, chunking: Chunking, i: int) -> dict[st
     """The step inputs of the ``i``-th dense rank: its rows of every chunk (in the reordered numbering)."""
     graph, K = job.graph, chunking.num_chunks
     per_chunk = [chunking.vertices(*two.sub_rows(chunking, k)[i]) for k in range(K)]
-    owned = torch.cat(per_chunk) if per_chunk else torch.zeros(0, dtype=torch.long)
-    offsets = [0]
-    for ids in per_chunk:
-        offsets.append(offsets[-1] + int(ids.numel()))
     chunk_inputs = {k: {"x": slice_rows(graph.x, ids) if graph.x is not None else None,
                         **{name: dropout_positions(sp, graph, ids) for name, sp in job.dropout_inputs.items()}}
                     for k, ids in enumerate(per_chunk)}
-    mask = {m: (getattr(graph, f"{m}_mask")[owned] if getattr(graph, f"{m}_mask") is not None else None)
-            for m in ("train", "val", "test")}
-    return dict(inputs={}, chunk_inputs=chunk_inputs, chunk_offsets=tuple(offsets), halo=((), ()),
-                labels=graph.y[owned] if graph.y is not None else None, masks=mask, owned=owned)
+    return dict(inputs={}, chunk_inputs=chunk_inputs, halo=((), ()), **job.scored_rows(per_chunk))
 
 
 STRATEGY = Strategy("mop", MopOptions, lower_mop, summary="MixGCN: mixture of parallelism on sparse and dense "

@@ -556,13 +556,7 @@ class _ChunkInputs:
         if scores:
             per_chunk = [torch.arange(chunking.bounds[k], chunking.bounds[k + 1]) if k in mine
                          else torch.zeros(0, dtype=torch.long) for k in range(K)]
-            owned = torch.cat(per_chunk)
-            off = [0]
-            for ids in per_chunk:
-                off.append(off[-1] + int(ids.numel()))
-            out.update(owned=owned, chunk_offsets=tuple(off), labels=graph.y[owned] if graph.y is not None else None,
-                       masks={m: (getattr(graph, f"{m}_mask")[owned] if getattr(graph, f"{m}_mask") is not None
-                                  else None) for m in ("train", "val", "test")})
+            out.update(job.scored_rows(per_chunk))
         return out
 
 

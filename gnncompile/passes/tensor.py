@@ -253,14 +253,6 @@ def _owned_inputs(job: Job, owned: torch.Tensor) -> dict[str, Any]:
                for k, sp in job.dropout_inputs.items()}}
 
 
-def _rows_step(job: Job, owned: torch.Tensor) -> dict[str, Any]:
-    """Labels and masks of the rows ``owned`` (in that order)."""
-    graph = job.graph
-    return dict(labels=graph.y[owned] if graph.y is not None else None,
-                masks={m: (getattr(graph, f"{m}_mask")[owned] if getattr(graph, f"{m}_mask") is not None else None)
-                       for m in ("train", "val", "test")}, owned=owned)
-
-
 def lower_tensor(job: Job, options: TensorOptions) -> Lowered:
     """The ``tensor`` lowering of ``job`` (module docstring); ``chunks > 1``: :func:`_lower_chunked`."""
     if options.chunks > 1:
@@ -304,7 +296,7 @@ def lower_tensor(job: Job, options: TensorOptions) -> Lowered:
             owned = torch.arange(starts[r], starts[r] + blocks[r])
             step = dict(inputs={"g": job.graph, **_owned_inputs(job, owned)},
                         halo=(tuple(torch.zeros(0, dtype=torch.long) for _ in range(n)), (0,) * n),
-                        **_rows_step(job, owned))
+                        **job.scored_rows(owned))
         ranks.append(RankLowering(
             rank=r, stages=tuple(staged.stages), instructions=sequential_schedule(staged, convert_for(r, staged)),
             sizes=RankSizes(nodes=blocks[r], edges=stats.num_edges, src=stats.num_nodes, all_nodes=stats.num_nodes,
@@ -441,12 +433,9 @@ def _lower_chunked(job: Job, options: TensorOptions) -> Lowered:
         step: dict[str, Any] = {}
         if job.concrete:
             per_chunk = [torch.arange(*sub[m][r]) for m in range(K)]
-            offsets = [0]
-            for ids in per_chunk:
-                offsets.append(offsets[-1] + int(ids.numel()))
             step = dict(inputs={}, chunk_inputs={m: {"g": graphs[m], **_owned_inputs(job, ids)}
                                                   for m, ids in enumerate(per_chunk)},
-                        chunk_offsets=tuple(offsets), halo=((), ()), **_rows_step(job, torch.cat(per_chunk)))
+                        halo=((), ()), **job.scored_rows(per_chunk))
         rows = sum(sub[m][r][1] - sub[m][r][0] for m in range(K))
         ranks.append(RankLowering(
             rank=r, stages=stages,
