@@ -10,7 +10,6 @@ from typing import Any, Optional
 import pytest
 
 import gnncompile as gc
-from gnncompile.cost_models.simulate import _dependencies
 from gnncompile.errors import VerificationError
 from gnncompile.ir.dataflow import RULES, Effects, effects, stage_reads
 from gnncompile.ir.plan import (
@@ -31,6 +30,7 @@ from gnncompile.ir.plan import (
     Send,
     StageSpec,
 )
+from gnncompile.ir.replay import _dependencies
 from gnncompile.ir.verify_plan import _check_dataflow
 from gnncompile.passes.free import insert_frees
 from graph_strategies import sbm_graph, seeded_model

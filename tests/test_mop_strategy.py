@@ -20,7 +20,8 @@ import gnncompile as gc
 from gnncompile import PlanningError
 from gnncompile.ir.plan import Backward, Forward, Recv, Send
 from gnncompile.graph.reorder import reorder as reorder_graph
-from gnncompile.passes.chunked import Task, chunk_bounds, chunk_reads, list_schedule
+from gnncompile.passes.chunked import chunk_bounds, chunk_reads
+from gnncompile.passes.schedule import list_schedule
 from gnncompile.testing import check_plan
 from graph_strategies import DT, labelled, sbm_graph, seeded_model, small_graphs
 
@@ -156,14 +157,13 @@ def test_pipelined_schedule_overlaps_the_groups(sbm: gc.Graph) -> None:
 
 def test_list_schedule_prefers_finishing_a_chunk() -> None:
     # two stages on two groups, 3 chunks, stage 1 chunk j needs stage 0 chunk j
-    deps = {Task(False, 0, c): set() for c in range(3)}
-    deps.update({Task(False, 1, c): {Task(False, 0, c)} for c in range(3)})
-    order = list_schedule(deps, {0: "rows", 1: "cols"}, deps, {})
+    deps = {Forward(0, c): set() for c in range(3)}
+    deps.update({Forward(1, c): {Forward(0, c)} for c in range(3)})
+    order = list_schedule(deps, {0: "rows", 1: "cols"})
     assert [(s, str(t)) for s, t in order] == [(0.0, "F0c0"), (1.0, "F1c0"), (1.0, "F0c1"), (2.0, "F1c1"),
                                                (2.0, "F0c2"), (3.0, "F1c2")]
     with pytest.raises(PlanningError, match="cycle"):
-        list_schedule([Task(False, 0, 0), Task(False, 1, 0)], {0: "rows", 1: "cols"},
-                      {Task(False, 0, 0): {Task(False, 1, 0)}, Task(False, 1, 0): {Task(False, 0, 0)}}, {})
+        list_schedule({Forward(0, 0): {Forward(1, 0)}, Forward(1, 0): {Forward(0, 0)}}, {0: "rows", 1: "cols"})
 
 
 # --------------------------------------------------------------------------- refusals

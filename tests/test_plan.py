@@ -275,13 +275,16 @@ def test_halo_volume_direction() -> None:
 def test_pipeline_plan_verifies_with_its_dry_run() -> None:
     report = verify_plan(pipeline_plan())
     assert report.instructions == [9, 9]
-    # eager sends: rank 0 posts both activations at once; rank 1 then runs to its end; rank 0's
-    # gradient receives complete in the next round
+    # unit-cost replay, steps[t] = what starts at time t. Rank 0: F0c0 [0,1] SEND h c0 [1,2] F0c1 [2,3]
+    # SEND h c1 [3,4]; rank 1: RECV h c0 at 2 (when its SEND ended, taking no time) F1c0 [2,3], RECV h c1
+    # at 4, F1c1 B1c1 SEND grad h c1 [6,7] B1c0 SEND grad h c0 [8,9] OPT; rank 0's gradient RECVs end
+    # with those SENDs, at 7 (then B0c1) and 9 (then B0c0 and OPT at 10)
     assert report.steps == [
-        [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 6), (1, 7), (1, 8)],
-        [(0, 4), (0, 5), (0, 6), (0, 7), (0, 8)],
+        [(0, 0)], [(0, 1)], [(0, 2), (1, 0), (1, 1)], [(0, 3)], [(1, 2), (1, 3)], [(1, 4)], [(1, 5)],
+        [(0, 4), (0, 5), (1, 6)], [(1, 7)], [(0, 6), (0, 7), (1, 8)], [(0, 8)],
     ]
-    assert report.num_rounds == 2
+    assert report.num_rounds == 11
+    assert report.order[:5] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
     moved = (10 + 6) * 16 * F32  # h of both chunks one way, its gradient back
     assert report.bytes_sent == [moved, moved]
     assert report.bytes_recv == [moved, moved]

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Optional, Union
+from typing import Any, ClassVar, Iterable, Mapping, Optional, Union
 
 from ..errors import PlanningError, VerificationError
 from .symbolic import Lin
@@ -46,7 +46,8 @@ from .symbolic import Lin
 __all__ = [
     "Instruction", "Forward", "Backward", "Recompute", "Send", "Recv", "HaloExchange", "AllToAll",
     "AllGather", "ReduceScatter", "AllReduce", "Free", "OptimizerStep", "INSTRUCTIONS",
-    "OpCost", "StageSpec", "DevicePlan", "Plan", "RankProgram", "RankSizes", "Schedule", "StepInputs", "converted_name", "member_rows", "human_bytes",
+    "OpCost", "StageSpec", "DevicePlan", "Plan", "RankProgram", "RankSizes", "Schedule", "StepInputs", "ParamPlacement",
+    "converted_name", "member_rows", "human_bytes",
     "PLAN_FORMAT_VERSION", "plan_differences", "rank_label", "read_plan",
 ]
 
@@ -934,7 +935,9 @@ class StepInputs:
     ``halo``: the halo exchange lists ``(send_index per rank, recv_count per rank)``; ``regroup``: a
     regrouped chunk pipeline (NeutronTask Algorithm 1, a
     :class:`~gnncompile.graph.regroup.RegroupedInputs`) whose ``epoch(step)`` replaces the chunk
-    inputs, scored rows, labels and training mask of every training step (evaluation keeps these).
+    inputs, scored rows, labels and training mask of every training step (evaluation keeps these);
+    ``chunk_rows``: the rows of every chunk of the step (a stale read of a chunk not received yet
+    is zeros of this many rows).
     """
 
     inputs: dict[str, Any] = field(default_factory=dict)
@@ -945,6 +948,7 @@ class StepInputs:
     owned: Any = None
     halo: tuple[tuple[Any, ...], tuple[int, ...]] = ((), ())
     regroup: Any = None
+    chunk_rows: tuple[int, ...] = ()
 
     def to(self, device: Any) -> "StepInputs":
         """A copy with every tensor (and graph) on ``device``; ``regroup`` moves each epoch's itself."""
@@ -956,7 +960,31 @@ class StepInputs:
                           chunk_inputs={c: {k: move(v) for k, v in ci.items()} for c, ci in self.chunk_inputs.items()},
                           chunk_offsets=self.chunk_offsets, labels=move(self.labels),
                           masks={k: move(v) for k, v in self.masks.items()}, owned=self.owned,
-                          halo=(tuple(move(t) for t in send_index), recv_count), regroup=self.regroup)
+                          halo=(tuple(move(t) for t in send_index), recv_count), regroup=self.regroup,
+                          chunk_rows=self.chunk_rows)
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    """Where a plan's parameters live, as one rank sees it.
+
+    ``owner``: parameter name -> the rank holding it (the lowest rank whose stages use it: its value
+    is the trained model's); ``main``: the rank for parameters no stage uses and the random
+    stream a checkpoint continues (the owner of the model's first parameter); ``local``: the
+    parameters this rank's stages use, which its gradient all-reduce sums (``None``: all of them).
+    """
+
+    owner: Mapping[str, int] = field(default_factory=dict)
+    main: int = 0
+    local: Optional[tuple[str, ...]] = None
+
+    def holder(self, name: str) -> int:
+        """The rank holding parameter ``name``."""
+        return self.owner.get(name, self.main)
+
+    def reduces(self, name: str) -> bool:
+        """Whether this rank's gradient all-reduce sums parameter ``name``."""
+        return self.local is None or name in self.local
 
 
 @dataclass
@@ -992,17 +1020,10 @@ class RankProgram:
     #: the process groups other than the world that the plan's collectives use (every rank creates
     #: them, in this order, before training)
     groups: tuple[tuple[int, ...], ...] = ()
-    #: the rank whose parameters are the trained model's (a rank that computes every parameterized op)
-    param_rank: int = 0
-    #: plans whose parameters live on different ranks: parameter name -> the rank holding it
-    #: (missing names: ``param_rank``)
-    param_owner: dict[str, int] = field(default_factory=dict)
-    #: the parameters this rank's stages use, which its gradient all-reduce sums (``()``: all)
-    local_params: tuple[str, ...] = ()
+    #: which rank holds each parameter, and which this rank's all-reduce sums
+    placement: ParamPlacement = field(default_factory=ParamPlacement)
     #: replicated dropout masks when a rank runs only some of the model's dropouts: every mask of
     #: the step in single-device order, ``(stage, ordinal in stage, full shape, dtype, p)``; each
     #: training step draws them all first (so each lands on the single-device RNG position) and the
     #: stages look theirs up
     dropout_draws: tuple[tuple[int, int, tuple[int, ...], str, float], ...] = ()
-    #: rows of every chunk (stale reads of a chunk not received yet are zeros of this many rows)
-    chunk_rows: tuple[int, ...] = ()

@@ -19,10 +19,13 @@ marked ``>>``):
    numel); halo row counts and all-to-all shapes agree pairwise (what group[i] sends to group[j] is
    what group[j] receives from group[i]).
 4. **dataflow** per rank (use before def, see below).
-5. **dry run**: all ranks are simulated together; computation, Free and OPT complete at once,
-   a Send completes when posted (eager: the runtime's ``isend``), a Recv when its matching Send has
-   been posted, a collective when every member of its group is at it. If no rank can advance before all have finished, the deadlock is reported
-   with every blocked rank, its instruction and what it waits for.
+5. **dry run**: all ranks are replayed together by the plan replay engine
+   (:func:`gnncompile.ir.replay.replay`, the simulator's) with unit costs and no overlap: each rank
+   runs one instruction at a time (posted all-to-alls on a queue of their own, as the runtime posts
+   them), every instruction takes one time unit, except a Recv, which ends when its matching Send has
+   ended; a Send is eager (the runtime's ``isend``); a collective starts when every member of its
+   group is at it. If no rank can advance before all have finished, the engine's deadlock error lists every
+   blocked rank, its step, its instruction and whom it waits for.
 
 Dataflow rules. What each instruction reads, writes, frees and which gradients it reads and adds
 to is the table of :mod:`gnncompile.ir.dataflow` (values are ``(name, chunk)`` pairs; a chunked
@@ -61,19 +64,15 @@ import functools
 import typing
 from collections import Counter, defaultdict
 from dataclasses import dataclass, fields
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional
 
 from ..errors import VerificationError
 from .dataflow import effects
 from .plan import Backward, DevicePlan, Instruction, Plan, StageSpec, human_bytes
+from .replay import instruction_window, replay
 from .rules import MESSAGE_FIELDS, MissingRuleError, elsize, rule
 
 __all__ = ["verify_plan", "PlanReport", "instruction_window"]
-
-#: Instructions shown on each side of the faulty one in an error.
-WINDOW = 3
-#: Instructions shown when an error concerns a whole rank.
-WHOLE_RANK = 40
 
 Site = tuple[int, int]  # (rank, instruction index)
 
@@ -83,10 +82,11 @@ Site = tuple[int, int]  # (rank, instruction index)
 class PlanReport:
     """What :func:`verify_plan` learned about a valid plan.
 
-    ``instructions[r]`` is rank r's instruction count; ``steps`` the dry run, one list per round (a
-    sweep in which every rank advances as far as it can) of the ``(rank, index)`` instructions that
-    completed in it, in completion order; ``bytes_sent[r]`` / ``bytes_recv[r]`` rank r's
-    communication volume of one training step (conventions in the module docstring).
+    ``instructions[r]`` is rank r's instruction count; ``steps`` the dry run (the unit-cost replay of
+    the module docstring), one list per round: ``steps[t]`` holds the ``(rank, index)`` instructions
+    that start at time ``t``, by rank then index (every time from 0 to the last start has some);
+    ``bytes_sent[r]`` / ``bytes_recv[r]`` rank r's communication volume of one training step
+    (conventions in the module docstring).
     """
 
     instructions: list[int]
@@ -96,11 +96,14 @@ class PlanReport:
 
     @property
     def order(self) -> list[Site]:
-        """The global completion order of the dry run, ``(rank, index)`` pairs."""
+        """The dry run's global order, ``(rank, index)`` pairs by start time, then rank, then index: each
+        rank's instructions in program order (a posted all-to-all may come after later instructions
+        not depending on it), each Recv after its Send, a collective's members in the same round."""
         return [site for round_ in self.steps for site in round_]
 
     @property
     def num_rounds(self) -> int:
+        """The dry run's rounds: the time units of the unit-cost replay up to its last start."""
         return len(self.steps)
 
     def __str__(self) -> str:
@@ -153,21 +156,6 @@ def verify_plan(plan: Plan, *, inputs: Optional[Iterable[str]] = None, check_typ
 
 
 # --------------------------------------------------------------------------- errors
-def instruction_window(dp: DevicePlan, index: Optional[int]) -> str:
-    """Rank ``dp``'s instructions around ``index`` (marked ``>>``; ``WINDOW`` each side); the first
-    ``WHOLE_RANK`` of them when ``index`` is None. Every plan error shows its sites this way."""
-    insts = dp.instructions
-    lo, hi = (0, min(len(insts), WHOLE_RANK)) if index is None else \
-        (max(0, index - WINDOW), min(len(insts), index + WINDOW + 1))
-    lines = [f"  rank {dp.rank}:" + ("" if insts else " (no instructions)")]
-    if lo > 0:
-        lines.append("          ...")
-    lines += [f"    {'>>' if k == index else '  '} {k:>4}  {insts[k]}" for k in range(lo, hi)]
-    if hi < len(insts):
-        lines.append(f"          ... ({len(insts) - hi} more)")
-    return "\n".join(lines)
-
-
 def _where(dp: DevicePlan, index: int) -> str:
     return f"rank {dp.rank} step {index} `{dp.instructions[index]}`"
 
@@ -358,11 +346,6 @@ def _check_point_to_point(plan: Plan) -> None:
                          f"{len(ss)} message(s) to rank {dst}, rank {dst} receives {len(rr)})", (b, ri), (a, None))
 
 
-def _signature(inst: Instruction) -> tuple:
-    """What every member of a collective's group must agree on (the rule's ``signature``)."""
-    return rule(inst).signature(inst)
-
-
 def _check_collectives(plan: Plan) -> None:
     """Same collective sequence per group on all members; pairwise halo rows / all-to-all shapes agree."""
     seqs: dict[tuple[int, ...], dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
@@ -373,10 +356,10 @@ def _check_collectives(plan: Plan) -> None:
     for group in sorted(seqs):
         pos = {m: seqs[group][m] for m in group}
         ref = plan.ranks[group[0]]
-        ref_sig = [_signature(ref.instructions[i]) for i in pos[group[0]]]
+        ref_sig = [rule(x).signature(x) for x in (ref.instructions[i] for i in pos[group[0]])]
         for m in group[1:]:
             dp = plan.ranks[m]
-            sig = [_signature(dp.instructions[i]) for i in pos[m]]
+            sig = [rule(x).signature(x) for x in (dp.instructions[i] for i in pos[m])]
             if sig != ref_sig:
                 raise _collective_mismatch(group, (ref, pos[ref.rank], ref_sig), (dp, pos[m], sig))
         for k in range(len(ref_sig)):
@@ -494,85 +477,16 @@ def _check_dataflow(dp: DevicePlan, inputs: frozenset[str], chunks: int, output:
 
 # --------------------------------------------------------------------------- 5. dry run
 def _dry_run(plan: Plan) -> list[list[Site]]:
-    """Simulate all ranks together; the rounds of completed instructions, or a deadlock error.
-
-    Each round sweeps the ranks in order, advancing each as far as it can. A Send completes when
-    posted; a Recv once its matching Send (FIFO per ordered pair, checked before) has completed.
-    Completions of a collective on all members are joint, so once the matching checks passed,
-    members at collectives over the same group are at the same collective. Every round but the last
-    completes at least one instruction, and a round costs O(ranks + group sizes + completions).
-    """
-    progs = [dp.instructions for dp in plan.ranks]
-    pc = [0] * plan.num_ranks
-    posted: Counter[tuple[int, int]] = Counter()  # Sends completed per (src, dst)
-    taken: Counter[tuple[int, int]] = Counter()  # Recvs completed per (src, dst)
-
-    def current(r: int) -> Optional[Instruction]:
-        return progs[r][pc[r]] if pc[r] < len(progs[r]) else None
-
-    def ready(r: int, inst: Instruction) -> list[int]:
-        """The ranks that complete together with ``inst`` at rank r now (empty if it must wait)."""
-        rl = rule(inst)
-        if rl.side == "send":
-            posted[r, inst.peer] += 1
-            return [r]
-        if rl.side == "recv":
-            if posted[inst.peer, r] > taken[inst.peer, r]:
-                taken[inst.peer, r] += 1
-                return [r]
-            return []
-        if rl.kind == "collective":
-            at = [current(m) for m in inst.group]
-            return list(inst.group) if all(x is not None and rule(x).kind == "collective" and x.group == inst.group
-                                           for x in at) else []
-        return [r]
-
-    steps: list[list[Site]] = []
-    while True:
-        done: list[Site] = []
-        for r in range(plan.num_ranks):
-            while (inst := current(r)) is not None:
-                members = ready(r, inst)
-                if not members:
-                    break
-                for m in members:
-                    done.append((m, pc[m]))
-                    pc[m] += 1
-        if not done:
-            break
-        steps.append(done)
-    blocked = [r for r in range(plan.num_ranks) if current(r) is not None]
-    if blocked:
-        raise _deadlock(plan, pc, blocked)
-    return steps
+    """The rounds of the unit-cost replay (:class:`PlanReport` ``steps``), or the engine's deadlock error."""
+    by_start: dict[float, list[Site]] = defaultdict(list)
+    for events in replay(plan, _unit):
+        for e in events:
+            by_start[e.start].append((e.rank, e.index))
+    return [by_start[t] for t in sorted(by_start)]
 
 
-def _deadlock(plan: Plan, pc: list[int], blocked: list[int]) -> VerificationError:
-    """The error listing every blocked rank (at step ``pc[r]``) and whom it waits for."""
-    def current(q: int) -> Optional[Instruction]:
-        insts = plan.ranks[q].instructions
-        return insts[pc[q]] if pc[q] < len(insts) else None
-
-    def state(q: int) -> str:
-        inst = current(q)
-        if inst is None:
-            return "which has finished its instructions"
-        group = f" over group {inst.group}" if rule(inst).kind == "collective" else ""
-        return f"which is at step {pc[q]} `{inst}`{group}"
-
-    lines = []
-    for r in blocked:
-        inst = current(r)
-        if rule(inst).kind == "p2p":
-            waits = f"waits for a SEND from rank {inst.peer}, {state(inst.peer)}"
-        else:
-            others = [m for m in inst.group if m != r and getattr(current(m), "group", None) != inst.group]
-            waits = f"waits for group {inst.group}: " + "; ".join(f"rank {m}, {state(m)}" for m in others)
-        lines.append(f"  rank {r} at step {pc[r]} `{inst}` {waits}")
-    done = sum(pc)
-    total = sum(len(dp.instructions) for dp in plan.ranks)
-    return _error(f"deadlock: no rank can advance after {done} of {total} instructions completed\n" + "\n".join(lines),
-                  *[(plan.ranks[r], pc[r]) for r in blocked[:4]])
+def _unit(rank: int, index: int) -> float:
+    return 1.0
 
 
 # --------------------------------------------------------------------------- volume

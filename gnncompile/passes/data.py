@@ -34,16 +34,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ..graph.core import GraphStats
 from ..graph.partition import PARTITIONERS, expected_replication, partition
 from ..graph.shard import Shard, build_shards, dropout_positions
 from ..ir.plan import HaloExchange, Instruction, RankSizes, Schedule
 from ..ir.tpgraph import TPGraph
 from .driver import Job, Lowered, RankLowering
-from .lower import Conversion, Decisions, StagedModel, forward_schedule, propagation_norms, sequential_schedule, \
-    source_input, split_stages
+from .lower import Conversion, Decisions, StagedModel, propagation_norms, source_input, split_stages
+from .schedule import compute_deps, insert_collectives, list_schedule
 from .strategy import ANY, Strategy, StrategyOptions, option, product
 
 __all__ = ["DataOptions", "data_decisions", "lower_data", "STRATEGY"]
@@ -135,13 +133,15 @@ def lower_data(job: Job, options: DataOptions) -> Lowered:
     group = tuple(range(n))
 
     def convert_for(rd: _RankData, st: StagedModel):
-        def convert(c: Conversion, grad: bool) -> list[Instruction]:
+        def convert(c: Conversion, chunk: int, grad: bool) -> list[Instruction]:
             node = next(v for v in st.tp.graph.nodes if v.name == c.value)
-            return [HaloExchange(value=c.value, chunk=0, group=group, send_rows=rd.send_rows,
+            return [HaloExchange(value=c.value, chunk=chunk, group=group, send_rows=rd.send_rows,
                                  recv_rows=rd.recv_rows, width=math.prod(node.meta["tp"].dims),
                                  dtype=node.meta["tp"].dtype or "float32", grad=grad)]
         return convert
 
+    order = list_schedule(compute_deps(staged))
+    order_eval = list_schedule(compute_deps(staged_eval, training=False))
     ranks = []
     for r, rd in enumerate(rank_data):
         step: dict[str, Any] = {}
@@ -153,9 +153,11 @@ def lower_data(job: Job, options: DataOptions) -> Lowered:
                         halo=(tuple(shard.send_index), tuple(shard.recv_count)), labels=lg.y,
                         masks={"train": lg.train_mask, "val": lg.val_mask, "test": lg.test_mask}, owned=shard.owned)
         ranks.append(RankLowering(
-            rank=r, stages=tuple(staged.stages), instructions=sequential_schedule(staged, convert_for(rd, staged)),
-            sizes=rd.sizes, eval_stages=tuple(staged_eval.stages),
-            eval_instructions=tuple(forward_schedule(staged_eval, convert_for(rd, staged_eval))), step=step))
+            rank=r, stages=tuple(staged.stages), sizes=rd.sizes,
+            instructions=insert_collectives(staged, order, convert_for(rd, staged)),
+            eval_stages=tuple(staged_eval.stages),
+            eval_instructions=tuple(insert_collectives(staged_eval, order_eval, convert_for(rd, staged_eval))),
+            step=step))
     info = {"partition": part_info, "halo_rows": [rd.sizes.halo for rd in rank_data],
             "owned_rows": [rd.sizes.nodes for rd in rank_data]}
     return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=[(group, job.numel)],

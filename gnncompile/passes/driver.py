@@ -11,13 +11,16 @@ training and evaluation graphs, and the strategy's options, and
    ``insert_recomputation``;
 3. calls the strategy's lowering with a :class:`Job` (the prepared graphs and the facts every
    strategy reads: statistics, parameters, mask counts) and gets a :class:`Lowered`: stages,
-   per-rank compute and communication instructions, sizes, step inputs, gradient groups;
+   per-rank compute and communication instructions (list-scheduled, communication inserted:
+   :mod:`gnncompile.passes.schedule`), sizes, step inputs, gradient groups;
 4. runs the plan-to-plan passes: the gradient all-reduce of every group and the optimizer step,
    then FREE (:func:`~gnncompile.passes.free.insert_frees`) where the strategy keeps values across
    ranks or chunks;
 5. builds the :class:`~gnncompile.ir.plan.Plan`, predicts every rank's bytes with the verifier's
    accounting, and (for a concrete graph) the runnable :class:`~gnncompile.ir.plan.RankProgram`
-   of every rank.
+   of every rank, with where each parameter lives (:class:`~gnncompile.ir.plan.ParamPlacement`:
+   the lowest rank whose stages use it) and, when a rank runs only some of the model's replicated
+   dropouts, the masks every rank draws first (:func:`~gnncompile.passes.dropout.dropout_draws`).
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ import torch
 
 from ..errors import PassError, PlanningError
 from ..graph.core import Graph, GraphStats
-from ..ir.plan import AllReduce, DevicePlan, Instruction, OptimizerStep, Plan, RankProgram, RankSizes, Schedule, StageSpec, StepInputs
+from ..ir.plan import AllReduce, DevicePlan, Instruction, OptimizerStep, ParamPlacement, Plan, RankProgram, RankSizes, \
+    Schedule, StageSpec, StepInputs
 from ..ir.tpgraph import TPGraph
 from ..ir.verify_plan import verify_plan
 from .decouple import decouple, decouple_exact, plan_decoupling
-from .dropout import dropout_inputs, replicate_dropout_masks
+from .dropout import dropout_draws, dropout_inputs, replicate_dropout_masks
 from .free import insert_frees
 from .infra import GraphPass, PassInstrument, PassManager
 from .lower import StagedModel, row_mixing_ops
@@ -151,7 +155,7 @@ class RankLowering:
     eval_stages: tuple[StageSpec, ...] = ()
     eval_instructions: tuple[Instruction, ...] = ()
     step: dict[str, Any] = field(default_factory=dict)
-    #: other :class:`~gnncompile.ir.plan.RankProgram` fields of this rank (``local_params``)
+    #: other :class:`~gnncompile.ir.plan.RankProgram` fields of this rank
     program: dict[str, Any] = field(default_factory=dict)
 
 
@@ -292,12 +296,44 @@ def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lower
     if job.concrete:
         counts = mask_counts(job.graph)
         by_rank = {rl.rank: rl for rl in out.ranks}
+        used = _params_used(job, staged, ranks)
+        owner: dict[str, int] = {}
+        for dp in ranks:
+            for name in used[dp.rank]:
+                owner.setdefault(name, dp.rank)
+        main = owner.get(job.param_names[0], 0) if job.param_names else 0
+        every = set().union(*used.values())
+        draws = ()
+        if options.dropout == "replicated":
+            infos = {n.name: n.meta["tp"] for n in job.tp_unrecomputed.graph.nodes if "tp" in n.meta}
+            draws = dropout_draws(staged, job.dropout_inputs, infos)
         plan.program = [RankProgram(
             rank=dp.rank, world_size=job.num_ranks, modules=staged.modules, stages=dp.stages,
             instructions=dp.instructions, eval_modules=staged_eval.modules, eval_stages=by_rank[dp.rank].eval_stages,
             eval_instructions=tuple(by_rank[dp.rank].eval_instructions), output=staged.output,
             eval_output=staged_eval.output, same_seed=options.dropout == "replicated", counts=counts,
-            params=job.params, param_names=job.param_names, step=StepInputs(**by_rank[dp.rank].step), **out.program,
-            **by_rank[dp.rank].program)
+            params=job.params, param_names=job.param_names, step=StepInputs(**by_rank[dp.rank].step),
+            placement=ParamPlacement(owner, main, None if used[dp.rank] == every else
+                                     tuple(n for n in job.param_names if n in used[dp.rank])),
+            dropout_draws=draws if any(_runs_some_dropouts(draws, dp.stages) for dp in ranks) else (),
+            **out.program, **by_rank[dp.rank].program)
             for dp in ranks]
     return plan
+
+
+def _params_used(job: Job, staged: StagedModel, ranks: list[DevicePlan]) -> dict[int, set[str]]:
+    """The names of the parameters each rank's stages use (the stage modules share the model's)."""
+    ident = {id(p): n for n, p in zip(job.param_names, job.params)}
+    by_stage = {s: {ident[id(p)] for p in mod.parameters() if id(p) in ident} for s, mod in staged.modules.items()}
+    return {dp.rank: set().union(*(by_stage.get(st.index, set()) for st in dp.stages)) for dp in ranks}
+
+
+def _runs_some_dropouts(draws: tuple, stages: tuple[StageSpec, ...]) -> bool:
+    """Whether a rank running ``stages`` runs some of the step's dropouts ``draws`` but not all.
+
+    Then every rank draws every mask first (``RankProgram.dropout_draws``), so that each mask lands
+    on its single-device random position and every rank's stream stays the single-device one (a
+    checkpoint continues any rank's); a rank running all of them draws them in order as it goes.
+    """
+    mine = {st.index for st in stages}
+    return 0 < sum(1 for d in draws if d[0] in mine) < len(draws)

@@ -7,7 +7,7 @@ single-device training sees, bit for bit (the strategies' ``dropout="replicated"
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx
@@ -19,9 +19,10 @@ from ..graph.core import Graph
 from ..ir.tpgraph import TPGraph
 from ..nn.functional import feature_dropout
 from .infra import graph_pass
-from .lower import call_arguments
+from .lower import StagedModel, call_arguments
+from .recompute import Recompute
 
-__all__ = ["replicate_dropout_masks", "dropout_inputs", "INDEX_INPUTS"]
+__all__ = ["replicate_dropout_masks", "dropout_inputs", "dropout_draws", "INDEX_INPUTS"]
 
 #: row space -> the model input holding a rank's global rows of that space
 INDEX_INPUTS = {"V": "dropout_index_v", "E": "dropout_index_e", "E+V": "dropout_index_ev",
@@ -102,3 +103,39 @@ def replicate_dropout_masks(tp: TPGraph, graph: Graph, strategy: str = "",
     if unsupported:
         raise PlanningError(f"strategy {strategy!r}: dropout of {unsupported[0]}-space values is not supported")
     return tp
+
+
+def dropout_draws(staged: StagedModel, spaces: dict[str, str], infos: dict[str, Any]
+                  ) -> tuple[tuple[int, int, tuple[int, ...], str, float], ...]:
+    """Every replicated dropout of the training model in single-device order, as
+    ``(stage, ordinal in stage, full shape, dtype, p)`` (``RankProgram.dropout_draws``); dropouts
+    inside recomputed segments included (a replay in backward looks its mask up again at the same
+    position, :class:`~gnncompile.passes.recompute.Recompute`). ``infos``: value name ->
+    ``TPInfo`` of the model before recomputation (segment bodies carry none)."""
+    out = []
+    ordinal: dict[int, int] = {}
+    modules = dict(staged.tp.named_modules())
+
+    def visit(nodes: Any, stage_of: Any) -> None:
+        for n in nodes:
+            if n.op == "call_module" and isinstance(modules.get(n.target), Recompute):
+                visit(modules[n.target].body.graph.nodes, lambda _: stage_of(n))
+                continue
+            if n.op != "call_function" or n.target is not dropout_rows:
+                continue
+            args = call_arguments(n)
+            p = float(args["p"])
+            if p == 0.0:
+                continue  # draws nothing
+            s = stage_of(n)
+            k = ordinal.get(s, 0)
+            ordinal[s] = k + 1
+            x = args["x"]
+            t = x.meta["tp"] if "tp" in x.meta else infos[x.name]
+            index = args["index"]
+            # a sparse input's mask is over its stored values (``nnz`` space): one draw per value
+            per_row = () if spaces.get(getattr(index, "name", ""), "") == "nnz" else tuple(t.dims)
+            out.append((s, k, (int(args["num_rows"]),) + per_row, t.dtype or "float32", p))
+
+    visit(staged.tp.graph.nodes, lambda n: staged.stage_of[n.name])
+    return tuple(out)

@@ -16,11 +16,10 @@ driver, :mod:`gnncompile.passes.driver`, completes the plan):
    its inputs, of the input's stage plus one if the edge is converted. The ops of one stage become
    one fx ``GraphModule`` whose inputs and outputs are named values (fx node names; converted values
    are ``value@halo`` etc.). Stage modules share the traced model's parameters.
-4. **Order** (:func:`sequential_schedule`): the forward of every stage in order with each
-   conversion just before its first consumer; then the backward in reverse with each conversion's
-   gradient right after its last consumer's backward. Chunk pipelines order per chunk instead
-   (:mod:`gnncompile.passes.chunked`). The driver (:mod:`gnncompile.passes.driver`) appends the
-   gradient all-reduce and the optimizer step and inserts FREE.
+4. **Order**: the stages' forwards and backwards (per chunk) are list-scheduled and the
+   conversions' communication is inserted into that order (:mod:`gnncompile.passes.schedule`);
+   the driver (:mod:`gnncompile.passes.driver`) appends the gradient all-reduce and the optimizer
+   step and inserts FREE.
 
 The split preserves the model: running the stages in order, feeding each converted value through
 the identity, computes exactly the traced graph (tested for every model of the zoo).
@@ -33,21 +32,20 @@ import inspect
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.fx
 
 from ..errors import PlanningError
 from ..frontend.ops import dropout_rows, gather_src, masked_propagate, propagate
-from ..ir.plan import Backward, Forward, Instruction, OpCost, StageSpec, converted_name
+from ..ir.plan import OpCost, StageSpec, converted_name
 from ..ir.symbolic import Lin
 from ..ir.tpgraph import TPGraph, TPInfo
 from .recompute import draws_random_numbers
 
 __all__ = [
-    "LAYOUTS", "OUTPUT", "CONVERSIONS", "Decisions", "Conversion", "StagedModel", "split_stages", "sequential_schedule",
-    "forward_schedule",
+    "LAYOUTS", "OUTPUT", "CONVERSIONS", "Decisions", "Conversion", "StagedModel", "split_stages",
     "source_input", "call_arguments", "requires_grad_values", "row_mixing_ops", "propagation_norms", "value_dims",
 ]
 
@@ -337,50 +335,6 @@ def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
         output = converted_name(output, kind)
     return StagedModel(tp=tp, stages=stages, modules=modules, conversions=conversions, stage_of=stage_of,
                        output=output)
-
-
-def sequential_schedule(staged: StagedModel, convert: Callable[[Conversion, bool], list[Instruction]],
-                        chunk: int = 0) -> list[Instruction]:
-    """One training step with no pipelining: forwards in stage order, then backwards in reverse
-    (compute and conversions; the driver appends the gradient reduction and the optimizer step).
-
-    ``convert(conversion, grad)`` returns the communication instructions of a conversion (its
-    gradient when ``grad``).
-    """
-    by_first = _conversions_by_first_consumer(staged)
-    out = forward_schedule(staged, convert, chunk)
-    for c in reversed(by_first.get(len(staged.stages), [])):  # the output's conversion: its gradient first
-        if c.needs_grad:
-            out.extend(convert(c, True))
-    for k in reversed(range(len(staged.stages))):
-        out.append(Backward(k, chunk))
-        for c in reversed(by_first.get(k, [])):
-            if c.needs_grad:
-                out.extend(convert(c, True))
-    return out
-
-
-def forward_schedule(staged: StagedModel, convert: Callable[[Conversion, bool], list[Instruction]],
-                     chunk: int = 0) -> list[Instruction]:
-    """The forward half of :func:`sequential_schedule` (for evaluation)."""
-    by_first = _conversions_by_first_consumer(staged)
-    out: list[Instruction] = []
-    for k in range(len(staged.stages)):
-        for c in by_first.get(k, []):
-            out.extend(convert(c, False))
-        out.append(Forward(k, chunk))
-    for c in by_first.get(len(staged.stages), []):  # the output's conversion, after the last stage
-        out.extend(convert(c, False))
-    return out
-
-
-
-def _conversions_by_first_consumer(staged: StagedModel) -> dict[int, list[Conversion]]:
-    """Conversions grouped by the stage that first needs them (in the order they were found)."""
-    by_first: dict[int, list[Conversion]] = {}
-    for c in staged.conversions:
-        by_first.setdefault(staged.first_consumer_stage(c), []).append(c)
-    return by_first
 
 
 _ROW_MIXING_MODULES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.InstanceNorm1d)

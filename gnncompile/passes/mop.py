@@ -21,8 +21,8 @@ most chunks ahead any chunk reads) and ``b``.
 
 Decisions: P outputs ``cols`` on the sparse group, everything else ``rows`` on the dense group
 (:func:`gnncompile.passes.tensor.tensor_decisions` with one layout per stage); conversions are
-point-to-point messages per chunk (:mod:`gnncompile.passes.chunked`). Parameters live on the dense
-group (one gradient all-reduce over it); the sparse group holds no parameters.
+point-to-point messages per chunk (:func:`gnncompile.passes.schedule.insert_messages`). Parameters
+live on the dense group (one gradient all-reduce over it); the sparse group holds no parameters.
 
 Supported: models whose propagations aggregate element-wise and read a value the dense group
 computes (GCN, GraphSAGE, GIN, GCNII). Refused with :class:`~gnncompile.errors.PlanningError`:
@@ -48,10 +48,11 @@ from ..graph.reorder import bandwidth, permute, rcm_order
 from ..graph.shard import dropout_positions, slice_rows
 from ..ir.plan import RankSizes, Schedule, converted_name
 from ..ir.tpgraph import TPGraph
-from .chunked import Chunking, Group, Placement, chunk_bounds, chunk_graph, chunk_reads, emit_programs, \
-    propagation_coefficients, stage_groups, stage_reads, with_reads
+from .chunked import Chunking, Group, Placement, chunk_bounds, chunk_graph, chunk_reads, propagation_coefficients, \
+    stage_groups, stage_reads, with_reads
 from .driver import Job, Lowered, RankLowering
 from .lower import StagedModel, propagation_norms, requires_grad_values, source_input, split_stages, value_dims
+from .schedule import compute_deps, insert_messages, list_schedule
 from .strategy import Strategy, StrategyOptions, option
 from .tensor import tensor_decisions
 
@@ -195,9 +196,11 @@ def lower_mop(job: Job, options: MopOptions) -> Lowered:
             raise PlanningError(f"strategy 'mop': value {v!r} has per-vertex shape {d}; only [V, D] values are "
                                 "split by columns")
 
-    train_progs, order = emit_programs(staged, two.placement(groups), chunking, reads, dims, set(), training=True)
-    eval_progs, _ = emit_programs(staged_eval, two.placement(groups_eval), chunking, reads_eval, dims_eval, set(),
-                                  training=False)
+    place, place_eval = two.placement(groups), two.placement(groups_eval)
+    order = list_schedule(compute_deps(staged, K, reads), place.resource)
+    order_eval = list_schedule(compute_deps(staged_eval, K, reads_eval, training=False), place_eval.resource)
+    train_progs = insert_messages(staged, order, place, chunking, reads, dims, set())
+    eval_progs = insert_messages(staged_eval, order_eval, place_eval, chunking, reads_eval, dims_eval, set())
 
     def stages_of(st: StagedModel, g: dict[int, str], rd: dict, which: str) -> tuple:
         return tuple(with_reads(s, rd.get(s.index, {}), which) for s in st.stages if g[s.index] == which)
@@ -235,8 +238,7 @@ def lower_mop(job: Job, options: MopOptions) -> Lowered:
     # chunk after its last reader and its sends' completion
     return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=[(two.rows, job.numel)],
                    schedule=Schedule("chunk pipeline", K, "list-scheduled"), info=info, options={"chunks": K},
-                   frees=True, program=dict(groups=tuple(g for g in (two.rows, two.cols) if len(g) > 1),
-                                            param_rank=two.rows[0]))
+                   frees=True, program=dict(groups=tuple(g for g in (two.rows, two.cols) if len(g) > 1)))
 
 
 def _dense_step(job: Job, two: TwoGroups, chunking: Chunking, i: int) -> dict[str, Any]:

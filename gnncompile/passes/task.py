@@ -24,10 +24,10 @@ three regimes of §4.1:
 Chunks (§4.2): the vertices are cut into ``chunks`` contiguous ranges. A P task on chunk ``j``
 reads the source rows of every chunk its in-edges reach (exact mode: it waits until each of them
 was produced and received); T tasks read their own chunk. Tasks are list-scheduled
-(:mod:`gnncompile.passes.chunked`): a chunk's output is sent (eager ``SEND``) as soon as it is
+(:mod:`gnncompile.passes.schedule`): a chunk's output is sent (eager ``SEND``) as soon as it is
 computed, so the next task's rank works on chunk ``k`` while this one computes chunk ``k + 1``.
 
-Parameters live on the ranks of the task that uses them (``RankProgram.param_owner``).
+Parameters live on the ranks of the task that uses them (``RankProgram.placement``).
 
 Supported: GCN, GraphSAGE, GIN, GCNII, GAT (edge ops run with the propagation); chained
 propagations (SGC, APPNP, decoupled models) are tasks of their own. Options: task-decoupled
@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
@@ -58,14 +58,14 @@ from ..errors import PlanningError
 from ..graph.core import Graph, GraphStats
 from ..graph.regroup import ChunkRegrouping, RegroupedInputs
 from ..graph.shard import dropout_positions, slice_rows
-from ..ir.plan import RankSizes, Schedule
+from ..ir.plan import Backward, Forward, RankSizes, Schedule
 from ..ir.tpgraph import TPGraph
-from .chunked import Chunking, Group, Placement, Task, chunk_bounds, chunk_edge_ids, chunk_graph, chunk_reads, \
-    emit_programs, propagation_coefficients, stage_groups, stage_reads, with_reads
-from ..frontend.ops import dropout_rows
+from .chunked import Chunking, Group, Placement, chunk_bounds, chunk_edge_ids, chunk_graph, chunk_reads, \
+    propagation_coefficients, stage_groups, stage_reads, with_reads
 from .driver import Job, Lowered, RankLowering
-from .lower import Decisions, StagedModel, call_arguments, propagation_norms, requires_grad_values, source_input, \
-    split_stages, value_dims
+from .lower import Decisions, StagedModel, propagation_norms, requires_grad_values, source_input, split_stages, \
+    value_dims
+from .schedule import compute_deps, insert_messages, list_schedule
 from .strategy import Strategy, StrategyOptions, option, product
 
 __all__ = ["TaskOptions", "task_decisions", "place_tasks", "lower_task", "STRATEGY"]
@@ -293,7 +293,6 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
     passes the cluster's)."""
     graph, stats, num_ranks = job.graph, job.stats, job.num_ranks
     concrete, dropout_inputs, relaxations = job.concrete, job.dropout_inputs, job.relaxations
-    infos = {n.name: n.meta["tp"] for n in job.tp_unrecomputed.graph.nodes if "tp" in n.meta}
 
     def split(t: TPGraph) -> tuple[StagedModel, dict[int, str], dict[int, set[str]]]:
         d = task_decisions(t)
@@ -365,10 +364,11 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
     dims_eval = value_dims(staged_eval.tp)
     needs = requires_grad_values(staged.tp)
     # list-schedule with the tasks' per-chunk times
-    cost = {Task(b, s, k): times[s] / K / 2 for s in times for k in range(K) for b in (False, True)}
-    train_progs, order = emit_programs(staged, place, chunking, reads, dims, needs, training=True, cost=cost,
-                                       stale=stale_reads)
-    eval_progs, _ = emit_programs(staged_eval, place, eval_chunking, reads_eval, dims_eval, set(), training=False)
+    cost = {t(s, k): times[s] / K / 2 for s in times for k in range(K) for t in (Forward, Backward)}
+    order = list_schedule(compute_deps(staged, K, reads), place.resource, cost)
+    order_eval = list_schedule(compute_deps(staged_eval, K, reads_eval, training=False), place.resource)
+    train_progs = insert_messages(staged, order, place, chunking, reads, dims, needs, stale=stale_reads)
+    eval_progs = insert_messages(staged_eval, order_eval, place, eval_chunking, reads_eval, dims_eval, set())
 
     # parameters: on the ranks of the task using them; all-reduced inside hybrid groups
     names, params = job.param_names, job.params
@@ -386,7 +386,6 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
                                 "supported")
     local: dict[int, list[str]] = {gi: sorted(n for n, gs in users.items() if gi in gs)
                                    for gi in range(len(place.groups))}
-    owner = {n: place.groups[next(iter(gs))].members[0] for n, gs in users.items()}
     grad_groups = [(g.members, sum(by_name[n].numel() for n in local[gi] if by_name[n].requires_grad))
                    for gi, g in enumerate(place.groups)]
 
@@ -415,10 +414,12 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
                               trains=rows if gi == out_group else 0,
                               # the rank holds its own tasks' parameters (with their gradients and Adam moments)
                               params=sum(by_name[n].numel() for n in local[gi] if by_name[n].requires_grad))
-            step = inputs.rank(stages, eval_stages, mine, gi == out_group) if inputs is not None else {}
+            step: dict[str, Any] = {}
+            if inputs is not None:
+                step = dict(inputs.rank(stages, eval_stages, mine, gi == out_group),
+                            chunk_rows=tuple(chunking.size(k) for k in range(K)))
             ranks.append(RankLowering(rank=r, stages=stages, instructions=list(train_progs[r]), sizes=sizes,
-                                      eval_stages=eval_stages, eval_instructions=tuple(eval_progs[r]), step=step,
-                                      program={"local_params": tuple(local[gi])} if inputs is not None else {}))
+                                      eval_stages=eval_stages, eval_instructions=tuple(eval_progs[r]), step=step))
     ranks.sort(key=lambda rl: rl.rank)
     info = {
         # model inputs a propagation reads are given to its ranks directly (``x@cols``: rows of x)
@@ -431,13 +432,7 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
         "owned_rows": [rl.sizes.nodes if place.stage_group.get(rl.stages[0].index) == out_group else 0
                        for rl in ranks],
     }
-    program: dict[str, Any] = {}
-    if concrete:
-        program = dict(groups=tuple(g.members for g in place.groups if len(g.members) > 1),
-                       param_rank=owner.get(names[0], 0) if names else 0, param_owner=dict(owner),
-                       dropout_draws=_dropout_draws(staged, dropout_inputs, infos)
-                       if options.dropout == "replicated" else (),
-                       chunk_rows=tuple(chunking.size(k) for k in range(K)))
+    program = dict(groups=tuple(g.members for g in place.groups if len(g.members) > 1)) if concrete else {}
     # FREE releases each stored value after its last use (and its sends' completion): without it
     # every cross-task tensor stays on both the producer and the consumer for the whole step
     return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=grad_groups,
@@ -450,44 +445,6 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
 def _subgraph_chunks(options: TaskOptions) -> int:
     """Base chunks per subgraph under ``dependencies="regrouped"`` (default 2)."""
     return options.subgraph_chunks if options.subgraph_chunks is not None else 2
-
-
-def _dropout_draws(staged: StagedModel, spaces: dict[str, str], infos: dict[str, Any]
-                   ) -> tuple[tuple[int, int, tuple[int, ...], str, float], ...]:
-    """Every replicated dropout of the training model in single-device order, as
-    ``(stage, ordinal in stage, full shape, dtype, p)`` (``RankProgram.dropout_draws``); dropouts
-    inside recomputed segments included (a replay in backward looks its mask up again at the same
-    position, :class:`~gnncompile.passes.recompute.Recompute`). ``infos``: value name ->
-    ``TPInfo`` of the model before recomputation (segment bodies carry none)."""
-    from .recompute import Recompute
-
-    out = []
-    ordinal: dict[int, int] = {}
-    modules = dict(staged.tp.named_modules())
-
-    def visit(nodes: Any, stage_of: Any) -> None:
-        for n in nodes:
-            if n.op == "call_module" and isinstance(modules.get(n.target), Recompute):
-                visit(modules[n.target].body.graph.nodes, lambda _: stage_of(n))
-                continue
-            if n.op != "call_function" or n.target is not dropout_rows:
-                continue
-            args = call_arguments(n)
-            p = float(args["p"])
-            if p == 0.0:
-                continue  # draws nothing
-            s = stage_of(n)
-            k = ordinal.get(s, 0)
-            ordinal[s] = k + 1
-            x = args["x"]
-            t = x.meta["tp"] if "tp" in x.meta else infos[x.name]
-            index = args["index"]
-            # a sparse input's mask is over its stored values (``nnz`` space): one draw per value
-            per_row = () if spaces.get(getattr(index, "name", ""), "") == "nnz" else tuple(t.dims)
-            out.append((s, k, (int(args["num_rows"]),) + per_row, t.dtype or "float32", p))
-
-    visit(staged.tp.graph.nodes, lambda n: staged.stage_of[n.name])
-    return tuple(out)
 
 
 class _ChunkInputs:

@@ -97,11 +97,12 @@ from ..graph.shard import dropout_positions, slice_rows
 from ..frontend.ops import dropout_rows, masked_propagate, propagate
 from ..ir.plan import AllGather, AllToAll, Instruction, RankSizes, Schedule, converted_name
 from ..ir.tpgraph import TPGraph, TPInfo
-from .chunked import Chunking, Group, Task, chunk_bounds, chunk_graph, chunk_reads, propagation_coefficients, \
-    collective_chunk_program, list_schedule, stage_deps, stage_groups, stage_reads, with_reads
+from .chunked import Chunking, Group, chunk_bounds, chunk_graph, chunk_reads, propagation_coefficients, \
+    stage_groups, stage_reads, with_reads
 from .driver import Job, Lowered, RankLowering
-from .lower import Conversion, Decisions, StagedModel, call_arguments, forward_schedule, propagation_norms, \
-    sequential_schedule, source_input, split_stages, value_dims
+from .lower import Conversion, Decisions, StagedModel, call_arguments, propagation_norms, source_input, \
+    split_stages, value_dims
+from .schedule import Order, compute_deps, insert_collectives, list_schedule
 from .strategy import Strategy, StrategyOptions, option, product
 
 __all__ = ["TensorOptions", "tensor_decisions", "chunked_decisions", "column_splits", "row_blocks", "lower_tensor",
@@ -270,7 +271,7 @@ def lower_tensor(job: Job, options: TensorOptions) -> Lowered:
     def convert_for(rank: int, st: StagedModel):
         dims_of = value_dims(st.tp)
 
-        def convert(c: Conversion, grad: bool) -> list[Instruction]:
+        def convert(c: Conversion, chunk: int, grad: bool) -> list[Instruction]:
             dims, dtype = dims_of[c.value]
             if c.kind == "gathered":  # rows -> replicated: all-gather (backward: reduce-scatter)
                 return [AllGather(value=c.value, chunk=0, group=group, shape=(stats.num_nodes, *dims), dtype=dtype,
@@ -289,6 +290,8 @@ def lower_tensor(job: Job, options: TensorOptions) -> Lowered:
                              recv_shapes=recv, dtype=dtype, grad=grad)]
         return convert
 
+    order = list_schedule(compute_deps(staged))
+    order_eval = list_schedule(compute_deps(staged_eval, training=False))
     ranks = []
     for r in range(n):
         step: dict[str, Any] = {}
@@ -298,11 +301,13 @@ def lower_tensor(job: Job, options: TensorOptions) -> Lowered:
                         halo=(tuple(torch.zeros(0, dtype=torch.long) for _ in range(n)), (0,) * n),
                         **job.scored_rows(owned))
         ranks.append(RankLowering(
-            rank=r, stages=tuple(staged.stages), instructions=sequential_schedule(staged, convert_for(r, staged)),
+            rank=r, stages=tuple(staged.stages),
+            instructions=insert_collectives(staged, order, convert_for(r, staged)),
             sizes=RankSizes(nodes=blocks[r], edges=stats.num_edges, src=stats.num_nodes, all_nodes=stats.num_nodes,
                             col_share_ppm=round(1e6 / n)),
             eval_stages=tuple(staged_eval.stages),
-            eval_instructions=tuple(forward_schedule(staged_eval, convert_for(r, staged_eval))), step=step))
+            eval_instructions=tuple(insert_collectives(staged_eval, order_eval, convert_for(r, staged_eval))),
+            step=step))
     info = {"owned_rows": blocks, "layouts": {c.output: c.kind for c in staged.conversions}}
     return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=[(group, job.numel)],
                    schedule=Schedule(), info=info)
@@ -362,7 +367,7 @@ def _lower_chunked(job: Job, options: TensorOptions) -> Lowered:
     slice of every chunk's rows (NeutronTP distributes each chunk's vertex tasks evenly over the
     workers) and runs every chunk's propagation on its columns. Inter-chunk pipelining (§4.2.2):
     every conversion is one all-to-all per chunk, posted right after the chunk is computed
-    (:func:`~gnncompile.passes.chunked.collective_chunk_program`); a propagation's chunk ``j``
+    (:func:`~gnncompile.passes.schedule.insert_collectives`); a propagation's chunk ``j``
     waits for exactly the chunks its in-edges read (exact) and each chunk's slices cross once,
     however many chunks read them, so a step moves the bytes of the unchunked plan. All ranks run
     the chunks in the same order (one list schedule), so their collectives line up.
@@ -389,12 +394,11 @@ def _lower_chunked(job: Job, options: TensorOptions) -> Lowered:
     owners = Group("tensor", group, "rows")
     sub = [owners.sub_rows(chunking, m) for m in range(K)]  # sub[m][r]: rank r's positions of chunk m
 
-    def schedule(st: StagedModel, lab: dict[int, str], rd: dict, training: bool) -> list[tuple[float, Task]]:
+    def schedule(st: StagedModel, lab: dict[int, str], rd: dict, training: bool) -> Order:
         # one resource (every rank runs every task); a conversion between two tasks costs as long
         # as a task, so that another chunk's ready task is placed between a chunk's all-to-all and
         # its consumer: the collective posted first runs while that task computes (Fig. 9c)
-        deps = stage_deps(st, chunking, rd, training)
-        return list_schedule(deps.keys(), lambda t: 0, deps, {},
+        return list_schedule(compute_deps(st, K, rd, training),
                              delay=lambda d, t: 1.0 if lab[d.stage] != lab[t.stage] else 0.0)
 
     order = schedule(staged, labels, reads, True)
@@ -439,13 +443,12 @@ def _lower_chunked(job: Job, options: TensorOptions) -> Lowered:
         rows = sum(sub[m][r][1] - sub[m][r][0] for m in range(K))
         ranks.append(RankLowering(
             rank=r, stages=stages,
-            instructions=collective_chunk_program(staged, chunking, reads, order, convert_for(r, staged),
-                                                  training=True),
+            instructions=insert_collectives(staged, order, convert_for(r, staged), K, reads),
             sizes=RankSizes(nodes=rows, edges=stats.num_edges, src=stats.num_nodes, all_nodes=stats.num_nodes,
                             col_share_ppm=round(1e6 / n), chunks=K),
             eval_stages=eval_stages,
-            eval_instructions=tuple(collective_chunk_program(staged_eval, chunking, reads_eval, order_eval,
-                                                             convert_for(r, staged_eval), training=False)),
+            eval_instructions=tuple(insert_collectives(staged_eval, order_eval, convert_for(r, staged_eval), K,
+                                                       reads_eval)),
             step=step))
     info = {"owned_rows": [rl.sizes.nodes for rl in ranks], "layouts": {c.output: c.kind for c in staged.conversions},
             "pipeline_lag": chunking.lag(), "task_order": [str(t) for _, t in order]}

@@ -410,7 +410,7 @@ class _Rank:
                         self.stale[name, k] = t.detach()
                     read = tuple(sorted(set(read) | set(old)))
                     parts = [fresh[k] if k in fresh else self.stale.get(
-                        (name, k), like.new_zeros((prog.chunk_rows[k],) + tuple(like.shape[1:]))) for k in read]
+                        (name, k), like.new_zeros((self.provider.step.chunk_rows[k],) + tuple(like.shape[1:]))) for k in read]
                     stale_here = set(old)
                 else:
                     gone = [k for k in read if (name, k) in freed]
@@ -681,8 +681,8 @@ def _execute_rows_collective(gather: bool) -> Callable[[_StepState, Any], None]:
 
 def _execute_all_reduce(st: _StepState, ins: AllReduce) -> None:
     rk = st.rank
-    local = set(rk.prog.local_params)
-    params = [p for n, p in zip(rk.prog.param_names, rk.prog.params) if p.requires_grad and (not local or n in local)]
+    placement = rk.prog.placement
+    params = [p for n, p in zip(rk.prog.param_names, rk.prog.params) if p.requires_grad and placement.reduces(n)]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -755,7 +755,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     peak = 0
     history = {"loss": [], "train_acc": [], "val_acc": [], "test_acc": [], "eval_time": []}
     captured: Optional[dict] = {} if capture else None
-    owned = {n for n in prog.param_names if prog.param_owner.get(n, prog.param_rank) == ctx.rank}
+    owned = {n for n in prog.param_names if prog.placement.holder(n) == ctx.rank}
     opts = run_options or {}
     checkpoint: Optional[ckpt.CheckpointOptions] = opts.get("checkpoint")
     patience: Optional[int] = opts.get("patience")
@@ -912,7 +912,7 @@ def _save_rank(rank: "_Rank", optimizer: torch.optim.Optimizer, options: ckpt.Ch
                 "fingerprint": opts["fingerprint"], "same_seed": bool(prog.same_seed),
                 # same-seed plans: the rank that computes every parameterized op draws every mask (a
                 # rank without dense ops draws none), so its stream is the one to continue
-                "rng_rank": int(prog.param_rank)}
+                "rng_rank": int(prog.placement.main)}
 
     ckpt.save(options, done, tensors, rank=r, meta=meta, plan_json=opts.get("plan_json"), process_group=group)
 
@@ -951,7 +951,7 @@ def _restore_rank(rank: "_Rank", optimizer: torch.optim.Optimizer, path: str, me
         state = {k.rsplit("/", 1)[1]: v for k, v in t.items() if k.startswith(f"optim/{n}/")}
         if p.requires_grad and state:  # Adam keeps a scalar step on the CPU, moments beside the parameter
             optimizer.state[p] = {f: v if v.dim() == 0 else v.to(device) for f, v in state.items()}
-    owned = {n for n in prog.param_names if prog.param_owner.get(n, prog.param_rank) == ctx.rank}
+    owned = {n for n in prog.param_names if prog.placement.holder(n) == ctx.rank}
     if meta.get("best_epoch") is not None:
         best.update(val=meta["best_val"], epoch=meta["best_epoch"],
                     params={n: t[f"best/{n}"] for n in owned if f"best/{n}" in t})
@@ -1159,7 +1159,7 @@ def _run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: flo
                       eval_time=h0["eval_time"], stopped_at=results[0].get("stopped_at"))
     p0 = programs[0]
     if results[0]["best"]["epoch"] is not None:  # each parameter from its owner
-        history._best_state = {n: results[p0.param_owner.get(n, p0.param_rank)]["best"]["params"][n]
+        history._best_state = {n: results[p0.placement.holder(n)]["best"]["params"][n]
                                for n in p0.param_names}
     ranks = []
     for r in results:
@@ -1174,7 +1174,7 @@ def _run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: flo
     if update_model:
         with torch.no_grad():
             for p, name in zip(programs[0].params, programs[0].param_names):
-                owner = programs[0].param_owner.get(name, programs[0].param_rank)
+                owner = programs[0].placement.holder(name)
                 if name in results[owner].get("params", {}):
                     p.copy_(results[owner]["params"][name])
     return RunResult(history=history, ranks=ranks, plan=plan, captured=captured, placement=placement)
@@ -1199,7 +1199,7 @@ def _gather_capture(programs: list[RankProgram], results: list[dict]) -> dict:
             owned = r["captured"].get("owned")
             logits[p.step.owned if owned is None else owned] = t
     p0 = programs[0]
-    grads = {n: results[p0.param_owner.get(n, p0.param_rank)]["captured"].get("grads", {}).get(n)
+    grads = {n: results[p0.placement.holder(n)]["captured"].get("grads", {}).get(n)
              for n in p0.param_names}
     return {"logits": logits, "grads": grads}
 
