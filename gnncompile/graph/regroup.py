@@ -34,7 +34,7 @@ epoch's inputs before every training step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -150,13 +150,16 @@ class EpochInputs:
     """One rank's training inputs in one epoch: per subgraph ``{name: value}`` (looked up like
     ``RankProgram.chunk_inputs``); for a rank that scores rows, the vertices it scores (``owned``,
     in subgraph order), where each subgraph's rows start among them (``offsets``, like
-    ``RankProgram.chunk_offsets``) and their labels and training mask (``None`` on other ranks)."""
+    ``StepInputs.chunk_offsets``) and their labels and training mask (``None`` on other ranks);
+    ``sizes``: the epoch's values of the plan's per-step sizes (none: the subgraphs keep fixed
+    sizes)."""
 
     chunk_inputs: dict[int, dict[str, Any]]
     owned: Optional[torch.Tensor] = None
     offsets: Optional[tuple[int, ...]] = None
     labels: Optional[torch.Tensor] = None
     train_mask: Optional[torch.Tensor] = None
+    sizes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -47,7 +47,7 @@ __all__ = [
     "Instruction", "Forward", "Backward", "Recompute", "Send", "Recv", "HaloExchange", "AllToAll",
     "AllGather", "ReduceScatter", "AllReduce", "Free", "OptimizerStep", "INSTRUCTIONS",
     "OpCost", "StageSpec", "DevicePlan", "Plan", "RankProgram", "RankSizes", "Schedule", "StepInputs", "ParamPlacement",
-    "converted_name", "member_rows", "human_bytes",
+    "StepSize", "resolve_shape", "converted_name", "member_rows", "human_bytes",
     "PLAN_FORMAT_VERSION", "plan_differences", "rank_label", "read_plan",
 ]
 
@@ -57,6 +57,78 @@ PLAN_FORMAT_VERSION = 1
 def converted_name(value: str, suffix: str) -> str:
     """Name of the value a conversion writes: ``converted_name("h1", "halo") == "h1@halo"``."""
     return f"{value}@{suffix}"
+
+
+# --------------------------------------------------------------------------- per-step sizes
+class StepSize(int):
+    """A size that changes from step to step (a sampled mini-batch's rows), bounded by ``bound``.
+
+    It *is* its bound as an ``int``: what the cost models, the verifier's byte accounting and
+    memory plans compute with (the worst case). It also carries ``name``, which the runtime resolves
+    every step from the step's sizes (:attr:`StepInputs.step_sizes`, or the step-input provider's
+    view of a step) with :func:`resolve_shape`. Two step sizes are equal when name and bound are: a
+    Send and its Recv, or a collective's members, must agree on the same per-step size; a step size
+    never equals a fixed ``int``. In JSON: ``{"step": name, "max": bound}``.
+    """
+
+    name: str
+
+    def __new__(cls, name: str, bound: int) -> "StepSize":
+        if not isinstance(name, str) or not name:
+            raise VerificationError(f"a per-step size needs a name, got {name!r}")
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+            raise VerificationError(f"per-step size {name!r}: bound must be an int >= 0, got {bound!r}")
+        self = super().__new__(cls, bound)
+        self.name = name
+        return self
+
+    @property
+    def bound(self) -> int:
+        return int(self)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StepSize):
+            return self.name == other.name and int(self) == int(other)
+        return False if isinstance(other, int) else NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    def __hash__(self) -> int:
+        return hash((self.name, int(self)))
+
+    def __repr__(self) -> str:
+        return f"{self.name}<={int(self)}"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> Any:
+        return StepSize, (self.name, int(self))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.name, "max": int(self)}
+
+
+def resolve_shape(shape: Iterable[int], sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """``shape`` with each :class:`StepSize` replaced by this step's value from ``sizes``.
+
+    Raises :class:`~gnncompile.errors.VerificationError` when a step size has no value or exceeds
+    its bound (the plan's byte and memory accounting would not hold).
+    """
+    out = []
+    for d in shape:
+        if isinstance(d, StepSize):
+            if d.name not in sizes:
+                raise VerificationError(f"per-step size {d.name!r} has no value in this step (sizes: "
+                                        f"{', '.join(sorted(sizes)) or 'none'})")
+            v = int(sizes[d.name])
+            if not 0 <= v <= d.bound:
+                raise VerificationError(f"per-step size {d.name!r} is {v} this step, outside its bound 0..{d.bound}")
+            out.append(v)
+        else:
+            out.append(int(d))
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------- instructions
@@ -93,12 +165,17 @@ class Instruction:
 
 
 def _as_tuple(v: Any) -> Any:
-    """JSON lists (nested too) back to the tuples instructions hold."""
+    """JSON lists (nested too) back to the tuples instructions hold; ``{"step", "max"}`` objects
+    back to :class:`StepSize`."""
+    if isinstance(v, dict) and set(v) == {"step", "max"}:
+        return StepSize(v["step"], v["max"])
     return tuple(_as_tuple(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
 def _as_list(v: Any) -> Any:
     """Tuples (nested too, e.g. ``AllToAll.send_shapes``) to the lists JSON holds."""
+    if isinstance(v, StepSize):
+        return v.to_json()
     return [_as_list(x) for x in v] if isinstance(v, (list, tuple)) else v
 
 
@@ -510,6 +587,8 @@ class RankSizes:
     (the per-chunk sizes divide ``nodes``/``edges``/``all_nodes`` by it); ``feature_rows``: input
     feature rows it holds (default ``nodes``); ``trains``: rows it scores (0: none, so it holds no
     parameters unless ``params`` says); ``params``: parameter elements it holds (default: all).
+    Where a step's sizes change (:class:`StepSize`), each field is its bound: the cost models and
+    memory plans plan for the largest step.
     """
 
     nodes: int = 0
@@ -937,7 +1016,9 @@ class StepInputs:
     :class:`~gnncompile.graph.regroup.RegroupedInputs`) whose ``epoch(step)`` replaces the chunk
     inputs, scored rows, labels and training mask of every training step (evaluation keeps these);
     ``chunk_rows``: the rows of every chunk of the step (a stale read of a chunk not received yet
-    is zeros of this many rows).
+    is zeros of this many rows); ``step_sizes``: the values of the plan's per-step sizes
+    (:class:`StepSize`) when they are the same every step (a step-input source whose steps differ,
+    like ``regroup``, gives each step's own).
     """
 
     inputs: dict[str, Any] = field(default_factory=dict)
@@ -949,6 +1030,7 @@ class StepInputs:
     halo: tuple[tuple[Any, ...], tuple[int, ...]] = ((), ())
     regroup: Any = None
     chunk_rows: tuple[int, ...] = ()
+    step_sizes: dict[str, int] = field(default_factory=dict)
 
     def to(self, device: Any) -> "StepInputs":
         """A copy with every tensor (and graph) on ``device``; ``regroup`` moves each epoch's itself."""
@@ -961,7 +1043,7 @@ class StepInputs:
                           chunk_offsets=self.chunk_offsets, labels=move(self.labels),
                           masks={k: move(v) for k, v in self.masks.items()}, owned=self.owned,
                           halo=(tuple(move(t) for t in send_index), recv_count), regroup=self.regroup,
-                          chunk_rows=self.chunk_rows)
+                          chunk_rows=self.chunk_rows, step_sizes=dict(self.step_sizes))
 
 
 @dataclass(frozen=True)

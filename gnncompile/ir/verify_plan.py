@@ -44,6 +44,13 @@ stage output that no stage of the rank consumes and that no grad Recv or grad co
 is a loss root (e.g. the logits): its gradient comes from the loss. Backward(s, c) needs the
 complete gradients of all of s's outputs; a ``grad=True`` Send needs the gradient it sends.
 
+Per-step sizes. A shape entry (``shape``, ``send_shapes``, ``recv_shapes``, halo ``send_rows`` /
+``recv_rows``) may be a :class:`~gnncompile.ir.plan.StepSize`: a size that changes every step (a
+sampled mini-batch's rows), named and bounded; the runtime resolves it each step. The checks
+compare it by name and bound (a Send and its Recv, or a collective's members, must name the same
+one; it never matches a fixed size), and the accounting counts its bound: the volumes of a plan
+with per-step sizes are upper bounds. No other field may hold one.
+
 Communication volume (:class:`PlanReport`) is counted from each rank's own instructions, in bytes
 (``getattr(torch, dtype).itemsize`` per element):
 
@@ -68,7 +75,7 @@ from typing import Any, Iterable, Optional
 
 from ..errors import VerificationError
 from .dataflow import effects
-from .plan import Backward, DevicePlan, Instruction, Plan, StageSpec, human_bytes
+from .plan import Backward, DevicePlan, Instruction, Plan, StageSpec, StepSize, human_bytes
 from .replay import instruction_window, replay
 from .rules import MESSAGE_FIELDS, MissingRuleError, elsize, rule
 
@@ -264,7 +271,16 @@ def _instruction_problem(inst: Instruction, rank: int, n: int, chunks: int,
     shapes = [getattr(inst, "shape", ()), *getattr(inst, "send_shapes", ()), *getattr(inst, "recv_shapes", ())]
     if any(d < 0 for shape in shapes for d in shape):
         return "shapes must not have negative dimensions"
+    for f in fields(inst):
+        v = getattr(inst, f.name)
+        if f.name not in _SIZED_FIELDS and (isinstance(v, StepSize) or isinstance(v, tuple) and any(
+                isinstance(x, StepSize) for x in v)):
+            return f"field {f.name} holds a per-step size; only {', '.join(sorted(_SIZED_FIELDS))} may"
     return r.problem(inst, rank, n, stages)
+
+
+#: The instruction fields whose entries may be per-step sizes (:class:`~gnncompile.ir.plan.StepSize`).
+_SIZED_FIELDS = frozenset({"shape", "send_shapes", "recv_shapes", "send_rows", "recv_rows"})
 
 
 # --------------------------------------------------------------------------- 2. accounting

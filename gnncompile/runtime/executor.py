@@ -42,10 +42,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.graph import _engine_run_backward
 
-from ..errors import RuntimeFailure
+from ..errors import RuntimeFailure, VerificationError
 from ..frontend.ops import MaskCache, dropout_noise
-from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, OptimizerStep, Plan,
-                       RankProgram, Recompute, Recv, ReduceScatter, Send, member_rows)
+from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, Instruction,
+                       OptimizerStep, Plan, RankProgram, Recompute, Recv, ReduceScatter, Send, member_rows,
+                       resolve_shape)
 from ..ir.rules import register_execute, rule
 from . import checkpoint as ckpt
 from .comm import Communicator, HaloSpec, Pending, note_progress
@@ -304,6 +305,14 @@ class _Rank:
         step-input provider's, for a training step or an evaluation)."""
         self.chunk_inputs, self.offsets = view.chunk_inputs, view.offsets
         self.labels, self.train_mask = view.labels, view.train_mask
+        self.sizes = view.sizes
+
+    def shape(self, ins: Instruction, shape: tuple) -> tuple[int, ...]:
+        """``shape`` of ``ins`` with this step's values of its per-step sizes (:class:`StepSize`)."""
+        try:
+            return resolve_shape(shape, self.sizes)
+        except VerificationError as e:
+            raise RuntimeFailure(f"rank {self.ctx.rank}: `{ins}`: {e}") from None
 
     def _rows(self, t: Any, chunk: int) -> Any:
         """Chunk ``chunk``'s rows of a rank-wide per-row tensor (labels, masks)."""
@@ -591,9 +600,9 @@ def _execute_send(st: _StepState, ins: Send) -> None:
     if src is None:  # no gradient reached this value: send zeros of its shape
         src = torch.zeros_like(get(ins.name, c))
     t = _part_slice(src.detach(), ins.part).contiguous()
-    if tuple(t.shape) != tuple(ins.shape):
+    if tuple(t.shape) != rk.shape(ins, ins.shape):
         raise RuntimeFailure(f"rank {rk.ctx.rank}: `{ins}` sends shape {list(t.shape)}, the plan says "
-                             f"{list(ins.shape)}")
+                             f"{list(rk.shape(ins, ins.shape))}")
     st.pending.append((rk.comm.isend(t, ins.peer), t))
     if not ins.grad:
         st.sends.setdefault((ins.name, ins.chunk), []).append(st.pending[-1])
@@ -602,7 +611,7 @@ def _execute_send(st: _StepState, ins: Send) -> None:
 def _execute_recv(st: _StepState, ins: Recv) -> None:
     rk, c, get, grads = st.rank, ins.chunk, st.get, st.grads
     dtype = getattr(torch, ins.dtype)
-    t = rk.comm.recv(ins.shape, dtype, ins.peer, device=rk.ctx.device)
+    t = rk.comm.recv(rk.shape(ins, ins.shape), dtype, ins.peer, device=rk.ctx.device)
     key = (ins.name, c)
     if ins.grad:
         if ins.part:
@@ -641,10 +650,12 @@ def _execute_all_to_all(st: _StepState, ins: AllToAll) -> None:
         raise RuntimeFailure(f"rank {rk.ctx.rank}: no all-to-all from {ins.src_layout} to {ins.dst_layout}")
     # from this rank's side: rows -> cols sends (my rows, q's columns), receives (q's rows, mine)
     # (the columns are the last dimension: [n, H, C] values split C)
+    send_shapes = [rk.shape(ins, s) for s in ins.send_shapes]
+    recv_shapes = [rk.shape(ins, s) for s in ins.recv_shapes]
     if to_cols:
-        row_counts, col_splits = [s[0] for s in ins.recv_shapes], [s[-1] for s in ins.send_shapes]
+        row_counts, col_splits = [s[0] for s in recv_shapes], [s[-1] for s in send_shapes]
     else:
-        row_counts, col_splits = [s[0] for s in ins.send_shapes], [s[-1] for s in ins.recv_shapes]
+        row_counts, col_splits = [s[0] for s in send_shapes], [s[-1] for s in recv_shapes]
     backward = rk.comm.cols_to_rows_async if to_cols else rk.comm.rows_to_cols_async
     if not ins.grad:  # posted: the transfer overlaps the next instructions until a reader waits
         src = get(ins.value, c)
@@ -663,7 +674,7 @@ def _execute_rows_collective(gather: bool) -> Callable[[_StepState, Any], None]:
     balanced blocks in group order (:func:`member_rows`)."""
     def execute(st: _StepState, ins: Union[AllGather, ReduceScatter]) -> None:
         rk, c, get, grads = st.rank, ins.chunk, st.get, st.grads
-        counts = member_rows(ins.shape[0] if ins.shape else 0, len(ins.group))
+        counts = member_rows(rk.shape(ins, ins.shape)[0] if ins.shape else 0, len(ins.group))
         kw = dict(group=rk._group(ins.group), members=ins.group)
         forward, backward = (rk.comm.all_gather_rows, rk.comm.reduce_scatter_rows) if gather else \
             (rk.comm.reduce_scatter_rows, rk.comm.all_gather_rows)

@@ -9,8 +9,8 @@ mask. Evaluation always reads the program's inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -22,13 +22,15 @@ __all__ = ["StepView", "StepInputProvider"]
 @dataclass
 class StepView:
     """The inputs of one step: per-chunk inputs, where each chunk's scored rows start, their labels
-    and training mask, and (for a regrouped epoch) the vertices scored, in that order."""
+    and training mask, (for a regrouped epoch) the vertices scored, in that order, and the values
+    of the plan's per-step sizes (:class:`~gnncompile.ir.plan.StepSize`) in this step."""
 
     chunk_inputs: dict[int, dict[str, Any]]
     offsets: tuple[int, ...]
     labels: Any
     train_mask: Any
     owned: Optional[torch.Tensor] = None
+    sizes: Mapping[str, int] = field(default_factory=dict)
 
 
 class StepInputProvider:
@@ -60,7 +62,8 @@ class StepInputProvider:
     def evaluation(self) -> StepView:
         """The program's own inputs (what evaluation, and training without regrouping, reads)."""
         s = self.step
-        return StepView(s.chunk_inputs, tuple(s.chunk_offsets), s.labels, s.masks.get("train"))
+        return StepView(s.chunk_inputs, tuple(s.chunk_offsets), s.labels, s.masks.get("train"),
+                        sizes=s.step_sizes)
 
     def training(self, epoch: int) -> StepView:
         """The inputs of training step ``epoch`` (a regrouped epoch's subgraphs, made now: part of
@@ -73,4 +76,4 @@ class StepInputProvider:
         scored = e.owned is not None
         return StepView(e.chunk_inputs, tuple(mine.offsets if e.offsets is None else e.offsets),
                         e.labels if scored else mine.labels, e.train_mask if scored else mine.train_mask,
-                        e.owned)
+                        e.owned, {**mine.sizes, **e.sizes})
