@@ -87,7 +87,7 @@ def test_verifier_refuses_a_step_size_outside_shapes() -> None:
     plan = pipeline_plan()
     bad = [dataclasses.replace(i, peer=StepSize("p", 1)) if isinstance(i, Send) else i
            for i in plan.ranks[0].instructions]
-    with pytest.raises(VerificationError, match="field peer holds a per-step size"):
+    with pytest.raises(VerificationError, match="field 'peer' holds a per-step size"):
         verify_plan(edit(plan, 0, bad))
 
 

@@ -126,14 +126,17 @@ class PlanReport:
 
 
 # --------------------------------------------------------------------------- entry point
-def verify_plan(plan: Plan, *, inputs: Optional[Iterable[str]] = None, check_types: bool = True) -> PlanReport:
+def verify_plan(plan: Plan, *, inputs: Optional[Iterable[str]] = None, check_types: bool = True,
+                dry_run: bool = True) -> PlanReport:
     """Check every invariant of ``plan`` (see the module docstring) and dry-run it.
 
     ``inputs`` are the names of the model inputs every rank holds from the start (default: the
     plan's ``info["inputs"]``, else ``g`` and ``x``). ``check_types=False`` skips the per-field
     type checks of the instructions and stages (the costliest check on plans of thousands of
-    messages): for a lowering verifying the plan it has just built from typed constructors;
-    :func:`gnncompile.plan` verifies the chosen plan in full. Returns a
+    messages) and ``dry_run=False`` the dry run (``steps`` is then empty): for a lowering verifying
+    the plan it has just built from typed constructors, which the planner then simulates (the
+    same replay, which raises the same deadlock error); :func:`gnncompile.plan` verifies the
+    chosen plan in full. Returns a
     :class:`PlanReport`; raises :class:`~gnncompile.errors.VerificationError` at the first violation.
     """
     if not isinstance(plan, Plan):
@@ -151,7 +154,7 @@ def verify_plan(plan: Plan, *, inputs: Optional[Iterable[str]] = None, check_typ
     _check_collectives(plan)
     for dp in plan.ranks:
         _check_dataflow(dp, names, chunks, plan.info.get("output"))
-    steps = _dry_run(plan)
+    steps = _dry_run(plan) if dry_run else []
     sent, recv = [0.0] * plan.num_ranks, [0.0] * plan.num_ranks
     for dp in plan.ranks:
         for inst in dp.instructions:
@@ -190,35 +193,48 @@ def _conforms(value: Any, hint: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _checker(hint: Any) -> Any:
-    """A fast predicate for ``hint`` (built once per annotation)."""
+def _checker(hint: Any, sized: bool = False) -> Any:
+    """A fast predicate for ``hint`` (built once per annotation); an ``int`` may be a per-step size
+    (:class:`~gnncompile.ir.plan.StepSize`) only where ``sized``."""
     if hint is bool:
         return lambda v: isinstance(v, bool)
     if hint is int:
-        return lambda v: isinstance(v, int) and not isinstance(v, bool)
+        if sized:
+            return lambda v: isinstance(v, int) and not isinstance(v, bool)
+        return lambda v: type(v) is int
     if hint is str:
         return lambda v: isinstance(v, str)
     if typing.get_origin(hint) is tuple:
         args = typing.get_args(hint)
         if len(args) == 2 and args[1] is Ellipsis or len(args) == 1:  # tuple[X, ...]
-            inner = _checker(args[0])
+            inner = _checker(args[0], sized)
             return lambda v: isinstance(v, tuple) and all(inner(x) for x in v)
-        parts = tuple(_checker(a) for a in args)
+        parts = tuple(_checker(a, sized) for a in args)
         return lambda v: isinstance(v, tuple) and len(v) == len(parts) and all(f(x) for f, x in zip(parts, v))
     return lambda v: True
+
+
+#: The instruction fields whose entries may be per-step sizes (:class:`~gnncompile.ir.plan.StepSize`).
+SIZED_FIELDS = frozenset({"shape", "send_shapes", "recv_shapes", "send_rows", "recv_rows"})
 
 
 @functools.lru_cache(maxsize=None)
 def _field_checkers(cls: type) -> tuple[tuple[str, Any, Any], ...]:
     """(name, predicate, hint) of every dataclass field of ``cls`` (built once per class)."""
     hints = _hints(cls)
-    return tuple((f.name, _checker(hints[f.name]), hints[f.name]) for f in fields(cls))
+    return tuple((f.name, _checker(hints[f.name], f.name in SIZED_FIELDS), hints[f.name]) for f in fields(cls))
+
+
+def _holds_step_size(value: Any) -> bool:
+    return isinstance(value, StepSize) or isinstance(value, tuple) and any(map(_holds_step_size, value))
 
 
 def _type_problem(obj: Any) -> Optional[str]:
     for name, ok, hint in _field_checkers(type(obj)):
         value = getattr(obj, name)
         if not ok(value):
+            if _holds_step_size(value):
+                return f"field {name!r} holds a per-step size ({value!r}); only {', '.join(sorted(SIZED_FIELDS))} may"
             want = getattr(hint, "__name__", None) or str(hint)
             return f"field {name!r} is {value!r}, expected {want}"
     return None
@@ -271,16 +287,7 @@ def _instruction_problem(inst: Instruction, rank: int, n: int, chunks: int,
     shapes = [getattr(inst, "shape", ()), *getattr(inst, "send_shapes", ()), *getattr(inst, "recv_shapes", ())]
     if any(d < 0 for shape in shapes for d in shape):
         return "shapes must not have negative dimensions"
-    for f in fields(inst):
-        v = getattr(inst, f.name)
-        if f.name not in _SIZED_FIELDS and (isinstance(v, StepSize) or isinstance(v, tuple) and any(
-                isinstance(x, StepSize) for x in v)):
-            return f"field {f.name} holds a per-step size; only {', '.join(sorted(_SIZED_FIELDS))} may"
     return r.problem(inst, rank, n, stages)
-
-
-#: The instruction fields whose entries may be per-step sizes (:class:`~gnncompile.ir.plan.StepSize`).
-_SIZED_FIELDS = frozenset({"shape", "send_shapes", "recv_shapes", "send_rows", "recv_rows"})
 
 
 # --------------------------------------------------------------------------- 2. accounting

@@ -290,7 +290,8 @@ def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lower
     plan = Plan(strategy=strategy.name, semantics="relaxed" if job.relaxations else "exact",
                 options={**options.to_dict(), **out.options}, cluster=f"{job.num_ranks} local ranks", ranks=ranks,
                 schedule=out.schedule, relaxations=tuple(job.relaxations), info=info)
-    report = verify_plan(plan, inputs=info["inputs"], check_types=False)  # gc.plan checks the chosen one fully
+    # the plan's bytes; gc.plan checks the chosen plan fully, and the planner's simulation replays each
+    report = verify_plan(plan, inputs=info["inputs"], check_types=False, dry_run=False)
     plan.predictions = {"bytes_sent": [int(round(b)) for b in report.bytes_sent],
                         "bytes_received": [int(round(b)) for b in report.bytes_recv]}
     if job.concrete:
