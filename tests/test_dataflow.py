@@ -30,7 +30,7 @@ from gnncompile.ir.plan import (
     Send,
     StageSpec,
 )
-from gnncompile.ir.replay import _dependencies
+from gnncompile.ir.replay import dependencies
 from gnncompile.ir.verify_plan import _check_dataflow
 from gnncompile.passes.free import insert_frees
 from graph_strategies import sbm_graph, seeded_model
@@ -165,7 +165,7 @@ def test_the_simulator_depends_on_what_the_table_says(plan: gc.Plan) -> None:
     inputs = _inputs(plan)
     for dp in plan.ranks:
         streams = ["comm" if inst.communicates else "compute" for inst in dp.instructions]
-        deps = _dependencies(dp, inputs, streams)
+        deps = dependencies(dp, inputs, streams)
         table = _table(dp)
         for i, eff in enumerate(table):
             used = {key for key in eff.reads + eff.saved + eff.frees if key[0] not in inputs}

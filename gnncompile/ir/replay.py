@@ -49,7 +49,7 @@ from .dataflow import effects
 from .plan import DevicePlan, Plan
 from .rules import InstructionRule, channel, rule
 
-__all__ = ["ReplayEvent", "replay", "deadlock", "instruction_window", "WINDOW", "WHOLE_RANK"]
+__all__ = ["ReplayEvent", "replay", "dependencies", "deadlock", "instruction_window", "WINDOW", "WHOLE_RANK"]
 
 #: Instructions shown on each side of the faulty one in an error.
 WINDOW = 3
@@ -88,7 +88,7 @@ def instruction_window(dp: DevicePlan, index: Optional[int]) -> str:
 
 
 # --------------------------------------------------------------------------- dependencies
-def _dependencies(dp: DevicePlan, inputs: frozenset[str], queues: Sequence[str],
+def dependencies(dp: DevicePlan, inputs: frozenset[str], queues: Sequence[str],
                   rules: Optional[Sequence[InstructionRule]] = None) -> list[set[int]]:
     """Per instruction of ``dp``, the earlier instructions of the rank it depends on: the effects of
     :mod:`gnncompile.ir.dataflow` with the replay's policy (module docstring). ``queues[i]``: the
@@ -206,7 +206,7 @@ def replay(plan: Plan, seconds: Callable[[int, int], float], *,
     if overlap or posted:
         names = plan.info.get("inputs", ("g", "x"))
         inputs = frozenset((names,) if isinstance(names, str) else names)
-        deps: list[list[set[int]]] = [_dependencies(dp, inputs, queues[r], rules[r])
+        deps: list[list[set[int]]] = [dependencies(dp, inputs, queues[r], rules[r])
                                       for r, dp in enumerate(plan.ranks)]
         dependents: list[list[list[int]]] = [[[] for _ in p] for p in progs]
         for r, row in enumerate(deps):
