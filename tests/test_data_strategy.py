@@ -189,7 +189,7 @@ def test_planning_errors(sbm: gc.Graph) -> None:
     with pytest.raises(PlanningError, match="exceeds"):
         gc.plan(model, sbm, gpus=10_000)
     with pytest.raises(PlanningError, match="no lowering yet"):
-        gc.plan(model, sbm, gpus=2, strategy="layer")
+        gc.plan(model, sbm, gpus=2, strategy="split")
 
 
 # --------------------------------------------------------------------------- runtime behaviour
@@ -248,7 +248,7 @@ def test_cli_plan_and_run(tmp_path, capsys) -> None:
     import json
     rec = json.loads((tmp_path / "r.json").read_text())
     assert rec["ranks"] == 2 and len(rec["loss"]) == 2 and len(rec["bytes_sent"]) == 2
-    assert main(["plan", *small, "--gpus", "2", "--strategy", "layer"]) == 1
+    assert main(["plan", *small, "--gpus", "2", "--strategy", "split"]) == 1
     assert "no lowering yet" in capsys.readouterr().err
 
 

@@ -130,6 +130,9 @@ def test_candidates_keep_fixed_options():
     # mop: the naive MoA workflow and an RCM-ordered fine-grain pipeline
     assert {(c.options["chunks"], c.options["reorder"]) for c in cands if c.strategy == "mop"} == {(1, "none"),
                                                                                                 (8, "rcm")}
+    # layer: with and without recomputation, default chunks (4 per stage)
+    assert [c.options for c in cands if c.strategy == "layer"] == [
+        {"seed": 3, "recompute": rc, "semantics": "exact"} for rc in (False, True)]
     with pytest.raises(PlanningError, match="no lowering registered"):
         candidates(Cluster.parse("4xA100"), strategies=["nonsense"])
 
@@ -138,7 +141,8 @@ def test_search_ranks_by_predicted_time(sbm):
     res = search(gcn(sbm), sbm, Cluster.parse("4xA5000"))
     times = [e.step_time for e in res.ranked]
     assert times == sorted(times)
-    assert len(res.ranked) + len(res.rejected) == len(candidates(Cluster.parse("4xA5000"), fixed={})) == 11  # data 4, tensor 3, mop 2, task 2
+    # data 4, tensor 3, mop 2, task 2, layer 2
+    assert len(res.ranked) + len(res.rejected) == len(candidates(Cluster.parse("4xA5000"), fixed={})) == 13
 
 
 def test_fewer_devices_when_allowed(sbm):

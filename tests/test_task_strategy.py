@@ -19,7 +19,8 @@ import gnncompile as gc
 from gnncompile import PlanningError
 from gnncompile.cost_models.formulas import task_gpu_split
 from gnncompile.ir.plan import Forward, Recv, Send
-from gnncompile.passes.task import _runs, _spread, place_tasks
+from gnncompile.passes.chunked import contiguous_runs
+from gnncompile.passes.task import _spread, place_tasks
 from gnncompile.testing import check_plan, reference_step
 from graph_strategies import DT, sbm_graph, seeded_model, small_graphs
 
@@ -155,8 +156,8 @@ def test_eq7_split_and_override(sbm: gc.Graph) -> None:
 
 
 def test_balanced_runs_and_spread() -> None:
-    assert _runs([1, 1, 1, 3], 2) == [(0, 3), (3, 4)]
-    assert _runs([5, 1, 1, 1], 3) == [(0, 1), (1, 2), (2, 4)]
+    assert contiguous_runs([1, 1, 1, 3], 2) == [(0, 3), (3, 4)]
+    assert contiguous_runs([5, 1, 1, 1], 3) == [(0, 1), (1, 2), (2, 4)]
     assert _spread([1.0, 3.0], 4) == [1, 3]
     assert sum(_spread([2.0, 2.0, 1.0], 7)) == 7
 
@@ -345,3 +346,11 @@ def test_cached_dependencies_read_later_chunks_stale(sbm: gc.Graph) -> None:
     assert all(math.isfinite(x) for x in res.history.loss)
     with pytest.raises(PlanningError, match="semantics='relaxed'"):
         gc.plan(model_for("gcn", sbm), sbm, 2, strategy="task", dependencies="cached")
+
+
+def test_free_keeps_a_stage_output_another_op_of_its_stage_saved(sbm: gc.Graph) -> None:
+    """ResGCN: a residual sum is a stage output (sent to the next task) and LayerNorm's saved input in
+    the same stage; FREE after its send must not release the storage the LayerNorm backward reads."""
+    model = seeded_model(lambda f, c: gc.nn.ResGCN(f, 6, c, num_layers=3, norm="layer"), sbm)
+    res = check_plan(model, sbm, 4, strategy="task", chunks=4, rtol=1e-9, atol=1e-11, timeout=120)
+    assert any(type(i).__name__ == "Free" for dp in res.plan.ranks for i in dp.instructions)

@@ -29,20 +29,28 @@ split, ``cols`` split, or whole ``chunks`` dealt round robin) and the chunking; 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 
+from ..cost_models.model import op_time
+from ..cost_models.specs import DeviceSpec
 from ..errors import PlanningError
-from ..graph.core import Graph
-from ..graph.shard import LocalGraph, chunk_edges, chunk_subgraph, propagation_coefficients
-from ..ir.plan import StageSpec
-from .lower import StagedModel
+from ..graph.core import Graph, GraphStats
+from ..graph.regroup import ChunkRegrouping, RegroupedInputs
+from ..graph.shard import LocalGraph, chunk_edges, chunk_subgraph, dropout_positions, propagation_coefficients, \
+    slice_rows
+from ..ir.plan import RankSizes, StageSpec
+from ..ir.tpgraph import TPGraph
+from .driver import Job
+from .lower import StagedModel, propagation_norms, source_input
 
 __all__ = ["Chunking", "chunk_bounds", "chunk_reads", "chunk_graph", "chunk_edge_ids", "propagation_coefficients",
            "GROUP_LAYOUTS", "Group", "Placement", "Block", "held_block", "needed_block", "intersect", "slab",
-           "stage_groups", "stage_reads", "with_reads"]
+           "stage_groups", "stage_reads", "with_reads", "contiguous_runs", "stage_times", "pipeline_sources",
+           "group_parameters", "ChunkInputs"]
 
 
 def chunk_bounds(num_nodes: int, num_chunks: int) -> tuple[int, ...]:
@@ -274,3 +282,158 @@ def with_reads(stage: StageSpec, reads: dict[str, tuple[tuple[int, ...], ...]], 
 
     return replace(stage, reads=tuple(sorted(reads.items())), group=group,
                    stale=tuple(sorted((stale or {}).items())))
+
+
+# --------------------------------------------------------------------------- stage pipelines over rank groups
+def contiguous_runs(times: Sequence[float], parts: int) -> list[tuple[int, int]]:
+    """Cut ``times`` (in order) into ``parts`` contiguous non-empty runs ``[a, b)`` minimizing the
+    largest sum (exact dynamic program, O(parts n^2))."""
+    n = len(times)
+    if not 1 <= parts <= n:
+        raise PlanningError(f"cannot cut {n} stage(s) into {parts} non-empty runs")
+    prefix = [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + t)
+    best = [[math.inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for p in range(1, parts + 1):
+        for i in range(p, n + 1):
+            for j in range(p - 1, i):
+                v = max(best[p - 1][j], prefix[i] - prefix[j])
+                if v < best[p][i]:
+                    best[p][i], cut[p][i] = v, j
+    out, i = [], n
+    for p in range(parts, 0, -1):
+        j = cut[p][i]
+        out.append((j, i))
+        i = j
+    return out[::-1]
+
+
+def stage_times(staged: StagedModel, stats: GraphStats, device: DeviceSpec) -> dict[int, float]:
+    """Forward + backward seconds of every stage on the whole graph (the cost model's per-op times;
+    NeutronTask Eq. 5–6 for tasks)."""
+    sizes = RankSizes(nodes=stats.num_nodes, edges=stats.num_edges, src=stats.num_nodes, all_nodes=stats.num_nodes)
+    return {st.index: sum(op_time(op, sizes, device) + op_time(op, sizes, device, backward=True) for op in st.costs)
+            for st in staged.stages}
+
+
+def pipeline_sources(tp: TPGraph, staged: StagedModel, labels: dict[int, str], strategy: str,
+                     unit: str = "stage") -> dict[int, set[str]]:
+    """Each propagation stage's (``cols`` label) inputs read on the source side (every chunk their
+    in-edges reach), after the refusals of a stage pipeline: a propagation reading its source from
+    inside its own stage (its other chunks would not be computed yet), and an edge value (E-space)
+    crossing stages (per-chunk edge sets differ), both :class:`PlanningError` naming ``strategy``
+    (and calling a stage ``unit``)."""
+    nodes = {n.name: n for n in tp.graph.nodes}
+    sources: dict[int, set[str]] = {}
+    conv = {c.output for c in staged.conversions}
+    for st in staged.stages:
+        if labels[st.index] == "rows":
+            continue
+        for op in st.ops:
+            src = source_input(nodes[op])
+            if src is None:
+                continue
+            name = f"{src.name}@cols" if f"{src.name}@cols" in conv else src.name
+            if name not in st.inputs:
+                raise PlanningError(f"strategy {strategy!r}: {op!r} reads {src.name!r} on the source side from inside "
+                                    f"its own {unit}; its other chunks would not be computed yet")
+            sources.setdefault(st.index, set()).add(name)
+    producer = {o: s.index for s in staged.stages for o in s.outputs}
+    for st in staged.stages:
+        for u in st.inputs:
+            node = nodes.get(u)
+            info = node.meta.get("tp") if node is not None else None
+            if u in producer and info is not None and getattr(info, "space", "V") != "V":
+                raise PlanningError(f"strategy {strategy!r}: {u!r} ({info.space}-space: one value per edge) is "
+                                    f"computed in {unit} {producer[u]} and read in {unit} {st.index}; edge values "
+                                    f"cannot cross {unit}s (per-chunk edge sets differ) — e.g. a decoupled GAT; use "
+                                    "strategy='data'")
+    return sources
+
+
+def group_parameters(job: Job, staged: StagedModel, place: Placement) -> tuple[list[int], list[tuple[tuple[int, ...], int]]]:
+    """Parameters live on the group whose stages use them: ``(trainable elements each group holds,
+    [(group's ranks, trainable elements)] for the gradient all-reduce inside each group)``.
+    Raises :class:`PlanningError` for a parameter used by stages of two groups."""
+    by_name = dict(zip(job.param_names, job.params))
+    ident = {id(p): n for n, p in by_name.items()}  # stage modules share the model's parameters
+    users: dict[str, set[int]] = {}
+    for s, mod in staged.modules.items():
+        for p in mod.parameters():
+            if id(p) in ident:
+                users.setdefault(ident[id(p)], set()).add(place.stage_group[s])
+    for n, gs in users.items():
+        if len(gs) > 1:
+            raise PlanningError(f"strategy {job.strategy!r}: parameter {n!r} is used by stages on different ranks "
+                                f"({', '.join(place.groups[g].name for g in sorted(gs))}); shared parameters are not "
+                                "supported")
+    held = [sum(by_name[n].numel() for n, gs in users.items() if gi in gs and by_name[n].requires_grad)
+            for gi in range(len(place.groups))]
+    return held, [(g.members, held[gi]) for gi, g in enumerate(place.groups)]
+
+
+class ChunkInputs:
+    """The step inputs of a concrete stage pipeline's ranks: per chunk, the graph slice and the
+    blocks of the model inputs its stages read; with a ``regrouping`` (NeutronTask Algorithm 1) the
+    training inputs come per epoch (:class:`~gnncompile.graph.regroup.RegroupedInputs`)."""
+
+    def __init__(self, job: Job, staged: StagedModel, staged_eval: StagedModel, chunking: Chunking,
+                 regrouping: Optional[ChunkRegrouping] = None) -> None:
+        self.job, self.chunking, self.regrouping = job, chunking, regrouping
+        self.coefficients = propagation_coefficients(job.graph, propagation_norms(job.tp, job.tp_eval))
+        self.conv_out = {c.output: c.value for c in staged.conversions} | \
+            {c.output: c.value for c in staged_eval.conversions}
+        self.model_inputs = {"x", *job.dropout_inputs}
+        self.graphs: dict[int, Any] = {}
+
+    def block(self, name: str, k: int) -> Any:
+        """Chunk ``k``'s block of the model input ``name`` (features or a dropout index)."""
+        graph, chunking = self.job.graph, self.chunking
+        ids = torch.arange(chunking.bounds[k], chunking.bounds[k + 1])
+        if name == "x":
+            return slice_rows(graph.x, ids) if graph.x is not None else None
+        return dropout_positions(self.job.dropout_inputs[name], graph, ids, chunk_edge_ids(graph, chunking, k))
+
+    def rank(self, stages: tuple, eval_stages: tuple, mine: list[int], scores: bool) -> dict[str, Any]:
+        """The step inputs of a rank running ``stages`` on the chunks ``mine`` (``scores``: it computes
+        the output, so it holds the labels and masks of its chunks' rows)."""
+        job, chunking, graph = self.job, self.chunking, self.job.graph
+        K = chunking.num_chunks
+        chunk_inputs: dict[int, dict[str, Any]] = {}
+        regroup = None
+        if self.regrouping is not None:
+            needs: dict[int, dict[str, str]] = {}
+            for st in stages:
+                for u in st.inputs:
+                    base = self.conv_out.get(u, u)
+                    kind = "graph" if u == "g" else "features" if base == "x" else job.dropout_inputs.get(base)
+                    for k in mine if kind is not None else ():
+                        for m in st.chunks_read(u, k) if st.reads else (k,):
+                            needs.setdefault(m, {})[u] = kind
+            regroup = RegroupedInputs.for_rank(self.regrouping, needs, tuple(mine) if scores else ())
+        for group in (eval_stages,) if regroup is not None else (stages, eval_stages):
+            for st in group:
+                for u in st.inputs:
+                    base = self.conv_out.get(u, u)
+                    for k in mine:
+                        for m in st.chunks_read(u, k) if st.reads else (k,):
+                            d = chunk_inputs.setdefault(m, {})
+                            if u == "g":
+                                if m not in self.graphs:
+                                    self.graphs[m] = chunk_graph(graph, chunking, m, *self.coefficients)
+                                d["g"] = self.graphs[m]
+                            elif base in self.model_inputs and u not in d:
+                                d[u] = self.block(base, m)
+        out: dict[str, Any] = dict(inputs={}, chunk_inputs=chunk_inputs, regroup=regroup, halo=((), ()),
+                                   owned=torch.zeros(0, dtype=torch.long), labels=None,
+                                   masks={"train": None, "val": None, "test": None},
+                                   chunk_offsets=(0,) * (K + 1),  # a rank without rows to score: every chunk empty
+                                   chunk_rows=tuple(chunking.size(k) for k in range(K)))
+        if scores:
+            per_chunk = [torch.arange(chunking.bounds[k], chunking.bounds[k + 1]) if k in mine
+                         else torch.zeros(0, dtype=torch.long) for k in range(K)]
+            out.update(job.scored_rows(per_chunk))
+        return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import PlanningError
-from . import data, mop, task, tensor
+from . import data, layer, mop, task, tensor
 from .strategy import ANY, OptionSpec, Strategy
 
 __all__ = ["STRATEGIES", "PLANNED", "get", "option_specs", "neutral_values"]
@@ -19,10 +19,11 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     tensor.STRATEGY,
     mop.STRATEGY,
     task.STRATEGY,
+    layer.STRATEGY,
 )}
 
 #: strategies of DESIGN.md without a lowering yet
-PLANNED = ("layer", "split")
+PLANNED = ("split",)
 
 
 def get(name: str) -> Strategy:

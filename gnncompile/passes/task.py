@@ -49,19 +49,14 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-import torch
-
 from ..cost_models.formulas import task_gpu_split
-from ..cost_models.hardware import DEVICES, DeviceSpec
-from ..cost_models.model import op_time
+from ..cost_models.hardware import DEVICES
 from ..errors import PlanningError
-from ..graph.core import Graph, GraphStats
-from ..graph.regroup import ChunkRegrouping, RegroupedInputs
-from ..graph.shard import dropout_positions, slice_rows
+from ..graph.regroup import ChunkRegrouping
 from ..ir.plan import Backward, Forward, RankSizes, Schedule
 from ..ir.tpgraph import TPGraph
-from .chunked import Chunking, Group, Placement, chunk_bounds, chunk_edge_ids, chunk_graph, chunk_reads, \
-    propagation_coefficients, stage_groups, stage_reads, with_reads
+from .chunked import ChunkInputs, Chunking, Group, Placement, chunk_bounds, chunk_edge_ids, chunk_reads, \
+    contiguous_runs, group_parameters, pipeline_sources, stage_groups, stage_reads, stage_times, with_reads
 from .driver import Job, Lowered, RankLowering
 from .lower import Decisions, StagedModel, propagation_norms, requires_grad_values, source_input, split_stages, \
     value_dims
@@ -155,60 +150,7 @@ def task_decisions(tp: TPGraph) -> Decisions:
     return Decisions(layout=layout, needs=needs, default_layout="rows", output_layout=None, pure_stages=True)
 
 
-def _check_model(tp: TPGraph, staged: StagedModel, labels: dict[int, str]) -> dict[int, set[str]]:
-    """Refusals of the module docstring; returns each P task's converted source inputs."""
-    nodes = {n.name: n for n in tp.graph.nodes}
-    sources: dict[int, set[str]] = {}
-    conv = {c.output for c in staged.conversions}
-    for st in staged.stages:
-        if labels[st.index] == "rows":
-            continue
-        for op in st.ops:
-            src = source_input(nodes[op])
-            if src is None:
-                continue
-            name = f"{src.name}@cols" if f"{src.name}@cols" in conv else src.name
-            if name not in st.inputs:  # task_decisions starts a new task at every chained propagation
-                raise PlanningError(f"strategy 'task': {op!r} reads {src.name!r} on the source side from inside its "
-                                    "own task; its other chunks would not be computed yet")
-            sources.setdefault(st.index, set()).add(name)
-    producer = {o: s.index for s in staged.stages for o in s.outputs}
-    for st in staged.stages:
-        for u in st.inputs:
-            node = nodes.get(u)
-            info = node.meta.get("tp") if node is not None else None
-            if u in producer and info is not None and getattr(info, "space", "V") != "V":
-                raise PlanningError(f"strategy 'task': {u!r} ({info.space}-space: one value per edge) is computed in "
-                                    f"task {producer[u]} and read in task {st.index}; edge values cannot cross tasks "
-                                    "(per-chunk edge sets differ) — e.g. a decoupled GAT; use strategy='data'")
-    return sources
-
-
 # --------------------------------------------------------------------------- placement
-def _runs(times: list[float], parts: int) -> list[tuple[int, int]]:
-    """Cut ``times`` (in order) into ``parts`` contiguous non-empty runs minimizing the largest sum."""
-    n = len(times)
-    prefix = [0.0]
-    for t in times:
-        prefix.append(prefix[-1] + t)
-    INF = math.inf
-    best = [[INF] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for p in range(1, parts + 1):
-        for i in range(p, n + 1):
-            for j in range(p - 1, i):
-                v = max(best[p - 1][j], prefix[i] - prefix[j])
-                if v < best[p][i]:
-                    best[p][i], cut[p][i] = v, j
-    out, i = [], n
-    for p in range(parts, 0, -1):
-        j = cut[p][i]
-        out.append((j, i))
-        i = j
-    return out[::-1]
-
-
 def _spread(times: list[float], ranks: int) -> list[int]:
     """Ranks per task (each at least one) so that the largest time per rank is smallest (greedy)."""
     counts = [1] * len(times)
@@ -246,7 +188,7 @@ def place_tasks(labels: dict[int, str], times: dict[int, float], num_ranks: int,
         n_t = num_ranks - n_p
         rank = 0
         for kind, sts, parts in (("T", t_st, n_t), ("P", p_st, n_p)):
-            for a, b in _runs([times[s] for s in sts], parts):
+            for a, b in contiguous_runs([times[s] for s in sts], parts):
                 for s in sts[a:b]:
                     stage_group[s] = len(groups)
                 groups.append(Group(f"{kind}[{','.join(map(str, sts[a:b]))}]", (rank,), "chunks"))
@@ -264,14 +206,6 @@ def place_tasks(labels: dict[int, str], times: dict[int, float], num_ranks: int,
             groups.append(Group(f"{kind}[{s}]", tuple(range(rank, rank + size[s])), "chunks"))
             rank += size[s]
     return Placement(tuple(groups), stage_group), regime, (n_t, n_p)
-
-
-def task_times(staged: StagedModel, stats: GraphStats, device: DeviceSpec) -> dict[int, float]:
-    """Forward + backward seconds of every task on the whole graph (NeutronTask Eq. 5–6 through the
-    cost model's per-op times)."""
-    sizes = RankSizes(nodes=stats.num_nodes, edges=stats.num_edges, src=stats.num_nodes, all_nodes=stats.num_nodes)
-    return {st.index: sum(op_time(op, sizes, device) + op_time(op, sizes, device, backward=True) for op in st.costs)
-            for st in staged.stages}
 
 
 def _default_chunks(place: Placement, num_nodes: int) -> int:
@@ -298,7 +232,7 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
         d = task_decisions(t)
         st = split_stages(t, d)
         labels = {s: ("rows" if lab == "rows" else "cols") for s, lab in stage_groups(st, d.layout_of).items()}
-        return st, labels, _check_model(t, st, labels)
+        return st, labels, pipeline_sources(t, st, labels, "task", "task")
 
     staged, labels, sources = split(job.tp)
     staged_eval, labels_eval, sources_eval = split(job.tp_eval)
@@ -309,7 +243,7 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
     device = job.device
     if device is None:
         device = DEVICES["A100"]
-    times = task_times(staged, stats, device)
+    times = stage_times(staged, stats, device)
     place, regime, (n_t, n_p) = place_tasks(labels, times, num_ranks, options.p_ranks)
     K = options.chunks if options.chunks is not None else _default_chunks(place, stats.num_nodes)
     biggest = max(len(g.members) for g in place.groups)
@@ -371,26 +305,15 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
     eval_progs = insert_messages(staged_eval, order_eval, place, eval_chunking, reads_eval, dims_eval, set())
 
     # parameters: on the ranks of the task using them; all-reduced inside hybrid groups
-    names, params = job.param_names, job.params
-    by_name = dict(zip(names, params))
-    users: dict[str, set[int]] = {}
-    ident = {id(p): n for n, p in zip(names, params)}  # stage modules share the model's parameters
-    for s, mod in staged.modules.items():
-        for _, p in mod.named_parameters():
-            if id(p) in ident:
-                users.setdefault(ident[id(p)], set()).add(place.stage_group[s])
-    for n, gs in users.items():
-        if len(gs) > 1:
-            raise PlanningError(f"strategy 'task': parameter {n!r} is used by tasks on different ranks "
-                                f"({', '.join(place.groups[g].name for g in sorted(gs))}); shared parameters are not "
-                                "supported")
-    local: dict[int, list[str]] = {gi: sorted(n for n, gs in users.items() if gi in gs)
-                                   for gi in range(len(place.groups))}
-    grad_groups = [(g.members, sum(by_name[n].numel() for n in local[gi] if by_name[n].requires_grad))
-                   for gi, g in enumerate(place.groups)]
+    held, grad_groups = group_parameters(job, staged, place)
 
     out_group = place.stage_group[staged.stage_of[staged.output]]
-    inputs = _ChunkInputs(job, staged, staged_eval, graph_chunking, options) if concrete else None
+    regrouping = None
+    if concrete and regrouped:  # training inputs come per epoch; the program's are evaluation's
+        regrouping = ChunkRegrouping(graph, chunk_bounds(graph.num_nodes, K * _subgraph_chunks(options)),
+                                     graph_chunking.bounds, options.seed,
+                                     tuple(sorted(propagation_norms(job.tp, job.tp_eval))))
+    inputs = ChunkInputs(job, staged, staged_eval, graph_chunking, regrouping) if concrete else None
     ranks = []
     for gi, g in enumerate(place.groups):
         is_p = any(labels[s] == "cols" for s, x in place.stage_group.items() if x == gi)
@@ -413,11 +336,8 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
                               feature_rows=(stats.num_nodes if is_p else rows) if reads_x else 0,
                               trains=rows if gi == out_group else 0,
                               # the rank holds its own tasks' parameters (with their gradients and Adam moments)
-                              params=sum(by_name[n].numel() for n in local[gi] if by_name[n].requires_grad))
-            step: dict[str, Any] = {}
-            if inputs is not None:
-                step = dict(inputs.rank(stages, eval_stages, mine, gi == out_group),
-                            chunk_rows=tuple(chunking.size(k) for k in range(K)))
+                              params=held[gi])
+            step = inputs.rank(stages, eval_stages, mine, gi == out_group) if inputs is not None else {}
             ranks.append(RankLowering(rank=r, stages=stages, instructions=list(train_progs[r]), sizes=sizes,
                                       eval_stages=eval_stages, eval_instructions=tuple(eval_progs[r]), step=step))
     ranks.sort(key=lambda rl: rl.rank)
@@ -445,76 +365,6 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
 def _subgraph_chunks(options: TaskOptions) -> int:
     """Base chunks per subgraph under ``dependencies="regrouped"`` (default 2)."""
     return options.subgraph_chunks if options.subgraph_chunks is not None else 2
-
-
-class _ChunkInputs:
-    """The step inputs of a concrete ``task`` plan's ranks: per chunk, the graph slice and the blocks
-    of the model inputs its stages read; under ``dependencies="regrouped"`` the training inputs
-    come per epoch (:class:`~gnncompile.graph.regroup.RegroupedInputs`)."""
-
-    def __init__(self, job: Job, staged: StagedModel, staged_eval: StagedModel, chunking: Chunking,
-                 options: TaskOptions) -> None:
-        self.job, self.chunking = job, chunking
-        graph = job.graph
-        K = chunking.num_chunks
-        norms = propagation_norms(job.tp, job.tp_eval)
-        self.coefficients = propagation_coefficients(graph, norms)
-        self.conv_out = {c.output: c.value for c in staged.conversions} | \
-            {c.output: c.value for c in staged_eval.conversions}
-        self.model_inputs = {"x", *job.dropout_inputs}
-        self.regrouping = None
-        if options.dependencies == "regrouped":  # training inputs come per epoch; the program's are evaluation's
-            self.regrouping = ChunkRegrouping(graph, chunk_bounds(graph.num_nodes, K * _subgraph_chunks(options)),
-                                              chunking.bounds, options.seed, tuple(sorted(norms)))
-        self.graphs: dict[int, Any] = {}
-
-    def block(self, name: str, k: int) -> Any:
-        """Chunk ``k``'s block of the model input ``name`` (features or a dropout index)."""
-        graph, chunking = self.job.graph, self.chunking
-        ids = torch.arange(chunking.bounds[k], chunking.bounds[k + 1])
-        if name == "x":
-            return slice_rows(graph.x, ids) if graph.x is not None else None
-        return dropout_positions(self.job.dropout_inputs[name], graph, ids, chunk_edge_ids(graph, chunking, k))
-
-    def rank(self, stages: tuple, eval_stages: tuple, mine: list[int], scores: bool) -> dict[str, Any]:
-        """The step inputs of a rank running ``stages`` on the chunks ``mine`` (``scores``: it computes
-        the output, so it holds the labels and masks of its chunks' rows)."""
-        job, chunking, graph = self.job, self.chunking, self.job.graph
-        K = chunking.num_chunks
-        chunk_inputs: dict[int, dict[str, Any]] = {}
-        regroup = None
-        if self.regrouping is not None:
-            needs: dict[int, dict[str, str]] = {}
-            for st in stages:
-                for u in st.inputs:
-                    base = self.conv_out.get(u, u)
-                    kind = "graph" if u == "g" else "features" if base == "x" else job.dropout_inputs.get(base)
-                    for k in mine if kind is not None else ():
-                        for m in st.chunks_read(u, k) if st.reads else (k,):
-                            needs.setdefault(m, {})[u] = kind
-            regroup = RegroupedInputs.for_rank(self.regrouping, needs, tuple(mine) if scores else ())
-        for group in (eval_stages,) if regroup is not None else (stages, eval_stages):
-            for st in group:
-                for u in st.inputs:
-                    base = self.conv_out.get(u, u)
-                    for k in mine:
-                        for m in st.chunks_read(u, k) if st.reads else (k,):
-                            d = chunk_inputs.setdefault(m, {})
-                            if u == "g":
-                                if m not in self.graphs:
-                                    self.graphs[m] = chunk_graph(graph, chunking, m, *self.coefficients)
-                                d["g"] = self.graphs[m]
-                            elif base in self.model_inputs and u not in d:
-                                d[u] = self.block(base, m)
-        out: dict[str, Any] = dict(inputs={}, chunk_inputs=chunk_inputs, regroup=regroup, halo=((), ()),
-                                   owned=torch.zeros(0, dtype=torch.long), labels=None,
-                                   masks={"train": None, "val": None, "test": None},
-                                   chunk_offsets=(0,) * (K + 1))  # a rank without rows to score: every chunk empty
-        if scores:
-            per_chunk = [torch.arange(chunking.bounds[k], chunking.bounds[k + 1]) if k in mine
-                         else torch.zeros(0, dtype=torch.long) for k in range(K)]
-            out.update(job.scored_rows(per_chunk))
-        return out
 
 
 STRATEGY = Strategy("task", TaskOptions, lower_task, summary="NeutronTask: T and P tasks on separate ranks, "

@@ -277,9 +277,10 @@ class _Rank:
         completed (:mod:`gnncompile.passes.free`), so waiting for them here returns at once; a send
         buffer of whole rows aliases the value. The output's autograd node stays; its storage is
         swapped for one element (Megatron-LM's ``deallocate_output_tensor``) and its backward runs
-        through :func:`_run_backward`, which does not compare the gradient's shape with it. A value
-        some other tensor still shares storage with (a local consumer's input leaf, an autograd node
-        that saved it) keeps that storage alive through it, so the release never changes results.
+        through :func:`_run_backward`, which does not compare the gradient's shape with it. Only a
+        pure output is such a root: one another op of its stage also read may be saved by that
+        op's backward (a LayerNorm on a residual sum) and keeps its storage (the step does not
+        record it as a root); a local consumer's input leaf is a tensor of its own.
         """
         for work, buf in sends.pop(key, ()):
             work.wait()
@@ -455,8 +456,11 @@ class _Rank:
                 take_loss(ins.chunk, outd[output])
             if optimizer is not None:
                 saved[(ins.stage, ins.chunk)] = (leaves, outd)
-                for o, v in outd.items():
-                    if isinstance(v, torch.Tensor) and v.requires_grad:
+                inner = _outputs_used_inside(modules[ins.stage])
+                for i, (o, v) in enumerate(outd.items()):
+                    # an output another op of its stage also read may be saved by that op's backward:
+                    # only a pure output is a root whose storage Free may release
+                    if isinstance(v, torch.Tensor) and v.requires_grad and i not in inner:
                         roots[(o, ins.chunk)] = v
 
         def backward(ins: Backward) -> None:
@@ -587,6 +591,23 @@ def _execute_optimizer_step(st: _StepState, ins: OptimizerStep) -> None:
                                for n, p in zip(prog.param_names, prog.params)}
     st.optimizer.step()
     st.optimizer.zero_grad(set_to_none=True)
+
+
+def _outputs_used_inside(module: Any) -> frozenset[int]:
+    """Positions of a stage module's outputs that another op of the module also reads (cached on
+    the module)."""
+    cached = getattr(module, "_gnncompile_inner_outputs", None)
+    if cached is None:
+        graph = getattr(module, "graph", None)
+        cached = frozenset()
+        if graph is not None:
+            out = next((n for n in graph.nodes if n.op == "output"), None)
+            values = out.args[0] if out is not None else ()
+            values = values if isinstance(values, (tuple, list)) else (values,)
+            cached = frozenset(i for i, v in enumerate(values) if isinstance(v, torch.fx.Node)
+                               and any(u.op != "output" for u in v.users))
+        module._gnncompile_inner_outputs = cached
+    return cached
 
 
 def _execute_free(st: _StepState, ins: Free) -> None:

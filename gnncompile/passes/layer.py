@@ -1,0 +1,167 @@
+"""The ``layer`` strategy (GNNPipe): runs of consecutive layers on different ranks, chunks pipelined; exact.
+
+GNNPipe §3.2–3.4: instead of cutting the graph over the GPUs (``data``), cut the *model*: each rank
+holds a run of consecutive layers (a pipeline stage) for every vertex, and the vertices stream
+through the stages in chunks, so that only a stage's last hidden state crosses ranks: ``2 (S - 1) N
+H`` bytes per step for ``S`` stages whatever the graph (a model carrying more across a boundary,
+GCNII's initial residual ``x0`` or a skip connection, sends those values too).
+
+The model's operators are cut into tasks as :mod:`gnncompile.passes.task` cuts them (T ops, and
+each propagation with its edge ops in a task of its own, so that a propagation's chunk ``j`` can
+read the chunks its in-edges reach), but no task boundary converts anything: every rank holds whole
+feature rows. The tasks, in model order, are cut into ``S`` = ranks contiguous runs of balanced
+cost-model time (:func:`~gnncompile.passes.chunked.contiguous_runs`), one run per rank. The vertices
+are cut into ``chunks`` contiguous chunks (default ``4 S``, GNNPipe's). Exact semantics: a chunk's
+propagation waits for every chunk its in-edges read, computed this step (the dependency rule of
+``task``); the step is list-scheduled (:mod:`gnncompile.passes.schedule`: forwards first, chunk by
+chunk, GPipe-like), values crossing ranks move as point-to-point chunk messages, gradients back.
+One step equals single-device training. Because a layer's propagation needs the previous layer on
+every chunk its in-edges reach, exact mode mostly serializes the stages on a graph without
+locality; GNNPipe's relaxed mode (historical embeddings) is what overlaps them.
+
+Parameters live on the rank of the stage using them (a parameter shared by two stages is refused).
+Refused with :class:`~gnncompile.errors.PlanningError`: more ranks than tasks, edge values crossing
+stages, a propagation reading its source from its own task, sparse input features read by a
+propagation, row-mixing T ops under ``semantics="exact"``.
+
+Not built yet (issue 20): GNNPipe's relaxed mode (historical embeddings, chunk shuffling, fixed
+history, no historical gradients), METIS-based chunking, 1F1B, and the hybrid with ``data``
+(``S`` groups of ``G`` ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+from ..cost_models.hardware import DEVICES
+from ..errors import PlanningError
+from ..ir.plan import Backward, Forward, RankSizes, Schedule
+from ..ir.tpgraph import TPGraph
+from .chunked import ChunkInputs, Chunking, Group, Placement, chunk_bounds, chunk_edge_ids, chunk_reads, \
+    contiguous_runs, group_parameters, pipeline_sources, stage_groups, stage_reads, stage_times, with_reads
+from .driver import Job, Lowered, RankLowering
+from .lower import Decisions, StagedModel, requires_grad_values, split_stages, value_dims
+from .schedule import compute_deps, insert_messages, list_schedule
+from .strategy import Strategy, StrategyOptions, option, product
+from .task import task_decisions
+
+__all__ = ["LayerOptions", "layer_decisions", "place_layers", "lower_layer", "STRATEGY"]
+
+
+@dataclass(frozen=True)
+class LayerOptions(StrategyOptions):
+    """Options of the ``layer`` strategy (``seed``, ``semantics``, ``dropout``: :class:`StrategyOptions`)."""
+
+    strategy = "layer"
+
+    chunks: Optional[int] = option(None, "Vertex chunks streamed through the stages (default: 4 per stage, "
+                                         "GNNPipe's).", kind="optional_positive_int", neutral=1,
+                                   cli="vertex chunks streamed through the stages (default 4 per stage)")
+    recompute: bool = option(False, "Recompute T segments in backward instead of keeping their intermediates.",
+                             kind="bool", pinned=True,
+                             cli="recompute T segments in backward instead of keeping their intermediates")
+
+    @classmethod
+    def space(cls, semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
+        return product({"recompute": [False, True]}, fixed, semantics=semantics)
+
+
+def layer_decisions(tp: TPGraph) -> Decisions:
+    """:func:`~gnncompile.passes.task.task_decisions`' tasks without conversions: every value keeps
+    whole feature rows, so a task boundary on one rank is only a stage boundary, and across ranks a
+    chunk message of the value itself."""
+    return replace(task_decisions(tp), needs={})
+
+
+def place_layers(times: dict[int, float], num_ranks: int) -> Placement:
+    """One rank per run of consecutive tasks, the runs balancing the tasks' times."""
+    stages = sorted(times)
+    if num_ranks > len(stages):
+        raise PlanningError(f"strategy 'layer': {num_ranks} ranks but the model has {len(stages)} tasks (T ops and "
+                            f"propagations), at most one stage per task; use at most {len(stages)} ranks (the "
+                            "hybrid with data parallelism is not built yet)")
+    groups, stage_group = [], {}
+    for r, (a, b) in enumerate(contiguous_runs([times[s] for s in stages], num_ranks)):
+        for s in stages[a:b]:
+            stage_group[s] = r
+        groups.append(Group(f"L[{stages[a]}..{stages[b - 1]}]", (r,), "chunks"))
+    return Placement(tuple(groups), stage_group)
+
+
+def _check(job: Job, options: LayerOptions) -> None:
+    if job.num_ranks < 2:
+        raise PlanningError(f"strategy 'layer' needs at least 2 ranks (stages on different ranks), got "
+                            f"{job.num_ranks}")
+
+
+def lower_layer(job: Job, options: LayerOptions) -> Lowered:
+    """The ``layer`` lowering of ``job`` (module docstring)."""
+    graph, stats, n = job.graph, job.stats, job.num_ranks
+
+    def split(t: TPGraph) -> tuple[StagedModel, dict[int, str], dict[int, set[str]]]:
+        d = layer_decisions(t)
+        st = split_stages(t, d)
+        labels = {s: ("rows" if lab == "rows" else "cols") for s, lab in stage_groups(st, d.layout_of).items()}
+        return st, labels, pipeline_sources(t, st, labels, "layer")
+
+    staged, labels, sources = split(job.tp)
+    staged_eval, labels_eval, sources_eval = split(job.tp_eval)
+    if labels_eval != labels:
+        raise PlanningError(f"strategy 'layer': the evaluation model splits into other tasks ({labels_eval}) than "
+                            f"the training model ({labels})")
+    job.refuse_sparse_features(staged)
+    times = stage_times(staged, stats, job.device or DEVICES["A100"])
+    place = place_layers(times, n)
+    K = options.chunks if options.chunks is not None else min(4 * n, stats.num_nodes)
+    bounds = chunk_bounds(stats.num_nodes, K)
+    if job.concrete:
+        chunking = Chunking(bounds, chunk_reads(graph, bounds))
+    else:  # planned from statistics: every chunk reads every chunk (the worst case)
+        chunking = Chunking(bounds, tuple(tuple(range(K)) for _ in range(K)))
+    reads = stage_reads(staged, labels, chunking, sources)
+    reads_eval = stage_reads(staged_eval, labels_eval, chunking, sources_eval)
+    cost = {t(s, k): times[s] / K / 2 for s in times for k in range(K) for t in (Forward, Backward)}
+    order = list_schedule(compute_deps(staged, K, reads), place.resource, cost)
+    order_eval = list_schedule(compute_deps(staged_eval, K, reads_eval, training=False), place.resource)
+    train_progs = insert_messages(staged, order, place, chunking, reads, value_dims(staged.tp),
+                                  requires_grad_values(staged.tp))
+    eval_progs = insert_messages(staged_eval, order_eval, place, chunking, reads_eval, value_dims(staged_eval.tp),
+                                 set())
+    held, grad_groups = group_parameters(job, staged, place)
+
+    out_group = place.stage_group[staged.stage_of[staged.output]]
+    inputs = ChunkInputs(job, staged, staged_eval, chunking) if job.concrete else None
+    every = list(range(K))
+    ranks = []
+    for gi, g in enumerate(place.groups):
+        r = g.members[0]
+        stages = tuple(with_reads(s, reads.get(s.index, {}), g.name) for s in staged.stages
+                       if place.stage_group[s.index] == gi)
+        eval_stages = tuple(with_reads(s, reads_eval.get(s.index, {}), g.name) for s in staged_eval.stages
+                            if place.stage_group[s.index] == gi)
+        propagates = any(labels[s.index] == "cols" for s in stages)
+        edges = 0
+        if propagates:
+            edges = sum(int(chunk_edge_ids(graph, chunking, k).numel()) for k in every) if job.concrete \
+                else stats.num_edges
+        reads_x = any(u == "x" for st in stages for u in st.inputs)
+        sizes = RankSizes(nodes=stats.num_nodes, edges=edges, src=stats.num_nodes, all_nodes=stats.num_nodes,
+                          chunks=K, feature_rows=stats.num_nodes if reads_x else 0,
+                          trains=stats.num_nodes if gi == out_group else 0, params=held[gi])
+        step = inputs.rank(stages, eval_stages, every, gi == out_group) if inputs is not None else {}
+        ranks.append(RankLowering(rank=r, stages=stages, instructions=list(train_progs[r]), sizes=sizes,
+                                  eval_stages=eval_stages, eval_instructions=tuple(eval_progs[r]), step=step))
+    info = {
+        "tasks": len(staged.stages), "groups": {g.name: list(g.members) for g in place.groups},
+        "stage_seconds": {str(s): t for s, t in times.items()}, "task_order": [str(t) for _, t in order],
+        "pipeline_lag": chunking.lag(), "owned_rows": [stats.num_nodes if gi == out_group else 0 for gi in range(n)],
+    }
+    # FREE releases each chunk after its last reader (and its sends' completion)
+    return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=grad_groups,
+                   schedule=Schedule("layer pipeline", K, "list-scheduled"), info=info, options={"chunks": K},
+                   frees=True)
+
+
+STRATEGY = Strategy("layer", LayerOptions, lower_layer, summary="GNNPipe: runs of consecutive layers on separate "
+                    "ranks, chunk-pipelined", check=_check, row_mixing=("chunk", "chunk"), needs_device=True)
