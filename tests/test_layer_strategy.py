@@ -92,3 +92,62 @@ def test_plan_from_statistics() -> None:
     plan = gc.plan(m, stats, "4xA100", strategy="layer")
     assert plan.options["chunks"] == 16 and plan.prediction.step_time > 0
     assert len({g for g in plan.info["groups"]}) == 4
+
+
+# --------------------------------------------------------------------------- relaxed: historical embeddings
+def test_history_with_one_chunk_is_exact(sbm: gc.Graph) -> None:
+    """With one chunk no chunk is computed later than its reader: nothing comes from history."""
+    res = check_plan(seeded_model(MODELS["gcn3"], sbm), sbm, 3, strategy="layer", chunks=1, history=True,
+                     semantics="relaxed", rtol=1e-9, atol=1e-11, timeout=60, device="cpu")
+    assert not res.plan.relaxations
+
+
+def test_history_reads_later_chunks_stale_and_overlaps_the_stages(sbm: gc.Graph) -> None:
+    model = seeded_model(MODELS["gcn3"], sbm)
+    exact = gc.plan(model, sbm, 2, strategy="layer", chunks=4)
+    plan = gc.plan(model, sbm, 2, strategy="layer", chunks=4, history=True, semantics="relaxed")
+    assert plan.semantics == "relaxed" and "historical embeddings" in plan.relaxations[0]
+    stale_stages = [s for dp in plan.ranks for s in dp.stages if s.stale]
+    assert stale_stages
+    for s in stale_stages:
+        for name, stale in s.stale:
+            fresh = dict(s.reads)[name]
+            for j in range(4):  # earlier chunks fresh, later ones from history
+                assert all(k <= j for k in fresh[j]) and all(k > j for k in stale[j])
+    # the second rank's first propagation no longer waits for the first rank's last chunk
+    second = plan.info["groups"]
+    first_on_1 = min(s.index for s in plan.ranks[1].stages)
+    last_on_0 = max(s.index for s in plan.ranks[0].stages)
+    order, order_exact = plan.info["task_order"], exact.info["task_order"]
+    assert order.index(f"F{first_on_1}c0") < order.index(f"F{last_on_0}c3"), second
+    assert order_exact.index(f"F{first_on_1}c0") > order_exact.index(f"F{last_on_0}c3")
+    with pytest.raises(PlanningError, match="semantics='relaxed'"):
+        gc.plan(model, sbm, 2, strategy="layer", history=True)
+    with pytest.raises(PlanningError, match="history_refresh applies to history=True"):
+        gc.plan(model, sbm, 2, strategy="layer", history=False, history_refresh=2, semantics="relaxed")
+
+
+def test_history_refresh_keeps_the_copies(sbm: gc.Graph) -> None:
+    """Step 0 reads zeros for later chunks either way; step 1 reads step 0's copies when refreshed
+    every step, still zeros when refreshed every 2 steps (stored at step 2 first)."""
+    def losses(**kw: object) -> list[float]:
+        plan = gc.plan(seeded_model(MODELS["gcn3"], sbm), sbm, 2, strategy="layer", chunks=4, history=True,
+                       semantics="relaxed", **kw)
+        return plan.run(epochs=3, seed=0, timeout=60, device="cpu").history.loss
+
+    every, second = losses(), losses(history_refresh=2)
+    assert every[0] == second[0]
+    assert every[1] != second[1]
+    assert all(torch.isfinite(torch.tensor(every + second)))
+
+
+def test_gcnii_sends_x0_once_per_rank_not_one_product_per_layer(sbm: gc.Graph) -> None:
+    """GCNII's ``alpha * x0`` sinks beside its layer: rank 0 sends the hidden state to rank 1 and
+    ``x0`` to each later rank, one message per chunk each, whatever the depth."""
+    for layers in (4, 8):
+        plan = gc.plan(seeded_model(lambda f, c: gc.nn.GCNII(f, 6, c, num_layers=layers, dropout=0.0), sbm), sbm,
+                       4, strategy="layer", chunks=2)
+        sent = {(i.peer, i.value) for i in plan.ranks[0].instructions if isinstance(i, Send) and not i.grad}
+        per_peer = {peer: sum(1 for p, _ in sent if p == peer) for peer, _ in sent}
+        assert set(per_peer) == {1, 2, 3} and max(per_peer.values()) <= 2, sent
+        assert len({v for _, v in sent}) == 2  # x0 and the first hidden state

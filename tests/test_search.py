@@ -130,9 +130,13 @@ def test_candidates_keep_fixed_options():
     # mop: the naive MoA workflow and an RCM-ordered fine-grain pipeline
     assert {(c.options["chunks"], c.options["reorder"]) for c in cands if c.strategy == "mop"} == {(1, "none"),
                                                                                                 (8, "rcm")}
-    # layer: with and without recomputation, default chunks (4 per stage)
+    # layer: with and without recomputation, default chunks (4 per stage); historical embeddings
+    # only where relaxations are allowed
     assert [c.options for c in cands if c.strategy == "layer"] == [
-        {"seed": 3, "recompute": rc, "semantics": "exact"} for rc in (False, True)]
+        {"seed": 3, "recompute": rc, "history": False, "semantics": "exact"} for rc in (False, True)]
+    relaxed = candidates(Cluster.parse("4xA100"), semantics="relaxed", fixed={"seed": 3})
+    assert sorted((c.options["recompute"], c.options["history"]) for c in relaxed if c.strategy == "layer") == [
+        (False, False), (False, True), (True, False), (True, True)]
     with pytest.raises(PlanningError, match="no lowering registered"):
         candidates(Cluster.parse("4xA100"), strategies=["nonsense"])
 

@@ -1018,7 +1018,9 @@ class StepInputs:
     ``chunk_rows``: the rows of every chunk of the step (a stale read of a chunk not received yet
     is zeros of this many rows); ``step_sizes``: the values of the plan's per-step sizes
     (:class:`StepSize`) when they are the same every step (a step-input source whose steps differ,
-    like ``regroup``, gives each step's own).
+    like ``regroup``, gives each step's own); ``history_refresh``: the copies that stale reads take
+    (historical embeddings) are stored at the steps ``history_refresh``, ``2 history_refresh``, ...
+    (1-based; 1: every step).
     """
 
     inputs: dict[str, Any] = field(default_factory=dict)
@@ -1031,6 +1033,7 @@ class StepInputs:
     regroup: Any = None
     chunk_rows: tuple[int, ...] = ()
     step_sizes: dict[str, int] = field(default_factory=dict)
+    history_refresh: int = 1
 
     def to(self, device: Any) -> "StepInputs":
         """A copy with every tensor (and graph) on ``device``; ``regroup`` moves each epoch's itself."""
@@ -1043,7 +1046,8 @@ class StepInputs:
                           chunk_offsets=self.chunk_offsets, labels=move(self.labels),
                           masks={k: move(v) for k, v in self.masks.items()}, owned=self.owned,
                           halo=(tuple(move(t) for t in send_index), recv_count), regroup=self.regroup,
-                          chunk_rows=self.chunk_rows, step_sizes=dict(self.step_sizes))
+                          chunk_rows=self.chunk_rows, step_sizes=dict(self.step_sizes),
+                          history_refresh=self.history_refresh)
 
 
 @dataclass(frozen=True)

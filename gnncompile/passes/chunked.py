@@ -49,8 +49,8 @@ from .lower import StagedModel, propagation_norms, source_input
 
 __all__ = ["Chunking", "chunk_bounds", "chunk_reads", "chunk_graph", "chunk_edge_ids", "propagation_coefficients",
            "GROUP_LAYOUTS", "Group", "Placement", "Block", "held_block", "needed_block", "intersect", "slab",
-           "stage_groups", "stage_reads", "with_reads", "contiguous_runs", "stage_times", "pipeline_sources",
-           "group_parameters", "ChunkInputs"]
+           "stage_groups", "stage_reads", "with_reads", "historical_reads", "contiguous_runs", "stage_times",
+           "pipeline_sources", "group_parameters", "ChunkInputs"]
 
 
 def chunk_bounds(num_nodes: int, num_chunks: int) -> tuple[int, ...]:
@@ -285,6 +285,27 @@ def with_reads(stage: StageSpec, reads: dict[str, tuple[tuple[int, ...], ...]], 
 
 
 # --------------------------------------------------------------------------- stage pipelines over rank groups
+def historical_reads(staged: StagedModel, labels: dict[int, str], chunking: Chunking, sources: dict[int, set[str]],
+                     model_inputs: set[str]) -> tuple[Chunking, dict[int, dict[str, tuple[tuple[int, ...], ...]]],
+                                                      dict[int, dict[str, tuple[tuple[int, ...], ...]]]]:
+    """The reads of a pipeline whose propagations take the chunks not computed yet from the previous
+    step's copy (relaxed: GNNPipe's historical embeddings, NeutronTask's cached neighbours):
+    ``(fresh chunking, reads, stale reads)``. Chunk ``j`` reads the chunks ``<= j`` of ``chunking``'s
+    reads fresh (its dependencies) and the later ones stale (no dependency, no gradient); a model
+    input (``model_inputs``: there from the start) is read fresh on every chunk."""
+    fresh = Chunking(chunking.bounds, tuple(tuple(k for k in r if k <= j) for j, r in enumerate(chunking.reads)),
+                     chunking.order)
+    later = tuple(tuple(k for k in r if k > j) for j, r in enumerate(chunking.reads))
+    exact = stage_reads(staged, labels, chunking, sources)
+    stale = {s: {u: later for u in per if u not in model_inputs} for s, per in exact.items()}
+    reads = stage_reads(staged, labels, fresh, sources)
+    for s, per in exact.items():
+        for u, rd in per.items():
+            if u not in stale.get(s, {}):
+                reads[s][u] = rd
+    return fresh, reads, stale
+
+
 def contiguous_runs(times: Sequence[float], parts: int) -> list[tuple[int, int]]:
     """Cut ``times`` (in order) into ``parts`` contiguous non-empty runs ``[a, b)`` minimizing the
     largest sum (exact dynamic program, O(parts n^2))."""
@@ -354,7 +375,8 @@ def pipeline_sources(tp: TPGraph, staged: StagedModel, labels: dict[int, str], s
     return sources
 
 
-def group_parameters(job: Job, staged: StagedModel, place: Placement) -> tuple[list[int], list[tuple[tuple[int, ...], int]]]:
+def group_parameters(job: Job, staged: StagedModel,
+                     place: Placement) -> tuple[list[int], list[tuple[tuple[int, ...], int]]]:
     """Parameters live on the group whose stages use them: ``(trainable elements each group holds,
     [(group's ranks, trainable elements)] for the gradient all-reduce inside each group)``.
     Raises :class:`PlanningError` for a parameter used by stages of two groups."""

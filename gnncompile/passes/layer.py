@@ -24,9 +24,16 @@ Refused with :class:`~gnncompile.errors.PlanningError`: more ranks than tasks, e
 stages, a propagation reading its source from its own task, sparse input features read by a
 propagation, row-mixing T ops under ``semantics="exact"``.
 
-Not built yet (issue 20): GNNPipe's relaxed mode (historical embeddings, chunk shuffling, fixed
-history, no historical gradients), METIS-based chunking, 1F1B, and the hybrid with ``data``
-(``S`` groups of ``G`` ranks).
+Relaxed (``history=True``, ``semantics="relaxed"``, recorded in ``plan.relaxations``): GNNPipe's
+historical embeddings (§3.3): a chunk's propagation reads the chunks computed this step fresh and
+the later ones from the copy the reading rank kept of an earlier step (zeros before the first),
+sending them no gradient (GNNPipe's "no historical gradients"), so chunk ``j`` of a stage waits
+only for chunks ``<= j`` of the previous one and the stages overlap; ``history_refresh=a`` keeps
+each copy for ``a`` steps (GNNPipe's fixed history, refreshed at the steps ``a, 2a, ...``).
+Evaluation reads every chunk fresh.
+
+Not built yet (issue 20): chunk shuffling every epoch, METIS-based chunking, 1F1B, and the hybrid
+with ``data`` (``S`` groups of ``G`` ranks).
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from ..errors import PlanningError
 from ..ir.plan import Backward, Forward, RankSizes, Schedule
 from ..ir.tpgraph import TPGraph
 from .chunked import ChunkInputs, Chunking, Group, Placement, chunk_bounds, chunk_edge_ids, chunk_reads, \
-    contiguous_runs, group_parameters, pipeline_sources, stage_groups, stage_reads, stage_times, with_reads
+    contiguous_runs, group_parameters, historical_reads, pipeline_sources, stage_groups, stage_reads, \
+    stage_times, with_reads
 from .driver import Job, Lowered, RankLowering
 from .lower import Decisions, StagedModel, requires_grad_values, split_stages, value_dims
 from .schedule import compute_deps, insert_messages, list_schedule
@@ -61,17 +69,34 @@ class LayerOptions(StrategyOptions):
     recompute: bool = option(False, "Recompute T segments in backward instead of keeping their intermediates.",
                              kind="bool", pinned=True,
                              cli="recompute T segments in backward instead of keeping their intermediates")
+    history: bool = option(False, "GNNPipe's historical embeddings (relaxed; needs semantics='relaxed'): a chunk's "
+                                  "propagation reads the chunks not computed yet this step from their last stored "
+                                  "copy (zeros before the first) and sends them no gradient, so the stages overlap.",
+                           kind="bool", cli="historical embeddings for chunks not computed yet (GNNPipe; relaxed)")
+    history_refresh: Optional[int] = option(None, "With history: the stored copies are refreshed every this many "
+                                                  "steps (GNNPipe's fixed history, alpha; default 1: every step).",
+                                            kind="optional_positive_int",
+                                            cli="with --history: refresh the historical embeddings every N steps")
+
+    def check(self) -> None:
+        if self.history and self.semantics == "exact":
+            raise PlanningError("layer: history=True reads chunks not computed yet from earlier steps (a "
+                                "relaxation); pass semantics='relaxed'")
+        if self.history_refresh is not None and not self.history:
+            raise PlanningError("layer: history_refresh applies to history=True (historical embeddings)")
 
     @classmethod
     def space(cls, semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
-        return product({"recompute": [False, True]}, fixed, semantics=semantics)
+        history = [False, True] if semantics == "relaxed" else [False]
+        return product({"recompute": [False, True], "history": history}, fixed, semantics=semantics)
 
 
 def layer_decisions(tp: TPGraph) -> Decisions:
     """:func:`~gnncompile.passes.task.task_decisions`' tasks without conversions: every value keeps
     whole feature rows, so a task boundary on one rank is only a stage boundary, and across ranks a
-    chunk message of the value itself."""
-    return replace(task_decisions(tp), needs={})
+    chunk message of the value itself. Dense ops sink to the stage of their first user (GCNII's
+    ``alpha * x0`` beside its layer: ``x0`` crosses, once per rank)."""
+    return replace(task_decisions(tp), needs={}, sink=True)
 
 
 def place_layers(times: dict[int, float], num_ranks: int) -> Placement:
@@ -119,43 +144,56 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
         chunking = Chunking(bounds, chunk_reads(graph, bounds))
     else:  # planned from statistics: every chunk reads every chunk (the worst case)
         chunking = Chunking(bounds, tuple(tuple(range(K)) for _ in range(K)))
-    reads = stage_reads(staged, labels, chunking, sources)
-    reads_eval = stage_reads(staged_eval, labels_eval, chunking, sources_eval)
+    exact_chunking = chunking
+    stale: dict[int, dict[str, tuple[tuple[int, ...], ...]]] = {}
+    if options.history:
+        chunking, reads, stale = historical_reads(staged, labels, chunking, sources, {"x", *job.dropout_inputs})
+        if K > 1:
+            job.relaxations.append(
+                "historical embeddings (GNNPipe §3.3): a chunk's propagation reads the chunks not computed yet this "
+                "step from their copy of an earlier step (zeros before the first), without gradient"
+                + (f", refreshed every {options.history_refresh} steps" if (options.history_refresh or 1) > 1 else ""))
+    else:
+        reads = stage_reads(staged, labels, chunking, sources)
+    reads_eval = stage_reads(staged_eval, labels_eval, exact_chunking, sources_eval)
     cost = {t(s, k): times[s] / K / 2 for s in times for k in range(K) for t in (Forward, Backward)}
     order = list_schedule(compute_deps(staged, K, reads), place.resource, cost)
     order_eval = list_schedule(compute_deps(staged_eval, K, reads_eval, training=False), place.resource)
     train_progs = insert_messages(staged, order, place, chunking, reads, value_dims(staged.tp),
-                                  requires_grad_values(staged.tp))
-    eval_progs = insert_messages(staged_eval, order_eval, place, chunking, reads_eval, value_dims(staged_eval.tp),
-                                 set())
+                                  requires_grad_values(staged.tp), stale=stale)
+    eval_progs = insert_messages(staged_eval, order_eval, place, exact_chunking, reads_eval,
+                                 value_dims(staged_eval.tp), set())
     held, grad_groups = group_parameters(job, staged, place)
 
     out_group = place.stage_group[staged.stage_of[staged.output]]
-    inputs = ChunkInputs(job, staged, staged_eval, chunking) if job.concrete else None
+    inputs = ChunkInputs(job, staged, staged_eval, exact_chunking) if job.concrete else None
     every = list(range(K))
     ranks = []
     for gi, g in enumerate(place.groups):
         r = g.members[0]
-        stages = tuple(with_reads(s, reads.get(s.index, {}), g.name) for s in staged.stages
+        stages = tuple(with_reads(s, reads.get(s.index, {}), g.name, stale.get(s.index)) for s in staged.stages
                        if place.stage_group[s.index] == gi)
         eval_stages = tuple(with_reads(s, reads_eval.get(s.index, {}), g.name) for s in staged_eval.stages
                             if place.stage_group[s.index] == gi)
         propagates = any(labels[s.index] == "cols" for s in stages)
         edges = 0
         if propagates:
-            edges = sum(int(chunk_edge_ids(graph, chunking, k).numel()) for k in every) if job.concrete \
+            edges = sum(int(chunk_edge_ids(graph, exact_chunking, k).numel()) for k in every) if job.concrete \
                 else stats.num_edges
         reads_x = any(u == "x" for st in stages for u in st.inputs)
         sizes = RankSizes(nodes=stats.num_nodes, edges=edges, src=stats.num_nodes, all_nodes=stats.num_nodes,
                           chunks=K, feature_rows=stats.num_nodes if reads_x else 0,
                           trains=stats.num_nodes if gi == out_group else 0, params=held[gi])
         step = inputs.rank(stages, eval_stages, every, gi == out_group) if inputs is not None else {}
+        if step and options.history_refresh:
+            step["history_refresh"] = options.history_refresh
         ranks.append(RankLowering(rank=r, stages=stages, instructions=list(train_progs[r]), sizes=sizes,
                                   eval_stages=eval_stages, eval_instructions=tuple(eval_progs[r]), step=step))
     info = {
         "tasks": len(staged.stages), "groups": {g.name: list(g.members) for g in place.groups},
         "stage_seconds": {str(s): t for s, t in times.items()}, "task_order": [str(t) for _, t in order],
-        "pipeline_lag": chunking.lag(), "owned_rows": [stats.num_nodes if gi == out_group else 0 for gi in range(n)],
+        "pipeline_lag": exact_chunking.lag(),
+        "owned_rows": [stats.num_nodes if gi == out_group else 0 for gi in range(n)],
     }
     # FREE releases each chunk after its last reader (and its sends' completion)
     return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=grad_groups,

@@ -103,6 +103,9 @@ class Decisions:
     #: every stage holds ops of one layout only (stages then run on one device group each: the
     #: ``rows`` group or the ``cols`` group of a mixture-of-accelerators plan)
     pure_stages: bool = False
+    #: move a dense op whose users all lie in later stages into the earliest of them (stages on
+    #: different ranks then send the op's input, once, instead of its result per user stage)
+    sink: bool = False
 
     def layout_of(self, value: str) -> str:
         return self.layout.get(value, self.default_layout)
@@ -216,6 +219,23 @@ def _op_cost(n: torch.fx.Node, t: TPInfo, modules: dict[str, torch.nn.Module], *
                   random=random)
 
 
+def _sink(graph: torch.fx.Graph, stage_of: dict[str, int], stage_layout: dict[int, str], decisions: Decisions,
+          converted_edges: dict[tuple[str, str], str]) -> None:
+    """Move each dense op whose users all lie in later stages into the earliest of them (when that
+    stage has the op's layout), last op first: e.g. GCNII's ``alpha * x0`` of every layer then runs
+    beside its layer, and only ``x0`` crosses to a later stage instead of one product per layer."""
+    for n in reversed(list(graph.nodes)):
+        if n.name not in stage_of or n.meta.get("tp") is None or n.meta["tp"].kind != "T":
+            continue
+        users = list(n.users)
+        if not users or any(u.name not in stage_of or (u.name, n.name) in converted_edges for u in users):
+            continue
+        target = min(stage_of[u.name] for u in users)
+        if target > stage_of[n.name] and stage_layout.get(target, decisions.layout_of(n.name)) == \
+                decisions.layout_of(n.name):
+            stage_of[n.name] = target
+
+
 def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
     """Insert the conversions ``decisions`` call for and split ``tp`` into stage modules.
 
@@ -263,6 +283,8 @@ def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
             while stage_layout.setdefault(s, lay) != lay:
                 s += 1
         stage_of[n.name] = s
+    if decisions.sink:
+        _sink(graph, stage_of, stage_layout, decisions, converted_edges)
     num_stages = max(stage_of.values(), default=-1) + 1
     out_node = next(n for n in graph.nodes if n.op == "output")
     out_arg = out_node.args[0]

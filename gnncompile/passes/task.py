@@ -56,7 +56,8 @@ from ..graph.regroup import ChunkRegrouping
 from ..ir.plan import Backward, Forward, RankSizes, Schedule
 from ..ir.tpgraph import TPGraph
 from .chunked import ChunkInputs, Chunking, Group, Placement, chunk_bounds, chunk_edge_ids, chunk_reads, \
-    contiguous_runs, group_parameters, pipeline_sources, stage_groups, stage_reads, stage_times, with_reads
+    contiguous_runs, group_parameters, historical_reads, pipeline_sources, stage_groups, stage_reads, stage_times, \
+    with_reads
 from .driver import Job, Lowered, RankLowering
 from .lower import Decisions, StagedModel, propagation_norms, requires_grad_values, source_input, split_stages, \
     value_dims
@@ -276,21 +277,13 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
                                "in-edges from later chunks")
     stale_reads: dict[int, dict[str, tuple[tuple[int, ...], ...]]] = {}
     if options.dependencies == "cached":
-        fresh = Chunking(bounds, tuple(tuple(k for k in r if k <= j) for j, r in enumerate(chunking.reads)))
-        later = tuple(tuple(k for k in r if k > j) for j, r in enumerate(chunking.reads))
         inputs_read = {c.output for c in staged.conversions if c.value in ("x", *dropout_inputs)}
-        stale_reads = {s: {u: later for u in per if u not in inputs_read}
-                       for s, per in stage_reads(staged, labels, chunking, sources).items()}
+        chunking, reads, stale_reads = historical_reads(staged, labels, chunking, sources, inputs_read)
         if K > 1:
             relaxations.append("vertex dependency management (NeutronTask Algorithm 1): a chunk's propagation reads "
                                "later chunks from the previous step's copy")
-        chunking = fresh
-    reads = stage_reads(staged, labels, chunking, sources)
-    if options.dependencies == "cached":
-        for s_, per in stage_reads(staged, labels, exact_chunking, sources).items():
-            for u, rd in per.items():  # model inputs are always there: read every chunk fresh
-                if u not in stale_reads.get(s_, {}):
-                    reads[s_][u] = rd
+    else:
+        reads = stage_reads(staged, labels, chunking, sources)
     eval_chunking = exact_chunking if options.dependencies in ("cached", "regrouped") else chunking
     graph_chunking = eval_chunking  # what a chunk's graph slice holds (a cached read still has its edges)
     reads_eval = stage_reads(staged_eval, labels_eval, eval_chunking, sources_eval)

@@ -416,11 +416,13 @@ class _Rank:
                 if old:  # relaxed: chunks not computed yet this step come from the previous step
                     fresh = {k: get(name, k) for k in read}
                     like = next(iter(fresh.values()))
-                    for k, t in fresh.items():
-                        self.stale[name, k] = t.detach()
+                    rows_of = self.provider.step.chunk_rows
+                    if (epoch + 1) % self.provider.step.history_refresh == 0:  # as at the step's end
+                        for k, t in fresh.items():
+                            self.stale[name, k] = t.detach()
                     read = tuple(sorted(set(read) | set(old)))
                     parts = [fresh[k] if k in fresh else self.stale.get(
-                        (name, k), like.new_zeros((self.provider.step.chunk_rows[k],) + tuple(like.shape[1:]))) for k in read]
+                        (name, k), like.new_zeros((rows_of[k],) + tuple(like.shape[1:]))) for k in read]
                     stale_here = set(old)
                 else:
                     gone = [k for k in read if (name, k) in freed]
@@ -528,7 +530,10 @@ class _Rank:
         if timeline is not None and marks:
             clock.settle()
             timeline.extend(TimelineEvent(epoch, text, clock.seconds(a), clock.seconds(b)) for text, a, b in marks)
-        for st in stages:  # keep this step's copies of the stale-read chunks for the next step
+        # keep this step's copies of the stale-read chunks for the next steps (GNNPipe's fixed
+        # history: only at the steps history_refresh, 2 history_refresh, ...)
+        refresh = (epoch + 1) % self.provider.step.history_refresh == 0
+        for st in stages if refresh else ():
             for name, per_chunk in st.stale:
                 for k in {k for ks in per_chunk for k in ks}:
                     if (name, k) in values or (name, k) in pieces:
