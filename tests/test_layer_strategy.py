@@ -151,3 +151,10 @@ def test_gcnii_sends_x0_once_per_rank_not_one_product_per_layer(sbm: gc.Graph) -
         per_peer = {peer: sum(1 for p, _ in sent if p == peer) for peer, _ in sent}
         assert set(per_peer) == {1, 2, 3} and max(per_peer.values()) <= 2, sent
         assert len({v for _, v in sent}) == 2  # x0 and the first hidden state
+
+
+@pytest.mark.parametrize("name", ["gcn3", "sage"])
+def test_sparse_features(sbm: gc.Graph, name: str) -> None:
+    """Sparse input features stay sparse: a T op or a propagation reads its chunks' rows of them."""
+    sparse = sbm.replace(x=sbm.x.to_sparse_csr())
+    check_plan(seeded_model(MODELS[name], sbm), sparse, 2, strategy="layer", rtol=1e-9, atol=1e-11, timeout=60, device="cpu")

@@ -3,7 +3,8 @@
 The shared decisions of the strategies that cut the vertices into chunks: NeutronTP's chunked
 feature parallelism (``tensor`` with ``chunks``), MixGCN's mixture of accelerators with its
 fine-grain pipeline (``mop``, §3.2.2: a dense group and a sparse group) and NeutronTask's task
-placement with its chunk pipeline (``task``, §4.1–4.3: a group per run of tasks). A strategy module
+placement with its chunk pipeline (``task``, §4.1–4.3: a group per run of tasks) and GNNPipe's
+layer pipeline (``layer``: a rank per run of consecutive tasks). A strategy module
 decides the stages (:class:`~gnncompile.passes.lower.Decisions` with ``pure_stages``), the
 :class:`Placement` (which :class:`Group` runs every stage, and how a group shares a chunk: ``rows``
 split, ``cols`` split, or whole ``chunks`` dealt round robin) and the chunking; this module holds
@@ -24,7 +25,13 @@ split, ``cols`` split, or whole ``chunks`` dealt round robin) and the chunking; 
    producer rank holds (its rows, or its columns, of the chunk) with the block each consumer rank
    reads (its rows, every row for a propagation's sources, or its columns): ``SEND v ck [slab] ->q``
    / ``RECV v ck (name[slab]) <-p``. Rows -> columns is the all-to-all of feature parallelism;
-   rows -> rows between whole-chunk groups moves each row once.
+   rows -> rows between whole-chunk groups moves each row once;
+4. what the **stage pipelines over rank groups** (``task``, ``layer``) share: balanced contiguous
+   runs of stages (:func:`contiguous_runs`), the stages' cost-model times (:func:`stage_times`),
+   the propagations' cross-chunk source inputs and the refusals they imply
+   (:func:`pipeline_sources`), reads from an earlier step's copy (:func:`historical_reads`),
+   parameters held per group (:func:`group_parameters`) and each rank's per-chunk step inputs
+   (:class:`ChunkInputs`).
 """
 
 from __future__ import annotations

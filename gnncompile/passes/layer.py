@@ -21,8 +21,8 @@ locality; GNNPipe's relaxed mode (historical embeddings) is what overlaps them.
 
 Parameters live on the rank of the stage using them (a parameter shared by two stages is refused).
 Refused with :class:`~gnncompile.errors.PlanningError`: more ranks than tasks, edge values crossing
-stages, a propagation reading its source from its own task, sparse input features read by a
-propagation, row-mixing T ops under ``semantics="exact"``.
+stages, a propagation reading its source from its own task, row-mixing T ops under
+``semantics="exact"``. Sparse input features stay sparse (each rank slices its chunks' rows).
 
 Relaxed (``history=True``, ``semantics="relaxed"``, recorded in ``plan.relaxations``): GNNPipe's
 historical embeddings (§3.3): a chunk's propagation reads the chunks computed this step fresh and
