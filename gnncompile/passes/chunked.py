@@ -410,26 +410,36 @@ class ChunkInputs:
     training inputs come per epoch (:class:`~gnncompile.graph.regroup.RegroupedInputs`)."""
 
     def __init__(self, job: Job, staged: StagedModel, staged_eval: StagedModel, chunking: Chunking,
-                 regrouping: Optional[ChunkRegrouping] = None) -> None:
+                 regrouping: Optional[ChunkRegrouping] = None, ordered: Optional[Graph] = None) -> None:
         self.job, self.chunking, self.regrouping = job, chunking, regrouping
-        self.coefficients = propagation_coefficients(job.graph, propagation_norms(job.tp, job.tp_eval))
+        #: the graph in the chunking's vertex order (the chunks' graph slices come from it)
+        self.ordered = job.graph if ordered is None else ordered
+        if chunking.order is not None and ordered is None:
+            raise PlanningError("a reordered chunking needs the reordered graph")
+        self.coefficients = propagation_coefficients(self.ordered, propagation_norms(job.tp, job.tp_eval))
         self.conv_out = {c.output: c.value for c in staged.conversions} | \
             {c.output: c.value for c in staged_eval.conversions}
         self.model_inputs = {"x", *job.dropout_inputs}
         self.graphs: dict[int, Any] = {}
 
     def block(self, name: str, k: int) -> Any:
-        """Chunk ``k``'s block of the model input ``name`` (features or a dropout index)."""
+        """Chunk ``k``'s block of the model input ``name`` (features or a dropout index), by the
+        original vertex ids (the replicated dropout masks are over them)."""
         graph, chunking = self.job.graph, self.chunking
-        ids = torch.arange(chunking.bounds[k], chunking.bounds[k + 1])
+        ids = chunking.vertices(chunking.bounds[k], chunking.bounds[k + 1])
         if name == "x":
             return slice_rows(graph.x, ids) if graph.x is not None else None
-        return dropout_positions(self.job.dropout_inputs[name], graph, ids, chunk_edge_ids(graph, chunking, k))
+        space = self.job.dropout_inputs[name]
+        if chunking.order is not None and space not in ("V", "nnz"):
+            raise PlanningError(f"dropout over {space}-space values with a reordered chunking (edge ids are "
+                                "renumbered); use a vertex-space dropout or an unreordered chunking")
+        edge_ids = chunk_edge_ids(graph, chunking, k) if space in ("E", "E+V") else None
+        return dropout_positions(space, graph, ids, edge_ids)
 
     def rank(self, stages: tuple, eval_stages: tuple, mine: list[int], scores: bool) -> dict[str, Any]:
         """The step inputs of a rank running ``stages`` on the chunks ``mine`` (``scores``: it computes
         the output, so it holds the labels and masks of its chunks' rows)."""
-        job, chunking, graph = self.job, self.chunking, self.job.graph
+        job, chunking = self.job, self.chunking
         K = chunking.num_chunks
         chunk_inputs: dict[int, dict[str, Any]] = {}
         regroup = None
@@ -452,7 +462,7 @@ class ChunkInputs:
                             d = chunk_inputs.setdefault(m, {})
                             if u == "g":
                                 if m not in self.graphs:
-                                    self.graphs[m] = chunk_graph(graph, chunking, m, *self.coefficients)
+                                    self.graphs[m] = chunk_graph(self.ordered, chunking, m, *self.coefficients)
                                 d["g"] = self.graphs[m]
                             elif base in self.model_inputs and u not in d:
                                 d[u] = self.block(base, m)
@@ -462,7 +472,7 @@ class ChunkInputs:
                                    chunk_offsets=(0,) * (K + 1),  # a rank without rows to score: every chunk empty
                                    chunk_rows=tuple(chunking.size(k) for k in range(K)))
         if scores:
-            per_chunk = [torch.arange(chunking.bounds[k], chunking.bounds[k + 1]) if k in mine
+            per_chunk = [chunking.vertices(chunking.bounds[k], chunking.bounds[k + 1]) if k in mine
                          else torch.zeros(0, dtype=torch.long) for k in range(K)]
             out.update(job.scored_rows(per_chunk))
         return out

@@ -32,8 +32,13 @@ only for chunks ``<= j`` of the previous one and the stages overlap; ``history_r
 each copy for ``a`` steps (GNNPipe's fixed history, refreshed at the steps ``a, 2a, ...``).
 Evaluation reads every chunk fresh.
 
-Not built yet (issue 20): chunk shuffling every epoch, METIS-based chunking, 1F1B, and the hybrid
-with ``data`` (``S`` groups of ``G`` ranks).
+Chunks: ``chunking="contiguous"`` ranges of vertex ids, or ``"metis"``, GNNPipe's locality-aware
+chunking: METIS parts of the graph, the vertices renumbered part by part (the plan keeps the
+permutation: ``Chunking.order``; features, dropout masks and scored rows keep the original ids, so
+exact plans stay exact), so that most in-edges stay inside their chunk and few reads are stale.
+
+Not built yet (issue 20): chunk shuffling every epoch, 1F1B, and the hybrid with ``data`` (``S``
+groups of ``G`` ranks).
 """
 
 from __future__ import annotations
@@ -41,8 +46,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+import torch
+
 from ..cost_models.hardware import DEVICES
 from ..errors import PlanningError
+from ..graph.core import Graph
+from ..graph.partition import partition
+from ..graph.reorder import permute
 from ..ir.plan import Backward, Forward, RankSizes, Schedule
 from ..ir.tpgraph import TPGraph
 from .chunked import ChunkInputs, Chunking, Group, Placement, chunk_bounds, chunk_edge_ids, chunk_reads, \
@@ -51,10 +61,12 @@ from .chunked import ChunkInputs, Chunking, Group, Placement, chunk_bounds, chun
 from .driver import Job, Lowered, RankLowering
 from .lower import Decisions, StagedModel, requires_grad_values, split_stages, value_dims
 from .schedule import compute_deps, insert_messages, list_schedule
-from .strategy import Strategy, StrategyOptions, option, product
+from .strategy import ANY, Strategy, StrategyOptions, option, product
 from .task import task_decisions
 
-__all__ = ["LayerOptions", "layer_decisions", "place_layers", "lower_layer", "STRATEGY"]
+__all__ = ["LayerOptions", "CHUNKINGS", "layer_decisions", "place_layers", "metis_chunking", "lower_layer", "STRATEGY"]
+
+CHUNKINGS = ("contiguous", "metis")
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,11 @@ class LayerOptions(StrategyOptions):
     chunks: Optional[int] = option(None, "Vertex chunks streamed through the stages (default: 4 per stage, "
                                          "GNNPipe's).", kind="optional_positive_int", neutral=1,
                                    cli="vertex chunks streamed through the stages (default 4 per stage)")
+    chunking: str = option("contiguous", "How the vertices are cut into chunks: 'contiguous' ranges of vertex ids, "
+                                         "or 'metis' (GNNPipe's locality-aware chunking: METIS parts, the vertices "
+                                         "renumbered part by part, so that most in-edges stay inside a chunk).",
+                           kind="choice", choices=CHUNKINGS, neutral=ANY, pinned=True,
+                           cli="contiguous vertex ranges, or metis parts (GNNPipe's locality-aware chunks)")
     recompute: bool = option(False, "Recompute T segments in backward instead of keeping their intermediates.",
                              kind="bool", pinned=True,
                              cli="recompute T segments in backward instead of keeping their intermediates")
@@ -114,6 +131,21 @@ def place_layers(times: dict[int, float], num_ranks: int) -> Placement:
     return Placement(tuple(groups), stage_group)
 
 
+def metis_chunking(graph: Graph, chunks: int, seed: int) -> tuple[Chunking, Graph]:
+    """GNNPipe's locality-aware chunks: METIS parts of ``graph``, the vertices renumbered part by
+    part (``Chunking.order``); returns the chunking and the renumbered graph. Raises
+    :class:`PlanningError` when METIS leaves a part empty."""
+    parts = torch.as_tensor(partition(graph, chunks, "metis", seed=seed).parts, dtype=torch.int64)
+    sizes = torch.bincount(parts, minlength=chunks)
+    if bool((sizes == 0).any()):
+        raise PlanningError(f"layer: METIS left {int((sizes == 0).sum())} of {chunks} chunks empty on this "
+                            f"{graph.num_nodes}-vertex graph; use fewer chunks or chunking='contiguous'")
+    order = torch.argsort(parts, stable=True)
+    bounds = (0, *torch.cumsum(sizes, 0).tolist())
+    ordered = permute(graph, order)
+    return Chunking(tuple(int(b) for b in bounds), chunk_reads(ordered, bounds), order), ordered
+
+
 def _check(job: Job, options: LayerOptions) -> None:
     if job.num_ranks < 2:
         raise PlanningError(f"strategy 'layer' needs at least 2 ranks (stages on different ranks), got "
@@ -140,7 +172,10 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
     place = place_layers(times, n)
     K = options.chunks if options.chunks is not None else min(4 * n, stats.num_nodes)
     bounds = chunk_bounds(stats.num_nodes, K)
-    if job.concrete:
+    ordered = graph
+    if job.concrete and options.chunking == "metis":
+        chunking, ordered = metis_chunking(graph, K, options.seed)
+    elif job.concrete:
         chunking = Chunking(bounds, chunk_reads(graph, bounds))
     else:  # planned from statistics: every chunk reads every chunk (the worst case)
         chunking = Chunking(bounds, tuple(tuple(range(K)) for _ in range(K)))
@@ -166,7 +201,8 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
     held, grad_groups = group_parameters(job, staged, place)
 
     out_group = place.stage_group[staged.stage_of[staged.output]]
-    inputs = ChunkInputs(job, staged, staged_eval, exact_chunking) if job.concrete else None
+    inputs = ChunkInputs(job, staged, staged_eval, exact_chunking,
+                         ordered=ordered if exact_chunking.order is not None else None) if job.concrete else None
     every = list(range(K))
     ranks = []
     for gi, g in enumerate(place.groups):
@@ -178,7 +214,7 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
         propagates = any(labels[s.index] == "cols" for s in stages)
         edges = 0
         if propagates:
-            edges = sum(int(chunk_edge_ids(graph, exact_chunking, k).numel()) for k in every) if job.concrete \
+            edges = sum(int(chunk_edge_ids(ordered, exact_chunking, k).numel()) for k in every) if job.concrete \
                 else stats.num_edges
         reads_x = any(u == "x" for st in stages for u in st.inputs)
         sizes = RankSizes(nodes=stats.num_nodes, edges=edges, src=stats.num_nodes, all_nodes=stats.num_nodes,
@@ -192,7 +228,8 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
     info = {
         "tasks": len(staged.stages), "groups": {g.name: list(g.members) for g in place.groups},
         "stage_seconds": {str(s): t for s, t in times.items()}, "task_order": [str(t) for _, t in order],
-        "pipeline_lag": exact_chunking.lag(),
+        "pipeline_lag": exact_chunking.lag(), "chunking": options.chunking,
+        "chunk_rows": [exact_chunking.size(k) for k in range(K)],
         "owned_rows": [stats.num_nodes if gi == out_group else 0 for gi in range(n)],
     }
     # FREE releases each chunk after its last reader (and its sends' completion)
@@ -202,4 +239,6 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
 
 
 STRATEGY = Strategy("layer", LayerOptions, lower_layer, summary="GNNPipe: runs of consecutive layers on separate "
-                    "ranks, chunk-pipelined", check=_check, row_mixing=("chunk", "chunk"), needs_device=True)
+                    "ranks, chunk-pipelined", check=_check, row_mixing=("chunk", "chunk"), needs_device=True,
+                    # renumbered chunks renumber the edges: replicated masks over vertices or stored values only
+                    dropout_spaces=lambda options: ("V", "nnz") if options.chunking == "metis" else None)
