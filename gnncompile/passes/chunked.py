@@ -388,12 +388,10 @@ def group_parameters(job: Job, staged: StagedModel,
     [(group's ranks, trainable elements)] for the gradient all-reduce inside each group)``.
     Raises :class:`PlanningError` for a parameter used by stages of two groups."""
     by_name = dict(zip(job.param_names, job.params))
-    ident = {id(p): n for n, p in by_name.items()}  # stage modules share the model's parameters
     users: dict[str, set[int]] = {}
-    for s, mod in staged.modules.items():
-        for p in mod.parameters():
-            if id(p) in ident:
-                users.setdefault(ident[id(p)], set()).add(place.stage_group[s])
+    for s, names in job.stage_parameters(staged).items():
+        for n in names:
+            users.setdefault(n, set()).add(place.stage_group[s])
     for n, gs in users.items():
         if len(gs) > 1:
             raise PlanningError(f"strategy {job.strategy!r}: parameter {n!r} is used by stages on different ranks "

@@ -108,6 +108,11 @@ class Job:
         """The plan's model inputs: the graph, the features, the dropout indices."""
         return ["g", "x", *self.dropout_inputs]
 
+    def stage_parameters(self, staged: StagedModel) -> dict[int, set[str]]:
+        """The names of the parameters each stage of ``staged`` uses (stage modules share the model's)."""
+        ident = {id(p): n for n, p in zip(self.param_names, self.params)}
+        return {s: {ident[id(p)] for p in mod.parameters() if id(p) in ident} for s, mod in staged.modules.items()}
+
     def scored_rows(self, rows: Union[torch.Tensor, list[torch.Tensor]]) -> dict[str, Any]:
         """The :class:`~gnncompile.ir.plan.StepInputs` fields of a rank scoring the vertices ``rows``
         (global ids; a list: chunk by chunk): ``owned`` (in that order), their labels and masks, and
@@ -323,9 +328,8 @@ def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lower
 
 
 def _params_used(job: Job, staged: StagedModel, ranks: list[DevicePlan]) -> dict[int, set[str]]:
-    """The names of the parameters each rank's stages use (the stage modules share the model's)."""
-    ident = {id(p): n for n, p in zip(job.param_names, job.params)}
-    by_stage = {s: {ident[id(p)] for p in mod.parameters() if id(p) in ident} for s, mod in staged.modules.items()}
+    """The names of the parameters each rank's stages use."""
+    by_stage = job.stage_parameters(staged)
     return {dp.rank: set().union(*(by_stage.get(st.index, set()) for st in dp.stages)) for dp in ranks}
 
 

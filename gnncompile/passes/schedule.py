@@ -185,6 +185,7 @@ def insert_collectives(staged: StagedModel, order: Order, convert: Callable[[Con
     for c in staged.conversions:
         if c.value in producer:
             after.setdefault(producer[c.value], []).append(c)
+    index = {c.output: i for i, c in enumerate(staged.conversions)}
     training = any(isinstance(t, Backward) for _, t in order)
     missing: dict[tuple[str, int], int] = {}  # contributions to a conversion chunk's gradient still to come
     if training:
@@ -220,7 +221,6 @@ def insert_collectives(staged: StagedModel, order: Order, convert: Callable[[Con
                 if missing[u, m] == 0:
                     complete.append((c, m))
         # gradients in the reverse of the forward's conversion order (chunks ascending)
-        index = {c.output: i for i, c in enumerate(staged.conversions)}
         for c, m in sorted(complete, key=lambda cm: (-index[cm[0].output], cm[1])):
             out.extend(convert(c, m, True))
     return out

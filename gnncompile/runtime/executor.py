@@ -325,6 +325,9 @@ class _Rank:
              epoch: int, timeline: Optional[list], optimizer: Optional[torch.optim.Optimizer],
              capture: Optional[dict] = None) -> Any:
         prog = self.prog
+        # stale reads keep this step's copies only at the steps history_refresh, 2 history_refresh,
+        # ... (GNNPipe's fixed history; 1: every step)
+        refresh = (epoch + 1) % self.provider.step.history_refresh == 0
         values: dict[tuple[str, int], Any] = {}
         grads: dict[tuple[str, int], torch.Tensor] = {}
         pieces: dict[tuple[str, int], list] = {}
@@ -417,7 +420,7 @@ class _Rank:
                     fresh = {k: get(name, k) for k in read}
                     like = next(iter(fresh.values()))
                     rows_of = self.provider.step.chunk_rows
-                    if (epoch + 1) % self.provider.step.history_refresh == 0:  # as at the step's end
+                    if refresh:
                         for k, t in fresh.items():
                             self.stale[name, k] = t.detach()
                     read = tuple(sorted(set(read) | set(old)))
@@ -530,10 +533,7 @@ class _Rank:
         if timeline is not None and marks:
             clock.settle()
             timeline.extend(TimelineEvent(epoch, text, clock.seconds(a), clock.seconds(b)) for text, a, b in marks)
-        # keep this step's copies of the stale-read chunks for the next steps (GNNPipe's fixed
-        # history: only at the steps history_refresh, 2 history_refresh, ...)
-        refresh = (epoch + 1) % self.provider.step.history_refresh == 0
-        for st in stages if refresh else ():
+        for st in stages if refresh else ():  # keep this step's copies of the stale-read chunks
             for name, per_chunk in st.stale:
                 for k in {k for ks in per_chunk for k in ks}:
                     if (name, k) in values or (name, k) in pieces:
