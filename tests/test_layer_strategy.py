@@ -3,6 +3,7 @@ pipelined; one step equals single-device training."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import pytest
@@ -70,8 +71,10 @@ def test_placement_balances_contiguous_runs() -> None:
     place = place_layers({0: 1.0, 1: 1.0, 2: 1.0, 3: 3.0}, 2)
     assert place.stage_group == {0: 0, 1: 0, 2: 0, 3: 1}
     assert [g.members for g in place.groups] == [(0,), (1,)]
-    with pytest.raises(PlanningError, match="5 ranks but the model has 4 tasks"):
+    with pytest.raises(PlanningError, match="5 pipeline stages but the model has 4 tasks"):
         place_layers({0: 1.0, 1: 1.0, 2: 1.0, 3: 3.0}, 5)
+    hybrid = place_layers({0: 1.0, 1: 1.0, 2: 1.0, 3: 3.0}, 2, group_size=3)
+    assert [(g.members, g.layout) for g in hybrid.groups] == [((0, 1, 2), "chunks"), ((3, 4, 5), "chunks")]
 
 
 def test_refusals(sbm: gc.Graph) -> None:
@@ -187,3 +190,128 @@ def test_metis_chunks_refuse_edge_space_dropout(sbm: gc.Graph) -> None:
     gat = seeded_model(lambda f, c: gc.nn.GAT(f, 3, c, heads=2, num_layers=2, dropout=0.5), sbm)
     with pytest.raises(PlanningError, match="dropout"):
         gc.plan(gat, sbm, 2, strategy="layer", chunking="metis")
+
+
+def _seed_drawing(order: list[int], chunks: int) -> int:
+    """A plan seed whose chunk shuffling draws ``order`` in step 0."""
+    from gnncompile.graph.regroup import ChunkRegrouping
+
+    g = gc.datasets.synthetic("sbm", num_nodes=chunks, avg_degree=1, num_features=1, num_classes=1, seed=0)
+    bounds = tuple(range(chunks + 1))
+    return next(s for s in range(100) if ChunkRegrouping(g, bounds, bounds, s).chunk_order(0).tolist() == order)
+
+
+@pytest.mark.parametrize("order", [[0, 1], [1, 0]])
+def test_chunk_shuffling_processes_the_chunks_in_the_drawn_order(sbm: gc.Graph, order: list[int]) -> None:
+    """GNNPipe's chunk shuffling: a step processes the chunks in its drawn order, so step 0 of a
+    shuffled plan whose draw is ``order`` is step 0 of the unshuffled plan on the graph with its
+    chunks renumbered in that order (zeros from history either way)."""
+    seed = _seed_drawing(order, 2)
+    half = sbm.num_nodes // 2
+    perm = torch.cat([torch.arange(c * half, (c + 1) * half) for c in order])
+    shuffled = gc.plan(seeded_model(MODELS["gcn3"], sbm), sbm, 2, strategy="layer", chunks=2, history=True,
+                       shuffle=True, seed=seed, semantics="relaxed")
+    assert "chunk shuffling" in shuffled.relaxations[0]
+    plain = gc.plan(seeded_model(MODELS["gcn3"], sbm), gc.graph.reorder.permute(sbm, perm), 2, strategy="layer",
+                    chunks=2, history=True, semantics="relaxed")
+    a = shuffled.run(epochs=1, seed=0, timeout=60, device="cpu").history.loss
+    b = plain.run(epochs=1, seed=0, timeout=60, device="cpu").history.loss
+    assert a[0] == pytest.approx(b[0], rel=1e-12, abs=0)
+    # every slot reads every slot: the earlier fresh, the later ones from history
+    stale = [dict(s.stale) for dp in shuffled.ranks for s in dp.stages if s.stale]
+    assert stale and all(per[0] == (1,) and per[1] == () for d in stale for per in d.values())
+
+
+def test_chunk_shuffling_draws_a_new_order_every_step(sbm: gc.Graph) -> None:
+    losses = {}
+    for shuffle in (False, True):
+        plan = gc.plan(seeded_model(MODELS["gcn3"], sbm), sbm, 2, strategy="layer", chunks=4, history=True, shuffle=shuffle, seed=3,
+                       semantics="relaxed")
+        losses[shuffle] = plan.run(epochs=4, seed=0, timeout=60, device="cpu").history.loss
+    assert losses[True] != losses[False]
+    assert all(torch.isfinite(torch.tensor(losses[True])))
+    with pytest.raises(PlanningError, match="shuffle applies to history=True"):
+        gc.plan(seeded_model(MODELS["gcn3"], sbm), sbm, 2, strategy="layer", history=False, shuffle=True,
+                semantics="relaxed")
+
+
+def test_historical_gradients_reach_the_next_step(sbm: gc.Graph) -> None:
+    """Step 0 has no gradients from history; from step 1 on the stale readers' gradients of step 0
+    are added (GNNPipe's ablation of its "no historical gradients")."""
+    def losses(**kw: object) -> list[float]:
+        plan = gc.plan(seeded_model(MODELS["gcn3"], sbm), sbm, 2, strategy="layer", chunks=4, history=True, semantics="relaxed", **kw)
+        return plan.run(epochs=3, seed=0, timeout=60, device="cpu").history.loss
+
+    dropped, kept = losses(), losses(historical_gradients=True)
+    assert dropped[0] == kept[0] and dropped[1] == kept[1]  # step 1's loss is computed before its gradients
+    assert dropped[2] != kept[2]
+
+
+# --------------------------------------------------------------------------- hybrid layer x data (GNNPipe §3.5)
+@pytest.mark.parametrize("name,stages,chunking", [("gcn3", 2, "contiguous"), ("gcnii8", 2, "metis"),
+                                                  ("resgcn", 2, "contiguous"), ("sage", 1, "metis")])
+def test_hybrid_one_step_matches_single_device(sbm: gc.Graph, name: str, stages: int, chunking: str) -> None:
+    """``stages=S`` on 4 ranks: S groups of 4/S ranks, member i of every group runs partition i's
+    chunks; chunks read across partitions come from the member running them. Exact."""
+    res = check_plan(seeded_model(MODELS[name], sbm), sbm, 4, strategy="layer", stages=stages, chunks=8,
+                     chunking=chunking, rtol=1e-9, atol=1e-11, timeout=120, device="cpu")
+    plan = res.plan
+    assert plan.info["stages"] == stages and plan.info["group_size"] == 4 // stages
+    assert [r.bytes_sent for r in res.ranks] == plan.predictions["bytes_sent"]
+    groups = list(plan.info["groups"].values())
+    assert len(groups) == stages and all(len(g) == 4 // stages for g in groups)
+    for g in groups:  # a group's members run the same stages on disjoint chunks
+        runs = [set(dict.fromkeys(i.chunk for i in plan.ranks[r].instructions if type(i).__name__ == "Forward"))
+                for r in g]
+        assert {s.index for s in plan.ranks[g[0]].stages} == {s.index for s in plan.ranks[g[-1]].stages}
+        assert all(not (a & b) for i, a in enumerate(runs) for b in runs[i + 1:])
+
+
+def _two_components(g: gc.Graph) -> gc.Graph:
+    """``g`` without the edges between its two halves (the halves are its connected parts)."""
+    half = g.num_nodes // 2
+    dst, src = g.dst, g.indices
+    keep = (dst < half) == (src < half)
+    indptr = torch.zeros(g.num_nodes + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(dst[keep], minlength=g.num_nodes), 0, out=indptr[1:])
+    return g.replace(indptr=indptr, indices=src[keep])
+
+
+def test_hybrid_bytes_are_the_formula_without_cut_edges(sbm: gc.Graph) -> None:
+    """GNNPipe §3.5: ``2 alpha_h L N H + 2 (S - 1) N H``. With two partitions and no edge between
+    them (alpha_h = 0) a GCN-2 on 2 stages x 2 partitions sends only the stage boundary."""
+    g = _two_components(sbm)
+    plan = gc.plan(seeded_model(MODELS["gcn"], g), g, 4, strategy="layer", stages=2, chunks=4)
+    width = next(i.shape[-1] for dp in plan.ranks for i in dp.instructions if isinstance(i, Send))
+    expected = gc.cost_models.formulas.comm_layer_hybrid(0, 2, g.num_nodes, width, 2, elsize=8)
+
+    def activation_bytes(p: gc.Plan) -> int:  # the formula leaves out the groups' gradient all-reduce
+        return sum(math.prod(i.shape) * 8 for dp in p.ranks for i in dp.instructions if isinstance(i, Send))
+
+    assert activation_bytes(plan) == expected
+    # with the cut edges back, the partitions exchange the chunks their in-edges read
+    assert activation_bytes(gc.plan(seeded_model(MODELS["gcn"], sbm), sbm, 4, strategy="layer", stages=2,
+                                    chunks=4)) > expected
+
+
+def test_hybrid_degenerates(sbm: gc.Graph) -> None:
+    """One rank per stage is the pure layer plan; the group size must divide the ranks and the
+    chunks; chunk shuffling is refused across partitions."""
+    model = seeded_model(MODELS["gcn3"], sbm)
+    a = gc.plan(model, sbm, 2, strategy="layer", chunks=4)
+    b = gc.plan(model, sbm, 2, strategy="layer", chunks=4, stages=2)
+    assert [dp.instructions for dp in a.ranks] == [dp.instructions for dp in b.ranks]
+    with pytest.raises(PlanningError, match="cannot form 3 equal stage groups"):
+        gc.plan(model, sbm, 4, strategy="layer", stages=3)
+    with pytest.raises(PlanningError, match="cannot be dealt evenly"):
+        gc.plan(model, sbm, 4, strategy="layer", stages=2, chunks=5)
+    with pytest.raises(PlanningError, match="chunk shuffling with the hybrid"):
+        gc.plan(model, sbm, 4, strategy="layer", stages=2, history=True, shuffle=True, semantics="relaxed")
+
+
+def test_hybrid_with_history_runs(sbm: gc.Graph) -> None:
+    plan = gc.plan(seeded_model(MODELS["gcnii8"], sbm), sbm, 4, strategy="layer", stages=2, chunks=8,
+                   history=True, semantics="relaxed")
+    res = plan.run(epochs=3, seed=0, timeout=120, device="cpu")
+    assert all(torch.isfinite(torch.tensor(res.history.loss)))
+    assert [r.bytes_sent for r in res.ranks] == plan.predictions["bytes_sent"]

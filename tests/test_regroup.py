@@ -132,3 +132,32 @@ def test_bad_regroupings_are_refused() -> None:
         RegroupedInputs(_regrouping(), {0: {"x": "rows"}})
     with pytest.raises(GraphError, match="unknown dropout space"):
         dropout_positions("Q", g, torch.arange(3), torch.arange(3))
+
+
+@settings(max_examples=30, deadline=None)
+@given(g=small_graphs(), data=st.data())
+def test_reading_all_subgraphs_keeps_every_edge(g: gc.Graph, data: st.DataObject) -> None:
+    """``reads="all"`` (GNNPipe's chunk shuffling): base chunks listed by ``base_order`` are shuffled
+    whole; every subgraph holds all in-edges of its vertices with the whole graph's coefficients,
+    sources numbered in the epoch's order; the epoch's slots are its vertices."""
+    n = g.num_nodes
+    k = data.draw(st.integers(1, min(n, 4)))
+    base_order = torch.tensor(data.draw(st.permutations(range(n))), dtype=torch.int64)
+    bounds = chunk_bounds(n, k)
+    rg = ChunkRegrouping(g, bounds, bounds, seed=data.draw(st.integers(0, 9)), norms=(("gcn", False),),
+                         base_order=base_order, reads="all")
+    assert rg.keep_probability() == 1.0 and bool(rg.kept_edges(0).all())
+    order = rg.order(1)
+    pieces = [base_order[bounds[c]:bounds[c + 1]] for c in rg.chunk_order(1).tolist()]
+    assert torch.equal(order, torch.cat(pieces))
+    epoch = RegroupedInputs(rg, {j: {"g": "graph"} for j in range(k)}).epoch(1)
+    whole = g.norm_coefficients("gcn")
+    for j in range(k):
+        sub = epoch.chunk_inputs[j]["g"]
+        ids = order[bounds[j]:bounds[j + 1]]
+        assert torch.equal(epoch.slots[j], ids)
+        assert sub.num_src == n and int(sub.indptr[-1]) == int((g.indptr[ids + 1] - g.indptr[ids]).sum())
+        _, eids = rg.subgraph(order, j)
+        torch.testing.assert_close(sub.norm_coefficients("gcn"), whole[eids])
+    with pytest.raises(GraphError, match="reads must be"):
+        ChunkRegrouping(g, bounds, bounds, reads="later")

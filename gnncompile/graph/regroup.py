@@ -16,7 +16,13 @@ chunk is always kept; an edge between two base chunks is kept when both land in 
 source's subgraph comes first: with probability ``(k - 1) / (M - 1) + (1 - (k - 1) / (M - 1)) / 2``
 per epoch (:meth:`ChunkRegrouping.keep_probability`), so over the epochs every edge is trained.
 
-An epoch thus trains the model on the graph of its kept edges (:meth:`ChunkRegrouping.kept_edges`),
+GNNPipe's *chunk shuffling* (§3.4) is the same permutation with ``reads="all"``: the subgraphs are
+the chunks of a layer pipeline (``base_order`` may list the vertices chunk by chunk, e.g. METIS
+parts), and a subgraph's propagation reads *every* in-edge, the later subgraphs' rows from the
+historical embeddings the runtime keeps per vertex, with the whole graph's coefficients; the
+shuffled order only decides which neighbours are fresh and which historical in an epoch.
+
+An epoch (``reads="earlier"``) thus trains the model on the graph of its kept edges (:meth:`ChunkRegrouping.kept_edges`),
 normalized as the model normalizes any graph: degrees count the kept edges. NeutronTask says it
 follows ClusterGCN, which normalizes each subgraph's adjacency; keeping the whole graph's
 coefficients instead shrinks every training aggregation against evaluation's (which reads every
@@ -54,10 +60,13 @@ INPUT_KINDS = ("graph", "features", "V", "E", "E+V", "nnz")
 class ChunkRegrouping:
     """The base chunks, the subgraph cuts and the seed of a regrouped chunk pipeline (module docstring).
 
-    ``base_bounds``: base chunk ``c`` is vertices ``[base_bounds[c], base_bounds[c + 1])``;
-    ``bounds``: subgraph ``j`` is positions ``[bounds[j], bounds[j + 1])`` of the epoch's vertex
-    order; ``norms``: the ``(norm, add_self_loops)`` pairs of the model's propagations, whose
-    coefficients each epoch computes over its kept edges (:meth:`coefficients`).
+    ``base_bounds``: base chunk ``c`` is positions ``[base_bounds[c], base_bounds[c + 1])`` of
+    ``base_order`` (vertex ids; ``None``: the identity); ``bounds``: subgraph ``j`` is positions
+    ``[bounds[j], bounds[j + 1])`` of the epoch's vertex order; ``norms``: the ``(norm,
+    add_self_loops)`` pairs of the model's propagations, whose coefficients each epoch computes over
+    its kept edges (:meth:`coefficients`); ``reads``: ``"earlier"`` (a subgraph reads subgraphs
+    ``0..j`` and skips the later ones: NeutronTask) or ``"all"`` (every in-edge, the later subgraphs
+    from historical embeddings: GNNPipe's chunk shuffling).
     """
 
     graph: Graph
@@ -65,6 +74,8 @@ class ChunkRegrouping:
     bounds: tuple[int, ...]
     seed: int = 0
     norms: tuple[tuple[str, bool], ...] = ()
+    base_order: Optional[torch.Tensor] = field(default=None, compare=False)
+    reads: str = "earlier"
 
     def __post_init__(self) -> None:
         n = self.graph.num_nodes
@@ -74,6 +85,11 @@ class ChunkRegrouping:
         if self.num_base_chunks < self.num_subgraphs:
             raise GraphError(f"regrouping: {self.num_base_chunks} base chunks cannot form {self.num_subgraphs} "
                              "subgraphs")
+        if self.reads not in ("earlier", "all"):
+            raise GraphError(f"regrouping: reads must be 'earlier' or 'all', got {self.reads!r}")
+        if self.base_order is not None and tuple(self.base_order.shape) != (n,):
+            raise GraphError(f"regrouping: base_order must list the {n} vertices, got shape "
+                             f"{tuple(self.base_order.shape)}")
 
     @property
     def num_base_chunks(self) -> int:
@@ -91,24 +107,30 @@ class ChunkRegrouping:
     def order(self, epoch: int) -> torch.Tensor:
         """Position -> vertex id in ``epoch``: the shuffled base chunks, concatenated."""
         b = self.base_bounds
+        if self.base_order is not None:
+            return torch.cat([self.base_order[b[c]:b[c + 1]] for c in self.chunk_order(epoch).tolist()])
         return torch.cat([torch.arange(b[c], b[c + 1]) for c in self.chunk_order(epoch).tolist()])
 
     def subgraph(self, order: torch.Tensor, j: int, coefficients: Optional[tuple[dict, dict]] = None
                  ) -> tuple[LocalGraph, torch.Tensor]:
         """Subgraph ``j`` of the vertex order ``order``: its vertices, their in-edges from subgraphs
-        ``0..j`` (sources numbered in that order), and those edges' ids in the whole graph.
+        ``0..j`` (every subgraph when :attr:`reads` is ``"all"``; sources numbered in that order),
+        and those edges' ids in the whole graph.
         ``coefficients``: ``(edge_coef, loop_coef)`` indexed by the whole graph's edges
         (default: ``coefficients(order)``, computed again on every call)."""
         edge, loop = coefficients if coefficients is not None else self.coefficients(order)
-        return chunk_subgraph(self.graph, self.bounds, j, range(j + 1), edge, loop, order)
+        return chunk_subgraph(self.graph, self.bounds, j, self._reads(j), edge, loop, order)
+
+    def _reads(self, j: int) -> range:
+        return range(self.num_subgraphs) if self.reads == "all" else range(j + 1)
 
     def coefficients(self, order: Optional[torch.Tensor]) -> tuple[dict[str, torch.Tensor],
                                                                    dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         """The normalization coefficients of the propagations (:attr:`norms`) in an epoch's vertex
         ``order``, indexed by the whole graph's edges: those of the graph of the epoch's kept edges
-        (zero on the skipped ones); ``order=None``: the whole graph's."""
+        (zero on the skipped ones); ``order=None`` or :attr:`reads` ``"all"``: the whole graph's."""
         g = self.graph
-        if order is None:
+        if order is None or self.reads == "all":
             return propagation_coefficients(g, self.norms)
         kept = self._kept(order)
         indptr = torch.zeros(g.num_nodes + 1, dtype=torch.int64)
@@ -127,6 +149,8 @@ class ChunkRegrouping:
 
     def kept_edges(self, epoch: int) -> torch.Tensor:
         """Which edges of the whole graph ``epoch`` trains (bool per edge, CSR order)."""
+        if self.reads == "all":
+            return torch.ones(self.graph.num_edges, dtype=torch.bool)
         return self._kept(self.order(epoch))
 
     def _kept(self, order: torch.Tensor) -> torch.Tensor:
@@ -137,7 +161,10 @@ class ChunkRegrouping:
 
     def keep_probability(self) -> float:
         """The probability that an edge between two base chunks is trained in an epoch, when the
-        subgraphs are exactly ``k = M / S`` base chunks (module docstring)."""
+        subgraphs are exactly ``k = M / S`` base chunks (module docstring; 1 when :attr:`reads`
+        is ``"all"``)."""
+        if self.reads == "all":
+            return 1.0
         m, k = self.num_base_chunks, self.num_base_chunks / self.num_subgraphs
         if m == 1:
             return 1.0
@@ -152,7 +179,8 @@ class EpochInputs:
     in subgraph order), where each subgraph's rows start among them (``offsets``, like
     ``StepInputs.chunk_offsets``) and their labels and training mask (``None`` on other ranks);
     ``sizes``: the epoch's values of the plan's per-step sizes (none: the subgraphs keep fixed
-    sizes)."""
+    sizes); ``slots``: the vertex ids of every subgraph in this epoch (where the runtime's
+    per-vertex historical embeddings of a subgraph's rows are)."""
 
     chunk_inputs: dict[int, dict[str, Any]]
     owned: Optional[torch.Tensor] = None
@@ -160,6 +188,7 @@ class EpochInputs:
     labels: Optional[torch.Tensor] = None
     train_mask: Optional[torch.Tensor] = None
     sizes: dict[str, int] = field(default_factory=dict)
+    slots: Optional[tuple[torch.Tensor, ...]] = None
 
 
 @dataclass
@@ -199,7 +228,8 @@ class RegroupedInputs:
                       num_classes=g._num_classes, name=g.name, validate=False)
         coef = "graph" in kinds
         return cls(ChunkRegrouping(graph, regrouping.base_bounds, regrouping.bounds, regrouping.seed,
-                                   regrouping.norms if coef else ()), needs, tuple(scored))
+                                   regrouping.norms if coef else (), regrouping.base_order, regrouping.reads),
+                   needs, tuple(scored))
 
     def epoch(self, epoch: int, device: Optional[torch.device] = None) -> EpochInputs:
         """The inputs of ``epoch`` (on ``device`` when given)."""
@@ -218,7 +248,7 @@ class RegroupedInputs:
                 if kind == "graph" and sub is None:
                     sub, eids = rg.subgraph(order, j, coefficients)
                 elif kind in ("E", "E+V") and eids is None:  # the edge ids alone: no graph slice
-                    eids = chunk_edges(rg.graph, b, j, range(j + 1), order)
+                    eids = chunk_edges(rg.graph, b, j, rg._reads(j), order)
                 if kind == "graph":
                     d[name] = sub
                 elif kind == "features":
@@ -228,8 +258,11 @@ class RegroupedInputs:
             out[j] = d
         if device is not None and device.type != "cpu":
             out = {j: {k: v.to(device) if hasattr(v, "to") else v for k, v in d.items()} for j, d in out.items()}
+        slots = tuple(order[b[j]:b[j + 1]] for j in range(rg.num_subgraphs))
+        if device is not None and device.type != "cpu":
+            slots = tuple(s.to(device) for s in slots)
         if not self.scored:
-            return EpochInputs(out)
+            return EpochInputs(out, slots=slots)
         per_subgraph = [order[b[j]:b[j + 1]] if j in self.scored else order[:0] for j in range(rg.num_subgraphs)]
         owned = torch.cat(per_subgraph)
         offsets = [0]
@@ -238,4 +271,4 @@ class RegroupedInputs:
 
         def rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if t is None else (t[owned] if device is None else t[owned].to(device))
-        return EpochInputs(out, owned, tuple(offsets), rows(rg.graph.y), rows(rg.graph.train_mask))
+        return EpochInputs(out, owned, tuple(offsets), rows(rg.graph.y), rows(rg.graph.train_mask), slots=slots)

@@ -1020,7 +1020,9 @@ class StepInputs:
     (:class:`StepSize`) when they are the same every step (a step-input source whose steps differ,
     like ``regroup``, gives each step's own); ``history_refresh``: the copies that stale reads take
     (historical embeddings) are stored at the steps ``history_refresh``, ``2 history_refresh``, ...
-    (1-based; 1: every step).
+    (1-based; 1: every step); ``historical_gradients``: the gradients that readers of those
+    copies compute are added to the chunks' gradients of the next step (relaxed; otherwise they are
+    dropped).
     """
 
     inputs: dict[str, Any] = field(default_factory=dict)
@@ -1034,6 +1036,7 @@ class StepInputs:
     chunk_rows: tuple[int, ...] = ()
     step_sizes: dict[str, int] = field(default_factory=dict)
     history_refresh: int = 1
+    historical_gradients: bool = False
 
     def to(self, device: Any) -> "StepInputs":
         """A copy with every tensor (and graph) on ``device``; ``regroup`` moves each epoch's itself."""
@@ -1047,7 +1050,8 @@ class StepInputs:
                           masks={k: move(v) for k, v in self.masks.items()}, owned=self.owned,
                           halo=(tuple(move(t) for t in send_index), recv_count), regroup=self.regroup,
                           chunk_rows=self.chunk_rows, step_sizes=dict(self.step_sizes),
-                          history_refresh=self.history_refresh)
+                          history_refresh=self.history_refresh,
+                          historical_gradients=self.historical_gradients)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from ..cost_models.hardware import DEVICES
 from ..errors import PlanningError
 from ..graph.core import Graph
 from ..graph.partition import partition
+from ..graph.regroup import ChunkRegrouping
 from ..graph.reorder import permute
 from ..ir.plan import Backward, Forward, RankSizes, Schedule
 from ..ir.tpgraph import TPGraph
@@ -59,7 +60,7 @@ from .chunked import ChunkInputs, Chunking, Group, Placement, chunk_bounds, chun
     contiguous_runs, group_parameters, historical_reads, pipeline_sources, stage_groups, stage_reads, \
     stage_times, with_reads
 from .driver import Job, Lowered, RankLowering
-from .lower import Decisions, StagedModel, requires_grad_values, split_stages, value_dims
+from .lower import Decisions, StagedModel, propagation_norms, requires_grad_values, split_stages, value_dims
 from .schedule import compute_deps, insert_messages, list_schedule
 from .strategy import ANY, Strategy, StrategyOptions, option, product
 from .task import task_decisions
@@ -83,6 +84,12 @@ class LayerOptions(StrategyOptions):
                                          "renumbered part by part, so that most in-edges stay inside a chunk).",
                            kind="choice", choices=CHUNKINGS, neutral=ANY, pinned=True,
                            cli="contiguous vertex ranges, or metis parts (GNNPipe's locality-aware chunks)")
+    stages: Optional[int] = option(None, "Pipeline stages S (GNNPipe's hybrid, §3.5): S groups of G = ranks / S ranks, "
+                                         "each group a stage running graph parallelism over G partitions (member i "
+                                         "of every group holds partition i, whose chunks it runs); default: one "
+                                         "stage per rank (G = 1, pure layer pipelining).",
+                                   kind="optional_positive_int", cli="pipeline stages S; S groups of ranks/S ranks "
+                                                                     "each (default: one stage per rank)")
     recompute: bool = option(False, "Recompute T segments in backward instead of keeping their intermediates.",
                              kind="bool", pinned=True,
                              cli="recompute T segments in backward instead of keeping their intermediates")
@@ -94,13 +101,23 @@ class LayerOptions(StrategyOptions):
                                                   "steps (GNNPipe's fixed history, alpha; default 1: every step).",
                                             kind="optional_positive_int",
                                             cli="with --history: refresh the historical embeddings every N steps")
+    shuffle: bool = option(False, "With history: GNNPipe's chunk shuffling, the chunks' processing order drawn again "
+                                  "every step (seeded, the same on every rank), so that no chunk always reads more "
+                                  "historical neighbours than another.", kind="bool", pinned=True,
+                           cli="with --history: shuffle the chunks' processing order every step (GNNPipe)")
+    historical_gradients: bool = option(False, "With history: the gradients to chunks read from history are added "
+                                               "to those chunks' gradients of the next step instead of being "
+                                               "dropped (GNNPipe drops them; this is its ablation).", kind="bool",
+                                        pinned=True,
+                                        cli="with --history: use historical gradients instead of dropping them")
 
     def check(self) -> None:
         if self.history and self.semantics == "exact":
             raise PlanningError("layer: history=True reads chunks not computed yet from earlier steps (a "
                                 "relaxation); pass semantics='relaxed'")
-        if self.history_refresh is not None and not self.history:
-            raise PlanningError("layer: history_refresh applies to history=True (historical embeddings)")
+        for name in ("history_refresh", "shuffle", "historical_gradients"):
+            if getattr(self, name) not in (None, False) and not self.history:
+                raise PlanningError(f"layer: {name} applies to history=True (historical embeddings)")
 
     @classmethod
     def space(cls, semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
@@ -116,19 +133,74 @@ def layer_decisions(tp: TPGraph) -> Decisions:
     return replace(task_decisions(tp), needs={}, sink=True)
 
 
-def place_layers(times: dict[int, float], num_ranks: int) -> Placement:
-    """One rank per run of consecutive tasks, the runs balancing the tasks' times."""
+def place_layers(times: dict[int, float], num_stages: int, group_size: int = 1) -> Placement:
+    """One group of ``group_size`` consecutive ranks per run of consecutive tasks, the ``num_stages``
+    runs balancing the tasks' times; a group deals whole chunks (member ``k mod G`` runs chunk ``k``)."""
     stages = sorted(times)
-    if num_ranks > len(stages):
-        raise PlanningError(f"strategy 'layer': {num_ranks} ranks but the model has {len(stages)} tasks (T ops and "
-                            f"propagations), at most one stage per task; use at most {len(stages)} ranks (the "
-                            "hybrid with data parallelism is not built yet)")
+    if num_stages > len(stages):
+        raise PlanningError(f"strategy 'layer': {num_stages} pipeline stages but the model has {len(stages)} tasks "
+                            f"(T ops and propagations), at most one stage per task; use at most {len(stages)} "
+                            "stages (stages=S with S groups of ranks/S ranks: GNNPipe's hybrid)")
     groups, stage_group = [], {}
-    for r, (a, b) in enumerate(contiguous_runs([times[s] for s in stages], num_ranks)):
+    for r, (a, b) in enumerate(contiguous_runs([times[s] for s in stages], num_stages)):
         for s in stages[a:b]:
             stage_group[s] = r
-        groups.append(Group(f"L[{stages[a]}..{stages[b - 1]}]", (r,), "chunks"))
+        members = tuple(range(r * group_size, (r + 1) * group_size))
+        groups.append(Group(f"L[{stages[a]}..{stages[b - 1]}]", members, "chunks"))
     return Placement(tuple(groups), stage_group)
+
+
+def _induced(graph: Graph, ids: torch.Tensor) -> Graph:
+    """The subgraph of ``graph`` induced by the vertices ``ids`` (renumbered ``0..len(ids)-1``)."""
+    local = torch.full((graph.num_nodes,), -1, dtype=torch.int64)
+    local[ids] = torch.arange(ids.numel())
+    dst, src = local[graph.dst.cpu()], local[graph.indices.cpu()]
+    keep = (dst >= 0) & (src >= 0)
+    indptr = torch.zeros(ids.numel() + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(dst[keep], minlength=ids.numel()), 0, out=indptr[1:])
+    order = torch.argsort(dst[keep], stable=True)
+    return Graph(indptr, src[keep][order], int(ids.numel()), validate=False)
+
+
+def hybrid_chunking(graph: Graph, parts: int, chunks: int, chunking: str, seed: int) -> tuple[Chunking, Graph]:
+    """The chunks of GNNPipe's hybrid (§3.5): ``graph`` cut into ``parts`` partitions (METIS for
+    ``chunking="metis"``, else contiguous vertex ranges), each cut into ``chunks / parts`` chunks
+    (METIS parts of the partition, or contiguous ranges), numbered so that chunk ``k`` lies in
+    partition ``k mod parts`` (the group member that runs it); the vertices are renumbered chunk by
+    chunk. Returns the chunking and the renumbered graph."""
+    n = graph.num_nodes
+    if chunks % parts:
+        raise PlanningError(f"layer: {chunks} chunks cannot be dealt evenly to groups of {parts} ranks; use a "
+                            f"multiple of {parts}")
+    per = chunks // parts
+    if chunking == "metis":
+        assign = torch.as_tensor(partition(graph, parts, "metis", seed=seed).parts, dtype=torch.int64)
+        members = [torch.nonzero(assign == i).flatten() for i in range(parts)]
+    else:
+        b = chunk_bounds(n, parts)
+        members = [torch.arange(b[i], b[i + 1]) for i in range(parts)]
+    pieces: list[list[torch.Tensor]] = []
+    for i, ids in enumerate(members):
+        if ids.numel() < per:
+            raise PlanningError(f"layer: partition {i} has {ids.numel()} vertices, fewer than its {per} chunks; use "
+                                "fewer chunks")
+        if chunking == "metis" and per > 1:
+            sub = torch.as_tensor(partition(_induced(graph, ids), per, "metis", seed=seed).parts, dtype=torch.int64)
+            got = [ids[sub == c] for c in range(per)]
+            if any(p.numel() == 0 for p in got):
+                raise PlanningError(f"layer: METIS left a chunk of partition {i} empty; use fewer chunks or "
+                                    "chunking='contiguous'")
+        else:
+            cb = chunk_bounds(int(ids.numel()), per)
+            got = [ids[cb[c]:cb[c + 1]] for c in range(per)]
+        pieces.append(got)
+    ordered_chunks = [pieces[k % parts][k // parts] for k in range(chunks)]
+    order = torch.cat(ordered_chunks)
+    bounds = [0]
+    for c in ordered_chunks:
+        bounds.append(bounds[-1] + int(c.numel()))
+    renumbered = permute(graph, order)
+    return Chunking(tuple(bounds), chunk_reads(renumbered, bounds), order), renumbered
 
 
 def metis_chunking(graph: Graph, chunks: int, seed: int) -> tuple[Chunking, Graph]:
@@ -150,6 +222,13 @@ def _check(job: Job, options: LayerOptions) -> None:
     if job.num_ranks < 2:
         raise PlanningError(f"strategy 'layer' needs at least 2 ranks (stages on different ranks), got "
                             f"{job.num_ranks}")
+    if options.stages is not None and job.num_ranks % options.stages:
+        raise PlanningError(f"layer: {job.num_ranks} ranks cannot form {options.stages} equal stage groups; use a "
+                            f"divisor of {job.num_ranks} for stages")
+    if options.shuffle and options.stages is not None and options.stages < job.num_ranks:
+        raise PlanningError("layer: chunk shuffling with the hybrid (stages < ranks) would move chunks between a "
+                            "group's partitions every step, so every member would read every chunk; use it with one "
+                            "stage per rank")
 
 
 def lower_layer(job: Job, options: LayerOptions) -> Lowered:
@@ -169,11 +248,17 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
                             f"the training model ({labels})")
     job.refuse_sparse_features(staged)
     times = stage_times(staged, stats, job.device or DEVICES["A100"])
-    place = place_layers(times, n)
+    S = options.stages if options.stages is not None else n
+    G = n // S
+    place = place_layers(times, S, G)
     K = options.chunks if options.chunks is not None else min(4 * n, stats.num_nodes)
     bounds = chunk_bounds(stats.num_nodes, K)
     ordered = graph
-    if job.concrete and options.chunking == "metis":
+    if job.concrete and G > 1:
+        chunking, ordered = hybrid_chunking(graph, G, K, options.chunking, options.seed)
+    elif G > 1 and K % G:
+        raise PlanningError(f"layer: {K} chunks cannot be dealt evenly to groups of {G} ranks; use a multiple of {G}")
+    elif job.concrete and options.chunking == "metis":
         chunking, ordered = metis_chunking(graph, K, options.seed)
     elif job.concrete:
         chunking = Chunking(bounds, chunk_reads(graph, bounds))
@@ -181,13 +266,26 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
         chunking = Chunking(bounds, tuple(tuple(range(K)) for _ in range(K)))
     exact_chunking = chunking
     stale: dict[int, dict[str, tuple[tuple[int, ...], ...]]] = {}
+    regrouping = None
     if options.history:
+        if options.shuffle and K > 1:
+            # the chunk in a slot changes every step: every slot reads every slot (the earlier ones
+            # fresh, the later ones from history); a slot's graph slice holds its chunk's edges
+            chunking = Chunking(chunking.bounds, tuple(tuple(range(K)) for _ in range(K)), chunking.order)
+            if job.concrete:
+                regrouping = ChunkRegrouping(graph, chunking.bounds, chunking.bounds, options.seed,
+                                             tuple(sorted(propagation_norms(job.tp, job.tp_eval))), chunking.order,
+                                             reads="all")
         chunking, reads, stale = historical_reads(staged, labels, chunking, sources, {"x", *job.dropout_inputs})
         if K > 1:
             job.relaxations.append(
                 "historical embeddings (GNNPipe §3.3): a chunk's propagation reads the chunks not computed yet this "
-                "step from their copy of an earlier step (zeros before the first), without gradient"
-                + (f", refreshed every {options.history_refresh} steps" if (options.history_refresh or 1) > 1 else ""))
+                "step from their copy of an earlier step (zeros before the first), "
+                + ("their gradients added to the next step's (historical gradients)" if options.historical_gradients
+                   else "without gradient")
+                + (f", refreshed every {options.history_refresh} steps" if (options.history_refresh or 1) > 1 else "")
+                + ("; the chunks' processing order shuffled every step (chunk shuffling)" if regrouping is not None
+                   or (options.shuffle and not job.concrete) else ""))
     else:
         reads = stage_reads(staged, labels, chunking, sources)
     reads_eval = stage_reads(staged_eval, labels_eval, exact_chunking, sources_eval)
@@ -201,44 +299,52 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
     held, grad_groups = group_parameters(job, staged, place)
 
     out_group = place.stage_group[staged.stage_of[staged.output]]
-    inputs = ChunkInputs(job, staged, staged_eval, exact_chunking,
+    inputs = ChunkInputs(job, staged, staged_eval, exact_chunking, regrouping=regrouping,
                          ordered=ordered if exact_chunking.order is not None else None) if job.concrete else None
-    every = list(range(K))
-    ranks = []
+    ranks, owned_rows = [], [0] * n
     for gi, g in enumerate(place.groups):
-        r = g.members[0]
-        stages = tuple(with_reads(s, reads.get(s.index, {}), g.name, stale.get(s.index)) for s in staged.stages
-                       if place.stage_group[s.index] == gi)
-        eval_stages = tuple(with_reads(s, reads_eval.get(s.index, {}), g.name) for s in staged_eval.stages
-                            if place.stage_group[s.index] == gi)
-        propagates = any(labels[s.index] == "cols" for s in stages)
-        edges = 0
-        if propagates:
-            edges = sum(int(chunk_edge_ids(ordered, exact_chunking, k).numel()) for k in every) if job.concrete \
-                else stats.num_edges
-        reads_x = any(u == "x" for st in stages for u in st.inputs)
-        sizes = RankSizes(nodes=stats.num_nodes, edges=edges, src=stats.num_nodes, all_nodes=stats.num_nodes,
-                          chunks=K, feature_rows=stats.num_nodes if reads_x else 0,
-                          trains=stats.num_nodes if gi == out_group else 0, params=held[gi])
-        step = inputs.rank(stages, eval_stages, every, gi == out_group) if inputs is not None else {}
-        if step and options.history_refresh:
-            step["history_refresh"] = options.history_refresh
-        ranks.append(RankLowering(rank=r, stages=stages, instructions=list(train_progs[r]), sizes=sizes,
-                                  eval_stages=eval_stages, eval_instructions=tuple(eval_progs[r]), step=step))
+        for i, r in enumerate(g.members):
+            mine = [k for k in range(K) if k % G == i]  # member i holds partition i: its chunks
+            runs = tuple(mine) if G > 1 else ()
+            stages = tuple(replace(with_reads(s, reads.get(s.index, {}), g.name, stale.get(s.index)), runs=runs)
+                           for s in staged.stages if place.stage_group[s.index] == gi)
+            eval_stages = tuple(replace(with_reads(s, reads_eval.get(s.index, {}), g.name), runs=runs)
+                                for s in staged_eval.stages if place.stage_group[s.index] == gi)
+            propagates = any(labels[s.index] == "cols" for s in stages)
+            reads_x = any(u == "x" for st in stages for u in st.inputs)
+            rows = sum(exact_chunking.size(k) for k in mine)
+            read = {m for k in mine for m in exact_chunking.reads[k]}
+            edges = 0
+            if propagates:
+                edges = sum(int(chunk_edge_ids(ordered, exact_chunking, k).numel()) for k in mine) \
+                    if job.concrete else stats.num_edges // G
+            sizes = RankSizes(nodes=rows, edges=edges, src=sum(exact_chunking.size(m) for m in read), all_nodes=stats.num_nodes, chunks=K, feature_rows=rows if reads_x else 0,
+                              trains=rows if gi == out_group else 0, params=held[gi])
+            step = inputs.rank(stages, eval_stages, mine, gi == out_group) if inputs is not None else {}
+            if step and options.history_refresh:
+                step["history_refresh"] = options.history_refresh
+            if step and options.historical_gradients:
+                step["historical_gradients"] = True
+            if gi == out_group:
+                owned_rows[r] = rows
+            ranks.append(RankLowering(rank=r, stages=stages, instructions=list(train_progs[r]), sizes=sizes,
+                                      eval_stages=eval_stages, eval_instructions=tuple(eval_progs[r]), step=step))
     info = {
         "tasks": len(staged.stages), "groups": {g.name: list(g.members) for g in place.groups},
         "stage_seconds": {str(s): t for s, t in times.items()}, "task_order": [str(t) for _, t in order],
         "pipeline_lag": exact_chunking.lag(), "chunking": options.chunking,
         "chunk_rows": [exact_chunking.size(k) for k in range(K)],
-        "owned_rows": [stats.num_nodes if gi == out_group else 0 for gi in range(n)],
+        "owned_rows": owned_rows, "stages": S, "group_size": G,
     }
     # FREE releases each chunk after its last reader (and its sends' completion)
     return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=grad_groups,
-                   schedule=Schedule("layer pipeline", K, "list-scheduled"), info=info, options={"chunks": K},
-                   frees=True)
+                   schedule=Schedule("layer pipeline" if G == 1 else f"layer pipeline, {S} stages x {G} partitions",
+                                     K, "list-scheduled"), info=info, options={"chunks": K, "stages": S},
+                   frees=True, program=dict(groups=tuple(g.members for g in place.groups if len(g.members) > 1)))
 
 
 STRATEGY = Strategy("layer", LayerOptions, lower_layer, summary="GNNPipe: runs of consecutive layers on separate "
                     "ranks, chunk-pipelined", check=_check, row_mixing=("chunk", "chunk"), needs_device=True,
                     # renumbered chunks renumber the edges: replicated masks over vertices or stored values only
-                    dropout_spaces=lambda options: ("V", "nnz") if options.chunking == "metis" else None)
+                    dropout_spaces=lambda options: ("V", "nnz") if options.chunking == "metis" or options.stages is not None
+                    else None)

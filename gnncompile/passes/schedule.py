@@ -268,7 +268,13 @@ def insert_messages(staged: StagedModel, order: Order, place: Placement, chunkin
                     if u in conv_out:
                         raise PlanningError(f"stage {st.index} converts {base!r} within group "
                                             f"{place.groups[gi].name!r}")
-                    continue
+                    g = place.groups[gi]
+                    across = reads.get(st.index, {}).get(u) is not None or \
+                        (stale or {}).get(st.index, {}).get(u) is not None
+                    if g.layout != "chunks" or len(g.members) == 1 or not across:
+                        continue  # every chunk it reads is on the reading rank
+                    # a group dealing whole chunks: chunks its members read across come from the
+                    # member running them (GNNPipe's hybrid: graph parallelism inside a stage)
             elif u in conv_out and place.input_group is not None:
                 src = place.input_group
             else:
@@ -313,8 +319,8 @@ def insert_messages(staged: StagedModel, order: Order, place: Placement, chunkin
                 if held is None:
                     continue
                 inter = intersect(held, need)
-                if inter[0] == inter[1] and inter[2] == inter[3]:
-                    continue  # disjoint in both dimensions: nothing to say
+                if inter[0] == inter[1] and inter[2] == inter[3] or a == dg.members[j]:
+                    continue  # disjoint in both dimensions, or already on the reading rank: nothing to say
                 out.append((a, dg.members[j], held, need, inter))
         cache[key] = out
         return out
@@ -396,7 +402,8 @@ def insert_messages(staged: StagedModel, order: Order, place: Placement, chunkin
             for e in by_base.get(o, []):
                 if e.needs_grad:
                     for a, b, *_ in messages(e, t.chunk):
-                        if a in runners:
+                        # from every consumer reading the chunk fresh (a stale read sends no gradient)
+                        if a in runners and (e.name, e.dst, b, t.chunk) in missing:
                             receive(a, b, e.base, t.chunk, True)
         for r in runners:
             progs[r].append(t)

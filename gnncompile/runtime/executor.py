@@ -255,9 +255,14 @@ class _Rank:
                     self.groups[tuple(members)] = pg
         # received values whose gradient this rank sends back: they must require grad
         self.grad_sent = {(i.value, i.chunk) for i in prog.instructions if rule(i).side == "send" and i.grad}
+        #: historical embeddings of stale reads (relaxed dependencies): per value, one row per vertex
+        #: of the chunk order (zeros before the first copy); ``history_grads``: the gradients the
+        #: readers of stale copies computed last step (used with ``historical_gradients``)
+        self.history: dict[str, torch.Tensor] = {}
+        self.history_grads: dict[str, torch.Tensor] = {}
+        rows = provider.step.chunk_rows
+        self._row_starts = [sum(rows[:k]) for k in range(len(rows) + 1)]
         self.use(provider.evaluation())
-        #: stale reads (relaxed dependencies): the previous step's copy of (value, chunk)
-        self.stale: dict[tuple[str, int], torch.Tensor] = {}
 
     def _group(self, members: tuple[int, ...]) -> Any:
         if len(members) == self.ctx.world_size:
@@ -307,6 +312,34 @@ class _Rank:
         self.chunk_inputs, self.offsets = view.chunk_inputs, view.offsets
         self.labels, self.train_mask = view.labels, view.train_mask
         self.sizes = view.sizes
+        self.slots = view.slots
+
+    def _slot(self, k: int) -> Any:
+        """Where chunk ``k``'s rows are in the history tables this step (a slice, or vertex ids)."""
+        if self.slots is not None:
+            return self.slots[k]
+        return slice(self._row_starts[k], self._row_starts[k + 1])
+
+    def _slot_rows(self, k: int) -> int:
+        return int(self.slots[k].numel()) if self.slots is not None else self.provider.step.chunk_rows[k]
+
+    def stale_read(self, name: str, k: int, like: torch.Tensor) -> torch.Tensor:
+        """Chunk ``k`` of ``name`` from the history (zeros shaped like ``like``'s rows before a copy)."""
+        table = self.history.get(name)
+        if table is None:
+            return like.new_zeros((self._slot_rows(k),) + tuple(like.shape[1:]))
+        return table[self._slot(k)]
+
+    def stale_store(self, store: dict[str, torch.Tensor], name: str, k: int, v: torch.Tensor,
+                    add: bool = False) -> None:
+        """Write (or with ``add``, add) chunk ``k``'s rows ``v`` into ``store[name]``."""
+        table = store.get(name)
+        if table is None:
+            table = store[name] = v.new_zeros((self._row_starts[-1],) + tuple(v.shape[1:]))
+        if add:
+            table[self._slot(k)] += v.detach()
+        else:
+            table[self._slot(k)] = v.detach()
 
     def shape(self, ins: Instruction, shape: tuple) -> tuple[int, ...]:
         """``shape`` of ``ins`` with this step's values of its per-step sizes (:class:`StepSize`)."""
@@ -328,6 +361,10 @@ class _Rank:
         # stale reads keep this step's copies only at the steps history_refresh, 2 history_refresh,
         # ... (GNNPipe's fixed history; 1: every step)
         refresh = (epoch + 1) % self.provider.step.history_refresh == 0
+        # historical gradients (relaxed): what the readers of stale copies computed last step is
+        # added to those chunks' gradients this step
+        historical_gradients = self.provider.step.historical_gradients and optimizer is not None
+        next_grads: dict[str, torch.Tensor] = {}
         values: dict[tuple[str, int], Any] = {}
         grads: dict[tuple[str, int], torch.Tensor] = {}
         pieces: dict[tuple[str, int], list] = {}
@@ -342,6 +379,11 @@ class _Rank:
         #: the gradient communication that only needs the shape (zeros of a gradient nobody made)
         freed: dict[tuple[str, int], torch.Tensor] = {}
         spec = {s.index: s for s in stages}
+        for st in stages if historical_gradients else ():
+            for name, per_chunk in st.stale:
+                if name in self.history_grads:
+                    for k in {k for ks in per_chunk for k in ks}:
+                        grads[(name, k)] = self.history_grads[name][self._slot(k)].clone()
         losses: dict[int, Any] = {}
         logits: dict[int, torch.Tensor] = {}
         clock = self.clock
@@ -419,13 +461,11 @@ class _Rank:
                 if old:  # relaxed: chunks not computed yet this step come from the previous step
                     fresh = {k: get(name, k) for k in read}
                     like = next(iter(fresh.values()))
-                    rows_of = self.provider.step.chunk_rows
                     if refresh:
                         for k, t in fresh.items():
-                            self.stale[name, k] = t.detach()
+                            self.stale_store(self.history, name, k, t)
                     read = tuple(sorted(set(read) | set(old)))
-                    parts = [fresh[k] if k in fresh else self.stale.get(
-                        (name, k), like.new_zeros((rows_of[k],) + tuple(like.shape[1:]))) for k in read]
+                    parts = [fresh[k] if k in fresh else self.stale_read(name, k, like) for k in read]
                     stale_here = set(old)
                 else:
                     gone = [k for k in read if (name, k) in freed]
@@ -493,7 +533,9 @@ class _Rank:
                     _accumulate(grads, (name, read[0]), g_leaf)
                 else:
                     for k, g in zip(read, torch.split(g_leaf, rows)):
-                        if k in stale_here:  # a previous step's copy: no gradient goes back
+                        if k in stale_here:  # a previous step's copy: no gradient goes back this step
+                            if historical_gradients:  # (the next step adds it to the chunk's gradient)
+                                self.stale_store(next_grads, name, k, g, add=True)
                             continue
                         # a view would keep the whole concatenated gradient alive
                         _accumulate(grads, (name, k), g if (name, k) in grads else g.clone())
@@ -537,7 +579,9 @@ class _Rank:
             for name, per_chunk in st.stale:
                 for k in {k for ks in per_chunk for k in ks}:
                     if (name, k) in values or (name, k) in pieces:
-                        self.stale[name, k] = get(name, k).detach()
+                        self.stale_store(self.history, name, k, get(name, k))
+        if historical_gradients:
+            self.history_grads = next_grads
         if capture is not None and logits:
             capture["logits"] = torch.cat([logits[c] for c in sorted(logits)]).cpu().clone()
         total = None
@@ -906,17 +950,18 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
 
 
 def _stale_state(rank: "_Rank") -> dict[str, torch.Tensor]:
-    return {f"{name}/{chunk}": t for (name, chunk), t in rank.stale.items()}
+    return {**{f"value/{name}": t for name, t in rank.history.items()},
+            **{f"grad/{name}": t for name, t in rank.history_grads.items()}}
 
 
 def _restore_stale(rank: "_Rank", tensors: dict[str, torch.Tensor]) -> None:
-    rank.stale = {}
+    rank.history, rank.history_grads = {}, {}
     for key, t in tensors.items():
-        name, chunk = key.rsplit("/", 1)
-        rank.stale[name, int(chunk)] = t.to(rank.ctx.device)
+        kind, name = key.split("/", 1)
+        (rank.history if kind == "value" else rank.history_grads)[name] = t.to(rank.ctx.device)
 
 
-# relaxed plans' stale reads: the previous step's copies of chunks not computed yet (per rank)
+# relaxed plans' stale reads: the historical embeddings (and gradients) of chunks not computed yet
 ckpt.register_rank_state("stale", _stale_state, _restore_stale)
 
 

@@ -22,8 +22,10 @@ __all__ = ["StepView", "StepInputProvider"]
 @dataclass
 class StepView:
     """The inputs of one step: per-chunk inputs, where each chunk's scored rows start, their labels
-    and training mask, (for a regrouped epoch) the vertices scored, in that order, and the values
-    of the plan's per-step sizes (:class:`~gnncompile.ir.plan.StepSize`) in this step."""
+    and training mask, (for a regrouped epoch) the vertices scored, in that order, the values
+    of the plan's per-step sizes (:class:`~gnncompile.ir.plan.StepSize`) in this step, and (for a
+    regrouped epoch) the vertex ids of every chunk, where its rows' historical embeddings are kept
+    (``None``: chunk ``k`` is rows ``[sum(chunk_rows[:k]), sum(chunk_rows[:k + 1]))`` of them)."""
 
     chunk_inputs: dict[int, dict[str, Any]]
     offsets: tuple[int, ...]
@@ -31,6 +33,7 @@ class StepView:
     train_mask: Any
     owned: Optional[torch.Tensor] = None
     sizes: Mapping[str, int] = field(default_factory=dict)
+    slots: Optional[tuple[torch.Tensor, ...]] = None
 
 
 class StepInputProvider:
@@ -76,4 +79,4 @@ class StepInputProvider:
         scored = e.owned is not None
         return StepView(e.chunk_inputs, tuple(mine.offsets if e.offsets is None else e.offsets),
                         e.labels if scored else mine.labels, e.train_mask if scored else mine.train_mask,
-                        e.owned, {**mine.sizes, **e.sizes})
+                        e.owned, {**mine.sizes, **e.sizes}, e.slots)
