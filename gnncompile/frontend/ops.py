@@ -129,7 +129,9 @@ class _SpMM(torch.autograd.Function):
     def forward(ctx: Any, g: Graph, values: Optional[torch.Tensor], x: torch.Tensor,
                 backend: Optional[str]) -> torch.Tensor:
         ctx.g, ctx.backend = g, backend
-        ctx.save_for_backward(values, x)
+        # x only serves the gradient of trainable edge values (GAT): a propagation with fixed
+        # coefficients keeps nothing of its input for backward
+        ctx.save_for_backward(values, x if values is not None and ctx.needs_input_grad[1] else None)
         return kernels.spmm(_csr(g), values, x, backend)
 
     @staticmethod
@@ -575,7 +577,7 @@ class _MaskedSpMM(torch.autograd.Function):
                 backend: Optional[str]) -> torch.Tensor:
         ctx.g, ctx.backend = g, backend
         ctx.all_kept = bool(keep_rows.all())
-        ctx.save_for_backward(values, x, keep_rows)
+        ctx.save_for_backward(values, x if values is not None and ctx.needs_input_grad[1] else None, keep_rows)
         return _masked_kernels.masked_spmm(_csr(g), values, x, keep_rows, backend)
 
     @staticmethod

@@ -45,7 +45,7 @@ from torch.autograd.graph import _engine_run_backward
 from ..errors import RuntimeFailure, VerificationError
 from ..frontend.ops import MaskCache, dropout_noise
 from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, Instruction,
-                       OptimizerStep, Plan, RankProgram, Recompute, Recv, ReduceScatter, Send, member_rows,
+                       OptimizerStep, Plan, RankProgram, Recompute, Recv, ReduceScatter, Send, StageSpec, member_rows,
                        resolve_shape)
 from ..ir.rules import register_execute, rule
 from . import checkpoint as ckpt
@@ -393,6 +393,16 @@ class _Rank:
         # cross-chunk reads: one concatenation (and one gradient leaf) per (value, chunks read) and
         # step, shared by the chunks that read the same chunks
         concat: dict[tuple[str, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+        # how many forwards of this step read each concatenation: after the last one it is dropped,
+        # and a training leaf that no op saved for backward keeps only its shape (its gradient still
+        # arrives whole): a chunk's cross-chunk input does not stay alive until its backward
+        concat_uses: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}
+        for ins in instructions:
+            if isinstance(ins, Forward):
+                for name in spec[ins.stage].inputs:
+                    key = _concat_key(spec[ins.stage], name, ins.chunk)
+                    if key is not None:
+                        concat_uses[key] = concat_uses.get(key, 0) + 1
         if masks is not None and prog.dropout_draws:  # every mask of the step, in single-device order
             mine = {s.index for s in stages}
             for stage, ordinal, shape, dtype, p in prog.dropout_draws:
@@ -455,6 +465,7 @@ class _Rank:
             st = spec[ins.stage]
             leaves: dict[str, tuple[torch.Tensor, tuple[int, ...], list[int]]] = {}
             args = []
+            last_use = []  # (key, concatenation) read for the last time this step
             for name in st.inputs:
                 read = st.chunks_read(name, ins.chunk) if st.reads else (ins.chunk,)
                 old = st.chunks_stale(name, ins.chunk) if st.stale else ()
@@ -488,13 +499,34 @@ class _Rank:
                 if track and optimizer is not None and isinstance(v, torch.Tensor) and v.requires_grad \
                         and v.is_leaf:
                     leaves[name] = (v, read, [p.shape[0] for p in parts], stale_here)
+                if len(parts) > 1 and key in concat_uses:
+                    concat_uses[key] -= 1
+                    if concat_uses[key] == 0:
+                        last_use.append((key, v))
                 args.append(v)
-            if masks is not None:
-                with masks.stage(ins.stage):
+            saved_storage: set[int] = set()
+
+            def pack(t: Any) -> Any:
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                    saved_storage.add(t.untyped_storage().data_ptr())
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if last_use else contextlib.nullcontext():
+                if masks is not None:
+                    with masks.stage(ins.stage):
+                        outs = modules[ins.stage](*args)
+                else:
                     outs = modules[ins.stage](*args)
-            else:
-                outs = modules[ins.stage](*args)
             outd = dict(zip(st.outputs, outs))
+            for key, v in last_use:
+                concat.pop(key, None)
+                if optimizer is None or not (v.is_leaf and v.requires_grad and v.layout == torch.strided):
+                    continue
+                ptr = v.untyped_storage().data_ptr()
+                if ptr in saved_storage or any(isinstance(o, torch.Tensor) and o.layout == torch.strided
+                                               and o.untyped_storage().data_ptr() == ptr for o in outd.values()):
+                    continue  # an op keeps it for backward (or returned it): it stays
+                v.data = torch.zeros((), dtype=v.dtype, device=v.device).expand(v.shape)
             for o, v in outd.items():
                 values[(o, ins.chunk)] = v
             if output in outd:
@@ -796,6 +828,15 @@ def _run_backward(pairs: list[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> N
     tensors = tuple(t for t, _ in pairs)
     grads = tuple(torch.ones_like(t) if g is None else g for t, g in pairs)
     _engine_run_backward(tensors, grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
+def _concat_key(st: StageSpec, name: str, chunk: int) -> Optional[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """The key of the concatenation ``Forward(st, chunk)`` reads of input ``name`` (``None``: one chunk)."""
+    read = st.chunks_read(name, chunk) if st.reads else (chunk,)
+    old = st.chunks_stale(name, chunk) if st.stale else ()
+    if old:
+        read = tuple(sorted(set(read) | set(old)))
+    return (name, tuple(read), tuple(sorted(old))) if len(read) > 1 else None
 
 
 def _accumulate(store: dict, name: Any, g: torch.Tensor) -> None:
