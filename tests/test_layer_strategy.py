@@ -87,6 +87,15 @@ def test_refusals(sbm: gc.Graph) -> None:
 def test_the_planner_considers_layer(sbm: gc.Graph) -> None:
     p = gc.plan(seeded_model(MODELS["gcn3"], sbm), sbm, "4xA5000")
     assert "layer" in {e.candidate.strategy for e in p.search.ranked}
+    # stage counts (one per rank, GNNPipe's hybrid) and chunk counts are searched
+    layer = [e.candidate.options for e in p.search.ranked + p.search.rejected if e.candidate.strategy == "layer"]
+    assert {(o["stages"], o["chunks"]) for o in layer} == {(None, None), (None, 8), (2, None), (2, 8)}
+    # explain states GNNPipe's rule with the plans' own numbers
+    rule = next(line for line in p.search.why() if "GNNPipe's rule" in line)
+    data = next(e for e in p.search.ranked if e.candidate.strategy == "data")
+    alpha = data.plan.info["partition"]["replication_factor"] - 1
+    assert f"alpha_g = {alpha:.2f}" in rule and "L = 3 propagations, S_p = 4" in rule
+    assert rule.rstrip(")").endswith(("so data", "so layer")) or "the rule leaves out" in rule
 
 
 def test_plan_from_statistics() -> None:
@@ -315,3 +324,38 @@ def test_hybrid_with_history_runs(sbm: gc.Graph) -> None:
     res = plan.run(epochs=3, seed=0, timeout=120, device="cpu")
     assert all(torch.isfinite(torch.tensor(res.history.loss)))
     assert [r.bytes_sent for r in res.ranks] == plan.predictions["bytes_sent"]
+
+
+def test_one_f_one_b_interleaves_where_dependencies_allow(sbm: gc.Graph) -> None:
+    """1F1B runs a ready backward before a ready forward: the last rank of a GCN-3 pipeline (a
+    propagation and the dense output layer) alternates once chunk 0's backward is ready, where
+    GPipe's order runs every forward first; the step stays exact."""
+    def compute(plan: gc.Plan, rank: int) -> list[str]:
+        return [str(i) for i in plan.ranks[rank].instructions if type(i).__name__ in ("Forward", "Backward")]
+
+    kw = dict(strategy="layer", chunks=4, history=True, semantics="relaxed")
+    gpipe = gc.plan(seeded_model(MODELS["gcn3"], sbm), sbm, 3, **kw)
+    res = check_plan(seeded_model(MODELS["gcn3"], sbm), sbm, 3, schedule="1f1b", rtol=1e-9, atol=1e-11, timeout=60,
+                     device="cpu", **{**kw, "semantics": "exact", "history": False})
+    f1b1 = gc.plan(seeded_model(MODELS["gcn3"], sbm), sbm, 3, schedule="1f1b", **kw)
+    assert "1F1B" in str(f1b1.schedule) and "1F1B" in str(res.plan.schedule)
+    a, b = compute(gpipe, 2), compute(f1b1, 2)
+    first_backward = lambda order: next(i for i, t in enumerate(order) if t.startswith("B"))  # noqa: E731
+    last_forward = lambda order: max(i for i, t in enumerate(order) if t.startswith("F"))  # noqa: E731
+    assert first_backward(a) > last_forward(a)
+    assert first_backward(b) < last_forward(b)
+    assert sorted(a) == sorted(b)
+
+
+def test_history_memory_does_not_grow_with_the_chunks() -> None:
+    """Each chunk's propagation reads a whole-width concatenation (fresh and historical chunks); a
+    propagation keeps nothing of it for backward, so it is released after its last reader instead
+    of living until the chunk's backward: the peak stays flat as the chunks multiply (it doubled
+    from 4 to 16 chunks when every concatenation lived until backward)."""
+    g = sbm_graph(400)
+    peaks = {}
+    for k in (4, 16):
+        plan = gc.plan(seeded_model(lambda f, c: gc.nn.GCN(f, 64, c, num_layers=3, dropout=0.0), g), g, 2,
+                       strategy="layer", chunks=k, history=True, semantics="relaxed")
+        peaks[k] = [r.peak_memory for r in plan.run(epochs=1, seed=0, timeout=60, device="cpu").ranks]
+    assert all(b < 1.25 * a for a, b in zip(peaks[4], peaks[16])), peaks

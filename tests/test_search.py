@@ -130,12 +130,14 @@ def test_candidates_keep_fixed_options():
     # mop: the naive MoA workflow and an RCM-ordered fine-grain pipeline
     assert {(c.options["chunks"], c.options["reorder"]) for c in cands if c.strategy == "mop"} == {(1, "none"),
                                                                                                 (8, "rcm")}
-    # layer: with and without recomputation, default chunks (4 per stage); historical embeddings
-    # only where relaxations are allowed
+    # layer: with and without recomputation, one stage per rank or GNNPipe's hybrid of 2 stages x 2
+    # partitions, 4 (the default) or 2 chunks per rank; historical embeddings only where
+    # relaxations are allowed
     assert [c.options for c in cands if c.strategy == "layer"] == [
-        {"seed": 3, "recompute": rc, "history": False, "semantics": "exact"} for rc in (False, True)]
+        {"seed": 3, "recompute": rc, "history": False, "stages": s, "chunks": k, "semantics": "exact"}
+        for rc in (False, True) for s in (None, 2) for k in (None, 8)]
     relaxed = candidates(Cluster.parse("4xA100"), semantics="relaxed", fixed={"seed": 3})
-    assert sorted((c.options["recompute"], c.options["history"]) for c in relaxed if c.strategy == "layer") == [
+    assert sorted({(c.options["recompute"], c.options["history"]) for c in relaxed if c.strategy == "layer"}) == [
         (False, False), (False, True), (True, False), (True, True)]
     with pytest.raises(PlanningError, match="no lowering registered"):
         candidates(Cluster.parse("4xA100"), strategies=["nonsense"])
@@ -145,8 +147,8 @@ def test_search_ranks_by_predicted_time(sbm):
     res = search(gcn(sbm), sbm, Cluster.parse("4xA5000"))
     times = [e.step_time for e in res.ranked]
     assert times == sorted(times)
-    # data 4, tensor 3, mop 2, task 2, layer 2
-    assert len(res.ranked) + len(res.rejected) == len(candidates(Cluster.parse("4xA5000"), fixed={})) == 13
+    # data 4, tensor 3, mop 2, task 2, layer 8 (recompute x stages 4 or 2 x chunks 16 or 8)
+    assert len(res.ranked) + len(res.rejected) == len(candidates(Cluster.parse("4xA5000"), fixed={})) == 19
 
 
 def test_fewer_devices_when_allowed(sbm):

@@ -136,14 +136,40 @@ class StaticMemory:
     parameters: int
     gradients: int
     optimizer: int
+    #: historical embeddings of relaxed stale reads (GNNPipe, NeutronTask's cache), and their gradients
+    history: int = 0
 
     @property
     def total(self) -> int:
-        return self.topology + self.features + self.labels + self.parameters + self.gradients + self.optimizer
+        return self.topology + self.features + self.labels + self.parameters + self.gradients + self.optimizer \
+            + self.history
 
     def as_dict(self) -> dict[str, int]:
-        return {"topology": self.topology, "features": self.features, "labels": self.labels,
-                "parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer}
+        out = {"topology": self.topology, "features": self.features, "labels": self.labels,
+               "parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer}
+        if self.history:
+            out["history"] = self.history
+        return out
+
+
+def _history_bytes(plan: Plan, dp: DevicePlan) -> int:
+    """Bytes of the rank's historical-embedding tables: one row per vertex of the chunk order for
+    every value its stages read stale (twice with historical gradients)."""
+    names = {name for st in dp.stages for name, per_chunk in st.stale if any(per_chunk)}
+    if not names:
+        return 0
+    width: dict[str, int] = {}
+    for other in plan.ranks:
+        for st in other.stages:
+            for op in st.costs:
+                if op.name in names:
+                    width.setdefault(op.name, op.width)
+        for ins in other.instructions:
+            if getattr(ins, "value", None) in names and getattr(ins, "shape", None):
+                width.setdefault(ins.value, math.prod(ins.shape[1:]))
+    elsize = _elsize(plan.info.get("param_dtype", "float32"))
+    copies = 2 if plan.options.get("historical_gradients") else 1
+    return copies * sum(dp.sizes.all_nodes * width.get(n, 0) * elsize for n in names)
 
 
 def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
@@ -155,7 +181,8 @@ def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
     bytes. Features: ``float32`` rows of the input features; labels int64 plus three bool masks.
     Parameters are replicated on every rank that runs a stage (data parallelism) with their
     gradients and Adam's two moments; a rank whose sizes name its ``params`` (the ``task``
-    strategy: a rank holds its own tasks' parameters) holds that many.
+    strategy: a rank holds its own tasks' parameters) holds that many. Relaxed stale reads keep
+    historical embeddings (:func:`_history_bytes`).
     """
     s = dp.sizes
     nodes, edges, src = s.nodes, s.edges, s.source_rows
@@ -165,7 +192,7 @@ def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
     rows = nodes if s.feature_rows is None else s.feature_rows  # a rank that runs no T op holds no features or labels
     return StaticMemory(topology=36 * edges + 8 * (nodes + 1) + 8 * (src + 1) if edges else 0,
                         features=4 * rows * features, labels=11 * rows, parameters=pbytes, gradients=pbytes,
-                        optimizer=2 * pbytes)
+                        optimizer=2 * pbytes, history=_history_bytes(plan, dp))
 
 
 class PlanCost:

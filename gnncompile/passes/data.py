@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from ..graph.core import GraphStats
 from ..graph.partition import PARTITIONERS, expected_replication, partition
@@ -60,7 +60,8 @@ class DataOptions(StrategyOptions):
                              cli="recompute T segments in backward instead of keeping their intermediates")
 
     @classmethod
-    def space(cls, semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
+    def space(cls, semantics: str, fixed: dict[str, Any],
+              num_ranks: Optional[int] = None) -> list[dict[str, Any]]:
         return product({"partitioner": ["metis", "random"], "recompute": [False, True]}, fixed, semantics=semantics)
 
 

@@ -11,7 +11,7 @@ each propagation with its edge ops in a task of its own, so that a propagation's
 read the chunks its in-edges reach), but no task boundary converts anything: every rank holds whole
 feature rows. The tasks, in model order, are cut into ``S`` = ranks contiguous runs of balanced
 cost-model time (:func:`~gnncompile.passes.chunked.contiguous_runs`), one run per rank. The vertices
-are cut into ``chunks`` contiguous chunks (default ``4 S``, GNNPipe's). Exact semantics: a chunk's
+are cut into ``chunks`` contiguous chunks (default ``4 M`` for ``M`` ranks, GNNPipe's). Exact semantics: a chunk's
 propagation waits for every chunk its in-edges read, computed this step (the dependency rule of
 ``task``); the step is list-scheduled (:mod:`gnncompile.passes.schedule`: forwards first, chunk by
 chunk, GPipe-like), values crossing ranks move as point-to-point chunk messages, gradients back.
@@ -26,19 +26,35 @@ stages, a propagation reading its source from its own task, row-mixing T ops und
 
 Relaxed (``history=True``, ``semantics="relaxed"``, recorded in ``plan.relaxations``): GNNPipe's
 historical embeddings (§3.3): a chunk's propagation reads the chunks computed this step fresh and
-the later ones from the copy the reading rank kept of an earlier step (zeros before the first),
-sending them no gradient (GNNPipe's "no historical gradients"), so chunk ``j`` of a stage waits
-only for chunks ``<= j`` of the previous one and the stages overlap; ``history_refresh=a`` keeps
-each copy for ``a`` steps (GNNPipe's fixed history, refreshed at the steps ``a, 2a, ...``).
-Evaluation reads every chunk fresh.
+the later ones from the copy the reading rank kept of an earlier step (zeros before the first; the
+runtime keeps one row per vertex), so chunk ``j`` of a stage waits only for chunks ``<= j`` of the
+previous one and the stages overlap. GNNPipe's three techniques (§3.4): ``shuffle=True`` draws the
+chunks' processing order again every step (seeded, the same on every rank; every slot then reads
+every slot, :class:`~gnncompile.graph.regroup.ChunkRegrouping` with ``reads="all"``);
+``history_refresh=a`` keeps each copy for ``a`` steps (fixed history, refreshed at the steps ``a,
+2a, ...``); and no historical gradients: a stale read sends no gradient, unless
+``historical_gradients=True`` (the ablation) adds what its readers computed to the chunk's gradient
+of the next step. Evaluation reads every chunk fresh.
 
 Chunks: ``chunking="contiguous"`` ranges of vertex ids, or ``"metis"``, GNNPipe's locality-aware
 chunking: METIS parts of the graph, the vertices renumbered part by part (the plan keeps the
 permutation: ``Chunking.order``; features, dropout masks and scored rows keep the original ids, so
 exact plans stay exact), so that most in-edges stay inside their chunk and few reads are stale.
 
-Not built yet (issue 20): chunk shuffling every epoch, 1F1B, and the hybrid with ``data`` (``S``
-groups of ``G`` ranks).
+Hybrid with graph parallelism (§3.5, ``stages=S``): ``S`` groups of ``G = ranks / S`` consecutive
+ranks, each group a stage; the graph is cut into ``G`` partitions (METIS, or vertex ranges) and
+each partition into ``chunks / G`` chunks, numbered so that member ``i`` of every group runs
+partition ``i``'s chunks (the members with the same index form a pure layer pipeline over their
+partition). A chunk read across partitions inside a stage is sent by the member running it (the
+graph communication, at chunk granularity), the parameter gradients are summed inside each group.
+``G = 1`` is the pure layer pipeline; ``S = 1`` is chunked graph parallelism. Bytes: ``2 alpha_h L N
+H + 2 (S - 1) N H`` (:func:`~gnncompile.cost_models.formulas.comm_layer_hybrid`) with ``alpha_h``
+counted in whole chunks, plus the group's gradient all-reduce.
+
+Schedules: the step is list-scheduled in GPipe's order (every forward first where dependencies
+allow) or, with ``schedule="1f1b"``, a ready backward before a ready forward. Since a chunk's
+backward waits for the backwards of the later chunks its in-edges reach, 1F1B reorders only the
+dense tail of a run (e.g. the output layer).
 """
 
 from __future__ import annotations
@@ -61,13 +77,14 @@ from .chunked import ChunkInputs, Chunking, Group, Placement, chunk_bounds, chun
     stage_times, with_reads
 from .driver import Job, Lowered, RankLowering
 from .lower import Decisions, StagedModel, propagation_norms, requires_grad_values, split_stages, value_dims
-from .schedule import compute_deps, insert_messages, list_schedule
+from .schedule import compute_deps, gpipe, insert_messages, list_schedule, one_f_one_b
 from .strategy import ANY, Strategy, StrategyOptions, option, product
 from .task import task_decisions
 
-__all__ = ["LayerOptions", "CHUNKINGS", "layer_decisions", "place_layers", "metis_chunking", "lower_layer", "STRATEGY"]
+__all__ = ["LayerOptions", "CHUNKINGS", "SCHEDULES", "hybrid_chunking", "layer_decisions", "place_layers", "metis_chunking", "lower_layer", "STRATEGY"]
 
 CHUNKINGS = ("contiguous", "metis")
+SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)
@@ -76,20 +93,26 @@ class LayerOptions(StrategyOptions):
 
     strategy = "layer"
 
-    chunks: Optional[int] = option(None, "Vertex chunks streamed through the stages (default: 4 per stage, "
-                                         "GNNPipe's).", kind="optional_positive_int", neutral=1,
-                                   cli="vertex chunks streamed through the stages (default 4 per stage)")
+    chunks: Optional[int] = option(None, "Vertex chunks streamed through the stages (default: 4 per rank, "
+                                         "GNNPipe's K = 4M).", kind="optional_positive_int", neutral=1, pinned=True,
+                                   cli="vertex chunks streamed through the stages (default 4 per rank)")
     chunking: str = option("contiguous", "How the vertices are cut into chunks: 'contiguous' ranges of vertex ids, "
                                          "or 'metis' (GNNPipe's locality-aware chunking: METIS parts, the vertices "
                                          "renumbered part by part, so that most in-edges stay inside a chunk).",
                            kind="choice", choices=CHUNKINGS, neutral=ANY, pinned=True,
                            cli="contiguous vertex ranges, or metis parts (GNNPipe's locality-aware chunks)")
-    stages: Optional[int] = option(None, "Pipeline stages S (GNNPipe's hybrid, §3.5): S groups of G = ranks / S ranks, "
-                                         "each group a stage running graph parallelism over G partitions (member i "
-                                         "of every group holds partition i, whose chunks it runs); default: one "
-                                         "stage per rank (G = 1, pure layer pipelining).",
-                                   kind="optional_positive_int", cli="pipeline stages S; S groups of ranks/S ranks "
-                                                                     "each (default: one stage per rank)")
+    stages: Optional[int] = option(None, "Pipeline stages S (GNNPipe's hybrid, §3.5): S groups of G = ranks / S "
+                                         "ranks, each group a stage running graph parallelism over G partitions "
+                                         "(member i of every group holds partition i, whose chunks it runs); "
+                                         "default: one stage per rank (G = 1, pure layer pipelining).",
+                                   kind="optional_positive_int", pinned=True,
+                                   cli="pipeline stages S: S groups of ranks/S ranks (default: one stage per rank)")
+    schedule: str = option("gpipe", "The pipeline's order: 'gpipe' (every forward before the backwards where "
+                                    "dependencies allow) or '1f1b' (a ready backward before a ready forward). A "
+                                    "chunk's backward waits for the backwards of the later chunks its in-edges "
+                                    "reach, so 1F1B changes the order only where a run ends in dense ops.",
+                           kind="choice", choices=SCHEDULES, pinned=True,
+                           cli="gpipe, or 1f1b (a ready backward first)")
     recompute: bool = option(False, "Recompute T segments in backward instead of keeping their intermediates.",
                              kind="bool", pinned=True,
                              cli="recompute T segments in backward instead of keeping their intermediates")
@@ -120,9 +143,17 @@ class LayerOptions(StrategyOptions):
                 raise PlanningError(f"layer: {name} applies to history=True (historical embeddings)")
 
     @classmethod
-    def space(cls, semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
+    def space(cls, semantics: str, fixed: dict[str, Any],
+              num_ranks: Optional[int] = None) -> list[dict[str, Any]]:
         history = [False, True] if semantics == "relaxed" else [False]
-        return product({"recompute": [False, True], "history": history}, fixed, semantics=semantics)
+        # one stage per rank, and hybrids of up to 4 partitions per stage; 2 or 4 chunks per rank
+        stages: list[Optional[int]] = [None]
+        chunks: list[Optional[int]] = [None]
+        if num_ranks is not None:
+            stages += [num_ranks // g for g in (2, 4) if num_ranks % g == 0 and num_ranks // g >= 2]
+            chunks.append(2 * num_ranks)
+        return product({"recompute": [False, True], "history": history, "stages": stages, "chunks": chunks}, fixed,
+                       semantics=semantics)
 
 
 def layer_decisions(tp: TPGraph) -> Decisions:
@@ -290,7 +321,8 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
         reads = stage_reads(staged, labels, chunking, sources)
     reads_eval = stage_reads(staged_eval, labels_eval, exact_chunking, sources_eval)
     cost = {t(s, k): times[s] / K / 2 for s in times for k in range(K) for t in (Forward, Backward)}
-    order = list_schedule(compute_deps(staged, K, reads), place.resource, cost)
+    order = list_schedule(compute_deps(staged, K, reads), place.resource, cost,
+                          priority=one_f_one_b if options.schedule == "1f1b" else gpipe)
     order_eval = list_schedule(compute_deps(staged_eval, K, reads_eval, training=False), place.resource)
     train_progs = insert_messages(staged, order, place, chunking, reads, value_dims(staged.tp),
                                   requires_grad_values(staged.tp), stale=stale)
@@ -318,7 +350,8 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
             if propagates:
                 edges = sum(int(chunk_edge_ids(ordered, exact_chunking, k).numel()) for k in mine) \
                     if job.concrete else stats.num_edges // G
-            sizes = RankSizes(nodes=rows, edges=edges, src=sum(exact_chunking.size(m) for m in read), all_nodes=stats.num_nodes, chunks=K, feature_rows=rows if reads_x else 0,
+            sizes = RankSizes(nodes=rows, edges=edges, src=sum(exact_chunking.size(m) for m in read),
+                              all_nodes=stats.num_nodes, chunks=K, feature_rows=rows if reads_x else 0,
                               trains=rows if gi == out_group else 0, params=held[gi])
             step = inputs.rank(stages, eval_stages, mine, gi == out_group) if inputs is not None else {}
             if step and options.history_refresh:
@@ -338,7 +371,8 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
     }
     # FREE releases each chunk after its last reader (and its sends' completion)
     return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=grad_groups,
-                   schedule=Schedule("layer pipeline" if G == 1 else f"layer pipeline, {S} stages x {G} partitions",
+                   schedule=Schedule(("layer pipeline" if G == 1 else f"layer pipeline, {S} stages x {G} partitions")
+                                     + (", 1F1B" if options.schedule == "1f1b" else ""),
                                      K, "list-scheduled"), info=info, options={"chunks": K, "stages": S},
                    frees=True, program=dict(groups=tuple(g.members for g in place.groups if len(g.members) > 1)))
 
@@ -346,5 +380,5 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
 STRATEGY = Strategy("layer", LayerOptions, lower_layer, summary="GNNPipe: runs of consecutive layers on separate "
                     "ranks, chunk-pipelined", check=_check, row_mixing=("chunk", "chunk"), needs_device=True,
                     # renumbered chunks renumber the edges: replicated masks over vertices or stored values only
-                    dropout_spaces=lambda options: ("V", "nnz") if options.chunking == "metis" or options.stages is not None
-                    else None)
+                    dropout_spaces=lambda options: ("V", "nnz")
+                    if options.chunking == "metis" or options.stages is not None else None)

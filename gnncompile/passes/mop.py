@@ -78,7 +78,8 @@ class MopOptions(StrategyOptions):
                                   "§3.2.2).", kind="choice", choices=REORDERINGS)
 
     @classmethod
-    def space(cls, semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
+    def space(cls, semantics: str, fixed: dict[str, Any],
+              num_ranks: Optional[int] = None) -> list[dict[str, Any]]:
         # the naive workflow and a fine-grain pipeline over RCM-reordered chunks (MixGCN Fig. 5a / 5d)
         rest = dict(fixed)
         chunks = [rest.pop("chunks")] if "chunks" in rest else [1, 8]

@@ -45,8 +45,8 @@ from ..ir.plan import Backward, Forward, Instruction, Recv, Send
 from .chunked import Block, Chunking, Placement, held_block, intersect, needed_block, slab
 from .lower import OUTPUT, Conversion, StagedModel
 
-__all__ = ["Compute", "Order", "Reads", "compute_deps", "list_schedule", "rank_orders", "insert_collectives",
-           "insert_messages"]
+__all__ = ["Compute", "Order", "Reads", "compute_deps", "list_schedule", "gpipe", "one_f_one_b", "rank_orders",
+           "insert_collectives", "insert_messages"]
 
 #: A task of the step: a stage's forward or backward on one chunk.
 Compute = Union[Forward, Backward]
@@ -99,24 +99,32 @@ def compute_deps(staged: StagedModel, chunks: int = 1, reads: Optional[Reads] = 
     return deps
 
 
-def _priority(t: Compute) -> tuple:
+def gpipe(t: Compute) -> tuple:
     """Ties: forwards first, the lower chunk, then the deeper stage for forwards (a chunk goes
-    through before the next enters) and the later stage for backwards."""
+    through before the next enters) and the later stage for backwards (GPipe's order)."""
     return (isinstance(t, Backward), t.chunk, -t.stage)
+
+
+def one_f_one_b(t: Compute) -> tuple:
+    """1F1B's ties (PipeDream-flush, Megatron-LM): a ready backward before a ready forward, so a
+    stage alternates one forward and one backward once its first backward is ready and frees a
+    chunk's activations as early as its dependencies allow."""
+    return (not isinstance(t, Backward), t.chunk, -t.stage if isinstance(t, Forward) else t.stage)
 
 
 def list_schedule(deps: Mapping[Compute, Iterable[Compute]],
                   resource: Union[Callable[[Compute], Hashable], Mapping[int, Hashable], None] = None,
                   cost: Optional[Mapping[Compute, float]] = None,
-                  delay: Optional[Callable[[Compute, Compute], float]] = None) -> Order:
+                  delay: Optional[Callable[[Compute, Compute], float]] = None,
+                  priority: Callable[[Compute], tuple] = gpipe) -> Order:
     """Start times of the tasks of ``deps`` when each resource runs one task at a time.
 
     ``resource``: a task's resource (a function), a mapping stage -> resource, or ``None`` (one
     resource runs everything). ``cost``: a task's duration (default 1). ``delay(d, t)``: time
     between the end of dependency ``d`` and the earliest start of ``t`` (the communication between
     them; default none). Repeatedly starts the ready task that can start earliest on its resource,
-    ties by :func:`_priority`. Returns ``(start, task)`` in start order; raises
-    :class:`PlanningError` if the dependencies have a cycle.
+    ties by ``priority`` (default :func:`gpipe`, GPipe's order; :func:`one_f_one_b`). Returns
+    ``(start, task)`` in start order; raises :class:`PlanningError` if the dependencies have a cycle.
     """
     if resource is None:
         def res(t: Compute) -> Hashable:
@@ -139,7 +147,7 @@ def list_schedule(deps: Mapping[Compute, Iterable[Compute]],
             users[d].append(t)
     end: dict[Compute, float] = {}
     free: dict[Hashable, float] = {}
-    ready: list[tuple[float, tuple, Compute]] = [(0.0, _priority(t), t) for t in tasks if not remaining[t]]
+    ready: list[tuple[float, tuple, Compute]] = [(0.0, priority(t), t) for t in tasks if not remaining[t]]
     out: Order = []
     while ready:
         # the task that can start first on its resource (its data ready time vs the resource's free time)
@@ -153,9 +161,9 @@ def list_schedule(deps: Mapping[Compute, Iterable[Compute]],
             remaining[u] -= 1
             if not remaining[u]:
                 ready.append((max(end[d] + (delay(d, u) if delay is not None else 0.0) for d in deps[u]),
-                              _priority(u), u))
+                              priority(u), u))
     if len(out) != len(tasks):
-        stuck = sorted((t for t in tasks if t not in end), key=_priority)
+        stuck = sorted((t for t in tasks if t not in end), key=priority)
         raise PlanningError(f"schedule: tasks {', '.join(map(str, stuck[:6]))} depend on each other in a cycle")
     return out
 

@@ -150,7 +150,34 @@ class SearchResult:
                          f"({other.step_time / best.step_time:.2f}x), communication "
                          f"{human_bytes(other.max_bytes)} vs {human_bytes(best.max_bytes)} per rank, peak memory "
                          f"{human_bytes(other.peak_memory)} vs {human_bytes(best.peak_memory)}")
+        lines += self._gnnpipe_rule()
         return lines
+
+    def _gnnpipe_rule(self) -> list[str]:
+        """GNNPipe §3.5's rule for graph (``data``) against layer parallelism (``layer``), next to
+        the bytes the two best such plans carry (the rule counts one H-wide value per stage boundary
+        and no gradient all-reduce; a model carrying more, like GCNII's x0, pays more)."""
+        evaluated = self.ranked + [e for e in self.rejected if e.prediction is not None]
+        data = next((e for e in evaluated if e.candidate.strategy == "data" and e.plan is not None
+                     and "partition" in e.plan.info), None)
+        layer = next((e for e in evaluated if e.candidate.strategy == "layer" and e.plan is not None
+                      and e.plan.info.get("group_size") == 1), None)
+        if data is None or layer is None:
+            return []
+        alpha = data.plan.info["partition"]["replication_factor"] - 1  # remote copies per vertex
+        props = sum(c.kind == "P" for s in data.plan.ranks[0].stages for c in s.costs)
+        stages = layer.plan.info["stages"]
+        rule = "data" if alpha * props < stages - 1 else "layer"
+        sent = {e.candidate.strategy: sum(e.prediction.bytes_sent) for e in (data, layer)}
+        planned = min(sent, key=sent.get)
+        return [f"  GNNPipe's rule (§3.5): graph parallelism communicates less than layer pipelining when "
+                f"alpha_g L < S_p - 1: alpha_g = {alpha:.2f} ({data.plan.info['partition']['method']}, "
+                f"{data.candidate.num_ranks} parts), L = {props} propagations, S_p = {stages}: "
+                f"{alpha * props:.3g} {'<' if rule == 'data' else '>='} {stages - 1}, so {rule}; the plans carry "
+                f"{human_bytes(sent['data'])} ({data.candidate.describe()}: halo exchange and gradient all-reduce) "
+                f"vs {human_bytes(sent['layer'])} ({layer.candidate.describe()}: every value crossing a stage) per "
+                f"step, so {planned}" + ("" if planned == rule else " (the rule leaves out the all-reduce and "
+                                                                    "values wider than one hidden state)")]
 
     def __str__(self) -> str:
         return self.report()
@@ -222,8 +249,9 @@ def candidates(cluster: Cluster, *, semantics: str = "exact", strategies: Option
     neutral = neutral_values()
     out = []
     for name in names:
-        for opts in STRATEGIES[name].candidates(semantics, dict(fixed or {}), neutral):
-            out.extend(Candidate(name, opts, n) for n in counts)
+        for n in counts:
+            out.extend(Candidate(name, opts, n) for opts in STRATEGIES[name].candidates(semantics, dict(fixed or {}),
+                                                                                       neutral, n))
     return out
 
 
@@ -308,7 +336,7 @@ def evaluate(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: C
     if strategy not in STRATEGIES:
         raise PlanningError(f"no lowering registered for strategy {strategy!r}; registered: {', '.join(STRATEGIES)}")
     tp, tp_eval = _trace_both(model, graph)
-    opts = STRATEGIES[strategy].candidates(semantics, options, neutral_values())
+    opts = STRATEGIES[strategy].candidates(semantics, options, neutral_values(), num_ranks or cluster.num_devices)
     if len(opts) != 1:
         raise PlanningError(f"evaluate: fix every option of strategy {strategy!r} (got {sorted(options)}); "
                             f"it would try {len(opts)} variants")

@@ -143,9 +143,11 @@ class StrategyOptions:
         return {"strategy": self.strategy, **{s.name: getattr(self, s.name) for s in self.specs()}}
 
     @classmethod
-    def space(cls, semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
-        """The option sets the search tries, each a dict of this class's fields; options in
-        ``fixed`` do not vary. Default: the fixed options with ``semantics``."""
+    def space(cls, semantics: str, fixed: dict[str, Any],
+              num_ranks: Optional[int] = None) -> list[dict[str, Any]]:
+        """The option sets the search tries on ``num_ranks`` ranks (``None``: not known), each a dict
+        of this class's fields; options in ``fixed`` do not vary. Default: the fixed options with
+        ``semantics``."""
         return [{**fixed, "semantics": semantics}]
 
 
@@ -190,8 +192,10 @@ class Strategy:
                                 f"{', '.join(self.options.names())}")
         return self.options(**values)
 
-    def candidates(self, semantics: str, fixed: dict[str, Any], neutral: dict[str, Any]) -> list[dict[str, Any]]:
-        """The search's option sets of this strategy under the caller's ``fixed`` options.
+    def candidates(self, semantics: str, fixed: dict[str, Any], neutral: dict[str, Any],
+                   num_ranks: Optional[int] = None) -> list[dict[str, Any]]:
+        """The search's option sets of this strategy on ``num_ranks`` ranks under the caller's
+        ``fixed`` options.
 
         A fixed option this strategy lacks must be at its ``neutral`` value (the value that means
         "not used"; :data:`ANY`: ignored), else the strategy is no candidate.
@@ -203,4 +207,4 @@ class Strategy:
                 own[k] = v
             elif neutral.get(k, ANY) is not ANY and v != neutral[k]:
                 return []
-        return self.options.space(semantics, own)
+        return self.options.space(semantics, own, num_ranks)

@@ -112,7 +112,8 @@ class TaskOptions(StrategyOptions):
                                 f"chunks), not {self.dependencies!r}")
 
     @classmethod
-    def space(cls, semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
+    def space(cls, semantics: str, fixed: dict[str, Any],
+              num_ranks: Optional[int] = None) -> list[dict[str, Any]]:
         # task-decoupled training changes non-linear models: a candidate only where relaxations are allowed
         decouple = [False, True] if semantics == "relaxed" else [False]
         return product({"recompute": [False, True], "decouple": decouple}, fixed, semantics=semantics)

@@ -132,7 +132,8 @@ class TensorOptions(StrategyOptions):
                          kind="positive_int", cli="vertex chunks, one all-to-all per chunk (NeutronTP §4.2)")
 
     @classmethod
-    def space(cls, semantics: str, fixed: dict[str, Any]) -> list[dict[str, Any]]:
+    def space(cls, semantics: str, fixed: dict[str, Any],
+              num_ranks: Optional[int] = None) -> list[dict[str, Any]]:
         # decoupling changes non-linear models: a candidate only where relaxations are allowed
         decouple = [False, True] if semantics == "relaxed" else [False]
         out = product({"recompute": [False, True], "decouple": decouple, "chunks": [1]}, fixed, semantics=semantics)
