@@ -3,5 +3,7 @@
 from .core import Graph, GraphStats
 from .partition import PARTITIONERS, Partition, partition
 from .shard import LocalGraph, Shard, build_shards
+from .sampling import SampledBatch, sample_blocks
 
-__all__ = ["Graph", "GraphStats", "PARTITIONERS", "Partition", "partition", "LocalGraph", "Shard", "build_shards"]
+__all__ = ["Graph", "GraphStats", "PARTITIONERS", "Partition", "partition", "LocalGraph", "Shard", "build_shards",
+           "SampledBatch", "sample_blocks"]
