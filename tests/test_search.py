@@ -90,6 +90,20 @@ def test_static_memory_counts_what_the_rank_holds(sbm):
         assert m.topology >= 36 * dp.sizes.edges
 
 
+def test_static_memory_counts_sparse_features_as_stored(sbm):
+    """Sparse CSR features stay sparse on the ranks: a rank holds their stored bytes per row (values,
+    column indices, row pointer), not dense rows (here a tenth of the dense size's entries)."""
+    x = sbm.x.clone()
+    x[x.abs() < x.abs().quantile(0.9)] = 0  # a tenth of the entries stored
+    sparse = sbm.replace(x=x.to(torch.float32).to_sparse_csr())
+    p = gc.plan(gcn(sbm), sparse, "4xA5000", strategy="data")
+    xs = sparse.x
+    per_row = (xs.values().numel() * 12 + xs.crow_indices().numel() * 8) / sparse.num_nodes
+    assert p.info["feature_bytes_per_row"] == pytest.approx(per_row)
+    for dp in p.ranks:
+        assert static_memory(p, dp).features == int(dp.sizes.nodes * per_row) < 4 * dp.sizes.nodes * sbm.num_features
+
+
 def test_recomputation_trades_time_for_memory(sbm):
     model = gcn(sbm, hidden=64, layers=3)
     plain = gc.plan(model, sbm, "4xA5000", strategy="data", recompute=False)

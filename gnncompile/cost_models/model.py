@@ -178,7 +178,8 @@ def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
     Topology: a :class:`~gnncompile.graph.shard.LocalGraph` keeps its COO edge index (2 x int64
     per edge), the CSR of in-edges and the CSR of the transpose for backward (int64 index per edge
     and int64 pointer per row each), and float32 normalization weights per edge: ``36 |E| + 16 |V|``
-    bytes. Features: ``float32`` rows of the input features; labels int64 plus three bool masks.
+    bytes. Features: ``float32`` rows of the input features (sparse CSR features: their stored
+    bytes per row, ``plan.info["feature_bytes_per_row"]``); labels int64 plus three bool masks.
     Parameters are replicated on every rank that runs a stage (data parallelism) with their
     gradients and Adam's two moments; a rank whose sizes name its ``params`` (the ``task``
     strategy: a rank holds its own tasks' parameters) holds that many. Relaxed stale reads keep
@@ -190,8 +191,9 @@ def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
     params = s.params if s.params is not None else int(plan.info.get("params", 0)) if s.trains != 0 else 0
     pbytes = params * _elsize(plan.info.get("param_dtype", "float32"))
     rows = nodes if s.feature_rows is None else s.feature_rows  # a rank that runs no T op holds no features or labels
+    per_row = plan.info.get("feature_bytes_per_row", 4 * features)
     return StaticMemory(topology=36 * edges + 8 * (nodes + 1) + 8 * (src + 1) if edges else 0,
-                        features=4 * rows * features, labels=11 * rows, parameters=pbytes, gradients=pbytes,
+                        features=int(rows * per_row), labels=11 * rows, parameters=pbytes, gradients=pbytes,
                         optimizer=2 * pbytes, history=_history_bytes(plan, dp))
 
 

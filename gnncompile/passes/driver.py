@@ -292,6 +292,12 @@ def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lower
         "param_dtype": job.param_dtype, "features": stats.num_features, "classes": stats.num_classes,
         "halo_rows": [0] * job.num_ranks, **out.info,
     }
+    x = job.graph.x if job.concrete else None
+    if x is not None and x.layout == torch.sparse_csr and x.shape[0]:
+        # sparse features stay sparse on every path: a row costs its stored entries and pointer
+        stored = x.values().numel() * (x.values().element_size() + x.col_indices().element_size()) \
+            + x.crow_indices().numel() * x.crow_indices().element_size()
+        info["feature_bytes_per_row"] = stored / x.shape[0]
     plan = Plan(strategy=strategy.name, semantics="relaxed" if job.relaxations else "exact",
                 options={**options.to_dict(), **out.options}, cluster=f"{job.num_ranks} local ranks", ranks=ranks,
                 schedule=out.schedule, relaxations=tuple(job.relaxations), info=info)
