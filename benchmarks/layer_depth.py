@@ -166,28 +166,16 @@ def measured_bytes(gc, torch, epochs: int) -> list[str]:
     return lines
 
 
-def _stored_fraction(x) -> float:
-    """Bytes the feature matrix ``x`` is stored in over its dense float32 size (1 for dense float32)."""
-    import torch
-
-    dense = 4 * x.shape[0] * x.shape[1]
-    if x.layout == torch.sparse_csr:
-        stored = sum(t.numel() * t.element_size() for t in (x.values(), x.col_indices(), x.crow_indices()))
-        return stored / dense
-    return x.numel() * x.element_size() / dense
-
-
 def planned_memory(gc, torch, keep: dict) -> list[str]:
     """Part 3a: predicted peak per rank of the 64-layer plans (planned here when part 1 skipped depth 64)."""
     lines = [f"GCNII 64 layers, {STAGES} ranks on `{CLUSTER}`, predicted by the cost model (MiB). Peak = resident "
              "(topology, features, labels, parameters, gradients, Adam) + activations; 'above resident' is the "
              "part a run measures.", "",
              "| dataset | strategy | peak/rank max | peak/rank mean | total | above resident max | above resident "
-             "mean | features on the max rank | topology on the max rank | peak/rank max, features at stored size |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "mean | features on the max rank | topology on the max rank |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, h in HIDDEN.items():
         g = gc.datasets.load(name).normalize_features()
-        frac = _stored_fraction(g.x)
         if name in keep:
             dp, lp = keep[name]
         else:
@@ -197,7 +185,7 @@ def planned_memory(gc, torch, keep: dict) -> list[str]:
             lp, _ = _plan(gc, model, g, CLUSTER, "layer")
         for strategy, plan in (("data", dp), ("layer", lp)):
             if plan is None:
-                lines.append(f"| {name} | {strategy} | refused | | | | | | | |")
+                lines.append(f"| {name} | {strategy} | refused | | | | | | |")
                 continue
             pred = plan.prediction
             peaks, act = pred.peak_memory, _above_resident(pred)
@@ -205,13 +193,11 @@ def planned_memory(gc, torch, keep: dict) -> list[str]:
             st = pred.static[top]
             lines.append(f"| {name} | {strategy} | {max(peaks) / MIB:,.0f} | {statistics.mean(peaks) / MIB:,.0f} | "
                          f"{sum(peaks) / MIB:,.0f} | {max(act) / MIB:,.0f} | {statistics.mean(act) / MIB:,.0f} | "
-                         f"{st.features / MIB:,.0f} | {st.topology / MIB:,.1f} | "
-                         f"{max(p - s.features * (1 - frac) for p, s in zip(peaks, pred.static)) / MIB:,.0f} |")
+                         f"{st.features / MIB:,.0f} | {st.topology / MIB:,.1f} |")
             print(lines[-1], flush=True)
-    lines += ["", "The cost model counts the input features as dense float32 rows (`static_memory`, "
-                  "`gnncompile/cost_models/model.py`); coauthor_physics' are sparse (CSR), so the last column replaces "
-                  "each rank's feature bytes by their stored share. `layer`'s first stage holds every vertex's "
-                  "features, `data`'s ranks 1/8 each; every `layer` rank holds the whole topology."]
+    lines += ["", "Features count at their stored size (coauthor_physics' are sparse CSR: "
+                  "`plan.info['feature_bytes_per_row']`). `layer`'s first stage holds every vertex's features, "
+                  "`data`'s ranks 1/8 each; every `layer` rank holds the whole topology."]
     return lines
 
 
