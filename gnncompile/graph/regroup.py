@@ -20,7 +20,9 @@ GNNPipe's *chunk shuffling* (§3.4) is the same permutation with ``reads="all"``
 the chunks of a layer pipeline (``base_order`` may list the vertices chunk by chunk, e.g. METIS
 parts), and a subgraph's propagation reads *every* in-edge, the later subgraphs' rows from the
 historical embeddings the runtime keeps per vertex, with the whole graph's coefficients; the
-shuffled order only decides which neighbours are fresh and which historical in an epoch.
+shuffled order only decides which neighbours are fresh and which historical in an epoch. The slots
+keep the plan's fixed sizes, so with chunks of unequal sizes (METIS parts) a slot's cut falls a few
+vertices inside the next chunk of the epoch's order.
 
 An epoch (``reads="earlier"``) thus trains the model on the graph of its kept edges (:meth:`ChunkRegrouping.kept_edges`),
 normalized as the model normalizes any graph: degrees count the kept edges. NeutronTask says it
