@@ -158,15 +158,16 @@ def _history_bytes(plan: Plan, dp: DevicePlan) -> int:
     names = {name for st in dp.stages for name, per_chunk in st.stale if any(per_chunk)}
     if not names:
         return 0
+    # a stale-read value is computed by one of the rank's stages or received by it
     width: dict[str, int] = {}
-    for other in plan.ranks:
-        for st in other.stages:
-            for op in st.costs:
-                if op.name in names:
-                    width.setdefault(op.name, op.width)
-        for ins in other.instructions:
-            if getattr(ins, "value", None) in names and getattr(ins, "shape", None):
-                width.setdefault(ins.value, math.prod(ins.shape[1:]))
+    for st in dp.stages:
+        for op in st.costs:
+            if op.name in names:
+                width.setdefault(op.name, op.width)
+    for ins in dp.instructions:
+        name = getattr(ins, "local", "") or getattr(ins, "value", None)
+        if name in names and getattr(ins, "shape", None):
+            width.setdefault(name, math.prod(ins.shape[1:]))
     elsize = _elsize(plan.info.get("param_dtype", "float32"))
     copies = 2 if plan.options.get("historical_gradients") else 1
     return copies * sum(dp.sizes.all_nodes * width.get(n, 0) * elsize for n in names)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -52,12 +52,12 @@ from ..graph.shard import LocalGraph, chunk_edges, chunk_subgraph, dropout_posit
 from ..ir.plan import RankSizes, StageSpec
 from ..ir.tpgraph import TPGraph
 from .driver import Job
-from .lower import StagedModel, propagation_norms, source_input
+from .lower import Decisions, StagedModel, propagation_norms, source_input, split_stages
 
 __all__ = ["Chunking", "chunk_bounds", "chunk_reads", "chunk_graph", "chunk_edge_ids", "propagation_coefficients",
            "GROUP_LAYOUTS", "Group", "Placement", "Block", "held_block", "needed_block", "intersect", "slab",
            "stage_groups", "stage_reads", "with_reads", "historical_reads", "contiguous_runs", "stage_times",
-           "pipeline_sources", "group_parameters", "ChunkInputs"]
+           "pipeline_sources", "PipelineSplit", "split_pipeline", "group_parameters", "ChunkInputs"]
 
 
 def chunk_bounds(num_nodes: int, num_chunks: int) -> tuple[int, ...]:
@@ -380,6 +380,31 @@ def pipeline_sources(tp: TPGraph, staged: StagedModel, labels: dict[int, str], s
                                     f"cannot cross {unit}s (per-chunk edge sets differ) — e.g. a decoupled GAT; use "
                                     "strategy='data'")
     return sources
+
+
+#: a stage pipeline's split of one model: the staged model, each stage's label (``rows``: T ops,
+#: ``cols``: a propagation with its edge ops) and each propagation stage's cross-chunk source inputs
+PipelineSplit = tuple[StagedModel, dict[int, str], dict[int, set[str]]]
+
+
+def split_pipeline(job: Job, decide: Callable[[TPGraph], Decisions], strategy: str,
+                   unit: str = "stage") -> tuple[PipelineSplit, PipelineSplit]:
+    """The training and evaluation models of ``job`` cut into a stage pipeline's stages by
+    ``decide``'s decisions (``pure_stages``): ``(training, evaluation)`` splits. Raises
+    :class:`PlanningError` when the two split into different stages, or through
+    :func:`pipeline_sources` and the job's refusal of sparse features a stage cannot take."""
+    def split(tp: TPGraph) -> PipelineSplit:
+        d = decide(tp)
+        st = split_stages(tp, d)
+        labels = {s: ("rows" if lab == "rows" else "cols") for s, lab in stage_groups(st, d.layout_of).items()}
+        return st, labels, pipeline_sources(tp, st, labels, strategy, unit)
+
+    train, evaluation = split(job.tp), split(job.tp_eval)
+    if evaluation[1] != train[1]:
+        raise PlanningError(f"strategy {strategy!r}: the evaluation model splits into other tasks ({evaluation[1]}) "
+                            f"than the training model ({train[1]})")
+    job.refuse_sparse_features(train[0])
+    return train, evaluation
 
 
 def group_parameters(job: Job, staged: StagedModel,

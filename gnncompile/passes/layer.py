@@ -73,10 +73,9 @@ from ..graph.reorder import permute
 from ..ir.plan import Backward, Forward, RankSizes, Schedule
 from ..ir.tpgraph import TPGraph
 from .chunked import ChunkInputs, Chunking, Group, Placement, chunk_bounds, chunk_edge_ids, chunk_reads, \
-    contiguous_runs, group_parameters, historical_reads, pipeline_sources, stage_groups, stage_reads, \
-    stage_times, with_reads
+    contiguous_runs, group_parameters, historical_reads, split_pipeline, stage_reads, stage_times, with_reads
 from .driver import Job, Lowered, RankLowering
-from .lower import Decisions, StagedModel, propagation_norms, requires_grad_values, split_stages, value_dims
+from .lower import Decisions, propagation_norms, requires_grad_values, value_dims
 from .schedule import compute_deps, gpipe, insert_messages, list_schedule, one_f_one_b
 from .strategy import ANY, Strategy, StrategyOptions, option, product
 from .task import task_decisions
@@ -266,18 +265,7 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
     """The ``layer`` lowering of ``job`` (module docstring)."""
     graph, stats, n = job.graph, job.stats, job.num_ranks
 
-    def split(t: TPGraph) -> tuple[StagedModel, dict[int, str], dict[int, set[str]]]:
-        d = layer_decisions(t)
-        st = split_stages(t, d)
-        labels = {s: ("rows" if lab == "rows" else "cols") for s, lab in stage_groups(st, d.layout_of).items()}
-        return st, labels, pipeline_sources(t, st, labels, "layer")
-
-    staged, labels, sources = split(job.tp)
-    staged_eval, labels_eval, sources_eval = split(job.tp_eval)
-    if labels_eval != labels:
-        raise PlanningError(f"strategy 'layer': the evaluation model splits into other tasks ({labels_eval}) than "
-                            f"the training model ({labels})")
-    job.refuse_sparse_features(staged)
+    (staged, labels, sources), (staged_eval, labels_eval, sources_eval) = split_pipeline(job, layer_decisions, "layer")
     times = stage_times(staged, stats, job.device or DEVICES["A100"])
     S = options.stages if options.stages is not None else n
     G = n // S

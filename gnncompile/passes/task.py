@@ -56,11 +56,9 @@ from ..graph.regroup import ChunkRegrouping
 from ..ir.plan import Backward, Forward, RankSizes, Schedule
 from ..ir.tpgraph import TPGraph
 from .chunked import ChunkInputs, Chunking, Group, Placement, chunk_bounds, chunk_edge_ids, chunk_reads, \
-    contiguous_runs, group_parameters, historical_reads, pipeline_sources, stage_groups, stage_reads, stage_times, \
-    with_reads
+    contiguous_runs, group_parameters, historical_reads, split_pipeline, stage_reads, stage_times, with_reads
 from .driver import Job, Lowered, RankLowering
-from .lower import Decisions, StagedModel, propagation_norms, requires_grad_values, source_input, split_stages, \
-    value_dims
+from .lower import Decisions, propagation_norms, requires_grad_values, source_input, value_dims
 from .schedule import compute_deps, insert_messages, list_schedule
 from .strategy import Strategy, StrategyOptions, option, product
 
@@ -230,18 +228,8 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
     graph, stats, num_ranks = job.graph, job.stats, job.num_ranks
     concrete, dropout_inputs, relaxations = job.concrete, job.dropout_inputs, job.relaxations
 
-    def split(t: TPGraph) -> tuple[StagedModel, dict[int, str], dict[int, set[str]]]:
-        d = task_decisions(t)
-        st = split_stages(t, d)
-        labels = {s: ("rows" if lab == "rows" else "cols") for s, lab in stage_groups(st, d.layout_of).items()}
-        return st, labels, pipeline_sources(t, st, labels, "task", "task")
-
-    staged, labels, sources = split(job.tp)
-    staged_eval, labels_eval, sources_eval = split(job.tp_eval)
-    if labels_eval != labels:
-        raise PlanningError(f"strategy 'task': the evaluation model splits into other tasks ({labels_eval}) than "
-                            f"the training model ({labels})")
-    job.refuse_sparse_features(staged)
+    (staged, labels, sources), (staged_eval, labels_eval, sources_eval) = split_pipeline(job, task_decisions, "task",
+                                                                                         "task")
     device = job.device
     if device is None:
         device = DEVICES["A100"]

@@ -467,15 +467,15 @@ class _Rank:
             args = []
             last_use = []  # (key, concatenation) read for the last time this step
             for name in st.inputs:
-                read = st.chunks_read(name, ins.chunk) if st.reads else (ins.chunk,)
-                old = st.chunks_stale(name, ins.chunk) if st.stale else ()
+                fresh_read, old = _chunk_reads(st, name, ins.chunk)
+                read = fresh_read
                 if old:  # relaxed: chunks not computed yet this step come from the previous step
-                    fresh = {k: get(name, k) for k in read}
+                    fresh = {k: get(name, k) for k in fresh_read}
                     like = next(iter(fresh.values()))
                     if refresh:
                         for k, t in fresh.items():
                             self.stale_store(self.history, name, k, t)
-                    read = tuple(sorted(set(read) | set(old)))
+                    read = tuple(sorted(set(fresh_read) | set(old)))
                     parts = [fresh[k] if k in fresh else self.stale_read(name, k, like) for k in read]
                     stale_here = set(old)
                 else:
@@ -830,13 +830,17 @@ def _run_backward(pairs: list[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> N
     _engine_run_backward(tensors, grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
+def _chunk_reads(st: StageSpec, name: str, chunk: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The chunks of input ``name`` that ``Forward(st, chunk)`` reads fresh, and those it reads stale."""
+    return (tuple(st.chunks_read(name, chunk)) if st.reads else (chunk,),
+            tuple(st.chunks_stale(name, chunk)) if st.stale else ())
+
+
 def _concat_key(st: StageSpec, name: str, chunk: int) -> Optional[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """The key of the concatenation ``Forward(st, chunk)`` reads of input ``name`` (``None``: one chunk)."""
-    read = st.chunks_read(name, chunk) if st.reads else (chunk,)
-    old = st.chunks_stale(name, chunk) if st.stale else ()
-    if old:
-        read = tuple(sorted(set(read) | set(old)))
-    return (name, tuple(read), tuple(sorted(old))) if len(read) > 1 else None
+    fresh, old = _chunk_reads(st, name, chunk)
+    read = tuple(sorted(set(fresh) | set(old))) if old else fresh
+    return (name, read, tuple(sorted(old))) if len(read) > 1 else None
 
 
 def _accumulate(store: dict, name: Any, g: torch.Tensor) -> None:
