@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Union
 
-__all__ = ["update_section", "machine_info", "command_line", "today"]
+__all__ = ["update_section", "machine_info", "command_line", "today", "sampling_graphs"]
 
 HEADER = (
     "# Benchmark results\n\n"
@@ -84,3 +84,16 @@ def command_line() -> str:
 def today() -> str:
     """Local date and time of the run."""
     return time.strftime("%Y-%m-%d %H:%M %Z")
+
+
+def sampling_graphs(gc, rmat_nodes: int, rmat_degree: float, with_rmat: bool = True) -> list:
+    """``(label, graph)`` of the sampling benchmarks: coauthor_physics, soc_slashdot and an R-MAT
+    graph (one feature, no training split: targets are drawn from every vertex)."""
+    out = [(name, gc.datasets.load(name)) for name in ("coauthor_physics", "soc_slashdot")]
+    if with_rmat:
+        t0 = time.perf_counter()
+        rmat = gc.datasets.synthetic("rmat", num_nodes=rmat_nodes, avg_degree=rmat_degree, num_features=1,
+                                     num_classes=2, seed=0)
+        print(f"rmat: generated in {time.perf_counter() - t0:.1f} s", flush=True)
+        out.append((f"rmat ({rmat_nodes:,} vertices, avg degree {rmat_degree:g})", rmat.replace(train_mask=None)))
+    return out

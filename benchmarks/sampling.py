@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _results import command_line, machine_info, today, update_section  # noqa: E402
+from _results import command_line, machine_info, sampling_graphs, today, update_section  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -79,16 +79,6 @@ def timed(fn: Callable[[int], Any], reps: int, sync: Callable[[], None]) -> tupl
     return statistics.median(times), results
 
 
-def graphs(gc: Any, rmat_nodes: int, rmat_degree: float) -> list[tuple[str, Any]]:
-    out = []
-    for name in ("coauthor_physics", "soc_slashdot"):
-        out.append((name, gc.datasets.load(name)))
-    t0 = time.perf_counter()
-    rmat = gc.datasets.synthetic("rmat", num_nodes=rmat_nodes, avg_degree=rmat_degree, num_features=1,
-                                 num_classes=2, seed=0)
-    print(f"rmat: generated in {time.perf_counter() - t0:.1f} s", flush=True)
-    out.append((f"rmat ({rmat_nodes:,} vertices, avg degree {rmat_degree:g})", rmat.replace(train_mask=None)))
-    return out
 
 
 def main() -> None:
@@ -115,7 +105,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fanouts = list(args.fanouts)
     rows, layer_rows = [], []
-    for name, graph in graphs(gc, args.rmat_nodes, args.rmat_degree):
+    for name, graph in sampling_graphs(gc, args.rmat_nodes, args.rmat_degree):
         pool = (torch.nonzero(graph.train_mask).flatten() if graph.train_mask is not None
                 else torch.arange(graph.num_nodes))
         g = graph.to(device)

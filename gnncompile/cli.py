@@ -40,6 +40,17 @@ def _number(text: str, kind: type, what: str, *, low: float, strict: bool, high:
     return value
 
 
+def fanout_list(text: str) -> tuple[int, ...]:
+    """``10,5`` -> ``(10, 5)``: sampled in-edges per GNN layer, input layer first (``-1``: all)."""
+    try:
+        values = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fanouts such as 10,5, got {text!r}") from None
+    if not values or any(v == 0 or v < -1 for v in values):
+        raise argparse.ArgumentTypeError(f"each fanout is >= 1 (or -1 for all in-edges), got {text!r}")
+    return values
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1 (epochs, widths, counts)."""
     return _number(text, int, "a positive integer", low=0, strict=True)
@@ -304,8 +315,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     console.print(f"[bold]{graph}[/bold]")
     console.print(f"model {args.model}: {n_params:,} parameters; device {args.device}; "
                   f"kernel backend {kernels.default_backend()}")
+    if args.batch_size is not None or args.fanouts is not None or args.eval_fanouts is not None:
+        sampled = dict(batch_size=args.batch_size, fanouts=args.fanouts, eval_fanouts=args.eval_fanouts)
+        if args.batch_size is not None and args.fanouts is not None:
+            console.print(f"sampled mini-batches: {args.batch_size} seeds per step, fanouts "
+                          f"{','.join(map(str, args.fanouts))} (input layer first)")
+    else:
+        sampled = {}
     hist = train(model, graph, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
-                 seed=args.seed, device=args.device, verbose=None if not args.quiet else False, **_checkpointing(args))
+                 seed=args.seed, device=args.device, verbose=None if not args.quiet else False, **_checkpointing(args),
+                 **sampled)
     table = Table(title=f"{args.model} on {graph.name}, {args.epochs} epochs on {args.device}")
     for col in ("final loss", "best val acc", "test acc @ best val", "final test acc",
                 "epoch time (median)", "total train time"):
@@ -378,8 +397,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     t = sub.add_parser("train", help="train a model on one device (the reference loop)",
-                       description="Full-graph training on one device with Adam; prints accuracy and epoch time.")
+                       description="Full-graph (or, with --batch-size and --fanouts, sampled mini-batch) training on "
+                                   "one device with Adam; prints accuracy and epoch time.")
     _add_model_args(t, MODELS)
+    t.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
+                   help="sampled mini-batch training: B seeds per step (needs --fanouts)")
+    t.add_argument("--fanouts", type=fanout_list, default=None, metavar="F1,F2,...",
+                   help="sampled in-edges per GNN layer, input layer first (-1: all), e.g. 10,5")
+    t.add_argument("--eval-fanouts", type=fanout_list, default=None, metavar="F1,F2,...",
+                   help="evaluate on blocks sampled with these fanouts (default: the whole graph)")
     t.add_argument("--device", type=device_name, default="cpu", metavar="DEVICE",
                    help="where to train: cpu (default), cuda or cuda:N")
     t.add_argument("--backend", default=None, help="sparse kernel backend (native, torch, scipy, cupy)")
@@ -479,6 +505,9 @@ def _add_strategy_options(p: argparse.ArgumentParser) -> None:
             kwargs["choices"] = spec.choices
         elif spec.kind == "int":
             kwargs["type"] = non_negative_int
+        elif spec.kind == "fanouts":
+            kwargs["type"] = fanout_list
+            kwargs["metavar"] = "F1,F2,..."
         else:
             kwargs["type"] = positive_int
         p.add_argument(_FLAGS.get(name, "--" + name.replace("_", "-")), **kwargs)

@@ -9,6 +9,7 @@ from .frontend.ops import (  # noqa: F401
     REDUCES,
     aggregate,
     dropout_noise,
+    dst_rows,
     edge_softmax,
     gather_dst,
     gather_src,
@@ -17,5 +18,5 @@ from .frontend.ops import (  # noqa: F401
     propagate,
 )
 
-__all__ = ["propagate", "gather_src", "gather_dst", "edge_softmax", "aggregate", "masked_propagate",
+__all__ = ["propagate", "gather_src", "gather_dst", "edge_softmax", "aggregate", "dst_rows", "masked_propagate",
            "dropout_noise", "PRIMITIVES", "NORMS", "REDUCES", "is_primitive"]

@@ -1,4 +1,7 @@
 """``check_plan``: the one helper that checks a plan preserves the model (used by every strategy's tests).
+With ``batch_size`` and ``fanouts`` (sampled mini-batch plans) the reference step is the first
+mini-batch's, on the same sample: the whole batch for ``split``, the ranks' micro-batches for
+mini-batch ``data`` (:func:`sampled_reference_step`).
 ``check_trace``: the same for tracing: the traced graph equals the eager model in both modes.
 
 ``check_plan`` runs one training step of the single-device reference (:func:`gnncompile.train`'s step: Adam,
@@ -18,10 +21,12 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from .frontend.blocks import BlockModel
 from .frontend.ops import plan_dropout_draws
 from .graph.core import Graph
+from .graph.minibatch import SampledSteps
 
-__all__ = ["ReferenceStep", "reference_step", "check_plan", "check_trace"]
+__all__ = ["ReferenceStep", "reference_step", "sampled_reference_step", "check_plan", "check_trace"]
 
 
 @dataclass
@@ -55,6 +60,42 @@ def reference_step(model: torch.nn.Module, graph: Graph, lr: float = 0.01, weigh
                          {n: p.detach().clone() for n, p in params.items()})
 
 
+def sampled_reference_step(model: torch.nn.Module, graph: Graph, batch_size: int, fanouts: Any, *, ranks: int = 1,
+                           micro: bool = False, lr: float = 0.01, weight_decay: float = 5e-4,
+                           seed: int = 0) -> tuple[ReferenceStep, torch.Tensor]:
+    """One single-device step on the first mini-batch of a sampled plan with sampling seed ``seed``
+    (on the CPU): the whole batch's blocks, or with ``micro`` the ``ranks`` micro-batches of
+    mini-batch data parallelism (the loss: their cross-entropy sums over the batch's seeds).
+    Returns the step (logits at the seeds) and the seeds' global ids."""
+    torch.manual_seed(0)
+    model.train()
+    bound = BlockModel.trace(model, graph)
+    targets = torch.nonzero(graph.train_mask).flatten()
+    sources = [SampledSteps(graph, targets, batch_size, tuple(fanouts), seed, tuple(bound.norms), r, ranks)
+               for r in range(ranks if micro else 1)]
+    params = dict(model.named_parameters())
+    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+    opt.zero_grad(set_to_none=True)
+    loss, outs, ids = 0.0, [], []
+    for src in sources:
+        if micro:
+            st = src.step(0, 0)
+            blocks, x, seeds, total = st.blocks, st.x, st.seeds, st.batch_size
+        else:
+            b = src.sample(0, 0)
+            blocks, seeds, total = b.blocks, b.seed_ids, b.seed_ids.numel()
+            x = graph.x.index_select(0, b.input_ids)
+        out = bound(blocks, x.to(next(iter(params.values())).dtype) if x.layout == torch.strided else x)
+        loss = loss + F.cross_entropy(out, graph.y.index_select(0, seeds), reduction="sum") / total
+        outs.append(out.detach())
+        ids.append(seeds)
+    loss.backward()
+    grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in params.items()}
+    opt.step()
+    return (ReferenceStep(float(loss.detach()), torch.cat(outs), grads,
+                          {n: p.detach().clone() for n, p in params.items()}), torch.cat(ids))
+
+
 def check_plan(model: torch.nn.Module, graph: Graph, gpus: int, *, rtol: float = 1e-9, atol: float = 1e-11,
                lr: float = 0.01, weight_decay: float = 5e-4, seed: int = 0, timeout: float = 120.0,
                device: Optional[str] = None, **plan_options: Any) -> Any:
@@ -72,7 +113,15 @@ def check_plan(model: torch.nn.Module, graph: Graph, gpus: int, *, rtol: float =
         device = os.environ.get("GNNCOMPILE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     ref_model = copy.deepcopy(model)
     plan_model = copy.deepcopy(model)
-    ref = reference_step(ref_model.to(device), graph.to(device), lr, weight_decay, seed)
+    seeds = None
+    if plan_options.get("batch_size") is not None:  # sampled: the first mini-batch, on the CPU
+        if device != "cpu":
+            raise ValueError("check_plan of a sampled plan compares on the CPU (device='cpu')")
+        ref, seeds = sampled_reference_step(ref_model, graph, plan_options["batch_size"], plan_options["fanouts"],
+                                            ranks=gpus, micro=plan_options.get("strategy") == "data", lr=lr,
+                                            weight_decay=weight_decay, seed=plan_options.get("seed", 0))
+    else:
+        ref = reference_step(ref_model.to(device), graph.to(device), lr, weight_decay, seed)
     ref = ReferenceStep(ref.loss, ref.logits.cpu(), {n: None if g is None else g.cpu() for n, g in ref.grads.items()},
                         {n: p.cpu() for n, p in ref.params_after.items()})
     p = make_plan(plan_model, graph, gpus=gpus, **plan_options)
@@ -86,7 +135,8 @@ def check_plan(model: torch.nn.Module, graph: Graph, gpus: int, *, rtol: float =
     tol = dict(rtol=rtol, atol=atol)
     torch.testing.assert_close(torch.tensor(res.history.loss[0], dtype=torch.float64),
                                torch.tensor(ref.loss, dtype=torch.float64), **tol, msg=lambda m: f"loss: {m}")
-    torch.testing.assert_close(res.captured["logits"], ref.logits, **tol, msg=lambda m: f"logits: {m}")
+    logits = res.captured["logits"] if seeds is None else res.captured["logits"][seeds]
+    torch.testing.assert_close(logits, ref.logits, **tol, msg=lambda m: f"logits: {m}")
     for name, g_ref in ref.grads.items():
         g = res.captured["grads"].get(name)
         if g_ref is None:

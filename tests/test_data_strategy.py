@@ -188,8 +188,8 @@ def test_planning_errors(sbm: gc.Graph) -> None:
         gc.plan(model, sbm, gpus=0)
     with pytest.raises(PlanningError, match="exceeds"):
         gc.plan(model, sbm, gpus=10_000)
-    with pytest.raises(PlanningError, match="no lowering yet"):
-        gc.plan(model, sbm, gpus=2, strategy="split")
+    with pytest.raises(PlanningError, match="split: needs batch_size and fanouts"):
+        gc.plan(model, sbm, gpus=2, strategy="split")  # split trains on sampled mini-batches only
 
 
 # --------------------------------------------------------------------------- runtime behaviour
@@ -249,7 +249,7 @@ def test_cli_plan_and_run(tmp_path, capsys) -> None:
     rec = json.loads((tmp_path / "r.json").read_text())
     assert rec["ranks"] == 2 and len(rec["loss"]) == 2 and len(rec["bytes_sent"]) == 2
     assert main(["plan", *small, "--gpus", "2", "--strategy", "split"]) == 1
-    assert "no lowering yet" in capsys.readouterr().err
+    assert "split: needs batch_size and fanouts" in capsys.readouterr().err
 
 
 def test_time_by_kind_groups_instructions() -> None:

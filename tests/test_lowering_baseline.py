@@ -17,6 +17,15 @@ import torch
 
 from lowering_cases import CASES, CASE_IDS, DATA, fingerprint, make_plan, step
 
+def _without_minibatch_options(fp: dict[str, Any]) -> dict[str, Any]:
+    """Without the sampled mini-batch options and the exchange-list field of halo exchanges (``''``:
+    the rank's own lists, what every full-graph exchange uses)."""
+    options = {k: v for k, v in fp["options"].items() if k not in ("batch_size", "fanouts")}
+    ranks = [{k: [i.replace(", halo='')", ")") for i in v] if k.endswith("instructions") else v
+              for k, v in r.items()} for r in fp["ranks"]]
+    return {**fp, "options": options, "ranks": ranks}
+
+
 def _without_frees(fp: dict[str, Any]) -> dict[str, Any]:
     ranks = [{k: [i for i in v if not i.startswith("Free(")] if k.endswith("instructions") else v
               for k, v in r.items()} for r in fp["ranks"]]
@@ -29,6 +38,11 @@ INTENDED: list[tuple[str, str, Callable[[dict[str, Any]], dict[str, Any]], Calla
     ("mop", "FREE now also in mop (the driver frees values that cross ranks or chunks for every chunked strategy; "
             "mop sends point to point like task, and kept every received chunk for the whole step)",
      _without_frees, lambda fp: any(i.startswith("Free(") for r in fp["ranks"] for i in r["instructions"])),
+    ("data", "data gained the options of sampled mini-batch training (batch_size, fanouts; None: the "
+             "full-graph training it did before), and HaloExchange the name of its exchange lists (halo, '': the "
+             "rank's own ones)",
+     _without_minibatch_options, lambda fp: fp["options"].get("batch_size", 0) is None
+     and fp["options"].get("fanouts", 0) is None),
 ]
 
 

@@ -7,6 +7,7 @@
 | ``gather_dst(g, x)`` | E | V -> E | ``out[e] = x[dst(e)]`` |
 | ``edge_softmax(g, e)`` | E | E -> E | softmax of ``e`` over the in-edges of each destination |
 | ``aggregate(g, msg, reduce)`` | E | E -> V | ``out[v] = reduce_{e into v} msg[e]`` |
+| ``dst_rows(g, x)`` | E | V -> V | the destinations' own rows of a source-side ``x`` (a block's first rows) |
 
 Each is a plain function usable eagerly on tensors, differentiable (hand-written backward for
 ``propagate`` and ``edge_softmax`` that reuses the graph's cached transposed CSR; no dense
@@ -44,6 +45,8 @@ __all__ = [
     "gather_dst",
     "edge_softmax",
     "aggregate",
+    "dst_rows",
+    "SOURCE_ARGS",
     "PRIMITIVES",
     "NORMS",
     "REDUCES",
@@ -80,6 +83,11 @@ def fx_leaf(kind: str) -> Callable[[F], F]:
         return wrapper  # type: ignore[return-value]
 
     return deco
+
+
+#: Filled below: primitive -> the parameter it reads on the *source* side of edges (row ``u`` of
+#: an edge ``u -> v``); every other vertex input of a primitive is read on the destination side.
+SOURCE_ARGS: dict[Callable[..., Any], str] = {}
 
 
 def is_primitive(target: Any) -> bool:
@@ -297,6 +305,32 @@ def gather_dst(g: Graph, x: torch.Tensor, add_self_loops: bool = False) -> torch
     _check_rows(x, g.num_nodes, "gather_dst", "x", "vertex", g)
     out = x.index_select(0, g.dst)
     return torch.cat([out, x]) if add_self_loops else out
+
+
+@fx_leaf("E")
+def dst_rows(g: Graph, x: torch.Tensor) -> torch.Tensor:
+    """The rows of ``x`` that are ``g``'s destinations themselves (a view, no copy).
+
+    ``x`` holds the rows of ``g``'s destinations (returned as is), of its sources (a rank's local
+    graph: rows ``[own_offset, own_offset + num_nodes)``), or, for a block of a sampled mini-batch
+    (``own_offset == 0``), of any vertex set whose first rows are the block's destinations (its
+    sources, or an earlier layer's: ``x[:num_nodes]``). On a whole graph it is the identity. This
+    is how a layer combines a source-side value with the destinations' (GraphSAGE's root term, a
+    residual, GCNII's ``x0``) on blocks, as DGL's ``h[:block.num_dst_nodes()]`` does;
+    :func:`gnncompile.frontend.blocks.bind_blocks` inserts it where a traced model needs it.
+    """
+    g = _check_graph(g, "dst_rows")
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise KernelError(f"dst_rows: x must be a tensor with a row dimension, got {type(x).__name__}")
+    rows, n, off = x.shape[0], g.num_nodes, getattr(g, "own_offset", 0)
+    if rows == n:
+        return x
+    if rows == g.num_src:
+        return x[off: off + n]
+    if off == 0 and rows > n:
+        return x[:n]
+    raise KernelError(f"dst_rows: x has {rows} rows; expected {n} (the destinations), {g.num_src} (the sources)"
+                      + ("" if off else f" or more (a block's sources' first rows)"))
 
 
 class _SegmentMax(torch.autograd.Function):
@@ -650,3 +684,6 @@ def masked_propagate(g: Graph, x: torch.Tensor, mask: Optional[torch.Tensor] = N
         loop = torch.where(keep_rows.reshape(keep_rows.shape + (1,) * (loop.dim() - 1)), loop, 0)
     loop = loop.reshape(loop.shape + (1,) * (x.dim() - loop.dim()))
     return _MaskedSpMM.apply(g, values, x, keep_rows, backend) + loop * _own_rows(g, x)
+
+
+SOURCE_ARGS.update({propagate: "x", masked_propagate: "x", gather_src: "x"})

@@ -17,7 +17,11 @@ Methods (:data:`PARTITIONERS`)
 ``"metis"``
     METIS k-way (``METIS_PartGraphKway`` through pymetis) minimizing the edge cut of the symmetrized
     graph without self loops or parallel edges, with at most 3% imbalance of the vertex weights
-    (METIS's default ``ufactor``).
+    (METIS's default ``ufactor``). Optional ``edge_weights`` (one per CSR edge) make it minimize
+    the weighted cut instead (the weight of an undirected pair is the sum over both directions and
+    parallel edges), and ``vertex_weights`` of shape ``[V, C]`` balance ``C`` constraints at once
+    (METIS multi-constraint partitioning). GSPLIT's presampling-weighted partition
+    (:func:`gnncompile.graph.presample.presampled_partition`) is this with sampled counts as weights.
 
 Statistics (:func:`partition_stats`, :class:`PartitionStats`) are computed with vectorized torch
 operations (a handful of gathers, bincounts and one ``unique`` over the cut edges): a graph with a
@@ -76,24 +80,48 @@ def _check_parts(parts: Any, num_nodes: int, num_parts: int) -> Tensor:
 
 
 def _resolve_weights(graph: Graph, vertex_weights: Optional[Tensor], balance: str) -> Optional[Tensor]:
-    """The int64 per-vertex weights to balance, or ``None`` for unit weights (balance vertex counts)."""
+    """The int64 per-vertex weights to balance, or ``None`` for unit weights (balance vertex counts).
+
+    ``vertex_weights`` is ``[V]``, or ``[V, C]`` for ``C`` balance constraints (METIS only; the
+    caller checks the method).
+    """
     if balance not in BALANCE_MODES:
         raise PlanningError(f"balance: unknown {balance!r}; valid: {', '.join(map(repr, BALANCE_MODES))}")
     if vertex_weights is None:
         return graph.in_degree().detach().cpu() if balance == "edges" else None
     if balance == "edges":
         raise PlanningError("pass either vertex_weights or balance='edges', not both")
-    w = vertex_weights if isinstance(vertex_weights, Tensor) else torch.as_tensor(np.asarray(vertex_weights))
+    w = _int_weights(vertex_weights, "vertex_weights", "an integer dtype")
+    if w.dim() not in (1, 2) or w.shape[0] != graph.num_nodes or (w.dim() == 2 and w.shape[1] < 1):
+        raise GraphError(f"vertex_weights: expected shape [{graph.num_nodes}] (one per vertex) or "
+                         f"[{graph.num_nodes}, C] (C balance constraints), got {list(w.shape)}")
+    return _nonnegative(w, "vertex_weights", "vertex")
+
+
+def _int_weights(weights: Any, what: str, want: str) -> Tensor:
+    """``weights`` as an int64 CPU tensor; :class:`GraphError` for a float, complex or bool dtype."""
+    w = weights if isinstance(weights, Tensor) else torch.as_tensor(np.asarray(weights))
     if w.is_floating_point() or w.is_complex() or w.dtype == torch.bool:
-        raise GraphError(f"vertex_weights: expected an integer dtype, got {w.dtype}")
-    w = w.detach().to(device="cpu", dtype=torch.int64)
-    if w.dim() != 1 or w.numel() != graph.num_nodes:
-        raise GraphError(f"vertex_weights: expected shape [{graph.num_nodes}] (one per vertex), got {list(w.shape)}")
+        raise GraphError(f"{what}: expected {want}, got {w.dtype}")
+    return w.detach().to(device="cpu", dtype=torch.int64)
+
+
+def _nonnegative(w: Tensor, what: str, unit: str) -> Tensor:
+    """``w`` (contiguous) when no entry is negative; :class:`GraphError` naming the first row otherwise."""
     neg = w < 0
     if bool(neg.any()):
-        v = int(torch.nonzero(neg)[0, 0])
-        raise GraphError(f"vertex_weights: vertex {v} has negative weight {int(w[v])}")
+        i = int(torch.nonzero(neg)[0, 0])
+        raise GraphError(f"{what}: {unit} {i} has negative weight {int(w.reshape(w.shape[0], -1)[i].min())}")
     return w.contiguous()
+
+
+def _check_edge_weights(graph: Graph, edge_weights: Any) -> Tensor:
+    """``edge_weights`` as a non-negative int64 CPU tensor ``[E]`` (CSR edge order), or :class:`GraphError`."""
+    w = _int_weights(edge_weights, "edge_weights", "an integer dtype (scale float weights to integers)")
+    if w.dim() != 1 or w.numel() != graph.num_edges:
+        raise GraphError(f"edge_weights: expected shape [{graph.num_edges}] (one per edge, in CSR order), "
+                         f"got {list(w.shape)}")
+    return _nonnegative(w, "edge_weights", "edge")
 
 
 # ------------------------------------------------------------------------------------- statistics
@@ -395,17 +423,33 @@ def _random(num_nodes: int, num_parts: int, seed: int) -> Tensor:
     return parts
 
 
-def _metis_adjacency(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
-    """``(xadj, adjncy)`` of the symmetrized graph without self loops or parallel edges."""
+def _metis_adjacency(graph: Graph, edge_weights: Optional[Tensor] = None
+                     ) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """``(xadj, adjncy, eweights)`` of the symmetrized graph without self loops or parallel edges.
+
+    Without ``edge_weights`` every pair has unit weight (``eweights`` is ``None``). With them the
+    weight of an undirected pair ``{u, v}`` is the sum of the weights of all its edges in both
+    directions (so both adjacency entries carry the same weight), and pairs of total weight 0 are
+    left out: METIS requires positive edge weights, and a zero-weight edge does not change the
+    weighted cut it minimizes.
+    """
     n = graph.num_nodes
     src, dst = graph.indices.detach().cpu(), graph.dst.detach().cpu()
     keep = src != dst
     src, dst = src[keep], dst[keep]
-    keys = torch.unique(torch.cat([dst * n + src, src * n + dst]))  # sorted by (row, column)
+    both = torch.cat([dst * n + src, src * n + dst])
+    if edge_weights is None:
+        keys, eweights = torch.unique(both), None  # sorted by (row, column)
+    else:
+        w = edge_weights[keep]
+        keys, inverse = torch.unique(both, return_inverse=True)
+        pair_w = torch.zeros(keys.numel(), dtype=torch.int64).index_add_(0, inverse, torch.cat([w, w]))
+        positive = pair_w > 0
+        keys, eweights = keys[positive], pair_w[positive].numpy()
     rows = keys // n
     xadj = torch.zeros(n + 1, dtype=torch.int64)
     torch.cumsum(torch.bincount(rows, minlength=n), 0, out=xadj[1:])
-    return xadj.numpy(), (keys % n).numpy()
+    return xadj.numpy(), (keys % n).numpy(), eweights
 
 
 def _fill_empty_parts(parts: Tensor, num_parts: int) -> Tensor:
@@ -425,16 +469,36 @@ def _fill_empty_parts(parts: Tensor, num_parts: int) -> Tensor:
     return parts
 
 
-def _metis(graph: Graph, num_parts: int, seed: int, weights: Optional[Tensor]) -> Tensor:
-    """METIS k-way edge-cut partition with every part non-empty (see :func:`partition`)."""
+def _fit_index_type(w: np.ndarray, idx: Any) -> np.ndarray:
+    """``w`` (non-negative int64) as METIS's integer type ``idx``, scaled down when its total would
+    overflow it (METIS sums the weights): divided by a common factor and rounded up, so a positive
+    weight stays positive. A no-op with pymetis's usual 64-bit ``idx_t``."""
+    limit = np.iinfo(idx).max // 4
+    total = int(w.sum(dtype=np.float64)) if w.size else 0
+    if total > limit:
+        factor = -(-total // limit)
+        w = -(-w // factor)
+    return w.astype(idx, copy=False)
+
+
+def _metis(graph: Graph, num_parts: int, seed: int, weights: Optional[Tensor],
+           edge_weights: Optional[Tensor] = None) -> Tensor:
+    """METIS k-way (weighted) edge-cut partition with every part non-empty (see :func:`partition`)."""
     import pymetis
 
     idx = pymetis.zero_copy_dtype()
-    xadj, adjncy = _metis_adjacency(graph)
+    xadj, adjncy, eweights = _metis_adjacency(graph, edge_weights)
+    vweights = None
+    if weights is not None:
+        # [V, C] row-major is METIS's vwgt layout for C constraints (ncon = len(vwgt) / V)
+        vweights = _fit_index_type(weights.reshape(-1).numpy(), idx)
+        if weights.dim() == 2 and not bool((weights.sum(dim=0) > 0).all()):
+            raise GraphError("vertex_weights: every balance constraint (column) needs a positive total weight")
     result = pymetis.part_graph(
         num_parts,
         pymetis.CSRAdjacency(xadj.astype(idx, copy=False), adjncy.astype(idx, copy=False)),
-        vweights=None if weights is None else weights.numpy().astype(idx, copy=False),
+        vweights=vweights,
+        eweights=None if eweights is None else _fit_index_type(eweights, idx),
         options=pymetis.Options(seed=int(seed)),
         recursive=False,
     )
@@ -450,6 +514,8 @@ def partition(
     seed: int = 0,
     vertex_weights: Optional[Tensor] = None,
     balance: str = "vertices",
+    edge_weights: Optional[Tensor] = None,
+    name: Optional[str] = None,
 ) -> Partition:
     """Partition the vertices of ``graph`` into ``num_parts`` parts and compute the statistics.
 
@@ -468,11 +534,24 @@ def partition(
         ``"contiguous"`` ignores it.
     vertex_weights:
         Optional non-negative integer ``[V]`` weights to balance instead of vertex counts: passed to
-        METIS as ``vwgt``; ``"contiguous"`` cuts the id range into equal weight shares.
+        METIS as ``vwgt``; ``"contiguous"`` cuts the id range into equal weight shares. ``"metis"``
+        also takes ``[V, C]`` weights: ``C`` quantities balanced at once (multi-constraint METIS,
+        each within its 3% tolerance; every column needs a positive total).
     balance:
         ``"vertices"`` (default) balances vertex counts; ``"edges"`` balances in-edges, i.e. uses
         the in-degrees as ``vertex_weights`` (``"contiguous"`` then cuts at ``indptr``). Weights
         summing to 0 (e.g. a graph without edges) make ``"contiguous"`` balance vertex counts.
+    edge_weights:
+        ``"metis"`` only: optional non-negative integer ``[E]`` weights, one per edge in the graph's
+        CSR order (``graph.indices``), making METIS minimize the weighted cut. The undirected pair
+        ``{u, v}`` weighs the sum over its edges in both directions; self loops and pairs of total
+        weight 0 are left out of METIS's graph (METIS wants positive weights; they cannot change
+        the cut). Weights are integers because METIS's are: scale real weights by a common factor
+        first (GSPLIT's ``k_e / N`` times ``N`` gives the integer counts ``k_e`` exactly). Integer
+        weights go to METIS as they are (pymetis's ``idx_t`` is 64-bit); were their total to overflow a
+        narrower ``idx_t``, they would be divided by a common factor and rounded up (positive stays positive).
+    name:
+        The :attr:`Partition.method` recorded (default: ``method``), e.g. ``"presampled-metis"``.
 
     Empty parts
     -----------
@@ -488,9 +567,11 @@ def partition(
     PlanningError
         For an unknown ``method`` or ``balance`` (the message lists the valid names), ``num_parts < 1``,
         ``"metis"`` with more parts than vertices, weights with ``"random"`` (which balances vertex
-        counts only), or both ``vertex_weights`` and ``balance="edges"``.
+        counts only), ``edge_weights`` or ``[V, C]`` vertex weights with another method than
+        ``"metis"``, or both ``vertex_weights`` and ``balance="edges"``.
     GraphError
-        For ``vertex_weights`` of the wrong shape or dtype, or with a negative entry.
+        For ``vertex_weights`` or ``edge_weights`` of the wrong shape or dtype, or with a negative
+        entry, or ``[V, C]`` weights with a column summing to 0.
     """
     if method not in PARTITIONERS:
         raise PlanningError(f"partition: unknown method {method!r}; valid: {', '.join(map(repr, PARTITIONERS))}")
@@ -502,6 +583,9 @@ def partition(
             "partition: 'random' balances vertex counts only; vertex_weights and balance='edges' apply to "
             "'contiguous' and 'metis'"
         )
+    if method != "metis" and (edge_weights is not None or (weights is not None and weights.dim() == 2)):
+        raise PlanningError(f"partition: edge_weights and [V, C] vertex_weights apply to 'metis' only, not {method!r}")
+    eweights = None if edge_weights is None else _check_edge_weights(graph, edge_weights)
     if num_parts == 1:
         parts = torch.zeros(n, dtype=torch.int64)
     elif method == "contiguous":
@@ -514,8 +598,8 @@ def partition(
                 f"partition: 'metis' needs at least one vertex per part, got num_parts={num_parts} > "
                 f"num_nodes={n}; use 'contiguous' or 'random' to allow empty parts"
             )
-        parts = _metis(graph, num_parts, seed, weights)
-    return Partition(parts, num_parts, method, partition_stats(graph, parts, num_parts))
+        parts = _metis(graph, num_parts, seed, weights, eweights)
+    return Partition(parts, num_parts, method if name is None else str(name), partition_stats(graph, parts, num_parts))
 
 
 @dataclass(frozen=True)

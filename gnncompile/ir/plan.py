@@ -296,6 +296,10 @@ class HaloExchange(Instruction):
     ``send_rows[i]`` / ``recv_rows[i]`` are the numbers of rows this rank sends to / receives from
     ``group[i]``; ``width`` is the number of elements per row. With ``grad=True`` the gradients of
     the halo rows travel back to their owners and are added to the gradient of ``value``.
+    ``halo``: which exchange lists the runtime uses: ``""`` the rank's own (fixed) ones, else the
+    per-layer lists of the step's graph input of that name (a sampled mini-batch's shuffle index,
+    which changes every step: then the row counts are the expected ones, what the cost models
+    plan with).
     """
 
     value: str
@@ -306,6 +310,7 @@ class HaloExchange(Instruction):
     width: int
     dtype: str = "float32"
     grad: bool = False
+    halo: str = ""
     kind: ClassVar[str] = "HALO"
     communicates: ClassVar[bool] = True
 
@@ -314,7 +319,8 @@ class HaloExchange(Instruction):
         return converted_name(self.value, "halo")
 
     def __str__(self) -> str:
-        return f"HALO{'^T' if self.grad else ''} {_grad(self.grad)}{self.value} c{self.chunk}"
+        via = f" [{self.halo}]" if self.halo else ""
+        return f"HALO{'^T' if self.grad else ''} {_grad(self.grad)}{self.value} c{self.chunk}{via}"
 
 
 @dataclass(frozen=True)
@@ -1022,7 +1028,10 @@ class StepInputs:
     (historical embeddings) are stored at the steps ``history_refresh``, ``2 history_refresh``, ...
     (1-based; 1: every step); ``historical_gradients``: the gradients that readers of those
     copies compute are added to the chunks' gradients of the next step (relaxed; otherwise they are
-    dropped).
+    dropped). ``sampled``: a sampled mini-batch source (a
+    :class:`~gnncompile.graph.minibatch.SampledSteps`): every training step's graph inputs,
+    features, scored seeds and per-layer exchange lists come from it (an epoch has several steps);
+    ``halos``: the per-layer exchange lists of the program's own inputs, by graph input name.
     """
 
     inputs: dict[str, Any] = field(default_factory=dict)
@@ -1037,6 +1046,8 @@ class StepInputs:
     step_sizes: dict[str, int] = field(default_factory=dict)
     history_refresh: int = 1
     historical_gradients: bool = False
+    sampled: Any = None
+    halos: dict[str, tuple[tuple[Any, ...], tuple[int, ...]]] = field(default_factory=dict)
 
     def to(self, device: Any) -> "StepInputs":
         """A copy with every tensor (and graph) on ``device``; ``regroup`` moves each epoch's itself."""
@@ -1051,7 +1062,8 @@ class StepInputs:
                           halo=(tuple(move(t) for t in send_index), recv_count), regroup=self.regroup,
                           chunk_rows=self.chunk_rows, step_sizes=dict(self.step_sizes),
                           history_refresh=self.history_refresh,
-                          historical_gradients=self.historical_gradients)
+                          historical_gradients=self.historical_gradients, sampled=self.sampled,
+                          halos={k: (tuple(move(t) for t in si), rc) for k, (si, rc) in self.halos.items()})
 
 
 @dataclass(frozen=True)

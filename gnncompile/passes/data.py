@@ -34,6 +34,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+
+from ..errors import PlanningError
 from ..graph.core import GraphStats
 from ..graph.partition import PARTITIONERS, expected_replication, partition
 from ..graph.shard import Shard, build_shards, dropout_positions
@@ -41,6 +44,7 @@ from ..ir.plan import HaloExchange, Instruction, RankSizes, Schedule
 from ..ir.tpgraph import TPGraph
 from .driver import Job, Lowered, RankLowering
 from .lower import Conversion, Decisions, StagedModel, propagation_norms, source_input, split_stages
+from .sampled import lower_sampled
 from .schedule import compute_deps, insert_collectives, list_schedule
 from .strategy import ANY, Strategy, StrategyOptions, option, product
 
@@ -58,10 +62,26 @@ class DataOptions(StrategyOptions):
     recompute: bool = option(False, "Recompute the T segments between propagations in backward instead of keeping "
                                     "their intermediates (exact; NeutronTask §5.1).", kind="bool", pinned=True,
                              cli="recompute T segments in backward instead of keeping their intermediates")
+    batch_size: Optional[int] = option(None, "Seeds (target vertices) per training step: sampled mini-batch training "
+                                             "(each rank samples its own micro-batch of batch_size / ranks seeds).",
+                                       kind="optional_positive_int", neutral=None, pinned=True,
+                                       cli="seeds per step: sampled mini-batch training")
+    fanouts: Optional[tuple[int, ...]] = option(None, "Sampled in-edges per destination and GNN layer, input layer "
+                                                      "first (-1: all); one per layer.", kind="fanouts", neutral=None,
+                                                pinned=True, cli="sampled in-edges per GNN layer, input layer first")
+
+    def check(self) -> None:
+        if (self.batch_size is None) != (self.fanouts is None):
+            raise PlanningError("data: sampled mini-batch training needs both batch_size and fanouts, e.g. "
+                                "batch_size=1024, fanouts=[10, 5]")
+        if self.batch_size is not None and self.recompute:
+            raise PlanningError("data: recompute is not available with sampled mini-batches")
 
     @classmethod
     def space(cls, semantics: str, fixed: dict[str, Any],
               num_ranks: Optional[int] = None) -> list[dict[str, Any]]:
+        if fixed.get("batch_size") is not None:  # mini-batch data: micro-batches, no partition
+            return product({}, {**fixed, "recompute": fixed.get("recompute", False)}, semantics=semantics)
         return product({"partitioner": ["metis", "random"], "recompute": [False, True]}, fixed, semantics=semantics)
 
 
@@ -115,9 +135,17 @@ def lower_data(job: Job, options: DataOptions) -> Lowered:
     With a :class:`~gnncompile.graph.core.Graph` the vertices are partitioned and the plan can run.
     With :class:`GraphStats` alone the plan's halo lists and per-rank sizes are estimates from the
     replication factor (:func:`~gnncompile.graph.partition.expected_replication`) of a balanced
-    partition: it can be printed, verified and simulated, not run.
+    partition: it can be printed, verified and simulated, not run. With ``batch_size``: mini-batch
+    data parallelism (:mod:`gnncompile.passes.sampled`); rank ``r`` evaluates the ``r``-th of ``n``
+    contiguous vertex ranges.
     """
     graph, n = job.graph, job.num_ranks
+    if options.batch_size is not None:
+        if not job.concrete:
+            raise PlanningError("data with batch_size plans from a graph, not its statistics: sampling needs the graph")
+        ranges = list(torch.arange(graph.num_nodes).tensor_split(n))
+        return lower_sampled(job, batch_size=options.batch_size, fanouts=options.fanouts, seed=options.seed,
+                             parts=None, eval_targets=ranges)
     norms = propagation_norms(job.tp, job.tp_eval)
     shards: list[Shard] = []
     if job.concrete:

@@ -254,7 +254,9 @@ def lower(strategy: Strategy, tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Mod
             raise PlanningError(f"strategy {strategy.name!r} cannot decouple this model: {e}") from None
     if strategy.check is not None:
         strategy.check(job, options)
-    if job.concrete and options.dropout == "replicated":
+    # sampled mini-batch plans draw each rank's masks from its own stream (no whole-graph masks)
+    sampled = getattr(options, "batch_size", None) is not None
+    if job.concrete and options.dropout == "replicated" and not sampled:
         allowed = strategy.dropout_spaces(options)
         job.tp = _run([replicate_dropout_masks.bind(graph=graph, strategy=strategy.name, allowed=allowed,
                                                     share_parameters=True)], job.tp, semantics, instruments)
@@ -305,6 +307,7 @@ def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lower
     report = verify_plan(plan, inputs=info["inputs"], check_types=False, dry_run=False)
     plan.predictions = {"bytes_sent": [int(round(b)) for b in report.bytes_sent],
                         "bytes_received": [int(round(b)) for b in report.bytes_recv]}
+    dropout_mode = plan.options.get("dropout", options.dropout)
     if job.concrete:
         counts = mask_counts(job.graph)
         by_rank = {rl.rank: rl for rl in out.ranks}
@@ -316,14 +319,14 @@ def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lower
         main = owner.get(job.param_names[0], 0) if job.param_names else 0
         every = set().union(*used.values())
         draws = ()
-        if options.dropout == "replicated":
+        if dropout_mode == "replicated":
             infos = {n.name: n.meta["tp"] for n in job.tp_unrecomputed.graph.nodes if "tp" in n.meta}
             draws = dropout_draws(staged, job.dropout_inputs, infos)
         plan.program = [RankProgram(
             rank=dp.rank, world_size=job.num_ranks, modules=staged.modules, stages=dp.stages,
             instructions=dp.instructions, eval_modules=staged_eval.modules, eval_stages=by_rank[dp.rank].eval_stages,
             eval_instructions=tuple(by_rank[dp.rank].eval_instructions), output=staged.output,
-            eval_output=staged_eval.output, same_seed=options.dropout == "replicated", counts=counts,
+            eval_output=staged_eval.output, same_seed=dropout_mode == "replicated", counts=counts,
             params=job.params, param_names=job.param_names, step=StepInputs(**by_rank[dp.rank].step),
             placement=ParamPlacement(owner, main, None if used[dp.rank] == every else
                                      tuple(n for n in job.param_names if n in used[dp.rank])),

@@ -38,7 +38,7 @@ import torch
 import torch.fx
 
 from ..errors import PlanningError
-from ..frontend.ops import dropout_rows, gather_src, masked_propagate, propagate
+from ..frontend.ops import SOURCE_ARGS, dropout_rows, masked_propagate, propagate
 from ..ir.plan import OpCost, StageSpec, converted_name
 from ..ir.symbolic import Lin
 from ..ir.tpgraph import TPGraph, TPInfo
@@ -65,7 +65,7 @@ CONVERSIONS: dict[tuple[str, str], str] = {
 }
 
 #: Primitives whose vertex input is read on the *source* side (row ``u`` of an edge ``u -> v``).
-_SOURCE_READERS = {propagate: "x", masked_propagate: "x", gather_src: "x"}
+_SOURCE_READERS = SOURCE_ARGS
 
 
 def call_arguments(node: torch.fx.Node) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import PlanningError
-from . import data, layer, mop, task, tensor
+from . import data, layer, mop, split, task, tensor
 from .strategy import ANY, OptionSpec, Strategy
 
 __all__ = ["STRATEGIES", "PLANNED", "get", "option_specs", "neutral_values"]
@@ -20,10 +20,11 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     mop.STRATEGY,
     task.STRATEGY,
     layer.STRATEGY,
+    split.STRATEGY,
 )}
 
 #: strategies of DESIGN.md without a lowering yet
-PLANNED = ("split",)
+PLANNED: tuple[str, ...] = ()
 
 
 def get(name: str) -> Strategy:

@@ -41,15 +41,16 @@ class _Any:
 ANY: Any = _Any()
 
 #: option kinds and what they accept
-_KINDS = ("int", "positive_int", "bool", "choice", "optional_positive_int")
+_KINDS = ("int", "positive_int", "bool", "choice", "optional_positive_int", "fanouts")
 
 
 def option(default: Any, doc: str, *, kind: str, choices: Sequence[Any] = (), neutral: Any = dataclasses.MISSING,
            pinned: bool = False, cli: Optional[str] = None) -> Any:
     """Declare a strategy option (a dataclass field with its documentation and checks).
 
-    ``kind``: ``int``, ``positive_int``, ``optional_positive_int``, ``bool`` or ``choice`` (one of
-    ``choices``). ``neutral``: the value that means a strategy without this option is unaffected by
+    ``kind``: ``int``, ``positive_int``, ``optional_positive_int``, ``bool``, ``choice`` (one of
+    ``choices``) or ``fanouts`` (``None`` or a sequence of sampled in-edges per GNN layer, each
+    ``>= 1`` or ``-1`` for all; kept as a tuple). ``neutral``: the value that means a strategy without this option is unaffected by
     it (default: ``default``); :data:`ANY` when strategies without it ignore it. ``pinned``: with
     a named strategy (``gc.plan(strategy=...)``) the option takes its default when not given,
     instead of being searched. ``cli``: help text of the command-line flag (default: ``doc``).
@@ -86,6 +87,10 @@ class OptionSpec:
             return
         if self.kind == "bool":
             ok, want = isinstance(value, bool), "True or False"
+        elif self.kind == "fanouts":
+            ok = value is None or (isinstance(value, (tuple, list)) and len(value) > 0 and all(
+                isinstance(f, int) and not isinstance(f, bool) and (f >= 1 or f == -1) for f in value))
+            want = "a sequence of fanouts (one per GNN layer, input layer first; each >= 1, or -1 for all in-edges)"
         else:
             low = 0 if self.kind == "int" else 1
             ok = (value is None and self.kind == "optional_positive_int") or \
@@ -122,6 +127,8 @@ class StrategyOptions:
     def __post_init__(self) -> None:
         for spec in self.specs():
             spec.check(getattr(self, spec.name), self.strategy)
+            if spec.kind == "fanouts" and getattr(self, spec.name) is not None:
+                object.__setattr__(self, spec.name, tuple(getattr(self, spec.name)))
         self.check()
 
     def check(self) -> None:

@@ -313,6 +313,20 @@ class _Rank:
         self.labels, self.train_mask = view.labels, view.train_mask
         self.sizes = view.sizes
         self.slots = view.slots
+        self.halos = view.halos
+        self.loss_rows = view.loss_rows
+
+    def halo_spec(self, ins: HaloExchange, get: Callable[[str, int], Any]) -> HaloSpec:
+        """The exchange lists of ``ins``: the rank's own, or the step's lists of its graph input."""
+        if not ins.halo:
+            return self.halo
+        try:
+            send_index, recv_count = self.halos[ins.halo]
+        except KeyError:
+            raise RuntimeFailure(f"rank {self.ctx.rank}: `{ins}` exchanges through {ins.halo!r}, which this step's "
+                                 "inputs do not give lists for") from None
+        block = get(ins.halo, ins.chunk)
+        return HaloSpec(tuple(send_index), tuple(recv_count), int(block.num_src) - sum(recv_count))
 
     def _slot(self, k: int) -> Any:
         """Where chunk ``k``'s rows are in the history tables this step (a slice, or vertex ids)."""
@@ -736,13 +750,13 @@ def _execute_halo_exchange(st: _StepState, ins: HaloExchange) -> None:
     rk, c, get, grads = st.rank, ins.chunk, st.get, st.grads
     if not ins.grad:
         src = get(ins.value, c)
-        out = rk.comm.halo_forward(src, rk.halo)
+        out = rk.comm.halo_forward(src, rk.halo_spec(ins, get))
         st.values[(ins.output, c)] = out.requires_grad_(src.requires_grad) if src.is_floating_point() else out
     else:
         g_ext = grads.pop((ins.output, c), None)
         if g_ext is None:  # the consumers produced no gradient (e.g. all rows masked): still take part
             g_ext = torch.zeros_like(get(ins.output, c))
-        _accumulate(grads, (ins.value, c), rk.comm.halo_backward(g_ext, rk.halo))
+        _accumulate(grads, (ins.value, c), rk.comm.halo_backward(g_ext, rk.halo_spec(ins, get)))
 
 
 def _execute_all_to_all(st: _StepState, ins: AllToAll) -> None:
@@ -847,6 +861,28 @@ def _accumulate(store: dict, name: Any, g: torch.Tensor) -> None:
     store[name] = g if name not in store else store[name] + g
 
 
+def _sampled_epoch(rank: "_Rank", prog: RankProgram, provider: StepInputProvider, loss_fn: Any, epoch: int,
+                   timeline: list, optimizer: torch.optim.Optimizer, captured: Optional[dict],
+                   n_train: int) -> torch.Tensor:
+    """The steps of one epoch of a sampled plan; returns this rank's share of the epoch's mean loss
+    (each step's loss weighted by its seeds; the ranks' shares add up to it)."""
+    steps = provider.steps_per_epoch
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(steps):
+        view = provider.sampled_step(epoch, i)
+        rank.use(view)
+        first = epoch == 0 and i == 0
+        if captured is not None and first:
+            captured["owned"] = view.owned.cpu()
+        rows = view.loss_rows
+        del view
+        loss, _ = rank.step(prog.modules, prog.stages, prog.instructions, prog.output, loss_fn, epoch * steps + i,
+                            timeline, optimizer, captured if first else None)
+        if loss is not None:
+            total += float(loss.detach()) * rows
+    return total / max(n_train, 1)
+
+
 def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, weight_decay: float,
                  seed: Optional[int], eval_every: int, capture: bool, fail_at: Optional[tuple[int, int]],
                  progress: bool = False, run_options: Optional[dict] = None) -> dict:
@@ -872,7 +908,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
         mask, y = rank._rows(rank.train_mask, chunk), rank._rows(rank.labels, chunk)
         if mask is None or not bool(mask.any()):
             return logits.sum() * 0.0
-        return F.cross_entropy(logits[mask], y[mask], reduction="sum") / n_train
+        return F.cross_entropy(logits[mask], y[mask], reduction="sum") / (rank.loss_rows or n_train)
 
     optimizer = torch.optim.Adam([p for p in params if p.requires_grad], lr=lr, weight_decay=weight_decay)
     rank = _Rank(prog, ctx, provider)
@@ -906,6 +942,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
         dist.barrier()  # a common time origin, so the ranks' timelines line up
     rank.clock.start()
     lines = ProgressLines(epochs, f"run {prog.world_size} ranks") if progress and ctx.rank == 0 else None
+    train_steps = 0
     for epoch in range(start, epochs):
         if fail_at is not None and fail_at == (ctx.rank, epoch):
             raise RuntimeError(f"injected failure on rank {ctx.rank} in epoch {epoch}")
@@ -914,14 +951,19 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
         rank.comm.phase = "train"
         t0 = time.perf_counter()
         with PeakMemory(device) if epoch == start else contextlib.nullcontext() as pm:
-            if provider.regrouped:  # this epoch's subgraphs (part of the step's time and memory)
-                view = provider.training(epoch)
-                rank.use(view)
-                if captured is not None and epoch == 0:
-                    captured["owned"] = None if view.owned is None else view.owned.cpu()
-                del view
-            loss, _ = rank.step(prog.modules, prog.stages, prog.instructions, prog.output, loss_fn, epoch,
-                                timeline, optimizer, captured if epoch == 0 else None)
+            if provider.sampled:  # several steps, each on its own sampled mini-batch
+                loss = _sampled_epoch(rank, prog, provider, loss_fn, epoch, timeline, optimizer, captured, n_train)
+                train_steps += provider.steps_per_epoch
+            else:
+                if provider.regrouped:  # this epoch's subgraphs (part of the step's time and memory)
+                    view = provider.training(epoch)
+                    rank.use(view)
+                    if captured is not None and epoch == 0:
+                        captured["owned"] = None if view.owned is None else view.owned.cpu()
+                    del view
+                loss, _ = rank.step(prog.modules, prog.stages, prog.instructions, prog.output, loss_fn, epoch,
+                                    timeline, optimizer, captured if epoch == 0 else None)
+                train_steps += 1
             rank.use(provider.evaluation())
         if epoch == start:
             peak = pm.peak_bytes
@@ -975,7 +1017,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
         lines.close()
 
     cs = rank.comm.stats
-    steps = max(len(epoch_time) - start, 1)
+    steps = max(train_steps, 1)
     train_sent = {q: b // steps for q, b in cs.sent.get("train", {}).items()}
     train_recv = {q: b // steps for q, b in cs.received.get("train", {}).items()}
     out = {

@@ -34,6 +34,10 @@ class StepView:
     owned: Optional[torch.Tensor] = None
     sizes: Mapping[str, int] = field(default_factory=dict)
     slots: Optional[tuple[torch.Tensor, ...]] = None
+    #: per-layer exchange lists of the step by graph input name: ``(send_index per rank, recv_count per rank)``
+    halos: Mapping[str, tuple[tuple[torch.Tensor, ...], tuple[int, ...]]] = field(default_factory=dict)
+    #: the step's global number of scored rows, the loss's denominator (``None``: the plan's training count)
+    loss_rows: Optional[int] = None
 
 
 class StepInputProvider:
@@ -62,11 +66,36 @@ class StepInputProvider:
     def regrouped(self) -> bool:
         return self.step.regroup is not None
 
+    @property
+    def sampled(self) -> bool:
+        """Whether training steps are sampled mini-batches (several per epoch)."""
+        return self.step.sampled is not None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.step.sampled.steps_per_epoch if self.step.sampled is not None else 1
+
     def evaluation(self) -> StepView:
         """The program's own inputs (what evaluation, and training without regrouping, reads)."""
         s = self.step
         return StepView(s.chunk_inputs, tuple(s.chunk_offsets), s.labels, s.masks.get("train"),
-                        sizes=s.step_sizes)
+                        sizes=s.step_sizes, halos=s.halos)
+
+    def sampled_step(self, epoch: int, step: int) -> StepView:
+        """Training step ``step`` of epoch ``epoch`` of a sampled plan: the rank's blocks (graph
+        inputs ``g_0 ..``), feature rows, seeds and exchange lists (sampled now, on the CPU, then
+        moved: part of the step's time)."""
+        st = self.step.sampled.step(epoch, step)
+        if self.device.type != "cpu":
+            st = st.to(self.device)
+        x = st.x
+        if x.layout == torch.strided and self.dtype is not None and x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        inputs = {f"g_{k}": b for k, b in enumerate(st.blocks)}
+        inputs["x"] = x
+        train = torch.ones(st.seeds.numel(), dtype=torch.bool, device=self.device)
+        return StepView({0: inputs}, (), st.labels, train, st.seeds, {},
+                        halos={f"g_{k}": h for k, h in enumerate(st.halos)}, loss_rows=st.batch_size)
 
     def training(self, epoch: int) -> StepView:
         """The inputs of training step ``epoch`` (a regrouped epoch's subgraphs, made now: part of

@@ -1,8 +1,10 @@
 """Single-device reference training: the definition of "correct" for every parallel plan.
 
 Full-graph semi-supervised node classification: one forward over the whole graph per epoch,
-cross-entropy on the training mask, Adam, accuracy on the train/val/test masks. Every exact plan
-must reproduce this loop's losses and gradients; relaxed plans report their distance from it.
+cross-entropy on the training mask, Adam, accuracy on the train/val/test masks; or sampled
+mini-batch training (:mod:`gnncompile.runtime.minibatch`), one step per batch of seeds on its
+sampled blocks. Every exact plan must reproduce this loop's losses and gradients (a mini-batch
+plan: for the same samples); relaxed plans report their distance from it.
 """
 
 from __future__ import annotations
@@ -13,15 +15,19 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import GraphError, RuntimeFailure
+from ..frontend.blocks import BlockModel
 from ..frontend.ops import plan_dropout_draws
 from ..graph.core import Graph
 from . import checkpoint as ckpt
+from ..graph.minibatch import batch_generator, batch_seeds, epoch_order, num_batches
+from ..graph.sampling import sample_blocks
+from .minibatch import MiniBatch, batch_features, sampled_logits
 
 __all__ = ["History", "ProgressLines", "train", "evaluate", "masked_accuracy"]
 
@@ -204,8 +210,14 @@ def train(
     checkpoint_every: int = 10,
     resume: bool = False,
     patience: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    fanouts: Optional[Sequence[int]] = None,
+    eval_fanouts: Optional[Sequence[int]] = None,
 ) -> History:
-    """Train ``model`` on the whole ``graph`` on one device; the single-device reference.
+    """Train ``model`` on ``graph`` on one device; the single-device reference.
+
+    Full-graph training by default (one step per epoch); sampled mini-batch training with
+    ``batch_size`` and ``fanouts`` (the reference of mini-batch plans).
 
     Parameters
     ----------
@@ -243,6 +255,17 @@ def train(
         :class:`~gnncompile.errors.RuntimeFailure`.
     patience:
         Stop after this many epochs without a higher validation accuracy (``History.stopped_at``).
+    batch_size, fanouts, eval_fanouts:
+        Sampled mini-batch training (:mod:`gnncompile.runtime.minibatch`): an epoch visits the
+        training vertices in a random order in batches of ``batch_size`` seeds, one Adam step per
+        batch on the mean cross-entropy of its seeds; each batch runs on blocks sampled with
+        ``fanouts`` (in-edges per destination, one per GNN layer, input layer first; ``-1``: all;
+        normalization from each block's sampled degrees, as PyG on a sampled subgraph). The model
+        runs unchanged: it is traced and bound to the blocks
+        (:func:`~gnncompile.frontend.blocks.bind_blocks`). Evaluation runs the model on the whole
+        graph, or, with ``eval_fanouts``, on blocks sampled with them. ``seed`` also seeds the
+        batches' order and samples. ``loss`` is the epoch's mean over its batches (weighted by
+        batch size) and ``epoch_time`` the whole epoch's (sampling included).
 
     Returns
     -------
@@ -251,6 +274,14 @@ def train(
         model's state at the best validation accuracy.
     """
     check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir)
+    minibatch = None
+    if batch_size is not None or fanouts is not None or eval_fanouts is not None:
+        if batch_size is None:
+            raise ValueError("fanouts / eval_fanouts need batch_size (sampled mini-batch training)")
+        minibatch = MiniBatch.of(batch_size, fanouts, eval_fanouts)
+        if checkpoint_dir is not None:
+            raise ValueError("checkpoints of mini-batch training are not supported yet (the sampler's state is not "
+                             "saved); train without checkpoint_dir")
     if eval_every < 1:
         raise ValueError(f"eval_every must be >= 1, got {eval_every}")
     _check_trainable(graph)
@@ -267,6 +298,7 @@ def train(
                                  "is False); train with device='cpu'")
         if device.index is None:  # the current GPU, named, so the graph's and the model's devices compare equal
             device = torch.device("cuda", torch.cuda.current_device())
+    host = graph if graph.device.type == "cpu" else graph.to("cpu")  # where mini-batches are sampled
     if graph.device != device:
         graph = graph.to(device)
     model = model.to(device)
@@ -278,6 +310,10 @@ def train(
         x = x.to(next(iter(model.parameters())).dtype)
     y, train_mask = graph.y, graph.train_mask
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+    blocks = None
+    if minibatch is not None:
+        blocks = BlockModel.trace(model, graph, dtype=dtype)
+        minibatch.check_layers(blocks.num_layers, type(model).__name__)
 
     label = f"train {type(model).__name__} on {graph.name}"
     progress = None
@@ -303,23 +339,33 @@ def train(
                 raise RuntimeFailure(f"checkpoint {found.path} holds {found.epoch} epochs, more than epochs={epochs}; "
                                      f"pass epochs >= {found.epoch} to continue it")
             start = _restore_train(found, model, optimizer, hist, best, device)
+    sample_seed = 0 if seed is None else int(seed)
+    if minibatch is not None:
+        targets = torch.nonzero(host.train_mask).flatten()
     for epoch in range(start, epochs):
         model.train()
         t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        with draws:
-            logits = model(graph, x)
-        loss = F.cross_entropy(logits[train_mask], y[train_mask])
-        loss.backward()
-        optimizer.step()
+        if minibatch is None:
+            optimizer.zero_grad(set_to_none=True)
+            with draws:
+                logits = model(graph, x)
+            loss = F.cross_entropy(logits[train_mask], y[train_mask])
+            loss.backward()
+            optimizer.step()
+            epoch_loss = float(loss.detach())
+        else:
+            epoch_loss = _minibatch_epoch(blocks, host, x, y, targets, minibatch, optimizer, sample_seed, epoch, draws)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         hist.epoch_time.append(time.perf_counter() - t0)
-        hist.loss.append(float(loss.detach()))
+        hist.loss.append(epoch_loss)
 
         t1 = time.perf_counter()
         if (epoch + 1) % eval_every == 0 or epoch == epochs - 1:
-            acc = evaluate(model, graph, x)
+            if minibatch is not None and minibatch.eval_fanouts is not None:
+                acc = _sampled_evaluation(blocks, host, x, minibatch, sample_seed, epoch)
+            else:
+                acc = evaluate(model, graph, x)
             hist.train_acc.append(acc["train_acc"])
             hist.val_acc.append(acc["val_acc"])
             hist.test_acc.append(acc["test_acc"])
@@ -352,6 +398,52 @@ def train(
         if options is not None:
             ckpt.write_best(options.directory, best["state"], best["epoch"], best["val"])
     return hist
+
+
+def _minibatch_epoch(model: BlockModel, host: Graph, x: torch.Tensor, y: torch.Tensor, targets: torch.Tensor,
+                     mb: MiniBatch, optimizer: torch.optim.Optimizer, seed: int, epoch: int, draws: Any) -> float:
+    """One epoch of sampled mini-batch steps (sampled from ``host``, the graph on the CPU, with the
+    batches and streams of :mod:`gnncompile.graph.minibatch`); returns the mean loss over its seeds."""
+    total, seen = 0.0, 0
+    norms = model.norms
+    order = epoch_order(targets, seed, epoch)
+    for step in range(num_batches(targets.numel(), mb.batch_size)):
+        seeds = batch_seeds(order, mb.batch_size, step)
+        batch = sample_blocks(host, seeds, mb.fanouts, generator=batch_generator(seed, epoch, step), norms=norms)
+        batch = batch.to(x.device)
+        optimizer.zero_grad(set_to_none=True)
+        with draws:
+            logits = model(batch.blocks, batch_features(x, batch))
+        loss = F.cross_entropy(logits, y.index_select(0, seeds.to(y.device)))
+        loss.backward()
+        optimizer.step()
+        total += float(loss.detach()) * seeds.numel()
+        seen += seeds.numel()
+    return total / seen
+
+
+def _sampled_evaluation(model: BlockModel, host: Graph, x: torch.Tensor, mb: MiniBatch, seed: int,
+                        epoch: int) -> dict[str, float]:
+    """Accuracies on the train/val/test vertices from blocks sampled with ``eval_fanouts``."""
+    assert mb.eval_fanouts is not None
+    was_training = model.module.training
+    model.module.eval()
+    out: dict[str, float] = {}
+    try:
+        for split in ("train", "val", "test"):
+            mask = getattr(host, f"{split}_mask")
+            ids = None if mask is None else torch.nonzero(mask).flatten()
+            if ids is None or ids.numel() == 0:
+                out[f"{split}_acc"] = math.nan
+                continue
+            logits = sampled_logits(model, host, x, ids, mb.eval_fanouts, mb.batch_size, seed, epoch, model.norms)
+            labels = host.y.index_select(0, ids).to(logits.device)
+            out[f"{split}_acc"] = float((logits.argmax(-1) == labels).sum()) / ids.numel()
+            if split == "train":
+                out["loss"] = float(F.cross_entropy(logits, labels))
+    finally:
+        model.module.train(was_training)
+    return out
 
 
 def _train_fingerprint(model: torch.nn.Module, graph: Graph) -> dict[str, Any]:

@@ -1,0 +1,171 @@
+"""The lowering of sampled mini-batch plans: mini-batch ``data`` and ``split`` (GSPLIT).
+
+Both run the model bound to per-layer blocks (:func:`~gnncompile.frontend.blocks.bind_blocks`):
+the graph input becomes one input per layer, ``g_0 .. g_{L-1}``, and every step a rank's
+:class:`~gnncompile.graph.minibatch.SampledSteps` gives it that step's blocks, feature rows and
+scored seeds. The loss is the sum of the cross-entropy over the rank's seeds divided by the step's
+global number of seeds, so the ranks' gradients add up (one all-reduce) to the mean loss's.
+
+- **mini-batch data** (``parts is None``): each rank samples its own micro-batch (a contiguous
+  ``1/n`` of the step's seeds) with its own stream; one stage, no exchange. What DGL and PyG
+  users run; the micro-batches' samples overlap (redundant loading and compute, GSPLIT Table 1).
+- **split** (``parts``: a vertex -> rank map): one mini-batch, sampled alike on every rank, cut
+  into splits by ``parts``; every source-side read of a layer-``k`` op is a halo exchange through
+  the shuffle index of block ``k - 1`` (:func:`~gnncompile.graph.minibatch.split_step`): exact with
+  respect to the sample.
+
+Evaluation (both): each rank evaluates the vertices it is given (``eval_targets``) on their whole
+neighbourhood with the whole graph's coefficients (:func:`~gnncompile.graph.minibatch.full_blocks`),
+so accuracies are those of the model on the whole graph; split's exchanges then carry no rows.
+The plan's row counts (:class:`~gnncompile.ir.plan.RankSizes`, exchange rows) are means over a few
+presampled steps: a step's own sizes vary around them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..errors import PlanningError
+from ..frontend.blocks import bind_blocks, block_input_names, block_norms
+from ..graph.minibatch import SampledSteps, full_blocks
+from ..graph.presample import split_stats
+from ..graph.shard import slice_rows
+from ..ir.plan import HaloExchange, Instruction, RankSizes, Schedule
+from ..ir.tpgraph import TPGraph
+from .driver import Job, Lowered, RankLowering
+from .lower import Conversion, Decisions, StagedModel, source_input, split_stages
+from .schedule import compute_deps, insert_collectives, list_schedule
+
+__all__ = ["lower_sampled", "sampled_decisions", "expected_step_sizes"]
+
+#: steps presampled for the plan's expected sizes
+PRESAMPLED_STEPS = 4
+
+
+def sampled_decisions(tp: TPGraph, exchange: bool) -> Decisions:
+    """Rows everywhere; with ``exchange``, source-side reads of P/E ops need the halo (split)."""
+    needs = {}
+    if exchange:
+        for n in tp.graph.nodes:
+            src = source_input(n)
+            if src is not None:
+                needs[(n.name, src.name)] = "halo"
+    return Decisions(needs=needs)
+
+
+def _layer_input(staged: StagedModel, c: Conversion) -> str:
+    """The graph input whose shuffle completes ``c``'s value: the block of its consumers' layer."""
+    nodes = {n.name: n for n in staged.tp.graph.nodes}
+    layers = {nodes[u].meta["tp"].layer for u in c.consumers if u in nodes}
+    if len(layers) != 1:
+        raise PlanningError(f"split: {c.value!r} is read on the source side by ops of layers {sorted(layers)}; one "
+                            "exchange serves one layer's block")
+    return f"g_{layers.pop() - 1}"
+
+
+def expected_step_sizes(sources: Sequence[SampledSteps], steps: int = PRESAMPLED_STEPS
+                        ) -> tuple[list[RankSizes], list[Optional[torch.Tensor]]]:
+    """Mean per-rank sizes over the first ``steps`` steps of epoch 0, and (split) the mean
+    shuffle matrices of every layer (``[q, r]``: rows ``q`` sends ``r``)."""
+    n = len(sources)
+    steps = max(1, min(steps, sources[0].steps_per_epoch))
+    rows = torch.zeros(n)
+    edges = torch.zeros(n)
+    inputs = torch.zeros(n)
+    seeds = torch.zeros(n)
+    shuffles: Optional[list[torch.Tensor]] = None
+    for s in range(steps):
+        if sources[0].parts is not None:
+            batch = sources[0].sample(0, s)
+            mats = list(split_stats(batch, sources[0].parts, n).send)
+            shuffles = mats if shuffles is None else [a + b for a, b in zip(shuffles, mats)]
+        for r, src in enumerate(sources):
+            st = src.step(0, s)
+            rows[r] += sum(st.rows[1:])  # rows every layer computes
+            edges[r] += sum(b.num_edges for b in st.blocks)
+            inputs[r] += st.rows[0]
+            seeds[r] += st.seeds.numel()
+    sizes = [RankSizes(nodes=int(round(float(rows[r]) / steps)), edges=int(round(float(edges[r]) / steps)),
+                       feature_rows=int(round(float(inputs[r]) / steps)),
+                       trains=max(1, int(round(float(seeds[r]) / steps)))) for r in range(n)]
+    mean = None if shuffles is None else [(m.double() / steps).round().long() for m in shuffles]
+    return sizes, mean if mean is not None else [None]
+
+
+def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: int, parts: Optional[torch.Tensor],
+                  eval_targets: Sequence[torch.Tensor], info: Optional[dict[str, Any]] = None) -> Lowered:
+    """The sampled lowering of ``job`` (module docstring); ``parts``: split's vertex -> rank map
+    (``None``: mini-batch data); ``eval_targets[r]``: the vertices rank ``r`` evaluates."""
+    if not job.concrete:
+        raise PlanningError(f"strategy {job.strategy!r} with batch_size plans from a graph, not its statistics: "
+                            "sampling needs the graph")
+    graph, n = job.graph, job.num_ranks
+    if graph.train_mask is None or int(graph.train_mask.sum()) == 0:
+        raise PlanningError(f"train_mask: graph {graph.name!r} has no training vertices to sample mini-batches from")
+    try:
+        tp, tp_eval = bind_blocks(job.tp), bind_blocks(job.tp_eval)
+    except Exception as e:  # a TraceError: the model cannot run on blocks
+        raise PlanningError(f"strategy {job.strategy!r}: {e}") from None
+    names = block_input_names(tp)
+    if len(fanouts) != len(names):
+        raise PlanningError(f"fanouts has {len(fanouts)} entries but {type(job.model).__name__} has {len(names)} GNN "
+                            "layers; give "
+                            "one fanout per layer, input layer first")
+    exchange = parts is not None
+    staged = split_stages(tp, sampled_decisions(tp, exchange))
+    staged_eval = split_stages(tp_eval, sampled_decisions(tp_eval, exchange))
+    norms = tuple(block_norms(tp, tp_eval))
+    host = graph.replace(val_mask=None, test_mask=None) if graph.device.type == "cpu" else graph.to("cpu")
+    targets = torch.nonzero(host.train_mask).flatten()
+    sources = [SampledSteps(host, targets, batch_size, tuple(fanouts), seed, norms, r, n, parts) for r in range(n)]
+    sizes, shuffles = expected_step_sizes(sources)
+    group = tuple(range(n))
+    layer_of = {name: k for k, name in enumerate(names)}
+
+    def convert_for(r: int, st: StagedModel, training: bool):
+        def convert(c: Conversion, chunk: int, grad: bool) -> list[Instruction]:
+            node = next(v for v in st.tp.graph.nodes if v.name == c.value)
+            name = _layer_input(st, c)
+            if training and shuffles[0] is not None:
+                m = shuffles[layer_of[name]]
+                send, recv = tuple(int(m[r, q]) for q in group), tuple(int(m[q, r]) for q in group)
+            else:  # evaluation: every rank's blocks hold their whole neighbourhood
+                send = recv = (0,) * n
+            return [HaloExchange(value=c.value, chunk=chunk, group=group, send_rows=send, recv_rows=recv,
+                                 width=math.prod(node.meta["tp"].dims), dtype=node.meta["tp"].dtype or "float32",
+                                 grad=grad, halo=name)]
+        return convert
+
+    order = list_schedule(compute_deps(staged))
+    order_eval = list_schedule(compute_deps(staged_eval, training=False))
+    ranks = []
+    for r in range(n):
+        ev = eval_targets[r]
+        fb = full_blocks(host, ev, len(names), norms)
+        empty = (tuple(torch.zeros(0, dtype=torch.int64) for _ in group), (0,) * n)
+        masks = {m: None if getattr(graph, f"{m}_mask") is None else getattr(graph, f"{m}_mask").index_select(0, ev)
+                 for m in ("train", "val", "test")}
+        step = dict(inputs={**dict(zip(names, fb.blocks)), "x": _rows(graph.x, fb.input_ids)},
+                    labels=None if graph.y is None else graph.y.index_select(0, ev), masks=masks, owned=ev,
+                    sampled=sources[r], halos={name: empty for name in names} if exchange else {})
+        ranks.append(RankLowering(
+            rank=r, stages=tuple(staged.stages), sizes=sizes[r],
+            instructions=insert_collectives(staged, order, convert_for(r, staged, True)),
+            eval_stages=tuple(staged_eval.stages),
+            eval_instructions=tuple(insert_collectives(staged_eval, order_eval, convert_for(r, staged_eval, False))),
+            step=step))
+    out_info = {"inputs": [*names, "x"], "batch_size": batch_size, "fanouts": list(fanouts),
+                "steps_per_epoch": sources[0].steps_per_epoch, "sampled_rows": [s.nodes for s in sizes],
+                "sampled_edges": [s.edges for s in sizes], "input_rows": [s.feature_rows for s in sizes],
+                **(info or {})}
+    if shuffles[0] is not None:
+        out_info["shuffle_rows"] = [int(m.sum()) for m in shuffles]
+    return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=[(group, job.numel)],
+                   schedule=Schedule(), info=out_info, options={"dropout": "local"})
+
+
+def _rows(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return slice_rows(x, ids) if x.layout == torch.sparse_csr else x.index_select(0, ids)

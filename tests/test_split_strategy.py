@@ -1,0 +1,144 @@
+"""Sampled mini-batch plans: ``split`` (GSPLIT) is exact with respect to the sample; mini-batch
+``data`` equals single-device training on its ranks' micro-batches; bytes, errors, search."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gnncompile as gc
+from gnncompile.errors import PlanningError
+from gnncompile.graph.minibatch import SampledSteps
+from gnncompile.graph.presample import split_stats
+from gnncompile.ir.plan import HaloExchange
+from gnncompile.testing import check_plan
+from graph_strategies import DT, sbm_graph, seeded_model
+
+MODELS = {
+    "sage": lambda f, c: gc.nn.GraphSAGE(f, 5, c, num_layers=2, dropout=0.0),
+    "gcn": lambda f, c: gc.nn.GCN(f, 4, c, num_layers=2, dropout=0.0),
+    "gat": lambda f, c: gc.nn.GAT(f, 3, c, heads=2, num_layers=2, dropout=0.0),
+    "gcnii": lambda f, c: gc.nn.GCNII(f, 6, c, num_layers=3, dropout=0.0),
+    "gin": lambda f, c: gc.nn.GIN(f, 5, c, num_layers=2, dropout=0.0),
+}
+FANOUTS = {"gcnii": [3, 2, 2]}
+
+
+@pytest.fixture(scope="module")
+def sbm() -> gc.Graph:
+    return sbm_graph(80)
+
+
+def _one_step_batch(g: gc.Graph) -> int:
+    """A batch size covering every training vertex: one step per epoch."""
+    return int(g.train_mask.sum())
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_split_step_equals_single_device_on_the_same_sample(sbm: gc.Graph, name: str) -> None:
+    fanouts = FANOUTS.get(name, [3, 2])
+    res = check_plan(seeded_model(MODELS[name], sbm), sbm, 3, strategy="split", batch_size=_one_step_batch(sbm),
+                     fanouts=fanouts, rtol=1e-9, atol=1e-11, timeout=120, device="cpu")
+    assert res.plan.strategy == "split" and res.plan.semantics == "exact"
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nodes=st.integers(12, 60), ranks=st.integers(2, 4), fanout=st.integers(1, 4),
+       partitioner=st.sampled_from(["presampled", "metis", "random"]), seed=st.integers(0, 3))
+def test_split_is_exact_for_any_partition_and_sample(nodes: int, ranks: int, fanout: int, partitioner: str,
+                                                     seed: int) -> None:
+    g = sbm_graph(nodes)
+    check_plan(seeded_model(MODELS["sage"], g), g, ranks, strategy="split", batch_size=_one_step_batch(g),
+               fanouts=[fanout, -1], split_partitioner=partitioner, seed=seed, rtol=1e-9, atol=1e-11,
+               timeout=120, device="cpu")
+
+
+def test_minibatch_data_step_equals_single_device_on_the_ranks_micro_batches(sbm: gc.Graph) -> None:
+    res = check_plan(seeded_model(MODELS["gcn"], sbm), sbm, 3, strategy="data", batch_size=_one_step_batch(sbm),
+                     fanouts=[3, 2], rtol=1e-9, atol=1e-11, timeout=120, device="cpu")
+    # no exchange: the only traffic is the gradient all-reduce
+    assert not any(isinstance(i, HaloExchange) for dp in res.plan.ranks for i in dp.instructions)
+
+
+def test_split_trains_like_the_minibatch_reference_over_several_steps_and_epochs() -> None:
+    g = gc.datasets.synthetic("sbm", num_nodes=300, avg_degree=8, num_features=12, num_classes=3, seed=4)
+    torch.manual_seed(0)
+    model = gc.nn.GraphSAGE(g.num_features, 8, g.num_classes, num_layers=2, dropout=0.0).to(DT)
+    g = g.replace(x=g.x.to(DT))
+    ref = gc.train(copy.deepcopy(model), g, epochs=2, lr=0.01, batch_size=40, fanouts=[4, 3], verbose=False)
+    plan = gc.plan(copy.deepcopy(model), g, gpus=2, strategy="split", batch_size=40, fanouts=[4, 3])
+    assert plan.info["steps_per_epoch"] == -(-int(g.train_mask.sum()) // 40) > 1
+    res = plan.run(epochs=2, lr=0.01, timeout=120)
+    torch.testing.assert_close(torch.tensor(res.history.loss), torch.tensor(ref.loss), rtol=1e-9, atol=1e-12)
+    assert res.history.val_acc == ref.val_acc and res.history.test_acc == ref.test_acc
+
+
+def test_split_bytes_of_a_step_are_the_shuffle_of_its_sample(sbm: gc.Graph) -> None:
+    """One step: every rank sends, per layer, the rows of the sample's shuffle index (features forward;
+    gradients backward for every layer above the input), plus its share of the gradient all-reduce."""
+    model = seeded_model(MODELS["sage"], sbm)
+    b = _one_step_batch(sbm)
+    plan = gc.plan(copy.deepcopy(model), sbm, gpus=3, strategy="split", batch_size=b, fanouts=[3, 2])
+    res = plan.run(epochs=1, timeout=120)
+    src = plan.program[0].step.sampled
+    shuffles = split_stats(src.sample(0, 0), src.parts, 3).send
+    ar = [i for i in plan.ranks[0].instructions if type(i).__name__ == "AllReduce"][0]
+    ar_bytes = 2 * 2 * ar.numel * 8 / 3  # ring all-reduce of float64 gradients over 3 ranks
+    exchanges = [i for i in plan.ranks[0].instructions if isinstance(i, HaloExchange)]
+    # one forward exchange per layer (SAGE projects 6 -> 5 features before aggregating, so layer 1's
+    # exchanged value needs a gradient too); a backward one for each that needs a gradient
+    assert sorted((i.halo, i.grad) for i in exchanges) == [("g_0", False), ("g_0", True), ("g_1", False),
+                                                            ("g_1", True)]
+    ring = (0, 1, 2)  # the all-reduce's neighbours: r -> r + 1
+    for r in range(3):
+        for q in range(3):
+            if q == r:
+                continue
+            # forward: the rows r owns that q needs; backward: the gradients of the rows r received from q
+            want = sum(int(shuffles[int(i.halo[2:])][(q, r) if i.grad else (r, q)]) * i.width * 8 for i in exchanges)
+            got = res.ranks[r].sent_to.get(q, 0)
+            if q == ring[(r + 1) % 3]:
+                got -= ar_bytes
+            assert abs(got - want) <= 8, (r, q, got, want)
+
+
+def test_sampled_plans_refuse_what_they_cannot_do(sbm: gc.Graph) -> None:
+    model = seeded_model(MODELS["sage"], sbm)
+    with pytest.raises(PlanningError, match="split: needs batch_size and fanouts"):
+        gc.plan(model, sbm, gpus=2, strategy="split")
+    with pytest.raises(PlanningError, match="fanouts has 3 entries but GraphSAGE has 2 GNN layers"):
+        gc.plan(model, sbm, gpus=2, strategy="split", batch_size=16, fanouts=[2, 2, 2])
+    with pytest.raises(PlanningError, match="needs both batch_size and fanouts"):
+        gc.plan(model, sbm, gpus=2, strategy="data", batch_size=16)
+    with pytest.raises(PlanningError, match="fanouts"):
+        gc.plan(model, sbm, gpus=2, strategy="split", batch_size=16, fanouts=[0, 2])
+    with pytest.raises(PlanningError, match="statistics"):
+        gc.plan(model, sbm.stats(), gpus=2, strategy="split", batch_size=16, fanouts=[2, 2])
+    with pytest.raises(PlanningError):
+        gc.plan(model, sbm, gpus=2, strategy="tensor", batch_size=16, fanouts=[2, 2])
+
+
+def test_the_planner_chooses_between_minibatch_data_and_split(sbm: gc.Graph) -> None:
+    model = seeded_model(MODELS["sage"], sbm)
+    plan = gc.plan(model, sbm, gpus=2, batch_size=16, fanouts=[3, 2])
+    assert plan.strategy in ("data", "split") and plan.options["batch_size"] == 16
+    assert {e.candidate.strategy for e in plan.search.ranked + plan.search.rejected} == {"data", "split"}
+    full = gc.plan(model, sbm, gpus=2)
+    assert full.options.get("batch_size") is None
+
+
+def test_split_steps_are_a_partition_of_the_sample(sbm: gc.Graph) -> None:
+    """Every seed is scored by exactly one rank; every sampled input vertex is loaded by exactly one."""
+    targets = torch.nonzero(sbm.train_mask).flatten()
+    parts = torch.arange(sbm.num_nodes) % 3
+    sources = [SampledSteps(sbm, targets, 20, (3, 2), 1, (("mean", False),), r, 3, parts) for r in range(3)]
+    batch = sources[0].sample(0, 1)
+    steps = [s.step(0, 1) for s in sources]
+    seeds = torch.cat([s.seeds for s in steps])
+    assert sorted(seeds.tolist()) == sorted(batch.seed_ids.tolist())
+    assert sum(s.x.shape[0] for s in steps) == batch.input_ids.numel()
+    assert all(s.batch_size == batch.seed_ids.numel() for s in steps)
