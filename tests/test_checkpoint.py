@@ -130,6 +130,9 @@ RESUMABLE = {
     "task-regrouped": dict(strategy="task", chunks=4, dependencies="regrouped", subgraph_chunks=2,
                            semantics="relaxed"),
     "task-cached": dict(strategy="task", chunks=3, dependencies="cached", semantics="relaxed"),
+    # sampled mini-batches: an epoch's batches and samples follow from (seed, epoch, step)
+    "split": dict(strategy="split", batch_size=16, fanouts=[3, 2]),
+    "data-minibatch": dict(strategy="data", batch_size=16, fanouts=[3, 2]),
 }
 
 

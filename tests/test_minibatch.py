@@ -210,5 +210,19 @@ def test_minibatch_sampled_evaluation_and_argument_errors():
         gc.train(model, g, epochs=1, batch_size=8, fanouts=[2, 0])
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         gc.train(model, g, epochs=1, batch_size=0, fanouts=[2, 2])
-    with pytest.raises(ValueError, match="checkpoints of mini-batch training"):
-        gc.train(model, g, epochs=1, batch_size=8, fanouts=[2, 2], checkpoint_dir="/nonexistent")
+
+
+def test_minibatch_training_resumes_from_a_checkpoint_bit_identically(tmp_path):
+    g = _mb_graph()
+
+    def fresh() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return gc.nn.GraphSAGE(g.num_features, 8, g.num_classes, num_layers=2, dropout=0.3)
+
+    kw = dict(lr=0.02, batch_size=48, fanouts=[3, 2], verbose=False)
+    straight = gc.train(fresh(), g, epochs=4, checkpoint_dir=tmp_path / "a", checkpoint_every=2, **kw)
+    gc.train(fresh(), g, epochs=2, checkpoint_dir=tmp_path / "b", checkpoint_every=2, **kw)
+    resumed = gc.train(fresh(), g, epochs=4, checkpoint_dir=tmp_path / "b", resume=True, **kw)
+    assert resumed.loss == straight.loss and resumed.val_acc == straight.val_acc
+    with pytest.raises(gc.RuntimeFailure):  # other mini-batches: another run
+        gc.train(fresh(), g, epochs=4, checkpoint_dir=tmp_path / "b", resume=True, **{**kw, "batch_size": 32})

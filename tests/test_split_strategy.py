@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from gnncompile.errors import PlanningError
 from gnncompile.graph.minibatch import SampledSteps
 from gnncompile.graph.presample import split_stats
 from gnncompile.ir.plan import HaloExchange
+from gnncompile.ir.plan import Plan as PlanData
 from gnncompile.testing import check_plan
 from graph_strategies import DT, sbm_graph, seeded_model
 
@@ -121,6 +123,20 @@ def test_sampled_plans_refuse_what_they_cannot_do(sbm: gc.Graph) -> None:
     with pytest.raises(PlanningError):
         gc.plan(model, sbm, gpus=2, strategy="tensor", batch_size=16, fanouts=[2, 2])
 
+    class Weighted(torch.nn.Module):  # gcn-normalized attention-like weights: needs whole-block out-degrees
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(sbm.num_features, sbm.num_classes).to(DT)
+
+        def forward(self, g, x):
+            h = self.lin(x)
+            w = torch.sigmoid((gc.ops.gather_src(g, h) * gc.ops.gather_dst(g, h)).sum(-1))
+            return gc.ops.propagate(g, h, "gcn", edge_weight=w)
+
+    with pytest.raises(PlanningError, match="norm='gcn'"):
+        gc.plan(Weighted(), sbm, gpus=2, strategy="split", batch_size=16, fanouts=[2])
+    gc.plan(Weighted(), sbm, gpus=2, strategy="data", batch_size=16, fanouts=[2])  # whole blocks: fine
+
 
 def test_the_planner_chooses_between_minibatch_data_and_split(sbm: gc.Graph) -> None:
     model = seeded_model(MODELS["sage"], sbm)
@@ -142,3 +158,29 @@ def test_split_steps_are_a_partition_of_the_sample(sbm: gc.Graph) -> None:
     assert sorted(seeds.tolist()) == sorted(batch.seed_ids.tolist())
     assert sum(s.x.shape[0] for s in steps) == batch.input_ids.numel()
     assert all(s.batch_size == batch.seed_ids.numel() for s in steps)
+
+
+def test_sampled_plans_are_costed_layer_by_layer_and_split_computes_less_than_data() -> None:
+    """The plans' sizes are per layer (vertex sets shrink toward the seeds); with overlapping
+    micro-batches, mini-batch data computes more rows and edges in all than split (GSPLIT Table 1),
+    and the cost model sees it."""
+    g = gc.datasets.synthetic("sbm", num_nodes=2000, avg_degree=12, num_features=32, num_classes=4, seed=0)
+    model = gc.nn.GraphSAGE(g.num_features, 16, g.num_classes, num_layers=2, dropout=0.0)
+    plans = {s: gc.plan(copy.deepcopy(model), g, gpus=4, strategy=s, batch_size=512, fanouts=[10, 5])
+             for s in ("split", "data")}
+    for p in plans.values():
+        for dp in p.ranks:
+            layers = dp.sizes.layers
+            assert len(layers) == 3  # two GNN layers, then the trailing T ops
+            assert [t[1] for t in layers[:2]] == [layers[1][0], layers[2][0]]  # a layer's outputs feed the next
+            assert layers[0][0] >= layers[1][0] >= layers[2][0]  # V_0 ⊇ V_1 ⊇ V_2
+            assert dp.sizes.at_layer(1, True).nodes == layers[0][1]
+            assert dp.sizes.at_layer(1, False).nodes == layers[0][0]
+    rows = {s: sum(sum(t[1] for t in dp.sizes.layers[:2]) for dp in p.ranks) for s, p in plans.items()}
+    inputs = {s: sum(dp.sizes.feature_rows for dp in p.ranks) for s, p in plans.items()}
+    assert rows["data"] > 1.2 * rows["split"] and inputs["data"] > 1.5 * inputs["split"]
+    compute = {s: sum(r.compute for r in p.prediction.simulation.ranks) for s, p in plans.items()}
+    assert compute["data"] > compute["split"]
+    # the per-layer sizes survive the plan's JSON
+    again = PlanData.from_dict(json.loads(plans["split"].to_json()))
+    assert again.ranks[0].sizes == plans["split"].ranks[0].sizes

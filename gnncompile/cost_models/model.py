@@ -83,7 +83,9 @@ def _eval(lin: Any, sizes: RankSizes) -> float:
 def _op_sizes(op: OpCost, sizes: RankSizes) -> tuple[RankSizes, float]:
     """The sizes an op's forms are evaluated at, and the share of that work the rank does: a ``cols``
     op runs on every vertex for the rank's share of the columns; a ``replicated`` op (the ``tensor``
-    strategy's edge-wise attention ops) all of it on every vertex and edge."""
+    strategy's edge-wise attention ops) all of it on every vertex and edge. Where the rank's sizes
+    differ per layer (:attr:`RankSizes.layers`) the op's layer's are used."""
+    sizes = sizes.at_layer(op.layer, op.kind in ("P", "E"))
     if op.layout == "cols" and sizes.all_nodes is not None:
         share = sizes.col_share_ppm if sizes.col_share_ppm is not None else 1_000_000
         return dataclasses.replace(sizes, nodes=sizes.all_nodes), share / 1e6

@@ -221,10 +221,12 @@ class SampledSteps:
         return sample_blocks(self.graph, self.seeds(epoch, step), self.fanouts,
                              generator=batch_generator(self.seed, epoch, step), norms=self.norms)
 
-    def step(self, epoch: int, step: int) -> RankStep:
-        """This rank's inputs of step ``step`` of epoch ``epoch`` (on the CPU)."""
+    def step(self, epoch: int, step: int, batch: Optional[SampledBatch] = None) -> RankStep:
+        """This rank's inputs of step ``step`` of epoch ``epoch`` (on the CPU); ``batch``: the step's
+        whole mini-batch when the caller has sampled it already (split)."""
         if self.parts is not None:
-            return split_step(self.graph, self.sample(epoch, step), self.parts, self.num_ranks, self.rank)
+            batch = self.sample(epoch, step) if batch is None else batch
+            return split_step(self.graph, batch, self.parts, self.num_ranks, self.rank)
         seeds = self.seeds(epoch, step)
         mine = torch.tensor_split(seeds, self.num_ranks)[self.rank]
         return micro_step(self.graph, mine, self.fanouts, batch_generator(self.seed, epoch, step, 1 + self.rank),

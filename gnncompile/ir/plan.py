@@ -488,12 +488,16 @@ class OpCost:
     #: the layout the op runs in: ``rows`` (a block of vertices) or ``cols`` (every vertex, a slice of
     #: the feature columns: its sizes are the whole graph's, its work a share of it)
     layout: str = "rows"
+    #: the op's GNN layer (the tracer's, 1-based; 0: unknown): where a rank's sizes differ per layer
+    #: (:attr:`RankSizes.layers`, a sampled mini-batch) its forms are evaluated at its layer's
+    layer: int = 0
 
     _LINS: ClassVar[tuple[str, ...]] = ("flops", "bytes", "saved", "out", "random")
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "kind": self.kind, "width": self.width, "recompute": self.recompute,
-                             "count": self.count, "backward": self.backward, "layout": self.layout}
+                             "count": self.count, "backward": self.backward, "layout": self.layout,
+                             "layer": self.layer}
         d.update({k: _lin_to_json(getattr(self, k)) for k in self._LINS})
         return d
 
@@ -586,6 +590,11 @@ class StageSpec:
 class RankSizes:
     """What one rank works on in a step, the cost models' inputs (an unset field: not applicable).
 
+    ``layers``: where the sizes differ per GNN layer (a sampled mini-batch, whose vertex sets
+    shrink layer by layer), per layer ``k = 1 .. L + 1`` the tuple ``(rows, dst, src, edges)``: the
+    rows layer ``k``'s T ops compute (its input's), the destinations and source rows of its graph
+    ops and the edges they visit (layer ``L + 1``: the trailing T ops); an op of layer ``k`` is
+    evaluated at these, and ``nodes``/``edges`` are then the largest rows and all edges held.
     ``nodes``: rows its row-wise ops compute; ``edges``: in-edges its propagations visit; ``halo``:
     remote rows it receives per halo exchange; ``src``: source rows a propagation reads (default
     ``nodes``); ``all_nodes``: rows of its ``cols``/``replicated`` ops (the whole graph), of which it
@@ -607,6 +616,19 @@ class RankSizes:
     feature_rows: Optional[int] = None
     trains: Optional[int] = None
     params: Optional[int] = None
+    layers: Optional[tuple[tuple[int, int, int, int], ...]] = None
+
+    def __post_init__(self) -> None:
+        if self.layers is not None:  # JSON lists back to tuples (the plan stays hashable, comparable)
+            object.__setattr__(self, "layers", tuple(tuple(int(v) for v in t) for t in self.layers))
+
+    def at_layer(self, layer: int, graph_op: bool) -> "RankSizes":
+        """The sizes an op of ``layer`` (1-based) is evaluated at (``self`` without per-layer sizes):
+        a graph op's destinations, source rows and edges, or a T op's rows."""
+        if not self.layers or layer <= 0:
+            return self
+        rows, dst, src, edges = self.layers[min(layer, len(self.layers)) - 1]
+        return replace(self, nodes=dst if graph_op else rows, edges=edges, src=src, layers=None)
 
     @property
     def source_rows(self) -> int:
@@ -673,7 +695,8 @@ class DevicePlan:
         try:
             return cls(rank=int(d["rank"]), stages=tuple(StageSpec.from_dict(s) for s in d["stages"]),
                        instructions=tuple(Instruction.from_dict(i) for i in d["instructions"]),
-                       sizes=RankSizes.from_dict({str(k): int(v) for k, v in d.get("sizes", {}).items()}))
+                       sizes=RankSizes.from_dict({str(k): v if isinstance(v, (list, tuple)) else int(v)
+                                                  for k, v in d.get("sizes", {}).items()}))
         except KeyError as e:
             raise VerificationError(f"rank data lacks the field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:

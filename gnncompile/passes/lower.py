@@ -216,7 +216,7 @@ def _op_cost(n: torch.fx.Node, t: TPInfo, modules: dict[str, torch.nn.Module], *
         random = Lin.const(num_rows * width) if num_rows is not None else rows * width
     return OpCost(name=n.name, kind=t.kind, flops=t.flops, bytes=t.bytes_read + t.bytes_written, saved=t.saved_bytes,
                   out=rows * (width * _elsize(t.dtype)), width=width, recompute=recompute, backward=backward,
-                  random=random)
+                  random=random, layer=t.layer)
 
 
 def _sink(graph: torch.fx.Graph, stage_of: dict[str, int], stage_layout: dict[int, str], decisions: Decisions,

@@ -28,15 +28,16 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..errors import PlanningError
+from ..errors import PlanningError, TraceError
 from ..frontend.blocks import bind_blocks, block_input_names, block_norms
+from ..frontend.ops import masked_propagate, propagate
 from ..graph.minibatch import SampledSteps, full_blocks
 from ..graph.presample import split_stats
 from ..graph.shard import slice_rows
 from ..ir.plan import HaloExchange, Instruction, RankSizes, Schedule
 from ..ir.tpgraph import TPGraph
 from .driver import Job, Lowered, RankLowering
-from .lower import Conversion, Decisions, StagedModel, source_input, split_stages
+from .lower import Conversion, Decisions, StagedModel, call_arguments, source_input, split_stages
 from .schedule import compute_deps, insert_collectives, list_schedule
 
 __all__ = ["lower_sampled", "sampled_decisions", "expected_step_sizes"]
@@ -68,31 +69,49 @@ def _layer_input(staged: StagedModel, c: Conversion) -> str:
 
 def expected_step_sizes(sources: Sequence[SampledSteps], steps: int = PRESAMPLED_STEPS
                         ) -> tuple[list[RankSizes], list[Optional[torch.Tensor]]]:
-    """Mean per-rank sizes over the first ``steps`` steps of epoch 0, and (split) the mean
-    shuffle matrices of every layer (``[q, r]``: rows ``q`` sends ``r``)."""
+    """Mean per-rank sizes over the first ``steps`` steps of epoch 0 (per layer: the rows its T ops
+    compute, its destinations, source rows and edges, :attr:`RankSizes.layers`), and (split) the
+    mean shuffle matrices of every layer (``[q, r]``: rows ``q`` sends ``r``)."""
     n = len(sources)
     steps = max(1, min(steps, sources[0].steps_per_epoch))
-    rows = torch.zeros(n)
-    edges = torch.zeros(n)
-    inputs = torch.zeros(n)
-    seeds = torch.zeros(n)
+    L = len(sources[0].fanouts)
+    per_layer = torch.zeros(n, L + 1, 4, dtype=torch.float64)
+    seeds = torch.zeros(n, dtype=torch.float64)
     shuffles: Optional[list[torch.Tensor]] = None
     for s in range(steps):
-        if sources[0].parts is not None:
+        batch = None
+        if sources[0].parts is not None:  # one sample, split by every rank
             batch = sources[0].sample(0, s)
             mats = list(split_stats(batch, sources[0].parts, n).send)
             shuffles = mats if shuffles is None else [a + b for a, b in zip(shuffles, mats)]
         for r, src in enumerate(sources):
-            st = src.step(0, s)
-            rows[r] += sum(st.rows[1:])  # rows every layer computes
-            edges[r] += sum(b.num_edges for b in st.blocks)
-            inputs[r] += st.rows[0]
+            st = src.step(0, s, batch)
+            for k, b in enumerate(st.blocks):
+                per_layer[r, k] += torch.tensor([st.rows[k], b.num_nodes, b.num_src, b.num_edges], dtype=torch.float64)
+            per_layer[r, L] += torch.tensor([st.rows[L]] * 3 + [0], dtype=torch.float64)
             seeds[r] += st.seeds.numel()
-    sizes = [RankSizes(nodes=int(round(float(rows[r]) / steps)), edges=int(round(float(edges[r]) / steps)),
-                       feature_rows=int(round(float(inputs[r]) / steps)),
-                       trains=max(1, int(round(float(seeds[r]) / steps)))) for r in range(n)]
+    per_layer = (per_layer / steps).round().long()
+    sizes = []
+    for r in range(n):
+        layers = tuple(tuple(int(v) for v in row) for row in per_layer[r])
+        sizes.append(RankSizes(nodes=layers[0][0], edges=sum(t[3] for t in layers), src=layers[0][2],
+                               feature_rows=layers[0][0], trains=max(1, int(round(float(seeds[r]) / steps))),
+                               layers=layers))
     mean = None if shuffles is None else [(m.double() / steps).round().long() for m in shuffles]
     return sizes, mean if mean is not None else [None]
+
+
+def _check_split_norms(*tps: TPGraph) -> None:
+    """Refuse ``norm="gcn"`` of computed edge weights under ``split``: it needs the sources'
+    out-degrees over the whole block, and a rank's block holds only its destinations' in-edges."""
+    for tp in tps:
+        for n in tp.graph.nodes:
+            if n.op == "call_function" and n.target in (propagate, masked_propagate):
+                a = call_arguments(n)
+                if a["edge_weight"] is not None and a["norm"] == "gcn":
+                    raise PlanningError(f"split: op {n.name!r} normalizes computed edge weights with norm='gcn', which "
+                                        "needs every source's out-degree over the whole mini-batch block; a rank holds "
+                                        "only its destinations' in-edges. Use norm='mean' or normalize first")
 
 
 def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: int, parts: Optional[torch.Tensor],
@@ -107,7 +126,7 @@ def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: in
         raise PlanningError(f"train_mask: graph {graph.name!r} has no training vertices to sample mini-batches from")
     try:
         tp, tp_eval = bind_blocks(job.tp), bind_blocks(job.tp_eval)
-    except Exception as e:  # a TraceError: the model cannot run on blocks
+    except TraceError as e:  # the model cannot run on blocks
         raise PlanningError(f"strategy {job.strategy!r}: {e}") from None
     names = block_input_names(tp)
     if len(fanouts) != len(names):
@@ -115,6 +134,8 @@ def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: in
                             "layers; give "
                             "one fanout per layer, input layer first")
     exchange = parts is not None
+    if exchange:
+        _check_split_norms(tp, tp_eval)
     staged = split_stages(tp, sampled_decisions(tp, exchange))
     staged_eval = split_stages(tp_eval, sampled_decisions(tp_eval, exchange))
     norms = tuple(block_norms(tp, tp_eval))
@@ -158,7 +179,8 @@ def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: in
             eval_instructions=tuple(insert_collectives(staged_eval, order_eval, convert_for(r, staged_eval, False))),
             step=step))
     out_info = {"inputs": [*names, "x"], "batch_size": batch_size, "fanouts": list(fanouts),
-                "steps_per_epoch": sources[0].steps_per_epoch, "sampled_rows": [s.nodes for s in sizes],
+                "steps_per_epoch": sources[0].steps_per_epoch,
+                "sampled_rows": [sum(t[1] for t in s.layers[:-1]) for s in sizes],
                 "sampled_edges": [s.edges for s in sizes], "input_rows": [s.feature_rows for s in sizes],
                 **(info or {})}
     if shuffles[0] is not None:

@@ -279,9 +279,6 @@ def train(
         if batch_size is None:
             raise ValueError("fanouts / eval_fanouts need batch_size (sampled mini-batch training)")
         minibatch = MiniBatch.of(batch_size, fanouts, eval_fanouts)
-        if checkpoint_dir is not None:
-            raise ValueError("checkpoints of mini-batch training are not supported yet (the sampler's state is not "
-                             "saved); train without checkpoint_dir")
     if eval_every < 1:
         raise ValueError(f"eval_every must be >= 1, got {eval_every}")
     _check_trainable(graph)
@@ -332,7 +329,7 @@ def train(
     start = 0
     fingerprint: dict[str, Any] = {}
     if options is not None:
-        fingerprint = _train_fingerprint(model, graph)
+        fingerprint = _train_fingerprint(model, graph, minibatch)
         found = ckpt.prepare(options, fingerprint)
         if found is not None:
             if found.epoch > epochs:
@@ -446,14 +443,21 @@ def _sampled_evaluation(model: BlockModel, host: Graph, x: torch.Tensor, mb: Min
     return out
 
 
-def _train_fingerprint(model: torch.nn.Module, graph: Graph) -> dict[str, Any]:
+def _train_fingerprint(model: torch.nn.Module, graph: Graph, minibatch: Optional[MiniBatch] = None
+                       ) -> dict[str, Any]:
     """What a checkpoint of :func:`train` must match: the model (class, state names, shapes,
-    dtypes), the graph (name, sizes, a hash of its structure) and the run (single device)."""
+    dtypes), the graph (name, sizes, a hash of its structure) and the run (single device; the
+    mini-batches' size and fanouts: a step's batch and sample follow from them, the seed, the
+    epoch and the step, so nothing else of the sampler is saved)."""
+    plan: dict[str, Any] = {"strategy": "single-device", "ranks": 1}
+    if minibatch is not None:
+        plan["minibatch"] = {"batch_size": minibatch.batch_size, "fanouts": list(minibatch.fanouts),
+                             "eval_fanouts": None if minibatch.eval_fanouts is None else list(minibatch.eval_fanouts)}
     return {"model": {"class": type(model).__name__,
                       "params": [[k, list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()]},
             "graph": {"name": graph.name, "num_nodes": int(graph.num_nodes), "num_edges": int(graph.num_edges),
                       "features": int(graph.x.shape[-1]), "structure": ckpt.tensor_hash(graph.indptr, graph.indices)},
-            "plan": {"strategy": "single-device", "ranks": 1}}
+            "plan": plan}
 
 
 def _save_train(options: ckpt.CheckpointOptions, done: int, model: torch.nn.Module,
