@@ -253,3 +253,26 @@ def test_comm_data_matches_data_plan(sbm, make, grad_layers):
     predicted = f.comm_data(sbm.num_nodes, alpha, L, widths, grad_layers=grad_layers)
     assert round(predicted) == halo_bytes
     assert predicted == approx(halo_bytes, rel=1e-12)
+
+
+def test_sampled_sizes_and_split_remote_rows() -> None:
+    """A mini-batch's expected layers: the seeds, then each layer's destinations keep min(d, f)
+    in-edges whose sources add distinct vertices, never more than the graph."""
+    from gnncompile.cost_models.formulas import sampled_sizes, split_remote_rows
+
+    layers = sampled_sizes(1000, 8.0, 100, [5, 3])
+    assert layers[-1] == (100.0, 0.0)
+    assert layers[1][1] == 100 * 3 and layers[0][1] == layers[1][0] * 5
+    assert 1000 >= layers[0][0] >= layers[1][0] >= 100
+    # sources of 300 draws over 1000 vertices: 100 + 900 (1 - exp(-0.3))
+    assert math.isclose(layers[1][0], 100 + 900 * (1 - math.exp(-0.3)), rel_tol=1e-12)
+    assert sampled_sizes(1000, 8.0, 100, [-1])[0][1] == 800  # -1: every in-edge
+    assert sampled_sizes(50, 8.0, 100, [2])[-1][0] == 50  # no more seeds than vertices
+    assert split_remote_rows(1000, 400, 1, 0.5) == 0.0
+    assert split_remote_rows(1000, 400, 4, 0.0) == 0.0
+    r = split_remote_rows(1000, 400, 4, 0.75)
+    assert 0 < r <= 75 and math.isclose(r, 750 * (1 - math.exp(-75 / 750)), rel_tol=1e-12)
+    with pytest.raises(PlanningError):
+        sampled_sizes(1000, 8.0, 100, [0])
+    with pytest.raises(PlanningError):
+        split_remote_rows(1000, 400, 4, 1.5)

@@ -118,8 +118,6 @@ def test_sampled_plans_refuse_what_they_cannot_do(sbm: gc.Graph) -> None:
         gc.plan(model, sbm, gpus=2, strategy="data", batch_size=16)
     with pytest.raises(PlanningError, match="fanouts"):
         gc.plan(model, sbm, gpus=2, strategy="split", batch_size=16, fanouts=[0, 2])
-    with pytest.raises(PlanningError, match="statistics"):
-        gc.plan(model, sbm.stats(), gpus=2, strategy="split", batch_size=16, fanouts=[2, 2])
     with pytest.raises(PlanningError):
         gc.plan(model, sbm, gpus=2, strategy="tensor", batch_size=16, fanouts=[2, 2])
 
@@ -184,3 +182,24 @@ def test_sampled_plans_are_costed_layer_by_layer_and_split_computes_less_than_da
     # the per-layer sizes survive the plan's JSON
     again = PlanData.from_dict(json.loads(plans["split"].to_json()))
     assert again.ranks[0].sizes == plans["split"].ranks[0].sizes
+
+
+def test_sampled_plans_from_statistics_estimate_the_layers_a_sample_measures() -> None:
+    """From GraphStats alone the per-layer sizes are formulas.sampled_sizes's expectations: on a
+    graph of near-uniform degrees they are within a third of the presampled means."""
+    g = gc.datasets.synthetic("sbm", num_nodes=2000, avg_degree=12, num_features=32, num_classes=4, seed=0)
+    g = g.replace(train_mask=torch.ones(g.num_nodes, dtype=torch.bool))  # statistics hold no training mask
+    model = gc.nn.GraphSAGE(g.num_features, 16, g.num_classes, num_layers=2, dropout=0.0)
+    for strategy in ("split", "data"):
+        measured = gc.plan(copy.deepcopy(model), g, gpus=4, strategy=strategy, batch_size=512, fanouts=[10, 5])
+        planned = gc.plan(copy.deepcopy(model), g.stats(), gpus=4, strategy=strategy, batch_size=512,
+                          fanouts=[10, 5])
+        assert planned.info["estimated"] and planned.program is None
+        assert planned.info["steps_per_epoch"] == measured.info["steps_per_epoch"] == 4
+        for est, got in zip(planned.ranks[0].sizes.layers, measured.ranks[0].sizes.layers):
+            for a, b in zip(est[:2] + est[3:], got[:2] + got[3:]):  # rows, destinations, edges
+                assert abs(a - b) <= max(0.34 * b, 2), (strategy, est, got)
+    stats = gc.GraphStats(num_nodes=111_059_956, num_edges=1_615_685_872, num_features=128, num_classes=172)
+    plan = gc.plan(gc.nn.GraphSAGE(128, 256, 172, num_layers=3), stats, gpus=8, strategy="split",
+                   batch_size=1024, fanouts=[15, 10, 5])
+    assert plan.info["partition"]["estimated"] and plan.info["shuffle_rows"][0] > 0

@@ -9,7 +9,8 @@ shared folder):
   (task scheduling model, Eq. 5-8);
 - GNNPipe: layer-level model parallelism and its hybrid with graph parallelism, §3.5;
 - NeutronTP: GNN tensor parallelism, §3.2 (workload analysis) and §4.1 (decoupled training);
-- MixGCN: mixture of parallelism (MoP), §3.1.2 (Algorithm 2, Proposition 3.4).
+- MixGCN: mixture of parallelism (MoP), §3.1.2 (Algorithm 2, Proposition 3.4);
+- GSPLIT: split parallelism, §2–4 (expected sizes of a sampled mini-batch and its splits).
 
 Conventions
 -----------
@@ -41,6 +42,8 @@ __all__ = [
     # collectives
     "p2p_time", "ring_allreduce_time", "ring_allgather_time", "ring_reduce_scatter_time", "all_to_all_time",
     "halo_exchange_time", "ring_allreduce_bytes", "ring_allgather_bytes", "ring_reduce_scatter_bytes",
+    # GSPLIT
+    "sampled_sizes", "split_remote_rows",
 ]
 
 Number = Union[int, float]
@@ -479,3 +482,49 @@ def ring_allgather_bytes(total_bytes: int, n: int) -> int:
 def ring_reduce_scatter_bytes(total_bytes: int, n: int) -> int:
     """Bytes one rank sends (and receives) in a ring reduce-scatter of ``total_bytes``: ``(n - 1) total_bytes // n``."""
     return ring_allgather_bytes(total_bytes, n)
+
+
+# --------------------------------------------------------------------------- GSPLIT (sampled mini-batches)
+def _distinct(draws: float, population: float) -> float:
+    """Expected distinct items among ``draws`` uniform draws (with replacement) from ``population``."""
+    if population <= 0 or draws <= 0:
+        return 0.0
+    return population * -math.expm1(-draws / population)
+
+
+def sampled_sizes(num_nodes: int, degree_mean: float, seeds: Number, fanouts: Sequence[int]
+                  ) -> list[tuple[float, float]]:
+    """Expected ``(vertices, edges)`` of every layer of a mini-batch of ``seeds`` targets sampled with
+    ``fanouts`` (input layer first; ``-1``: all), from the graph's size and mean degree alone.
+
+    Entry ``i`` (``0 .. L``) holds ``|V_i|``, block ``i``'s sources (``V_L``: the seeds), and the
+    edges of block ``i`` (0 for ``i = L``). A destination keeps ``min(d, f_i)`` in-edges (``d``:
+    the mean degree; by Jensen an upper bound of ``E[min(D, f_i)]``), whose sources are drawn
+    uniformly from the vertices: ``V_i`` is ``V_{i+1}`` plus the expected distinct new ones,
+    ``(N - |V_{i+1}|) (1 - exp(-e_i / N))``. Skewed degrees make real batches smaller (hubs are
+    drawn again and again); presampling a graph measures them instead.
+    """
+    n = _count("num_nodes", num_nodes)
+    d = _nonneg("degree_mean", degree_mean)
+    rows = float(min(_nonneg("seeds", seeds), n))
+    out = [(rows, 0.0)]
+    for f in reversed(list(fanouts)):
+        if f == 0 or f < -1:
+            raise PlanningError(f"sampled_sizes: a fanout is >= 1 or -1, got {f}")
+        edges = rows * (d if f == -1 else min(d, f))
+        rows = rows + (_distinct(edges, n) * (n - rows) / n if n else 0.0)
+        out.append((rows, edges))
+    out.reverse()  # out[i] = (|V_i|, edges of block i); the seeds' entry has no block
+    return out
+
+
+def split_remote_rows(sources: float, edges: float, num_parts: int, cut: float) -> float:
+    """Expected rows one of ``num_parts`` splits receives in a layer's shuffle: the distinct remote
+    sources of its ``edges / num_parts`` sampled edges, a fraction ``cut`` of which cross splits,
+    drawn uniformly from the ``sources`` (the layer's vertex set) the other splits own."""
+    p = _count("num_parts", num_parts, 1)
+    if not 0.0 <= cut <= 1.0:
+        raise PlanningError(f"split_remote_rows: cut must be in [0, 1], got {cut}")
+    if p == 1:
+        return 0.0
+    return _distinct(cut * _nonneg("edges", edges) / p, _nonneg("sources", sources) * (1.0 - 1.0 / p))

@@ -66,8 +66,11 @@ def _arguments(node: torch.fx.Node) -> dict[str, Any]:
     return dict(bound.arguments)
 
 
-def _reads(node: torch.fx.Node, depth_of: Mapping[torch.fx.Node, int], own: int) -> list[tuple[torch.fx.Node, int]]:
-    """The vertex inputs ``node`` reads and the depth it reads each at (``own``: its output's)."""
+def _reads(node: torch.fx.Node, depth_of: Mapping[torch.fx.Node, int], own: Optional[int]
+           ) -> list[tuple[torch.fx.Node, int]]:
+    """The vertex inputs ``node`` reads and the depth it reads each at: a graph op's source side at
+    the layer before its own, its other vertex inputs at its layer; a T op's at ``own``, the depth
+    of its output."""
     out = []
     if node.op == "call_function" and is_primitive(node.target):
         layer = node.meta["tp"].layer
@@ -145,7 +148,7 @@ def bind_blocks(tp: TPGraph) -> TPGraph:
     edge_layer: dict[torch.fx.Node, int] = {}
     restricted: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}
 
-    def restrict(value: torch.fx.Node, to: int, user: torch.fx.Node) -> torch.fx.Node:
+    def restrict(value: torch.fx.Node, to: int) -> torch.fx.Node:
         key = (value, to)
         if key not in restricted:
             if value.op == "placeholder":
@@ -167,7 +170,7 @@ def bind_blocks(tp: TPGraph) -> TPGraph:
         if node.op == "output":
             out = node.args[0]
             if isinstance(out, torch.fx.Node) and out in depth and depth[out] < num_layers:
-                node.args = (restrict(out, num_layers, node),)
+                node.args = (restrict(out, num_layers),)
             continue
         primitive = node.op == "call_function" and is_primitive(node.target)
         if primitive:
@@ -175,14 +178,15 @@ def bind_blocks(tp: TPGraph) -> TPGraph:
             if not 1 <= layer <= num_layers:
                 raise TraceError(f"bind_blocks: {node.name} is a graph op of layer {layer}, outside 1..{num_layers}")
             node.args = (blocks[layer - 1],) + tuple(node.args[1:])
-        own = depth.get(node, node.meta["tp"].layer if primitive else 0)
-        for value, want in _reads(node, depth, own):
+        # a T op whose output is not a vertex value (a scalar, an edge value) reads its inputs as they are
+        reads = _reads(node, depth, depth.get(node)) if primitive or node in depth else []
+        for value, want in reads:
             have = depth[value]
             if have > want:
                 raise TraceError(f"bind_blocks: {node.name} reads {value.name} (rows of layer {have}'s outputs) as "
                                  f"rows of layer {want}: a value cannot go back to a wider vertex set on blocks")
             if have < want:
-                node.replace_input_with(value, restrict(value, want, node))
+                node.replace_input_with(value, restrict(value, want))
         # edge values belong to one layer's block
         if _edge(node):
             layer = node.meta["tp"].layer

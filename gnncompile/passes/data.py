@@ -141,9 +141,7 @@ def lower_data(job: Job, options: DataOptions) -> Lowered:
     """
     graph, n = job.graph, job.num_ranks
     if options.batch_size is not None:
-        if not job.concrete:
-            raise PlanningError("data with batch_size plans from a graph, not its statistics: sampling needs the graph")
-        ranges = list(torch.arange(graph.num_nodes).tensor_split(n))
+        ranges = list(torch.arange(graph.num_nodes).tensor_split(n)) if job.concrete else []
         return lower_sampled(job, batch_size=options.batch_size, fanouts=options.fanouts, seed=options.seed,
                              parts=None, eval_targets=ranges)
     norms = propagation_norms(job.tp, job.tp_eval)

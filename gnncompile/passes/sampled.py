@@ -31,6 +31,8 @@ import torch
 from ..errors import PlanningError, TraceError
 from ..frontend.blocks import bind_blocks, block_input_names, block_norms
 from ..frontend.ops import masked_propagate, propagate
+from ..cost_models import formulas
+from ..graph.core import GraphStats
 from ..graph.minibatch import SampledSteps, full_blocks
 from ..graph.presample import split_stats
 from ..graph.shard import slice_rows
@@ -40,7 +42,7 @@ from .driver import Job, Lowered, RankLowering
 from .lower import Conversion, Decisions, StagedModel, call_arguments, source_input, split_stages
 from .schedule import compute_deps, insert_collectives, list_schedule
 
-__all__ = ["lower_sampled", "sampled_decisions", "expected_step_sizes"]
+__all__ = ["lower_sampled", "sampled_decisions", "expected_step_sizes", "estimated_step_sizes"]
 
 #: steps presampled for the plan's expected sizes
 PRESAMPLED_STEPS = 4
@@ -114,16 +116,49 @@ def _check_split_norms(*tps: TPGraph) -> None:
                                         "only its destinations' in-edges. Use norm='mean' or normalize first")
 
 
+def estimated_step_sizes(stats: GraphStats, batch_size: int, fanouts: Sequence[int], num_ranks: int,
+                         cut: Optional[float]) -> tuple[list[RankSizes], list[Optional[torch.Tensor]], int]:
+    """:func:`expected_step_sizes` from statistics alone (:func:`~gnncompile.cost_models.formulas.sampled_sizes`):
+    with ``cut`` (split: the fraction of sampled edges that cross splits) one mini-batch of
+    ``batch_size`` seeds split evenly, with its shuffles
+    (:func:`~gnncompile.cost_models.formulas.split_remote_rows`, spread evenly over the peers);
+    without, every rank's own micro-batch. Also returns the steps of an epoch over the graph's
+    vertices (statistics hold no training mask)."""
+    n, L = num_ranks, len(fanouts)
+    d = stats.degree_mean if stats.num_nodes else 0.0
+    split = cut is not None
+    layers = formulas.sampled_sizes(stats.num_nodes, d, batch_size if split else batch_size / n, fanouts)
+    share = 1.0 / n if split else 1.0
+    rows = [v * share for v, _ in layers]
+    edges = [e * share for _, e in layers]
+    remote = [formulas.split_remote_rows(layers[i][0], layers[i][1], n, cut) if split else 0.0 for i in range(L)]
+    per_layer = tuple((round(rows[k - 1]), round(rows[k]), round(rows[k - 1] + remote[k - 1]), round(edges[k - 1]))
+                      for k in range(1, L + 1)) + ((round(rows[L]),) * 3 + (0,),)
+    sizes = [RankSizes(nodes=per_layer[0][0], edges=sum(t[3] for t in per_layer), src=per_layer[0][2],
+                       feature_rows=per_layer[0][0], trains=max(1, round(rows[L])), layers=per_layer)
+             for _ in range(n)]
+    shuffles: list[Optional[torch.Tensor]] = [None]
+    if split and n > 1:
+        shuffles = []
+        for i in range(L):
+            m = torch.full((n, n), int(round(remote[i] / (n - 1))), dtype=torch.int64)
+            m.fill_diagonal_(0)
+            shuffles.append(m)
+    return sizes, shuffles, -(-stats.num_nodes // batch_size)
+
+
 def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: int, parts: Optional[torch.Tensor],
-                  eval_targets: Sequence[torch.Tensor], info: Optional[dict[str, Any]] = None) -> Lowered:
+                  eval_targets: Sequence[torch.Tensor], info: Optional[dict[str, Any]] = None,
+                  cut: Optional[float] = None) -> Lowered:
     """The sampled lowering of ``job`` (module docstring); ``parts``: split's vertex -> rank map
-    (``None``: mini-batch data); ``eval_targets[r]``: the vertices rank ``r`` evaluates."""
-    if not job.concrete:
-        raise PlanningError(f"strategy {job.strategy!r} with batch_size plans from a graph, not its statistics: "
-                            "sampling needs the graph")
-    graph, n = job.graph, job.num_ranks
-    if graph.train_mask is None or int(graph.train_mask.sum()) == 0:
-        raise PlanningError(f"train_mask: graph {graph.name!r} has no training vertices to sample mini-batches from")
+    (``None``: mini-batch data); ``eval_targets[r]``: the vertices rank ``r`` evaluates. With
+    :class:`GraphStats` alone (nothing to sample) the sizes are :func:`estimated_step_sizes`'s and
+    ``cut`` (split: the fraction of sampled edges crossing splits) says the plan splits; the plan
+    can be printed, verified and simulated, not run."""
+    n = job.num_ranks
+    if job.concrete and (job.graph.train_mask is None or int(job.graph.train_mask.sum()) == 0):
+        raise PlanningError(f"train_mask: graph {job.graph.name!r} has no training vertices to sample mini-batches "
+                            "from")
     try:
         tp, tp_eval = bind_blocks(job.tp), bind_blocks(job.tp_eval)
     except TraceError as e:  # the model cannot run on blocks
@@ -131,18 +166,23 @@ def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: in
     names = block_input_names(tp)
     if len(fanouts) != len(names):
         raise PlanningError(f"fanouts has {len(fanouts)} entries but {type(job.model).__name__} has {len(names)} GNN "
-                            "layers; give "
-                            "one fanout per layer, input layer first")
-    exchange = parts is not None
+                            "layers; give one fanout per layer, input layer first")
+    exchange = parts is not None or cut is not None
     if exchange:
         _check_split_norms(tp, tp_eval)
     staged = split_stages(tp, sampled_decisions(tp, exchange))
     staged_eval = split_stages(tp_eval, sampled_decisions(tp_eval, exchange))
     norms = tuple(block_norms(tp, tp_eval))
-    host = graph.replace(val_mask=None, test_mask=None) if graph.device.type == "cpu" else graph.to("cpu")
-    targets = torch.nonzero(host.train_mask).flatten()
-    sources = [SampledSteps(host, targets, batch_size, tuple(fanouts), seed, norms, r, n, parts) for r in range(n)]
-    sizes, shuffles = expected_step_sizes(sources)
+    sources: list[SampledSteps] = []
+    if job.concrete:
+        graph = job.graph
+        host = graph.replace(val_mask=None, test_mask=None) if graph.device.type == "cpu" else graph.to("cpu")
+        targets = torch.nonzero(host.train_mask).flatten()
+        sources = [SampledSteps(host, targets, batch_size, tuple(fanouts), seed, norms, r, n, parts) for r in range(n)]
+        sizes, shuffles = expected_step_sizes(sources)
+        steps = sources[0].steps_per_epoch
+    else:
+        sizes, shuffles, steps = estimated_step_sizes(job.stats, batch_size, fanouts, n, cut)
     group = tuple(range(n))
     layer_of = {name: k for k, name in enumerate(names)}
 
@@ -164,14 +204,16 @@ def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: in
     order_eval = list_schedule(compute_deps(staged_eval, training=False))
     ranks = []
     for r in range(n):
-        ev = eval_targets[r]
-        fb = full_blocks(host, ev, len(names), norms)
-        empty = (tuple(torch.zeros(0, dtype=torch.int64) for _ in group), (0,) * n)
-        masks = {m: None if getattr(graph, f"{m}_mask") is None else getattr(graph, f"{m}_mask").index_select(0, ev)
-                 for m in ("train", "val", "test")}
-        step = dict(inputs={**dict(zip(names, fb.blocks)), "x": _rows(graph.x, fb.input_ids)},
-                    labels=None if graph.y is None else graph.y.index_select(0, ev), masks=masks, owned=ev,
-                    sampled=sources[r], halos={name: empty for name in names} if exchange else {})
+        step: dict[str, Any] = {}
+        if job.concrete:
+            graph, ev = job.graph, eval_targets[r]
+            fb = full_blocks(sources[r].graph, ev, len(names), norms)
+            empty = (tuple(torch.zeros(0, dtype=torch.int64) for _ in group), (0,) * n)
+            masks = {m: None if getattr(graph, f"{m}_mask") is None else getattr(graph, f"{m}_mask").cpu().index_select(0, ev)
+                     for m in ("train", "val", "test")}
+            step = dict(inputs={**dict(zip(names, fb.blocks)), "x": _rows(sources[r].graph.x, fb.input_ids)},
+                        labels=None if graph.y is None else graph.y.cpu().index_select(0, ev), masks=masks, owned=ev,
+                        sampled=sources[r], halos={name: empty for name in names} if exchange else {})
         ranks.append(RankLowering(
             rank=r, stages=tuple(staged.stages), sizes=sizes[r],
             instructions=insert_collectives(staged, order, convert_for(r, staged, True)),
@@ -179,7 +221,7 @@ def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: in
             eval_instructions=tuple(insert_collectives(staged_eval, order_eval, convert_for(r, staged_eval, False))),
             step=step))
     out_info = {"inputs": [*names, "x"], "batch_size": batch_size, "fanouts": list(fanouts),
-                "steps_per_epoch": sources[0].steps_per_epoch,
+                "steps_per_epoch": steps, "estimated": not job.concrete,
                 "sampled_rows": [sum(t[1] for t in s.layers[:-1]) for s in sizes],
                 "sampled_edges": [s.edges for s in sizes], "input_rows": [s.feature_rows for s in sizes],
                 **(info or {})}

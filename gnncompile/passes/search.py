@@ -305,8 +305,15 @@ def search(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Clu
         result.notes.append("the CPU numbers are uncalibrated placeholders; run `gnncompile calibrate` once on "
                             "this machine for predictions that track measurements")
     if isinstance(graph, GraphStats):
-        result.notes.append("planned from graph statistics: per-rank sizes come from the replication factor "
-                            "estimate shown in the plan's partition line")
+        if (fixed or {}).get("batch_size") is not None:
+            result.notes.append("planned from graph statistics: a mini-batch's per-layer sizes are expectations "
+                                "from the mean degree with uniformly drawn sources (formulas.sampled_sizes: hubs "
+                                "make real batches smaller and data's micro-batches overlap more), an epoch runs over "
+                                "every vertex, and split's shuffles assume the cut shown in the plan's partition line; "
+                                "loading the input features to the device is not timed")
+        else:
+            result.notes.append("planned from graph statistics: per-rank sizes come from the replication factor "
+                                "estimate shown in the plan's partition line")
     if not ok:
         raise PlanningError(_nothing_fits(result))
     return result

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import PlanningError
-from ..graph.partition import partition
+from ..graph.partition import expected_replication, partition
 from ..graph.presample import presample, presampled_partition
 from .driver import Job, Lowered
 from .sampled import lower_sampled
@@ -85,10 +85,29 @@ def split_parts(job: Job, options: SplitOptions) -> tuple[torch.Tensor, dict[str
     return part.parts.to(torch.int64).cpu(), part.to_dict(include_parts=False)
 
 
+def expected_cut(stats: Any, num_ranks: int, partitioner: str) -> tuple[float, str]:
+    """The fraction of sampled edges that cross splits, for planning from statistics: ``1 - 1/n``
+    for a random assignment; for METIS (weighted or not) that fraction scaled by how much less it
+    replicates than random (``(alpha - 1) / (alpha_random - 1)``, from
+    :func:`~gnncompile.graph.partition.expected_replication`): a heuristic, said so in the plan."""
+    random_cut = 1.0 - 1.0 / num_ranks
+    if partitioner == "random" or num_ranks == 1:
+        return random_cut, "random assignment: 1 - 1/n of the sampled edges cross splits"
+    est, rand = expected_replication(stats, num_ranks, "metis"), expected_replication(stats, num_ranks, "random")
+    ratio = (est.alpha - 1.0) / (rand.alpha - 1.0) if rand.alpha > 1.0 else 1.0
+    return random_cut * min(1.0, ratio), (f"random cut x (alpha - 1) / (alpha_random - 1) = {ratio:.2f} "
+                                          f"(alpha {est})")
+
+
 def lower_split(job: Job, options: SplitOptions) -> Lowered:
-    """The ``split`` lowering of ``job`` (module docstring)."""
+    """The ``split`` lowering of ``job`` (module docstring). From statistics alone the plan's sizes
+    and shuffles are estimates (:func:`~gnncompile.passes.sampled.estimated_step_sizes`)."""
     if not job.concrete:
-        raise PlanningError("split plans from a graph, not its statistics: presampling and splitting need the graph")
+        cut, how = expected_cut(job.stats, job.num_ranks, options.split_partitioner)
+        info = {"method": options.split_partitioner, "num_parts": job.num_ranks, "estimated": True,
+                "cut_fraction": cut, "source": how}
+        return lower_sampled(job, batch_size=options.batch_size, fanouts=options.fanouts, seed=options.seed,
+                             parts=None, eval_targets=[], info={"partition": info}, cut=cut)
     parts, info = split_parts(job, options)
     eval_targets = [torch.nonzero(parts == r).flatten() for r in range(job.num_ranks)]
     return lower_sampled(job, batch_size=options.batch_size, fanouts=options.fanouts, seed=options.seed,
