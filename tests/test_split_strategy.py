@@ -203,3 +203,22 @@ def test_sampled_plans_from_statistics_estimate_the_layers_a_sample_measures() -
     plan = gc.plan(gc.nn.GraphSAGE(128, 256, 172, num_layers=3), stats, gpus=8, strategy="split",
                    batch_size=1024, fanouts=[15, 10, 5])
     assert plan.info["partition"]["estimated"] and plan.info["shuffle_rows"][0] > 0
+
+
+def test_sampled_plans_pay_for_loading_their_input_rows() -> None:
+    """A sampled step's first Forward includes moving the step's input feature rows onto the device
+    (over the host link), so mini-batch data pays for its micro-batches' overlap."""
+    from gnncompile.cost_models.model import load_seconds
+
+    stats = gc.GraphStats(num_nodes=2_000_000, num_edges=30_000_000, num_features=128, num_classes=10)
+    model = gc.nn.GraphSAGE(128, 64, 10, num_layers=2)
+    cluster = gc.Cluster.parse("4xA100")
+    loads = {}
+    for s in ("split", "data"):
+        plan = gc.plan(copy.deepcopy(model), stats, gpus=cluster, strategy=s, batch_size=4096, fanouts=[10, 5])
+        dp = plan.ranks[0]
+        dev = cluster.rank_device(0)
+        loads[s] = load_seconds(plan, dp, dev)
+        assert loads[s] == pytest.approx(dp.sizes.feature_rows * 128 * 4 / dev.host_bandwidth)
+    assert loads["data"] > loads["split"] > 0
+    assert load_seconds(gc.plan(copy.deepcopy(model), stats, gpus=cluster, strategy="data"), dp, dev) == 0.0

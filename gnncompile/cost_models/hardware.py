@@ -219,6 +219,7 @@ class Cluster:
             self.device,
             flops={dtype: rate(pair) for dtype, pair in rates["flops"].items()},
             mem_bandwidth=rate(rates["mem_bandwidth"]),
+            host_bandwidth=rate(rates["mem_bandwidth"]),  # a CPU rank "loads" rows by gathering them
             spmm_bandwidth=rate(rates["spmm_bandwidth"]),
             edge_rate=rate(rates["edge_rate"]) if "edge_rate" in rates else self.device.edge_rate,
             rng_rate=rate(rates["rng_rate"]) if "rng_rate" in rates else self.device.rng_rate,
@@ -349,7 +350,7 @@ class Cluster:
         spec = dataclasses.replace(
             device, name=f"{device.name}/{share}", memory=device.memory // share,
             flops={k: v / share for k, v in device.flops.items()}, mem_bandwidth=device.mem_bandwidth / share,
-            spmm_bandwidth=device.spmm_bandwidth / share,
+            spmm_bandwidth=device.spmm_bandwidth / share, host_bandwidth=device.host_bandwidth / share,
             edge_rate=None if device.edge_rate is None else device.edge_rate / share)
         return cls(1, num_ranks, spec, LINKS["shm"], name=f"{num_ranks} ranks sharing {num_gpus}x{device.name}")
 

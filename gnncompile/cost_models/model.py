@@ -60,7 +60,8 @@ from . import formulas
 from .hardware import Cluster, DeviceSpec
 from .simulate import Cost, Simulation, simulate
 
-__all__ = ["ELSIZE", "StaticMemory", "static_memory", "PlanCost", "predict", "Prediction", "op_time", "op_value"]
+__all__ = ["ELSIZE", "StaticMemory", "static_memory", "PlanCost", "predict", "Prediction", "op_time", "op_value",
+           "load_seconds"]
 
 ELSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4}
 
@@ -354,9 +355,22 @@ class CostRule:
 
 
 # --------------------------------------------------------------------------- compute rules
+def load_seconds(plan: Plan, dp: DevicePlan, device: DeviceSpec) -> float:
+    """Seconds a rank of a sampled mini-batch plan spends loading a step's input feature rows onto
+    its device (``feature_rows`` rows at their stored bytes, over ``device.host_bandwidth``); 0 for
+    plans whose features stay on the device."""
+    if "steps_per_epoch" not in plan.info:
+        return 0.0
+    rows = dp.sizes.feature_rows if dp.sizes.feature_rows is not None else dp.sizes.nodes
+    per_row = plan.info.get("feature_bytes_per_row", 4 * int(plan.info.get("features", 0)))
+    return rows * per_row / device.host_bandwidth
+
+
 def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> StepCost:
     st = w.stages[inst.stage]
     seconds = w.cost.stage_time(w.dp.rank, st, backward=False)
+    if isinstance(inst, Forward) and "x" in st.inputs:  # a sampled step's features arrive first
+        seconds += load_seconds(w.cost.plan, w.dp, w.cost.devices[w.dp.rank])
     saved = sum(op_value(op, op.saved, w.sizes) for op in st.costs)
     outs = sum(w.value_bytes.get(o, 0.0) for o in st.outputs)
     transient = max((w.value_bytes.get(op.name, 0.0) for op in st.costs), default=0.0)

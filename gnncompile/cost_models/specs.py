@@ -52,6 +52,7 @@ __all__ = [
 
 GiB = 2**30
 SPMM_DERATE = 0.5          # default spmm_bandwidth / mem_bandwidth (assumed, see the module docstring)
+HOST_LINK = 25e9           # host -> GPU bytes/s: a PCIe 4.0 x16 link as achieved (31.5 GB/s raw)
 GPU_GAMMA = 0.3            # Eq. 6 overlap factor of GPUs (placeholder, see the module docstring)
 CPU_GAMMA = 0.0            # Eq. 6 overlap factor of CPUs
 DEFAULT_LAUNCH_OVERHEAD = 5e-6   # s per kernel: a CUDA kernel launch; calibration measures the CPU's
@@ -126,6 +127,10 @@ class DeviceSpec:
         Calibrated propagation rates by the size of the gathered source rows (a working set in
         the last-level cache is gathered faster than one in DRAM); empty: ``spmm_bandwidth`` and
         ``edge_rate`` for every size. See :meth:`spmm_rates`.
+    host_bandwidth : float, optional
+        Bytes/s of loading rows from host memory onto the device (a sampled mini-batch's input
+        features every step); default: a PCIe 4.0 x16 link's achieved 25 GB/s for a GPU, the
+        memory bandwidth (a gather) for a CPU.
     """
 
     name: str
@@ -140,9 +145,13 @@ class DeviceSpec:
     edge_rate: Optional[float] = None
     rng_rate: Optional[float] = None
     spmm_curve: tuple[tuple[float, float, float], ...] = ()
+    host_bandwidth: Optional[float] = None
 
     def __post_init__(self) -> None:
         what = f"device {self.name!r}"
+        if self.host_bandwidth is None:
+            object.__setattr__(self, "host_bandwidth", HOST_LINK if self.kind == "gpu" else self.mem_bandwidth)
+        _check_number(self.host_bandwidth, f"{what}: host_bandwidth")
         if self.kind not in ("gpu", "cpu"):
             raise PlanningError(f"{what}: kind must be 'gpu' or 'cpu', got {self.kind!r}")
         if not isinstance(self.flops, dict) or not self.flops:
@@ -256,11 +265,11 @@ def _si(value: float, unit: str) -> str:
 
 # --------------------------------------------------------------------------- presets
 def _gpu(name: str, fp32: float, memory_gib: float, bandwidth: float, *, fp16: float, fp64: float,
-         bf16: Optional[float] = None) -> DeviceSpec:
+         bf16: Optional[float] = None, host: float = HOST_LINK) -> DeviceSpec:
     flops = {"float32": fp32, "float16": fp16, "float64": fp64}
     if bf16 is not None:
         flops["bfloat16"] = bf16
-    return DeviceSpec(name, flops, bandwidth, int(memory_gib * GiB), kind="gpu")
+    return DeviceSpec(name, flops, bandwidth, int(memory_gib * GiB), kind="gpu", host_bandwidth=host)
 
 
 _V100_16 = _gpu("V100-16GB", 15.7e12, 16, 900e9, fp16=125e12, fp64=7.8e12)
@@ -285,9 +294,10 @@ DEVICES: dict[str, DeviceSpec] = {
     "A100": _A100_80,
     # NVIDIA H100 SXM5 datasheet: 67 TFLOPS FP32, 34 FP64, 989.5 FP16/BF16 tensor (dense; 1,979
     # with sparsity), 80 GB HBM3 at 3.35 TB/s.
-    "H100": _gpu("H100", 67e12, 80, 3.35e12, fp16=989.5e12, bf16=989.5e12, fp64=34e12),
+    # PCIe 5.0 x16 host link: 63 GB/s raw, ~50 achieved.
+    "H100": _gpu("H100", 67e12, 80, 3.35e12, fp16=989.5e12, bf16=989.5e12, fp64=34e12, host=50e9),
     # NVIDIA H200 SXM datasheet: H100 SXM compute, 141 GB HBM3e at 4.8 TB/s.
-    "H200": _gpu("H200", 67e12, 141, 4.8e12, fp16=989.5e12, bf16=989.5e12, fp64=34e12),
+    "H200": _gpu("H200", 67e12, 141, 4.8e12, fp16=989.5e12, bf16=989.5e12, fp64=34e12, host=50e9),
     # Uncalibrated placeholder for a CPU host (all cores together), not a measurement: rough rates
     # of a small server. gnncompile.calibrate() measures the real host and parse() prefers its profile.
     "cpu": DeviceSpec("cpu", {"float32": 1e11, "float64": 5e10}, 20e9, 16 * GiB, kind="cpu"),

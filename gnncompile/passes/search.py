@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 
 from ..cost_models.hardware import Cluster
-from ..cost_models.model import Prediction, predict
+from ..cost_models.model import Prediction, load_seconds, predict
 from ..errors import GnnCompileError, PlanningError
 from ..graph.core import Graph, GraphStats
 from ..ir.plan import Plan, human_bytes
@@ -173,9 +173,10 @@ class SearchResult:
         for name, e in found.items():
             info = e.plan.info
             totals[name] = (sum(info["input_rows"]), sum(info["sampled_rows"]), sum(info["sampled_edges"]))
-            lines.append(f"  {e.candidate.describe()}: per step, all ranks load {totals[name][0]:,} input rows, "
-                         f"compute {totals[name][1]:,} rows and aggregate {totals[name][2]:,} edges; "
-                         f"{human_bytes(sum(e.prediction.bytes_sent))} sent")
+            load = max(load_seconds(e.plan, dp, self.cluster.rank_device(dp.rank)) for dp in e.plan.ranks)
+            lines.append(f"  {e.candidate.describe()}: per step, all ranks load {totals[name][0]:,} input rows "
+                         f"({load * 1e3:.3g} ms on the slowest rank's host link), compute {totals[name][1]:,} rows "
+                         f"and aggregate {totals[name][2]:,} edges; {human_bytes(sum(e.prediction.bytes_sent))} sent")
         if "data" in totals and "split" in totals:
             d, sp = totals["data"], totals["split"]
             lines.append(f"  data's micro-batches overlap: {d[0] / max(sp[0], 1):.2f}x the input rows and "
@@ -309,8 +310,7 @@ def search(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Clu
             result.notes.append("planned from graph statistics: a mini-batch's per-layer sizes are expectations "
                                 "from the mean degree with uniformly drawn sources (formulas.sampled_sizes: hubs "
                                 "make real batches smaller and data's micro-batches overlap more), an epoch runs over "
-                                "every vertex, and split's shuffles assume the cut shown in the plan's partition line; "
-                                "loading the input features to the device is not timed")
+                                "every vertex, and split's shuffles assume the cut shown in the plan's partition line")
         else:
             result.notes.append("planned from graph statistics: per-rank sizes come from the replication factor "
                                 "estimate shown in the plan's partition line")
