@@ -219,6 +219,7 @@ class PlanCost:
         self._p2p_times: dict[tuple[bool, tuple[int, ...], str], float] = {}  # (same node, shape, dtype)
         self._a2a_times: dict[tuple, float] = {}  # (group, member, shapes, dtype, grad)
         self._links: dict[tuple[int, ...], Any] = {}  # group -> its slowest link
+        self._stage_times: dict[tuple, float] = {}  # (device id, sizes, stage id, backward) -> seconds
         self._costs: list[dict[Instruction, Cost]] = [self._rank_costs(dp) for dp in plan.ranks]
 
     def __call__(self, rank: int, inst: Instruction) -> Cost:
@@ -226,12 +227,18 @@ class PlanCost:
 
     # ------------------------------------------------------------------ compute
     def stage_time(self, rank: int, stage: StageSpec, backward: bool) -> float:
-        """Seconds of one Forward/Backward of ``stage`` (one chunk's share on a chunked rank)."""
+        """Seconds of one Forward/Backward of ``stage`` (one chunk's share on a chunked rank);
+        computed once per (device, sizes, stage, direction): ranks alike share it."""
         dev = self.devices[rank]
-        sizes = self.plan.ranks[rank].sizes.per_chunk()
-        t = dev.runtime.get("stage", 0.0) + sum(op_time(op, sizes, dev, backward=backward) for op in stage.costs)
-        if backward:  # checkpointed segments run their forward again
-            t += sum(op_time(op, sizes, dev) for op in stage.costs if op.recompute)
+        sizes = self.plan.ranks[rank].sizes
+        key = (id(dev), sizes, id(stage), backward)
+        t = self._stage_times.get(key)
+        if t is None:
+            at = sizes.per_chunk()
+            t = dev.runtime.get("stage", 0.0) + sum(op_time(op, at, dev, backward=backward) for op in stage.costs)
+            if backward:  # checkpointed segments run their forward again
+                t += sum(op_time(op, at, dev) for op in stage.costs if op.recompute)
+            self._stage_times[key] = t
         return t
 
     # ------------------------------------------------------------------ communication

@@ -84,12 +84,17 @@ class SimEvent:
     rank: int
     index: int
     instruction: Instruction
-    label: str
     kind: str
     stream: str
     start: float
     end: float
     wait_start: float
+
+    @property
+    def label(self) -> str:
+        """The instruction's short form (made when asked: a plan of 200k instructions is simulated
+        for every search candidate, and few of its events are ever printed)."""
+        return str(self.instruction)
 
     @property
     def duration(self) -> float:
@@ -254,7 +259,7 @@ def simulate(plan: Plan, cost: CostFn, *, overlap: bool = False,
     # results
     ranks: list[RankSim] = []
     for r, prog in enumerate(progs):
-        events = [SimEvent(r, ev.index, inst, str(inst), inst.kind, ev.stream, ev.start, ev.end, ev.ready)
+        events = [SimEvent(r, ev.index, inst, inst.kind, ev.stream, ev.start, ev.end, ev.ready)
                   for inst, ev in zip(prog, events_of[r])]
         busy = {s: sum((e.duration for e in events if e.stream == s), 0.0) for s in STREAMS}
         changes = []

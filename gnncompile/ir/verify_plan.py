@@ -79,7 +79,7 @@ from .plan import Backward, DevicePlan, Instruction, Plan, StageSpec, StepSize, 
 from .replay import instruction_window, replay
 from .rules import MESSAGE_FIELDS, MissingRuleError, elsize, rule
 
-__all__ = ["verify_plan", "PlanReport", "instruction_window"]
+__all__ = ["verify_plan", "plan_bytes", "PlanReport", "instruction_window"]
 
 Site = tuple[int, int]  # (rank, instruction index)
 
@@ -155,14 +155,21 @@ def verify_plan(plan: Plan, *, inputs: Optional[Iterable[str]] = None, check_typ
     for dp in plan.ranks:
         _check_dataflow(dp, names, chunks, plan.info.get("output"))
     steps = _dry_run(plan) if dry_run else []
+    sent, recv = plan_bytes(plan)
+    return PlanReport(instructions=[len(dp.instructions) for dp in plan.ranks], steps=steps,
+                      bytes_sent=sent, bytes_recv=recv)
+
+
+def plan_bytes(plan: Plan) -> tuple[list[float], list[float]]:
+    """Bytes every rank sends and receives in one training step: the sum of its instructions'
+    volumes (their rules' ``volume``), the accounting :func:`verify_plan` reports, without its checks."""
     sent, recv = [0.0] * plan.num_ranks, [0.0] * plan.num_ranks
     for dp in plan.ranks:
         for inst in dp.instructions:
             out, into = _volume(inst, dp.rank)
             sent[dp.rank] += out
             recv[dp.rank] += into
-    return PlanReport(instructions=[len(dp.instructions) for dp in plan.ranks], steps=steps,
-                      bytes_sent=sent, bytes_recv=recv)
+    return sent, recv
 
 
 # --------------------------------------------------------------------------- errors

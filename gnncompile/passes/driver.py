@@ -36,7 +36,7 @@ from ..graph.core import Graph, GraphStats
 from ..ir.plan import AllReduce, DevicePlan, Instruction, OptimizerStep, ParamPlacement, Plan, RankProgram, RankSizes, \
     Schedule, StageSpec, StepInputs
 from ..ir.tpgraph import TPGraph
-from ..ir.verify_plan import verify_plan
+from ..ir.verify_plan import plan_bytes
 from .decouple import decouple, decouple_exact, plan_decoupling
 from .dropout import dropout_draws, dropout_inputs, replicate_dropout_masks
 from .free import insert_frees
@@ -304,9 +304,8 @@ def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lower
                 options={**options.to_dict(), **out.options}, cluster=f"{job.num_ranks} local ranks", ranks=ranks,
                 schedule=out.schedule, relaxations=tuple(job.relaxations), info=info)
     # the plan's bytes; gc.plan checks the chosen plan fully, and the planner's simulation replays each
-    report = verify_plan(plan, inputs=info["inputs"], check_types=False, dry_run=False)
-    plan.predictions = {"bytes_sent": [int(round(b)) for b in report.bytes_sent],
-                        "bytes_received": [int(round(b)) for b in report.bytes_recv]}
+    sent, received = plan_bytes(plan)
+    plan.predictions = {"bytes_sent": [int(round(b)) for b in sent], "bytes_received": [int(round(b)) for b in received]}
     dropout_mode = plan.options.get("dropout", options.dropout)
     if job.concrete:
         counts = mask_counts(job.graph)
