@@ -100,3 +100,22 @@ def test_list_schedule_is_a_valid_schedule(stages: int, chunks: int, groups: int
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
     per_rank = rank_orders(order, lambda t: [t.stage % groups])
     assert sum(map(len, per_rank.values())) == len(deps)
+
+
+def test_a_step_posting_more_messages_than_the_planner_simulates_is_refused(monkeypatch) -> None:
+    """The planner materializes and simulates every message of a candidate's step; a step over
+    schedule.MAX_MESSAGES is a PlanningError naming the budget (the search records it as the
+    candidate's rejection), not minutes of work or an exhausted host."""
+    import gnncompile as gc
+    from gnncompile.errors import PlanningError
+    from gnncompile.passes import schedule
+
+    g = gc.datasets.synthetic("sbm", num_nodes=200, avg_degree=6, num_features=8, num_classes=3, seed=0)
+    model = gc.nn.GCN(8, 8, 3, num_layers=2)
+    plan = gc.plan(model, g, gpus=4, strategy="mop", chunks=4)
+    sends = sum(type(i).__name__ == "Send" for dp in plan.ranks for i in dp.instructions)
+    monkeypatch.setattr(schedule, "MAX_MESSAGES", sends - 1)
+    with pytest.raises(PlanningError, match=f"more than {sends - 1:,} point-to-point messages"):
+        gc.plan(model, g, gpus=4, strategy="mop", chunks=4)
+    monkeypatch.setattr(schedule, "MAX_MESSAGES", sends)
+    gc.plan(model, g, gpus=4, strategy="mop", chunks=4)

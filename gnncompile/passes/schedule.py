@@ -246,6 +246,12 @@ class _Edge:
     needs_grad: bool
 
 
+#: The most point-to-point messages one step of a candidate may post: the planner materializes,
+#: costs and simulates every one (a 64-rank MoP step with 8 chunks posts ~200k; with 128 ranks
+#: ~800k, 30 s of planning; with 1024 ranks ~50M, more memory than a planning host has).
+MAX_MESSAGES = 300_000
+
+
 def insert_messages(staged: StagedModel, order: Order, place: Placement, chunking: Chunking, reads: Reads,
                     dims: Mapping[str, tuple[tuple[int, ...], str]], needs_grad: set[str],
                     stale: Optional[Reads] = None) -> dict[int, list[Instruction]]:
@@ -340,12 +346,20 @@ def insert_messages(staged: StagedModel, order: Order, place: Placement, chunkin
     inflight: dict[tuple[int, int], deque[Recv]] = {}
     received: set[tuple[int, int, str, int, bool]] = set()  # (rank, from, value, chunk, grad) taken
 
+    posted = 0  # messages of the step so far (the planner's budget: MAX_MESSAGES)
+
     def send(e: _Edge, m: int, grad: bool, only: Optional[int] = None) -> None:
+        nonlocal posted
         dtype = dims[e.base][1]
         local = "" if e.name == e.base else e.name
         for a, b, held, need, inter in messages(e, m):
             if only is not None and b != only:
                 continue
+            posted += 1
+            if posted > MAX_MESSAGES:
+                raise PlanningError(f"the step would post more than {MAX_MESSAGES:,} point-to-point messages "
+                                    f"({len(place.ranks)} ranks, {K} chunks); the planner does not simulate steps "
+                                    "that large: fewer chunks or ranks per group")
             shape = shape_of(e, inter)
             if not grad:
                 progs[a].append(Send(e.base, m, b, shape, dtype, part=slab(held, inter)))
