@@ -107,7 +107,8 @@ def value_depths(tp: TPGraph) -> dict[str, int]:
 
 def block_input_names(tp: TPGraph) -> tuple[str, ...]:
     """The per-layer graph inputs of a graph made by :func:`bind_blocks`, input layer first."""
-    found = sorted((n.meta[BLOCK_META], n.name) for n in tp.graph.nodes if n.op == "placeholder" and BLOCK_META in n.meta)
+    found = sorted((n.meta[BLOCK_META], n.name) for n in tp.graph.nodes
+                   if n.op == "placeholder" and BLOCK_META in n.meta)
     if not found:
         raise TraceError("this graph takes no blocks: bind it with gnncompile.frontend.blocks.bind_blocks first")
     return tuple(name for _, name in found)

@@ -141,7 +141,8 @@ def split_step(graph: Graph, batch: SampledBatch, parts: torch.Tensor, num_parts
         halos.append((send_index, recv_count))
         # my destinations (a prefix of my sources) with all their sampled in-edges
         dst = mine[i + 1]
-        starts, counts = block.indptr.index_select(0, dst), block.indptr.index_select(0, dst + 1) - block.indptr.index_select(0, dst)
+        starts = block.indptr.index_select(0, dst)
+        counts = block.indptr.index_select(0, dst + 1) - starts
         eids = _ranges(starts, counts)
         indptr = torch.zeros(dst.numel() + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=indptr[1:])

@@ -209,8 +209,8 @@ def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: in
             graph, ev = job.graph, eval_targets[r]
             fb = full_blocks(sources[r].graph, ev, len(names), norms)
             empty = (tuple(torch.zeros(0, dtype=torch.int64) for _ in group), (0,) * n)
-            masks = {m: None if getattr(graph, f"{m}_mask") is None else getattr(graph, f"{m}_mask").cpu().index_select(0, ev)
-                     for m in ("train", "val", "test")}
+            masks = {m: None if getattr(graph, f"{m}_mask") is None
+                     else getattr(graph, f"{m}_mask").cpu().index_select(0, ev) for m in ("train", "val", "test")}
             step = dict(inputs={**dict(zip(names, fb.blocks)), "x": _rows(sources[r].graph.x, fb.input_ids)},
                         labels=None if graph.y is None else graph.y.cpu().index_select(0, ev), masks=masks, owned=ev,
                         sampled=sources[r], halos={name: empty for name in names} if exchange else {})
