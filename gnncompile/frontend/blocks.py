@@ -28,7 +28,6 @@ seeds' logits (the DGL/PyG block semantics).
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -38,7 +37,8 @@ import torch.fx
 from ..errors import TraceError
 from ..graph.core import Graph
 from ..ir.tpgraph import TPGraph, TPInfo, ends_layer
-from .ops import SOURCE_ARGS, dst_rows, is_primitive
+from .ops import SOURCE_ARGS, call_arguments, dst_rows, is_primitive, propagation_calls
+from .tracer import trace
 
 __all__ = ["BlockModel", "bind_blocks", "value_depths", "block_input_names", "block_norms"]
 
@@ -61,11 +61,6 @@ def _edge(node: torch.fx.Node) -> bool:
     return info is not None and info.space in ("E", "E+V")
 
 
-def _arguments(node: torch.fx.Node) -> dict[str, Any]:
-    bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
-    return dict(bound.arguments)
-
-
 def _reads(node: torch.fx.Node, depth_of: Mapping[torch.fx.Node, int], own: Optional[int]
            ) -> list[tuple[torch.fx.Node, int]]:
     """The vertex inputs ``node`` reads and the depth it reads each at: a graph op's source side at
@@ -75,7 +70,7 @@ def _reads(node: torch.fx.Node, depth_of: Mapping[torch.fx.Node, int], own: Opti
     if node.op == "call_function" and is_primitive(node.target):
         layer = node.meta["tp"].layer
         src = SOURCE_ARGS.get(node.target)
-        args = _arguments(node)
+        args = call_arguments(node)
         for name, a in args.items():
             if isinstance(a, torch.fx.Node) and a in depth_of:
                 out.append((a, layer - 1 if name == src else layer))
@@ -210,14 +205,8 @@ def bind_blocks(tp: TPGraph) -> TPGraph:
 def block_norms(*tps: TPGraph) -> list[tuple[str, bool]]:
     """The ``(norm, add_self_loops)`` pairs of the propagations of ``tps`` that read the graph's
     own coefficients (no computed edge weights): what each sampled block must hold."""
-    found = set()
-    for tp in tps:
-        for n in tp.graph.nodes:
-            if n.op == "call_function" and n.target in SOURCE_ARGS and n.target.__gnncompile_kind__ == "P":
-                a = _arguments(n)
-                if a.get("edge_weight") is None:
-                    found.add((a.get("norm", "gcn"), bool(a.get("add_self_loops", False))))
-    return sorted(found)
+    calls = propagation_calls(*(tp.graph for tp in tps))
+    return sorted({(a["norm"], bool(a["add_self_loops"])) for _, a in calls if a["edge_weight"] is None})
 
 
 @dataclass
@@ -236,8 +225,6 @@ class BlockModel:
 
     @classmethod
     def trace(cls, model: torch.nn.Module, graph: Graph, dtype: Optional[torch.dtype] = None) -> "BlockModel":
-        from .tracer import trace
-
         return cls(bind_blocks(trace(model, graph, training=True, dtype=dtype)),
                    bind_blocks(trace(model, graph, training=False, dtype=dtype)), model)
 

@@ -29,7 +29,8 @@ vertex-wise term instead of a rebuilt CSR (the graph, its partitions and caches 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, TypeVar
+import inspect
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 import torch.fx
@@ -47,6 +48,8 @@ __all__ = [
     "aggregate",
     "dst_rows",
     "SOURCE_ARGS",
+    "call_arguments",
+    "propagation_calls",
     "PRIMITIVES",
     "NORMS",
     "REDUCES",
@@ -88,6 +91,21 @@ def fx_leaf(kind: str) -> Callable[[F], F]:
 #: Filled below: primitive -> the parameter it reads on the *source* side of edges (row ``u`` of
 #: an edge ``u -> v``); every other vertex input of a primitive is read on the destination side.
 SOURCE_ARGS: dict[Callable[..., Any], str] = {}
+
+
+def call_arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """The arguments of a ``call_function`` node by parameter name, defaults applied."""
+    bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def propagation_calls(*graphs: torch.fx.Graph) -> Iterator[tuple[torch.fx.Node, dict[str, Any]]]:
+    """Every ``propagate`` / ``masked_propagate`` node of ``graphs`` with its arguments."""
+    for graph in graphs:
+        for n in graph.nodes:
+            if n.op == "call_function" and n.target in (propagate, masked_propagate):
+                yield n, call_arguments(n)
 
 
 def is_primitive(target: Any) -> bool:

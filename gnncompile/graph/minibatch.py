@@ -25,7 +25,7 @@ import torch
 from ..errors import GraphError
 from .core import Graph
 from .sampling import SampledBatch, sample_blocks
-from .shard import LocalGraph, propagation_coefficients, slice_rows
+from .shard import LocalGraph, propagation_coefficients, segment_ranges, slice_rows
 
 __all__ = ["epoch_order", "batch_generator", "num_batches", "batch_seeds", "RankStep", "split_step",
            "micro_step", "SampledSteps", "full_blocks"]
@@ -90,10 +90,9 @@ class RankStep:
 
 
 def _features(graph: Graph, ids: torch.Tensor) -> torch.Tensor:
-    x = graph.x
-    if x is None:
+    if graph.x is None:
         raise GraphError(f"x: graph {graph.name!r} has no node features; training needs them")
-    return slice_rows(x, ids) if x.layout == torch.sparse_csr else x.index_select(0, ids)
+    return slice_rows(graph.x, ids)
 
 
 def micro_step(graph: Graph, seeds: torch.Tensor, fanouts: Sequence[int], generator: torch.Generator,
@@ -143,7 +142,7 @@ def split_step(graph: Graph, batch: SampledBatch, parts: torch.Tensor, num_parts
         dst = mine[i + 1]
         starts = block.indptr.index_select(0, dst)
         counts = block.indptr.index_select(0, dst + 1) - starts
-        eids = _ranges(starts, counts)
+        eids = segment_ranges(starts, counts)
         indptr = torch.zeros(dst.numel() + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=indptr[1:])
         indices = local.index_select(0, block.indices.index_select(0, eids))
@@ -160,21 +159,14 @@ def split_step(graph: Graph, batch: SampledBatch, parts: torch.Tensor, num_parts
                     int(batch.seed_ids.numel()), [int(m.numel()) for m in mine])
 
 
-def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    total = int(counts.sum()) if counts.numel() else 0
-    if total == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    offsets = torch.cumsum(counts, 0) - counts
-    return torch.repeat_interleave(starts - offsets, counts, output_size=total) + torch.arange(total)
-
-
 def full_blocks(graph: Graph, targets: torch.Tensor, num_layers: int,
-                norms: Sequence[tuple[str, bool]]) -> SampledBatch:
+                norms: Sequence[tuple[str, bool]], coefficients: Optional[tuple[dict, dict]] = None) -> SampledBatch:
     """The blocks of ``targets``' whole ``num_layers``-hop neighbourhood with the *whole graph's*
     coefficients: on them a bound model computes exactly what the model computes on ``graph`` at
-    ``targets`` (full-neighbour evaluation)."""
+    ``targets`` (full-neighbour evaluation). ``coefficients``: ``graph``'s
+    :func:`~gnncompile.graph.shard.propagation_coefficients` of ``norms`` when the caller has them."""
     b = sample_blocks(graph, targets, [-1] * num_layers)
-    edge_coef, loop_coef = propagation_coefficients(graph, sorted(set(norms)))
+    edge_coef, loop_coef = coefficients or propagation_coefficients(graph, sorted(set(norms)))
     blocks = []
     for i, (block, eids) in enumerate(zip(b.blocks, b.edge_ids)):
         dst = b.dst_ids(i)

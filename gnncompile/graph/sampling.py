@@ -24,7 +24,7 @@ import torch
 
 from ..errors import GraphError
 from .core import Graph
-from .shard import LocalGraph, propagation_coefficients
+from .shard import LocalGraph, propagation_coefficients, segment_ranges
 
 __all__ = ["SampledBatch", "sample_blocks", "sample_in_edges"]
 
@@ -131,10 +131,10 @@ def sample_in_edges(graph: Graph, dst: torch.Tensor, fanout: int, *,
     start = indptr.index_select(0, dst)
     deg = indptr.index_select(0, dst + 1) - start
     if fanout == -1:
-        return deg, _segment_ranges(start, deg)
+        return deg, segment_ranges(start, deg)
     counts = deg.clamp_max(fanout)
     # rows keeping everything are filled here; rows with more in-edges than the fanout are overwritten
-    eids = _segment_ranges(start, counts)
+    eids = segment_ranges(start, counts)
     big = torch.nonzero(deg > fanout).flatten()
     if big.numel():
         offsets = torch.cumsum(counts, 0) - counts
@@ -199,16 +199,6 @@ def _block_coefficients(indptr: torch.Tensor, indices: torch.Tensor, num_dst: in
         # the base-class formula: LocalGraph's own method only looks up precomputed coefficients
         loop_coef = {nm: Graph.loop_norm_coefficients(structure, nm) for nm in loop_norms}
     return edge_coef, loop_coef
-
-
-def _segment_ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Concatenation of ``arange(s, s + c)`` for every ``(s, c)``, on their device."""
-    total = int(counts.sum()) if counts.numel() else 0
-    if total == 0:
-        return torch.zeros(0, dtype=torch.int64, device=starts.device)
-    offsets = torch.cumsum(counts, 0) - counts
-    return (torch.repeat_interleave(starts - offsets, counts, output_size=total)
-            + torch.arange(total, device=starts.device))
 
 
 def _check_fanouts(fanouts: Sequence[int]) -> list[int]:

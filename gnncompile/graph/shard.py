@@ -28,7 +28,7 @@ import torch
 from ..errors import GraphError
 from .core import Graph
 
-__all__ = ["LocalGraph", "Shard", "build_shards", "slice_rows", "global_rows", "row_value_positions"]
+__all__ = ["LocalGraph", "Shard", "build_shards", "slice_rows", "global_rows", "row_value_positions", "segment_ranges"]
 
 
 class LocalGraph(Graph):
@@ -130,15 +130,15 @@ class Shard:
 
 
 def slice_rows(t: Optional[torch.Tensor], rows: torch.Tensor) -> Optional[torch.Tensor]:
-    """Rows ``rows`` of a dense or sparse-CSR tensor (``None`` stays ``None``)."""
+    """Rows ``rows`` of a dense or sparse-CSR tensor, on its device (``None`` stays ``None``)."""
     if t is None:
         return None
     if t.layout == torch.sparse_csr:
         crow, col, val = t.crow_indices(), t.col_indices(), t.values()
         counts = crow[1:] - crow[:-1]
         sel_counts = counts[rows]
-        pos = _ranges(crow[:-1][rows], sel_counts)
-        new_crow = torch.zeros(rows.numel() + 1, dtype=crow.dtype)
+        pos = segment_ranges(crow[:-1][rows], sel_counts)
+        new_crow = torch.zeros(rows.numel() + 1, dtype=crow.dtype, device=crow.device)
         torch.cumsum(sel_counts, 0, out=new_crow[1:])
         return torch.sparse_csr_tensor(new_crow, col[pos], val[pos], size=(rows.numel(), t.shape[1]),
                                        check_invariants=False)
@@ -148,17 +148,17 @@ def slice_rows(t: Optional[torch.Tensor], rows: torch.Tensor) -> Optional[torch.
 def row_value_positions(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Positions in ``t.values()`` of the stored values of rows ``rows`` of a sparse CSR ``t``."""
     crow = t.crow_indices()
-    return _ranges(crow[:-1][rows], (crow[1:] - crow[:-1])[rows])
+    return segment_ranges(crow[:-1][rows], (crow[1:] - crow[:-1])[rows])
 
 
-def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Concatenation of ``arange(s, s + c)`` for every (s, c), vectorized."""
-    total = int(counts.sum())
+def segment_ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Concatenation of ``arange(s, s + c)`` for every ``(s, c)``, vectorized, on their device."""
+    total = int(counts.sum()) if counts.numel() else 0
     if total == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    offsets = torch.zeros_like(counts)
-    torch.cumsum(counts[:-1], 0, out=offsets[1:])
-    return torch.repeat_interleave(starts - offsets, counts) + torch.arange(total)
+        return torch.zeros(0, dtype=torch.int64, device=starts.device)
+    offsets = torch.cumsum(counts, 0) - counts
+    return (torch.repeat_interleave(starts - offsets, counts, output_size=total)
+            + torch.arange(total, device=starts.device))
 
 
 def build_shards(graph: Graph, parts: torch.Tensor, num_parts: int,
@@ -184,7 +184,7 @@ def build_shards(graph: Graph, parts: torch.Tensor, num_parts: int,
 
     shards: list[Shard] = []
     for r, owned in enumerate(owned_all):
-        eids = _ranges(indptr[:-1][owned], deg[owned])
+        eids = segment_ranges(indptr[:-1][owned], deg[owned])
         src = indices[eids]
         src_part = parts[src]
         remote = src_part != r
@@ -308,7 +308,7 @@ def _chunk_edges(graph: Graph, b: torch.Tensor, j: int, reads: Sequence[int], or
         order = order.cpu()
         ids = order[lo:hi]
         counts = indptr[ids + 1] - indptr[ids]
-        eids = _ranges(indptr[ids], counts)
+        eids = segment_ranges(indptr[ids], counts)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel())
         pos = inverse[indices[eids]]

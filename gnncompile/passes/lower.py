@@ -28,7 +28,6 @@ the identity, computes exactly the traced graph (tested for every model of the z
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ import torch
 import torch.fx
 
 from ..errors import PlanningError
-from ..frontend.ops import SOURCE_ARGS, dropout_rows, masked_propagate, propagate
+from ..frontend.ops import SOURCE_ARGS, call_arguments, dropout_rows, propagation_calls
 from ..ir.plan import OpCost, StageSpec, converted_name
 from ..ir.symbolic import Lin
 from ..ir.tpgraph import TPGraph, TPInfo
@@ -64,23 +63,12 @@ CONVERSIONS: dict[tuple[str, str], str] = {
     ("rows", "replicated"): "gathered",
 }
 
-#: Primitives whose vertex input is read on the *source* side (row ``u`` of an edge ``u -> v``).
-_SOURCE_READERS = SOURCE_ARGS
-
-
-def call_arguments(node: torch.fx.Node) -> dict[str, Any]:
-    """The arguments of a ``call_function`` node by parameter name, defaults applied."""
-    sig = inspect.signature(node.target)
-    bound = sig.bind(*node.args, **node.kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
 
 def source_input(node: torch.fx.Node) -> Optional[torch.fx.Node]:
     """The input of a P/E op that is read on the source side of edges (``None`` if it has none)."""
-    if node.op != "call_function" or node.target not in _SOURCE_READERS:
+    if node.op != "call_function" or node.target not in SOURCE_ARGS:
         return None
-    arg = call_arguments(node)[_SOURCE_READERS[node.target]]
+    arg = call_arguments(node)[SOURCE_ARGS[node.target]]
     return arg if isinstance(arg, torch.fx.Node) else None
 
 
@@ -389,16 +377,13 @@ def propagation_norms(*tps: TPGraph) -> set[tuple[str, bool]]:
     source's global out-degree.
     """
     norms = set()
-    for tp in tps:
-        for n in tp.graph.nodes:
-            if n.op == "call_function" and n.target in (propagate, masked_propagate):
-                a = call_arguments(n)
-                if a["edge_weight"] is None:
-                    norms.add((a["norm"], bool(a["add_self_loops"])))
-                elif a["norm"] == "gcn":
-                    raise PlanningError(
-                        f"op {n.name!r}: norm='gcn' of computed edge weights needs every source's global "
-                        "out-degree, which per-rank graphs do not hold; use norm='mean' or normalize first")
+    for n, a in propagation_calls(*(tp.graph for tp in tps)):
+        if a["edge_weight"] is None:
+            norms.add((a["norm"], bool(a["add_self_loops"])))
+        elif a["norm"] == "gcn":
+            raise PlanningError(
+                f"op {n.name!r}: norm='gcn' of computed edge weights needs every source's global "
+                "out-degree, which per-rank graphs do not hold; use norm='mean' or normalize first")
     return norms
 
 

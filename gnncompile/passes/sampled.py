@@ -29,17 +29,16 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..errors import PlanningError, TraceError
-from ..frontend.blocks import bind_blocks, block_input_names, block_norms
-from ..frontend.ops import masked_propagate, propagate
 from ..cost_models import formulas
+from ..frontend.blocks import bind_blocks, block_input_names, block_norms
 from ..graph.core import GraphStats
 from ..graph.minibatch import SampledSteps, full_blocks
 from ..graph.presample import split_stats
-from ..graph.shard import slice_rows
+from ..graph.shard import propagation_coefficients, slice_rows
 from ..ir.plan import HaloExchange, Instruction, RankSizes, Schedule
 from ..ir.tpgraph import TPGraph
 from .driver import Job, Lowered, RankLowering
-from .lower import Conversion, Decisions, StagedModel, call_arguments, source_input, split_stages
+from .lower import Conversion, Decisions, StagedModel, propagation_norms, source_input, split_stages
 from .schedule import compute_deps, insert_collectives, list_schedule
 
 __all__ = ["lower_sampled", "sampled_decisions", "expected_step_sizes", "estimated_step_sizes"]
@@ -59,14 +58,21 @@ def sampled_decisions(tp: TPGraph, exchange: bool) -> Decisions:
     return Decisions(needs=needs)
 
 
-def _layer_input(staged: StagedModel, c: Conversion) -> str:
-    """The graph input whose shuffle completes ``c``'s value: the block of its consumers' layer."""
-    nodes = {n.name: n for n in staged.tp.graph.nodes}
+def _layer_input(nodes: dict[str, torch.fx.Node], c: Conversion) -> str:
+    """The graph input whose shuffle completes ``c``'s value (``nodes``: the staged graph's by
+    name): the block of its consumers' layer."""
     layers = {nodes[u].meta["tp"].layer for u in c.consumers if u in nodes}
     if len(layers) != 1:
         raise PlanningError(f"split: {c.value!r} is read on the source side by ops of layers {sorted(layers)}; one "
                             "exchange serves one layer's block")
     return f"g_{layers.pop() - 1}"
+
+
+def _sizes(layers: tuple[tuple[int, int, int, int], ...], seeds: int) -> RankSizes:
+    """A sampled rank's sizes from its per-layer ``(rows, dst, src, edges)``: every block's edges
+    held, the input layer's rows computed and loaded, ``seeds`` scored."""
+    return RankSizes(nodes=layers[0][0], edges=sum(t[3] for t in layers), src=layers[0][2],
+                     feature_rows=layers[0][0], trains=max(1, seeds), layers=layers)
 
 
 def expected_step_sizes(sources: Sequence[SampledSteps], steps: int = PRESAMPLED_STEPS
@@ -93,27 +99,10 @@ def expected_step_sizes(sources: Sequence[SampledSteps], steps: int = PRESAMPLED
             per_layer[r, L] += torch.tensor([st.rows[L]] * 3 + [0], dtype=torch.float64)
             seeds[r] += st.seeds.numel()
     per_layer = (per_layer / steps).round().long()
-    sizes = []
-    for r in range(n):
-        layers = tuple(tuple(int(v) for v in row) for row in per_layer[r])
-        sizes.append(RankSizes(nodes=layers[0][0], edges=sum(t[3] for t in layers), src=layers[0][2],
-                               feature_rows=layers[0][0], trains=max(1, int(round(float(seeds[r]) / steps))),
-                               layers=layers))
+    sizes = [_sizes(tuple(tuple(int(v) for v in row) for row in per_layer[r]), round(float(seeds[r]) / steps))
+             for r in range(n)]
     mean = None if shuffles is None else [(m.double() / steps).round().long() for m in shuffles]
     return sizes, mean if mean is not None else [None]
-
-
-def _check_split_norms(*tps: TPGraph) -> None:
-    """Refuse ``norm="gcn"`` of computed edge weights under ``split``: it needs the sources'
-    out-degrees over the whole block, and a rank's block holds only its destinations' in-edges."""
-    for tp in tps:
-        for n in tp.graph.nodes:
-            if n.op == "call_function" and n.target in (propagate, masked_propagate):
-                a = call_arguments(n)
-                if a["edge_weight"] is not None and a["norm"] == "gcn":
-                    raise PlanningError(f"split: op {n.name!r} normalizes computed edge weights with norm='gcn', which "
-                                        "needs every source's out-degree over the whole mini-batch block; a rank holds "
-                                        "only its destinations' in-edges. Use norm='mean' or normalize first")
 
 
 def estimated_step_sizes(stats: GraphStats, batch_size: int, fanouts: Sequence[int], num_ranks: int,
@@ -134,9 +123,7 @@ def estimated_step_sizes(stats: GraphStats, batch_size: int, fanouts: Sequence[i
     remote = [formulas.split_remote_rows(layers[i][0], layers[i][1], n, cut) if split else 0.0 for i in range(L)]
     per_layer = tuple((round(rows[k - 1]), round(rows[k]), round(rows[k - 1] + remote[k - 1]), round(edges[k - 1]))
                       for k in range(1, L + 1)) + ((round(rows[L]),) * 3 + (0,),)
-    sizes = [RankSizes(nodes=per_layer[0][0], edges=sum(t[3] for t in per_layer), src=per_layer[0][2],
-                       feature_rows=per_layer[0][0], trains=max(1, round(rows[L])), layers=per_layer)
-             for _ in range(n)]
+    sizes = [_sizes(per_layer, round(rows[L]))] * n
     shuffles: list[Optional[torch.Tensor]] = [None]
     if split and n > 1:
         shuffles = []
@@ -168,8 +155,8 @@ def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: in
         raise PlanningError(f"fanouts has {len(fanouts)} entries but {type(job.model).__name__} has {len(names)} GNN "
                             "layers; give one fanout per layer, input layer first")
     exchange = parts is not None or cut is not None
-    if exchange:
-        _check_split_norms(tp, tp_eval)
+    if exchange:  # a rank's block holds its destinations' in-edges only: no whole-block out-degrees
+        propagation_norms(tp, tp_eval)
     staged = split_stages(tp, sampled_decisions(tp, exchange))
     staged_eval = split_stages(tp_eval, sampled_decisions(tp_eval, exchange))
     norms = tuple(block_norms(tp, tp_eval))
@@ -185,11 +172,14 @@ def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: in
         sizes, shuffles, steps = estimated_step_sizes(job.stats, batch_size, fanouts, n, cut)
     group = tuple(range(n))
     layer_of = {name: k for k, name in enumerate(names)}
+    nodes_of = {id(st): {v.name: v for v in st.tp.graph.nodes} for st in (staged, staged_eval)}
 
     def convert_for(r: int, st: StagedModel, training: bool):
+        nodes = nodes_of[id(st)]
+
         def convert(c: Conversion, chunk: int, grad: bool) -> list[Instruction]:
-            node = next(v for v in st.tp.graph.nodes if v.name == c.value)
-            name = _layer_input(st, c)
+            node = nodes[c.value]
+            name = _layer_input(nodes, c)
             if training and shuffles[0] is not None:
                 m = shuffles[layer_of[name]]
                 send, recv = tuple(int(m[r, q]) for q in group), tuple(int(m[q, r]) for q in group)
@@ -202,16 +192,18 @@ def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: in
 
     order = list_schedule(compute_deps(staged))
     order_eval = list_schedule(compute_deps(staged_eval, training=False))
+    # evaluation reads the whole graph's coefficients: computed once for every rank's blocks
+    coefficients = propagation_coefficients(sources[0].graph, norms) if job.concrete else None
     ranks = []
     for r in range(n):
         step: dict[str, Any] = {}
         if job.concrete:
             graph, ev = job.graph, eval_targets[r]
-            fb = full_blocks(sources[r].graph, ev, len(names), norms)
+            fb = full_blocks(sources[r].graph, ev, len(names), norms, coefficients)
             empty = (tuple(torch.zeros(0, dtype=torch.int64) for _ in group), (0,) * n)
             masks = {m: None if getattr(graph, f"{m}_mask") is None
                      else getattr(graph, f"{m}_mask").cpu().index_select(0, ev) for m in ("train", "val", "test")}
-            step = dict(inputs={**dict(zip(names, fb.blocks)), "x": _rows(sources[r].graph.x, fb.input_ids)},
+            step = dict(inputs={**dict(zip(names, fb.blocks)), "x": slice_rows(sources[r].graph.x, fb.input_ids)},
                         labels=None if graph.y is None else graph.y.cpu().index_select(0, ev), masks=masks, owned=ev,
                         sampled=sources[r], halos={name: empty for name in names} if exchange else {})
         ranks.append(RankLowering(
@@ -230,6 +222,3 @@ def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: in
     return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=[(group, job.numel)],
                    schedule=Schedule(), info=out_info, options={"dropout": "local"})
 
-
-def _rows(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return slice_rows(x, ids) if x.layout == torch.sparse_csr else x.index_select(0, ids)

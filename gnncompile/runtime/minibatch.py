@@ -20,10 +20,10 @@ from ..errors import GraphError
 from ..frontend.blocks import BlockModel
 from ..graph.core import Graph
 from ..graph.minibatch import batch_generator
-from ..graph.sampling import SampledBatch, sample_blocks
+from ..graph.sampling import sample_blocks
 from ..graph.shard import slice_rows
 
-__all__ = ["MiniBatch", "batch_features", "sampled_logits"]
+__all__ = ["MiniBatch", "sampled_logits"]
 
 
 @dataclass(frozen=True)
@@ -67,15 +67,6 @@ def _fanouts(v: Any, what: str) -> tuple[int, ...]:
     return out
 
 
-def batch_features(x: torch.Tensor, batch: SampledBatch) -> torch.Tensor:
-    """The input rows of ``batch``: ``x``'s rows of the first block's sources, in their order
-    (sparse CSR features stay sparse)."""
-    ids = batch.input_ids
-    if x.layout == torch.sparse_csr:
-        return slice_rows(x.cpu(), ids.cpu()).to(x.device)
-    return x.index_select(0, ids)
-
-
 @torch.no_grad()
 def sampled_logits(model: BlockModel, host: Graph, x: torch.Tensor, ids: torch.Tensor, fanouts: Sequence[int],
                    batch_size: int, seed: int, epoch: int, norms: Sequence[tuple[str, bool]]) -> torch.Tensor:
@@ -88,5 +79,5 @@ def sampled_logits(model: BlockModel, host: Graph, x: torch.Tensor, ids: torch.T
     for k, seeds in enumerate(ids.split(batch_size)):
         b = sample_blocks(host, seeds, fanouts, generator=batch_generator(seed, epoch, k, stream=-1), norms=norms)
         b = b.to(x.device)
-        outs.append(model(b.blocks, batch_features(x, b)))
+        outs.append(model(b.blocks, slice_rows(x, b.input_ids)))
     return torch.cat(outs)

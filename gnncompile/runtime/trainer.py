@@ -27,7 +27,8 @@ from ..graph.core import Graph
 from . import checkpoint as ckpt
 from ..graph.minibatch import batch_generator, batch_seeds, epoch_order, num_batches
 from ..graph.sampling import sample_blocks
-from .minibatch import MiniBatch, batch_features, sampled_logits
+from ..graph.shard import slice_rows
+from .minibatch import MiniBatch, sampled_logits
 
 __all__ = ["History", "ProgressLines", "train", "evaluate", "masked_accuracy"]
 
@@ -410,7 +411,7 @@ def _minibatch_epoch(model: BlockModel, host: Graph, x: torch.Tensor, y: torch.T
         batch = batch.to(x.device)
         optimizer.zero_grad(set_to_none=True)
         with draws:
-            logits = model(batch.blocks, batch_features(x, batch))
+            logits = model(batch.blocks, slice_rows(x, batch.input_ids))
         loss = F.cross_entropy(logits, y.index_select(0, seeds.to(y.device)))
         loss.backward()
         optimizer.step()
