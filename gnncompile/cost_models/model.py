@@ -29,9 +29,9 @@ Communication (per instruction, over the slowest link of its group): halo exchan
 as pairwise exchanges, all-reduce / all-gather / reduce-scatter as rings, send/recv point to point
 (:mod:`~gnncompile.cost_models.formulas`).
 
-Memory (per rank, over the instruction list; :class:`MemoryModel`): a static part (the rank's
-topology in the runtime's layout, features, labels, parameters, gradients and Adam state) plus a
-liveness walk: a stage's ``saved`` activations live from its ``Forward`` to its ``Backward``; a
+Memory (per rank, over the instruction list; the liveness walk of :class:`PlanCost`): a static part
+(the rank's topology in the runtime's layout, features, labels, parameters, gradients and Adam state)
+plus a liveness walk: a stage's ``saved`` activations live from its ``Forward`` to its ``Backward``; a
 value passed between stages (a stage output, a halo-extended tensor) lives from its producer to its
 last forward read (the ``reads`` of :mod:`gnncompile.ir.dataflow`), or to its ``Free`` where the
 plan has one (the runtime holds what the plan has not freed: a sent output until its send
@@ -39,8 +39,18 @@ completed, see :mod:`gnncompile.passes.free`), and at least to the ``Backward`` 
 reads it, whose input leaf it is; a stage reading several chunks of a value reads their
 concatenation, held from the first such forward to the last such backward (its gradient, of the
 same size, is made anew in each of those backwards); the gradient of a value from the backward that
-makes it to the backward (or gradient communication) that consumes it; transient buffers (an op's
-output being computed, send buffers) only during their instruction.
+makes it to the backward (or gradient communication) that consumes it; transient buffers only
+during their instruction. Inside a stage the ops run one after the other: forward, op ``k`` holds
+what ops ``0..k-1`` saved, the stage outputs made so far, its input, its output and its temporaries;
+backward visits the ops last to first, op ``k`` holding the saved tensors of ops ``0..k`` and the
+gradients of its output and input (ops autograd does not visit, ``backward == 0``, none); a
+checkpointed segment first replays its forward and holds its outputs. What the first op saves of a
+held stage input is that input (no new memory). An op that keeps sparse CSR input features sparse
+(their dropout) outputs new values on their structure, not dense rows. Replicated dropout masks are
+drawn whole (:class:`_RankMasks`: kept for the step where ranks run some of the dropouts or a rank
+runs several chunks, else a temporary of the op with the copy of its rows). A send of a slice of
+columns copies it, held until the send is known complete (the value's ``Free``, else the optimizer
+step). Adam's update holds three temporaries of the largest parameter tensor.
 """
 
 from __future__ import annotations
@@ -201,6 +211,146 @@ def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
                         optimizer=2 * pbytes, history=_history_bytes(plan, dp))
 
 
+#: parameter-sized temporaries of one tensor's Adam update (torch's single-tensor Adam with weight
+#: decay, its default on the CPU): ``grad + wd * param``, then ``sqrt(v)`` and ``sqrt(v) / c`` alive at once
+_ADAM_TEMPORARIES = 3
+
+
+def _sparse_row_value_bytes(plan: Plan) -> Optional[float]:
+    """Bytes per row of the stored values of the plan's sparse CSR input features, or ``None`` when
+    the features are dense. ``plan.info["feature_bytes_per_row"]`` counts a stored entry as its value
+    and its int64 column index, and a row as its int64 pointer."""
+    per_row = plan.info.get("feature_bytes_per_row")
+    features = int(plan.info.get("features", 0))
+    es = _elsize(plan.info.get("param_dtype", "float32"))
+    if per_row is None or not features or per_row >= es * features:
+        return None
+    return max(0.0, (float(per_row) - 8.0) * es / (es + 8))
+
+
+def _sparse_op(plan: Plan, op: OpCost) -> bool:
+    """Whether ``op`` computes on the sparse input features and keeps them sparse (a dropout of
+    ``x``): a first-layer T op as wide as the features of a plan whose features are sparse."""
+    return op.kind == "T" and op.layer <= 1 and op.width == int(plan.info.get("features", -1)) \
+        and _sparse_row_value_bytes(plan) is not None
+
+
+def _out_bytes(plan: Plan, op: OpCost, sizes: RankSizes) -> float:
+    """Bytes of ``op``'s output on a rank of ``sizes``: ``op.out`` (dense rows), except for an op that
+    keeps the sparse input features sparse, whose output is new values on the input's structure."""
+    dense = op_value(op, op.out, sizes)
+    if not _sparse_op(plan, op):
+        return dense
+    es = _elsize(plan.info.get("param_dtype", "float32"))
+    return dense * (_sparse_row_value_bytes(plan) or 0.0) / (op.width * es)
+
+
+def _mask_bytes(plan: Plan, op: OpCost, sizes: RankSizes) -> float:
+    """Bytes of the dropout mask ``op`` draws: ``op.random`` numbers (a replicated mask: the whole
+    tensor's; a sparse input's mask: one number per stored value of the whole matrix)."""
+    draws = _eval(op.random, sizes)
+    if _sparse_op(plan, op):
+        draws /= max(op.width, 1)
+    return draws * _elsize(plan.info.get("param_dtype", "float32"))
+
+
+def _plan_masks(plan: Plan) -> tuple[dict[str, float], bool, int]:
+    """Mask bytes of every dropout of the plan (by op name; a replicated mask's size is the same on
+    every rank), whether some rank runs some of them but not all, and the rows of one whole chunk."""
+    every: dict[str, float] = {}
+    counts = []
+    for r in plan.ranks:
+        at = r.sizes.per_chunk()
+        names = set()
+        for st in r.stages:
+            for op in st.costs:
+                if _eval(op.random, at) > 0:
+                    names.add(op.name)
+                    every.setdefault(op.name, _mask_bytes(plan, op, at))
+        counts.append(len(names))
+    whole = max((r.sizes.nodes for r in plan.ranks), default=0)
+    chunk_rows = -(-whole // max(int(plan.options.get("chunks", 1) or 1), 1))
+    return every, any(0 < c < len(every) for c in counts), chunk_rows
+
+
+class _RankMasks:
+    """Where a rank's dropout masks live (the runtime's :class:`~gnncompile.frontend.ops.MaskCache`).
+
+    Replicated masks (``plan.options["dropout"] == "replicated"``) are drawn for the whole tensor:
+
+    - when some rank runs some of the plan's dropouts but not all, every rank draws every mask at the
+      start of the step, keeps those of its own stages to the end of the step and drops the others
+      at once (one at a time);
+    - else a rank that runs several chunks draws each of its masks at its first use and keeps it to
+      the end of the step (the chunks read their rows as views);
+    - else a dropout draws the whole mask, copies the rows it uses and multiplies: the mask and the
+      copy are temporaries of the op (as is the own-rows mask of a dropout that is not replicated).
+
+    A kept mask's rows are a view for a rank that runs whole chunks (contiguous rows), so what its
+    dropouts save for backward is no new memory; a rank running a share of each chunk's rows copies them.
+    """
+
+    def __init__(self, plan: Plan, dp: DevicePlan, sizes: RankSizes, every: dict[str, float], some: bool,
+                 chunk_rows: int) -> None:
+        """``every``, ``some``, ``chunk_rows``: the plan's dropouts (:func:`_plan_masks`); ``sizes``:
+        the rank's per-chunk sizes."""
+        self.replicated = replicated = plan.options.get("dropout", "replicated") == "replicated"
+        mine = {op.name: op for st in dp.stages for op in st.costs if op.name in every}
+        self.mode = "plain"
+        if replicated and some:
+            self.mode = "draws"
+        elif replicated and (dp.sizes.chunks or 1) > 1:
+            self.mode = "cached"
+        self.bytes = {**every, **{name: _mask_bytes(plan, op, sizes) for name, op in mine.items()}}
+        # a rank running whole chunks (contiguous rows) reads its rows of a kept mask as a view, a rank
+        # running a share of each chunk's rows copies them
+        self.views = self.mode != "plain" and sizes.nodes >= chunk_rows
+        self.mine = set(mine)
+        self.drawn: set[str] = set()
+
+    def step_start(self) -> tuple[float, float]:
+        """Bytes kept and bytes of temporaries the rank allocates before its first instruction."""
+        if self.mode != "draws":
+            return 0.0, 0.0
+        kept = sum(b for n, b in self.bytes.items() if n in self.mine)
+        return kept, max((b for n, b in self.bytes.items() if n not in self.mine), default=0.0)
+
+    def drawn_at(self, stage: StageSpec) -> float:
+        """Bytes of masks a forward (or replay) of ``stage`` draws and keeps to the end of the step."""
+        if self.mode != "cached":
+            return 0.0
+        new = [op.name for op in stage.costs if op.name in self.bytes and op.name not in self.drawn]
+        self.drawn.update(new)
+        return sum(self.bytes[n] for n in new)
+
+    def forward_extra(self, op: OpCost, out: float) -> float:
+        """Temporaries of ``op``'s forward beside its output: an uncached dropout's mask (and, for a
+        replicated one, the copy of its rows)."""
+        if self.mode != "plain" or op.name not in self.bytes:
+            return 0.0
+        return self.bytes[op.name] + (out if self.replicated else 0.0)
+
+    def viewed(self, op: OpCost) -> bool:
+        """Whether ``op`` is a dropout whose mask rows are a view of a kept mask (what it saves for
+        backward is no new memory)."""
+        return self.views and op.name in self.mine
+
+    def kept(self) -> float:
+        """Bytes of the masks kept to the end of the step (released after the last instruction)."""
+        if self.mode == "draws":
+            return self.step_start()[0]
+        return sum(self.bytes[n] for n in self.drawn) if self.mode == "cached" else 0.0
+
+
+def _largest_param_bytes(plan: Plan, dp: DevicePlan) -> float:
+    """Bytes of the rank's largest parameter tensor, as the largest size-independent part of an op's
+    bytes (a GEMM reads its weight whatever the rows), at most the rank's parameters."""
+    s = dp.sizes
+    params = s.params if s.params is not None else int(plan.info.get("params", 0)) if s.trains != 0 else 0
+    largest = max((float(op.bytes.c) for st in dp.stages for op in st.costs), default=0.0)
+    return max(0.0, min(largest, params * _elsize(plan.info.get("param_dtype", "float32"))))
+
+
 class PlanCost:
     """Cost of every instruction of ``plan`` on ``cluster``: the cost function the simulator calls.
 
@@ -215,6 +365,7 @@ class PlanCost:
         self.plan = plan
         self.cluster = cluster
         self.static = [static_memory(plan, dp) for dp in plan.ranks]
+        self.masks = _plan_masks(plan)  # the dropout masks of every rank, for the ranks' liveness walks
         self.devices = [cluster.rank_device(r) for r in range(plan.num_ranks)]
         self._p2p_times: dict[tuple[bool, tuple[int, ...], str], float] = {}  # (same node, shape, dtype)
         self._a2a_times: dict[tuple, float] = {}  # (group, member, shapes, dtype, grad)
@@ -276,7 +427,12 @@ class PlanCost:
         costs: dict[Instruction, Cost] = {}
         for i, inst in enumerate(dp.instructions):
             seconds, stream, alloc, transient = rule(inst).cost_rule().cost(walk, i, inst)
+            if i == 0:  # masks every rank draws before the step's first instruction
+                kept, temporary = walk.masks.step_start()
+                alloc, transient = alloc + kept, transient + temporary
             costs[inst] = Cost(seconds=seconds, stream=stream, alloc=int(alloc + transient), free=int(transient))
+        if dp.instructions:
+            walk.release_at(len(dp.instructions) - 1, walk.masks.kept())
         for i, nbytes in walk.frees.items():
             inst = dp.instructions[i]
             c = costs[inst]
@@ -292,10 +448,12 @@ class _RankWalk:
         self.cost, self.dp = cost, dp
         self.stages = stages = {s.index: s for s in dp.stages}
         self.sizes = sizes = dp.sizes.per_chunk()
+        plan = cost.plan
         self.value_bytes: dict[str, float] = {}
         for s in dp.stages:
             for op in s.costs:
-                self.value_bytes[op.name] = op_value(op, op.out, sizes)
+                self.value_bytes[op.name] = _out_bytes(plan, op, sizes)
+        self.masks = _RankMasks(plan, dp, sizes, *cost.masks)
         src_rows = sizes.source_rows
         for inst in dp.instructions:
             output_bytes = rule(inst).cost_rule().output_bytes
@@ -327,6 +485,9 @@ class _RankWalk:
                     else:
                         first, last = self.concat_span.get((v, read), (i, back))
                         self.concat_span[v, read] = (min(first, i), max(last, back))
+        #: where posted sends are last waited for: the optimizer step (else the last instruction)
+        self.optimizer_at = next((i for i, inst in enumerate(dp.instructions) if isinstance(inst, OptimizerStep)),
+                                 len(dp.instructions) - 1)
         self.frees: dict[int, float] = {}  # instruction index -> bytes released at its end
         self.grad_made: dict[tuple[str, int], float] = {}
         self.received: dict[tuple[str, int], float] = {}
@@ -378,10 +539,21 @@ def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> Step
     seconds = w.cost.stage_time(w.dp.rank, st, backward=False)
     if isinstance(inst, Forward) and "x" in st.inputs:  # a sampled step's features arrive first
         seconds += load_seconds(w.cost.plan, w.dp, w.cost.devices[w.dp.rank])
-    saved = sum(op_value(op, op.saved, w.sizes) for op in st.costs)
+    kept = _saved_per_op(w, st)
+    saved = sum(kept)
     outs = sum(w.value_bytes.get(o, 0.0) for o in st.outputs)
-    transient = max((w.value_bytes.get(op.name, 0.0) for op in st.costs), default=0.0)
-    alloc = saved + outs
+    # the stage's ops run one after the other: op k holds what the ops before it saved, the stage
+    # outputs made so far, its input (the previous op's output), its output and its temporaries (a
+    # dropout's mask); what exceeds the stage's saved tensors and outputs is released at its end
+    peak = held = made = prev = 0.0
+    for op, k in zip(st.costs, kept):
+        out = w.value_bytes.get(op.name, 0.0)
+        peak = max(peak, held + made + prev + out + w.masks.forward_extra(op, out))
+        held += k
+        made += out if op.name in st.outputs else 0.0
+        prev = 0.0 if op.name in st.outputs else out
+    transient = max(0.0, peak - saved - outs)
+    alloc = saved + outs + w.masks.drawn_at(st)
     back = w.backward_at.get((inst.stage, inst.chunk), len(w.dp.instructions) - 1)
     w.release_at(back, saved)
     for o in st.outputs:
@@ -395,10 +567,31 @@ def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> Step
     return seconds, "compute", alloc, transient
 
 
+def _saved_per_op(w: _RankWalk, st: StageSpec) -> list[float]:
+    """Bytes each op of ``st`` saves for backward that are new memory: not the rows of a kept
+    dropout mask (views), and not a held stage input that the stage's first op saves (the input itself)."""
+    kept = [0.0 if w.masks.viewed(op) else op_value(op, op.saved, w.sizes) for op in st.costs]
+    if kept:
+        kept[0] -= min(kept[0], max((w.value_bytes[v] for v in st.inputs if v in w.value_bytes), default=0.0))
+    return kept
+
+
 def _backward_cost(w: _RankWalk, i: int, inst: Backward) -> StepCost:
     st = w.stages[inst.stage]
     seconds = w.cost.stage_time(w.dp.rank, st, backward=True)
-    transient = 2 * max((w.value_bytes.get(op.name, 0.0) for op in st.costs), default=0.0)
+    # the ops last to first: op k's backward holds the saved tensors of ops 0..k (later ones are
+    # released), the gradients of its output and of its input (ops autograd visits only); a
+    # checkpointed segment first replays its forward and holds its outputs through its backward
+    kept = _saved_per_op(w, st)
+    peak = below = prev = 0.0
+    for op, k in zip(st.costs, kept):
+        below += k
+        out = w.value_bytes.get(op.name, 0.0)
+        if op.backward:
+            peak = max(peak, below + out + (prev or out))
+        prev = out
+    transient = max(0.0, peak - below)
+    transient += sum(w.value_bytes.get(op.name, 0.0) for op in st.costs if op.recompute)
     alloc = 0.0
     # gradients of the stage's inputs that something upstream consumes
     for v in dict.fromkeys(st.inputs):
@@ -421,7 +614,7 @@ def _optimizer_cost(w: _RankWalk, i: int, inst: OptimizerStep) -> StepCost:
     # the step's bookkeeping outside instructions (loss, zeroing gradients) is charged here
     seconds = params * _ADAM_BYTES_PER_PARAM / dev.mem_bandwidth + \
         tensors * dev.runtime.get("optimizer_tensor", dev.launch_overhead) + dev.runtime.get("step", 0.0)
-    return seconds, "compute", 0.0, 0.0
+    return seconds, "compute", 0.0, _ADAM_TEMPORARIES * _largest_param_bytes(w.cost.plan, w.dp)
 
 
 def _free_cost(w: _RankWalk, i: int, inst: Free) -> StepCost:
@@ -430,8 +623,21 @@ def _free_cost(w: _RankWalk, i: int, inst: Free) -> StepCost:
 
 # --------------------------------------------------------------------------- communication rules
 def _message_cost(w: _RankWalk, i: int, inst: Union[Send, Recv, AllReduce]) -> StepCost:
-    """A Send, a gradient Recv or an all-reduce: time only (send buffers and reductions are in place)."""
+    """A gradient Recv or an all-reduce: time only (reductions are in place)."""
     return w.cost.comm_time(w.dp.rank, inst), "comm", 0.0, 0.0
+
+
+def _send_cost(w: _RankWalk, i: int, inst: Send) -> StepCost:
+    """A Send: a slice of columns (``part`` on the last dimension) is copied into a contiguous buffer
+    that lives until the send is known complete: the value's ``Free``, else the optimizer step (a
+    gradient's, or a value the plan never frees, e.g. the input features); whole rows are sent in place."""
+    seconds = w.cost.comm_time(w.dp.rank, inst)
+    if not inst.part or inst.part[0] == 0:
+        return seconds, "comm", 0.0, 0.0
+    nbytes = math.prod(inst.shape) * _elsize(inst.dtype)
+    end = w.free_at.get((inst.name, inst.chunk)) if not inst.grad else None
+    w.release_at(max(end if end is not None else w.optimizer_at, i), nbytes)
+    return seconds, "comm", nbytes, 0.0
 
 
 def _recv_cost(w: _RankWalk, i: int, inst: Recv) -> StepCost:
@@ -537,7 +743,7 @@ def _scattered_bytes(inst: ReduceScatter, src_rows: float) -> Optional[float]:
 for _cls, _rule in {
     Forward: CostRule(_forward_cost), Recompute: CostRule(_forward_cost), Backward: CostRule(_backward_cost),
     OptimizerStep: CostRule(_optimizer_cost), Free: CostRule(_free_cost),
-    Send: CostRule(_message_cost, _p2p_transfer), Recv: CostRule(_recv_cost, _p2p_transfer),
+    Send: CostRule(_send_cost, _p2p_transfer), Recv: CostRule(_recv_cost, _p2p_transfer),
     HaloExchange: CostRule(_conversion_cost, _halo_transfer, _halo_bytes),
     AllToAll: CostRule(_conversion_cost, _all_to_all_transfer, _all_to_all_bytes),
     AllGather: CostRule(_conversion_cost, _ring_transfer(gather=True), _gathered_bytes),

@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""Memory predictions: the cost model's predicted activation peak per rank against the runtime's measurement.
+
+For every strategy that plans full-graph training (``data`` with METIS, ``tensor``, ``mop``, ``task``,
+``task`` decoupled with recomputation (relaxed), ``layer``), models GCN-2 and GraphSAGE-2 (hidden 64)
+and GAT-2 (4 heads x 16), on cora, coauthor_physics and an R-MAT graph (65k vertices, degree 16), the
+peak of one training step per rank as the runtime measures it (live tensor bytes allocated during the
+first step: :class:`gnncompile.runtime.memory.PeakMemory`, not process RSS) beside the predicted peak
+above what is resident before the step (graph, features, labels, parameters; the first step also
+allocates the gradients and Adam's moments, so both sides count them), as in
+``benchmarks/task_parallel.py``. The table shows the maximum over the ranks of both and their ratio
+(predicted / measured); the issue's target is a ratio within [0.8, 1.2] for every row.
+
+Usage::
+
+    python benchmarks/memory_fidelity.py                       # all graphs, models and strategies
+    python benchmarks/memory_fidelity.py --graphs cora --models GAT --strategies data,task --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from _results import command_line, machine_info, today, update_section  # noqa: E402
+
+SECTION = "Memory predictions"
+GRAPHS = ("cora", "coauthor_physics", "rmat")
+MODELS = ("GCN", "SAGE", "GAT")
+#: strategy label -> gc.plan keyword arguments
+STRATEGIES: dict[str, dict[str, Any]] = {
+    "data": {"strategy": "data", "partitioner": "metis"},
+    "tensor": {"strategy": "tensor"},
+    "mop": {"strategy": "mop"},
+    "task": {"strategy": "task"},
+    "task dec+rc": {"strategy": "task", "decouple": True, "recompute": True, "semantics": "relaxed"},
+    "layer": {"strategy": "layer"},
+}
+MIB = 2 ** 20
+
+
+def _graph(gc: Any, name: str) -> Any:
+    if name == "rmat":
+        return gc.datasets.synthetic("rmat", num_nodes=65_536, avg_degree=16, num_features=64, num_classes=8,
+                                     seed=0)
+    return gc.datasets.load(name).normalize_features()
+
+
+def _model(gc: Any, kind: str, g: Any) -> Any:
+    if kind == "GCN":
+        return gc.nn.GCN(g.num_features, 64, g.num_classes, num_layers=2, dropout=0.5)
+    if kind == "SAGE":
+        return gc.nn.GraphSAGE(g.num_features, 64, g.num_classes, num_layers=2, dropout=0.5)
+    return gc.nn.GAT(g.num_features, 16, g.num_classes, heads=4, num_layers=2, dropout=0.5)
+
+
+def above_resident(prediction: Any) -> list[int]:
+    """Predicted peak per rank above what is resident before the first step (graph, features, labels,
+    parameters): the measured first step also allocates the gradients and Adam's moments."""
+    return [p - (s.total - s.gradients - s.optimizer) for p, s in zip(prediction.peak_memory, prediction.static)]
+
+
+def measure(gc: Any, torch: Any, graphs: list[str], models: list[str], strategies: list[str],
+            ranks: int) -> list[str]:
+    """One table row per (graph, model, strategy): measured and predicted peak per rank, max over ranks."""
+    lines = ["| graph | model | strategy | measured peak/rank max | predicted peak/rank max | predicted / measured "
+             "| per rank measured (predicted), MiB |",
+             "|---|---|---|---:|---:|---:|---|"]
+    for gname in graphs:
+        g = _graph(gc, gname)
+        for kind in models:
+            torch.manual_seed(0)
+            model = _model(gc, kind, g)
+            for label in strategies:
+                t0 = time.perf_counter()
+                try:
+                    plan = gc.plan(copy.deepcopy(model), g, ranks, **STRATEGIES[label])
+                except gc.PlanningError as e:  # the first candidate's reason, e.g. "cannot lower: ..."
+                    why = str(e).splitlines()[0].split("cannot lower: ")[-1].split(";")[0]
+                    lines.append(f"| {gname} | {kind}-2 | {label} | n/a | n/a | – | not planned: {why[:120]} |")
+                    print(lines[-1], flush=True)
+                    continue
+                res = plan.run(epochs=1, timeout=900, progress=False)
+                meas = [r.peak_memory for r in res.ranks]
+                pred = above_resident(plan.prediction)
+                per_rank = ", ".join(f"{m / MIB:.1f} ({p / MIB:.1f})" for m, p in zip(meas, pred))
+                lines.append(f"| {gname} | {kind}-2 | {label} | {max(meas) / MIB:.1f} MiB | {max(pred) / MIB:.1f} MiB "
+                             f"| {max(pred) / max(max(meas), 1):.2f} | {per_rank} |")
+                print(lines[-1], f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--graphs", default=",".join(GRAPHS), help=f"comma-separated, of {', '.join(GRAPHS)}")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES),
+                    help=f"comma-separated, of {', '.join(STRATEGIES)}")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
+    args = ap.parse_args()
+    picked = {"graphs": args.graphs.split(","), "models": args.models.split(","),
+              "strategies": args.strategies.split(",")}
+    for what, known in (("graphs", GRAPHS), ("models", MODELS), ("strategies", tuple(STRATEGIES))):
+        bad = sorted(set(picked[what]) - set(known))
+        if bad:
+            ap.error(f"unknown {what} {bad}; known: {', '.join(known)}")
+
+    import torch
+
+    import gnncompile as gc
+
+    t0 = time.perf_counter()
+    rows = measure(gc, torch, picked["graphs"], picked["models"], picked["strategies"], args.ranks)
+    text = "\n".join([
+        f"{today()} · {machine_info(torch.get_num_threads())} · `{command_line()}` · "
+        f"{time.perf_counter() - t0:.0f} s", "",
+        f"Peak tensor memory of one training step per rank on {args.ranks} local ranks (gloo), measured by the "
+        "runtime (live tensor bytes allocated during the first step, not RSS), and the cost model's predicted peak "
+        "above the resident graph, features, labels and parameters (both count the gradients and Adam's moments "
+        "the first step allocates). GCN-2 and GraphSAGE-2 hidden 64, GAT-2 4 heads x 16, dropout 0.5; the R-MAT "
+        "graph has 65,536 vertices, average degree 16, 64 features. Target: predicted / measured in [0.8, 1.2].",
+        "", *rows, "",
+        "The measured first step also builds, lazily, data that stays for the following steps and that the cost "
+        "model does not count as step memory: the local graph's transposed CSR, destination index and out-degrees "
+        "(first backward of a propagation) and converted copies of the topology for the kernels (all part of the "
+        "model's static topology), and the transposition of sparse input features (first backward of their linear "
+        "layer; not modelled). Where these dominate "
+        "(ranks that propagate over the whole graph: `tensor`, the P ranks of `task`, `mop`'s aggregation ranks) the "
+        "prediction is below the measurement by about their size.", ""])
+    print(text)
+    if not args.no_write:
+        update_section(HERE / "RESULTS.md", SECTION, text)
+
+
+if __name__ == "__main__":
+    main()

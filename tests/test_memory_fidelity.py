@@ -1,0 +1,224 @@
+"""The cost model's activation memory against hand counts of what the runtime allocates.
+
+Each test pins one rule of the liveness walk (:mod:`gnncompile.cost_models.model`) that
+``benchmarks/memory_fidelity.py`` showed to be off against the runtime's measured peak: sparse
+input features kept sparse, replicated dropout masks, the ops autograd visits, Adam's
+temporaries, column slices sent, stage inputs saved by their first op, checkpointed segments.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gnncompile as gc
+from gnncompile import datasets
+from gnncompile.cost_models.hardware import Cluster
+from gnncompile.cost_models.model import PlanCost, _out_bytes, _RankWalk, _saved_per_op, op_value
+from gnncompile.ir.plan import Backward, Forward, OptimizerStep, Send
+from gnncompile.ir.rules import rule
+
+N, F, H = 600, 32, 16
+CLUSTER = Cluster.parse("4xA5000")
+
+
+@pytest.fixture(scope="module")
+def sbm() -> gc.Graph:
+    return datasets.synthetic("sbm", num_nodes=N, avg_degree=8, num_features=F, num_classes=4, seed=3)
+
+
+@pytest.fixture(scope="module")
+def sparse(sbm: gc.Graph) -> gc.Graph:
+    """``sbm`` with sparse CSR features of exactly 3 stored entries per row."""
+    gen = torch.Generator().manual_seed(0)
+    cols = torch.stack([torch.randperm(F, generator=gen)[:3].sort().values for _ in range(N)])
+    crow = torch.arange(0, 3 * N + 1, 3)
+    x = torch.sparse_csr_tensor(crow, cols.reshape(-1), torch.rand(3 * N, generator=gen), size=(N, F))
+    return sbm.replace(x=x)
+
+
+def model(kind: str, g: gc.Graph, dropout: float = 0.5) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "GCN":
+        return gc.nn.GCN(g.num_features, H, g.num_classes, num_layers=2, dropout=dropout)
+    if kind == "SAGE":
+        return gc.nn.GraphSAGE(g.num_features, H, g.num_classes, num_layers=2, dropout=dropout)
+    return gc.nn.GAT(g.num_features, 4, g.num_classes, heads=4, num_layers=2, dropout=dropout)
+
+
+def walk(plan, rank: int = 0) -> tuple[PlanCost, _RankWalk]:
+    cost = PlanCost(plan, CLUSTER)
+    return cost, _RankWalk(cost, plan.ranks[rank])
+
+
+def dropouts(plan, rank: int = 0) -> list:
+    return [op for st in plan.ranks[rank].stages for op in st.costs if op.name.split(".")[-1].startswith("dropout")]
+
+
+def test_a_dropout_of_sparse_features_is_its_stored_values(sparse: gc.Graph) -> None:
+    """GAT's input dropout keeps CSR features sparse: its output is 4 bytes per stored value
+    (3 per row), not ``F`` floats per row (the 10x over-prediction of GAT on coauthor_physics)."""
+    plan = gc.plan(model("GAT", sparse), sparse, 2, strategy="data")
+    _, w = walk(plan)
+    first = dropouts(plan)[0]
+    assert first.width == F
+    rows = plan.ranks[0].sizes.nodes
+    assert op_value(first, first.out, w.sizes) == 4 * F * rows  # what the lowering annotates
+    assert _out_bytes(plan, first, w.sizes) == pytest.approx(4 * 3 * rows, rel=1e-3)
+    # its replicated mask: one number per stored value of the whole matrix
+    assert w.masks.bytes[first.name] == pytest.approx(4 * 3 * N, rel=1e-9)
+
+
+def test_unchunked_dropout_holds_the_whole_mask_and_its_rows_while_it_runs(sbm: gc.Graph) -> None:
+    """``data``: each rank draws the whole ``[N, F]`` mask, copies its rows and multiplies: the
+    forward of the first stage holds the mask, the rows copy and the output at once."""
+    plan = gc.plan(model("GAT", sbm), sbm, 2, strategy="data")
+    cost, w = walk(plan)
+    assert w.masks.mode == "plain"
+    first = dropouts(plan)[0]
+    rows = plan.ranks[0].sizes.nodes
+    assert w.masks.bytes[first.name] == 4 * N * F
+    f0 = next(i for i in plan.ranks[0].instructions if isinstance(i, Forward))
+    c = cost(0, f0)
+    assert w.stages[f0.stage].costs[0].name == first.name
+    # the stage's peak is at its first op (mask, rows copy and output); what stays is what it saves
+    # and outputs
+    assert c.alloc == 4 * N * F + 2 * 4 * rows * F
+    kept = sum(_saved_per_op(w, w.stages[f0.stage])) + sum(w.value_bytes[o] for o in w.stages[f0.stage].outputs)
+    assert c.alloc - c.free == int(kept) < c.alloc
+
+
+def test_chunked_ranks_keep_whole_masks_to_the_end_of_the_step(sbm: gc.Graph) -> None:
+    """``task`` with 4 chunks: a T rank draws each mask whole at its first use and keeps it for the
+    step (the chunks read views of its rows, so the dropout's saved rows are no new memory)."""
+    plan = gc.plan(model("GCN", sbm), sbm, 4, strategy="task", chunks=4)
+    t_rank = next(r for r in range(4) if dropouts(plan, r))
+    cost, w = walk(plan, t_rank)
+    assert w.masks.mode == "cached" and w.masks.views
+    (drop,) = dropouts(plan, t_rank)
+    mask = 4 * N * H
+    assert w.masks.bytes[drop.name] == mask
+    dp = plan.ranks[t_rank]
+    firsts = [i for i in dp.instructions if isinstance(i, Forward) and drop in w.stages[i.stage].costs]
+    walk_costs = cost._costs[t_rank]
+    # released after the last instruction, with the rest of the step
+    assert walk_costs[dp.instructions[-1]].free >= mask
+    # drawn once: the first forward of the stage allocates it, the others do not
+    a0, a1 = (walk_costs[f].alloc - walk_costs[f].free for f in firsts[:2])
+    assert a0 - a1 == pytest.approx(mask, abs=4)
+
+
+def test_ranks_running_some_dropouts_draw_every_mask_first(sbm: gc.Graph) -> None:
+    """``layer`` on 2 ranks, one GCN layer each: each rank runs some dropouts of the model but not
+    all, so every rank draws every mask at the start of the step (the runtime's single-device RNG
+    order), keeps its own and drops the others at once."""
+    m = model("GAT", sbm)
+    plan = gc.plan(m, sbm, 2, strategy="layer")
+    every = {op.name for r in range(2) for op in dropouts(plan, r)}
+    assert all(0 < len(dropouts(plan, r)) < len(every) for r in range(2))
+    for r in range(2):
+        cost, w = walk(plan, r)
+        assert w.masks.mode == "draws"
+        mine = {op.name for op in dropouts(plan, r)}
+        kept = sum(b for n, b in w.masks.bytes.items() if n in mine)
+        temporary = max(b for n, b in w.masks.bytes.items() if n not in mine)
+        assert w.masks.step_start() == (kept, temporary)
+        c0 = cost(r, plan.ranks[r].instructions[0])
+        assert c0.alloc >= kept + temporary and c0.free >= temporary
+
+
+def test_backward_temporaries_only_for_ops_autograd_visits() -> None:
+    """GAT's first stage starts with the dropout of the raw features, which needs no gradient
+    (``backward == 0``): its backward holds twice the largest gradient of the ops that do."""
+    g = datasets.synthetic("sbm", num_nodes=N, avg_degree=8, num_features=64, num_classes=4, seed=3)
+    plan = gc.plan(model("GAT", g), g, 2, strategy="data")
+    cost, w = walk(plan)
+    b0 = next(i for i in plan.ranks[0].instructions if isinstance(i, Backward) and i.stage == 0)
+    st = w.stages[0]
+    assert any(op.backward == 0 for op in st.costs)
+    expected = 2 * max(w.value_bytes[op.name] for op in st.costs if op.backward)
+    assert expected < 2 * max(w.value_bytes[op.name] for op in st.costs)
+    grads = sum(w.value_bytes[v] for v in dict.fromkeys(st.inputs) if v in w.value_bytes)
+    # last op first: op k's backward holds the saved tensors of ops 0..k and its two gradients
+    kept, below, peak, prev = _saved_per_op(w, st), 0.0, 0.0, 0.0
+    for op, k in zip(st.costs, kept):
+        below += k
+        out = w.value_bytes[op.name]
+        if op.backward:
+            peak = max(peak, below + out + (prev or out))
+        prev = out
+    assert cost(0, b0).alloc == int(grads + max(0.0, peak - below))
+    widest = max(st.costs, key=lambda op: w.value_bytes[op.name])
+    assert widest.backward == 0 and peak - below < 2 * w.value_bytes[widest.name]
+
+
+def test_adam_holds_three_copies_of_the_largest_parameter(sbm: gc.Graph) -> None:
+    """torch's single-tensor Adam with weight decay: ``grad + wd * param``, ``sqrt(v)`` and
+    ``sqrt(v) / c`` of one parameter at a time; GCN's largest is the first weight, ``F x H``."""
+    plan = gc.plan(model("GCN", sbm), sbm, 2, strategy="data")
+    cost, _ = walk(plan)
+    opt = next(i for i in plan.ranks[0].instructions if isinstance(i, OptimizerStep))
+    c = cost(0, opt)
+    assert c.alloc == c.free == 3 * 4 * F * H
+
+
+def test_column_slices_sent_are_copies_held_until_released(sbm: gc.Graph) -> None:
+    """``mop`` sends column slices of the features to the aggregation ranks: each is a contiguous
+    copy, and the features are never freed, so the copies live until the optimizer step."""
+    plan = gc.plan(model("GCN", sbm), sbm, 4, strategy="mop")
+    for dp in plan.ranks:
+        sends = [i for i in dp.instructions if isinstance(i, Send) and i.part and i.part[0] != 0]
+        if not sends:
+            continue
+        cost = PlanCost(plan, CLUSTER)
+        for s in sends:
+            assert cost(dp.rank, s).alloc == math.prod(s.shape) * 4
+        opt = next(i for i in dp.instructions if isinstance(i, OptimizerStep))
+        held = [s for s in sends if s.name in plan.info["inputs"] or s.grad]
+        assert cost(dp.rank, opt).free >= sum(math.prod(s.shape) * 4 for s in held)
+        return
+    pytest.fail("no rank of the mop plan sends a column slice")
+
+
+def test_the_first_op_saving_a_held_input_adds_nothing() -> None:
+    """A ``task`` T stage of GraphSAGE (features narrower than the hidden width: it aggregates
+    first) starts with ``lin_l`` on the received aggregation, which it saves for its weight's
+    gradient: that is the received tensor itself, held until the stage's backward."""
+    g = datasets.synthetic("sbm", num_nodes=N, avg_degree=8, num_features=8, num_classes=4, seed=3)
+    plan = gc.plan(model("SAGE", g, dropout=0.0), g, 4, strategy="task", chunks=1)
+    for dp in plan.ranks:
+        _, w = walk(plan, dp.rank)
+        for i, inst in enumerate(dp.instructions):  # the walk up to each forward knows what arrived
+            if isinstance(inst, Forward):
+                st = w.stages[inst.stage]
+                held = [w.value_bytes[v] for v in st.inputs if v in w.value_bytes]
+                first = op_value(st.costs[0], st.costs[0].saved, w.sizes)
+                if held and first:
+                    assert first == max(held)  # lin_l saves exactly its input
+                    kept = _saved_per_op(w, st)
+                    assert kept[0] == 0
+                    assert sum(kept) == sum(op_value(op, op.saved, w.sizes) for op in st.costs) - first
+                    return
+            rule(inst).cost_rule().cost(w, i, inst)
+    pytest.fail("no stage starts by saving a held input")
+
+
+def test_a_checkpointed_segment_replays_its_activations_in_backward(sbm: gc.Graph) -> None:
+    """Task-decoupled training with recomputation: the T stage is one checkpointed segment that
+    keeps only its input; its backward first replays the forward, holding the segment's outputs."""
+    plan = gc.plan(model("GCN", sbm, dropout=0.0), sbm, 4, strategy="task", decouple=True, recompute=True,
+                   semantics="relaxed")
+    for dp in plan.ranks:
+        cost, w = walk(plan, dp.rank)
+        for b in (i for i in dp.instructions if isinstance(i, Backward)):
+            st = w.stages[b.stage]
+            if not any(op.recompute for op in st.costs):
+                continue
+            replay = sum(w.value_bytes[op.name] for op in st.costs if op.recompute)
+            grads = 2 * max(w.value_bytes[op.name] for op in st.costs if op.backward)
+            inputs = sum(w.value_bytes[v] for v in dict.fromkeys(st.inputs) if v in w.value_bytes)
+            assert cost(dp.rank, b).alloc == int(inputs + grads + replay)
+            return
+    pytest.fail("no checkpointed stage")
