@@ -577,11 +577,12 @@ KNOWN_STATS: dict[str, GraphStats] = {
     # 2025) Table 2, for 1 to 64 partitions.
     "ogbn-papers100M": GraphStats(
         num_nodes=111_059_956, num_edges=1_615_685_872, num_features=128, num_classes=172,
-        replication={1: 1.0, 2: 1.25, 4: 1.52, 8: 2.13, 16: 3.02, 32: 4.46, 64: 6.34}, name="ogbn-papers100M"),
+        replication={1: 1.0, 2: 1.25, 4: 1.52, 8: 2.13, 16: 3.02, 32: 4.46, 64: 6.34}, name="ogbn-papers100M",
+        symmetric=False),
     # OGB ogbn-products: 2,449,029 nodes, 61,859,140 edges (stored in both directions), 100 features,
     # 47 classes.
     "ogbn-products": GraphStats(num_nodes=2_449_029, num_edges=61_859_140, num_features=100, num_classes=47,
-                                name="ogbn-products"),
+                                name="ogbn-products", symmetric=True),
 }
 
 

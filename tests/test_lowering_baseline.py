@@ -46,6 +46,13 @@ INTENDED: list[tuple[str, str, Callable[[dict[str, Any]], dict[str, Any]], Calla
 ]
 
 
+#: The one-step results equal the baseline's up to float64 rounding, not bit for bit: since the compact
+#: topology (issue 22) a normalized propagation applies per-vertex scales inside the product
+#: (``row[v] * sum w * col[u] * x[u]``) where the baseline multiplied precomputed per-edge
+#: coefficients, which rounds differently (measured: at most 3.6e-14 relative, 2.7e-15 absolute).
+STEP_TOLERANCE = dict(rtol=1e-12, atol=1e-14)
+
+
 @pytest.fixture(scope="module")
 def baseline() -> tuple[dict[str, Any], dict[str, Any]]:
     with gzip.open(DATA / "lowering_baseline.json.gz", "rt") as f:
@@ -78,7 +85,7 @@ def test_lowering_matches_baseline(case: str, baseline: tuple[dict[str, Any], di
     if not isinstance(gpus, int):
         return
     now, then = step(plan), steps[case]
-    exact = dict(rtol=0.0, atol=0.0)
+    exact = STEP_TOLERANCE
     torch.testing.assert_close(torch.tensor(now["loss"]), torch.tensor(then["loss"]), **exact)
     torch.testing.assert_close(now["logits"], then["logits"], **exact)
     assert now["grads"].keys() == then["grads"].keys()

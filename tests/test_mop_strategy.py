@@ -208,7 +208,7 @@ def test_chunk_graph_self_loops_read_the_chunks_own_rows() -> None:
     b = chunk_bounds(12, 3)
     ch = Chunking(b, chunk_reads(g, b))
     assert ch.reads == ((0, 1, 2), (0, 1, 2), (0, 1, 2))  # the ring's wrap-around edge reaches both ends
-    local = chunk_graph(g, ch, 1, {}, {})
+    local = chunk_graph(g, ch, 1, {})
     assert (local.num_nodes, local.num_src, local.own_offset) == (4, 12, 4)
     x = torch.arange(12, dtype=DT).unsqueeze(1)
     out = gc.ops.propagate(local, x, "sum", add_self_loops=True)

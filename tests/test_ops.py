@@ -482,6 +482,7 @@ def test_fx_records_one_node_per_primitive() -> None:
 
 # --------------------------------------------------------------------------- devices (checked on CPU)
 from gnncompile.frontend import ops as fops  # noqa: E402  (the primitives' private helpers)
+from gnncompile.graph.core import NormScales  # noqa: E402
 
 
 def _tensors_in(value: object, path: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -492,6 +493,8 @@ def _tensors_in(value: object, path: str = "") -> list[tuple[str, torch.Tensor]]
         out = [(f"{path}.{f}", t) for f in ("indptr", "indices", "edge_weight", "x")
                if (t := getattr(value, f)) is not None]
         return out + [t for k, v in value._cache.items() for t in _tensors_in(v, f"{path}[{k}]")]
+    if isinstance(value, NormScales):
+        return [(f"{path}.{f}", t) for f in ("row", "col", "loop") if (t := getattr(value, f)) is not None]
     if isinstance(value, (tuple, list)):
         return [t for i, v in enumerate(value) for t in _tensors_in(v, f"{path}[{i}]")]
     if isinstance(value, dict):
@@ -521,7 +524,8 @@ def test_graph_to_moves_every_cached_structure() -> None:
     _warm_caches(g)
     # kernel handles (CSR objects holding backend state) are dropped: rebuilt from the moved tensors
     cached = {p: t for p, t in _tensors_in(g._cache) if not p.startswith(("[csr]", "[csr_t]"))}
-    assert {"[transpose][0]", "[transpose][2]", "[dst]", "[with_loops][order]", "[norm:gcn]"} <= set(cached)
+    assert {"[transpose][0]", "[transpose][2]", "[dst]", "[with_loops][order]", "[scales:gcn:0].row",
+            "[scales:gcn:0].col", "[terms:gcn:0:torch.float64][1]"} <= set(cached)
     m = g.to("meta")
     assert m.device.type == "meta" and m.x.device.type == "meta" and m.x.layout == torch.sparse_csr
     moved = dict(_tensors_in(m._cache))
@@ -530,9 +534,9 @@ def test_graph_to_moves_every_cached_structure() -> None:
         assert t.device.type == "meta", f"cache entry {path} stayed on {t.device}"
         assert t.shape == cached[path].shape and t.dtype == cached[path].dtype, path
     assert "csr" not in m._cache and "csr_t" not in m._cache
-    # a tensor shared by two entries stays one tensor (float64 weights are their own "sum" coefficients)
-    assert g._cache["norm:sum:torch.float64"] is g.edge_weight
-    assert m._cache["norm:sum:torch.float64"] is m.edge_weight
+    # a tensor shared by two entries stays one tensor (float64 weights are their own "sum" values)
+    assert g._cache["terms:sum:0:torch.float64"][0] is g.edge_weight
+    assert m._cache["terms:sum:0:torch.float64"][0] is m.edge_weight
     assert g.to("cpu") is g and g.device.type == "cpu" and g._cache
 
 
@@ -608,12 +612,12 @@ def test_backward_passes_create_tensors_on_their_inputs_device() -> None:
 
     with torch.device("meta"):
         results = [
-            _csr_transpose(x), *g.transpose(), *fops._csr_t(g)[1:],
+            _csr_transpose(x), *g.transpose(), fops._csr_t(g, True)[1],
             kernels.sddmm(fops._csr(g), a, b, backend="torch"),
             fops._SegmentMax.backward(ctx(e, smax), torch.ones_like(smax))[1],
             fops._EdgeSoftmax.backward(ctx(soft), torch.ones_like(soft))[1],
-            *fops._SpMM.backward(ctx(w, a), gv)[1:3],
-            *fops._MaskedSpMM.backward(ctx(w, a, keep), gv)[1:3],
+            *fops._SpMM.backward(ctx(w, a, None, None), gv)[1:3],
+            *fops._MaskedSpMM.backward(ctx(w, a, keep, None, None), gv)[1:3],
             *_SparseLinear.backward(ctx(), glin)[1:],
         ]
     for t in results + [t for _, t in _tensors_in(g._cache)]:

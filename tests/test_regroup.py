@@ -11,7 +11,7 @@ import gnncompile as gc
 from gnncompile.errors import GraphError
 from gnncompile.graph.regroup import ChunkRegrouping, RegroupedInputs
 from gnncompile.graph.reorder import permute
-from gnncompile.graph.shard import chunk_subgraph, dropout_positions
+from gnncompile.graph.shard import chunk_subgraph, dropout_positions, propagation_scales
 from gnncompile.passes.chunked import chunk_bounds
 from graph_strategies import small_graphs
 
@@ -27,12 +27,10 @@ def test_chunk_of_an_order_is_the_chunk_of_the_permuted_graph(g: gc.Graph, data:
     bounds = chunk_bounds(n, k)
     j = data.draw(st.integers(0, k - 1))
     reads = sorted(set(data.draw(st.lists(st.integers(0, k - 1), max_size=k))) | {j})
-    coef = {"gcn": g.norm_coefficients("gcn")}
-    loops = {"gcn": g.loop_norm_coefficients("gcn")}
-    mine, eids = chunk_subgraph(g, bounds, j, reads, coef, loops, order=order)
+    norms = [("gcn", False), ("gcn", True)]
+    mine, eids = chunk_subgraph(g, bounds, j, reads, propagation_scales(g, norms), order=order)
     pg = permute(g, order)
-    ref, ref_eids = chunk_subgraph(pg, bounds, j, reads, {"gcn": pg.norm_coefficients("gcn")},
-                                   {"gcn": pg.loop_norm_coefficients("gcn")})
+    ref, ref_eids = chunk_subgraph(pg, bounds, j, reads, propagation_scales(pg, norms))
     assert torch.equal(mine.indptr, ref.indptr) and torch.equal(mine.indices, ref.indices)
     assert (mine.num_nodes, mine.num_src, mine.own_offset) == (ref.num_nodes, ref.num_src, ref.own_offset)
     torch.testing.assert_close(mine.norm_coefficients("gcn"), ref.norm_coefficients("gcn"))

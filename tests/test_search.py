@@ -87,7 +87,7 @@ def test_static_memory_counts_what_the_rank_holds(sbm):
         m = static_memory(p, dp)
         assert m.features == 4 * dp.sizes.nodes * sbm.num_features
         assert m.optimizer == 2 * m.parameters == 2 * 4 * p.info["params"]
-        assert m.topology >= 36 * dp.sizes.edges
+        assert m.topology >= 8 * dp.sizes.edges  # the CSR and its transpose, int32 indices each
 
 
 def test_static_memory_counts_sparse_features_as_stored(sbm):

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 from ..errors import PlanningError
+from ..graph.core import topology_bytes
 from ..ir.dataflow import effects
 from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, DevicePlan, Forward, Free, HaloExchange,
                        Instruction, OpCost, OptimizerStep, Plan, RankSizes, Recompute, Recv, ReduceScatter, Send,
@@ -186,14 +187,27 @@ def _history_bytes(plan: Plan, dp: DevicePlan) -> int:
     return copies * sum(dp.sizes.all_nodes * width.get(n, 0) * elsize for n in names)
 
 
+def _graph_bytes(plan: Plan, nodes: int, edges: int, src: int, symmetric: bool) -> int:
+    """One graph's topology in the runtime's layout with the model's normalization scales (in the
+    model's dtype: destinations, self loops and, for ``gcn``, sources)."""
+    topo = plan.info.get("topology", {})
+    per_value = _elsize(plan.info.get("param_dtype", "float32"))
+    scales = sum(per_value * ((2 if loops else 1) * nodes + (src if norm == "gcn" else 0))
+                 for norm, loops in topo.get("norms", ()))
+    return scales + topology_bytes(nodes, edges, src, symmetric=symmetric, weighted=bool(topo.get("weighted")),
+                                   edge_values=bool(topo.get("edge_values")), edge_loops=bool(topo.get("edge_loops")))
+
+
 def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
     """The rank's resident data, in the runtime's layout.
 
-    Topology: a :class:`~gnncompile.graph.shard.LocalGraph` keeps its COO edge index (2 x int64
-    per edge), the CSR of in-edges and the CSR of the transpose for backward (int64 index per edge
-    and int64 pointer per row each), and float32 normalization weights per edge: ``36 |E| + 16 |V|``
-    bytes. Features: ``float32`` rows of the input features (sparse CSR features: their stored
-    bytes per row, ``plan.info["feature_bytes_per_row"]``); labels int64 plus three bool masks.
+    Topology: :func:`~gnncompile.graph.core.topology_bytes`, the compact layout the runtime holds
+    (int32 indices, int64 offsets, the transpose unless the rank's graph is the whole symmetric
+    graph, edge weights and an edge permutation only when edge values exist), plus the
+    normalizations' per-vertex scales (in the model's dtype, destinations and sources) from
+    ``plan.info["topology"]``. Features: ``float32`` rows of the input features
+    (sparse CSR features: their stored bytes per row, ``plan.info["feature_bytes_per_row"]``);
+    labels int64 plus three bool masks.
     Parameters are replicated on every rank that runs a stage (data parallelism) with their
     gradients and Adam's two moments; a rank whose sizes name its ``params`` (the ``task``
     strategy: a rank holds its own tasks' parameters) holds that many. Relaxed stale reads keep
@@ -206,7 +220,14 @@ def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
     pbytes = params * _elsize(plan.info.get("param_dtype", "float32"))
     rows = nodes if s.feature_rows is None else s.feature_rows  # a rank that runs no T op holds no features or labels
     per_row = plan.info.get("feature_bytes_per_row", 4 * features)
-    return StaticMemory(topology=36 * edges + 8 * (nodes + 1) + 8 * (src + 1) if edges else 0,
+    topo = plan.info.get("topology", {})
+    held = topo.get("graphs")
+    if held is not None and dp.rank < len(held):  # a concrete graph: the graphs the rank holds
+        topology = sum(_graph_bytes(plan, n, e, s, bool(sym)) for n, s, e, sym in held[dp.rank])
+    else:
+        whole = nodes == src == topo.get("nodes", -1)
+        topology = _graph_bytes(plan, nodes, edges, src, bool(topo.get("symmetric")) and whole) if edges else 0
+    return StaticMemory(topology=topology,
                         features=int(rows * per_row), labels=11 * rows, parameters=pbytes, gradients=pbytes,
                         optimizer=2 * pbytes, history=_history_bytes(plan, dp))
 

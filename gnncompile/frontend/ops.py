@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import torch
 import torch.fx
 
 from ..errors import GraphError, KernelError
-from ..graph.core import Graph
+from ..graph.core import _INT32_MAX, Graph
 from .. import kernels
 from ..kernels import CSR
 
@@ -118,16 +118,16 @@ def _csr(g: Graph) -> CSR:
     return g.cached("csr", lambda: CSR(g.indptr, g.indices, g.num_nodes, g.num_src))
 
 
-def _csr_t(g: Graph) -> tuple[CSR, torch.Tensor]:
-    """Transposed CSR (rows = sources) and the permutation from transposed position to edge id."""
-    def build() -> tuple[CSR, torch.Tensor]:
-        if g.is_symmetric():
-            # A^T has the same structure; perm maps each transposed entry to its reverse edge.
-            indptr_t, indices_t, perm = g.transpose()
-            return CSR(g.indptr, g.indices, g.num_nodes, g.num_nodes, _csr(g).cache), perm
-        indptr_t, indices_t, perm = g.transpose()
-        return CSR(indptr_t, indices_t, g.num_src, g.num_nodes), perm
-    return g.cached("csr_t", build)
+def _csr_t(g: Graph, with_perm: bool) -> tuple[CSR, Optional[torch.Tensor]]:
+    """Transposed CSR (rows = sources) and, ``with_perm``, the permutation from transposed position
+    to edge id (built only for products with edge values). A symmetric graph's transpose is its own
+    handle: one structure serves forward and backward."""
+    def build() -> CSR:
+        indptr_t, indices_t = g.transpose_structure()
+        if indptr_t is g.indptr and indices_t is g.indices:
+            return _csr(g)
+        return CSR(indptr_t, indices_t, g.num_src, g.num_nodes)
+    return g.cached("csr_t", build), g.transpose()[2] if with_perm else None
 
 
 def _check_graph(g: Any, op: str) -> Graph:
@@ -148,50 +148,84 @@ def _check_rows(t: torch.Tensor, n: int, op: str, what: str, space: str, g: Opti
 
 
 # --------------------------------------------------------------------------- propagate (P)
+def _scale_rows(t: torch.Tensor, s: Optional[torch.Tensor]) -> torch.Tensor:
+    return t if s is None else t * s.reshape((-1,) + (1,) * (t.dim() - 1))
+
+
+def _values_grad(g: Graph, values: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor, row: Optional[torch.Tensor],
+                 col: Optional[torch.Tensor], backend: Optional[str]) -> torch.Tensor:
+    """Gradient of ``row[v] * values[e] * col[u] * x[u]`` summed into ``out[v]`` w.r.t. ``values``."""
+    heads = values.shape[1] if values.dim() == 2 else 1
+    gv = kernels.sddmm(_csr(g), _scale_rows(grad_out, row), _scale_rows(x, col), heads, backend)
+    return gv.reshape(values.shape)
+
+
 class _SpMM(torch.autograd.Function):
-    """``out = A_c x`` with edge values ``c``; gradients for ``x`` and (optionally) ``c``."""
+    """``out = diag(row) A_c diag(col) x`` with edge values ``c`` and fixed per-vertex scales
+    ``row`` / ``col`` (the normalization); gradients for ``x`` and (optionally) ``c``."""
 
     @staticmethod
-    def forward(ctx: Any, g: Graph, values: Optional[torch.Tensor], x: torch.Tensor,
-                backend: Optional[str]) -> torch.Tensor:
+    def forward(ctx: Any, g: Graph, values: Optional[torch.Tensor], x: torch.Tensor, backend: Optional[str],
+                row: Optional[torch.Tensor], col: Optional[torch.Tensor]) -> torch.Tensor:
         ctx.g, ctx.backend = g, backend
         # x only serves the gradient of trainable edge values (GAT): a propagation with fixed
         # coefficients keeps nothing of its input for backward
-        ctx.save_for_backward(values, x if values is not None and ctx.needs_input_grad[1] else None)
-        return kernels.spmm(_csr(g), values, x, backend)
+        ctx.save_for_backward(values, x if values is not None and ctx.needs_input_grad[1] else None, row, col)
+        return kernels.spmm(_csr(g), values, x, backend, row_scale=row, col_scale=col)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
-        values, x = ctx.saved_tensors
+        values, x, row, col = ctx.saved_tensors
         g: Graph = ctx.g
         grad_values = grad_x = None
         grad_out = grad_out.contiguous()
         if ctx.needs_input_grad[2]:
-            csr_t, perm = _csr_t(g)
+            csr_t, perm = _csr_t(g, values is not None)
             vt = None if values is None else values[perm]
-            grad_x = kernels.spmm(csr_t, vt, grad_out, ctx.backend)
+            grad_x = kernels.spmm(csr_t, vt, grad_out, ctx.backend, row_scale=col, col_scale=row)
         if values is not None and ctx.needs_input_grad[1]:
-            heads = values.shape[1] if values.dim() == 2 else 1
-            gv = kernels.sddmm(_csr(g), grad_out, x, heads, ctx.backend)
-            grad_values = gv.reshape(values.shape)
-        return None, grad_values, grad_x, None
+            grad_values = _values_grad(g, values, grad_out, x, row, col, ctx.backend)
+        return None, grad_values, grad_x, None, None, None
 
 
-def _norm_values(g: Graph, norm: str, edge_weight: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+Terms = tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]
+
+
+def _stored_terms(g: Graph, norm: str, self_loops: bool, dtype: torch.dtype) -> Terms:
+    """``(values, row, col, loop)`` of a propagation with the graph's own normalization, in
+    ``dtype`` and cached on the graph: the stored edge weights (``None`` when unweighted; ignored
+    by ``norm="none"``) and the per-vertex scales of :meth:`Graph.norm_scales`."""
+    def build() -> Terms:
+        if norm == "none":
+            loop = torch.ones(g.num_nodes, dtype=dtype, device=g.device) if self_loops else None
+            return None, None, None, loop
+        sc = g.norm_scales(norm, self_loops)
+        w = g.edge_weight
+
+        def cast(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to(device=g.device, dtype=dtype)
+        return cast(w), cast(sc.row), cast(sc.col), cast(sc.loop)
+    return g.cached(f"terms:{norm}:{int(self_loops)}:{dtype}", build)
+
+
+def _propagation_terms(g: Graph, norm: str, edge_weight: Optional[torch.Tensor], self_loops: bool,
+                       dtype: torch.dtype) -> Terms:
+    """``(values, row, col, loop)``: edge values, per-vertex scales and self-loop factors of a
+    propagation (see :func:`propagate`); with ``edge_weight`` given, normalized differentiably per
+    edge (PyG ``gcn_norm`` semantics) and no scales."""
     if norm not in NORMS:
         raise KernelError(f"propagate: unknown norm {norm!r}; valid: {', '.join(repr(n) for n in NORMS)}")
     if edge_weight is None:
-        if norm == "none":
-            return None
-        c = g.norm_coefficients(norm)
-        return None if c is None else g.cached(f"norm:{norm}:{dtype}", lambda: c.to(dtype))
-    # Normalization computed from the given weights, differentiably (PyG gcn_norm semantics).
+        return _stored_terms(g, norm, self_loops, dtype)
+    if self_loops:
+        values, loop = _loop_norm(g, norm, edge_weight)
+        return values, None, None, loop
     w = edge_weight
     if norm in ("sum", "none"):
-        return w
+        return w, None, None, None
     if w.dim() != 1:
         raise KernelError(f"propagate: norm={norm!r} needs 1-d edge weights, got shape {list(w.shape)}")
-    return _normalize(g, norm, w, None)[0]
+    return _normalize(g, norm, w, None)[0], None, None, None
 
 
 def _normalize(g: Graph, norm: str, we: torch.Tensor,
@@ -257,14 +291,12 @@ def propagate(g: Graph, x: torch.Tensor, norm: str = "gcn", edge_weight: Optiona
         _check_rows(edge_weight, _edge_rows(g, add_self_loops), "propagate", "edge_weight", "edge", g)
         if edge_weight.dtype != x.dtype:
             edge_weight = edge_weight.to(x.dtype)
-    if not add_self_loops:
-        values = _norm_values(g, norm, edge_weight, x.dtype)
-        return _SpMM.apply(g, values, x, backend)
-    values, loop = _norm_values_with_loops(g, norm, edge_weight, x.dtype)
-    if values is None:
-        values = g.cached(f"ones:{x.dtype}", lambda: torch.ones(g.num_edges, dtype=x.dtype, device=x.device))
+    values, row, col, loop = _propagation_terms(g, norm, edge_weight, add_self_loops, x.dtype)
+    out = _SpMM.apply(g, values, x, backend, row, col)
+    if loop is None:
+        return out
     loop = loop.reshape(loop.shape + (1,) * (x.dim() - loop.dim()))
-    return _SpMM.apply(g, values, x, backend) + loop * _own_rows(g, x)
+    return out + loop * _own_rows(g, x)
 
 
 def _own_rows(g: Graph, x: torch.Tensor) -> torch.Tensor:
@@ -275,23 +307,6 @@ def _own_rows(g: Graph, x: torch.Tensor) -> torch.Tensor:
 
 def _edge_rows(g: Graph, add_self_loops: bool) -> int:
     return g.num_edges + g.num_nodes if add_self_loops else g.num_edges
-
-
-def _norm_values_with_loops(g: Graph, norm: str, edge_weight: Optional[torch.Tensor],
-                            dtype: torch.dtype) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-    """Edge coefficients and per-vertex self-loop coefficients of ``A + I`` under ``norm``."""
-    if norm not in NORMS:
-        raise KernelError(f"propagate: unknown norm {norm!r}; valid: {', '.join(repr(n) for n in NORMS)}")
-    n = g.num_nodes
-    if edge_weight is None:
-        if norm == "none" or (norm == "sum" and g.edge_weight is None):
-            return None, g.cached(f"loop:ones:{dtype}", lambda: torch.ones(n, dtype=dtype, device=g.device))
-
-        def build() -> tuple[torch.Tensor, torch.Tensor]:
-            edge_coef, loop_coef = g.loop_norm_coefficients(norm)
-            return edge_coef.to(dtype), loop_coef.to(dtype)
-        return g.cached(f"norm_loops:{norm}:{dtype}", build)
-    return _loop_norm(g, norm, edge_weight)
 
 
 def _loop_norm(g: Graph, norm: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -424,11 +439,12 @@ def _with_loops(g: Graph) -> Graph:
         # position of each original edge and of each self loop in the augmented row order
         pos_edge = torch.arange(g.num_edges, device=g.device) + g.dst
         pos_loop = indptr[1:] - 1
-        indices = torch.empty(g.num_edges + g.num_nodes, dtype=torch.int64, device=g.device)
+        indices = torch.empty(g.num_edges + g.num_nodes, dtype=g.indices.dtype, device=g.device)
         indices[pos_edge] = g.indices
-        indices[pos_loop] = ar
-        aug = Graph(indptr, indices, g.num_nodes, validate=False, name=g.name)
-        aug._cache["order"] = torch.cat([pos_edge, pos_loop])  # E' layout -> augmented CSR order
+        indices[pos_loop] = ar.to(g.indices.dtype)
+        aug = Graph(indptr, indices, g.num_nodes, validate=False, name=g.name, compact_indices=True)
+        order = torch.cat([pos_edge, pos_loop])  # E' layout -> augmented CSR order
+        aug._cache["order"] = order.to(torch.int32) if order.numel() <= _INT32_MAX else order
         return aug
     return g.cached("with_loops", build)
 
@@ -436,7 +452,7 @@ def _with_loops(g: Graph) -> Graph:
 def _to_csr_order(g: Graph, t: torch.Tensor) -> tuple[Graph, torch.Tensor, torch.Tensor]:
     aug = _with_loops(g)
     order = aug._cache["order"]
-    inv = g.cached("with_loops_inv", lambda: torch.argsort(order))
+    inv = g.cached("with_loops_inv", lambda: torch.argsort(order).to(order.dtype))
     return aug, t.index_select(0, inv), order
 
 
@@ -626,15 +642,16 @@ class _MaskedSpMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, g: Graph, values: Optional[torch.Tensor], x: torch.Tensor, keep_rows: torch.Tensor,
-                backend: Optional[str]) -> torch.Tensor:
+                backend: Optional[str], row: Optional[torch.Tensor], col: Optional[torch.Tensor]) -> torch.Tensor:
         ctx.g, ctx.backend = g, backend
         ctx.all_kept = bool(keep_rows.all())
-        ctx.save_for_backward(values, x if values is not None and ctx.needs_input_grad[1] else None, keep_rows)
-        return _masked_kernels.masked_spmm(_csr(g), values, x, keep_rows, backend)
+        ctx.save_for_backward(values, x if values is not None and ctx.needs_input_grad[1] else None, keep_rows,
+                              row, col)
+        return _masked_kernels.masked_spmm(_csr(g), values, x, keep_rows, backend, row_scale=row, col_scale=col)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
-        values, x, keep_rows = ctx.saved_tensors
+        values, x, keep_rows, row, col = ctx.saved_tensors
         g: Graph = ctx.g
         grad_out = grad_out.contiguous()
         live = _nonzero_rows(grad_out)
@@ -644,14 +661,13 @@ class _MaskedSpMM(torch.autograd.Function):
             live &= keep_rows
         grad_values = grad_x = None
         if ctx.needs_input_grad[2]:
-            csr_t, perm = _csr_t(g)
+            csr_t, perm = _csr_t(g, values is not None)
             vt = None if values is None else values[perm]
-            grad_x = _masked_kernels.masked_spmm_t(csr_t, vt, grad_out, live, ctx.backend)
+            grad_x = _masked_kernels.masked_spmm_t(csr_t, vt, grad_out, live, ctx.backend, row_scale=col,
+                                                   col_scale=row)
         if values is not None and ctx.needs_input_grad[1]:
-            heads = values.shape[1] if values.dim() == 2 else 1
-            gv = kernels.sddmm(_csr(g), grad_out, x, heads, ctx.backend)
-            grad_values = gv.reshape(values.shape)
-        return None, grad_values, grad_x, None, None
+            grad_values = _values_grad(g, values, grad_out, x, row, col, ctx.backend)
+        return None, grad_values, grad_x, None, None, None, None
 
 
 @fx_leaf("P")
@@ -692,16 +708,41 @@ def masked_propagate(g: Graph, x: torch.Tensor, mask: Optional[torch.Tensor] = N
         _check_rows(edge_weight, _edge_rows(g, add_self_loops), "masked_propagate", "edge_weight", "edge", g)
         if edge_weight.dtype != x.dtype:
             edge_weight = edge_weight.to(x.dtype)
-    if not add_self_loops:
-        values = _norm_values(g, norm, edge_weight, x.dtype)
-        return _MaskedSpMM.apply(g, values, x, keep_rows, backend)
-    values, loop = _norm_values_with_loops(g, norm, edge_weight, x.dtype)
-    if values is None:
-        values = g.cached(f"ones:{x.dtype}", lambda: torch.ones(g.num_edges, dtype=x.dtype, device=x.device))
+    values, row, col, loop = _propagation_terms(g, norm, edge_weight, add_self_loops, x.dtype)
+    out = _MaskedSpMM.apply(g, values, x, keep_rows, backend, row, col)
+    if loop is None:
+        return out
     if mask is not None:  # the self-loop terms of dropped rows are zero too
         loop = torch.where(keep_rows.reshape(keep_rows.shape + (1,) * (loop.dim() - 1)), loop, 0)
     loop = loop.reshape(loop.shape + (1,) * (x.dim() - loop.dim()))
-    return _MaskedSpMM.apply(g, values, x, keep_rows, backend) + loop * _own_rows(g, x)
+    return out + loop * _own_rows(g, x)
 
 
 SOURCE_ARGS.update({propagate: "x", masked_propagate: "x", gather_src: "x"})
+
+
+def prepare_graph(g: Graph, graphs: Iterable[torch.fx.Graph], dtype: torch.dtype) -> None:
+    """Build on ``g`` the derived structures that the primitives of the traced ``graphs`` read
+    (kernel handles, the transposed structure and, for edge values, its permutation, the
+    normalization terms in ``dtype``, edge destinations and the loop-augmented structure of edge
+    ops), so a training step allocates only activations. Only what some primitive of ``graphs``
+    uses is built (every structure the runtime holds is resident: :meth:`Graph.structure_bytes`)."""
+    calls = [(n, call_arguments(n)) for graph in graphs for n in graph.nodes
+             if n.op == "call_function" and is_primitive(n.target)]
+    props = [a for n, a in calls if n.target in (propagate, masked_propagate)]
+    edge_ops = [a for n, a in calls if n.target in (gather_src, gather_dst, edge_softmax, aggregate)]
+    if not props and not edge_ops:
+        return
+    with torch.no_grad():
+        _csr(g)
+        for a in props:
+            if a["edge_weight"] is None and a["norm"] in NORMS:
+                _stored_terms(g, a["norm"], bool(a["add_self_loops"]), dtype)
+        if props:
+            values = g.edge_weight is not None or any(a["edge_weight"] is not None for a in props)
+            _csr_t(g, values)
+        if any(n.target in (gather_dst, edge_softmax, aggregate) for n, _ in calls):
+            _ = g.dst
+        if any(a.get("add_self_loops") for a in edge_ops):
+            _to_csr_order(g, torch.zeros(g.num_edges + g.num_nodes, device=g.device))
+            _ = _with_loops(g).dst

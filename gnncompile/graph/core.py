@@ -10,7 +10,18 @@ this order, so edge-wise tensors (``[E, ...]``) are aligned with ``indices``.
 
 A `Graph` is treated as immutable: every transformation returns a new graph. Derived structures
 (destination of each edge, degrees, the transposed CSR used by backward passes, normalization
-coefficients, int32 copies for kernels) are computed once on first use and cached on the instance.
+scales) are computed once on first use and cached on the instance.
+
+Compact storage
+---------------
+``indptr`` is int64. ``indices`` is int64 by default and int32 in a compact graph
+(:meth:`Graph.compact`, and every :class:`~gnncompile.graph.shard.LocalGraph`) whenever the source
+ids fit, which is what training holds: 4 bytes per edge. Normalizations are per-vertex scales
+(:class:`NormScales`: ``c_e = row[v] * w_e * col[u]``) that the kernels apply inside the product, so
+no per-edge float array exists unless the graph is weighted. The transposed structure that a
+backward product reads is the structure itself for a symmetric graph, and its edge permutation is
+built only where edge values need it (weighted graphs, attention). :func:`topology_bytes` is this
+layout's size, which the cost models charge; :meth:`Graph.structure_bytes` measures it.
 """
 
 from __future__ import annotations
@@ -24,7 +35,9 @@ import torch
 
 from ..errors import GraphError
 
-__all__ = ["Graph", "GraphStats"]
+__all__ = ["Graph", "GraphStats", "NormScales", "topology_bytes"]
+
+_INT32_MAX = 2**31 - 1
 
 ArrayLike = Any  # numpy array, torch tensor or nested sequence
 
@@ -47,12 +60,95 @@ def _as_tensor(value: ArrayLike, field: str, dtype: Optional[torch.dtype] = None
     return t
 
 
-def _check_index_dtype(t: torch.Tensor, field: str) -> torch.Tensor:
+def _check_index_dtype(t: torch.Tensor, field: str, keep_int32: bool = False) -> torch.Tensor:
+    """``t`` as int64 (``keep_int32``: int32 stays int32); raises for non-integer dtypes."""
     if t.numel() == 0:  # numpy makes empty lists float64
-        return t.to(torch.int64)
+        return t.to(torch.int32 if keep_int32 and t.dtype == torch.int32 else torch.int64)
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise GraphError(f"{field}: expected an integer dtype, got {t.dtype}")
-    return t.to(torch.int64)
+    return t if keep_int32 and t.dtype == torch.int32 else t.to(torch.int64)
+
+
+def _compact_index(t: torch.Tensor, bound: int) -> torch.Tensor:
+    """``t`` as int32 when every value is below ``bound`` and ``bound`` fits in int32, else as is."""
+    return t.to(torch.int32) if bound <= _INT32_MAX else t
+
+
+@dataclass(frozen=True)
+class NormScales:
+    """A normalized propagation's coefficients as per-vertex factors (float64 as computed; the
+    runtime keeps them in the model's dtype, :meth:`Graph.cast_scales`).
+
+    Edge ``e = u -> v`` has coefficient ``row[v] * w_e * col[u]`` (``w_e`` the graph's stored edge
+    weight, 1 when unweighted; a ``None`` factor is 1) and the self loop of ``v`` (propagations over
+    ``A + I`` only) has ``loop[v]``. ``row`` and ``loop`` have one entry per destination, ``col`` one
+    per source. Every normalization gnncompile offers factors this way, so the kernels take the
+    factors (:func:`gnncompile.kernels.spmm`'s ``row_scale`` / ``col_scale``) instead of an ``[E]``
+    array.
+    """
+
+    row: Optional[torch.Tensor] = None
+    col: Optional[torch.Tensor] = None
+    loop: Optional[torch.Tensor] = None
+
+    def select(self, rows: torch.Tensor, sources: torch.Tensor) -> "NormScales":
+        """The factors of a subgraph whose destinations are ``rows`` and sources ``sources`` (ids
+        in this graph's destination / source numbering)."""
+        def take(t: Optional[torch.Tensor], ids: torch.Tensor) -> Optional[torch.Tensor]:
+            return None if t is None else t.index_select(0, ids.to(t.device))
+        return NormScales(take(self.row, rows), take(self.col, sources), take(self.loop, rows))
+
+    def to(self, device: torch.device | str) -> "NormScales":
+        def mv(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to(device)
+        return NormScales(mv(self.row), mv(self.col), mv(self.loop))
+
+    def edge_values(self, graph: "Graph") -> Optional[torch.Tensor]:
+        """float64 ``[E]``: the per-edge coefficients ``row[dst] * w * col[src]`` on ``graph``
+        (``None`` when there are no factors and no weights)."""
+        w = None if graph.edge_weight is None else graph.edge_weight.to(torch.float64)
+        if self.row is None and self.col is None:
+            return w
+        c = torch.ones(graph.num_edges, dtype=torch.float64, device=graph.device)
+        if self.row is not None:
+            c = c * self.row.index_select(0, graph.dst)
+        if self.col is not None:
+            c = c * self.col.index_select(0, graph.indices)
+        return c if w is None else c * w
+
+
+def topology_bytes(nodes: int, edges: int, sources: Optional[int] = None, *, symmetric: bool = False,
+                   weighted: bool = False, edge_values: bool = False, edge_loops: bool = False,
+                   index_bytes: Optional[int] = None) -> int:
+    """Bytes of a training graph's topology in gnncompile's compact layout (see the module docstring).
+
+    ``nodes`` destinations, ``sources`` sources (default ``nodes``), ``edges`` edges. Held: the
+    in-edge CSR (int64 offsets, ``index_bytes`` per index: 4 when the sources fit in int32), its
+    transpose for backward products (offsets and indices; none when ``symmetric``: the structure
+    serves both), float32 edge weights when ``weighted``, the edge permutation between the two
+    orders when edge values exist (``weighted``, or ``edge_values``: the model computes them, as
+    attention does) and, with ``edge_values``, each edge's destination. ``edge_loops``: edge-wise
+    ops over ``A + I`` (attention with self loops) also hold the loop-augmented structure (offsets,
+    indices, destinations, and the two permutations between the edge layout and its CSR order, one
+    index per edge and loop each). Normalization scales are per vertex and not included.
+    """
+    src = nodes if sources is None else sources
+    if edges == 0:
+        return 0
+    ib = index_bytes if index_bytes is not None else (4 if max(src, nodes) <= _INT32_MAX else 8)
+    total = 8 * (nodes + 1) + ib * edges
+    if not symmetric:
+        total += 8 * (src + 1) + ib * edges
+    if weighted:
+        total += 4 * edges
+    if weighted or edge_values:
+        total += (4 if edges <= _INT32_MAX else 8) * edges
+    if edge_values:
+        total += ib * edges
+    if edge_loops:
+        aug = edges + nodes
+        total += 8 * (nodes + 1) + 2 * ib * aug + 2 * (4 if aug <= _INT32_MAX else 8) * aug
+    return total
 
 
 def _first_true(mask: torch.Tensor) -> int:
@@ -86,6 +182,8 @@ class Graph:
     validate:
         Check every invariant above and raise :class:`GraphError` naming the field and the first
         bad index. Turn off only for graphs built by gnncompile itself from a validated graph.
+    compact_indices:
+        Keep int32 ``indices`` as given (see :meth:`compact`); otherwise indices are stored int64.
     """
 
     def __init__(
@@ -103,9 +201,10 @@ class Graph:
         num_classes: Optional[int] = None,
         name: str = "graph",
         validate: bool = True,
+        compact_indices: bool = False,
     ) -> None:
         self.indptr = _check_index_dtype(_as_tensor(indptr, "indptr"), "indptr")
-        self.indices = _check_index_dtype(_as_tensor(indices, "indices"), "indices")
+        self.indices = _check_index_dtype(_as_tensor(indices, "indices"), "indices", keep_int32=compact_indices)
         if num_nodes is None:
             num_nodes = self.indptr.numel() - 1
         self.num_nodes = int(num_nodes)
@@ -260,7 +359,7 @@ class Graph:
         if unknown:
             raise TypeError(f"Graph.replace: unknown fields {sorted(unknown)}; valid: {sorted(fields)}")
         fields.update(changes)
-        g = Graph(validate=validate, **fields)
+        g = Graph(validate=validate, compact_indices=self.indices.dtype == torch.int32, **fields)
         structural = {"indptr", "indices", "num_nodes", "edge_weight"}
         if not structural & set(changes):
             g._cache = self._cache  # derived structure is unchanged: share it
@@ -396,13 +495,17 @@ class Graph:
 
     @property
     def dst(self) -> torch.Tensor:
-        """int64 ``[E]``: the destination vertex of every edge (the CSR row of each entry)."""
-        return self.cached(
-            "dst",
-            lambda: torch.repeat_interleave(
-                torch.arange(self.num_nodes, device=self.device), self.in_degree(), output_size=self.num_edges
-            ),
-        )
+        """``[E]``: the destination vertex of every edge (the CSR row of each entry), cached; in
+        ``indices``' dtype. Products never need it (the CSR rows are the destinations); edge-wise
+        ops (attention, edge softmax) do."""
+        return self.cached("dst", self._edge_dst)
+
+    def _edge_dst(self) -> torch.Tensor:
+        """The destinations of every edge, from the cache when there, else computed and *not* kept."""
+        if "dst" in self._cache:
+            return self._cache["dst"]
+        return torch.repeat_interleave(torch.arange(self.num_nodes, device=self.device, dtype=self.indices.dtype),
+                                       self.in_degree(), output_size=self.num_edges)
 
     @property
     def num_src(self) -> int:
@@ -415,118 +518,231 @@ class Graph:
 
     @property
     def src(self) -> torch.Tensor:
-        """int64 ``[E]``: the source vertex of every edge (alias of ``indices``)."""
+        """``[E]``: the source vertex of every edge (alias of ``indices``)."""
         return self.indices
 
+    # Degrees are computed on each call (O(N) for in-degrees, O(E) for the others) and not cached:
+    # a training graph holds its structure and the normalization scales, not per-vertex byproducts.
     def in_degree(self) -> torch.Tensor:
         """int64 ``[N]``: number of in-edges per vertex (parallel edges counted)."""
-        return self.cached("in_degree", lambda: self.indptr[1:] - self.indptr[:-1])
+        return self.indptr[1:] - self.indptr[:-1]
 
     def out_degree(self) -> torch.Tensor:
-        """int64 ``[N]``: number of out-edges per vertex."""
-        return self.cached("out_degree", lambda: torch.bincount(self.indices, minlength=self.num_src))
+        """int64 ``[num_src]``: number of out-edges per vertex."""
+        return torch.bincount(self.indices, minlength=self.num_src)
 
     def weighted_in_degree(self) -> torch.Tensor:
         """float ``[N]``: sum of in-edge weights (the in-degree when unweighted)."""
-        def build() -> torch.Tensor:
-            if self.edge_weight is None:
-                return self.in_degree().to(torch.float32)
-            return torch.zeros(self.num_nodes, dtype=self.edge_weight.dtype, device=self.device).index_add_(
-                0, self.dst, self.edge_weight
-            )
-        return self.cached("weighted_in_degree", build)
+        if self.edge_weight is None:
+            return self.in_degree().to(torch.float32)
+        return torch.zeros(self.num_nodes, dtype=self.edge_weight.dtype, device=self.device).index_add_(
+            0, self._edge_dst(), self.edge_weight)
+
+    def _transposed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Out-edge CSR and edge permutation, computed (not cached): ``indices_t`` in ``indices``'
+        dtype, ``perm`` int32 when the edge ids fit."""
+        dst = self._edge_dst()
+        key = self.indices.to(torch.int64) * max(self.num_nodes, 1) + dst.to(torch.int64)
+        perm = torch.argsort(key, stable=True)
+        del key
+        indptr_t = torch.zeros(self.num_src + 1, dtype=torch.int64, device=self.device)
+        torch.cumsum(self.out_degree(), 0, out=indptr_t[1:])
+        indices_t = dst.index_select(0, perm)
+        return indptr_t, indices_t, _compact_index(perm, self.num_edges)
+
+    def transpose_structure(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Out-edge CSR ``(indptr_t, indices_t)``: the structure a backward product reads, cached.
+
+        ``indices_t[indptr_t[u]:indptr_t[u+1]]`` are the destinations of ``u``'s out-edges. For a
+        symmetric graph this is ``(indptr, indices)`` themselves (no copy).
+        """
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            if "transpose" in self._cache:
+                return self._cache["transpose"][:2]
+            if self._cache.get("is_symmetric") is True:
+                return self.indptr, self.indices
+            indptr_t, indices_t, _ = self._transposed()
+            return self._share_if_symmetric(indptr_t, indices_t)
+        return self.cached("transpose_structure", build)
+
+    def _share_if_symmetric(self, indptr_t: torch.Tensor, indices_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(indptr, indices)`` themselves when the transposed structure equals them (recording
+        that the graph is symmetric), else the transposed arrays."""
+        sym = self.num_src == self.num_nodes and bool(torch.equal(indptr_t, self.indptr)
+                                                       and torch.equal(indices_t, self.indices))
+        self._cache.setdefault("is_symmetric", sym)
+        return (self.indptr, self.indices) if sym else (indptr_t, indices_t)
 
     def transpose(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Out-edge CSR: ``(indptr_t, indices_t, perm)``.
+        """Out-edge CSR with the edge permutation: ``(indptr_t, indices_t, perm)``, cached.
 
-        ``indices_t[indptr_t[u]:indptr_t[u+1]]`` are the destinations of ``u``'s out-edges and
         ``perm[k]`` is the edge id (position in the in-edge order) of transposed entry ``k``, so an
         edge-wise tensor ``w`` is re-ordered for the transposed product by ``w[perm]``. Backward
-        passes of P ops use this instead of materializing ``A^T``.
+        passes of P ops with edge values use this instead of materializing ``A^T``; products
+        without edge values need only :meth:`transpose_structure`. The structure is shared with
+        :meth:`transpose_structure` (and with the graph itself when it is symmetric).
         """
         def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            n = self.num_src
-            src = self.indices
-            perm = torch.argsort(src * max(self.num_nodes, 1) + self.dst, stable=True)
-            counts = self.out_degree()
-            indptr_t = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
-            torch.cumsum(counts, 0, out=indptr_t[1:])
-            return indptr_t, self.dst[perm].contiguous(), perm
+            indptr_t, indices_t, perm = self._transposed()
+            if "transpose_structure" in self._cache:
+                indptr_t, indices_t = self._cache["transpose_structure"]
+            else:
+                indptr_t, indices_t = self._share_if_symmetric(indptr_t, indices_t)
+            return indptr_t, indices_t, perm
         return self.cached("transpose", build)
 
     def is_symmetric(self) -> bool:
         """Whether every edge ``u -> v`` also appears as ``v -> u`` (with equal multiplicity)."""
         def build() -> bool:
-            indptr_t, indices_t, _ = self.transpose()
-            return bool(torch.equal(indptr_t, self.indptr) and torch.equal(indices_t, self.indices))
+            if self.num_src != self.num_nodes:
+                return False
+            self.transpose_structure()
+            return self._cache["is_symmetric"]
         return self.cached("is_symmetric", build)
 
     def has_self_loops(self) -> bool:
-        return bool((self.indices == self.dst).any()) if self.num_edges else False
+        return bool((self.indices == self._edge_dst()).any()) if self.num_edges else False
+
+    def _weighted_out_degree(self) -> torch.Tensor:
+        """float64 ``[num_src]``: sum of out-edge weights (the out-degree when unweighted)."""
+        if self.edge_weight is None:
+            return self.out_degree().to(torch.float64)
+        return torch.zeros(self.num_src, dtype=torch.float64, device=self.device).index_add_(
+            0, self.indices, self.edge_weight.to(torch.float64))
+
+    def norm_scales(self, norm: str, self_loops: bool = False) -> NormScales:
+        """The per-vertex factors of a normalized propagation (:class:`NormScales`), cached.
+
+        Without self loops:
+
+        - ``"gcn"``: ``row = deg_in^-1/2``, ``col = deg_out^-1/2`` with weighted degrees (Kipf &
+          Welling's symmetric normalization; on a symmetric graph ``deg_out == deg_in``, matching
+          PyG's ``gcn_norm``);
+        - ``"mean"``: ``row = 1 / deg_in`` (weighted);
+        - ``"sum"`` / ``"none"``: no factors (the edge weights alone).
+
+        With ``self_loops`` (a propagation over ``A + I``, weight 1 per loop) every degree counts
+        the vertex's loop (GCN's renormalization trick), ``"gcn"``'s loop factor is ``row * col``
+        of the vertex, ``"mean"``'s ``row``, ``"sum"``'s 1. A rank's local graph counts the loops
+        of its destinations, which are its first sources. Zero-degree vertices get zero factors.
+        """
+        valid = ("gcn", "mean", "sum") if self_loops else ("gcn", "mean", "sum", "none")
+        if norm not in valid:
+            what = "with self loops" if self_loops else ""
+            raise GraphError(f"norm: unknown normalization {norm!r} {what}; valid: {', '.join(map(repr, valid))}")
+        def build() -> NormScales:
+            sc = self._norm_scales(norm, self_loops)
+            dtype = getattr(self, "_scales_dtype", None)
+            return sc if dtype is None else NormScales(*(None if t is None else t.to(dtype)
+                                                         for t in (sc.row, sc.col, sc.loop)))
+        return self.cached(f"scales:{norm}:{int(self_loops)}", build)
+
+    def _norm_scales(self, norm: str, self_loops: bool) -> NormScales:
+        n = self.num_nodes
+        if norm in ("sum", "none"):
+            return NormScales(loop=torch.ones(n, dtype=torch.float64, device=self.device) if self_loops else None)
+        deg_in = self.weighted_in_degree().to(torch.float64) + (1.0 if self_loops else 0.0)
+        if norm == "mean":
+            inv = torch.where(deg_in > 0, 1.0 / deg_in.clamp_min(1e-30), torch.zeros_like(deg_in))
+            return NormScales(row=inv, loop=inv if self_loops else None)
+        row = torch.where(deg_in > 0, deg_in.clamp_min(1e-30).rsqrt(), torch.zeros_like(deg_in))
+        deg_out = self._weighted_out_degree()
+        if self_loops:
+            deg_out[:n] += 1.0
+        col = torch.where(deg_out > 0, deg_out.clamp_min(1e-30).rsqrt(), torch.zeros_like(deg_out))
+        return NormScales(row=row, col=col, loop=row * col[:n] if self_loops else None)
 
     def norm_coefficients(self, norm: str) -> Optional[torch.Tensor]:
-        """Per-edge coefficients of a normalized propagation ``out[v] = sum_e c_e * w_e * x[src_e]``.
-
-        - ``"gcn"``: ``1 / sqrt(deg_in(v) * deg_out(u))`` with weighted degrees (Kipf & Welling's
-          symmetric normalization; self loops are not added here, see :meth:`add_self_loops`).
-          On a symmetric graph ``deg_out == deg_in``, matching PyG's ``gcn_norm``.
-        - ``"mean"``: ``1 / deg_in(v)`` (weighted).
-        - ``"sum"`` / ``"none"``: ``None`` (the edge weights alone).
-
-        The coefficients include the edge weights and are float64 (callers cast them). Vertices
-        of zero degree get zero coefficients.
+        """float64 ``[E]`` coefficients of a normalized propagation ``out[v] = sum_e c_e * x[src_e]``
+        (:meth:`norm_scales` expanded per edge, with the edge weights; ``None`` for ``"sum"`` /
+        ``"none"`` on an unweighted graph). Materialized on each call and not cached: training
+        applies the per-vertex scales instead.
         """
         if norm in ("sum", "none"):
             return self.edge_weight
-        if norm not in ("gcn", "mean"):
-            raise GraphError(f"norm: unknown normalization {norm!r}; valid: 'gcn', 'mean', 'sum', 'none'")
-
-        def build() -> torch.Tensor:
-            # Computed in float64 and cast by the caller, so float64 models get exact coefficients.
-            w = None if self.edge_weight is None else self.edge_weight.to(torch.float64)
-            deg_in = self.weighted_in_degree().to(torch.float64)
-            if norm == "mean":
-                inv = torch.where(deg_in > 0, 1.0 / deg_in.clamp_min(1e-30), torch.zeros_like(deg_in))
-                c = inv[self.dst]
-            else:
-                if w is None:
-                    deg_out = self.out_degree().to(deg_in.dtype)
-                else:
-                    deg_out = torch.zeros(self.num_nodes, dtype=w.dtype, device=self.device).index_add_(
-                        0, self.indices, w
-                    )
-                inv_in = torch.where(deg_in > 0, deg_in.clamp_min(1e-30).rsqrt(), torch.zeros_like(deg_in))
-                inv_out = torch.where(deg_out > 0, deg_out.clamp_min(1e-30).rsqrt(), torch.zeros_like(deg_out))
-                c = inv_in[self.dst] * inv_out[self.indices]
-            return c if w is None else c * w
-        return self.cached(f"norm:{norm}", build)
+        return self.norm_scales(norm).edge_values(self)
 
     def loop_norm_coefficients(self, norm: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Coefficients of a normalized propagation over ``A + I`` (implicit self loops, weight 1).
+        """float64 ``(edge_coef [E], loop_coef [N])`` of a normalized propagation over ``A + I``
+        (:meth:`norm_scales` with self loops, expanded per edge; ``"sum"`` gives the edge weights,
+        ones when unweighted). Materialized on each call, not cached."""
+        sc = self.norm_scales(norm, self_loops=True)
+        edge = sc.edge_values(self)
+        if edge is None:
+            edge = torch.ones(self.num_edges, dtype=torch.float64, device=self.device)
+        assert sc.loop is not None
+        return edge, sc.loop
 
-        Returns float64 ``(edge_coef [E], loop_coef [N])``: :meth:`norm_coefficients` with every
-        degree counting the vertex's self loop (GCN's renormalization trick). ``"sum"`` gives the
-        edge weights (ones when unweighted) and ones for the loops.
-        """
-        if norm not in ("gcn", "mean", "sum"):
-            raise GraphError(f"norm: unknown normalization {norm!r} with self loops; valid: 'gcn', 'mean', 'sum'")
+    def compact(self) -> "Graph":
+        """This graph with int32 ``indices`` when the sources fit (else itself): the layout training
+        holds. Node data and derived caches that do not depend on the index dtype are shared."""
+        if self.indices.dtype == torch.int32 or self.num_src > _INT32_MAX:
+            return self
+        g = Graph(self.indptr, self.indices.to(torch.int32), self.num_nodes, edge_weight=self.edge_weight,
+                  x=self.x, y=self.y, train_mask=self.train_mask, val_mask=self.val_mask, test_mask=self.test_mask,
+                  num_classes=self._num_classes, name=self.name, validate=False, compact_indices=True)
+        if "is_symmetric" in self._cache:
+            g._cache["is_symmetric"] = self._cache["is_symmetric"]
+        for key, value in self._cache.items():
+            if key.startswith("scales:"):
+                g._cache[key] = value
+        return g
 
-        def build() -> tuple[torch.Tensor, torch.Tensor]:
-            n, dev = self.num_nodes, self.device
-            w = (torch.ones(self.num_edges, dtype=torch.float64, device=dev) if self.edge_weight is None
-                 else self.edge_weight.to(torch.float64))
-            loop = torch.ones(n, dtype=torch.float64, device=dev)
-            if norm == "sum":
-                return w, loop
-            deg_in = torch.zeros(n, dtype=torch.float64, device=dev).index_add_(0, self.dst, w) + 1.0
-            inv_in = 1.0 / deg_in if norm == "mean" else deg_in.rsqrt()
-            if norm == "mean":
-                return w * inv_in[self.dst], inv_in
-            deg_out = torch.zeros(self.num_src, dtype=torch.float64, device=dev).index_add_(0, self.indices, w)
-            deg_out[:n] += 1.0
-            inv_out = torch.where(deg_out > 0, deg_out.clamp_min(1e-30).rsqrt(), torch.zeros_like(deg_out))
-            return inv_in[self.dst] * w * inv_out[self.indices], inv_in * inv_out[:n]
-        return self.cached(f"loop_norm:{norm}", build)
+    def structure_bytes(self) -> int:
+        """Bytes the topology holds now: ``indptr``, ``indices``, ``edge_weight`` and every tensor
+        derived from them and cached (on the graph and on its kernel handles), each storage counted
+        once. Node data (features, labels, masks) is not counted."""
+        seen: set[tuple[int, int]] = set()
+        total = 0
+
+        def walk(v: Any) -> None:
+            nonlocal total
+            if isinstance(v, torch.Tensor):
+                if v.layout != torch.strided:
+                    return
+                st = v.untyped_storage()
+                key = (st.data_ptr(), st.nbytes())
+                if key not in seen and st.nbytes():
+                    seen.add(key)
+                    total += st.nbytes()
+            elif isinstance(v, (tuple, list)):
+                for item in v:
+                    walk(item)
+            elif isinstance(v, dict):
+                for item in v.values():
+                    walk(item)
+            elif isinstance(v, NormScales):
+                walk([v.row, v.col, v.loop])
+            elif isinstance(v, Graph):  # a derived graph (the loop-augmented structure of edge ops)
+                walk([v.indptr, v.indices, v.edge_weight, v._cache, *v._structure_extras()])
+            elif hasattr(v, "cache") and hasattr(v, "indptr"):  # a kernel CSR handle and its caches
+                walk([v.indptr, v.indices, v.cache])
+
+        walk([self.indptr, self.indices, self.edge_weight, self._cache, *self._structure_extras()])
+        return total
+
+    def _structure_extras(self) -> list:
+        """Topology tensors a subclass holds outside the cache (counted by :meth:`structure_bytes`)."""
+        return []
+
+    def cast_scales(self, dtype: torch.dtype) -> None:
+        """Keep the normalization scales in ``dtype`` (the model's), those cached now and those
+        computed later: the runtime casts them once, so a float32 model holds no float64 copy.
+        Values derived from them are dropped."""
+        self._scales_dtype = dtype
+        def cast(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to(dtype)
+        if any(isinstance(v, NormScales) and any(t is not None and t.dtype != dtype for t in (v.row, v.col, v.loop))
+               for v in self._cache.values()):
+            # a new dict: a graph made by replace() may share this one
+            self._cache = {k: NormScales(cast(v.row), cast(v.col), cast(v.loop)) if isinstance(v, NormScales) else v
+                           for k, v in self._cache.items() if not k.startswith("terms:")}
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        # derived structures are rebuilt where the graph is used (a rank process), not shipped
+        state["_cache"] = {k: v for k, v in self._cache.items() if k == "is_symmetric"}
+        return state
 
     # ------------------------------------------------------------------ transformations
     def edge_index(self) -> torch.Tensor:
@@ -619,6 +835,7 @@ class Graph:
             mv(self.indptr), mv(self.indices), self.num_nodes, edge_weight=mv(self.edge_weight),
             x=mv(self.x), y=mv(self.y), train_mask=mv(self.train_mask), val_mask=mv(self.val_mask),
             test_mask=mv(self.test_mask), num_classes=self._num_classes, name=self.name, validate=False,
+            compact_indices=True,
         )
         g._cache = _move_cached(self._cache, device, moved)
         return g
@@ -671,6 +888,8 @@ def _move_cached(value: Any, device: torch.device, moved: dict[int, torch.Tensor
         return moved[id(value)]
     if isinstance(value, Graph):
         return value.to(device)
+    if isinstance(value, NormScales):
+        return NormScales(*(_move_cached(t, device, moved) for t in (value.row, value.col, value.loop)))
     if isinstance(value, (tuple, list)):
         items = [_move_cached(v, device, moved) for v in value]
         return _UNMOVABLE if any(m is _UNMOVABLE for m in items) else type(value)(items)
@@ -692,6 +911,8 @@ class GraphStats:
     ``num_edges`` counts directed edges as stored (an undirected edge counts twice).
     ``degree_skew`` is the sample skewness of the in-degree distribution (0 for regular graphs).
     ``replication`` optionally maps a part count to a measured replication factor alpha.
+    ``symmetric`` (every edge stored in both directions; ``None``: unknown, planned as directed)
+    and ``weighted`` (edge weights stored) size the topology a device holds.
     """
 
     num_nodes: int
@@ -703,6 +924,8 @@ class GraphStats:
     degree_skew: float = math.nan
     replication: Optional[dict[int, float]] = None
     name: str = "stats"
+    symmetric: Optional[bool] = None
+    weighted: bool = False
 
     def __post_init__(self) -> None:
         for field in ("num_nodes", "num_edges", "num_features", "num_classes"):
@@ -728,6 +951,7 @@ class GraphStats:
         return cls(
             num_nodes=n, num_edges=g.num_edges, num_features=g.num_features, num_classes=g.num_classes,
             degree_mean=mean, degree_max=dmax, degree_skew=skew, name=g.name,
+            symmetric=g.is_symmetric() if g.num_edges else True, weighted=g.edge_weight is not None,
         )
 
     @property

@@ -25,7 +25,8 @@ import torch
 from ..errors import GraphError
 from .core import Graph
 from .sampling import SampledBatch, sample_blocks
-from .shard import LocalGraph, propagation_coefficients, segment_ranges, slice_rows
+from .core import NormScales
+from .shard import LocalGraph, propagation_scales, segment_ranges, slice_rows
 
 __all__ = ["epoch_order", "batch_generator", "num_batches", "batch_seeds", "RankStep", "split_step",
            "micro_step", "SampledSteps", "full_blocks"]
@@ -146,12 +147,11 @@ def split_step(graph: Graph, batch: SampledBatch, parts: torch.Tensor, num_parts
         indptr = torch.zeros(dst.numel() + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=indptr[1:])
         indices = local.index_select(0, block.indices.index_select(0, eids))
-        edge_coef = {nm: c.index_select(0, eids) for nm, c in block._norm_coef.items()}
-        loop_coef = {nm: (e.index_select(0, eids), v.index_select(0, dst))
-                     for nm, (e, v) in block._loop_norm_coef.items()}
+        sources = torch.cat([mine[i], halo_src])
+        scales = {k: sc.select(dst, sources) for k, sc in block._scales.items()}
         weight = None if block.edge_weight is None else block.edge_weight.index_select(0, eids)
-        blocks.append(LocalGraph(indptr, indices, int(dst.numel()), int(mine[i].numel() + halo_src.numel()),
-                                 edge_weight=weight, norm_coef=edge_coef, loop_norm_coef=loop_coef,
+        blocks.append(LocalGraph(indptr, indices, int(dst.numel()), int(sources.numel()),
+                                 edge_weight=weight, scales=scales,
                                  name=f"{graph.name}[block {i}, rank {rank}]"))
     seeds = batch.seed_ids.index_select(0, mine[L])
     x = _features(graph, batch.input_ids.index_select(0, mine[0]))
@@ -159,22 +159,20 @@ def split_step(graph: Graph, batch: SampledBatch, parts: torch.Tensor, num_parts
                     int(batch.seed_ids.numel()), [int(m.numel()) for m in mine])
 
 
-def full_blocks(graph: Graph, targets: torch.Tensor, num_layers: int,
-                norms: Sequence[tuple[str, bool]], coefficients: Optional[tuple[dict, dict]] = None) -> SampledBatch:
+def full_blocks(graph: Graph, targets: torch.Tensor, num_layers: int, norms: Sequence[tuple[str, bool]],
+                scales: Optional[dict[tuple[str, bool], NormScales]] = None) -> SampledBatch:
     """The blocks of ``targets``' whole ``num_layers``-hop neighbourhood with the *whole graph's*
-    coefficients: on them a bound model computes exactly what the model computes on ``graph`` at
-    ``targets`` (full-neighbour evaluation). ``coefficients``: ``graph``'s
-    :func:`~gnncompile.graph.shard.propagation_coefficients` of ``norms`` when the caller has them."""
+    normalization: on them a bound model computes exactly what the model computes on ``graph`` at
+    ``targets`` (full-neighbour evaluation). ``scales``: ``graph``'s
+    :func:`~gnncompile.graph.shard.propagation_scales` of ``norms`` when the caller has them."""
     b = sample_blocks(graph, targets, [-1] * num_layers)
-    edge_coef, loop_coef = coefficients or propagation_coefficients(graph, sorted(set(norms)))
+    scales = scales if scales is not None else propagation_scales(graph, norms)
     blocks = []
-    for i, (block, eids) in enumerate(zip(b.blocks, b.edge_ids)):
-        dst = b.dst_ids(i)
+    for i, block in enumerate(b.blocks):
+        dst, src = b.dst_ids(i), b.src_ids[i]
         blocks.append(LocalGraph(block.indptr, block.indices, block.num_nodes, block.num_src,
                                  edge_weight=block.edge_weight,
-                                 norm_coef={nm: c.index_select(0, eids) for nm, c in edge_coef.items()},
-                                 loop_norm_coef={nm: (e.index_select(0, eids), v.index_select(0, dst))
-                                                 for nm, (e, v) in loop_coef.items()},
+                                 scales={k: sc.select(dst, src) for k, sc in scales.items()},
                                  name=f"{graph.name}[full block {i}]"))
     return SampledBatch(blocks, b.src_ids, b.edge_ids)
 

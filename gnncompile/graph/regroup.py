@@ -49,7 +49,8 @@ import torch
 
 from ..errors import GraphError
 from .core import Graph
-from .shard import LocalGraph, chunk_edges, chunk_subgraph, dropout_positions, propagation_coefficients, slice_rows
+from .core import NormScales
+from .shard import LocalGraph, chunk_edges, chunk_subgraph, dropout_positions, propagation_scales, slice_rows
 
 __all__ = ["ChunkRegrouping", "RegroupedInputs", "EpochInputs"]
 
@@ -66,7 +67,7 @@ class ChunkRegrouping:
     ``base_order`` (vertex ids; ``None``: the identity); ``bounds``: subgraph ``j`` is positions
     ``[bounds[j], bounds[j + 1])`` of the epoch's vertex order; ``norms``: the ``(norm,
     add_self_loops)`` pairs of the model's propagations, whose coefficients each epoch computes over
-    its kept edges (:meth:`coefficients`); ``reads``: ``"earlier"`` (a subgraph reads subgraphs
+    its kept edges (:meth:`scales`); ``reads``: ``"earlier"`` (a subgraph reads subgraphs
     ``0..j`` and skips the later ones: NeutronTask) or ``"all"`` (every in-edge, the later subgraphs
     from historical embeddings: GNNPipe's chunk shuffling).
     """
@@ -113,41 +114,32 @@ class ChunkRegrouping:
             return torch.cat([self.base_order[b[c]:b[c + 1]] for c in self.chunk_order(epoch).tolist()])
         return torch.cat([torch.arange(b[c], b[c + 1]) for c in self.chunk_order(epoch).tolist()])
 
-    def subgraph(self, order: torch.Tensor, j: int, coefficients: Optional[tuple[dict, dict]] = None
+    def subgraph(self, order: torch.Tensor, j: int, scales: Optional[dict[tuple[str, bool], NormScales]] = None
                  ) -> tuple[LocalGraph, torch.Tensor]:
         """Subgraph ``j`` of the vertex order ``order``: its vertices, their in-edges from subgraphs
         ``0..j`` (every subgraph when :attr:`reads` is ``"all"``; sources numbered in that order),
         and those edges' ids in the whole graph.
-        ``coefficients``: ``(edge_coef, loop_coef)`` indexed by the whole graph's edges
-        (default: ``coefficients(order)``, computed again on every call)."""
-        edge, loop = coefficients if coefficients is not None else self.coefficients(order)
-        return chunk_subgraph(self.graph, self.bounds, j, self._reads(j), edge, loop, order)
+        ``scales``: the normalization scales by the whole graph's vertex ids
+        (default: ``scales(order)``, computed again on every call)."""
+        scales = scales if scales is not None else self.scales(order)
+        return chunk_subgraph(self.graph, self.bounds, j, self._reads(j), scales, order)
 
     def _reads(self, j: int) -> range:
         return range(self.num_subgraphs) if self.reads == "all" else range(j + 1)
 
-    def coefficients(self, order: Optional[torch.Tensor]) -> tuple[dict[str, torch.Tensor],
-                                                                   dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """The normalization coefficients of the propagations (:attr:`norms`) in an epoch's vertex
-        ``order``, indexed by the whole graph's edges: those of the graph of the epoch's kept edges
-        (zero on the skipped ones); ``order=None`` or :attr:`reads` ``"all"``: the whole graph's."""
+    def scales(self, order: Optional[torch.Tensor]) -> dict[tuple[str, bool], NormScales]:
+        """The normalization scales of the propagations (:attr:`norms`) in an epoch's vertex
+        ``order``, by the whole graph's vertex ids: those of the graph of the epoch's kept edges
+        (their degrees); ``order=None`` or :attr:`reads` ``"all"``: the whole graph's."""
         g = self.graph
         if order is None or self.reads == "all":
-            return propagation_coefficients(g, self.norms)
+            return propagation_scales(g, self.norms)
         kept = self._kept(order)
         indptr = torch.zeros(g.num_nodes + 1, dtype=torch.int64)
         torch.cumsum(torch.bincount(g.dst.cpu()[kept], minlength=g.num_nodes), 0, out=indptr[1:])
         epoch_graph = Graph(indptr, g.indices.cpu()[kept], g.num_nodes, validate=False,
                             edge_weight=None if g.edge_weight is None else g.edge_weight.cpu()[kept])
-        edge, loop = propagation_coefficients(epoch_graph, self.norms)
-
-        def widen(c: torch.Tensor) -> torch.Tensor:
-            out = c.new_zeros(g.num_edges)
-            out[kept] = c
-            return out
-
-        return ({nm: widen(c) for nm, c in edge.items()},
-                {nm: (widen(per_edge), per_vertex) for nm, (per_edge, per_vertex) in loop.items()})
+        return propagation_scales(epoch_graph, self.norms)
 
     def kept_edges(self, epoch: int) -> torch.Tensor:
         """Which edges of the whole graph ``epoch`` trains (bool per edge, CSR order)."""
@@ -240,7 +232,7 @@ class RegroupedInputs:
         b = rg.bounds
         out: dict[int, dict[str, Any]] = {}
         graphs = any(k == "graph" for per in self.needs.values() for k in per.values())
-        coefficients = rg.coefficients(order) if graphs else None
+        scales = rg.scales(order) if graphs else None
         for j, per in sorted(self.needs.items()):
             ids = order[b[j]:b[j + 1]]
             d: dict[str, Any] = {}
@@ -248,7 +240,7 @@ class RegroupedInputs:
             eids: Optional[torch.Tensor] = None
             for name, kind in per.items():
                 if kind == "graph" and sub is None:
-                    sub, eids = rg.subgraph(order, j, coefficients)
+                    sub, eids = rg.subgraph(order, j, scales)
                 elif kind in ("E", "E+V") and eids is None:  # the edge ids alone: no graph slice
                     eids = chunk_edges(rg.graph, b, j, rg._reads(j), order)
                 if kind == "graph":

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from ..errors import GraphError
-from .core import Graph
-from .shard import LocalGraph, propagation_coefficients, segment_ranges
+from .core import Graph, NormScales
+from .shard import LocalGraph, segment_ranges
 
 __all__ = ["SampledBatch", "sample_blocks", "sample_in_edges"]
 
@@ -108,9 +108,10 @@ def sample_blocks(graph: Graph, seeds: Any, fanouts: Sequence[int], *,
         indptr = torch.zeros(dst.numel() + 1, dtype=torch.int64, device=device)
         torch.cumsum(counts, 0, out=indptr[1:])
         weight = None if graph.edge_weight is None else graph.edge_weight.index_select(0, eids)
-        edge_coef, loop_coef = _block_coefficients(indptr, local_src, dst.numel(), src.numel(), weight, norms)
-        blocks.append(LocalGraph(indptr, local_src, dst.numel(), src.numel(), edge_weight=weight,
-                                 norm_coef=edge_coef, loop_norm_coef=loop_coef, name=f"{graph.name}[block {layer}]"))
+        block = LocalGraph(indptr, local_src, dst.numel(), src.numel(), edge_weight=weight,
+                           name=f"{graph.name}[block {layer}]")
+        block._scales = _block_scales(block, norms)
+        blocks.append(block)
         src_ids.append(src)
         edge_ids.append(eids)
         dst = src
@@ -176,29 +177,13 @@ def _relabel(src_global: torch.Tensor, dst: torch.Tensor, num_nodes: int) -> tup
     return torch.cat([dst, new]), local.index_select(0, src_global)
 
 
-def _block_coefficients(indptr: torch.Tensor, indices: torch.Tensor, num_dst: int, num_src: int,
-                        weight: Optional[torch.Tensor], norms: Sequence[tuple[str, bool]]
-                        ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """A block's normalization coefficients from its own degrees, by the whole-graph formulas of
-    :class:`Graph`.
-
-    Without self loops the block is viewed as a square graph over its sources whose rows past
-    ``num_dst`` are empty (same degrees, same coefficients). With self loops it is viewed as a
-    :class:`LocalGraph`, so only the destinations (the first ``num_dst`` sources) get a loop.
-    """
-    edge_norms = [(nm, loops) for nm, loops in norms if not loops]
-    loop_norms = [nm for nm, loops in norms if loops and nm in ("gcn", "mean", "sum")]
-    edge_coef: dict[str, torch.Tensor] = {}
-    if edge_norms:
-        pad = indptr[-1:].expand(num_src - num_dst)
-        square = Graph(torch.cat([indptr, pad]), indices, num_src, edge_weight=weight, validate=False)
-        edge_coef, _ = propagation_coefficients(square, edge_norms)
-    loop_coef: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    if loop_norms:
-        structure = LocalGraph(indptr, indices, num_dst, num_src, edge_weight=weight)
-        # the base-class formula: LocalGraph's own method only looks up precomputed coefficients
-        loop_coef = {nm: Graph.loop_norm_coefficients(structure, nm) for nm in loop_norms}
-    return edge_coef, loop_coef
+def _block_scales(block: LocalGraph, norms: Sequence[tuple[str, bool]]) -> dict[tuple[str, bool], NormScales]:
+    """A block's normalization scales from its own degrees, by the whole-graph formulas of
+    :class:`Graph` (:meth:`Graph.norm_scales`): in-degrees of its destinations, out-degrees of its
+    sources, and with self loops a loop for each destination (the first sources)."""
+    # the base-class formula: LocalGraph's own method only looks up precomputed scales
+    return {(nm, bool(loops)): Graph._norm_scales(block, nm, bool(loops)) for nm, loops in norms
+            if nm in ("gcn", "mean")}
 
 
 def _check_fanouts(fanouts: Sequence[int]) -> list[int]:

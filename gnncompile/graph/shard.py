@@ -7,7 +7,7 @@ Given a vertex -> part map, rank ``r``'s :class:`Shard` holds
   owner rank then global id; local id ``len(owned) + j`` is ``halo[j]``;
 - ``graph``: a :class:`LocalGraph`: every in-edge of every owned vertex (so destination-side
   reductions such as softmax over in-edges and mean aggregation are complete), with sources in
-  local ids. Normalization coefficients are those of the *global* graph (a halo source's degree is
+  local ids. Normalization scales are those of the *global* graph (a halo source's degree is
   its global degree), computed once from the global graph and sliced;
 - ``send_index[q]`` / ``recv_count[q]``: the local ids of the rows rank ``q`` needs from this
   rank (in ``q``'s halo order) and the number of halo rows this rank receives from ``q``.
@@ -26,9 +26,10 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from ..errors import GraphError
-from .core import Graph
+from .core import Graph, NormScales, _compact_index
 
-__all__ = ["LocalGraph", "Shard", "build_shards", "slice_rows", "global_rows", "row_value_positions", "segment_ranges"]
+__all__ = ["LocalGraph", "Shard", "build_shards", "slice_rows", "global_rows", "row_value_positions", "segment_ranges",
+           "propagation_scales"]
 
 
 class LocalGraph(Graph):
@@ -36,58 +37,63 @@ class LocalGraph(Graph):
 
     ``num_nodes`` is the number of owned vertices (rows of every V-space tensor on the rank);
     ``num_src`` adds the halo rows (rows of the input of a propagation or ``gather_src``).
-    Normalization coefficients come from the global graph (``norm_coef`` / ``loop_norm_coef``,
-    keyed by norm name, float64), so propagation on the local graph computes exactly the global
-    propagation's rows of the owned vertices. ``own_offset``: where the owned vertices' own rows
-    start among the sources (their self loops read rows ``own_offset .. own_offset + num_nodes``;
-    0 for a shard, the chunk's position for a graph chunk whose sources are whole chunks in order).
+    Normalization scales come from the global graph (``scales``: :class:`~.core.NormScales` keyed
+    by ``(norm, self_loops)``, sliced to the local destinations and sources), so propagation on the
+    local graph computes exactly the global propagation's rows of the owned vertices; ``"sum"`` /
+    ``"none"`` need none. Indices are int32 whenever the sources fit (the compact layout).
+    ``own_offset``: where the owned vertices' own rows start among the sources (their self loops
+    read rows ``own_offset .. own_offset + num_nodes``; 0 for a shard, the chunk's position for a
+    graph chunk whose sources are whole chunks in order).
     """
 
     def __init__(self, indptr: torch.Tensor, indices: torch.Tensor, num_nodes: int, num_src: int, *,
-                 edge_weight: Optional[torch.Tensor] = None, norm_coef: Optional[dict] = None,
-                 loop_norm_coef: Optional[dict] = None, name: str = "local", own_offset: int = 0,
-                 **node_data) -> None:
-        super().__init__(indptr, indices, num_nodes, edge_weight=edge_weight, name=name, validate=False, **node_data)
+                 edge_weight: Optional[torch.Tensor] = None,
+                 scales: Optional[dict[tuple[str, bool], NormScales]] = None, name: str = "local",
+                 own_offset: int = 0, **node_data) -> None:
+        super().__init__(indptr, _compact_index(torch.as_tensor(indices), int(num_src)), num_nodes,
+                         edge_weight=edge_weight, name=name, validate=False, compact_indices=True, **node_data)
         self._num_src = int(num_src)
         self.own_offset = int(own_offset)
         if not 0 <= self.own_offset <= self._num_src - self.num_nodes:
             raise GraphError(f"local graph {name!r}: own rows at {self.own_offset} do not fit in "
                              f"{self._num_src} sources")
-        self._norm_coef = dict(norm_coef or {})
-        self._loop_norm_coef = dict(loop_norm_coef or {})
+        self._scales = {(nm, bool(loops)): sc for (nm, loops), sc in (scales or {}).items()}
 
     @property
     def num_src(self) -> int:
         return self._num_src
 
-    def is_symmetric(self) -> bool:
-        return False
-
-    def norm_coefficients(self, norm: str) -> Optional[torch.Tensor]:
-        if norm in ("sum", "none"):
-            return self.edge_weight
+    def norm_scales(self, norm: str, self_loops: bool = False) -> NormScales:
         try:
-            return self._norm_coef[norm]
+            return self._scales[(norm, bool(self_loops))]
         except KeyError:
-            raise GraphError(f"local graph {self.name!r}: no {norm!r} coefficients were precomputed for it "
-                             f"(have {sorted(self._norm_coef) or 'none'}); the lowering computes the norms the "
-                             "model uses") from None
+            if norm in ("sum", "none"):  # degree-free: computed locally
+                return super().norm_scales(norm, self_loops)
+            what = " with self loops" if self_loops else ""
+            have = ", ".join(f"{nm}{' (loops)' if lp else ''}" for nm, lp in sorted(self._scales)) or "none"
+            raise GraphError(f"local graph {self.name!r}: no {norm!r} normalization{what} was precomputed for it "
+                             f"(have {have}); the lowering computes the norms the model uses") from None
 
-    def loop_norm_coefficients(self, norm: str) -> tuple[torch.Tensor, torch.Tensor]:
-        try:
-            return self._loop_norm_coef[norm]
-        except KeyError:
-            raise GraphError(f"local graph {self.name!r}: no {norm!r} coefficients with self loops were "
-                             f"precomputed (have {sorted(self._loop_norm_coef) or 'none'})") from None
+    def _structure_extras(self) -> list:
+        return list(self._scales.values())
+
+    def cast_scales(self, dtype: torch.dtype) -> None:
+        """Keep the normalization scales in ``dtype`` (the model's): the runtime casts them once,
+        so a float32 model holds no float64 copy. Cached values derived from them are dropped."""
+        def cast(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to(dtype)
+        if any(t is not None and t.dtype != dtype for sc in self._scales.values() for t in (sc.row, sc.col, sc.loop)):
+            self._scales = {k: NormScales(cast(sc.row), cast(sc.col), cast(sc.loop)) for k, sc in self._scales.items()}
+            self._cache = {k: v for k, v in self._cache.items() if not k.startswith("terms:")}
+        super().cast_scales(dtype)
 
     def to(self, device: torch.device | str) -> "LocalGraph":
-        """A copy on ``device`` (structure, node data and the precomputed coefficients)."""
+        """A copy on ``device`` (structure, node data and the precomputed scales)."""
         def mv(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if t is None else t.to(device)
         return LocalGraph(
             mv(self.indptr), mv(self.indices), self.num_nodes, self.num_src, edge_weight=mv(self.edge_weight),
-            norm_coef={k: mv(v) for k, v in self._norm_coef.items()},
-            loop_norm_coef={k: (mv(a), mv(b)) for k, (a, b) in self._loop_norm_coef.items()}, name=self.name,
+            scales={k: v.to(device) for k, v in self._scales.items()}, name=self.name,
             own_offset=self.own_offset,
             x=mv(self.x), y=mv(self.y), train_mask=mv(self.train_mask), val_mask=mv(self.val_mask),
             test_mask=mv(self.test_mask), num_classes=self._num_classes)
@@ -96,10 +102,6 @@ class LocalGraph(Graph):
         return (f"LocalGraph(name={self.name!r}, owned={self.num_nodes:,}, halo={self.num_src - self.num_nodes:,}, "
                 f"edges={self.num_edges:,})")
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_cache"] = {}  # caches are rebuilt where the graph is used (e.g. in the rank process)
-        return state
 
 
 @dataclass
@@ -175,10 +177,8 @@ def build_shards(graph: Graph, parts: torch.Tensor, num_parts: int,
         raise GraphError(f"parts: expected shape [{n}] (one part per vertex), got {list(parts.shape)}")
     if n and (int(parts.min()) < 0 or int(parts.max()) >= num_parts):
         raise GraphError(f"parts: ids must be in [0, {num_parts}), got range [{int(parts.min())}, {int(parts.max())}]")
-    norms = sorted(set(norms))
-    edge_coef = {nm: graph.norm_coefficients(nm) for nm, loops in norms if not loops and nm in ("gcn", "mean")}
-    loop_coef = {nm: graph.loop_norm_coefficients(nm) for nm, loops in norms if loops and nm in ("gcn", "mean", "sum")}
-    indptr, indices = graph.indptr.cpu(), graph.indices.cpu()
+    scales = propagation_scales(graph, norms)
+    indptr, indices = graph.indptr.cpu(), graph.indices.cpu().to(torch.int64)
     deg = indptr[1:] - indptr[:-1]
     owned_all = [torch.nonzero(parts == r).flatten() for r in range(num_parts)]
 
@@ -206,8 +206,7 @@ def build_shards(graph: Graph, parts: torch.Tensor, num_parts: int,
         lg = LocalGraph(
             local_indptr, local_src, owned.numel(), owned.numel() + halo.numel(),
             edge_weight=None if graph.edge_weight is None else graph.edge_weight.cpu()[eids],
-            norm_coef={nm: c.cpu()[eids] for nm, c in edge_coef.items()},
-            loop_norm_coef={nm: (c[0].cpu()[eids], c[1].cpu()[owned]) for nm, c in loop_coef.items()},
+            scales={k: sc.select(owned, torch.cat([owned, halo])) for k, sc in scales.items()},
             name=f"{graph.name}[rank {r}]", **node_data)
         shards.append(Shard(rank=r, owned=owned, halo=halo, halo_owner=halo_owner, graph=lg, edge_ids=eids))
 
@@ -256,7 +255,7 @@ def dropout_positions(space: str, graph: Graph, rows: torch.Tensor,
 
 
 def chunk_subgraph(graph: Graph, bounds: Sequence[int], j: int, reads: Sequence[int],
-                   edge_coef: Optional[dict] = None, loop_coef: Optional[dict] = None,
+                   scales: Optional[dict[tuple[str, bool], NormScales]] = None,
                    order: Optional[torch.Tensor] = None) -> tuple[LocalGraph, torch.Tensor]:
     """Chunk ``j`` of a vertex order cut at ``bounds``: its destinations, with their in-edges whose
     sources lie in the chunks ``reads`` (ascending, ``j`` included), and those edges' ids in
@@ -264,9 +263,8 @@ def chunk_subgraph(graph: Graph, bounds: Sequence[int], j: int, reads: Sequence[
 
     ``order`` (position -> vertex id; ``None``: the identity) is the vertex order the chunks cut;
     ``graph`` keeps its own vertex ids. Sources are numbered as the concatenation of the chunks
-    ``reads`` in that order (the chunk's own rows start at ``own_offset``). ``edge_coef`` /
-    ``loop_coef``: the whole graph's normalization coefficients (per edge; per edge and per vertex
-    with self loops), sliced to the chunk's edges and destinations.
+    ``reads`` in that order (the chunk's own rows start at ``own_offset``). ``scales``: the whole
+    graph's :func:`propagation_scales`, sliced to the chunk's destinations and sources.
     """
     b = torch.as_tensor(list(bounds), dtype=torch.int64)
     lo, hi = int(b[j]), int(b[j + 1])
@@ -278,11 +276,14 @@ def chunk_subgraph(graph: Graph, bounds: Sequence[int], j: int, reads: Sequence[
         width += int(b[k + 1] - b[k])
     local_indptr = torch.zeros(hi - lo + 1, dtype=torch.int64)
     torch.cumsum(torch.bincount(dst, minlength=hi - lo), 0, out=local_indptr[1:])
+    sources = torch.cat([torch.arange(int(b[k]), int(b[k + 1])) for k in reads]) if reads else \
+        torch.zeros(0, dtype=torch.int64)
+    if order is not None:
+        sources = order.cpu()[sources]
     local = LocalGraph(
         local_indptr, local_start[of] + (pos - b[of]), hi - lo, width,
         edge_weight=None if graph.edge_weight is None else graph.edge_weight.cpu()[eids],
-        norm_coef={nm: c.cpu()[eids] for nm, c in (edge_coef or {}).items()},
-        loop_norm_coef={nm: (c[0].cpu()[eids], c[1].cpu()[ids]) for nm, c in (loop_coef or {}).items()},
+        scales={k: sc.select(ids, sources) for k, sc in (scales or {}).items()},
         name=f"{graph.name}[chunk {j}]", own_offset=int(local_start[j]))
     return local, eids
 
@@ -322,13 +323,9 @@ def _chunk_edges(graph: Graph, b: torch.Tensor, j: int, reads: Sequence[int], or
     return ids, eids, dst, pos, of
 
 
-def propagation_coefficients(graph: Graph, norms: Iterable[tuple[str, bool]]
-                             ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """The whole graph's normalization coefficients the model's propagations use (``norms``:
-    ``(norm, add_self_loops)`` pairs), as :func:`chunk_subgraph` takes them: per-edge ones, and
-    with self loops per-edge and per-vertex ones."""
-    norms = set(norms)
-    edge_coef = {nm: graph.norm_coefficients(nm) for nm, loops in norms if not loops and nm in ("gcn", "mean")}
-    loop_coef = {nm: graph.loop_norm_coefficients(nm) for nm, loops in norms
-                 if loops and nm in ("gcn", "mean", "sum")}
-    return edge_coef, loop_coef
+def propagation_scales(graph: Graph, norms: Iterable[tuple[str, bool]]) -> dict[tuple[str, bool], NormScales]:
+    """The whole graph's normalization scales the model's propagations use (``norms``:
+    ``(norm, add_self_loops)`` pairs; the degree-free ``"sum"`` and ``"none"`` need none), keyed as
+    :class:`LocalGraph` takes them."""
+    return {(nm, bool(loops)): graph.norm_scales(nm, bool(loops)).to("cpu") for nm, loops in sorted(set(norms))
+            if nm in ("gcn", "mean")}

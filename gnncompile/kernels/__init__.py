@@ -2,8 +2,11 @@
 
 Two products cover every P op and the backward of every P op:
 
-- ``spmm(csr, values, x)``: ``out[r] = sum_{e in row r} values[e] * x[col[e]]`` (per head when
-  ``values`` is ``[E, H]`` and ``x`` is ``[N, H, C]``).
+- ``spmm(csr, values, x, row_scale=, col_scale=)``:
+  ``out[r] = row_scale[r] * sum_{e in row r} values[e] * col_scale[col[e]] * x[col[e]]`` (per head
+  when ``values`` is ``[E, H]`` and ``x`` is ``[N, H, C]``; a missing factor is 1). The per-vertex
+  scales carry degree normalizations (GCN's ``D^-1/2 A D^-1/2``, mean's ``D^-1 A``), so a
+  normalized product needs no per-edge array.
 - ``sddmm(csr, a, b)``: ``w[e] = <a[row(e)], b[col[e]]>`` (per head), the gradient of SpMM
   with respect to its edge values.
 
@@ -58,7 +61,8 @@ __all__ = [
 class CSR:
     """A CSR structure (rows = destinations) plus per-backend derived data cached on it.
 
-    ``indptr``: int64 ``[rows + 1]``; ``indices``: int64 ``[E]`` column (source) ids.
+    ``indptr``: int64 ``[rows + 1]``; ``indices``: int32 or int64 ``[E]`` column (source) ids
+    (graphs store int32 whenever the columns fit).
     """
 
     indptr: torch.Tensor
@@ -88,6 +92,17 @@ class CSR:
             return self.indptr, self.indices
         return self.cached(f"index:{device}", lambda: (self.indptr.to(device), self.indices.to(device)))
 
+    def matched(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(indptr, indices)`` on ``device`` with one index dtype (what torch's and SciPy's CSR
+        constructors need): int32 offsets when the indices are int32 and the edge count fits, else
+        int64 indices. Only the converted array is copied (once, cached)."""
+        indptr, indices = self.on(device)
+        if indptr.dtype == indices.dtype:
+            return indptr, indices
+        if indices.dtype == torch.int32 and self.nnz <= _INT32_MAX:
+            return self.cached(f"indptr32:{device}", lambda: indptr.to(torch.int32)), indices
+        return indptr, self.cached(f"indices64:{device}", lambda: indices.to(torch.int64))
+
 
 # --------------------------------------------------------------------------- helpers
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -109,7 +124,12 @@ def _split_heads(values: Optional[torch.Tensor], x: torch.Tensor) -> tuple[torch
     return _as_rows(x).contiguous(), heads, tail
 
 
-def _check(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor) -> None:
+def _check(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, row_scale: Optional[torch.Tensor],
+           col_scale: Optional[torch.Tensor]) -> None:
+    for name, t, n in (("row_scale", row_scale, csr.num_rows), ("col_scale", col_scale, csr.num_cols)):
+        if t is not None and (t.dim() != 1 or t.shape[0] != n or t.dtype != x.dtype or t.device != x.device):
+            raise KernelError(f"spmm: {name} must be a 1-d {x.dtype} tensor of {n} entries on {x.device}; got "
+                              f"{t.dtype} {list(t.shape)} on {t.device}")
     if x.shape[0] != csr.num_cols:
         raise KernelError(f"spmm: x has {x.shape[0]} rows but the sparse matrix has {csr.num_cols} columns")
     if values is not None:
@@ -209,12 +229,15 @@ def _require_cpu(backend: str, *tensors: torch.Tensor) -> None:
                               "or 'cupy' backend for CUDA tensors (kernels.set_default_backend(None) picks by device)")
 
 
-def _spmm_native(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def _spmm_native(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor,
+                 row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     _require_cpu("native", x, csr.indptr)
     mod = _load_native()
     x2, heads, tail = _split_heads(values, x)
     vals = None if values is None else values.contiguous()
-    out = mod.spmm(csr.indptr, _native_index(csr), vals, x2, heads, 0)
+    rs = None if row_scale is None else row_scale.contiguous()
+    cs = None if col_scale is None else col_scale.contiguous()
+    out = mod.spmm(csr.indptr, _native_index(csr), vals, x2, heads, 0, rs, cs)
     return out.reshape((csr.num_rows,) + tail)
 
 
@@ -230,7 +253,7 @@ def _sddmm_native(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> tor
 def _torch_csr(csr: CSR, values: Optional[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if values is None:
         values = csr.cached(f"torch:ones:{dtype}:{device}", lambda: torch.ones(csr.nnz, dtype=dtype, device=device))
-    indptr, indices = csr.on(device)
+    indptr, indices = csr.matched(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
         return torch.sparse_csr_tensor(indptr, indices, values, size=(csr.num_rows, csr.num_cols),
@@ -277,8 +300,8 @@ def _spmm_scipy(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor) -> to
 
     _require_cpu("scipy", x, csr.indptr)
     x2, heads, tail = _split_heads(values, x)
-    ip = csr.cached("scipy:indptr", lambda: csr.indptr.numpy())
-    ix = csr.cached("scipy:indices", lambda: csr.indices.numpy())
+    ip_t, ix_t = csr.matched(torch.device("cpu"))
+    ip, ix = ip_t.numpy(), ix_t.numpy()
     xn = x2.detach().numpy()
 
     def mat(v: Optional[torch.Tensor]):
@@ -487,16 +510,27 @@ def default_backend(device: str | torch.device = "cpu") -> str:
         return "torch"
 
 
-def spmm(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
-    """``out[r] = sum_{e in row r} values[e] * x[col[e]]``; ``values=None`` means all ones.
+def spmm(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, backend: Optional[str] = None, *,
+         row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out[r] = row_scale[r] * sum_{e in row r} values[e] * col_scale[col[e]] * x[col[e]]``;
+    ``values=None`` means all ones, a missing scale means 1.
 
     ``x`` is ``[num_cols, ...]``; with ``values`` of shape ``[E, H]`` (H > 1) ``x`` must be
-    ``[num_cols, H, C]`` and head ``h`` is weighted by ``values[:, h]``. Returns
-    ``[num_rows, ...]``. Not differentiable by itself: :mod:`gnncompile.ops` wraps it.
+    ``[num_cols, H, C]`` and head ``h`` is weighted by ``values[:, h]``. The scales are 1-d, of
+    ``x``'s dtype and device. Returns ``[num_rows, ...]``. The ``native`` backend applies the
+    scales inside the product; the others scale ``x``'s rows before it (a temporary of ``x``'s
+    size) and the result's rows after. Not differentiable by itself: :mod:`gnncompile.ops` wraps it.
     """
-    _check(csr, values, x)
+    _check(csr, values, x, row_scale, col_scale)
     name = _validate_name(backend) if backend else default_backend(x.device)
-    return BACKENDS[name][0](csr, values, x)
+    if name == "native":
+        return _spmm_native(csr, values, x, row_scale, col_scale)
+    if col_scale is not None:
+        x = x * col_scale.reshape((-1,) + (1,) * (x.dim() - 1))
+    out = BACKENDS[name][0](csr, values, x)
+    if row_scale is not None:
+        out = out.mul_(row_scale.reshape((-1,) + (1,) * (out.dim() - 1)))
+    return out
 
 
 def sddmm(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int = 1, backend: Optional[str] = None) -> torch.Tensor:

@@ -79,29 +79,34 @@ def column_subset(csr: CSR, values: Optional[torch.Tensor], keep_cols: torch.Ten
 
 
 def masked_spmm(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, keep_rows: torch.Tensor,
-                backend: Optional[str] = None, index_cost: Optional[float] = None) -> torch.Tensor:
-    """``spmm(csr, values, x)`` computed only for the rows where ``keep_rows`` (bool ``[rows]``) is true.
+                backend: Optional[str] = None, index_cost: Optional[float] = None, *,
+                row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``spmm(csr, values, x, row_scale=, col_scale=)`` computed only for the rows where
+    ``keep_rows`` (bool ``[rows]``) is true.
 
     The other rows of the result are zero (not the product). The row subset is built when the
     kept fraction is below ``1 - index_cost / width`` (default :data:`FORWARD_INDEX_COST`;
     ``index_cost=0`` builds it whenever a row is dropped).
     """
+    scales = dict(row_scale=row_scale, col_scale=col_scale)
     n = csr.num_rows
     kept = int(keep_rows.sum())
     cost = FORWARD_INDEX_COST if index_cost is None else index_cost
     if not _use_subset(kept, n, math.prod(x.shape[1:]), cost):
-        out = spmm(csr, values, x, backend)
+        out = spmm(csr, values, x, backend, **scales)
         if kept == n:
             return out
         shape = (n,) + (1,) * (out.dim() - 1)
         return out.masked_fill_(~keep_rows.reshape(shape), 0)
     sub, sub_values = row_subset(csr, values, keep_rows)
-    return spmm(sub, sub_values, x, backend)
+    return spmm(sub, sub_values, x, backend, **scales)
 
 
 def masked_spmm_t(csr_t: CSR, values_t: Optional[torch.Tensor], g: torch.Tensor, keep_rows: torch.Tensor,
-                  backend: Optional[str] = None, index_cost: Optional[float] = None) -> torch.Tensor:
-    """``spmm(csr_t, values_t, g)`` when only the rows ``keep_rows`` of ``g`` are nonzero.
+                  backend: Optional[str] = None, index_cost: Optional[float] = None, *,
+                  row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``spmm(csr_t, values_t, g, row_scale=, col_scale=)`` when only the rows ``keep_rows`` of
+    ``g`` are nonzero.
 
     ``csr_t`` is the transposed structure (its columns index the rows of ``g``). Exact whenever the
     rows of ``g`` outside ``keep_rows`` are zero; entries reading them are dropped. The subset is
@@ -109,7 +114,8 @@ def masked_spmm_t(csr_t: CSR, values_t: Optional[torch.Tensor], g: torch.Tensor,
     :data:`BACKWARD_INDEX_COST`; ``index_cost=0`` builds it whenever a row is dropped).
     """
     cost = BACKWARD_INDEX_COST if index_cost is None else index_cost
+    scales = dict(row_scale=row_scale, col_scale=col_scale)
     if not _use_subset(int(keep_rows.sum()), csr_t.num_cols, math.prod(g.shape[1:]), cost):
-        return spmm(csr_t, values_t, g, backend)
+        return spmm(csr_t, values_t, g, backend, **scales)
     sub, sub_values = column_subset(csr_t, values_t, keep_rows)
-    return spmm(sub, sub_values, g, backend)
+    return spmm(sub, sub_values, g, backend, **scales)

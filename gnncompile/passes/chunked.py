@@ -16,7 +16,7 @@ split, ``cols`` split, or whole ``chunks`` dealt round robin) and the chunking; 
    across chunks (:func:`stage_reads`);
 2. each chunk's **graph slice** (:func:`chunk_graph`): the chunk's destinations and their
    in-edges, sources renumbered into the order the stage concatenates its source chunks (ascending;
-   self loops read the chunk's own rows at its offset), normalization coefficients of the whole
+   self loops read the chunk's own rows at its offset), normalization scales of the whole
    graph;
 3. the **blocks** a group's member holds and reads of a chunk's value (:func:`held_block`,
    :func:`needed_block`), whose intersections are the point-to-point messages that
@@ -45,16 +45,16 @@ import torch
 from ..cost_models.model import op_time
 from ..cost_models.specs import DeviceSpec
 from ..errors import PlanningError
-from ..graph.core import Graph, GraphStats
+from ..graph.core import Graph, GraphStats, NormScales
 from ..graph.regroup import ChunkRegrouping, RegroupedInputs
-from ..graph.shard import LocalGraph, chunk_edges, chunk_subgraph, dropout_positions, propagation_coefficients, \
+from ..graph.shard import LocalGraph, chunk_edges, chunk_subgraph, dropout_positions, propagation_scales, \
     slice_rows
 from ..ir.plan import RankSizes, StageSpec
 from ..ir.tpgraph import TPGraph
 from .driver import Job
 from .lower import Decisions, StagedModel, propagation_norms, source_input, split_stages
 
-__all__ = ["Chunking", "chunk_bounds", "chunk_reads", "chunk_graph", "chunk_edge_ids", "propagation_coefficients",
+__all__ = ["Chunking", "chunk_bounds", "chunk_reads", "chunk_graph", "chunk_edge_ids", "propagation_scales",
            "GROUP_LAYOUTS", "Group", "Placement", "Block", "held_block", "needed_block", "intersect", "slab",
            "stage_groups", "stage_reads", "with_reads", "historical_reads", "contiguous_runs", "stage_times",
            "pipeline_sources", "PipelineSplit", "split_pipeline", "group_parameters", "ChunkInputs"]
@@ -114,17 +114,16 @@ class Chunking:
         return max((max(r) - j for j, r in enumerate(self.reads)), default=0)
 
 
-def chunk_graph(graph: Graph, chunking: Chunking, j: int, edge_coef: dict[str, torch.Tensor],
-                loop_coef: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> LocalGraph:
+def chunk_graph(graph: Graph, chunking: Chunking, j: int, scales: dict[tuple[str, bool], NormScales]) -> LocalGraph:
     """Chunk ``j``'s destinations with their in-edges from the chunks ``reads[j]`` (all of them
     unless a relaxed chunking dropped some); sources numbered in ``reads[j]`` order (the chunk's own
     rows at ``own_offset``).
 
-    ``graph`` is in the chunking's vertex order; ``edge_coef`` / ``loop_coef`` its normalization
-    coefficients (what the model's propagations use), sliced to the chunk's edges
+    ``graph`` is in the chunking's vertex order; ``scales`` its normalization scales (what the
+    model's propagations use), sliced to the chunk's vertices
     (:func:`~gnncompile.graph.shard.chunk_subgraph`).
     """
-    return chunk_subgraph(graph, chunking.bounds, j, chunking.reads[j], edge_coef, loop_coef)[0]
+    return chunk_subgraph(graph, chunking.bounds, j, chunking.reads[j], scales)[0]
 
 
 def chunk_edge_ids(graph: Graph, chunking: Chunking, j: int) -> torch.Tensor:
@@ -439,7 +438,7 @@ class ChunkInputs:
         self.ordered = job.graph if ordered is None else ordered
         if chunking.order is not None and ordered is None:
             raise PlanningError("a reordered chunking needs the reordered graph")
-        self.coefficients = propagation_coefficients(self.ordered, propagation_norms(job.tp, job.tp_eval))
+        self.scales = propagation_scales(self.ordered, propagation_norms(job.tp, job.tp_eval))
         self.conv_out = {c.output: c.value for c in staged.conversions} | \
             {c.output: c.value for c in staged_eval.conversions}
         self.model_inputs = {"x", *job.dropout_inputs}
@@ -485,7 +484,7 @@ class ChunkInputs:
                             d = chunk_inputs.setdefault(m, {})
                             if u == "g":
                                 if m not in self.graphs:
-                                    self.graphs[m] = chunk_graph(self.ordered, chunking, m, *self.coefficients)
+                                    self.graphs[m] = chunk_graph(self.ordered, chunking, m, self.scales)
                                 d["g"] = self.graphs[m]
                             elif base in self.model_inputs and u not in d:
                                 d[u] = self.block(base, m)

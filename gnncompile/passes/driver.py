@@ -32,6 +32,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from ..errors import PassError, PlanningError
+from ..frontend.ops import call_arguments, is_primitive, propagation_calls
 from ..graph.core import Graph, GraphStats
 from ..ir.plan import AllReduce, DevicePlan, Instruction, OptimizerStep, ParamPlacement, Plan, RankProgram, RankSizes, \
     Schedule, StageSpec, StepInputs
@@ -269,6 +270,37 @@ def lower(strategy: Strategy, tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Mod
     return _complete(job, strategy, options, out)
 
 
+def _topology_info(job: Job, ranks: list[RankLowering]) -> dict[str, Any]:
+    """What the cost model needs to size a rank's topology in the runtime's compact layout
+    (:func:`~gnncompile.graph.core.topology_bytes`): whether the graph is symmetric (its whole
+    structure then serves backward products too) and weighted, whether the model computes edge
+    values (attention: an edge permutation and each edge's destination are held), which degree
+    normalizations it uses (per-vertex scales), and for a concrete graph the graphs each rank
+    holds (``graphs[rank]``: ``[destinations, sources, edges, symmetric]`` per graph)."""
+    stats = job.stats
+    if job.concrete:
+        symmetric, weighted = job.graph.is_symmetric(), job.graph.edge_weight is not None
+    else:
+        symmetric, weighted = bool(stats.symmetric), bool(stats.weighted)
+    calls = list(propagation_calls(*(tp.graph for tp in (job.tp, job.tp_eval))))
+    norms = {(a["norm"], bool(a["add_self_loops"])) for _, a in calls
+             if a["edge_weight"] is None and a["norm"] in ("gcn", "mean")}
+    edge_ops = [call_arguments(n) for n in job.tp.ops(("E",)) if n.op == "call_function" and is_primitive(n.target)]
+    edge_values = bool(edge_ops) or any(a["edge_weight"] is not None for _, a in calls)
+    edge_loops = any(a.get("add_self_loops") for a in edge_ops)
+    info = {"nodes": stats.num_nodes, "symmetric": symmetric, "weighted": weighted, "edge_values": edge_values,
+            "edge_loops": edge_loops, "norms": [[nm, loops] for nm, loops in sorted(norms)]}
+    if job.concrete:
+        held = []
+        for rl in sorted(ranks, key=lambda rl: rl.rank):
+            stores = [rl.step.get("inputs", {}), *rl.step.get("chunk_inputs", {}).values()]
+            graphs = {id(v): v for store in stores for v in store.values() if isinstance(v, Graph)}
+            held.append([[g.num_nodes, g.num_src, g.num_edges, g.num_src == g.num_nodes and g.is_symmetric()]
+                         for g in graphs.values()])
+        info["graphs"] = held
+    return info
+
+
 def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lowered) -> Plan:
     """The plan passes after a strategy's lowering: gradient reduction, optimizer step, FREE;
     then the plan, its predicted bytes and the rank programs."""
@@ -292,7 +324,7 @@ def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lower
         "graph": str(stats), "model": type(job.model).__name__, "output": staged.output, "inputs": job.inputs,
         "params": job.numel, "param_tensors": sum(1 for p in job.params if p.requires_grad),
         "param_dtype": job.param_dtype, "features": stats.num_features, "classes": stats.num_classes,
-        "halo_rows": [0] * job.num_ranks, **out.info,
+        "halo_rows": [0] * job.num_ranks, "topology": _topology_info(job, out.ranks), **out.info,
     }
     x = job.graph.x if job.concrete else None
     if x is not None and x.layout == torch.sparse_csr and x.shape[0]:

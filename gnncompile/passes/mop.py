@@ -48,7 +48,7 @@ from ..graph.reorder import bandwidth, permute, rcm_order
 from ..graph.shard import dropout_positions, slice_rows
 from ..ir.plan import RankSizes, Schedule, converted_name
 from ..ir.tpgraph import TPGraph
-from .chunked import Chunking, Group, Placement, chunk_bounds, chunk_graph, chunk_reads, propagation_coefficients, \
+from .chunked import Chunking, Group, Placement, chunk_bounds, chunk_graph, chunk_reads, propagation_scales, \
     stage_groups, stage_reads, with_reads
 from .driver import Job, Lowered, RankLowering
 from .lower import StagedModel, propagation_norms, requires_grad_values, source_input, split_stages, value_dims
@@ -208,8 +208,8 @@ def lower_mop(job: Job, options: MopOptions) -> Lowered:
 
     chunk_graphs: dict[int, Any] = {}
     if job.concrete:
-        edge_coef, loop_coef = propagation_coefficients(ordered, propagation_norms(job.tp, job.tp_eval))
-        chunk_graphs = {j: chunk_graph(ordered, chunking, j, edge_coef, loop_coef) for j in range(K)}
+        scales = propagation_scales(ordered, propagation_norms(job.tp, job.tp_eval))
+        chunk_graphs = {j: chunk_graph(ordered, chunking, j, scales) for j in range(K)}
     ranks = []
     for r in range(num_ranks):
         which = "cols" if r in two.cols else "rows"

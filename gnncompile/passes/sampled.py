@@ -34,7 +34,7 @@ from ..frontend.blocks import bind_blocks, block_input_names, block_norms
 from ..graph.core import GraphStats
 from ..graph.minibatch import SampledSteps, full_blocks
 from ..graph.presample import split_stats
-from ..graph.shard import propagation_coefficients, slice_rows
+from ..graph.shard import propagation_scales, slice_rows
 from ..ir.plan import HaloExchange, Instruction, RankSizes, Schedule
 from ..ir.tpgraph import TPGraph
 from .driver import Job, Lowered, RankLowering
@@ -192,14 +192,14 @@ def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: in
 
     order = list_schedule(compute_deps(staged))
     order_eval = list_schedule(compute_deps(staged_eval, training=False))
-    # evaluation reads the whole graph's coefficients: computed once for every rank's blocks
-    coefficients = propagation_coefficients(sources[0].graph, norms) if job.concrete else None
+    # evaluation reads the whole graph's scales: computed once for every rank's blocks
+    scales = propagation_scales(sources[0].graph, norms) if job.concrete else None
     ranks = []
     for r in range(n):
         step: dict[str, Any] = {}
         if job.concrete:
             graph, ev = job.graph, eval_targets[r]
-            fb = full_blocks(sources[r].graph, ev, len(names), norms, coefficients)
+            fb = full_blocks(sources[r].graph, ev, len(names), norms, scales)
             empty = (tuple(torch.zeros(0, dtype=torch.int64) for _ in group), (0,) * n)
             masks = {m: None if getattr(graph, f"{m}_mask") is None
                      else getattr(graph, f"{m}_mask").cpu().index_select(0, ev) for m in ("train", "val", "test")}

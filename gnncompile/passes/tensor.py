@@ -97,7 +97,7 @@ from ..graph.shard import dropout_positions, slice_rows
 from ..frontend.ops import dropout_rows, masked_propagate, propagate
 from ..ir.plan import AllGather, AllToAll, Instruction, RankSizes, Schedule, converted_name
 from ..ir.tpgraph import TPGraph, TPInfo
-from .chunked import Chunking, Group, chunk_bounds, chunk_graph, chunk_reads, propagation_coefficients, \
+from .chunked import Chunking, Group, chunk_bounds, chunk_graph, chunk_reads, propagation_scales, \
     stage_groups, stage_reads, with_reads
 from .driver import Job, Lowered, RankLowering
 from .lower import Conversion, Decisions, StagedModel, call_arguments, propagation_norms, source_input, \
@@ -431,8 +431,8 @@ def _lower_chunked(job: Job, options: TensorOptions) -> Lowered:
     eval_stages = tuple(with_reads(s, reads_eval.get(s.index, {}), labels_eval[s.index]) for s in staged_eval.stages)
     graphs: dict[int, Any] = {}
     if job.concrete:
-        edge_coef, loop_coef = propagation_coefficients(graph, propagation_norms(job.tp, job.tp_eval))
-        graphs = {j: chunk_graph(graph, chunking, j, edge_coef, loop_coef) for j in range(K)}
+        scales = propagation_scales(graph, propagation_norms(job.tp, job.tp_eval))
+        graphs = {j: chunk_graph(graph, chunking, j, scales) for j in range(K)}
     ranks = []
     for r in range(n):
         step: dict[str, Any] = {}

@@ -109,13 +109,18 @@ def register_rank_state(name: str, get: StateGetter, set_: StateSetter) -> None:
 
 
 def tensor_hash(*tensors: Optional[torch.Tensor]) -> str:
-    """A short SHA-256 of the tensors' bytes (a graph's ``indptr`` and ``indices``, for fingerprints)."""
+    """A short SHA-256 of the tensors' bytes (a graph's ``indptr`` and ``indices``, for fingerprints).
+
+    Integer tensors are hashed as int64, so a compact (int32) and a wide copy of one structure agree.
+    """
     h = hashlib.sha256()
     for t in tensors:
         if t is None:
             h.update(b"none")
             continue
         t = t.detach().cpu().contiguous()
+        if t.dtype == torch.int32:
+            t = t.to(torch.int64)
         h.update(str((t.dtype, tuple(t.shape))).encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:16]

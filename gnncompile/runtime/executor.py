@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch.autograd.graph import _engine_run_backward
 
 from ..errors import RuntimeFailure, VerificationError
-from ..frontend.ops import MaskCache, dropout_noise
+from ..graph.core import Graph
+from ..frontend.ops import MaskCache, dropout_noise, prepare_graph
 from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, Instruction,
                        OptimizerStep, Plan, RankProgram, Recompute, Recv, ReduceScatter, Send, StageSpec, member_rows,
                        resolve_shape)
@@ -102,6 +103,9 @@ class RankResult:
     num_owned: int = 0
     checkpoint_time: list[float] = field(default_factory=list)
     restore_time: Optional[float] = None
+    #: bytes the rank's graph inputs hold after its first training step (structure, weights and
+    #: everything derived from them and cached: :meth:`gnncompile.Graph.structure_bytes`)
+    topology_bytes: int = 0
 
     def time_by_kind(self) -> dict[str, float]:
         """Total time per instruction kind (``F``, ``B``, ``HALO``, ``AR``...) over all steps."""
@@ -861,6 +865,26 @@ def _accumulate(store: dict, name: Any, g: torch.Tensor) -> None:
     store[name] = g if name not in store else store[name] + g
 
 
+def _input_graphs(provider: StepInputProvider) -> list[Graph]:
+    """The graphs among the rank's program inputs (its own and its chunks'), each once."""
+    stores = [provider.step.inputs, *provider.step.chunk_inputs.values()]
+    return list({id(v): v for store in stores for v in store.values() if isinstance(v, Graph)}.values())
+
+
+def _prepare_graphs(prog: RankProgram, provider: StepInputProvider, dtype: torch.dtype) -> None:
+    """Build the graphs' derived structures before the first step (resident topology, not the
+    step's memory or time): :func:`~gnncompile.frontend.ops.prepare_graph` for the rank's programs."""
+    graphs = [m.graph for m in (*prog.modules.values(), *prog.eval_modules.values()) if hasattr(m, "graph")]
+    for g in _input_graphs(provider):
+        prepare_graph(g, graphs, dtype)
+
+
+def _topology_bytes(provider: StepInputProvider) -> int:
+    """Bytes held by the graphs among the rank's program inputs (its own and its chunks'), with
+    their caches: :meth:`~gnncompile.graph.Graph.structure_bytes` of each."""
+    return sum(g.structure_bytes() for g in _input_graphs(provider))
+
+
 def _sampled_epoch(rank: "_Rank", prog: RankProgram, provider: StepInputProvider, loss_fn: Any, epoch: int,
                    timeline: list, optimizer: torch.optim.Optimizer, captured: Optional[dict],
                    n_train: int) -> torch.Tensor:
@@ -901,6 +925,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
         _move_modules(prog, device)
     params = prog.params
     provider = StepInputProvider(prog.step, device, params[0].dtype if params else None)
+    _prepare_graphs(prog, provider, params[0].dtype if params else torch.get_default_dtype())
     labels, masks, counts = provider.step.labels, provider.step.masks, prog.counts
     n_train = max(counts["train"], 1)
 
@@ -914,7 +939,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     rank = _Rank(prog, ctx, provider)
     timeline: list[TimelineEvent] = []
     epoch_time: list[float] = []
-    peak = 0
+    peak = topology = 0
     history = {"loss": [], "train_acc": [], "val_acc": [], "test_acc": [], "eval_time": []}
     captured: Optional[dict] = {} if capture else None
     owned = {n for n in prog.param_names if prog.placement.holder(n) == ctx.rank}
@@ -967,6 +992,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
             rank.use(provider.evaluation())
         if epoch == start:
             peak = pm.peak_bytes
+            topology = _topology_bytes(provider)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         epoch_time.append(time.perf_counter() - t0)
@@ -1023,6 +1049,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     out = {
         "rank": ctx.rank, "history": history, "epoch_time": epoch_time, "timeline": timeline,
         "sent_to": train_sent, "received_from": train_recv, "comm": cs.as_dict(), "peak_memory": peak,
+        "topology_bytes": topology,
         "num_owned": int(prog.step.owned.numel()) if prog.step.owned is not None else
         int(prog.step.inputs["g"].num_nodes),
         "pid": os.getpid(), "stopped_at": stopped_at, "checkpoint_time": checkpoint_time,
@@ -1336,7 +1363,7 @@ def _run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: flo
             rank=r["rank"], bytes_sent=sum(r["sent_to"].values()), bytes_received=sum(r["received_from"].values()),
             sent_to=r["sent_to"], received_from=r["received_from"], comm=r["comm"], peak_memory=r["peak_memory"],
             timeline=r["timeline"], epoch_time=r["epoch_time"], num_owned=r["num_owned"],
-            checkpoint_time=r["checkpoint_time"], restore_time=r["restore_time"]))
+            checkpoint_time=r["checkpoint_time"], restore_time=r["restore_time"], topology_bytes=r["topology_bytes"]))
     captured = None
     if capture:
         captured = _gather_capture(programs, results)
@@ -1433,7 +1460,7 @@ def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_de
                       sent_to=r["sent_to"], received_from=r["received_from"], comm=r["comm"],
                       peak_memory=r["peak_memory"], timeline=r["timeline"], epoch_time=r["epoch_time"],
                       num_owned=r["num_owned"], checkpoint_time=r["checkpoint_time"],
-                      restore_time=r["restore_time"])
+                      restore_time=r["restore_time"], topology_bytes=r["topology_bytes"])
     return RunResult(history=history, ranks=[rank], plan=plan, placement=placement)
 
 

@@ -14,6 +14,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from ..graph.core import Graph
+from ..graph.shard import LocalGraph
 from ..ir.plan import StepInputs
 
 __all__ = ["StepView", "StepInputProvider"]
@@ -50,12 +52,19 @@ class StepInputProvider:
         self._cast([self.step.inputs, *self.step.chunk_inputs.values()])
 
     def _cast(self, stores: Any) -> None:
-        """Dense features in the parameters' dtype (the model computes in it)."""
+        """Dense features and the graphs' normalization scales in the parameters' dtype (the model
+        computes in it)."""
         for store in stores:
             x = store.get("x")
             if isinstance(x, torch.Tensor) and x.layout == torch.strided and self.dtype is not None \
                     and x.dtype != self.dtype:
                 store["x"] = x.to(self.dtype)
+            for k, v in list(store.items()):
+                if isinstance(v, Graph):
+                    if not isinstance(v, LocalGraph):  # a whole graph: held compact (int32 indices)
+                        v = store[k] = v.compact()
+                    if self.dtype is not None and self.dtype.is_floating_point:
+                        v.cast_scales(self.dtype)
 
     @property
     def inputs(self) -> dict[str, Any]:

@@ -297,6 +297,7 @@ def train(
         if device.index is None:  # the current GPU, named, so the graph's and the model's devices compare equal
             device = torch.device("cuda", torch.cuda.current_device())
     host = graph if graph.device.type == "cpu" else graph.to("cpu")  # where mini-batches are sampled
+    graph = graph.compact()  # what training holds: int32 indices (the caller's graph is not changed)
     if graph.device != device:
         graph = graph.to(device)
     model = model.to(device)

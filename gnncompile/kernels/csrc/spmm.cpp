@@ -1,6 +1,8 @@
 // Native CPU kernels for gnncompile's P and E primitives.
 //
-// spmm:   out[v, h, :] = sum_{e in row v} w[e, h] * x[col[e], h, :]     (CSR by destination)
+// spmm:   out[v, h, :] = rs[v] * sum_{e in row v} w[e, h] * cs[col[e]] * x[col[e], h, :]
+//         (CSR by destination; the optional per-vertex scales rs, cs carry degree normalizations,
+//         so a normalized product needs no per-edge array)
 // sddmm:  w[e, h]      = <a[row(e), h, :], b[col[e], h, :]>
 //
 // SpMM on this class of machine is bound by the latency of the random row reads of x, not by DRAM
@@ -111,8 +113,11 @@ enum Mode { kUnweighted = 0, kScalar = 1, kHeads = 2 };
 
 // Accumulate one window of one row. `x` and `out` point at the window's first column; `w` at the
 // weight of (edge 0, head h0), `wstride` apart per edge. kHeads: `groups` heads of width C.
+// `cs` (may be null): a per-column (source) scale multiplying every edge's weight; `rs`: the row's
+// (destination's) scale, applied once to the finished sums (1 leaves them as they are).
 template <typename scalar_t, typename index_t, int C, int MODE, int G = 0>
 inline void spmm_window_row(const index_t* __restrict col, const scalar_t* __restrict w, int64_t wstride,
+                            const scalar_t* __restrict cs, scalar_t rs,
                             const scalar_t* __restrict x, int64_t ld, scalar_t* __restrict out,
                             int64_t beg, int64_t end, int64_t nnz, int64_t pf, int64_t width_rt, int64_t groups_rt) {
   constexpr int64_t kMax = kMaxWindowBytes / sizeof(scalar_t);
@@ -130,13 +135,14 @@ inline void spmm_window_row(const index_t* __restrict col, const scalar_t* __res
 #pragma omp simd
       for (int64_t c = 0; c < total; ++c) acc[c] += xr[c];
     } else if constexpr (MODE == kScalar) {
-      const scalar_t we = w[e * wstride];
+      const scalar_t we = (w ? w[e * wstride] : scalar_t(1)) * (cs ? cs[col[e]] : scalar_t(1));
 #pragma omp simd
       for (int64_t c = 0; c < total; ++c) acc[c] = std::fma(we, xr[c], acc[c]);
     } else {
       const scalar_t* we = w + e * wstride;
+      const scalar_t se = cs ? cs[col[e]] : scalar_t(1);
       for (int64_t g = 0; g < groups; ++g) {
-        const scalar_t wg = we[g];
+        const scalar_t wg = we[g] * se;
         scalar_t* ag = acc + g * width;
         const scalar_t* xg = xr + g * width;
 #pragma omp simd
@@ -145,7 +151,7 @@ inline void spmm_window_row(const index_t* __restrict col, const scalar_t* __res
     }
   }
 #pragma omp simd
-  for (int64_t c = 0; c < total; ++c) out[c] = acc[c];
+  for (int64_t c = 0; c < total; ++c) out[c] = acc[c] * rs;
 }
 
 template <typename F>
@@ -200,6 +206,7 @@ void single_windows(std::vector<Window>& out, int64_t c0, int64_t cols, int64_t 
 
 template <typename scalar_t, typename index_t>
 void spmm_impl(const int64_t* indptr, const index_t* col, const scalar_t* w, int64_t heads,
+               const scalar_t* rscale, const scalar_t* cscale,
                const scalar_t* x, scalar_t* out, int64_t rows, int64_t head_dim, int64_t tile) {
   const int64_t ld = heads * head_dim;
   const int64_t nnz = indptr[rows];
@@ -235,10 +242,11 @@ void spmm_impl(const int64_t* indptr, const index_t* col, const scalar_t* w, int
             constexpr int M = decltype(mode_c)::value;
             constexpr int G = decltype(groups_c)::value;
             for (int64_t r = r0; r < r1; ++r)
-              spmm_window_row<scalar_t, index_t, C, M, G>(col, wh, heads, x + win.c0, ld, out + r * ld + win.c0,
+              spmm_window_row<scalar_t, index_t, C, M, G>(col, wh, heads, cscale, rscale ? rscale[r] : scalar_t(1),
+                                                          x + win.c0, ld, out + r * ld + win.c0,
                                                           indptr[r], indptr[r + 1], nnz, pf, win.width, win.groups);
           };
-          if (w == nullptr)
+          if (w == nullptr && cscale == nullptr)
             dispatch_width(win.width, [&](auto c) { run(c, Int<kUnweighted>{}, Int<1>{}); });
           else if (win.groups == 1)
             dispatch_width(win.width, [&](auto c) { run(c, Int<kScalar>{}, Int<1>{}); });
@@ -340,7 +348,8 @@ void advise_huge_pages(const torch::Tensor& t) {
 // tile > 0 processes the features in tiles of `tile` columns, one parallel pass each (keeps a
 // |V| x tile slab of x in the last-level cache); tile <= 0 makes one pass over all columns.
 torch::Tensor spmm(torch::Tensor indptr, torch::Tensor col, torch::optional<torch::Tensor> weights,
-                   torch::Tensor x, int64_t heads, int64_t tile) {
+                   torch::Tensor x, int64_t heads, int64_t tile, torch::optional<torch::Tensor> row_scale,
+                   torch::optional<torch::Tensor> col_scale) {
   check_csr(indptr, col);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-d tensor");
   TORCH_CHECK(heads >= 1 && x.size(1) % heads == 0, "feature dim must be divisible by heads");
@@ -355,13 +364,23 @@ torch::Tensor spmm(torch::Tensor indptr, torch::Tensor col, torch::optional<torc
                 "weights must be contiguous with the dtype of x");
     TORCH_CHECK(weights->numel() == col.numel() * heads, "weights must have E * heads entries");
   }
+  const bool has_rs = row_scale.has_value() && row_scale->defined();
+  const bool has_cs = col_scale.has_value() && col_scale->defined();
+  if (has_rs)
+    TORCH_CHECK(row_scale->is_contiguous() && row_scale->scalar_type() == x.scalar_type() && row_scale->numel() == rows,
+                "row_scale must be contiguous with the dtype of x and one entry per row");
+  if (has_cs)
+    TORCH_CHECK(col_scale->is_contiguous() && col_scale->scalar_type() == x.scalar_type() &&
+                col_scale->numel() == x.size(0), "col_scale must be contiguous with the dtype of x and one entry per row of x");
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gnncompile_spmm", [&] {
     const scalar_t* wp = has_w ? weights->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* rp = has_rs ? row_scale->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* cp = has_cs ? col_scale->data_ptr<scalar_t>() : nullptr;
     if (col.scalar_type() == torch::kInt32)
-      spmm_impl<scalar_t, int32_t>(indptr.data_ptr<int64_t>(), col.data_ptr<int32_t>(), wp, heads,
+      spmm_impl<scalar_t, int32_t>(indptr.data_ptr<int64_t>(), col.data_ptr<int32_t>(), wp, heads, rp, cp,
                                    x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, head_dim, tile);
     else
-      spmm_impl<scalar_t, int64_t>(indptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(), wp, heads,
+      spmm_impl<scalar_t, int64_t>(indptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(), wp, heads, rp, cp,
                                    x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, head_dim, tile);
   });
   return out;
@@ -393,7 +412,8 @@ torch::Tensor sddmm(torch::Tensor indptr, torch::Tensor col, torch::Tensor a, to
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("spmm", &spmm, "CSR SpMM with optional (multi-head) edge weights and optional feature tiling",
-        py::arg("indptr"), py::arg("indices"), py::arg("weights"), py::arg("x"), py::arg("heads"), py::arg("tile"));
+        py::arg("indptr"), py::arg("indices"), py::arg("weights"), py::arg("x"), py::arg("heads"), py::arg("tile"),
+        py::arg("row_scale") = py::none(), py::arg("col_scale") = py::none());
   m.def("sddmm", &sddmm, "per-edge (multi-head) dot products over CSR", py::arg("indptr"), py::arg("indices"),
         py::arg("a"), py::arg("b"), py::arg("heads"));
 }
