@@ -249,7 +249,9 @@ def test_planning_from_statistics_alone():
     torch.manual_seed(0)
     model = gc.nn.GCN(128, 128, 172, num_layers=3)
     p = gc.plan(model, stats, "8x8xA100-ib200")
-    assert {e.candidate.strategy for e in p.search.ranked} == {"data", "tensor", "mop"}
+    # mop's pipelines are pruned (their step bound exceeds tensor's simulated step) or ranked
+    pruned = {e.candidate.strategy for e in p.search.rejected if e.rejected.startswith("pruned")}
+    assert {e.candidate.strategy for e in p.search.ranked} | pruned == {"data", "tensor", "mop"}
     assert p.program is None  # statistics only: not runnable
     assert p.prediction.fits and p.prediction.max_peak_memory <= 80 * 2**30
     p = gc.plan(model, stats, "8x8xA100-ib200", strategy="data")

@@ -438,10 +438,20 @@ def all_to_all_time(send_bytes: Sequence[float], recv_bytes: Sequence[float], ba
     for i, (s, r) in enumerate(zip(send, recv)):
         _nonneg(f"send_bytes[{i}]", s)
         _nonneg(f"recv_bytes[{i}]", r)
+    peers = sum(1 for s, r in zip(send, recv) if s or r)
+    return all_to_all_totals_time(peers, sum(send), sum(recv), bandwidth, latency)
+
+
+def all_to_all_totals_time(peers: int, send_total: float, recv_total: float, bandwidth: float,
+                           latency: float) -> float:
+    """:func:`all_to_all_time` from its totals: ``peers`` exchanged with (a non-empty send or
+    receive), ``send_total`` / ``recv_total`` bytes sent and received in all."""
+    _nonneg("peers", peers)
+    _nonneg("send_total", send_total)
+    _nonneg("recv_total", recv_total)
     _pos("bandwidth", bandwidth)
     _nonneg("latency", latency)
-    peers = sum(1 for s, r in zip(send, recv) if s or r)
-    return peers * latency + max(sum(send), sum(recv), 0) / bandwidth
+    return peers * latency + max(send_total, recv_total, 0) / bandwidth
 
 
 def halo_exchange_time(send_rows: Sequence[int], recv_rows: Sequence[int], width: int, bandwidth: float,

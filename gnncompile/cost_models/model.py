@@ -389,7 +389,8 @@ class PlanCost:
         self.masks = _plan_masks(plan)  # the dropout masks of every rank, for the ranks' liveness walks
         self.devices = [cluster.rank_device(r) for r in range(plan.num_ranks)]
         self._p2p_times: dict[tuple[bool, tuple[int, ...], str], float] = {}  # (same node, shape, dtype)
-        self._a2a_times: dict[tuple, float] = {}  # (group, member, shapes, dtype, grad)
+        self._a2a_totals: dict[tuple[int, int], _ShapeTotals] = {}  # by the ids of the shape tuples
+        self._group_index: dict[tuple[int, ...], dict[int, int]] = {}  # group -> rank -> position
         self._links: dict[tuple[int, ...], Any] = {}  # group -> its slowest link
         self._stage_times: dict[tuple, float] = {}  # (device id, sizes, stage id, backward) -> seconds
         self._costs: list[dict[Instruction, Cost]] = [self._rank_costs(dp) for dp in plan.ranks]
@@ -702,30 +703,57 @@ def _p2p_transfer(pc: PlanCost, rank: int, inst: Union[Send, Recv]) -> float:
 
 
 def _halo_transfer(pc: PlanCost, rank: int, inst: HaloExchange) -> float:
-    link = pc._group_link(inst.group)
-    es = _elsize(inst.dtype)
-    out = [r * inst.width * es for r in inst.send_rows]
-    into = [r * inst.width * es for r in inst.recv_rows]
+    """A halo exchange: :func:`~.formulas.all_to_all_time` of ``rows * width`` elements per peer
+    (the row totals computed once per pair of row tuples: a rank's exchanges repeat them layer after layer)."""
+    key = (id(inst.send_rows), id(inst.recv_rows))
+    totals = pc._a2a_totals.get(key)
+    if totals is None or totals.shapes[0] is not inst.send_rows or totals.shapes[1] is not inst.recv_rows:
+        totals = pc._a2a_totals[key] = _ShapeTotals(inst.send_rows, inst.recv_rows)
+    per_row = inst.width * _elsize(inst.dtype)
+    out, into = totals.send_total * per_row, totals.recv_total * per_row
     if inst.grad:
         out, into = into, out
-    return formulas.all_to_all_time(out, into, link.bandwidth, link.latency)
+    link = pc._group_link(inst.group)
+    return formulas.all_to_all_totals_time(totals.peers if per_row else 0, out, into, link.bandwidth, link.latency)
+
+
+class _ShapeTotals:
+    """Elements per peer of an all-to-all's send and receive shapes (or a halo exchange's rows),
+    their totals and the number of peers with a non-empty send or receive: computed once per pair
+    of tuples (the lowerings share one tuple between the instructions of a conversion), so each
+    member's time is O(1)."""
+
+    def __init__(self, send_shapes: tuple, recv_shapes: tuple) -> None:
+        self.shapes = (send_shapes, recv_shapes)
+        self.send = [math.prod(s) if isinstance(s, tuple) else int(s) for s in send_shapes]
+        self.recv = [math.prod(s) if isinstance(s, tuple) else int(s) for s in recv_shapes]
+        if len(self.send) != len(self.recv):
+            raise PlanningError(f"all-to-all: {len(self.send)} send shapes but {len(self.recv)} receive shapes")
+        if min(self.send, default=0) < 0 or min(self.recv, default=0) < 0:
+            raise PlanningError(f"all-to-all: negative sizes in {send_shapes!r} / {recv_shapes!r}")
+        self.send_total, self.recv_total = sum(self.send), sum(self.recv)
+        self.peers = sum(1 for s, r in zip(self.send, self.recv) if s or r)
 
 
 def _all_to_all_transfer(pc: PlanCost, rank: int, inst: AllToAll) -> float:
+    """One member's part of an all-to-all (:func:`~.formulas.all_to_all_time`, its own entry excluded)."""
     group = inst.group
-    # chunk-level all-to-alls repeat their shapes chunk after chunk
-    key = (group, group.index(rank), inst.send_shapes, inst.recv_shapes, inst.dtype, inst.grad)
-    t = pc._a2a_times.get(key)
-    if t is None:
-        link = pc._group_link(group)
-        es = _elsize(inst.dtype)
-        me = group.index(rank)
-        out = [0 if j == me else math.prod(s) * es for j, s in enumerate(inst.send_shapes)]
-        into = [0 if j == me else math.prod(s) * es for j, s in enumerate(inst.recv_shapes)]
-        if inst.grad:
-            out, into = into, out
-        t = pc._a2a_times[key] = formulas.all_to_all_time(out, into, link.bandwidth, link.latency)
-    return t
+    index = pc._group_index.get(group)
+    if index is None:
+        index = pc._group_index[group] = {r: j for j, r in enumerate(group)}
+    key = (id(inst.send_shapes), id(inst.recv_shapes))
+    totals = pc._a2a_totals.get(key)
+    if totals is None or totals.shapes[0] is not inst.send_shapes or totals.shapes[1] is not inst.recv_shapes:
+        totals = pc._a2a_totals[key] = _ShapeTotals(inst.send_shapes, inst.recv_shapes)
+    me = index[rank]
+    es = _elsize(inst.dtype)
+    own_s, own_r = totals.send[me], totals.recv[me]
+    out, into = (totals.send_total - own_s) * es, (totals.recv_total - own_r) * es
+    if inst.grad:
+        out, into = into, out
+    link = pc._group_link(group)
+    return formulas.all_to_all_totals_time(totals.peers - (1 if own_s or own_r else 0), out, into, link.bandwidth,
+                                           link.latency)
 
 
 def _all_reduce_transfer(pc: PlanCost, rank: int, inst: AllReduce) -> float:

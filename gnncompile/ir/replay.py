@@ -223,6 +223,7 @@ def replay(plan: Plan, seconds: Callable[[int, int], float], *,
     sites: dict[Hashable, dict[int, int]] = defaultdict(dict)
     expected: dict[Hashable, tuple[int, ...]] = {}
     counts: dict[Hashable, int] = defaultdict(int)
+    valid_groups: dict[tuple[int, ...], frozenset[int]] = {}  # a group's members (empty: not a valid group)
     for r, prog in enumerate(progs):
         for i, inst in enumerate(prog):
             rl = rules[r][i]
@@ -237,7 +238,11 @@ def replay(plan: Plan, seconds: Callable[[int, int], float], *,
                 expected[key] = pair
             elif rl.kind == "collective":
                 group = tuple(inst.group)
-                if r not in group or not all(0 <= m < n for m in group) or len(set(group)) != len(group):
+                members = valid_groups.get(group)
+                if members is None:  # checked once per group (every member's instructions name it)
+                    ok = all(0 <= m < n for m in group) and len(set(group)) == len(group)
+                    members = valid_groups[group] = frozenset(group) if ok else frozenset()
+                if r not in members:
                     raise VerificationError(f"rank {r} step {i} `{inst}`: group {group} must hold distinct ranks "
                                             f"of this {n}-rank plan, including rank {r}")
                 k = counts["coll", group, r]

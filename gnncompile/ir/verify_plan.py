@@ -68,6 +68,7 @@ Communication volume (:class:`PlanReport`) is counted from each rank's own instr
 from __future__ import annotations
 
 import functools
+import math
 import typing
 from collections import Counter, defaultdict
 from dataclasses import dataclass, fields
@@ -75,7 +76,7 @@ from typing import Any, Iterable, Optional
 
 from ..errors import VerificationError
 from .dataflow import effects
-from .plan import Backward, DevicePlan, Instruction, Plan, StageSpec, StepSize, human_bytes
+from .plan import AllToAll, Backward, DevicePlan, Instruction, Plan, StageSpec, StepSize, human_bytes
 from .replay import instruction_window, replay
 from .rules import MESSAGE_FIELDS, MissingRuleError, elsize, rule
 
@@ -164,12 +165,32 @@ def plan_bytes(plan: Plan) -> tuple[list[float], list[float]]:
     """Bytes every rank sends and receives in one training step: the sum of its instructions'
     volumes (their rules' ``volume``), the accounting :func:`verify_plan` reports, without its checks."""
     sent, recv = [0.0] * plan.num_ranks, [0.0] * plan.num_ranks
+    totals: dict[int, tuple[tuple, int]] = {}  # id(shapes) -> (shapes, total elements): ranks share shape tuples
     for dp in plan.ranks:
         for inst in dp.instructions:
-            out, into = _volume(inst, dp.rank)
+            if type(inst) is AllToAll and inst.send_shapes and inst.recv_shapes:
+                out, into = _all_to_all_volume(inst, dp.rank, totals)
+            else:
+                out, into = _volume(inst, dp.rank)
             sent[dp.rank] += out
             recv[dp.rank] += into
     return sent, recv
+
+
+def _all_to_all_volume(inst: AllToAll, rank: int, totals: dict[int, tuple[tuple, int]]) -> tuple[float, float]:
+    """The all-to-all's volume (its rule's, :mod:`gnncompile.ir.rules`) in O(1) per shape tuple seen
+    before: the elements of every member's shape but the rank's own (a local copy)."""
+    def total(shapes: tuple) -> int:
+        hit = totals.get(id(shapes))
+        if hit is None or hit[0] is not shapes:
+            hit = totals[id(shapes)] = (shapes, sum(math.prod(s) for s in shapes))
+        return hit[1]
+
+    es = elsize(inst.dtype)
+    me = inst.group.index(rank)
+    out = (total(inst.send_shapes) - math.prod(inst.send_shapes[me])) * es
+    into = (total(inst.recv_shapes) - math.prod(inst.recv_shapes[me])) * es
+    return (float(into), float(out)) if inst.grad else (float(out), float(into))
 
 
 # --------------------------------------------------------------------------- errors
@@ -252,6 +273,7 @@ def _check_structure(plan: Plan, chunks: int, check_types: bool = True) -> None:
     n = plan.num_ranks
     if n == 0:
         raise VerificationError("plan has no ranks")
+    alone: set[str] = set()  # instructions that passed the checks of their own (ranks repeat them)
     for pos, dp in enumerate(plan.ranks):
         if not isinstance(dp, DevicePlan):
             raise VerificationError(f"plan.ranks[{pos}] is a {type(dp).__name__}, not a DevicePlan")
@@ -273,17 +295,22 @@ def _check_structure(plan: Plan, chunks: int, check_types: bool = True) -> None:
         for i, inst in enumerate(dp.instructions):
             if not isinstance(inst, Instruction):
                 raise VerificationError(f"rank {dp.rank} step {i}: {inst!r} is not an Instruction")
-            problem = (check_types and _type_problem(inst)) or _instruction_problem(inst, dp.rank, n, chunks, indices)
+            key = repr(inst)  # not the instruction: True == 1, and a malformed field may be unhashable
+            problem = None
+            if key not in alone:
+                problem = (check_types and _type_problem(inst)) or _instruction_problem(inst, chunks)
+                if not problem:
+                    alone.add(key)
+            problem = problem or _rule_problem(inst, dp.rank, n, indices)
             if problem:
                 raise _fail(dp, i, problem)
 
 
-def _instruction_problem(inst: Instruction, rank: int, n: int, chunks: int,
-                         stages: dict[int, StageSpec]) -> Optional[str]:
-    """What is structurally wrong with ``inst`` issued by ``rank`` (None if nothing): the checks common
-    to every instruction, then its rule's ``problem``."""
+def _instruction_problem(inst: Instruction, chunks: int) -> Optional[str]:
+    """What is structurally wrong with ``inst`` wherever it is issued (None if nothing): the checks
+    common to every instruction (its rule, chunk, dtype and shapes)."""
     try:
-        r = rule(inst)
+        rule(inst)
     except MissingRuleError as e:
         return str(e)
     chunk = getattr(inst, "chunk", 0)
@@ -294,7 +321,12 @@ def _instruction_problem(inst: Instruction, rank: int, n: int, chunks: int,
     shapes = [getattr(inst, "shape", ()), *getattr(inst, "send_shapes", ()), *getattr(inst, "recv_shapes", ())]
     if any(d < 0 for shape in shapes for d in shape):
         return "shapes must not have negative dimensions"
-    return r.problem(inst, rank, n, stages)
+    return None
+
+
+def _rule_problem(inst: Instruction, rank: int, n: int, stages: dict[int, StageSpec]) -> Optional[str]:
+    """What is wrong with ``inst`` issued by ``rank`` of ``n`` with ``stages``: its rule's ``problem``."""
+    return rule(inst).problem(inst, rank, n, stages)
 
 
 # --------------------------------------------------------------------------- 2. accounting

@@ -200,7 +200,8 @@ def lower_mop(job: Job, options: MopOptions) -> Lowered:
     place, place_eval = two.placement(groups), two.placement(groups_eval)
     order = list_schedule(compute_deps(staged, K, reads), place.resource)
     order_eval = list_schedule(compute_deps(staged_eval, K, reads_eval, training=False), place_eval.resource)
-    train_progs = insert_messages(staged, order, place, chunking, reads, dims, set())
+    sizes = {r: _sizes(two, chunking, stats, r) for r in range(num_ranks)}
+    train_progs = insert_messages(staged, order, place, chunking, reads, dims, set(), sizes=sizes)
     eval_progs = insert_messages(staged_eval, order_eval, place_eval, chunking, reads_eval, dims_eval, set())
 
     def stages_of(st: StagedModel, g: dict[int, str], rd: dict, which: str) -> tuple:
@@ -215,21 +216,14 @@ def lower_mop(job: Job, options: MopOptions) -> Lowered:
         which = "cols" if r in two.cols else "rows"
         step: dict[str, Any] = {}
         if which == "cols":
-            sizes = RankSizes(nodes=stats.num_nodes, edges=stats.num_edges, src=stats.num_nodes,
-                              all_nodes=stats.num_nodes, col_share_ppm=round(1e6 / len(two.cols)), chunks=K,
-                              feature_rows=0, trains=0)
             if job.concrete:
                 step = dict(inputs={}, chunk_inputs={j: {"g": chunk_graphs[j]} for j in range(K)}, halo=((), ()),
                             labels=None, masks={"train": None, "val": None, "test": None},
                             owned=torch.zeros(0, dtype=torch.long))
-        else:
-            i = two.rows.index(r)
-            rows = sum(hi - lo for k in range(K) for lo, hi in [two.sub_rows(chunking, k)[i]])
-            sizes = RankSizes(nodes=rows, src=rows, chunks=K)
-            if job.concrete:
-                step = _dense_step(job, two, chunking, i)
+        elif job.concrete:
+            step = _dense_step(job, two, chunking, two.rows.index(r))
         ranks.append(RankLowering(
-            rank=r, stages=stages_of(staged, groups, reads, which), instructions=list(train_progs[r]), sizes=sizes,
+            rank=r, stages=stages_of(staged, groups, reads, which), instructions=list(train_progs[r]), sizes=sizes[r],
             eval_stages=stages_of(staged_eval, groups_eval, reads_eval, which),
             eval_instructions=tuple(eval_progs[r]), step=step))
     info = {"sparse_ranks": list(two.cols), "dense_ranks": list(two.rows),
@@ -240,6 +234,18 @@ def lower_mop(job: Job, options: MopOptions) -> Lowered:
     return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=[(two.rows, job.numel)],
                    schedule=Schedule("chunk pipeline", K, "list-scheduled"), info=info, options={"chunks": K},
                    frees=True, program=dict(groups=tuple(g for g in (two.rows, two.cols) if len(g) > 1)))
+
+
+def _sizes(two: TwoGroups, chunking: Chunking, stats: GraphStats, r: int) -> RankSizes:
+    """Rank ``r``'s sizes: a sparse rank aggregates every vertex on its share of the columns, a dense
+    rank updates its rows of every chunk."""
+    K = chunking.num_chunks
+    if r in two.cols:
+        return RankSizes(nodes=stats.num_nodes, edges=stats.num_edges, src=stats.num_nodes, all_nodes=stats.num_nodes,
+                         col_share_ppm=round(1e6 / len(two.cols)), chunks=K, feature_rows=0, trains=0)
+    i = two.rows.index(r)
+    rows = sum(hi - lo for k in range(K) for lo, hi in [two.sub_rows(chunking, k)[i]])
+    return RankSizes(nodes=rows, src=rows, chunks=K)
 
 
 def _dense_step(job: Job, two: TwoGroups, chunking: Chunking, i: int) -> dict[str, Any]:

@@ -36,17 +36,20 @@ step and inserts FREE.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Callable, Hashable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 from ..errors import PlanningError
-from ..ir.plan import Backward, Forward, Instruction, Recv, Send
+from ..ir.plan import Backward, Forward, Instruction, RankSizes, Recv, Send, StageSpec
 from .chunked import Block, Chunking, Placement, held_block, intersect, needed_block, slab
 from .lower import OUTPUT, Conversion, StagedModel
 
 __all__ = ["Compute", "Order", "Reads", "compute_deps", "list_schedule", "gpipe", "one_f_one_b", "rank_orders",
-           "insert_collectives", "insert_messages"]
+           "insert_collectives", "insert_messages", "MAX_MESSAGES", "StepOutline", "Pruned", "checking_outlines"]
 
 #: A task of the step: a stage's forward or backward on one chunk.
 Compute = Union[Forward, Backward]
@@ -88,13 +91,24 @@ def compute_deps(staged: StagedModel, chunks: int = 1, reads: Optional[Reads] = 
             deps[Forward(st.index, k)] = d
     if not training:
         return deps
+    readers: dict[tuple[int, str], list[list[int]]] = {}  # (stage, input) -> per chunk k, the chunks j reading k
+
+    def reading(s2: int, name: str, k: int) -> list[int]:
+        inv = readers.get((s2, name))
+        if inv is None:
+            inv = readers[s2, name] = [[] for _ in range(chunks)]
+            for j in range(chunks):
+                for m in dict.fromkeys(_read(reads, s2, name, j)):
+                    inv[m].append(j)
+        return inv[k]
+
     for st in staged.stages:
         for k in range(chunks):
             d = {Forward(st.index, k)}
             for o in st.outputs:
                 for name in [o] + [c.output for c in staged.conversions if c.value == o and c.needs_grad]:
                     for s2 in consumers.get(name, []):
-                        d.update(Backward(s2, j) for j in range(chunks) if k in _read(reads, s2, name, j))
+                        d.update(Backward(s2, j) for j in reading(s2, name, k))
             deps[Backward(st.index, k)] = d
     return deps
 
@@ -146,22 +160,56 @@ def list_schedule(deps: Mapping[Compute, Iterable[Compute]],
                 raise PlanningError(f"schedule: task {t} depends on {d}, which is not a task of the step")
             users[d].append(t)
     end: dict[Compute, float] = {}
+    # per resource, its ready tasks: those whose data arrive after it is free, by (arrival, priority),
+    # and those that could start the moment it is free, by priority; equal keys by readiness order
+    later: dict[Hashable, list[tuple[float, tuple, int, Compute]]] = {}
+    now: dict[Hashable, list[tuple[tuple, int, float, Compute]]] = {}
     free: dict[Hashable, float] = {}
-    ready: list[tuple[float, tuple, Compute]] = [(0.0, priority(t), t) for t in tasks if not remaining[t]]
+    seq = 0
+
+    def make_ready(t: Compute, at: float) -> None:
+        nonlocal seq
+        r = res(t)
+        seq += 1
+        if at <= free.get(r, 0.0):
+            heapq.heappush(now.setdefault(r, []), (priority(t), seq, at, t))
+        else:
+            heapq.heappush(later.setdefault(r, []), (at, priority(t), seq, t))
+
+    for t in tasks:
+        if not remaining[t]:
+            make_ready(t, 0.0)
     out: Order = []
-    while ready:
-        # the task that can start first on its resource (its data ready time vs the resource's free time)
-        i = min(range(len(ready)), key=lambda i: (max(ready[i][0], free.get(res(ready[i][2]), 0.0)), ready[i][1]))
-        at, _, t = ready.pop(i)
-        start = max(at, free.get(res(t), 0.0))
+    while True:
+        # the task that can start first on its resource (its data ready time vs the resource's free
+        # time), ties by priority: a resource's best is its first task ready by the time it is free,
+        # else the first to arrive
+        best: Optional[tuple[tuple, Hashable]] = None
+        for r in set(now) | set(later):
+            if now.get(r):
+                pr, order, _, _ = now[r][0]
+                key = (free.get(r, 0.0), pr, order)
+            elif later.get(r):
+                key = later[r][0][:3]
+            else:
+                continue
+            if best is None or key < best[0]:
+                best = (key, r)
+        if best is None:
+            break
+        (start, _, _), r = best
+        t = heapq.heappop(now[r])[3] if now.get(r) else heapq.heappop(later[r])[3]
         end[t] = start + cost.get(t, 1.0)
-        free[res(t)] = end[t]
+        free[r] = end[t]
+        waiting = later.get(r, [])
+        while waiting and waiting[0][0] <= end[t]:  # ready by the time the resource is free
+            at, pr, order, u = heapq.heappop(waiting)
+            heapq.heappush(now.setdefault(r, []), (pr, order, at, u))
         out.append((start, t))
         for u in users[t]:
             remaining[u] -= 1
             if not remaining[u]:
-                ready.append((max(end[d] + (delay(d, u) if delay is not None else 0.0) for d in deps[u]),
-                              priority(u), u))
+                make_ready(u, max(end[d] + (delay(d, u) if delay is not None else 0.0) for d in deps[u]))
     if len(out) != len(tasks):
         stuck = sorted((t for t in tasks if t not in end), key=priority)
         raise PlanningError(f"schedule: tasks {', '.join(map(str, stuck[:6]))} depend on each other in a cycle")
@@ -248,21 +296,63 @@ class _Edge:
 
 #: The most point-to-point messages one step of a candidate may post: the planner materializes,
 #: costs and simulates every one (a 64-rank MoP step with 8 chunks posts ~200k; with 128 ranks
-#: ~800k, 30 s of planning; with 1024 ranks ~50M, more memory than a planning host has).
+#: ~800k, 30 s of planning; with 1024 ranks ~50M, more memory than a planning host has). The count
+#: is taken before any instruction is made.
 MAX_MESSAGES = 300_000
+
+
+@dataclass(frozen=True)
+class StepOutline:
+    """One training step of a point-to-point lowering, per rank, before its instructions exist.
+
+    ``tasks[r]``: the compute tasks rank ``r`` runs, in its program order; ``sends[r]``: every
+    message it sends, as ``(peer, shape, dtype)`` (the multiset of the step's ``Send`` instructions
+    on ``r``, gradients included); ``stages``: the step's stages by index; ``sizes[r]``: the rank's
+    :class:`~gnncompile.ir.plan.RankSizes` (what its plan will carry). The planner bounds a
+    candidate's step time from it (:func:`checking_outlines`) without materializing its messages.
+    """
+
+    stages: Sequence[StageSpec]
+    tasks: Mapping[int, Sequence[Compute]]
+    sends: Mapping[int, Sequence[tuple[int, tuple[int, ...], str]]]
+    sizes: Mapping[int, RankSizes]
+
+
+class Pruned(PlanningError):
+    """A candidate the planner ruled out from its :class:`StepOutline` (it cannot win), before its
+    messages were materialized; the message says why."""
+
+
+_OUTLINE_CHECK: ContextVar[Optional[Callable[[StepOutline], None]]] = ContextVar("outline_check", default=None)
+
+
+@contextmanager
+def checking_outlines(check: Callable[[StepOutline], None]) -> Iterator[None]:
+    """While active, :func:`insert_messages` hands the outline of every training step it is given
+    sizes for to ``check`` before making its instructions; ``check`` raises :class:`Pruned` to stop
+    the lowering (the planner's bound, :mod:`gnncompile.passes.search`)."""
+    token = _OUTLINE_CHECK.set(check)
+    try:
+        yield
+    finally:
+        _OUTLINE_CHECK.reset(token)
 
 
 def insert_messages(staged: StagedModel, order: Order, place: Placement, chunking: Chunking, reads: Reads,
                     dims: Mapping[str, tuple[tuple[int, ...], str]], needs_grad: set[str],
-                    stale: Optional[Reads] = None) -> dict[int, list[Instruction]]:
+                    stale: Optional[Reads] = None,
+                    sizes: Optional[Mapping[int, RankSizes]] = None) -> dict[int, list[Instruction]]:
     """Per rank of ``place``, the instructions of one step: the tasks of ``order`` it runs, with the
     point-to-point messages of every value crossing groups (module docstring).
 
     ``dims``: value -> (per-vertex shape, dtype) of every value that crosses groups; ``needs_grad``:
     the values whose gradients travel back (a conversion's own ``needs_grad`` too). ``stale``:
     reads served from the previous step's copy (no dependency; the chunk is still sent to the
-    reading rank, which takes it at the end of the step). Ends without the gradient all-reduce and
-    the optimizer step.
+    reading rank, which takes it at the end of the step). ``sizes``: the ranks' sizes of a training
+    step, handed with its :class:`StepOutline` to the planner's check (:func:`checking_outlines`)
+    before any instruction is made. Ends without the gradient all-reduce and the optimizer step.
+    Raises :class:`PlanningError` when the step would post more than :data:`MAX_MESSAGES`
+    messages, and whatever the check raises.
     """
     K = chunking.num_chunks
     progs: dict[int, list[Instruction]] = {r: [] for r in place.ranks}
@@ -326,12 +416,11 @@ def insert_messages(staged: StagedModel, order: Order, place: Placement, chunkin
         width = d[-1] if d else 1
         need_members = sorted({j for k in readers.get((e.name, e.dst), {}).get(m, ()) for j in dg.runners(k)})
         out = []
+        held_by = [(a, held_block(sg, i, chunking, m, width)) for i, a in enumerate(sg.members)]
+        held_by = [(a, held) for a, held in held_by if held is not None]
         for j in need_members:
             need = needed_block(dg, j, chunking, m, width, (e.name, e.dst) in whole)
-            for i, a in enumerate(sg.members):
-                held = held_block(sg, i, chunking, m, width)
-                if held is None:
-                    continue
+            for a, held in held_by:
                 inter = intersect(held, need)
                 if inter[0] == inter[1] and inter[2] == inter[3] or a == dg.members[j]:
                     continue  # disjoint in both dimensions, or already on the reading rank: nothing to say
@@ -343,23 +432,46 @@ def insert_messages(staged: StagedModel, order: Order, place: Placement, chunkin
         d = dims[e.base][0]
         return (inter[1] - inter[0],) + tuple(d[:-1]) + ((inter[3] - inter[2],) if d else ())
 
+    # contributions missing before the gradient of (name, consumer group, member, chunk) is complete
+    missing: dict[tuple[str, int, int, int], int] = {}
+    for st in staged.stages:
+        gi = place.stage_group[st.index]
+        g = place.groups[gi]
+        for u in dict.fromkeys(st.inputs):
+            if (u, gi) in edges:
+                for k in range(K):
+                    for j in g.runners(k):
+                        for m in _read(reads, st.index, u, k):
+                            key = (u, gi, g.members[j], m)
+                            missing[key] = missing.get(key, 0) + 1
+
+    # the step's messages before any is made: every chunk of a value goes to its readers once, and
+    # each reader's gradient of it back once it is complete (below: the order they are posted in)
+    training = any(isinstance(t, Backward) for _, t in order)
+    count = 0
+    for e in edges.values():
+        for m in range(K):
+            fwd = messages(e, m)
+            count += len(fwd)
+            if training and e.needs_grad:
+                count += sum((e.name, e.dst, b, m) in missing for _, b, *_ in fwd)
+            if count > MAX_MESSAGES:
+                raise PlanningError(f"the step would post more than {MAX_MESSAGES:,} point-to-point messages "
+                                    f"({len(place.ranks)} ranks, {K} chunks); the planner does not simulate steps "
+                                    "that large: fewer chunks or ranks per group")
+    check = _OUTLINE_CHECK.get()
+    if check is not None and sizes is not None and training:
+        check(_outline(staged, order, place, edges.values(), K, messages, shape_of, missing, dims, sizes))
+
     inflight: dict[tuple[int, int], deque[Recv]] = {}
     received: set[tuple[int, int, str, int, bool]] = set()  # (rank, from, value, chunk, grad) taken
 
-    posted = 0  # messages of the step so far (the planner's budget: MAX_MESSAGES)
-
     def send(e: _Edge, m: int, grad: bool, only: Optional[int] = None) -> None:
-        nonlocal posted
         dtype = dims[e.base][1]
         local = "" if e.name == e.base else e.name
         for a, b, held, need, inter in messages(e, m):
             if only is not None and b != only:
                 continue
-            posted += 1
-            if posted > MAX_MESSAGES:
-                raise PlanningError(f"the step would post more than {MAX_MESSAGES:,} point-to-point messages "
-                                    f"({len(place.ranks)} ranks, {K} chunks); the planner does not simulate steps "
-                                    "that large: fewer chunks or ranks per group")
             shape = shape_of(e, inter)
             if not grad:
                 progs[a].append(Send(e.base, m, b, shape, dtype, part=slab(held, inter)))
@@ -382,19 +494,6 @@ def insert_messages(staged: StagedModel, order: Order, place: Placement, chunkin
                 return
         raise PlanningError(f"schedule: rank {r} needs {'the gradient of ' if grad else ''}{value} c{k} from "
                             f"rank {src}, which was never sent")
-
-    # contributions missing before the gradient of (name, consumer group, member, chunk) is complete
-    missing: dict[tuple[str, int, int, int], int] = {}
-    for st in staged.stages:
-        gi = place.stage_group[st.index]
-        g = place.groups[gi]
-        for u in dict.fromkeys(st.inputs):
-            if (u, gi) in edges:
-                for k in range(K):
-                    for j in g.runners(k):
-                        for m in _read(reads, st.index, u, k):
-                            key = (u, gi, g.members[j], m)
-                            missing[key] = missing.get(key, 0) + 1
 
     for e in edges.values():  # model inputs held by the input group: sent before anything else
         if e.base not in producer:
@@ -445,3 +544,25 @@ def insert_messages(staged: StagedModel, order: Order, place: Placement, chunkin
         progs[dst].extend(queue)
         queue.clear()
     return progs
+
+
+def _outline(staged: StagedModel, order: Order, place: Placement, edges: Iterable[_Edge], K: int,
+             messages: Callable[[_Edge, int], list], shape_of: Callable[[_Edge, Block], tuple[int, ...]],
+             missing: Mapping[tuple[str, int, int, int], int], dims: Mapping[str, tuple[tuple[int, ...], str]],
+             sizes: Mapping[int, RankSizes]) -> StepOutline:
+    """The :class:`StepOutline` of a training step of :func:`insert_messages` (same messages, unmade)."""
+    tasks: dict[int, list[Compute]] = {r: [] for r in place.ranks}
+    for _, t in order:
+        g = place.groups[place.stage_group[t.stage]]
+        for j in g.runners(t.chunk):
+            tasks[g.members[j]].append(t)
+    sends: dict[int, list[tuple[int, tuple[int, ...], str]]] = {r: [] for r in place.ranks}
+    for e in edges:
+        dtype = dims[e.base][1]
+        for m in range(K):
+            for a, b, _, _, inter in messages(e, m):
+                shape = shape_of(e, inter)
+                sends[a].append((b, shape, dtype))
+                if e.needs_grad and (e.name, e.dst, b, m) in missing:
+                    sends[b].append((a, shape, dtype))
+    return StepOutline(stages=staged.stages, tasks=tasks, sends=sends, sizes=sizes)

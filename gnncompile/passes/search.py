@@ -18,6 +18,19 @@
    fits, :class:`~gnncompile.errors.PlanningError` says by how much the closest candidate
    overflows and what would make it fit.
 
+**Pruning.** Candidates without chunks are evaluated first; every later one is bounded before it
+is costed: a point-to-point pipeline (``mop``) from its
+:class:`~gnncompile.passes.schedule.StepOutline`, before its messages are made
+(:func:`step_bound`), any plan from its instruction lists before the cost model's liveness walk
+and the simulation (:func:`plan_bound`). A rank runs one instruction at a time but its posted
+all-to-alls (or one per stream with ``overlap``), so the step lasts at least its compute plus its
+sends, and at least its all-to-alls, each costed as the cost model costs it or less. A candidate
+whose bound exceeds the fastest fitting step found so far cannot win and is recorded as rejected
+with both numbers (``pruned``); the others are simulated and ranked as above. Only large candidates
+(:data:`PRUNE_FROM` instructions or more over all ranks) are pruned: a small one costs little to
+simulate, and ``plan.explain()`` compares the plans it has (GNNPipe's rule, the sampled
+mini-batch comparison).
+
 The result is a :class:`SearchResult`; ``plan.explain()`` prints it.
 """
 
@@ -31,17 +44,19 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
+from ..cost_models import formulas
 from ..cost_models.hardware import Cluster
-from ..cost_models.model import Prediction, load_seconds, predict
+from ..cost_models.model import ELSIZE, Prediction, load_seconds, op_time, predict
 from ..errors import GnnCompileError, PlanningError
 from ..graph.core import Graph, GraphStats
-from ..ir.plan import Plan, human_bytes
+from ..ir.plan import AllToAll, Backward, Forward, Plan, RankSizes, Send, StageSpec, human_bytes
 from ..ir.tpgraph import TPGraph
 from .driver import lower
 from .registry import STRATEGIES, get, neutral_values
+from .schedule import Pruned, StepOutline, checking_outlines
 
 __all__ = ["Candidate", "Evaluated", "SearchResult", "candidates", "search", "rank_counts", "sub_cluster", "evaluate",
-           "explain_plan"]
+           "explain_plan", "step_bound", "plan_bound", "PRUNE_FROM"]
 
 
 @dataclass(frozen=True)
@@ -296,8 +311,11 @@ def search(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Clu
         tp, tp_eval = _trace_both(model, graph)
     ok: list[Evaluated] = []
     rejected: list[Evaluated] = []
-    for cand in candidates(cluster, semantics=semantics, strategies=strategies, fixed=fixed, ranks=ranks):
-        ev = _evaluate(cand, model, graph, cluster, tp, tp_eval, semantics, overlap)
+    found = candidates(cluster, semantics=semantics, strategies=strategies, fixed=fixed, ranks=ranks)
+    # unchunked candidates first: they are cheap to simulate and give the bound to beat (module docstring)
+    for cand in sorted(found, key=lambda c: (c.options.get("chunks") or 1) > 1):
+        best = min((e.step_time for e in ok), default=math.inf)
+        ev = _evaluate(cand, model, graph, cluster, tp, tp_eval, semantics, overlap, beat=best)
         (ok if ev.ok else rejected).append(ev)
     ok.sort(key=lambda e: (e.step_time, e.candidate.num_ranks, e.max_bytes))
     result = SearchResult(cluster=cluster, semantics=semantics, ranked=ok, rejected=rejected,
@@ -329,9 +347,129 @@ def _trace_both(model: torch.nn.Module, graph: Union[Graph, GraphStats]) -> tupl
         model.train(was_training)
 
 
+#: The fewest instructions (over all ranks) a candidate's step must have for the search to prune it
+#: by its bound instead of simulating it (module docstring).
+PRUNE_FROM = 10_000
+
+
+class _Bounds:
+    """Lower bounds of instruction costs on ``cluster``: each is the cost model's own
+    (:class:`~gnncompile.cost_models.model.PlanCost`) or less (recomputation, a sampled step's input
+    loading and an oversubscribed host's latency factor are left out), memoized (ranks repeat them)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.per_node = cluster.devices_per_node
+        self._stages: dict[tuple, float] = {}
+        self._p2p: dict[tuple, float] = {}
+        self._links: dict[tuple[int, ...], Any] = {}
+        self._totals: dict[int, tuple[tuple, int, int]] = {}  # id(shapes) -> (shapes, elements, non-empty)
+        self._devices: dict[int, Any] = {}  # rank -> its device (held: the memos key devices by id)
+
+    def device(self, rank: int) -> Any:
+        dev = self._devices.get(rank)
+        if dev is None:
+            dev = self._devices[rank] = self.cluster.rank_device(rank)
+        return dev
+
+    def stage(self, rank: int, sizes: RankSizes, stage: StageSpec, backward: bool) -> float:
+        """One Forward/Backward of ``stage`` on a rank of ``sizes`` (one chunk's share)."""
+        dev = self.device(rank)
+        key = (id(dev), sizes, id(stage), backward)
+        t = self._stages.get(key)
+        if t is None:
+            at = sizes.per_chunk()
+            t = self._stages[key] = dev.runtime.get("stage", 0.0) + sum(
+                op_time(op, at, dev, backward=backward) for op in stage.costs)
+        return t
+
+    def send(self, rank: int, peer: int, shape: tuple[int, ...], dtype: str) -> float:
+        """A point-to-point Send of ``shape`` from ``rank`` to ``peer``."""
+        dev = self.device(rank)
+        key = (id(dev), rank // self.per_node == peer // self.per_node, shape, dtype)
+        t = self._p2p.get(key)
+        if t is None:
+            link = self.cluster.link(rank, peer)
+            t = self._p2p[key] = dev.runtime.get("comm", 0.0) + formulas.p2p_time(
+                math.prod(shape) * ELSIZE.get(dtype, 0), link.bandwidth, link.latency)
+        return t
+
+    def _total(self, shapes: tuple) -> tuple[int, int]:
+        hit = self._totals.get(id(shapes))
+        if hit is None or hit[0] is not shapes:
+            numel = [math.prod(x) for x in shapes]
+            hit = self._totals[id(shapes)] = (shapes, sum(numel), sum(1 for x in numel if x))
+        return hit[1], hit[2]
+
+    def all_to_all(self, rank: int, inst: AllToAll) -> float:
+        """The rank's own part of an all-to-all (pairwise exchange over the group's slowest link):
+        its peers counted as the larger of those it sends to and receives from."""
+        if len(inst.group) <= 1 or not inst.send_shapes or not inst.recv_shapes:
+            return 0.0
+        link = self._links.get(inst.group)
+        if link is None:
+            link = self._links[inst.group] = self.cluster.slowest_link(inst.group)
+        me = inst.group.index(rank)
+        moved, peers = [], 0
+        for shapes in (inst.send_shapes, inst.recv_shapes):
+            total, nonempty = self._total(shapes)
+            own = math.prod(shapes[me])
+            moved.append(total - own)
+            peers = max(peers, nonempty - (1 if own else 0))
+        es = ELSIZE.get(inst.dtype, 0)
+        return self.device(rank).runtime.get("comm", 0.0) + peers * link.latency + \
+            max(moved) * es / link.bandwidth
+
+
+def step_bound(outline: StepOutline, cluster: Cluster, overlap: bool = False) -> tuple[float, int]:
+    """A lower bound of the simulated step time of the plan ``outline`` describes on ``cluster``, and
+    the rank giving it: the rank's compute (its tasks' stage times) plus its sends' transfer times
+    (one instruction at a time), or the larger of the two with ``overlap`` (two streams); every
+    term the cost model's or less (:class:`_Bounds`)."""
+    bounds = _Bounds(cluster)
+    best, worst = 0.0, -1
+    for r, tasks in outline.tasks.items():
+        sizes = outline.sizes[r]
+        compute = sum(bounds.stage(r, sizes, outline.stages[t.stage], isinstance(t, Backward)) for t in tasks)
+        sends = sum(bounds.send(r, peer, shape, dtype) for peer, shape, dtype in outline.sends[r])
+        t = max(compute, sends) if overlap else compute + sends
+        if t > best:
+            best, worst = t, r
+    return best, worst
+
+
+def plan_bound(plan: Plan, cluster: Cluster, overlap: bool = False) -> tuple[float, int]:
+    """A lower bound of ``plan``'s simulated step time on ``cluster`` (and the rank giving it) from
+    its instruction lists, without the cost model's liveness walk or the simulation: a rank's
+    instructions run one at a time except its posted all-to-alls, which run in order on a queue of
+    their own (with ``overlap``: one stream for compute, one for communication), so the step lasts
+    at least its compute plus its sends, and at least its all-to-alls (each its own part of the
+    exchange: the collective lasts as long as its slowest member's); other instructions count 0."""
+    bounds = _Bounds(cluster)
+    best, worst = 0.0, -1
+    for dp in plan.ranks:
+        r = dp.rank
+        stages = {s.index: s for s in dp.stages}
+        compute = sends = posted = 0.0
+        for inst in dp.instructions:
+            kind = type(inst)
+            if kind is Forward or kind is Backward:
+                compute += bounds.stage(r, dp.sizes, stages[inst.stage], kind is Backward)
+            elif kind is Send:
+                sends += bounds.send(r, inst.peer, inst.shape, inst.dtype)
+            elif kind is AllToAll:
+                posted += bounds.all_to_all(r, inst)
+        t = max(compute, sends + posted) if overlap else max(compute + sends, posted)
+        if t > best:
+            best, worst = t, r
+    return best, worst
+
+
 def _evaluate(cand: Candidate, model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Cluster,
-              tp: TPGraph, tp_eval: TPGraph, semantics: str, overlap: bool) -> Evaluated:
-    """Lower and predict one candidate; ``rejected`` says why it cannot be returned (if so)."""
+              tp: TPGraph, tp_eval: TPGraph, semantics: str, overlap: bool, beat: float = math.inf) -> Evaluated:
+    """Lower and predict one candidate; ``rejected`` says why it cannot be returned (if so). A large
+    candidate (:data:`PRUNE_FROM`) whose :func:`step_bound` or :func:`plan_bound` exceeds ``beat``
+    (the fastest step found so far) is pruned."""
     ev = Evaluated(cand)
     if cand.num_ranks > max(graph.num_nodes, 1):
         ev.rejected = f"{cand.num_ranks} ranks exceed the graph's {graph.num_nodes} vertices"
@@ -340,15 +478,35 @@ def _evaluate(cand: Candidate, model: torch.nn.Module, graph: Union[Graph, Graph
     strategy = get(cand.strategy)
     # NeutronTask Eq. 7 splits the ranks by the cost model's task times on the cluster's device
     device = used.rank_device(0) if strategy.needs_device else None
+
+    def check(outline: StepOutline) -> None:
+        size = sum(map(len, outline.tasks.values())) + 2 * sum(map(len, outline.sends.values()))  # Send + Recv
+        if size < PRUNE_FROM or not math.isfinite(beat):
+            return
+        bound, rank = step_bound(outline, used, overlap)
+        if bound > beat:
+            raise Pruned(f"pruned: its step takes at least {_fmt_time(bound)} (rank {rank}'s compute "
+                         f"{'or' if overlap else 'plus'} its sends), slower than {_fmt_time(beat)} found before")
+
     try:
-        ev.plan = lower(strategy, tp, tp_eval, model, graph, cand.num_ranks,
-                        strategy.make_options(dict(cand.options)), device=device)
+        with checking_outlines(check):
+            ev.plan = lower(strategy, tp, tp_eval, model, graph, cand.num_ranks,
+                            strategy.make_options(dict(cand.options)), device=device)
+    except Pruned as e:
+        ev.rejected = str(e)
+        return ev
     except GnnCompileError as e:
         ev.rejected = f"cannot lower: {e}"
         return ev
     if semantics == "exact" and ev.plan.relaxations:
         ev.rejected = f"relaxed ({'; '.join(ev.plan.relaxations)}) but semantics='exact'"
         return ev
+    if math.isfinite(beat) and sum(len(dp.instructions) for dp in ev.plan.ranks) >= PRUNE_FROM:
+        bound, rank = plan_bound(ev.plan, used, overlap)
+        if bound > beat:
+            ev.rejected = (f"pruned: its step takes at least {_fmt_time(bound)} (rank {rank}'s compute, sends and "
+                           f"all-to-alls), slower than {_fmt_time(beat)} found before")
+            return ev
     ev.plan.cluster = str(used)
     # the devices planned for, as data (the run header compares them with where the ranks run)
     ev.plan.info["devices"] = {"nodes": used.nodes, "per_node": used.devices_per_node, "kind": used.device.kind,

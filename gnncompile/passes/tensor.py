@@ -153,6 +153,34 @@ def row_blocks(num_nodes: int, n: int) -> list[int]:
     return column_splits(num_nodes, n)
 
 
+class _SharedShapes:
+    """The all-to-all shape tuples of a lowering over ``n`` ranks, each built once and shared by every
+    instruction that has it (``n`` shapes per instruction, on every rank: at 1024 ranks, copies
+    would fill the host). The columns are the last dimension (C of [V, H, C]); the others travel whole."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._made: dict[tuple, Any] = {}
+
+    def _get(self, key: tuple, make: Any) -> Any:
+        out = self._made.get(key)
+        if out is None:
+            out = self._made[key] = make()
+        return out
+
+    def cols(self, width: int) -> tuple[int, ...]:
+        """Each rank's columns of a last dimension of ``width``."""
+        return self._get(("cols", width), lambda: tuple(column_splits(width, self.n)))
+
+    def my_rows(self, rows: int, dims: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """``rows`` rows of each rank's columns, rank by rank."""
+        return self._get(("mine", rows, dims), lambda: tuple((rows, *dims[:-1], c) for c in self.cols(dims[-1])))
+
+    def their_rows(self, rows: tuple[int, ...], cols: int, dims: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each rank's rows (``rows[q]``) of ``cols`` columns, rank by rank."""
+        return self._get(("theirs", rows, cols, dims), lambda: tuple((r, *dims[:-1], cols) for r in rows))
+
+
 def _edge_weight_input(node: torch.fx.Node) -> Optional[torch.fx.Node]:
     """The ``edge_weight`` argument of a propagation (``None`` if it has none)."""
     if node.op != "call_function" or node.target not in (propagate, masked_propagate):
@@ -269,6 +297,9 @@ def lower_tensor(job: Job, options: TensorOptions) -> Lowered:
         job.refuse_sparse_features(st, ("gathered",), "an edge-wise op")
     group = tuple(range(n))
 
+    shapes = _SharedShapes(n)
+    block_rows = tuple(blocks)
+
     def convert_for(rank: int, st: StagedModel):
         dims_of = value_dims(st.tp)
 
@@ -278,15 +309,12 @@ def lower_tensor(job: Job, options: TensorOptions) -> Lowered:
                 return [AllGather(value=c.value, chunk=0, group=group, shape=(stats.num_nodes, *dims), dtype=dtype,
                                   grad=grad)]
             # the columns are the last dimension (C of [V, H, C]); the others travel whole
-            mid, cols = dims[:-1], column_splits(dims[-1], n)
+            mine = shapes.my_rows(blocks[rank], dims)  # my rows of each q's columns
+            theirs = shapes.their_rows(block_rows, shapes.cols(dims[-1])[rank], dims)  # q's rows of my columns
             if c.kind == "cols":  # rows -> cols: send my rows of q's columns, receive q's rows of mine
-                send = tuple((blocks[rank], *mid, cols[q]) for q in group)
-                recv = tuple((blocks[q], *mid, cols[rank]) for q in group)
-                src, dst = "rows", "cols"
+                send, recv, src, dst = mine, theirs, "rows", "cols"
             else:  # cols -> rows
-                send = tuple((blocks[q], *mid, cols[rank]) for q in group)
-                recv = tuple((blocks[rank], *mid, cols[q]) for q in group)
-                src, dst = "cols", "rows"
+                send, recv, src, dst = theirs, mine, "cols", "rows"
             return [AllToAll(value=c.value, chunk=0, group=group, src_layout=src, dst_layout=dst, send_shapes=send,
                              recv_shapes=recv, dtype=dtype, grad=grad)]
         return convert
@@ -405,21 +433,21 @@ def _lower_chunked(job: Job, options: TensorOptions) -> Lowered:
     order = schedule(staged, labels, reads, True)
     order_eval = schedule(staged_eval, labels_eval, reads_eval, False)
 
+    shapes = _SharedShapes(n)
+    chunk_rows = [tuple(hi - lo for lo, hi in sub[m]) for m in range(K)]
+
     def convert_for(rank: int, st: StagedModel) -> Any:
         dims_of = value_dims(st.tp)
 
         def convert(c: Conversion, m: int, grad: bool) -> list[Instruction]:
             dims, dtype = dims_of[c.value]
-            mid, cols = dims[:-1], column_splits(dims[-1], n)
-            rows = [hi - lo for lo, hi in sub[m]]
-            if c.kind == "cols":  # my rows of the chunk, q's columns; q's rows of the chunk, my columns
-                send = tuple((rows[rank], *mid, cols[q]) for q in group)
-                recv = tuple((rows[q], *mid, cols[rank]) for q in group)
-                src, dst = "rows", "cols"
+            rows = chunk_rows[m]
+            mine = shapes.my_rows(rows[rank], dims)  # my rows of the chunk, each q's columns
+            theirs = shapes.their_rows(rows, shapes.cols(dims[-1])[rank], dims)  # q's rows of the chunk, my columns
+            if c.kind == "cols":
+                send, recv, src, dst = mine, theirs, "rows", "cols"
             elif c.kind == "rows":
-                send = tuple((rows[q], *mid, cols[rank]) for q in group)
-                recv = tuple((rows[rank], *mid, cols[q]) for q in group)
-                src, dst = "cols", "rows"
+                send, recv, src, dst = theirs, mine, "cols", "rows"
             else:
                 raise PlanningError(f"strategy 'tensor' with chunks > 1: no chunk-level {c.kind!r} conversion "
                                     f"(of {c.value!r})")

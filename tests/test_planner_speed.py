@@ -1,0 +1,206 @@
+"""The planner's shortcuts: a pipeline's step outline is the step it lowers to, its bound never
+exceeds the simulated step, and pruning by it never changes the plan the search returns."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import gnncompile as gc
+from gnncompile.cost_models.hardware import Cluster
+from gnncompile.ir.plan import Backward, Forward, Send
+from gnncompile.passes import search as search_mod
+from gnncompile.passes.search import evaluate, search
+
+STATS = gc.GraphStats(num_nodes=50_000, num_edges=800_000, num_features=64, num_classes=8)
+
+
+@pytest.fixture(scope="module")
+def sbm() -> gc.Graph:
+    return gc.datasets.synthetic("sbm", num_nodes=400, avg_degree=6, num_features=12, num_classes=3, seed=1)
+
+
+def gcn(features: int, classes: int, layers: int = 2) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return gc.nn.GCN(features, 16, classes, num_layers=layers)
+
+
+def outlined(monkeypatch, model, graph, cluster, overlap, **options):
+    """Evaluate a mop candidate, recording the outlines its lowering hands the search's check, with
+    their bounds."""
+    seen = []
+    real = search_mod.checking_outlines
+
+    def recording(check):
+        def both(outline):
+            seen.append((outline, search_mod.step_bound(outline, cluster, overlap)))
+            check(outline)
+        return real(both)
+
+    monkeypatch.setattr(search_mod, "checking_outlines", recording)
+    ev = evaluate(model, graph, cluster, "mop", overlap=overlap, **options)
+    return ev, seen
+
+
+@pytest.mark.parametrize("spec", ["2x2xA100-ib200", "4x2xA100-ib200"])
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("on", ["stats", "graph"])
+def test_outline_is_the_step_and_bounds_its_simulation(monkeypatch, sbm, spec, chunks, overlap, on):
+    graph = STATS if on == "stats" else sbm
+    model = gcn(graph.num_features, graph.num_classes)
+    cluster = Cluster.parse(spec)
+    ev, seen = outlined(monkeypatch, model, graph, cluster, overlap, chunks=chunks,
+                        reorder="rcm" if chunks > 1 else "none")
+    assert ev.plan is not None and len(seen) == 1
+    outline, (bound, rank) = seen[0]
+    for dp in ev.plan.ranks:
+        # the outline's messages are the step's Sends, its tasks the rank's compute, in order
+        sends = Counter((i.peer, i.shape, i.dtype) for i in dp.instructions if isinstance(i, Send))
+        assert Counter(outline.sends[dp.rank]) == sends
+        assert list(outline.tasks[dp.rank]) == [i for i in dp.instructions if isinstance(i, (Forward, Backward))]
+        assert outline.sizes[dp.rank] == dp.sizes
+    step = ev.prediction.step_time
+    assert 0 < bound <= step * (1 + 1e-9)
+    # the bound is the rank's own busy time in the simulation, or less
+    sim = ev.prediction.simulation.ranks[rank]
+    busy = [e.duration for e in sim.events if e.kind in ("F", "B", "SEND")]
+    assert bound <= sum(busy) * (1 + 1e-9) + 1e-12
+
+
+@pytest.mark.parametrize("spec", ["2x2xA100-ib200", "4x2xA100-ib200", "4x4xA100-ib200"])
+def test_pruning_never_changes_the_winner(monkeypatch, spec):
+    """The search with pruning returns the plan (and prediction) that evaluating every candidate
+    in full ranks first; a pruned candidate's full simulation is slower than the winner."""
+    monkeypatch.setattr(search_mod, "PRUNE_FROM", 0)  # prune small candidates too
+    model = gcn(STATS.num_features, STATS.num_classes, layers=3)
+    cluster = Cluster.parse(spec)
+    result = search(model, STATS, cluster, strategies=["tensor", "mop"])
+    pruned = [e for e in result.rejected if e.rejected.startswith("pruned")]
+    full = []
+    for cand in search_mod.candidates(cluster, strategies=["tensor", "mop"]):
+        ev = evaluate(model, STATS, cluster, cand.strategy, num_ranks=cand.num_ranks,
+                      **{k: v for k, v in cand.options.items() if k != "semantics"})
+        if ev.ok:
+            full.append(ev)
+    full.sort(key=lambda e: (e.step_time, e.candidate.num_ranks, e.max_bytes))
+    best = result.best
+    assert best.candidate == full[0].candidate
+    assert best.step_time == full[0].step_time
+    assert best.peak_memory == full[0].peak_memory
+    for e in pruned:
+        same = next(f for f in full if f.candidate == e.candidate)
+        assert same.step_time > best.step_time
+    if spec == "4x4xA100-ib200":
+        assert pruned, "the 16-rank mop pipelines are slower than tensor's and are pruned"
+
+
+def test_a_pruned_candidate_says_by_how_much(monkeypatch):
+    monkeypatch.setattr(search_mod, "PRUNE_FROM", 0)
+    model = gcn(STATS.num_features, STATS.num_classes, layers=3)
+    result = search(model, STATS, Cluster.parse("4x4xA100-ib200"), strategies=["tensor", "mop"])
+    pruned = [e for e in result.rejected if e.rejected.startswith("pruned")]
+    assert pruned and all("at least" in e.rejected and "found before" in e.rejected for e in pruned)
+    assert "pruned" in result.report()
+
+
+def test_small_candidates_are_simulated_even_when_they_cannot_win():
+    """Below PRUNE_FROM instructions every candidate is simulated (explain compares them)."""
+    model = gcn(STATS.num_features, STATS.num_classes, layers=3)
+    result = search(model, STATS, Cluster.parse("2x2xA100-ib200"), strategies=["tensor", "mop"])
+    assert not [e for e in result.rejected if e.rejected.startswith("pruned")]
+    assert {e.candidate.strategy for e in result.ranked} == {"tensor", "mop"}
+
+
+TENSOR = {"recompute": False, "decouple": False}
+CASES = [("data", {"partitioner": "metis", "recompute": False}), ("tensor", {"chunks": 1, **TENSOR}),
+         ("tensor", {"chunks": 4, **TENSOR}), ("mop", {"chunks": 2, "reorder": "rcm"}),
+         ("task", {"recompute": False, "decouple": False}),
+         ("layer", {"stages": 2, "chunks": 4, "recompute": False, "history": False})]
+
+
+@pytest.mark.parametrize("spec", ["2x2xA100-ib200", "4x2xA100-ib200"])
+@pytest.mark.parametrize("strategy,options", CASES)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_plan_bound_never_exceeds_the_simulated_step(sbm, spec, strategy, options, overlap):
+    model = gcn(sbm.num_features, sbm.num_classes)
+    cluster = Cluster.parse(spec)
+    ev = evaluate(model, sbm, cluster, strategy, overlap=overlap, **options)
+    assert ev.prediction is not None, ev.rejected
+    bound, rank = search_mod.plan_bound(ev.plan, cluster, overlap)
+    assert 0 < bound <= ev.prediction.step_time * (1 + 1e-9)
+    assert 0 <= rank < ev.plan.num_ranks
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_plan_bytes_counts_what_the_instruction_rules_count(chunks):
+    """plan_bytes' shortcut for all-to-alls (shape tuples shared by ranks) is the rules' volume."""
+    from gnncompile.ir.rules import rule
+    from gnncompile.ir.verify_plan import plan_bytes
+
+    model = gcn(STATS.num_features, STATS.num_classes)
+    plan = evaluate(model, STATS, Cluster.parse("4x2xA100-ib200"), "tensor", chunks=chunks, **TENSOR).plan
+    sent, recv = plan_bytes(plan)
+    for dp in plan.ranks:
+        vols = [rule(i).volume(i, dp.rank) for i in dp.instructions]
+        assert sent[dp.rank] == sum(v[0] for v in vols)
+        assert recv[dp.rank] == sum(v[1] for v in vols)
+
+
+def _reference_list_schedule(deps, resource, cost, delay, priority):
+    """The list scheduler as it was first written (a linear scan of the ready tasks per step)."""
+    res = resource
+    tasks = list(deps)
+    remaining = {t: len(set(deps[t])) for t in tasks}
+    users = {t: [] for t in tasks}
+    for t in tasks:
+        for d in set(deps[t]):
+            users[d].append(t)
+    end, free, out = {}, {}, []
+    ready = [(0.0, priority(t), t) for t in tasks if not remaining[t]]
+    while ready:
+        i = min(range(len(ready)), key=lambda i: (max(ready[i][0], free.get(res(ready[i][2]), 0.0)), ready[i][1]))
+        at, _, t = ready.pop(i)
+        start = max(at, free.get(res(t), 0.0))
+        end[t] = start + cost.get(t, 1.0)
+        free[res(t)] = end[t]
+        out.append((start, t))
+        for u in users[t]:
+            remaining[u] -= 1
+            if not remaining[u]:
+                ready.append((max(end[d] + delay(d, u) for d in deps[u]), priority(u), u))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_list_schedule_is_the_linear_scan_one(seed):
+    """The heap-based list scheduler starts the same tasks at the same times as a linear scan."""
+    import random
+
+    from gnncompile.passes.schedule import gpipe, list_schedule, one_f_one_b
+
+    rnd = random.Random(seed)
+    stages, chunks, groups = rnd.randint(1, 5), rnd.randint(1, 9), rnd.randint(1, 3)
+    tasks = [kind(s, k) for s in range(stages) for k in range(chunks) for kind in (Forward, Backward)]
+    deps = {t: set() for t in tasks}
+    for s in range(stages):
+        for k in range(chunks):
+            deps[Backward(s, k)].add(Forward(s, k))
+            for s2 in range(s + 1, stages):  # later stages read random chunks of earlier ones
+                for j in range(chunks):
+                    if rnd.random() < 0.3:
+                        deps[Forward(s2, j)].add(Forward(s, k))
+                        deps[Backward(s, k)].add(Backward(s2, j))
+    cost = {t: rnd.choice([0.5, 1.0, 1.0, 2.0, 3.0]) for t in tasks}
+
+    def delay(d, t):
+        return 0.5 if (d.stage + t.stage) % 3 == 0 else 0.0
+
+    def resource(t):
+        return t.stage % groups
+
+    for priority in (gpipe, one_f_one_b):
+        got = list_schedule(deps, resource, cost, delay, priority)
+        assert got == _reference_list_schedule(deps, resource, cost, delay, priority)
