@@ -297,6 +297,7 @@ def train(
         if device.index is None:  # the current GPU, named, so the graph's and the model's devices compare equal
             device = torch.device("cuda", torch.cuda.current_device())
     host = graph if graph.device.type == "cpu" else graph.to("cpu")  # where mini-batches are sampled
+    given = graph
     graph = graph.compact()  # what training holds: int32 indices (the caller's graph is not changed)
     if graph.device != device:
         graph = graph.to(device)
@@ -307,6 +308,9 @@ def train(
         x = x.to(dtype)
     elif x.layout == torch.strided and x.dtype != next(iter(model.parameters()), x).dtype:
         x = x.to(next(iter(model.parameters())).dtype)
+    param = next(iter(model.parameters()), None)
+    if graph is not given and param is not None and param.dtype.is_floating_point:
+        graph.cast_scales(param.dtype)  # a copy of the caller's graph: scales in the model's dtype only
     y, train_mask = graph.y, graph.train_mask
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
     blocks = None
