@@ -2,7 +2,8 @@
 """Topology bytes per edge: what the training graph holds, measured, against the cost model.
 
 Part 1, single device (in-process): a model runs one forward and backward on the training graph
-(:meth:`gnncompile.Graph.compact` where the checkout has it, the graph itself otherwise), then every
+(:meth:`gnncompile.Graph.compact` with float32 scales, as ``gc.train`` holds it, where the checkout
+has it; the graph itself otherwise), then every
 tensor reachable from the graph's structure, weights and caches (kernel handles included; node
 features, labels and masks excluded) is counted once per storage. The same walker runs on any
 checkout, so ``--json FILE`` run at an older commit gives the "before" column (``--before FILE``).
@@ -101,6 +102,8 @@ def single(gc, torch) -> dict[str, dict[str, float]]:
             torch.manual_seed(0)
             train_graph = g.compact() if hasattr(g, "compact") else g
             train_graph._cache = {}
+            if hasattr(train_graph, "cast_scales"):  # as gc.train does: scales in the model's dtype
+                train_graph.cast_scales(torch.float32)
             model = _model(gc, kind, g)
             model(train_graph, g.x).sum().backward()
             b = held_bytes(train_graph)
