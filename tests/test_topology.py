@@ -74,7 +74,7 @@ def test_scaled_propagation_equals_per_edge_coefficients(g: gc.Graph, norm: str,
 @pytest.mark.parametrize("heads", [1, 2])
 def test_kernel_scales_match_the_reference(backend: str, heads: int) -> None:
     if backend not in kernels.available_backends("cpu"):
-        pytest.skip(f"{backend} backend unavailable here")
+        pytest.skip(f"the {backend} backend cannot run here (the native one needs a C++ compiler to build)")
     g = gc.datasets.synthetic("rmat", num_nodes=300, avg_degree=6, num_features=1, num_classes=2, seed=3)
     gen = torch.Generator().manual_seed(0)
     csr = CSR(g.indptr, g.indices.to(torch.int32), g.num_nodes, g.num_nodes)

@@ -449,10 +449,16 @@ def _with_loops(g: Graph) -> Graph:
     return g.cached("with_loops", build)
 
 
-def _to_csr_order(g: Graph, t: torch.Tensor) -> tuple[Graph, torch.Tensor, torch.Tensor]:
+def _loop_orders(g: Graph) -> tuple[Graph, torch.Tensor, torch.Tensor]:
+    """The loop-augmented graph, the augmented CSR position of each E' entry (``order``) and its
+    inverse (both cached)."""
     aug = _with_loops(g)
     order = aug._cache["order"]
-    inv = g.cached("with_loops_inv", lambda: torch.argsort(order).to(order.dtype))
+    return aug, order, g.cached("with_loops_inv", lambda: torch.argsort(order).to(order.dtype))
+
+
+def _to_csr_order(g: Graph, t: torch.Tensor) -> tuple[Graph, torch.Tensor, torch.Tensor]:
+    aug, order, inv = _loop_orders(g)
     return aug, t.index_select(0, inv), order
 
 
@@ -744,5 +750,4 @@ def prepare_graph(g: Graph, graphs: Iterable[torch.fx.Graph], dtype: torch.dtype
         if any(n.target in (gather_dst, edge_softmax, aggregate) for n, _ in calls):
             _ = g.dst
         if any(a.get("add_self_loops") for a in edge_ops):
-            _to_csr_order(g, torch.zeros(g.num_edges + g.num_nodes, device=g.device))
-            _ = _with_loops(g).dst
+            _ = _loop_orders(g)[0].dst

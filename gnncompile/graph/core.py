@@ -98,10 +98,14 @@ class NormScales:
             return None if t is None else t.index_select(0, ids.to(t.device))
         return NormScales(take(self.row, rows), take(self.col, sources), take(self.loop, rows))
 
-    def to(self, device: torch.device | str) -> "NormScales":
+    def to(self, device_or_dtype: torch.device | str | torch.dtype) -> "NormScales":
+        """The factors on another device or in another dtype (``Tensor.to``; unchanged ones shared)."""
         def mv(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return None if t is None else t.to(device)
+            return None if t is None else t.to(device_or_dtype)
         return NormScales(mv(self.row), mv(self.col), mv(self.loop))
+
+    def has_dtype_other_than(self, dtype: torch.dtype) -> bool:
+        return any(t is not None and t.dtype != dtype for t in (self.row, self.col, self.loop))
 
     def edge_values(self, graph: "Graph") -> Optional[torch.Tensor]:
         """float64 ``[E]``: the per-edge coefficients ``row[dst] * w * col[src]`` on ``graph``
@@ -118,12 +122,11 @@ class NormScales:
 
 
 def topology_bytes(nodes: int, edges: int, sources: Optional[int] = None, *, symmetric: bool = False,
-                   weighted: bool = False, edge_values: bool = False, edge_loops: bool = False,
-                   index_bytes: Optional[int] = None) -> int:
+                   weighted: bool = False, edge_values: bool = False, edge_loops: bool = False) -> int:
     """Bytes of a training graph's topology in gnncompile's compact layout (see the module docstring).
 
     ``nodes`` destinations, ``sources`` sources (default ``nodes``), ``edges`` edges. Held: the
-    in-edge CSR (int64 offsets, ``index_bytes`` per index: 4 when the sources fit in int32), its
+    in-edge CSR (int64 offsets, 4 bytes per index when the sources fit in int32, else 8), its
     transpose for backward products (offsets and indices; none when ``symmetric``: the structure
     serves both), float32 edge weights when ``weighted``, the edge permutation between the two
     orders when edge values exist (``weighted``, or ``edge_values``: the model computes them, as
@@ -135,7 +138,7 @@ def topology_bytes(nodes: int, edges: int, sources: Optional[int] = None, *, sym
     src = nodes if sources is None else sources
     if edges == 0:
         return 0
-    ib = index_bytes if index_bytes is not None else (4 if max(src, nodes) <= _INT32_MAX else 8)
+    ib = 4 if max(src, nodes) <= _INT32_MAX else 8
     total = 8 * (nodes + 1) + ib * edges
     if not symmetric:
         total += 8 * (src + 1) + ib * edges
@@ -633,8 +636,7 @@ class Graph:
         def build() -> NormScales:
             sc = self._norm_scales(norm, self_loops)
             dtype = getattr(self, "_scales_dtype", None)
-            return sc if dtype is None else NormScales(*(None if t is None else t.to(dtype)
-                                                         for t in (sc.row, sc.col, sc.loop)))
+            return sc if dtype is None else sc.to(dtype)
         return self.cached(f"scales:{norm}:{int(self_loops)}", build)
 
     def _norm_scales(self, norm: str, self_loops: bool) -> NormScales:
@@ -730,12 +732,9 @@ class Graph:
         computed later: the runtime casts them once, so a float32 model holds no float64 copy.
         Values derived from them are dropped."""
         self._scales_dtype = dtype
-        def cast(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return None if t is None else t.to(dtype)
-        if any(isinstance(v, NormScales) and any(t is not None and t.dtype != dtype for t in (v.row, v.col, v.loop))
-               for v in self._cache.values()):
+        if any(isinstance(v, NormScales) and v.has_dtype_other_than(dtype) for v in self._cache.values()):
             # a new dict: a graph made by replace() may share this one
-            self._cache = {k: NormScales(cast(v.row), cast(v.col), cast(v.loop)) if isinstance(v, NormScales) else v
+            self._cache = {k: v.to(dtype) if isinstance(v, NormScales) else v
                            for k, v in self._cache.items() if not k.startswith("terms:")}
 
     def __getstate__(self) -> dict:

@@ -80,10 +80,8 @@ class LocalGraph(Graph):
     def cast_scales(self, dtype: torch.dtype) -> None:
         """Keep the normalization scales in ``dtype`` (the model's): the runtime casts them once,
         so a float32 model holds no float64 copy. Cached values derived from them are dropped."""
-        def cast(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return None if t is None else t.to(dtype)
-        if any(t is not None and t.dtype != dtype for sc in self._scales.values() for t in (sc.row, sc.col, sc.loop)):
-            self._scales = {k: NormScales(cast(sc.row), cast(sc.col), cast(sc.loop)) for k, sc in self._scales.items()}
+        if any(sc.has_dtype_other_than(dtype) for sc in self._scales.values()):
+            self._scales = {k: sc.to(dtype) for k, sc in self._scales.items()}
             self._cache = {k: v for k, v in self._cache.items() if not k.startswith("terms:")}
         super().cast_scales(dtype)
 

@@ -260,6 +260,20 @@ def _torch_csr(csr: CSR, values: Optional[torch.Tensor], dtype: torch.dtype, dev
                                        device=device, check_invariants=False)
 
 
+def _scaled_around(fn: Callable[[CSR, Optional[torch.Tensor], torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A backend's SpMM with the per-vertex scales applied around it: ``x``'s rows scaled before the
+    product (a temporary of ``x``'s size), the result's rows after (for backends that take no scales)."""
+    def spmm_scaled(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor,
+                    row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if col_scale is not None:
+            x = x * col_scale.reshape((-1,) + (1,) * (x.dim() - 1))
+        out = fn(csr, values, x)
+        if row_scale is not None:
+            out = out.mul_(row_scale.reshape((-1,) + (1,) * (out.dim() - 1)))
+        return out
+    return spmm_scaled
+
+
 def _spmm_torch(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     x2, heads, tail = _split_heads(values, x)
     if heads == 1:
@@ -449,10 +463,10 @@ def _spmm_cupy(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor) -> tor
 
 # --------------------------------------------------------------------------- dispatch
 BACKENDS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {
-    "native": (_spmm_native, _sddmm_native),
-    "torch": (_spmm_torch, _sddmm_gather),
-    "scipy": (_spmm_scipy, _sddmm_gather),
-    "cupy": (_spmm_cupy, _sddmm_gather),
+    "native": (_spmm_native, _sddmm_native),  # applies the scales inside the product
+    "torch": (_scaled_around(_spmm_torch), _sddmm_gather),
+    "scipy": (_scaled_around(_spmm_scipy), _sddmm_gather),
+    "cupy": (_scaled_around(_spmm_cupy), _sddmm_gather),
 }
 _default_override: Optional[str] = os.environ.get("GNNCOMPILE_BACKEND") or None
 _warned_fallback = False
@@ -523,14 +537,9 @@ def spmm(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, backend: Opt
     """
     _check(csr, values, x, row_scale, col_scale)
     name = _validate_name(backend) if backend else default_backend(x.device)
-    if name == "native":
-        return _spmm_native(csr, values, x, row_scale, col_scale)
-    if col_scale is not None:
-        x = x * col_scale.reshape((-1,) + (1,) * (x.dim() - 1))
-    out = BACKENDS[name][0](csr, values, x)
-    if row_scale is not None:
-        out = out.mul_(row_scale.reshape((-1,) + (1,) * (out.dim() - 1)))
-    return out
+    if row_scale is None and col_scale is None:
+        return BACKENDS[name][0](csr, values, x)
+    return BACKENDS[name][0](csr, values, x, row_scale, col_scale)
 
 
 def sddmm(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int = 1, backend: Optional[str] = None) -> torch.Tensor:
