@@ -4,10 +4,12 @@ See :mod:`gnncompile.frontend.ops` for their definitions.
 """
 
 from .frontend.ops import (  # noqa: F401
+    BACKWARD_PRODUCTS,
     NORMS,
     PRIMITIVES,
     REDUCES,
     aggregate,
+    backward_product,
     dropout_noise,
     dst_rows,
     edge_softmax,
@@ -16,7 +18,9 @@ from .frontend.ops import (  # noqa: F401
     is_primitive,
     masked_propagate,
     propagate,
+    set_backward_product,
 )
 
 __all__ = ["propagate", "gather_src", "gather_dst", "edge_softmax", "aggregate", "dst_rows", "masked_propagate",
-           "dropout_noise", "PRIMITIVES", "NORMS", "REDUCES", "is_primitive"]
+           "dropout_noise", "PRIMITIVES", "NORMS", "REDUCES", "is_primitive", "BACKWARD_PRODUCTS",
+           "set_backward_product", "backward_product"]

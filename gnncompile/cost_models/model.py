@@ -69,6 +69,7 @@ from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, DevicePlan, For
 from ..ir.rules import register_cost, rule
 from . import formulas
 from .hardware import Cluster, DeviceSpec
+from .specs import PUSH_FACTOR
 from .simulate import Cost, Simulation, simulate
 
 __all__ = ["ELSIZE", "StaticMemory", "static_memory", "PlanCost", "predict", "Prediction", "op_time", "op_value",
@@ -113,8 +114,10 @@ def op_value(op: OpCost, lin: Any, sizes: RankSizes) -> float:
 
 
 def op_time(op: OpCost, sizes: RankSizes, device: DeviceSpec, *, backward: bool = False,
-            dtype: str = "float32") -> float:
-    """Seconds of one op's forward (or backward) on a rank of ``sizes`` (see the module docstring)."""
+            dtype: str = "float32", push: bool = False) -> float:
+    """Seconds of one op's forward (or backward) on a rank of ``sizes`` (see the module docstring);
+    ``push``: a propagation's backward scatters from the forward CSR (``device.push_factor`` times
+    the pull through a transpose)."""
     at, share = _op_sizes(op, sizes)
     nodes, edges = at.nodes, at.edges
     mult = float(op.backward) if backward else 1.0
@@ -133,6 +136,8 @@ def op_time(op: OpCost, sizes: RankSizes, device: DeviceSpec, *, backward: bool 
                                  bandwidth, device.gamma, elsize=_elsize(dtype))
         if edge_rate:
             t += visited / edge_rate
+        if backward and push:
+            t *= device.push_factor if device.push_factor is not None else PUSH_FACTOR
         return mult * t + overhead
     flops, nbytes = _eval(op.flops, at) * share, _eval(op.bytes, at) * share
     if op.kind == "E":
@@ -195,7 +200,8 @@ def _graph_bytes(plan: Plan, nodes: int, edges: int, src: int, symmetric: bool) 
     scales = sum(per_value * ((2 if loops else 1) * nodes + (src if norm == "gcn" else 0))
                  for norm, loops in topo.get("norms", ()))
     return scales + topology_bytes(nodes, edges, src, symmetric=symmetric, weighted=bool(topo.get("weighted")),
-                                   edge_values=bool(topo.get("edge_values")), edge_loops=bool(topo.get("edge_loops")))
+                                   edge_values=bool(topo.get("edge_values")), edge_loops=bool(topo.get("edge_loops")),
+                                   push=topo.get("backward") == "push")
 
 
 def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
@@ -203,7 +209,8 @@ def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
 
     Topology: :func:`~gnncompile.graph.core.topology_bytes`, the compact layout the runtime holds
     (int32 indices, int64 offsets, the transpose unless the rank's graph is the whole symmetric
-    graph, edge weights and an edge permutation only when edge values exist), plus the
+    graph or its backward products scatter, edge weights and an edge permutation only when edge
+    values exist and a transpose is held), plus the
     normalizations' per-vertex scales (in the model's dtype, destinations and sources) from
     ``plan.info["topology"]``. Features: ``float32`` rows of the input features
     (sparse CSR features: their stored bytes per row, ``plan.info["feature_bytes_per_row"]``);
@@ -408,7 +415,9 @@ class PlanCost:
         t = self._stage_times.get(key)
         if t is None:
             at = sizes.per_chunk()
-            t = dev.runtime.get("stage", 0.0) + sum(op_time(op, at, dev, backward=backward) for op in stage.costs)
+            push = backward and self.plan.info.get("topology", {}).get("backward") == "push"
+            t = dev.runtime.get("stage", 0.0) + sum(op_time(op, at, dev, backward=backward, push=push)
+                                                    for op in stage.costs)
             if backward:  # checkpointed segments run their forward again
                 t += sum(op_time(op, at, dev) for op in stage.costs if op.recompute)
             self._stage_times[key] = t

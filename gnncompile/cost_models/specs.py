@@ -51,6 +51,11 @@ __all__ = [
 ]
 
 GiB = 2**30
+#: time of a transposed product by scattering from the forward CSR (a backward whose graph holds no
+#: transposed copy: ``ops.set_backward_product(g, "push")``) over the pull through a cached
+#: transpose, assumed where calibration did not measure it (the native CPU kernel measured 1.2-2.1x
+#: on R-MAT 100k/2M at d = 256-16; cuSPARSE's op(A) = A^T accumulates with atomics)
+PUSH_FACTOR = 1.5
 SPMM_DERATE = 0.5          # default spmm_bandwidth / mem_bandwidth (assumed, see the module docstring)
 HOST_LINK = 25e9           # host -> GPU bytes/s: a PCIe 4.0 x16 link as achieved (31.5 GB/s raw)
 GPU_GAMMA = 0.3            # Eq. 6 overlap factor of GPUs (placeholder, see the module docstring)
@@ -127,6 +132,9 @@ class DeviceSpec:
         Calibrated propagation rates by the size of the gathered source rows (a working set in
         the last-level cache is gathered faster than one in DRAM); empty: ``spmm_bandwidth`` and
         ``edge_rate`` for every size. See :meth:`spmm_rates`.
+    push_factor : float, optional
+        Time of a backward product that scatters from the forward CSR over one that pulls through
+        a cached transpose (calibrated; ``None``: :data:`PUSH_FACTOR` assumed).
     host_bandwidth : float, optional
         Bytes/s of loading rows from host memory onto the device (a sampled mini-batch's input
         features every step); default: a PCIe 4.0 x16 link's achieved 25 GB/s for a GPU, the
@@ -146,6 +154,7 @@ class DeviceSpec:
     rng_rate: Optional[float] = None
     spmm_curve: tuple[tuple[float, float, float], ...] = ()
     host_bandwidth: Optional[float] = None
+    push_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
         what = f"device {self.name!r}"
@@ -174,7 +183,7 @@ class DeviceSpec:
         for key, value in self.runtime.items():
             _check_number(value, f"{what}: runtime[{key!r}] (s)", strict=False)
         object.__setattr__(self, "runtime", dict(self.runtime))
-        for key in ("edge_rate", "rng_rate"):
+        for key in ("edge_rate", "rng_rate", "push_factor"):
             if getattr(self, key) is not None:
                 _check_number(getattr(self, key), f"{what}: {key}")
         try:

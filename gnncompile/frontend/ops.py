@@ -10,12 +10,20 @@
 | ``dst_rows(g, x)`` | E | V -> V | the destinations' own rows of a source-side ``x`` (a block's first rows) |
 
 Each is a plain function usable eagerly on tensors, differentiable (hand-written backward for
-``propagate`` and ``edge_softmax`` that reuses the graph's cached transposed CSR; no dense
-adjacency is ever built) and a **torch.fx leaf**: when any argument is an fx ``Proxy`` the call is
+``propagate`` and ``edge_softmax``; no dense adjacency is ever built) and a **torch.fx leaf**: when any argument is an fx ``Proxy`` the call is
 recorded as one ``call_function`` node whatever way the user imported the function, so the tracer
 sees exactly one node per primitive.
 
 Edge tensors (``[E, ...]``) are aligned with the graph's edge order (in-edge CSR by destination).
+
+Backward products
+-----------------
+The gradient of a propagation is the transposed product ``A^T g``. A graph's *backward product*
+(:func:`set_backward_product`) says how it is computed: ``"transposed"`` (the default) pulls over
+a transposed CSR built once and cached on the graph (the graph itself when it is symmetric);
+``"push"`` scatters from the forward CSR (``kernels.spmm(..., transpose=True)``), so a directed
+graph holds no transposed copy and no edge permutation, for a slower backward product. Both are
+exact; on the ``native`` backend they give the same floating-point results.
 
 Implicit self loops
 -------------------
@@ -54,9 +62,15 @@ __all__ = [
     "NORMS",
     "REDUCES",
     "is_primitive",
+    "BACKWARD_PRODUCTS",
+    "set_backward_product",
+    "backward_product",
+    "prepare_graph",
 ]
 
 NORMS = ("gcn", "mean", "sum", "none")
+#: how the backward of a propagation computes ``A^T g`` (see the module docstring)
+BACKWARD_PRODUCTS = ("transposed", "push")
 REDUCES = ("sum", "mean", "max")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -130,6 +144,28 @@ def _csr_t(g: Graph, with_perm: bool) -> tuple[CSR, Optional[torch.Tensor]]:
     return g.cached("csr_t", build), g.transpose()[2] if with_perm else None
 
 
+def set_backward_product(g: Graph, mode: str) -> None:
+    """Choose how propagations over ``g`` compute their backward product: ``"transposed"`` or
+    ``"push"`` (see the module docstring). Choosing ``"push"`` drops a transposed structure already
+    cached on ``g`` (unless it is ``g``'s own, symmetric one)."""
+    if mode not in BACKWARD_PRODUCTS:
+        raise KernelError(f"unknown backward product {mode!r}; valid: {', '.join(map(repr, BACKWARD_PRODUCTS))}")
+    g.set_derived("backward_product", mode)
+    if mode == "push":
+        g.drop_derived("csr_t", "transpose", "transpose_structure")
+
+
+def backward_product(g: Graph) -> str:
+    """The backward product chosen for ``g`` (:func:`set_backward_product`; default ``"transposed"``)."""
+    return g.cached("backward_product", lambda: "transposed")
+
+
+def _pushes(g: Graph) -> bool:
+    """Whether ``g``'s backward products scatter: chosen so, and ``g`` is not its own transpose
+    (a symmetric graph's forward structure serves its backward pull at no cost)."""
+    return backward_product(g) == "push" and not (g.num_src == g.num_nodes and g.is_symmetric())
+
+
 def _check_graph(g: Any, op: str) -> Graph:
     if not isinstance(g, Graph):
         raise GraphError(f"{op}: expected a gnncompile.Graph as first argument, got {type(g).__name__}")
@@ -179,7 +215,9 @@ class _SpMM(torch.autograd.Function):
         g: Graph = ctx.g
         grad_values = grad_x = None
         grad_out = grad_out.contiguous()
-        if ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2] and _pushes(g):
+            grad_x = kernels.spmm(_csr(g), values, grad_out, ctx.backend, row_scale=row, col_scale=col, transpose=True)
+        elif ctx.needs_input_grad[2]:
             csr_t, perm = _csr_t(g, values is not None)
             vt = None if values is None else values[perm]
             grad_x = kernels.spmm(csr_t, vt, grad_out, ctx.backend, row_scale=col, col_scale=row)
@@ -666,7 +704,11 @@ class _MaskedSpMM(torch.autograd.Function):
             grad_out = grad_out.masked_fill(~keep_rows.reshape((-1,) + (1,) * (grad_out.dim() - 1)), 0)
             live &= keep_rows
         grad_values = grad_x = None
-        if ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2] and _pushes(g):
+            # rows outside ``live`` are zero in grad_out: the scatter adds nothing for them
+            grad_x = kernels.spmm(_csr(g), values, grad_out, ctx.backend, row_scale=row, col_scale=col,
+                                  transpose=True)
+        elif ctx.needs_input_grad[2]:
             csr_t, perm = _csr_t(g, values is not None)
             vt = None if values is None else values[perm]
             grad_x = _masked_kernels.masked_spmm_t(csr_t, vt, grad_out, live, ctx.backend, row_scale=col,
@@ -727,12 +769,17 @@ def masked_propagate(g: Graph, x: torch.Tensor, mask: Optional[torch.Tensor] = N
 SOURCE_ARGS.update({propagate: "x", masked_propagate: "x", gather_src: "x"})
 
 
-def prepare_graph(g: Graph, graphs: Iterable[torch.fx.Graph], dtype: torch.dtype) -> None:
+def prepare_graph(g: Graph, graphs: Iterable[torch.fx.Graph], dtype: torch.dtype,
+                  backward: Optional[str] = None) -> None:
     """Build on ``g`` the derived structures that the primitives of the traced ``graphs`` read
     (kernel handles, the transposed structure and, for edge values, its permutation, the
     normalization terms in ``dtype``, edge destinations and the loop-augmented structure of edge
     ops), so a training step allocates only activations. Only what some primitive of ``graphs``
-    uses is built (every structure the runtime holds is resident: :meth:`Graph.structure_bytes`)."""
+    uses is built (every structure the runtime holds is resident: :meth:`Graph.structure_bytes`).
+    ``backward`` (one of :data:`BACKWARD_PRODUCTS`) sets the graph's backward product first; with
+    ``"push"`` no transposed structure is built."""
+    if backward is not None:
+        set_backward_product(g, backward)
     calls = [(n, call_arguments(n)) for graph in graphs for n in graph.nodes
              if n.op == "call_function" and is_primitive(n.target)]
     props = [a for n, a in calls if n.target in (propagate, masked_propagate)]
@@ -744,7 +791,7 @@ def prepare_graph(g: Graph, graphs: Iterable[torch.fx.Graph], dtype: torch.dtype
         for a in props:
             if a["edge_weight"] is None and a["norm"] in NORMS:
                 _stored_terms(g, a["norm"], bool(a["add_self_loops"]), dtype)
-        if props:
+        if props and not _pushes(g):
             values = g.edge_weight is not None or any(a["edge_weight"] is not None for a in props)
             _csr_t(g, values)
         if any(n.target in (gather_dst, edge_softmax, aggregate) for n, _ in calls):

@@ -122,7 +122,8 @@ class NormScales:
 
 
 def topology_bytes(nodes: int, edges: int, sources: Optional[int] = None, *, symmetric: bool = False,
-                   weighted: bool = False, edge_values: bool = False, edge_loops: bool = False) -> int:
+                   weighted: bool = False, edge_values: bool = False, edge_loops: bool = False,
+                   push: bool = False) -> int:
     """Bytes of a training graph's topology in gnncompile's compact layout (see the module docstring).
 
     ``nodes`` destinations, ``sources`` sources (default ``nodes``), ``edges`` edges. Held: the
@@ -133,18 +134,20 @@ def topology_bytes(nodes: int, edges: int, sources: Optional[int] = None, *, sym
     attention does) and, with ``edge_values``, each edge's destination. ``edge_loops``: edge-wise
     ops over ``A + I`` (attention with self loops) also hold the loop-augmented structure (offsets,
     indices, destinations, and the two permutations between the edge layout and its CSR order, one
-    index per edge and loop each). Normalization scales are per vertex and not included.
+    index per edge and loop each). Normalization scales are per vertex and not included. ``push``:
+    backward products scatter from the in-edge CSR (``ops.set_backward_product``), so neither the
+    transpose nor the edge permutation is held.
     """
     src = nodes if sources is None else sources
     if edges == 0:
         return 0
     ib = 4 if max(src, nodes) <= _INT32_MAX else 8
     total = 8 * (nodes + 1) + ib * edges
-    if not symmetric:
+    if not symmetric and not push:
         total += 8 * (src + 1) + ib * edges
     if weighted:
         total += 4 * edges
-    if weighted or edge_values:
+    if (weighted or edge_values) and not push:
         total += (4 if edges <= _INT32_MAX else 8) * edges
     if edge_values:
         total += ib * edges
@@ -496,6 +499,15 @@ class Graph:
             value = self._cache[key] = build()
             return value
 
+    def set_derived(self, key: str, value: Any) -> None:
+        """Store ``value`` as the derived data ``key`` (what :meth:`cached` returns from then on)."""
+        self._cache[key] = value
+
+    def drop_derived(self, *keys: str) -> None:
+        """Forget the derived data ``keys`` (absent keys are ignored): built again on next use."""
+        for key in keys:
+            self._cache.pop(key, None)
+
     @property
     def dst(self) -> torch.Tensor:
         """``[E]``: the destination vertex of every edge (the CSR row of each entry), cached; in
@@ -599,8 +611,11 @@ class Graph:
         def build() -> bool:
             if self.num_src != self.num_nodes:
                 return False
-            self.transpose_structure()
-            return self._cache["is_symmetric"]
+            if "transpose_structure" in self._cache:
+                return self._cache["transpose_structure"][1] is self.indices
+            # compared, not kept: a graph whose backward products scatter never holds its transpose
+            indptr_t, indices_t, _ = self._transposed()
+            return bool(torch.equal(indptr_t, self.indptr) and torch.equal(indices_t, self.indices))
         return self.cached("is_symmetric", build)
 
     def has_self_loops(self) -> bool:
@@ -683,10 +698,8 @@ class Graph:
         g = Graph(self.indptr, self.indices.to(torch.int32), self.num_nodes, edge_weight=self.edge_weight,
                   x=self.x, y=self.y, train_mask=self.train_mask, val_mask=self.val_mask, test_mask=self.test_mask,
                   num_classes=self._num_classes, name=self.name, validate=False, compact_indices=True)
-        if "is_symmetric" in self._cache:
-            g._cache["is_symmetric"] = self._cache["is_symmetric"]
         for key, value in self._cache.items():
-            if key.startswith("scales:"):
+            if key.startswith("scales:") or key in ("is_symmetric", "backward_product"):
                 g._cache[key] = value
         return g
 

@@ -839,6 +839,8 @@ class Plan:
             lines.append(f"  graph: {self.info['graph']}")
         if self.info.get("model"):
             lines.append(f"  model: {self.info['model']}")
+        if self.options.get("backward") == "push":
+            lines.append("  backward products: push (scattered from the forward CSR; no transposed graph is held)")
         part = self.info.get("partition")
         if part and part.get("estimated"):
             lines.append(f"  partition (estimated from statistics): {part.get('method')} into {part.get('num_parts')} "
@@ -1142,6 +1144,8 @@ class RankProgram:
     param_names: list[str]
     #: whether every rank seeds its RNG like single-device training (replicated dropout masks)
     same_seed: bool = False
+    #: how the rank's propagations compute their backward product (``ops.BACKWARD_PRODUCTS``)
+    backward: str = "transposed"
     #: the process groups other than the world that the plan's collectives use (every rank creates
     #: them, in this order, before training)
     groups: tuple[tuple[int, ...], ...] = ()

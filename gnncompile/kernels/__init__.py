@@ -125,12 +125,15 @@ def _split_heads(values: Optional[torch.Tensor], x: torch.Tensor) -> tuple[torch
 
 
 def _check(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, row_scale: Optional[torch.Tensor],
-           col_scale: Optional[torch.Tensor]) -> None:
+           col_scale: Optional[torch.Tensor], transpose: bool = False) -> None:
     for name, t, n in (("row_scale", row_scale, csr.num_rows), ("col_scale", col_scale, csr.num_cols)):
         if t is not None and (t.dim() != 1 or t.shape[0] != n or t.dtype != x.dtype or t.device != x.device):
             raise KernelError(f"spmm: {name} must be a 1-d {x.dtype} tensor of {n} entries on {x.device}; got "
                               f"{t.dtype} {list(t.shape)} on {t.device}")
-    if x.shape[0] != csr.num_cols:
+    if transpose and x.shape[0] != csr.num_rows:
+        raise KernelError(f"spmm: x has {x.shape[0]} rows but the transposed product needs one per sparse "
+                          f"matrix row ({csr.num_rows})")
+    if not transpose and x.shape[0] != csr.num_cols:
         raise KernelError(f"spmm: x has {x.shape[0]} rows but the sparse matrix has {csr.num_cols} columns")
     if values is not None:
         if values.shape[0] != csr.nnz:
@@ -230,15 +233,33 @@ def _require_cpu(backend: str, *tensors: torch.Tensor) -> None:
 
 
 def _spmm_native(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor,
-                 row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None,
+                 transpose: bool = False) -> torch.Tensor:
     _require_cpu("native", x, csr.indptr)
     mod = _load_native()
     x2, heads, tail = _split_heads(values, x)
     vals = None if values is None else values.contiguous()
     rs = None if row_scale is None else row_scale.contiguous()
     cs = None if col_scale is None else col_scale.contiguous()
+    if transpose:
+        out = mod.spmm_t(csr.indptr, _native_index(csr), vals, x2, heads, csr.num_cols,
+                         _push_parts(csr, torch.get_num_threads()), rs, cs)
+        return out.reshape((csr.num_cols,) + tail)
     out = mod.spmm(csr.indptr, _native_index(csr), vals, x2, heads, 0, rs, cs)
     return out.reshape((csr.num_rows,) + tail)
+
+
+def _push_parts(csr: CSR, threads: int) -> torch.Tensor:
+    """Bounds (int64, ``threads + 1`` entries) cutting the columns into ranges of about equal work
+    (in-edges + 1 per column): the output parts of the native transposed product's threads. Cached
+    per thread count as plain integers (not topology); computing them reads the indices once."""
+    def build() -> tuple[int, ...]:
+        work = torch.bincount(csr.indices.to(torch.int64), minlength=csr.num_cols).add_(1).cumsum_(0)
+        total = int(work[-1]) if csr.num_cols else 0
+        targets = torch.arange(1, threads, dtype=torch.int64) * total // max(threads, 1)
+        inner = torch.searchsorted(work, targets, right=True).clamp_(max=csr.num_cols)
+        return (0, *inner.tolist(), csr.num_cols)
+    return torch.tensor(csr.cached(f"native:push_parts:{threads}", build), dtype=torch.int64)
 
 
 def _sddmm_native(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> torch.Tensor:
@@ -260,34 +281,38 @@ def _torch_csr(csr: CSR, values: Optional[torch.Tensor], dtype: torch.dtype, dev
                                        device=device, check_invariants=False)
 
 
-def _scaled_around(fn: Callable[[CSR, Optional[torch.Tensor], torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _scaled_around(fn: Callable[[CSR, Optional[torch.Tensor], torch.Tensor, bool], torch.Tensor]) -> Callable[..., torch.Tensor]:
     """A backend's SpMM with the per-vertex scales applied around it: ``x``'s rows scaled before the
-    product (a temporary of ``x``'s size), the result's rows after (for backends that take no scales)."""
+    product (a temporary of ``x``'s size), the result's rows after (for backends that take no scales).
+    Transposed, the row scale multiplies ``x`` and the column scale the result."""
     def spmm_scaled(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor,
-                    row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if col_scale is not None:
-            x = x * col_scale.reshape((-1,) + (1,) * (x.dim() - 1))
-        out = fn(csr, values, x)
-        if row_scale is not None:
-            out = out.mul_(row_scale.reshape((-1,) + (1,) * (out.dim() - 1)))
+                    row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None,
+                    transpose: bool = False) -> torch.Tensor:
+        before, after = (row_scale, col_scale) if transpose else (col_scale, row_scale)
+        if before is not None:
+            x = x * before.reshape((-1,) + (1,) * (x.dim() - 1))
+        out = fn(csr, values, x, transpose)
+        if after is not None:
+            out = out.mul_(after.reshape((-1,) + (1,) * (out.dim() - 1)))
         return out
     return spmm_scaled
 
 
-def _spmm_torch(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def _spmm_torch(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     x2, heads, tail = _split_heads(values, x)
+
+    def mat(v: Optional[torch.Tensor]) -> torch.Tensor:
+        a = _torch_csr(csr, v, x.dtype, x.device)
+        return a.t() if transpose else a  # transposed: a CSC view of the same arrays
+
     if heads == 1:
-        v = None if values is None else values.reshape(-1)
-        out = torch.sparse.mm(_torch_csr(csr, v, x.dtype, x.device), x2)
+        out = torch.sparse.mm(mat(None if values is None else values.reshape(-1)), x2)
     else:
         c = x2.shape[1] // heads
-        outs = [
-            torch.sparse.mm(_torch_csr(csr, values[:, h].contiguous(), x.dtype, x.device),
-                            x2[:, h * c:(h + 1) * c].contiguous())
-            for h in range(heads)
-        ]
+        outs = [torch.sparse.mm(mat(values[:, h].contiguous()), x2[:, h * c:(h + 1) * c].contiguous())
+                for h in range(heads)]
         out = torch.stack(outs, dim=1)
-    return out.reshape((csr.num_rows,) + tail)
+    return out.reshape((csr.num_cols if transpose else csr.num_rows,) + tail)
 
 
 def _sddmm_gather(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> torch.Tensor:
@@ -308,7 +333,7 @@ def _sddmm_gather(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> tor
 
 
 # --------------------------------------------------------------------------- scipy backend
-def _spmm_scipy(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def _spmm_scipy(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     import numpy as np
     import scipy.sparse as sp
 
@@ -320,14 +345,16 @@ def _spmm_scipy(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor) -> to
 
     def mat(v: Optional[torch.Tensor]):
         data = np.ones(csr.nnz, dtype=xn.dtype) if v is None else v.detach().contiguous().numpy()
-        return sp.csr_matrix((data, ix, ip), shape=(csr.num_rows, csr.num_cols))
+        m = sp.csr_matrix((data, ix, ip), shape=(csr.num_rows, csr.num_cols))
+        return m.T if transpose else m  # transposed: a CSC view (scipy's product scatters; no copy)
 
     if heads == 1:
         out = mat(None if values is None else values.reshape(-1)) @ xn
     else:
         c = xn.shape[1] // heads
         out = np.concatenate([mat(values[:, h]) @ xn[:, h * c:(h + 1) * c] for h in range(heads)], axis=1)
-    return torch.from_numpy(np.ascontiguousarray(out, dtype=xn.dtype)).reshape((csr.num_rows,) + tail)
+    rows = csr.num_cols if transpose else csr.num_rows
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=xn.dtype)).reshape((rows,) + tail)
 
 
 # --------------------------------------------------------------------------- cupy backend
@@ -339,6 +366,7 @@ _INT32_MAX = 2**31 - 1
 # bindings export only the pre-CUDA-11 names of this enum (CUSPARSE_MM_ALG_DEFAULT,
 # CUSPARSE_CSRMM_ALG1), so the value is spelled here.
 _SPMM_CSR_ALG2 = 6
+_SPMM_ALG_DEFAULT = 0  # CUSPARSE_SPMM_ALG_DEFAULT
 
 
 def _import_cupy() -> tuple[Any, Any]:
@@ -397,26 +425,30 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _cusparse_spmm(cusparse: Any, handle: int, mat: _CusparseCSR, values: torch.Tensor, b: torch.Tensor,
-                   c: torch.Tensor) -> None:
-    """``c = A_values @ b`` with row-major ``b`` ``[K, n]`` and ``c`` ``[M, n]`` (contiguous, aligned)."""
+                   c: torch.Tensor, transpose: bool = False) -> None:
+    """``c = op(A_values) @ b`` with row-major ``b`` ``[K, n]`` and ``c`` ``[M, n]`` (contiguous,
+    aligned); ``transpose``: ``op(A) = A^T`` read from the same CSR (cuSPARSE chooses the algorithm;
+    it accumulates with atomics, so results may differ between runs in the last bits)."""
     dt = _CUDA_DATA_TYPE[b.dtype]
     np_dtype = np.float32 if b.dtype == torch.float32 else np.float64
     # host scalars: the handle's pointer mode is cuSPARSE's default, CUSPARSE_POINTER_MODE_HOST (CuPy never
     # changes it), and cuSPARSE reads host scalars before the call returns
     alpha, beta = np.ones((), dtype=np_dtype), np.zeros((), dtype=np_dtype)
     op = cusparse.CUSPARSE_OPERATION_NON_TRANSPOSE
-    alg = _SPMM_CSR_ALG2
+    op_a = cusparse.CUSPARSE_OPERATION_TRANSPOSE if transpose else op
+    # CSR_ALG2 serves op(A) = A only; the transposed product takes cuSPARSE's default algorithm
+    alg = _SPMM_ALG_DEFAULT if transpose else _SPMM_CSR_ALG2
     cusparse.spMatSetValues(mat.desc, values.data_ptr())
     k, n = b.shape
     desc_b = cusparse.createDnMat(k, n, n, b.data_ptr(), dt, cusparse.CUSPARSE_ORDER_ROW)
     try:
         desc_c = cusparse.createDnMat(c.shape[0], n, n, c.data_ptr(), dt, cusparse.CUSPARSE_ORDER_ROW)
         try:
-            size = cusparse.spMM_bufferSize(handle, op, op, alpha.ctypes.data, mat.desc, desc_b,
+            size = cusparse.spMM_bufferSize(handle, op_a, op, alpha.ctypes.data, mat.desc, desc_b,
                                             beta.ctypes.data, desc_c, dt, alg)
             # the workspace comes from torch's allocator on the same stream: reused only after this product
             work = torch.empty(max(int(size), 1), dtype=torch.uint8, device=c.device)
-            cusparse.spMM(handle, op, op, alpha.ctypes.data, mat.desc, desc_b, beta.ctypes.data, desc_c, dt, alg,
+            cusparse.spMM(handle, op_a, op, alpha.ctypes.data, mat.desc, desc_b, beta.ctypes.data, desc_c, dt, alg,
                           work.data_ptr())
         finally:
             cusparse.destroyDnMat(desc_c)
@@ -425,7 +457,7 @@ def _cusparse_spmm(cusparse: Any, handle: int, mat: _CusparseCSR, values: torch.
         cusparse.spMatSetValues(mat.desc, mat.ones.data_ptr())
 
 
-def _spmm_cupy(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def _spmm_cupy(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     if x.device.type != "cuda":
         raise KernelError(f"cupy backend: tensors must be on a CUDA device, got {x.device}")
     if x.dtype not in _CUDA_DATA_TYPE:
@@ -436,9 +468,10 @@ def _spmm_cupy(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor) -> tor
     # detach, and no copy is made; outputs are torch allocations (zero-filled: rows without edges).
     x2, heads, tail = _split_heads(values, x.detach())
     width = x2.shape[1]
-    out = torch.zeros((csr.num_rows, width), dtype=x.dtype, device=dev)
-    if csr.nnz == 0 or csr.num_rows == 0 or width == 0:
-        return out.reshape((csr.num_rows,) + tail)
+    rows = csr.num_cols if transpose else csr.num_rows
+    out = torch.zeros((rows, width), dtype=x.dtype, device=dev)
+    if csr.nnz == 0 or rows == 0 or width == 0:
+        return out.reshape((rows,) + tail)
     mat = csr.cached(f"cusparse:{dev}:{x.dtype}", lambda: _CusparseCSR(cusparse, csr, dev, x.dtype))
     vals = None if values is None else values.detach()
     stream = torch.cuda.current_stream(dev)
@@ -449,16 +482,16 @@ def _spmm_cupy(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor) -> tor
         cusparse.setStream(handle, stream.cuda_stream)
         if heads == 1:
             v = mat.ones if vals is None else _aligned(vals.reshape(-1))
-            _cusparse_spmm(cusparse, handle, mat, v, _aligned(x2), out)
+            _cusparse_spmm(cusparse, handle, mat, v, _aligned(x2), out, transpose)
         else:
             c = width // heads
             for h in range(heads):
                 # one product per head: its weights and its column block of x, copied contiguous
-                out_h = torch.zeros((csr.num_rows, c), dtype=x.dtype, device=dev)
+                out_h = torch.zeros((rows, c), dtype=x.dtype, device=dev)
                 _cusparse_spmm(cusparse, handle, mat, _aligned(vals[:, h]), _aligned(x2[:, h * c:(h + 1) * c]),
-                               out_h)
+                               out_h, transpose)
                 out[:, h * c:(h + 1) * c] = out_h
-    return out.reshape((csr.num_rows,) + tail)
+    return out.reshape((rows,) + tail)
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -525,7 +558,8 @@ def default_backend(device: str | torch.device = "cpu") -> str:
 
 
 def spmm(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, backend: Optional[str] = None, *,
-         row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+         row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None,
+         transpose: bool = False) -> torch.Tensor:
     """``out[r] = row_scale[r] * sum_{e in row r} values[e] * col_scale[col[e]] * x[col[e]]``;
     ``values=None`` means all ones, a missing scale means 1.
 
@@ -533,13 +567,20 @@ def spmm(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, backend: Opt
     ``[num_cols, H, C]`` and head ``h`` is weighted by ``values[:, h]``. The scales are 1-d, of
     ``x``'s dtype and device. Returns ``[num_rows, ...]``. The ``native`` backend applies the
     scales inside the product; the others scale ``x``'s rows before it (a temporary of ``x``'s
-    size) and the result's rows after. Not differentiable by itself: :mod:`gnncompile.ops` wraps it.
+    size) and the result's rows after.
+
+    ``transpose=True`` computes the transposed product ``(diag(row_scale) A diag(col_scale))^T x``
+    from the same structure, without a transposed copy: ``x`` is ``[num_rows, ...]`` and the result
+    ``[num_cols, ...]``. ``native`` scatters into output parts owned by one thread each
+    (deterministic, the summation order of a pull over the stably transposed CSR); ``scipy`` and
+    ``torch`` multiply by a CSC view of the arrays (torch converts it per call on CPU); ``cupy``
+    asks cuSPARSE for ``op(A) = A^T``. Not differentiable by itself: :mod:`gnncompile.ops` wraps it.
     """
-    _check(csr, values, x, row_scale, col_scale)
+    _check(csr, values, x, row_scale, col_scale, transpose)
     name = _validate_name(backend) if backend else default_backend(x.device)
-    if row_scale is None and col_scale is None:
+    if row_scale is None and col_scale is None and not transpose:
         return BACKENDS[name][0](csr, values, x)
-    return BACKENDS[name][0](csr, values, x, row_scale, col_scale)
+    return BACKENDS[name][0](csr, values, x, row_scale, col_scale, transpose)
 
 
 def sddmm(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int = 1, backend: Optional[str] = None) -> torch.Tensor:

@@ -25,6 +25,8 @@ training and evaluation graphs, and the strategy's options, and
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
@@ -32,7 +34,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from ..errors import PassError, PlanningError
-from ..frontend.ops import call_arguments, is_primitive, propagation_calls
+from ..frontend.ops import BACKWARD_PRODUCTS, call_arguments, is_primitive, propagation_calls
 from ..graph.core import Graph, GraphStats
 from ..ir.plan import AllReduce, DevicePlan, Instruction, OptimizerStep, ParamPlacement, Plan, RankProgram, RankSizes, \
     Schedule, StageSpec, StepInputs
@@ -46,7 +48,7 @@ from .lower import StagedModel, row_mixing_ops
 from .recompute import insert_recomputation
 from .strategy import Strategy, StrategyOptions
 
-__all__ = ["Job", "RankLowering", "Lowered", "lower", "mask_counts"]
+__all__ = ["Job", "RankLowering", "Lowered", "lower", "mask_counts", "with_backward"]
 
 
 def mask_counts(graph: Graph) -> dict[str, int]:
@@ -270,13 +272,14 @@ def lower(strategy: Strategy, tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Mod
     return _complete(job, strategy, options, out)
 
 
-def _topology_info(job: Job, ranks: list[RankLowering]) -> dict[str, Any]:
+def _topology_info(job: Job, ranks: list[RankLowering], backward: str) -> dict[str, Any]:
     """What the cost model needs to size a rank's topology in the runtime's compact layout
     (:func:`~gnncompile.graph.core.topology_bytes`): whether the graph is symmetric (its whole
     structure then serves backward products too) and weighted, whether the model computes edge
     values (attention: an edge permutation and each edge's destination are held), which degree
     normalizations it uses (per-vertex scales), and for a concrete graph the graphs each rank
-    holds (``graphs[rank]``: ``[destinations, sources, edges, symmetric]`` per graph)."""
+    holds (``graphs[rank]``: ``[destinations, sources, edges, symmetric]`` per graph), and how
+    backward products are computed (``backward``: a ``"push"`` rank holds no transposes)."""
     stats = job.stats
     if job.concrete:
         symmetric, weighted = job.graph.is_symmetric(), job.graph.edge_weight is not None
@@ -289,7 +292,7 @@ def _topology_info(job: Job, ranks: list[RankLowering]) -> dict[str, Any]:
     edge_values = bool(edge_ops) or any(a["edge_weight"] is not None for _, a in calls)
     edge_loops = any(a.get("add_self_loops") for a in edge_ops)
     info = {"nodes": stats.num_nodes, "symmetric": symmetric, "weighted": weighted, "edge_values": edge_values,
-            "edge_loops": edge_loops, "norms": [[nm, loops] for nm, loops in sorted(norms)]}
+            "edge_loops": edge_loops, "norms": [[nm, loops] for nm, loops in sorted(norms)], "backward": backward}
     if job.concrete:
         held = []
         for rl in sorted(ranks, key=lambda rl: rl.rank):
@@ -324,7 +327,7 @@ def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lower
         "graph": str(stats), "model": type(job.model).__name__, "output": staged.output, "inputs": job.inputs,
         "params": job.numel, "param_tensors": sum(1 for p in job.params if p.requires_grad),
         "param_dtype": job.param_dtype, "features": stats.num_features, "classes": stats.num_classes,
-        "halo_rows": [0] * job.num_ranks, "topology": _topology_info(job, out.ranks), **out.info,
+        "halo_rows": [0] * job.num_ranks, "topology": _topology_info(job, out.ranks, options.backward), **out.info,
     }
     x = job.graph.x if job.concrete else None
     if x is not None and x.layout == torch.sparse_csr and x.shape[0]:
@@ -357,7 +360,8 @@ def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lower
             rank=dp.rank, world_size=job.num_ranks, modules=staged.modules, stages=dp.stages,
             instructions=dp.instructions, eval_modules=staged_eval.modules, eval_stages=by_rank[dp.rank].eval_stages,
             eval_instructions=tuple(by_rank[dp.rank].eval_instructions), output=staged.output,
-            eval_output=staged_eval.output, same_seed=dropout_mode == "replicated", counts=counts,
+            eval_output=staged_eval.output, same_seed=dropout_mode == "replicated", backward=options.backward,
+            counts=counts,
             params=job.params, param_names=job.param_names, step=StepInputs(**by_rank[dp.rank].step),
             placement=ParamPlacement(owner, main, None if used[dp.rank] == every else
                                      tuple(n for n in job.param_names if n in used[dp.rank])),
@@ -365,6 +369,22 @@ def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lower
             **out.program, **by_rank[dp.rank].program)
             for dp in ranks]
     return plan
+
+
+def with_backward(plan: Plan, mode: str) -> Plan:
+    """``plan`` with its propagations' backward products computed by ``mode`` (``"transposed"`` or
+    ``"push"``, :data:`~gnncompile.frontend.ops.BACKWARD_PRODUCTS`): the same instructions (the
+    choice changes how a kernel reads the graph, not what any instruction computes), the options,
+    the topology the cost model sizes and the rank programs updated. A new plan; ``plan`` is unchanged."""
+    if mode not in BACKWARD_PRODUCTS:
+        raise PlanningError(f"unknown backward product {mode!r}; valid: {', '.join(map(repr, BACKWARD_PRODUCTS))}")
+    out = copy.copy(plan)
+    out.options = {**plan.options, "backward": mode}
+    out.info = {**plan.info, "topology": {**plan.info.get("topology", {}), "backward": mode}}
+    out.prediction = None
+    if plan.program is not None:
+        out.program = [dataclasses.replace(p, backward=mode) for p in plan.program]
+    return out
 
 
 def _params_used(job: Job, staged: StagedModel, ranks: list[DevicePlan]) -> dict[int, set[str]]:

@@ -28,6 +28,7 @@ the identity, computes exactly the traced graph (tested for every model of the z
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,9 +36,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 
 from ..errors import PlanningError
-from ..frontend.ops import SOURCE_ARGS, call_arguments, dropout_rows, propagation_calls
+from ..frontend.ops import SOURCE_ARGS, call_arguments, dropout_noise, dropout_rows, propagation_calls
 from ..ir.plan import OpCost, StageSpec, converted_name
 from ..ir.symbolic import Lin
 from ..ir.tpgraph import TPGraph, TPInfo
@@ -193,12 +195,27 @@ def op_costs(tp: TPGraph, nodes: list[torch.fx.Node], decisions: Optional[Decisi
     return out
 
 
+def _dropout_p(n: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> Optional[float]:
+    """The drop probability of a dropout node (``None`` for any other op, or when not a constant):
+    a dropout with ``p == 0`` draws no random numbers (``F.dropout``, ``dropout_rows``)."""
+    if n.op == "call_module":
+        m = modules.get(n.target)
+        return float(m.p) if isinstance(m, torch.nn.modules.dropout._DropoutNd) else None
+    if n.op != "call_function" or n.target not in (F.dropout, dropout_rows, dropout_noise):
+        return None
+    try:
+        p = inspect.signature(n.target).bind(*n.args, **n.kwargs).arguments.get("p", 0.5)
+    except TypeError:
+        return None
+    return float(p) if isinstance(p, (int, float)) else None
+
+
 def _op_cost(n: torch.fx.Node, t: TPInfo, modules: dict[str, torch.nn.Module], *, recompute: bool,
              backward: int) -> OpCost:
     width = math.prod(t.dims) if t.dims else 1
     rows = t.rows if t.rows is not None else Lin()
     random = Lin()
-    if draws_random_numbers(n, modules):
+    if draws_random_numbers(n, modules) and _dropout_p(n, modules) != 0.0:
         # replicated dropout masks draw the whole tensor's (a constant number of rows), else the op's rows
         num_rows = call_arguments(n).get("num_rows") if n.target is dropout_rows else None
         random = Lin.const(num_rows * width) if num_rows is not None else rows * width

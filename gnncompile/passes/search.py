@@ -51,7 +51,7 @@ from ..errors import GnnCompileError, PlanningError
 from ..graph.core import Graph, GraphStats
 from ..ir.plan import AllToAll, Backward, Forward, Plan, RankSizes, Send, StageSpec, human_bytes
 from ..ir.tpgraph import TPGraph
-from .driver import lower
+from .driver import lower, with_backward
 from .registry import STRATEGIES, get, neutral_values
 from .schedule import Pruned, StepOutline, checking_outlines
 
@@ -465,6 +465,19 @@ def plan_bound(plan: Plan, cluster: Cluster, overlap: bool = False) -> tuple[flo
     return best, worst
 
 
+def _holds_transposes(plan: Plan) -> bool:
+    """Whether some rank of ``plan`` holds a transposed graph for its backward products (a graph
+    that is not the whole symmetric graph, with ``backward="transposed"``)."""
+    if plan.options.get("backward", "transposed") != "transposed":
+        return False
+    topo = plan.info.get("topology", {})
+    held = topo.get("graphs")
+    if held is not None:
+        return any(not sym for graphs in held for *_, sym in graphs)
+    whole = all(dp.sizes.nodes == dp.sizes.source_rows == topo.get("nodes") for dp in plan.ranks)
+    return not (topo.get("symmetric") and whole)
+
+
 def _evaluate(cand: Candidate, model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Cluster,
               tp: TPGraph, tp_eval: TPGraph, semantics: str, overlap: bool, beat: float = math.inf) -> Evaluated:
     """Lower and predict one candidate; ``rejected`` says why it cannot be returned (if so). A large
@@ -512,6 +525,12 @@ def _evaluate(cand: Candidate, model: torch.nn.Module, graph: Union[Graph, Graph
     ev.plan.info["devices"] = {"nodes": used.nodes, "per_node": used.devices_per_node, "kind": used.device.kind,
                                "name": used.device.name}
     ev.prediction = predict(ev.plan, used, overlap=overlap)
+    if not ev.prediction.fits and "backward" not in cand.options and _holds_transposes(ev.plan):
+        # exact either way: without the transposed graphs a candidate may fit, for slower backward products
+        pushed = with_backward(ev.plan, "push")
+        prediction = predict(pushed, used, overlap=overlap)
+        if prediction.fits:
+            ev.plan, ev.prediction = pushed, prediction
     ev.plan.prediction = ev.prediction
     if not ev.prediction.fits:
         cap = used.rank_device(0).memory

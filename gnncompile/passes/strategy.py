@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, Optional, Sequence
 
 from ..errors import PlanningError
+from ..frontend.ops import BACKWARD_PRODUCTS
 
 __all__ = ["option", "OptionSpec", "StrategyOptions", "Strategy", "SEMANTICS", "DROPOUT_MODES", "ANY"]
 
@@ -123,6 +124,13 @@ class StrategyOptions:
                                         "from the same seed and keeps its rows, as single-device training draws "
                                         "them; 'local': each rank draws its rows' masks from its own stream.",
                           kind="choice", choices=DROPOUT_MODES, neutral=ANY)
+    backward: str = option("transposed", "How a propagation's backward computes A^T g: 'transposed' pulls through "
+                                         "a transposed CSR of each directed graph, built once and held; 'push' "
+                                         "scatters from the forward CSR (no transposed copy or edge permutation, "
+                                         "a slower backward product). Exact either way. Not given, the planner "
+                                         "takes 'push' for a candidate that fits only without the transposes.",
+                           kind="choice", choices=BACKWARD_PRODUCTS, neutral=ANY,
+                           cli="backward product of propagations")
 
     def __post_init__(self) -> None:
         for spec in self.specs():

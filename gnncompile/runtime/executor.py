@@ -876,7 +876,7 @@ def _prepare_graphs(prog: RankProgram, provider: StepInputProvider, dtype: torch
     step's memory or time): :func:`~gnncompile.frontend.ops.prepare_graph` for the rank's programs."""
     graphs = [m.graph for m in (*prog.modules.values(), *prog.eval_modules.values()) if hasattr(m, "graph")]
     for g in _input_graphs(provider):
-        prepare_graph(g, graphs, dtype)
+        prepare_graph(g, graphs, dtype, prog.backward)
 
 
 def _topology_bytes(provider: StepInputProvider) -> int:

@@ -3,6 +3,7 @@
 // spmm:   out[v, h, :] = rs[v] * sum_{e in row v} w[e, h] * cs[col[e]] * x[col[e], h, :]
 //         (CSR by destination; the optional per-vertex scales rs, cs carry degree normalizations,
 //         so a normalized product needs no per-edge array)
+// spmm_t: the transposed product (diag(rs) A diag(cs))^T x from the same CSR, by scattering
 // sddmm:  w[e, h]      = <a[row(e), h, :], b[col[e], h, :]>
 //
 // SpMM on this class of machine is bound by the latency of the random row reads of x, not by DRAM
@@ -21,7 +22,7 @@
 //   * outputs of 32 MiB and more are advised to use transparent huge pages before their first
 //     write: their 4 KiB first-touch page faults otherwise cost ~40% of a d = 256 product;
 //   * SDDMM reduces short heads with a pairwise tree instead of one serial FMA chain.
-// Every output element is written exactly once (no atomics, no zero-fill pass) and the summation
+// Every output element of spmm is written exactly once (no atomics, no zero-fill pass) and the summation
 // order per output element is fixed (edge order), so results are deterministic and independent
 // of the thread count. Build with -fopenmp (kernels/__init__.py does): without it ATen's
 // parallel_for and the simd pragmas silently run serial code.
@@ -258,6 +259,85 @@ void spmm_impl(const int64_t* indptr, const index_t* col, const scalar_t* w, int
   }
 }
 
+// Transposed product by scattering (push): out[u] = cs[u] * sum_{e: col[e] = u} w[e, h] * rs[row(e)] * x[row(e)],
+// i.e. (diag(rs) A diag(cs))^T x read from A's own CSR, so a backward needs no transposed copy of a
+// directed graph. Part p of the output rows [bounds[p], bounds[p+1]) belongs to one thread, which
+// walks every edge in CSR order and accumulates the edges whose column falls in its part: no atomics,
+// and each output row sums its edges in edge order whatever the thread count (the order a pull
+// over a stably transposed CSR uses, so both give the same floating-point result).
+template <typename scalar_t, typename index_t, int C, int MODE>
+inline void push_row(const index_t* __restrict col, const scalar_t* __restrict w, int64_t heads,
+                     scalar_t rs, const scalar_t* __restrict xr, scalar_t* __restrict out, int64_t ld,
+                     int64_t beg, int64_t end, int64_t nnz, int64_t pf, int64_t lo, int64_t hi,
+                     int64_t head_dim_rt) {
+  const int64_t width = C ? C : ld;
+  const int64_t bytes = ld * (int64_t)sizeof(scalar_t);
+  for (int64_t e = beg; e < end; ++e) {
+    if (e + pf < nnz) {
+      const int64_t ahead = (int64_t)col[e + pf];
+      if (ahead >= lo && ahead < hi) prefetch_span(out + ahead * ld, bytes);
+    }
+    const int64_t u = (int64_t)col[e];
+    if (u < lo || u >= hi) continue;
+    scalar_t* __restrict o = out + u * ld;
+    if constexpr (MODE == kUnweighted) {
+#pragma omp simd
+      for (int64_t c = 0; c < width; ++c) o[c] = std::fma(rs, xr[c], o[c]);
+    } else if constexpr (MODE == kScalar) {
+      const scalar_t we = w[e] * rs;
+#pragma omp simd
+      for (int64_t c = 0; c < width; ++c) o[c] = std::fma(we, xr[c], o[c]);
+    } else {
+      const scalar_t* we = w + e * heads;
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t wh = we[h] * rs;
+        scalar_t* oh = o + h * head_dim_rt;
+        const scalar_t* xh = xr + h * head_dim_rt;
+#pragma omp simd
+        for (int64_t c = 0; c < head_dim_rt; ++c) oh[c] = std::fma(wh, xh[c], oh[c]);
+      }
+    }
+  }
+}
+
+template <typename scalar_t, typename index_t>
+void spmm_t_impl(const int64_t* indptr, const index_t* col, const scalar_t* w, int64_t heads,
+                 const scalar_t* rscale, const scalar_t* cscale, const scalar_t* x, scalar_t* out,
+                 int64_t rows, int64_t head_dim, const int64_t* bounds, int64_t nparts) {
+  const int64_t ld = heads * head_dim;
+  const int64_t nnz = indptr[rows];
+  const int64_t pf = prefetch_distance(ld * (int64_t)sizeof(scalar_t));
+  for_each_block(nparts, [&](int64_t p) {
+    const int64_t lo = bounds[p], hi = bounds[p + 1];
+    if (hi <= lo) return;
+    std::fill(out + lo * ld, out + hi * ld, scalar_t(0));
+    auto run = [&](auto width_c, auto mode_c) {
+      constexpr int C = decltype(width_c)::value;
+      constexpr int M = decltype(mode_c)::value;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t beg = indptr[r], end = indptr[r + 1];
+        if (beg == end) continue;
+        push_row<scalar_t, index_t, C, M>(col, w, heads, rscale ? rscale[r] : scalar_t(1), x + r * ld, out, ld,
+                                          beg, end, nnz, pf, lo, hi, head_dim);
+      }
+    };
+    if (w == nullptr)
+      dispatch_width(ld, [&](auto c) { run(c, Int<kUnweighted>{}); });
+    else if (heads == 1)
+      dispatch_width(ld, [&](auto c) { run(c, Int<kScalar>{}); });
+    else
+      run(Int<0>{}, Int<kHeads>{});
+    if (cscale) {
+      for (int64_t u = lo; u < hi; ++u) {
+        const scalar_t s = cscale[u];
+        scalar_t* o = out + u * ld;
+#pragma omp simd
+        for (int64_t c = 0; c < ld; ++c) o[c] *= s;
+      }
+    }
+  });
+}
+
 // <a, b> over `width` (== C when C > 0) elements. Short compile-time widths use a pairwise tree on
 // a vector of products (a simd reduction of 8 elements would be one serial chain of FMAs).
 template <typename scalar_t, int C>
@@ -386,6 +466,54 @@ torch::Tensor spmm(torch::Tensor indptr, torch::Tensor col, torch::optional<torc
   return out;
 }
 
+// Transposed SpMM: x: [rows, heads * head_dim] (one row per CSR row), returns [cols, heads * head_dim];
+// weights as for spmm; row_scale has one entry per CSR row, col_scale one per column. `bounds`
+// (int64, nparts + 1 entries from 0 to cols) cuts the output rows into the parts the threads own.
+torch::Tensor spmm_t(torch::Tensor indptr, torch::Tensor col, torch::optional<torch::Tensor> weights,
+                     torch::Tensor x, int64_t heads, int64_t cols, torch::Tensor bounds,
+                     torch::optional<torch::Tensor> row_scale, torch::optional<torch::Tensor> col_scale) {
+  check_csr(indptr, col);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-d tensor");
+  TORCH_CHECK(heads >= 1 && x.size(1) % heads == 0, "feature dim must be divisible by heads");
+  const int64_t rows = indptr.size(0) - 1;
+  TORCH_CHECK(x.size(0) == rows, "x must have one row per CSR row");
+  TORCH_CHECK(bounds.scalar_type() == torch::kInt64 && bounds.is_contiguous() && bounds.dim() == 1 &&
+              bounds.numel() >= 2 && bounds[0].item<int64_t>() == 0 && bounds[-1].item<int64_t>() == cols,
+              "bounds must be a contiguous int64 tensor from 0 to cols");
+  auto out = torch::empty({cols, x.size(1)}, x.options());
+  if (cols == 0 || x.size(1) == 0) return out;
+  advise_huge_pages(out);
+  const bool has_w = weights.has_value() && weights->defined();
+  if (has_w) {
+    TORCH_CHECK(weights->is_contiguous() && weights->scalar_type() == x.scalar_type(),
+                "weights must be contiguous with the dtype of x");
+    TORCH_CHECK(weights->numel() == col.numel() * heads, "weights must have E * heads entries");
+  }
+  const bool has_rs = row_scale.has_value() && row_scale->defined();
+  const bool has_cs = col_scale.has_value() && col_scale->defined();
+  if (has_rs)
+    TORCH_CHECK(row_scale->is_contiguous() && row_scale->scalar_type() == x.scalar_type() && row_scale->numel() == rows,
+                "row_scale must be contiguous with the dtype of x and one entry per CSR row");
+  if (has_cs)
+    TORCH_CHECK(col_scale->is_contiguous() && col_scale->scalar_type() == x.scalar_type() && col_scale->numel() == cols,
+                "col_scale must be contiguous with the dtype of x and one entry per column");
+  const int64_t head_dim = x.size(1) / heads;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gnncompile_spmm_t", [&] {
+    const scalar_t* wp = has_w ? weights->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* rp = has_rs ? row_scale->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* cp = has_cs ? col_scale->data_ptr<scalar_t>() : nullptr;
+    if (col.scalar_type() == torch::kInt32)
+      spmm_t_impl<scalar_t, int32_t>(indptr.data_ptr<int64_t>(), col.data_ptr<int32_t>(), wp, heads, rp, cp,
+                                     x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, head_dim,
+                                     bounds.data_ptr<int64_t>(), bounds.numel() - 1);
+    else
+      spmm_t_impl<scalar_t, int64_t>(indptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(), wp, heads, rp, cp,
+                                     x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, head_dim,
+                                     bounds.data_ptr<int64_t>(), bounds.numel() - 1);
+  });
+  return out;
+}
+
 // a: [rows, heads*head_dim] (destination side), b: [n_src, heads*head_dim]; returns [E, heads].
 torch::Tensor sddmm(torch::Tensor indptr, torch::Tensor col, torch::Tensor a, torch::Tensor b, int64_t heads) {
   check_csr(indptr, col);
@@ -414,6 +542,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("spmm", &spmm, "CSR SpMM with optional (multi-head) edge weights and optional feature tiling",
         py::arg("indptr"), py::arg("indices"), py::arg("weights"), py::arg("x"), py::arg("heads"), py::arg("tile"),
         py::arg("row_scale") = py::none(), py::arg("col_scale") = py::none());
+  m.def("spmm_t", &spmm_t, "transposed CSR SpMM by scattering into thread-owned output parts",
+        py::arg("indptr"), py::arg("indices"), py::arg("weights"), py::arg("x"), py::arg("heads"), py::arg("cols"),
+        py::arg("bounds"), py::arg("row_scale") = py::none(), py::arg("col_scale") = py::none());
   m.def("sddmm", &sddmm, "per-edge (multi-head) dot products over CSR", py::arg("indptr"), py::arg("indices"),
         py::arg("a"), py::arg("b"), py::arg("heads"));
 }
