@@ -163,3 +163,24 @@ def test_the_planner_pushes_only_when_the_transposes_do_not_fit() -> None:
     assert "backward products: push" in str(chosen)
     with pytest.raises(gc.PlanningError, match="no plan fits"):
         gc.plan(copy.deepcopy(model), stats, capped, strategy="data", backward="transposed")
+
+
+@pytest.mark.skipif("native" not in BACKENDS, reason="the native kernels need a C++ compiler to build")
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 40), f=st.integers(1, 30), density=st.floats(0.0, 0.6), seed=st.integers(0, 99))
+def test_sparse_feature_linear_needs_no_transposed_copy(n: int, f: int, density: float, seed: int) -> None:
+    """The weight gradient of a Linear on sparse CSR features is ``x^T grad`` scattered from x's own
+    structure on the CPU: equal to the dense one, and no transposition is cached."""
+    from gnncompile.nn import functional as nnf
+
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.randn(n, f, generator=gen, dtype=DT) * (torch.rand(n, f, generator=gen) < density)
+    lin = nnf.Linear(f, 3).to(DT)
+    grads = []
+    nnf._TRANSPOSES.clear()
+    for x in (dense, dense.to_sparse_csr()):
+        lin.zero_grad()
+        lin(x).mul(torch.linspace(-1, 1, 3 * n, dtype=DT).reshape(n, 3)).sum().backward()
+        grads.append((lin.weight.grad.clone(), lin.bias.grad.clone()))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)
+    assert not nnf._TRANSPOSES

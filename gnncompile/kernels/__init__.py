@@ -256,10 +256,10 @@ def _push_parts(csr: CSR, threads: int) -> torch.Tensor:
     def build() -> tuple[int, ...]:
         work = torch.bincount(csr.indices.to(torch.int64), minlength=csr.num_cols).add_(1).cumsum_(0)
         total = int(work[-1]) if csr.num_cols else 0
-        targets = torch.arange(1, threads, dtype=torch.int64) * total // max(threads, 1)
+        targets = torch.arange(1, threads, dtype=torch.int64, device=work.device) * total // max(threads, 1)
         inner = torch.searchsorted(work, targets, right=True).clamp_(max=csr.num_cols)
         return (0, *inner.tolist(), csr.num_cols)
-    return torch.tensor(csr.cached(f"native:push_parts:{threads}", build), dtype=torch.int64)
+    return torch.tensor(csr.cached(f"native:push_parts:{threads}", build), dtype=torch.int64, device="cpu")
 
 
 def _sddmm_native(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> torch.Tensor:

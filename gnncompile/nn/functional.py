@@ -9,6 +9,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from .. import kernels
+
 __all__ = ["feature_dropout", "Linear"]
 
 
@@ -66,11 +68,22 @@ def _csr_transpose(x: torch.Tensor) -> torch.Tensor:
                                    device=x.device, check_invariants=False)
 
 
+def _sparse_t_matmul(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``x^T @ grad`` for a sparse CSR ``x``: on the CPU with the native kernels, the transposed
+    product scattered from ``x``'s own structure (nothing kept between steps; 3-5x faster than the
+    cached transposition on coauthor_physics's features), else through :func:`_csr_transpose`."""
+    if x.device.type == "cpu" and kernels.default_backend("cpu") == "native":
+        csr = kernels.CSR(x.crow_indices().to(torch.int64), x.col_indices(), x.shape[0], x.shape[1])
+        return kernels.spmm(csr, x.values(), grad.contiguous(), "native", transpose=True)
+    return torch.sparse.mm(_csr_transpose(x), grad)
+
+
 class _SparseLinear(torch.autograd.Function):
     """``x @ weight.T + bias`` for a sparse CSR ``x`` that needs no gradient.
 
     torch's own backward of ``F.linear`` on a CSR input converts ``x`` to its transpose on every
-    step (about 8x the forward on coauthor_physics); this one reuses the cached transposition.
+    step (about 8x the forward on coauthor_physics); this one computes ``x^T grad`` without a
+    transposed copy (:func:`_sparse_t_matmul`).
     """
 
     @staticmethod
@@ -82,7 +95,7 @@ class _SparseLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, Optional[torch.Tensor], Optional[torch.Tensor]]:
-        grad_w = torch.sparse.mm(_csr_transpose(ctx.x), grad).t() if ctx.needs_input_grad[1] else None
+        grad_w = _sparse_t_matmul(ctx.x, grad).t() if ctx.needs_input_grad[1] else None
         grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return None, grad_w, grad_b
 
