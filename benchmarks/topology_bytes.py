@@ -12,6 +12,11 @@ Part 2, plans on 4 local ranks (this checkout only): each rank reports the bytes
 hold after the first training step (``RankResult.topology_bytes``); beside it the cost model's
 ``static_memory(...).topology`` of that rank. Bytes per edge divide by the rank's edges.
 
+Both parts measure each graph twice where the checkout can: with backward products that pull
+through a held transpose (``backward="transposed"``, the default) and with products that scatter
+from the forward CSR (``backward="push"``: no transposed copy of a directed graph or of a rank's
+partition or chunk).
+
 Usage::
 
     python benchmarks/topology_bytes.py                      # both parts, writes RESULTS.md
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import sys
 import time
@@ -94,20 +100,30 @@ def _model(gc, kind: str, g):
     return gc.nn.GAT(g.num_features, 16, g.num_classes, heads=4, num_layers=2)
 
 
+def _modes(gc) -> tuple[str, ...]:
+    """The backward products this checkout has (``push`` since issue 22)."""
+    return tuple(getattr(gc.ops, "BACKWARD_PRODUCTS", ("transposed",)))
+
+
 def single(gc, torch) -> dict[str, dict[str, float]]:
-    """Bytes per edge the single-device training graph holds after one forward and backward."""
+    """Bytes per edge the single-device training graph holds after one forward and backward, per
+    backward product (keys ``graph | model`` for the default, ``graph | model | push``)."""
     out: dict[str, dict[str, float]] = {}
     for name, g in _graphs(gc).items():
         for kind in ("GCN", "GAT"):
-            torch.manual_seed(0)
-            train_graph = g.compact() if hasattr(g, "compact") else g
-            train_graph._cache = {}
-            if hasattr(train_graph, "cast_scales"):  # as gc.train does: scales in the model's dtype
-                train_graph.cast_scales(torch.float32)
-            model = _model(gc, kind, g)
-            model(train_graph, g.x).sum().backward()
-            b = held_bytes(train_graph)
-            out[f"{name} | {kind}"] = {"bytes": b, "edges": g.num_edges, "per_edge": b / g.num_edges}
+            for mode in _modes(gc):
+                torch.manual_seed(0)
+                train_graph = g.compact() if hasattr(g, "compact") else g
+                train_graph._cache = {}
+                if hasattr(train_graph, "cast_scales"):  # as gc.train does: scales in the model's dtype
+                    train_graph.cast_scales(torch.float32)
+                if mode != "transposed":
+                    gc.ops.set_backward_product(train_graph, mode)
+                model = _model(gc, kind, g)
+                model(train_graph, g.x).sum().backward()
+                b = held_bytes(train_graph)
+                key = f"{name} | {kind}" + ("" if mode == "transposed" else f" | {mode}")
+                out[key] = {"bytes": b, "edges": g.num_edges, "per_edge": b / g.num_edges}
     return out
 
 
@@ -117,13 +133,22 @@ def single_table(now: dict, before: dict | None) -> list[str]:
     if before:
         head += " bytes/edge before | before / now |"
         rule += "---:|---:|"
+    push = any(k.endswith(" | push") for k in now)
+    if push:
+        head += " held, push | bytes/edge, push |"
+        rule += "---:|---:|"
     lines = [head, rule]
     for key, r in now.items():
+        if key.endswith(" | push"):
+            continue
         graph, model = key.split(" | ")
         row = f"| {graph} | {model} | {r['edges']:,} | {r['bytes'] / 2**20:.1f} MiB | {r['per_edge']:.1f} |"
         if before:
             b = before.get(key)
             row += f" {b['per_edge']:.1f} | {b['per_edge'] / r['per_edge']:.1f}x |" if b else " – | – |"
+        if push:
+            p = now[key + " | push"]
+            row += f" {p['bytes'] / 2**20:.1f} MiB | {p['per_edge']:.1f} |"
         lines.append(row)
     return lines
 
@@ -137,13 +162,14 @@ def plans(gc, torch, ranks: int) -> list[str]:
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for name, g in _graphs(gc).items():
         for kind in ("GCN", "GAT"):
-            for strategy, n in (("data", 1), ("data", ranks), ("tensor", ranks), ("mop", ranks), ("task", ranks)):
+            for (strategy, n), mode in itertools.product(
+                    (("data", 1), ("data", ranks), ("tensor", ranks), ("mop", ranks), ("task", ranks)), _modes(gc)):
                 torch.manual_seed(0)
                 model = _model(gc, kind, g)
                 try:
-                    plan = gc.plan(copy.deepcopy(model), g, n, strategy=strategy)
+                    plan = gc.plan(copy.deepcopy(model), g, n, strategy=strategy, backward=mode)
                 except gc.PlanningError as e:
-                    lines.append(f"| {name} | {kind} | {strategy} x{n} | not planned: {str(e).splitlines()[0][:80]} "
+                    lines.append(f"| {name} | {kind} | {strategy} x{n}, {mode} | not planned: {str(e).splitlines()[0][:80]} "
                                  "| | | | | |")
                     continue
                 res = plan.run(epochs=1, timeout=600)
@@ -152,7 +178,7 @@ def plans(gc, torch, ranks: int) -> list[str]:
                 edges = [dp.sizes.edges for dp in plan.ranks]
                 r = max(range(len(measured)), key=lambda i: measured[i])
                 label = f"{strategy} x{n}" + (f" ({plan.options.get('chunks')} chunks)"
-                                              if plan.options.get("chunks") else "")
+                                              if plan.options.get("chunks") else "") + f", {mode}"
                 lines.append(
                     f"| {name} | {kind} | {label} | {max(edges):,} | {measured[r] / 2**20:.1f} MiB | "
                     f"{measured[r] / max(edges[r], 1):.1f} | {max(predicted) / 2**20:.1f} MiB | "
@@ -187,7 +213,8 @@ def main() -> None:
         md += ["### One device: bytes per edge the training graph holds after one step", "",
                "Measured in-process: every tensor reachable from the training graph's structure, weights and "
                "caches (kernel handles included; features, labels and masks not), each storage once, after one "
-               "forward and backward of the model (GCN 2x64, GAT 2 layers 4x16)."
+               "forward and backward of the model (GCN 2x64, GAT 2 layers 4x16); \"push\": the same graph with "
+               "backward products scattered from its forward CSR (`gc.ops.set_backward_product`)."
                + (f" Before: the same script at an older commit (`--json`, given here with `--before "
                   f"{args.before}`)." if before else ""), "", *table, ""]
     if args.part in ("all", "plans"):

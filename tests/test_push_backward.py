@@ -120,6 +120,15 @@ def test_a_pushing_graph_holds_the_cost_models_layout() -> None:
     gc.nn.GAT(4, 2, 2, heads=2)(gat, g.x).sum().backward()
     assert gat.structure_bytes() == topology_bytes(n, g.num_edges, edge_values=True, edge_loops=True, push=True)
     assert gat.structure_bytes() < topology_bytes(n, g.num_edges, edge_values=True, edge_loops=True)
+    # a symmetric graph: its own structure serves products without edge values; those with edge
+    # values (attention) scatter, so no edge permutation is held either
+    sym = gc.datasets.synthetic("rmat", num_nodes=300, avg_degree=6, num_features=4, num_classes=2, seed=0).compact()
+    assert sym.is_symmetric()
+    ops.set_backward_product(sym, "push")
+    gc.nn.GAT(4, 2, 2, heads=2)(sym, sym.x).sum().backward()
+    assert "transpose" not in sym._cache
+    assert sym.structure_bytes() == topology_bytes(300, sym.num_edges, symmetric=True, edge_values=True,
+                                                   edge_loops=True, push=True)
 
 
 @pytest.mark.parametrize("strategy", ["data", "tensor"])

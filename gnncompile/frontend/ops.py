@@ -160,10 +160,13 @@ def backward_product(g: Graph) -> str:
     return g.cached("backward_product", lambda: "transposed")
 
 
-def _pushes(g: Graph) -> bool:
-    """Whether ``g``'s backward products scatter: chosen so, and ``g`` is not its own transpose
-    (a symmetric graph's forward structure serves its backward pull at no cost)."""
-    return backward_product(g) == "push" and not (g.num_src == g.num_nodes and g.is_symmetric())
+def _pushes(g: Graph, values: bool) -> bool:
+    """Whether a backward product over ``g`` (with edge ``values`` or not) scatters: chosen so,
+    unless ``g`` is its own transpose and the product has no edge values (the forward structure
+    then serves the pull at no cost; with edge values the pull would need an edge permutation)."""
+    if backward_product(g) != "push":
+        return False
+    return values or not (g.num_src == g.num_nodes and g.is_symmetric())
 
 
 def _check_graph(g: Any, op: str) -> Graph:
@@ -215,7 +218,7 @@ class _SpMM(torch.autograd.Function):
         g: Graph = ctx.g
         grad_values = grad_x = None
         grad_out = grad_out.contiguous()
-        if ctx.needs_input_grad[2] and _pushes(g):
+        if ctx.needs_input_grad[2] and _pushes(g, values is not None):
             grad_x = kernels.spmm(_csr(g), values, grad_out, ctx.backend, row_scale=row, col_scale=col, transpose=True)
         elif ctx.needs_input_grad[2]:
             csr_t, perm = _csr_t(g, values is not None)
@@ -704,7 +707,7 @@ class _MaskedSpMM(torch.autograd.Function):
             grad_out = grad_out.masked_fill(~keep_rows.reshape((-1,) + (1,) * (grad_out.dim() - 1)), 0)
             live &= keep_rows
         grad_values = grad_x = None
-        if ctx.needs_input_grad[2] and _pushes(g):
+        if ctx.needs_input_grad[2] and _pushes(g, values is not None):
             # rows outside ``live`` are zero in grad_out: the scatter adds nothing for them
             grad_x = kernels.spmm(_csr(g), values, grad_out, ctx.backend, row_scale=row, col_scale=col,
                                   transpose=True)
@@ -791,8 +794,8 @@ def prepare_graph(g: Graph, graphs: Iterable[torch.fx.Graph], dtype: torch.dtype
         for a in props:
             if a["edge_weight"] is None and a["norm"] in NORMS:
                 _stored_terms(g, a["norm"], bool(a["add_self_loops"]), dtype)
-        if props and not _pushes(g):
-            values = g.edge_weight is not None or any(a["edge_weight"] is not None for a in props)
+        values = g.edge_weight is not None or any(a["edge_weight"] is not None for a in props)
+        if props and not _pushes(g, values):
             _csr_t(g, values)
         if any(n.target in (gather_dst, edge_softmax, aggregate) for n, _ in calls):
             _ = g.dst
