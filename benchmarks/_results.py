@@ -76,6 +76,21 @@ def machine_info(threads: int) -> str:
     )
 
 
+def gpu_info() -> str:
+    """One line: the CUDA device, its memory, and the versions of torch, CUDA, CuPy and PyG that ran."""
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    parts = [f"{props.name} ({props.total_memory / 2**30:.0f} GiB)", f"torch {torch.__version__}",
+             f"CUDA {torch.version.cuda}"]
+    for module in ("cupy", "torch_geometric"):
+        try:
+            parts.append(f"{module} {__import__(module).__version__}")
+        except ImportError:
+            parts.append(f"{module} not installed")
+    return ", ".join(parts)
+
+
 def command_line() -> str:
     """The command that produced the results, relative to the repository root when possible."""
     return shlex.join(["python"] + sys.argv)

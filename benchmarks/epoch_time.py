@@ -14,10 +14,19 @@ that PERF_NOTES.md recommends for fresh large allocations (``MALLOC_MMAP_THRESHO
 ``--epochs`` timed epochs after ``--warmup`` untimed ones. The ratio column is
 gnncompile / best PyG variant under the same allocator setting (< 1 means gnncompile is faster).
 
+With ``--device cuda`` (issue 17's measurement) every cell trains on the GPU: the graph and
+features are moved there before timing (gnncompile: the compact training graph ``gc.train`` holds,
+scales in float32), each epoch is timed between two ``torch.cuda.synchronize()`` calls, and the
+cell reports its peak allocated GPU memory (``torch.cuda.max_memory_allocated``) and ``out of
+memory`` where it does not fit; allocator settings do not apply (one setting, ``default``). The
+section "Epoch time vs PyG on CUDA" names the GPU and the torch, CUDA, CuPy and PyG versions.
+``rmat-2m``: R-MAT with 2M vertices and 40M edges (for a GPU).
+
 Usage::
 
     python benchmarks/epoch_time.py                      # everything (~15-25 min on 2 cores)
     python benchmarks/epoch_time.py --graphs cora --models gcn --epochs 5
+    python benchmarks/epoch_time.py --device cuda --graphs cora rmat rmat-2m --epochs 20 --warmup 3
 """
 
 from __future__ import annotations
@@ -34,9 +43,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _results import command_line, machine_info, today, update_section  # noqa: E402
+from _results import command_line, gpu_info, machine_info, today, update_section  # noqa: E402
 
-GRAPHS = ("cora", "coauthor_physics", "rmat")
+GRAPHS = ("cora", "coauthor_physics", "rmat", "rmat-2m")
+DEFAULT_GRAPHS = ("cora", "coauthor_physics", "rmat")
 MODELS = ("gcn", "sage", "gat")
 SYSTEMS = ("gnncompile", "pyg-edge_index", "pyg-csr")
 ALLOC_ENV = {
@@ -52,6 +62,9 @@ def _load(name: str):
 
     if name == "rmat":
         return gc.datasets.synthetic("rmat", num_nodes=100_000, num_edges=2_000_000, num_features=128,
+                                     num_classes=16, seed=0)
+    if name == "rmat-2m":
+        return gc.datasets.synthetic("rmat", num_nodes=2_000_000, num_edges=40_000_000, num_features=128,
                                      num_classes=16, seed=0)
     return gc.datasets.load(name)
 
@@ -81,13 +94,29 @@ def _pyg_model(kind: str, fin: int, fout: int):
     return Net()
 
 
-def run_cell(system: str, model: str, graph: str, epochs: int, warmup: int, threads: int) -> dict:
+def run_cell(system: str, model: str, graph: str, epochs: int, warmup: int, threads: int,
+             device: str = "cpu") -> dict:
+    import torch
+
+    try:
+        return _run_cell(system, model, graph, epochs, warmup, threads, torch.device(device))
+    except torch.cuda.OutOfMemoryError:
+        return {"error": "out of memory"}
+
+
+def _run_cell(system: str, model: str, graph: str, epochs: int, warmup: int, threads: int, device) -> dict:
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     g = _load(graph)
+    cuda = device.type == "cuda"
+    if cuda and system == "gnncompile":
+        g = g.compact()
+        g.cast_scales(torch.float32)  # what gc.train holds
+    if cuda:
+        g = g.to(device)
     x, y, mask = g.x, g.y, g.train_mask
     note = ""
     if system == "gnncompile":
@@ -97,13 +126,15 @@ def run_cell(system: str, model: str, graph: str, epochs: int, warmup: int, thre
             net = gc.nn.GAT(g.num_features, 64, g.num_classes, num_layers=2, heads=4, dropout=0.5)
         else:
             net = gc.nn.build_model(model, g.num_features, 256, g.num_classes, num_layers=2, dropout=0.5)
+        net = net.to(device)
         fwd = lambda: net(g, x)  # noqa: E731
     else:
-        net = _pyg_model(model, g.num_features, g.num_classes)
+        net = _pyg_model(model, g.num_features, g.num_classes).to(device)
         ei = torch.stack([g.indices, g.dst])
         if system == "pyg-csr":
             # adj_t[dst, src]: exactly the in-edge CSR gnncompile keeps.
-            adj = torch.sparse_csr_tensor(g.indptr, g.indices, torch.ones(g.num_edges), size=(g.num_nodes,) * 2)
+            adj = torch.sparse_csr_tensor(g.indptr, g.indices, torch.ones(g.num_edges, device=device),
+                                          size=(g.num_nodes,) * 2)
         else:
             adj = ei
         fwd = lambda: net(x, adj)  # noqa: E731
@@ -118,24 +149,32 @@ def run_cell(system: str, model: str, graph: str, epochs: int, warmup: int, thre
     opt = torch.optim.Adam(net.parameters(), lr=0.01, weight_decay=5e-4)
     net.train()
     times = []
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     for i in range(warmup + epochs):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(fwd()[mask], y[mask])
         loss.backward()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         if i >= warmup:
             times.append(dt)
     times.sort()
-    return {"median_s": times[len(times) // 2], "min_s": times[0], "epochs": epochs, "note": note}
+    out = {"median_s": times[len(times) // 2], "min_s": times[0], "epochs": epochs, "note": note}
+    if cuda:
+        out["peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return out
 
 
 # --------------------------------------------------------------------------- driver
 def _spawn(system: str, model: str, graph: str, alloc: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, **ALLOC_ENV[alloc])
     cmd = [sys.executable, __file__, "--cell", system, model, graph, "--epochs", str(args.epochs),
-           "--warmup", str(args.warmup), "--threads", str(args.threads)]
+           "--warmup", str(args.warmup), "--threads", str(args.threads), "--device", args.device]
     try:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -148,7 +187,8 @@ def _spawn(system: str, model: str, graph: str, alloc: str, args: argparse.Names
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--graphs", nargs="+", default=list(GRAPHS), choices=GRAPHS)
+    p.add_argument("--graphs", nargs="+", default=list(DEFAULT_GRAPHS), choices=GRAPHS)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every cell trains")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--alloc", nargs="+", default=list(ALLOC_ENV), choices=list(ALLOC_ENV))
@@ -160,8 +200,15 @@ def main() -> None:
     p.add_argument("--cell", nargs=3, metavar=("SYSTEM", "MODEL", "GRAPH"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.cell:
-        print(json.dumps(run_cell(*args.cell, args.epochs, args.warmup, args.threads)))
+        print(json.dumps(run_cell(*args.cell, args.epochs, args.warmup, args.threads, args.device)))
         return
+    cuda = args.device == "cuda"
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device here: nothing measured, nothing written")
+        args.alloc = ["default"]  # glibc's allocator settings do not touch GPU memory
 
     rows = []
     load0 = f"{os.getloadavg()[0]:.2f}"
@@ -180,16 +227,24 @@ def main() -> None:
                 )
                 print(f"{graph:17s} {model:5s} {alloc:8s} {cells}  ratio={ratio:.2f}", flush=True)
 
-    header = "| graph | model | allocator | " + " | ".join(f"{s} (ms)" for s in args.systems) + " | ratio ours/best PyG |"
+    def cell(r: dict) -> str:
+        if "median_s" not in r:
+            return r["error"] if r["error"] == "out of memory" else f"error: {r['error']}"
+        text = f"{r['median_s'] * 1e3:.1f}"
+        if "peak_bytes" in r:
+            text += f" ({r['peak_bytes'] / 2**20:,.0f} MiB)"
+        return text + (f" ({r['note']})" if r.get("note") else "")
+
+    unit = "ms (peak GPU memory)" if cuda else "ms"
+    header = "| graph | model | allocator | " + " | ".join(f"{s} {unit}" for s in args.systems) + \
+        " | ratio ours/best PyG |"
     lines = [header, "|" + "---|" * (4 + len(args.systems))]
     for graph, model, alloc, res, ratio in rows:
-        cells = " | ".join(
-            (f"{res[s]['median_s'] * 1e3:.1f}" + (f" ({res[s]['note']})" if res[s].get("note") else ""))
-            if "median_s" in res[s] else f"error: {res[s]['error']}"
-            for s in args.systems)
+        cells = " | ".join(cell(res[s]) for s in args.systems)
         lines.append(f"| {graph} | {model} | {alloc} | {cells} | {ratio:.2f} |")
+    where = f"GPU: {gpu_info()}; host: " if cuda else "Machine: "
     body = (
-        f"Machine: {machine_info(args.threads)}. Date: {today()}. "
+        f"{where}{machine_info(args.threads)}. Date: {today()}. "
         f"Load average at start / end: {load0} / {os.getloadavg()[0]:.2f} (the machine is shared: timings move with it).\n"
         f"Command: `{command_line()}`\n\n"
         f"Median of {args.epochs} epochs after {args.warmup} warm-up epochs; each cell in a fresh process. "
@@ -197,7 +252,10 @@ def main() -> None:
         "`tuned` = glibc MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ raised and THP_MEM_ALLOC_ENABLE=1.\n\n"
         + "\n".join(lines) + "\n"
     )
-    update_section(Path(args.out), "Epoch time vs PyG", body)
+    if cuda:
+        body += ("\nOn CUDA each epoch is timed between two `torch.cuda.synchronize()` calls; peak GPU memory is "
+                 "`torch.cuda.max_memory_allocated` over the timed and warm-up epochs.\n")
+    update_section(Path(args.out), "Epoch time vs PyG on CUDA" if cuda else "Epoch time vs PyG", body)
     print(f"wrote {args.out}")
 
 

@@ -13,10 +13,21 @@ Measures, in one run on one machine:
    in ``torch.sparse.mm``: the fastest CPU path PyG has here), plus the transposed product
    ``A^T y`` that the native backend runs in the backward pass.
 
+With ``--device cuda`` (issue 17's measurement) the yardstick is the device-to-device copy
+bandwidth (``y.copy_(x)`` of 1 GiB, bytes counted as read + write) and the systems are the CUDA
+backends of :mod:`gnncompile.kernels` (``torch``, and ``cupy`` where CuPy is installed),
+``torch.sparse.mm`` on a prebuilt CSR tensor, PyG's ``EdgeIndex.matmul`` and PyG's message passing
+(``index_select`` of the source rows, edge-weighted, ``scatter`` sum onto the destinations), each
+timed with a CUDA synchronization before and after the call; the transposed product ``A^T y`` runs
+both ways a backward can: over the transposed CSR and scattered from ``A``'s own CSR
+(``transpose=True``). A product that runs out of GPU memory is a row saying so. The header names
+the GPU and the torch, CUDA, CuPy and PyG versions.
+
 Graphs: Cora and coauthor_physics from ``shared/datasets`` (their ``edge_index`` is already
 symmetric) and an R-MAT graph with 100k vertices and 2M directed edges (seed 0,
 ``a, b, c, d = .57, .19, .19, .05``, vertex ids shuffled as Graph500 does, symmetrized, no
-duplicates or self loops). Every backend computes the same product; outputs are cross-checked.
+duplicates or self loops); ``rmat-2m``: the same generator at 2M vertices and 40M edges (for a
+GPU). Every backend computes the same product; outputs are cross-checked.
 
 Time = median of ``--repeat`` calls after two warm-up calls; the backends take turns within each
 repeat, so load from elsewhere on a shared machine hits all of them alike. Throughput counts
@@ -28,6 +39,7 @@ Usage::
 
     python benchmarks/spmm.py
     python benchmarks/spmm.py --graphs rmat --dims 64 --repeat 5 --out /tmp/r.md
+    python benchmarks/spmm.py --device cuda --graphs rmat,rmat-2m --dims 64,256 --repeat 20
 """
 
 from __future__ import annotations
@@ -56,9 +68,11 @@ from _results import command_line, machine_info, today, update_section  # noqa: 
 from gnncompile import kernels  # noqa: E402
 from gnncompile.kernels import CSR  # noqa: E402
 
-GRAPHS = ("cora", "coauthor_physics", "rmat")
+GRAPHS = ("cora", "coauthor_physics", "rmat", "rmat-2m")
+DEFAULT_GRAPHS = ("cora", "coauthor_physics", "rmat")
 DATASETS = HERE.parent.parent / "shared" / "datasets"
 SECTION = "SpMM throughput"
+SECTION_CUDA = "SpMM throughput on CUDA"
 
 
 # --------------------------------------------------------------------------- STREAM
@@ -162,6 +176,8 @@ def load_graph(name: str) -> BenchGraph:
     """``rmat`` (generated) or a dataset's npz edge list, read directly with numpy."""
     if name == "rmat":
         return build_graph("rmat", rmat_edges(), 100_000)
+    if name == "rmat-2m":
+        return build_graph("rmat-2m", rmat_edges(2_000_000, 40_000_000), 2_000_000)
     path = DATASETS / name / f"{name}.npz"
     if not path.exists():
         raise SystemExit(f"{path} not found (datasets live in shared/datasets next to the repository)")
@@ -171,29 +187,44 @@ def load_graph(name: str) -> BenchGraph:
 
 # --------------------------------------------------------------------------- products
 def products(g: BenchGraph, x: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
-    """Every way to compute ``A x`` (and the native ``A^T y``), as zero-argument callables."""
+    """Every way to compute ``A x`` (and the transposed ``A^T y`` a backward runs), as zero-argument
+    callables on ``x``'s device."""
+    dev = x.device
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        adj_t = torch.sparse_csr_tensor(g.csr.indptr, g.csr.indices, g.values, size=(g.num_nodes,) * 2)
+        indptr, indices = g.csr.on(dev)
+        values = g.values.to(dev)
+        adj_t = torch.sparse_csr_tensor(indptr, indices, values, size=(g.num_nodes,) * 2)
     fns: dict[str, Callable[[], torch.Tensor]] = {}
-    available = kernels.available_backends("cpu")
-    for backend in ("native", "torch", "scipy"):
+    available = kernels.available_backends(dev)
+    for backend in ("native", "cupy", "torch", "scipy"):
         if backend in available:
-            fns[f"gnncompile {backend}"] = lambda b=backend: kernels.spmm(g.csr, g.values, x, backend=b)
+            fns[f"gnncompile {backend}"] = lambda b=backend: kernels.spmm(g.csr, values, x, backend=b)
     fns["torch.sparse.mm (CSR)"] = lambda: torch.sparse.mm(adj_t, x)
     try:
         from torch_geometric import EdgeIndex
+        from torch_geometric.utils import scatter
         from torch_geometric.utils import spmm as pyg_spmm
 
-        ei = EdgeIndex(torch.stack([g.csr.cached("rows", lambda: torch.repeat_interleave(
-            torch.arange(g.num_nodes), g.csr.indptr[1:] - g.csr.indptr[:-1])), g.csr.indices]),
-            sparse_size=(g.num_nodes, g.num_nodes), sort_order="row")
-        fns["PyG utils.spmm (CSR adj_t)"] = lambda: pyg_spmm(adj_t, x)
-        fns["PyG EdgeIndex.matmul"] = lambda: ei.matmul(x, input_value=g.values)
+        rows = g.csr.cached(f"rows:{dev}", lambda: torch.repeat_interleave(
+            torch.arange(g.num_nodes, device=dev), indptr[1:] - indptr[:-1]))
+        ei = EdgeIndex(torch.stack([rows, indices.to(torch.int64)]), sparse_size=(g.num_nodes, g.num_nodes),
+                       sort_order="row")
+        if dev.type == "cpu":
+            fns["PyG utils.spmm (CSR adj_t)"] = lambda: pyg_spmm(adj_t, x)
+        fns["PyG EdgeIndex.matmul"] = lambda: ei.matmul(x, input_value=values)
+        src = indices.to(torch.int64)
+        fns["PyG gather + scatter"] = lambda: scatter(x.index_select(0, src) * values[:, None], rows, 0,
+                                                      dim_size=g.num_nodes, reduce="sum")
     except ImportError:
         pass
-    if "native" in available:
-        fns["gnncompile native, A^T (backward)"] = lambda: kernels.spmm(g.csr_t, g.values_t, x, backend="native")
+    values_t = g.values_t.to(dev)
+    for backend in ("native", "cupy", "torch"):
+        if backend in available:
+            fns[f"gnncompile {backend}, A^T over the transposed CSR"] = \
+                lambda b=backend: kernels.spmm(g.csr_t, values_t, x, backend=b)
+            fns[f"gnncompile {backend}, A^T scattered (push)"] = \
+                lambda b=backend: kernels.spmm(g.csr, values, x, backend=b, transpose=True)
     return fns
 
 
@@ -218,36 +249,74 @@ def spmm_bytes(g: BenchGraph, d: int) -> int:
     return g.num_edges * 12 + g.num_edges * d * 4 + g.num_nodes * d * 4
 
 
-def measure(g: BenchGraph, d: int, repeat: int, stream: float) -> list[Row]:
-    """Time every product of ``g`` at width ``d``: two warm-up calls each, then ``repeat`` rounds in turn."""
-    x = torch.randn(g.num_nodes, d, generator=torch.Generator().manual_seed(0))
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(g: BenchGraph, d: int, repeat: int, stream: float, device: torch.device = torch.device("cpu"),
+            warmup: int = 2) -> list[Row]:
+    """Time every product of ``g`` at width ``d``: ``warmup`` untimed calls each, then ``repeat``
+    rounds in turn (on CUDA each call between two synchronizations). A product that runs out of
+    GPU memory gets a row with NaN times."""
+    x = torch.randn(g.num_nodes, d, generator=torch.Generator().manual_seed(0)).to(device)
     fns = products(g, x)
-    reference = kernels.spmm(g.csr, g.values, x, backend="torch")
-    reference_t = kernels.spmm(g.csr_t, g.values_t, x, backend="torch")
+    reference = kernels.spmm(g.csr, g.values.to(device), x, backend="torch")
+    reference_t = kernels.spmm(g.csr_t, g.values_t.to(device), x, backend="torch")
     errors: dict[str, float] = {}
+    failed: set[str] = set()
     for name, fn in fns.items():  # warm-up (and the cross-check)
-        out = fn()
-        fn()
+        try:
+            out = fn()
+            for _ in range(warmup - 1):
+                fn()
+            _synchronize(device)
+        except torch.cuda.OutOfMemoryError:
+            failed.add(name)
+            torch.cuda.empty_cache()
+            continue
         ref = reference_t if "A^T" in name else reference
         errors[name] = float((out - ref).abs().max()) if out.numel() else 0.0
-    times: dict[str, list[float]] = {name: [] for name in fns}
+        del out
+    times: dict[str, list[float]] = {name: [] for name in fns if name not in failed}
     for _ in range(repeat):
-        for name, fn in fns.items():
+        for name in times:
+            _synchronize(device)
             t0 = time.perf_counter()
-            fn()
+            fns[name]()
+            _synchronize(device)
             times[name].append(time.perf_counter() - t0)
     rows = []
     nbytes = spmm_bytes(g, d)
-    for name, ts in times.items():
-        med = statistics.median(ts)
+    for name in fns:
+        if name in failed:
+            rows.append(Row(g.name, g.num_nodes, g.num_edges, d, name, math.nan, math.nan, math.nan, math.nan,
+                            math.nan))
+            continue
+        med = statistics.median(times[name])
         gbps = nbytes / med / 1e9
-        rows.append(Row(g.name, g.num_nodes, g.num_edges, d, name, med * 1e3, min(ts) * 1e3, gbps,
+        rows.append(Row(g.name, g.num_nodes, g.num_edges, d, name, med * 1e3, min(times[name]) * 1e3, gbps,
                         100 * gbps / stream, errors[name]))
     return rows
 
 
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, trials: int = 10) -> float:
+    """Best-of-``trials`` device-to-device copy bandwidth in GB/s, counting read + write."""
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    y = torch.empty_like(x)
+    best = math.inf
+    for _ in range(trials):
+        _synchronize(device)
+        t0 = time.perf_counter()
+        y.copy_(x)
+        _synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * x.numel() * 4 / best / 1e9
+
+
 # --------------------------------------------------------------------------- output
 COLUMNS = ("graph", "V", "E", "d", "system", "median ms", "min ms", "GB/s", "% STREAM", "max abs err")
+COLUMNS_CUDA = COLUMNS[:8] + ("% copy", "max abs err")
 
 
 def cells(r: Row) -> tuple[str, ...]:
@@ -255,23 +324,28 @@ def cells(r: Row) -> tuple[str, ...]:
     def ms(v: float) -> str:
         return f"{v:.3f}" if v < 1 else f"{v:.2f}"
 
+    if math.isnan(r.median_ms):
+        return (r.graph, f"{r.nodes:,}", f"{r.edges:,}", str(r.dim), r.system, "out of memory", "", "", "", "")
+
     return (r.graph, f"{r.nodes:,}", f"{r.edges:,}", str(r.dim), r.system, ms(r.median_ms), ms(r.min_ms),
             f"{r.gbps:.1f}", f"{r.stream_pct:.0f}%", f"{r.max_err:.1e}")
 
 
-def print_table(rows: list[Row], stream: float) -> None:
+def print_table(rows: list[Row], stream: float, cuda: bool = False) -> None:
     """Print the results with rich (plain text when rich is missing)."""
+    columns = COLUMNS_CUDA if cuda else COLUMNS
+    yardstick = f"device copy {stream:.1f} GB/s" if cuda else f"STREAM triad {stream:.1f} GB/s"
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        print(f"STREAM triad: {stream:.1f} GB/s")
-        print(" | ".join(COLUMNS))
+        print(yardstick)
+        print(" | ".join(columns))
         for r in rows:
             print(" | ".join(cells(r)))
         return
-    table = Table(title=f"SpMM throughput (STREAM triad {stream:.1f} GB/s)")
-    for i, col in enumerate(COLUMNS):
+    table = Table(title=f"SpMM throughput ({yardstick})")
+    for i, col in enumerate(columns):
         table.add_column(col, justify="left" if i in (0, 4) else "right")
     previous = None
     for r in rows:
@@ -313,11 +387,36 @@ def markdown(rows: list[Row], stream: float, threads: int, repeat: int, loads: t
     return "\n".join(lines)
 
 
+def markdown_cuda(rows: list[Row], copy: float, repeat: int, warmup: int) -> str:
+    """The body of the "SpMM throughput on CUDA" section of RESULTS.md."""
+    from _results import gpu_info
+
+    lines = [
+        f"- Date: {today()}",
+        f"- Device: {gpu_info()}",
+        f"- Command: `{command_line()}`",
+        f"- Device-to-device copy (1 GiB, read + write counted, best of 10): **{copy:.1f} GB/s**",
+        f"- Product: `out = A x`, float32, GCN-normalized edge values; time = median of {repeat} calls after "
+        f"{warmup} warm-up calls, each between two `torch.cuda.synchronize()`, systems interleaved within each "
+        "repeat; bytes = E·12 + E·d·4 + V·d·4 (effective bandwidth, \"% copy\" of the copy bandwidth). \"A^T\" "
+        "rows are the transposed product of a backward: over the transposed CSR, or scattered from A's own CSR "
+        "(`transpose=True`, cuSPARSE op(A) = A^T for `cupy`). max abs err = largest deviation from the torch "
+        "backend's result.",
+        "",
+        "| " + " | ".join(COLUMNS_CUDA) + " |",
+        "|" + "|".join("---" if i in (0, 4) else "---:" for i in range(len(COLUMNS_CUDA))) + "|",
+    ]
+    lines += ["| " + " | ".join(cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Command-line entry point (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--graphs", default=",".join(GRAPHS), help=f"comma-separated subset of {', '.join(GRAPHS)}")
+    p.add_argument("--graphs", default=",".join(DEFAULT_GRAPHS), help=f"comma-separated subset of {', '.join(GRAPHS)}")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the products run")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per product before timing")
     p.add_argument("--dims", default="16,64,256", help="comma-separated feature widths d")
     p.add_argument("--repeat", type=int, default=10, help="timed calls per product (median reported)")
     p.add_argument("--threads", type=int, default=2, help="torch (and STREAM) threads")
@@ -332,17 +431,33 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.repeat < 1 or any(d < 1 for d in dims):
         p.error("--repeat and every --dims entry must be >= 1")
 
+    if args.warmup < 1:
+        p.error("--warmup must be >= 1")
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("no CUDA device here: nothing measured, nothing written", file=sys.stderr)
+        return 1
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     load_start = load_average()
-    stream = stream_triad(args.threads)
-    print(f"STREAM triad: {stream:.1f} GB/s ({args.threads} threads)", flush=True)
+    if cuda:
+        stream = copy_bandwidth(device)
+        print(f"device-to-device copy: {stream:.1f} GB/s", flush=True)
+    else:
+        stream = stream_triad(args.threads)
+        print(f"STREAM triad: {stream:.1f} GB/s ({args.threads} threads)", flush=True)
     rows: list[Row] = []
     for name in graphs:
         g = load_graph(name)
         for d in dims:
-            rows += measure(g, d, args.repeat, stream)
+            rows += measure(g, d, args.repeat, stream, device, args.warmup)
             print(f"  {name} d={d} done", flush=True)
-    print_table(rows, stream)
+    print_table(rows, stream, cuda)
+    if cuda:
+        if not args.no_write:
+            update_section(args.out, SECTION_CUDA, markdown_cuda(rows, stream, args.repeat, args.warmup))
+            print(f"wrote section {SECTION_CUDA!r} of {args.out}")
+        return 0
     loads = (load_start, load_average())
     print(f"1-min load average: {loads[0]} at start, {loads[1]} at end")
     if not args.no_write:
