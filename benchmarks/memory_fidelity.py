@@ -131,9 +131,9 @@ def main() -> None:
         "", *rows, "",
         "The runtime builds the graphs' derived structures (kernel handles, the transposed structure, edge "
         "destinations, normalization scales: resident topology, `RankResult.topology_bytes`, equal to the cost "
-        "model's) before the first step (`frontend.ops.prepare_graph`), so they are not in these peaks. What the "
-        "first step still builds lazily and keeps is the transposition of sparse input features (first backward "
-        "of their linear layer; not modelled).", ""])
+        "model's) before the first step (`frontend.ops.prepare_graph`), so they are not in these peaks. The weight "
+        "gradient of a linear layer on sparse input features is scattered from the features' own structure on "
+        "the CPU (no transposition is built or kept).", ""])
     print(text)
     if not args.no_write:
         update_section(HERE / "RESULTS.md", SECTION, text)
