@@ -527,15 +527,19 @@ def _evaluate(cand: Candidate, model: torch.nn.Module, graph: Union[Graph, Graph
     ev.prediction = predict(ev.plan, used, overlap=overlap)
     if not ev.prediction.fits and "backward" not in cand.options and _holds_transposes(ev.plan):
         # exact either way: without the transposed graphs a candidate may fit, for slower backward products
+        # (kept when it fits, or as the closer miss when neither does)
         pushed = with_backward(ev.plan, "push")
         prediction = predict(pushed, used, overlap=overlap)
-        if prediction.fits:
+        if prediction.fits or prediction.max_peak_memory < ev.prediction.max_peak_memory:
             ev.plan, ev.prediction = pushed, prediction
     ev.plan.prediction = ev.prediction
     if not ev.prediction.fits:
         cap = used.rank_device(0).memory
-        ev.rejected = (f"does not fit: predicted peak {human_bytes(ev.prediction.max_peak_memory)} per rank "
-                       f"exceeds {human_bytes(cap)} by {human_bytes(ev.prediction.max_peak_memory - cap)}")
+        pushed_note = " with backward products pushed (no transposed graphs)" \
+            if ev.plan.options.get("backward") == "push" and "backward" not in cand.options else ""
+        ev.rejected = (f"does not fit: predicted peak {human_bytes(ev.prediction.max_peak_memory)} per rank"
+                       f"{pushed_note} exceeds {human_bytes(cap)} by "
+                       f"{human_bytes(ev.prediction.max_peak_memory - cap)}")
     return ev
 
 
