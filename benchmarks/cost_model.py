@@ -18,6 +18,7 @@ Usage::
 
     python benchmarks/cost_model.py                 # both parts, 30 epochs per plan
     python benchmarks/cost_model.py --epochs 10 --datasets cora --no-write
+    python benchmarks/cost_model.py --profile ~/.cache/gnncompile/cpu_profile.json --repeats 3 --skip-scale --no-write
 """
 
 from __future__ import annotations
@@ -50,17 +51,19 @@ def kind_of(label: str) -> str:
     return head[0] if head[0] in "FBR" and head[1:2].isdigit() else head
 
 
-def measure(plan, epochs: int):
-    """Run ``plan``; the median step time (slowest rank per step) and per-(rank, instruction) medians."""
-    res = plan.run(epochs=epochs, lr=0.01, seed=0, eval_every=epochs)
-    steps = list(zip(*[r.epoch_time for r in res.ranks]))[2:]  # skip warm-up steps
-    step = statistics.median(max(s) for s in steps)
-    per: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for r in res.ranks:
-        for e in r.timeline:
-            if e.step >= 2:
-                per[r.rank, e.instruction].append(e.duration)
-    return step, {k: statistics.median(v) for k, v in per.items()}, res
+def measure(plan, epochs: int, repeats: int = 1):
+    """Run ``plan`` ``repeats`` times; the median over the runs of the median step time (slowest rank
+    per step), per-(rank, instruction) medians over all runs' steps, and the last run."""
+    steps_of, per = [], defaultdict(list)
+    for _ in range(repeats):
+        res = plan.run(epochs=epochs, lr=0.01, seed=0, eval_every=epochs)
+        steps = list(zip(*[r.epoch_time for r in res.ranks]))[2:]  # skip warm-up steps
+        steps_of.append(statistics.median(max(s) for s in steps))
+        for r in res.ranks:
+            for e in r.timeline:
+                if e.step >= 2:
+                    per[r.rank, e.instruction].append(e.duration)
+    return statistics.median(steps_of), {k: statistics.median(v) for k, v in per.items()}, res
 
 
 def spearman(a, b) -> float:
@@ -70,11 +73,14 @@ def spearman(a, b) -> float:
 
 
 def local_fidelity(args, gc, Cluster) -> tuple[str, list[tuple]]:
-    profile_path = Path(tempfile.mkdtemp()) / "cpu_profile.json"
     t0 = time.perf_counter()
-    cal = gc.calibrate(profile_path)
-    cal_s = time.perf_counter() - t0
-    print(f"calibrated in {cal_s:.1f} s: {cal}")
+    if args.profile:
+        cal = Cluster.load(args.profile)
+        source = f"profile {args.profile}"
+    else:
+        cal = gc.calibrate(Path(tempfile.mkdtemp()) / "cpu_profile.json")
+        source = f"`gnncompile.calibrate()`, {time.perf_counter() - t0:.1f} s"
+    print(f"calibrated ({source}): {cal}")
     rows = []
     kinds: dict[str, list[float]] = defaultdict(list)
     per_dataset: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -84,11 +90,11 @@ def local_fidelity(args, gc, Cluster) -> tuple[str, list[tuple]]:
         graph = gc.datasets.load(name).normalize_features()
         torch.manual_seed(0)
         model = gc.nn.GCN(graph.num_features, HIDDEN.get(name, 64), graph.num_classes, num_layers=2, dropout=0.5)
-        for n, strategy, part, rec in CANDIDATES:
+        for n, strategy, part, rec in (CANDIDATES if args.plans is None else [CANDIDATES[i] for i in args.plans]):
             cluster = Cluster.parse(f"{n}xcpu", profile=cal)
             plan = gc.plan(copy.deepcopy(model), graph, cluster, strategy=strategy, partitioner=part, recompute=rec)
             pred = plan.prediction
-            meas, per_inst, res = measure(plan, args.epochs)
+            meas, per_inst, res = measure(plan, args.epochs, args.repeats)
             for ev_rank in pred.simulation.ranks:
                 for e in ev_rank.events:
                     m = per_inst.get((e.rank, e.label))
@@ -105,14 +111,16 @@ def local_fidelity(args, gc, Cluster) -> tuple[str, list[tuple]]:
     all_meas = [r[6] for r in rows]
     rho = spearman(all_pred, all_meas)
     lines = [
-        f"Calibrated profile (`gnncompile.calibrate()`, {cal_s:.1f} s): {cal}.",
+        f"Calibrated profile ({source}): {cal}." + (f" Each plan run {args.repeats} times (measured step: the median "
+                                                    f"of the runs' medians)." if args.repeats > 1 else ""),
         "",
         "| dataset | ranks | strategy | partitioner | recompute | predicted step | measured step | ratio | "
         "predicted activation peak | measured tensor peak |",
         "|---|---:|---|---|---|---:|---:|---:|---:|---:|",
     ]
+    label = Cluster.parse("1xcpu", profile=cal).prediction_label  # empty: a calibrated profile
     for name, n, strategy, part, rec, p, m, mp, mm in rows:
-        lines.append(f"| {name} | {n} | {strategy} | {part} | {'yes' if rec else 'no'} | {p * 1e3:.2f} ms | "
+        lines.append(f"| {name} | {n} | {strategy} | {part} | {'yes' if rec else 'no'} | {p * 1e3:.2f} ms{label} | "
                      f"{m * 1e3:.2f} ms | "
                      f"{p / m:.2f} | {mp / 2**20:.1f} MiB | {mm / 2**20:.1f} MiB |")
     lines.append("")
@@ -178,7 +186,12 @@ def main() -> None:
     ap.add_argument("--datasets", nargs="+", default=["cora", "coauthor_physics"])
     ap.add_argument("--epochs", type=int, default=30)
     ap.add_argument("--skip-local", action="store_true", help="only the statistics-only part")
-    ap.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
+    ap.add_argument("--skip-scale", action="store_true", help="only the local part")
+    ap.add_argument("--profile", default=None, help="a saved CPU profile to use instead of calibrating")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each plan (the median of their median steps)")
+    ap.add_argument("--plans", type=int, nargs="+", default=None,
+                    help="indices into CANDIDATES to run (default: all)")
+    ap.add_argument("--no-write", action="store_true", help="print the section instead of updating RESULTS.md")
     args = ap.parse_args()
 
     import gnncompile as gc
@@ -189,8 +202,12 @@ def main() -> None:
     if not args.skip_local:
         parts += ["### Predicted vs measured step time (local gloo ranks)", "",
                   local_fidelity(args, gc, Cluster)[0], ""]
-    parts += ["### Planning from statistics: ogbn-papers100M on 8 x 8 A100 (InfiniBand 200 Gbit/s)", "", at_scale(gc)]
-    if not args.no_write:
+    if not args.skip_scale:
+        parts += ["### Planning from statistics: ogbn-papers100M on 8 x 8 A100 (InfiniBand 200 Gbit/s)", "",
+                  at_scale(gc)]
+    if args.no_write:
+        print("\n".join(parts))
+    else:
         update_section(HERE / "RESULTS.md", "Cost models: prediction fidelity and planning at scale", "\n".join(parts))
 
 

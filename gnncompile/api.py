@@ -194,8 +194,10 @@ class Plan(PlanData):
         step of ``measured`` (a ``RunResult``; default: the last :meth:`run`, if any)."""
         from .viz.timeline import draw_timelines
 
-        sim = self._require_prediction("timeline").simulation
-        panels = [(f"predicted: {sim.step_time * 1e3:.3f} ms per step on {self.cluster}", sim.bars(), 0)]
+        pred = self._require_prediction("timeline")
+        sim = pred.simulation
+        panels = [(f"predicted: {sim.step_time * 1e3:.3f} ms per step{pred.cluster.prediction_label} on {self.cluster}",
+                   sim.bars(), 0)]
         run = measured if measured is not None else self.last_run
         if run is not None:
             events = [r.timeline for r in run.ranks]

@@ -1,10 +1,11 @@
 """Calibration: measure this host for the cost models and save a profile (``gnncompile calibrate``).
 
-:func:`calibrate` measures the CPU (GEMM, STREAM, SpMM at one thread and all cores, a tiny op's
-overhead) in a launched rank, the collectives of a backend between launched ranks, and the fixed
-costs of gnncompile's runtime (:func:`runtime_overheads`: it plans and trains small models), and
-returns a calibrated :class:`~gnncompile.cost_models.hardware.Cluster`, saved as JSON when given a
-path; :meth:`Cluster.parse` reads the saved profile for ``<N>xcpu`` clusters.
+:func:`calibrate` measures the CPU (GEMM, STREAM, SpMM, the products of a linear layer by output
+width and the training loss at one thread and all cores, a tiny op's overhead) in a launched rank,
+the collectives of a backend between launched ranks, and the fixed costs of gnncompile's runtime
+(:func:`runtime_overheads`: it plans and trains small models), and returns a calibrated
+:class:`~gnncompile.cost_models.hardware.Cluster`, saved as JSON when given a path;
+:meth:`Cluster.parse` reads the saved profile for ``<N>xcpu`` clusters.
 
 It launches the runtime and plans with :func:`gnncompile.plan`, so it sits above both (layers:
 ``cost_models`` < ``passes`` | ``runtime`` < ``api`` < ``calibration``); the cost models only read
@@ -18,13 +19,13 @@ On a small graph a training step is dominated by what every instruction costs re
 data: calling a stage's fx module, autograd's bookkeeping per op, the executor's dispatch of a
 communication instruction, the optimizer's loop over parameter tensors. The hardware calibration
 (GEMM, STREAM, SpMM, collectives) does not see these; :func:`runtime_overheads` measures them by
-training small GCNs (2 and 4 layers, so stages with different op counts) on one rank, subtracting
-the compute time the cost model predicts for each instruction, and fitting
+training small GCNs (2 and 4 layers, so stages with different op counts) on one rank with one
+thread, subtracting the compute time the cost model predicts for each instruction, and fitting
 
     Forward:  stage + op_forward  * ops        Backward: stage + op_backward * ops
     comm instruction (a halo exchange with no peer): comm
     optimizer step: optimizer_tensor * parameter tensors
-    a step beyond its instructions (loss, zeroing gradients): step
+    a step beyond its instructions (zeroing gradients, bookkeeping): step
 
 by least squares over the instructions' median durations. The result goes into
 :attr:`~gnncompile.cost_models.specs.DeviceSpec.runtime`.
@@ -53,7 +54,7 @@ from .errors import PlanningError
 from .frontend.ops import propagate
 from .graph.core import Graph
 from .ir.plan import Backward, Forward, HaloExchange, OptimizerStep
-from .kernels import default_backend
+from .kernels import CSR, default_backend, spmm
 from .runtime.executor import run_plan
 from .runtime.launcher import launch
 
@@ -82,9 +83,14 @@ def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False
     Measures, at one thread and at all usable cores: float32/float64 GEMM FLOP/s
     (``torch.mm``, best over square sizes), STREAM-like bandwidth (copy and add of 64 MB
     arrays; the better of the two), SpMM effective bandwidth (``kernels.spmm`` on a random
-    graph of uniform degree 10, width 64, in the Eq. 6 byte convention). Also the time of a
-    tiny torch op (``launch_overhead``) and, over ``world_size`` launched ranks,
-    ``all_reduce`` and ``all_to_all_single`` at three message sizes, each fitted as
+    graph of uniform degree 10, width 64, in the Eq. 6 byte convention), and the three products
+    of a linear layer (forward, weight and input gradient of ``x @ W^T``, ``x`` 4096 x 512) at
+    output widths 4 to 256 (``gemm_curve``: narrow products run far below the square GEMM's
+    rate), and the training loss's forward and backward per logit (``loss_rate``,
+    ``loss_grad_rate``). Also the time of a tiny torch op (``launch_overhead``) and, over
+    ``world_size`` launched ranks,
+    ``all_reduce`` and ``all_to_all_single`` at three message sizes, each call after a short
+    computation as in a training step (median; the back-to-back best is kept too), fitted as
     ``latency + bus_bytes / bandwidth`` (bus bytes as nccl-tests: ``2(p-1)/p·size`` for
     all-reduce, ``(p-1)/p·size`` for all-to-all; least squares on relative error). The
     ``shm`` link takes the all-to-all fit (a plain exchange of data); gloo's all-reduce has a
@@ -111,13 +117,20 @@ def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False
         spmm_bandwidth=rates["spmm_bandwidth"][1],
         edge_rate=rates["edge_rate"][1],
         rng_rate=rates["rng_rate"][1],
+        loss_rate=rates["loss_rate"][1],
+        loss_grad_rate=rates["loss_grad_rate"][1],
         spmm_curve=tuple((p["working_set"], p["bandwidth"][1], p["edge_rate"][1]) for p in local["spmm_curve"]),
+        gemm_curve=tuple((p["width"], p["forward"][1], p["weight_grad"][1], p["input_grad"][1])
+                         for p in local["gemm_curve"]),
         gamma=CPU_GAMMA,
+        push_factor=local["push"]["factor"],
         launch_overhead=local["op_overhead"]["seconds"],
         kind="cpu",
     )
+    rank_rates = {k: local[k] for k in ("rates", "spmm_curve", "gemm_curve")}
     device = dataclasses.replace(device, runtime=runtime_overheads(
-        Cluster(1, 1, device, LinkSpec("shm", comm["bandwidth"], comm["latency"]), cores=cores), quick=quick))
+        Cluster(1, 1, device, LinkSpec("shm", comm["bandwidth"], comm["latency"]), cores=cores, threads_per_rank=1,
+                calibration=rank_rates), quick=quick))
     calibration = {
         "host": host,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -149,9 +162,14 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def runtime_overheads(cluster: Any, *, quick: bool = False) -> dict[str, float]:
-    """Fit the runtime's fixed costs on ``cluster``'s device (one rank; see the module docstring):
-    ``stage``, ``op_forward``, ``op_backward``, ``comm``, ``optimizer_tensor``, ``step``, seconds."""
-    bare = dataclasses.replace(cluster.device, launch_overhead=0.0, runtime={})
+    """Fit the runtime's fixed costs on rank 0 of ``cluster`` (one rank with
+    ``cluster.threads_per_rank`` threads, default all cores; see the module docstring): ``stage``,
+    ``op_forward``, ``op_backward``, ``comm``, ``optimizer_tensor``, ``step``, seconds.
+
+    :func:`calibrate` measures them at one thread: they are the CPU time of dispatching work, and a
+    single thread's is not inflated by waits for the other cores of a busy host."""
+    bare = dataclasses.replace(cluster.rank_device(0), launch_overhead=0.0, runtime={})
+    threads = cluster.threads_per_rank
     graph = datasets.synthetic("sbm", num_nodes=256, avg_degree=4, num_features=8, num_classes=4, seed=0)
     epochs = 12 if quick else 40
     samples: dict[str, list[tuple[float, float]]] = defaultdict(list)  # kind -> (x, residual seconds)
@@ -159,7 +177,8 @@ def runtime_overheads(cluster: Any, *, quick: bool = False) -> dict[str, float]:
         torch.manual_seed(0)
         model = nn.GCN(graph.num_features, 8, graph.num_classes, num_layers=layers, dropout=0.5)
         p = make_plan(model, graph, cluster, strategy="data", verify=False)
-        res = run_plan(p, epochs=epochs, lr=0.01, seed=0, eval_every=epochs, update_model=False, timeout=120)
+        res = run_plan(p, epochs=epochs, lr=0.01, seed=0, eval_every=epochs, update_model=False, timeout=120,
+                       threads_per_rank=threads, progress=False)
         durations: dict[str, list[float]] = defaultdict(list)
         per_step: dict[int, float] = defaultdict(float)
         for e in res.ranks[0].timeline:
@@ -179,6 +198,9 @@ def runtime_overheads(cluster: Any, *, quick: bool = False) -> dict[str, float]:
                 st = stages[inst.stage]
                 back = isinstance(inst, Backward)
                 compute = sum(op_time(op, dp.sizes, bare, backward=back) for op in st.costs)
+                rate = bare.loss_grad_rate if back else bare.loss_rate
+                if rate:  # the loss, in the stage that makes the output (PlanCost.stage_time)
+                    compute += sum(dp.sizes.nodes * op.width / rate for op in st.costs if op.name == p.info["output"])
                 samples["B" if back else "F"].append((len(st.costs), measured - compute))
             elif isinstance(inst, HaloExchange):
                 samples["comm"].append((0.0, measured))
@@ -254,7 +276,28 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
                                 torch.rand(n, n, dtype=getattr(torch, dtype), generator=gen))
                    for dtype in ("float32", "float64") for n in sizes}
 
+    # the products of a linear layer of a GNN: many rows, a few hundred inputs, a narrow output
+    linear_rows, linear_inner = (2048, 256) if quick else (4096, 512)
+    linear_widths = (4, 8, 16, 32, 64, 128) if quick else (4, 8, 16, 32, 64, 128, 256)
+    lx = torch.rand(linear_rows, linear_inner, generator=gen)
+    linear_inputs = {w: (torch.rand(w, linear_inner, generator=gen), torch.rand(linear_rows, w, generator=gen))
+                     for w in linear_widths}
+    linear: dict[str, dict[str, dict[str, float]]] = {}  # width -> product -> threads -> seconds
     gemm: dict[str, dict[str, list[float]]] = {"float32": {}, "float64": {}}
+    # the training loss as the runtime computes it: cross-entropy of the training rows of the logits
+    loss_rows, loss_classes = (16_384, 8) if quick else (65_536, 8)
+    logits = torch.randn(loss_rows, loss_classes, generator=gen).requires_grad_(True)
+    labels = torch.randint(0, loss_classes, (loss_rows,), generator=gen)
+    train = torch.rand(loss_rows, generator=gen) < 0.5
+
+    def loss_forward() -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits[train], labels[train], reduction="sum") / loss_rows
+
+    def loss_both() -> None:
+        loss_forward().backward()
+        logits.grad = None
+
+    loss_s: dict[str, dict[str, float]] = {}
     stream: dict[str, dict[str, float]] = {}
     rng_s: dict[str, float] = {}
     noise = torch.empty(stream_elems // 4)
@@ -271,8 +314,18 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
                 case[key][str(t)] = _best_time(lambda: propagate(g, xs, norm="gcn", add_self_loops=True),
                                                repeats, budget)
         rng_s[str(t)] = _best_time(lambda: noise.bernoulli_(0.5), repeats, budget)
+        forward_s = _best_time(loss_forward, repeats, budget)
+        loss_s[str(t)] = {"forward": forward_s,
+                          "backward": max(_best_time(loss_both, repeats, budget) - forward_s, forward_s / 10)}
+        for w, (weight, grad) in linear_inputs.items():
+            products = {"forward": lambda: torch.nn.functional.linear(lx, weight),  # what autograd runs
+                        "weight_grad": lambda: grad.t().mm(lx), "input_grad": lambda: grad.mm(weight)}
+            for name, fn in products.items():
+                linear.setdefault(str(w), {}).setdefault(name, {})[str(t)] = _best_time(fn, repeats, budget)
     tiny, ops = torch.zeros(1), 200
     op_overhead = _best_time(lambda: [tiny.add_(1.0) for _ in range(ops)], repeats, budget) / ops
+    torch.set_num_threads(max(threads))
+    push = _push_seconds(spmm_cases[-1], repeats, budget)
 
     def pair(per_thread: Callable[[str], float]) -> list[float]:
         """``[single thread, all cores]`` of a rate."""
@@ -293,8 +346,12 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
             "spmm_bandwidth": pair(lambda t: fit(large, t)[1]),
             "edge_rate": pair(lambda t: fit(large, t)[0]),
             "rng_rate": pair(lambda t: noise.numel() / rng_s[t]),
+            "loss_rate": pair(lambda t: loss_rows * loss_classes / loss_s[t]["forward"]),
+            "loss_grad_rate": pair(lambda t: loss_rows * loss_classes / loss_s[t]["backward"]),
         },
         "rng": {"op": "bernoulli_(0.5)", "elements": noise.numel(), "seconds": rng_s},
+        "loss": {"op": "cross_entropy(logits[train], labels[train]), half the rows training rows",
+                 "rows": loss_rows, "classes": loss_classes, "seconds": loss_s},
         "gemm": {"sizes": sizes, "seconds": gemm},
         "stream": {"array_bytes": array_bytes, "bytes_moved": {"copy": 2 * array_bytes, "add": 3 * array_bytes},
                    "seconds": stream},
@@ -303,10 +360,33 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
                  "bytes_convention": "4*(nnz*(1+2*width)+rows), NeutronTask Eq. 6; nnz with self loops",
                  "cases": [{k: v for k, v in case.items() if k not in ("graph", "x", "x_narrow")}
                            for case in spmm_cases]},
+        "gemm_curve": [{"width": int(w), **{name: pair(lambda t, x=sec: 2 * linear_rows * linear_inner * int(w) / x[t])
+                                            for name, sec in products.items()}}
+                       for w, products in linear.items()],
+        "linear": {"rows": linear_rows, "inner": linear_inner, "dtype": "float32",
+                   "products": {"forward": "F.linear(x, W)", "weight_grad": "g.t() @ x", "input_grad": "g @ W"},
+                   "seconds": linear},
         "spmm_curve": [{"working_set": case["working_set"], "bandwidth": pair(lambda t, c=case: fit(c, t)[1]),
                         "edge_rate": pair(lambda t, c=case: fit(c, t)[0])} for case in spmm_cases],
         "op_overhead": {"op": "add_ on a 1-element tensor, 1 thread", "seconds": op_overhead},
+        "push": push,
     }
+
+
+def _push_seconds(case: dict[str, Any], repeats: int, budget: float) -> dict[str, Any]:
+    """The backward product of the largest SpMM case both ways, at the threads set: pulled
+    through the transposed CSR, and scattered from the graph's own CSR (``transpose=True``); their
+    ratio is the device's ``push_factor``."""
+    g = case["graph"]
+    csr = CSR(g.indptr, g.indices, g.num_nodes, g.num_src)
+    indptr_t, indices_t = g.transpose_structure()
+    csr_t = CSR(indptr_t, indices_t, g.num_src, g.num_nodes)
+    x = case["x"]
+    pulled = _best_time(lambda: spmm(csr_t, None, x), repeats, budget)
+    pushed = _best_time(lambda: spmm(csr, None, x, transpose=True), repeats, budget)
+    return {"op": "A^T x, width 64: over the transposed CSR / scattered from A's CSR", "backend": default_backend("cpu"),
+            "threads": torch.get_num_threads(), "seconds": {"transposed": pulled, "push": pushed},
+            "factor": pushed / pulled}
 
 
 def _spmm_fit(edges: int, narrow: tuple[float, float], wide: tuple[float, float]) -> tuple[float, float]:
@@ -321,13 +401,26 @@ def _spmm_fit(edges: int, narrow: tuple[float, float], wide: tuple[float, float]
     return 1.0 / per_edge, 1.0 / per_byte
 
 
-def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int]) -> dict[str, list[float]]:
-    """Run on each launched rank: seconds per ``all_reduce`` / ``all_to_all_single`` of each size
-    (the best over ``batches`` of ``iters[i]`` back-to-back calls)."""
+def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int],
+                     calls: int) -> dict[str, dict[str, list[float]]]:
+    """Run on each launched rank: seconds per ``all_reduce`` / ``all_to_all_single`` of each size,
+    ``"back_to_back"``: the best over ``batches`` of ``iters[i]`` calls in a row; ``"in_step"``: the
+    median of ``calls`` calls each after the same short computation on every rank, as the runtime
+    issues them (a collective follows a stage's compute: the ranks arrive at it apart, and a peer
+    that computed meanwhile answers later than one spinning on the previous call)."""
     import torch.distributed as dist
 
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
-    result: dict[str, list[float]] = {"all_reduce": [], "all_to_all": []}
+    result: dict[str, dict[str, list[float]]] = {
+        "back_to_back": {"all_reduce": [], "all_to_all": []}, "in_step": {"all_reduce": [], "all_to_all": []}}
+    a = torch.rand(128, 128, device=ctx.device)
+    b = torch.empty_like(a)
+
+    def compute() -> None:  # about half a millisecond of a CPU core
+        for _ in range(10):
+            torch.mm(a, a, out=b)
+        sync()
+
     for nbytes, k in zip(sizes, iters):
         src = torch.zeros(nbytes // 4, device=ctx.device)
         dst = torch.empty_like(src)
@@ -343,7 +436,15 @@ def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int])
                     call()
                 sync()
                 best = min(best, (time.perf_counter() - t0) / k)
-            result[op].append(best)
+            result["back_to_back"][op].append(best)
+            seconds = []
+            for _ in range(max(1, calls // max(1, nbytes // 2**20))):  # fewer of the large ones
+                compute()
+                t0 = time.perf_counter()
+                call()
+                sync()
+                seconds.append(time.perf_counter() - t0)
+            result["in_step"][op].append(statistics.median(seconds))
     return result
 
 
@@ -370,12 +471,18 @@ def _measure_collectives(backend: str, world_size: int, quick: bool) -> dict[str
     """Launch ``world_size`` ranks and fit latency and bandwidth of their collectives."""
     sizes = [4 * 2**10, 256 * 2**10, 4 * 2**20] if quick else [4 * 2**10, 2**20, 16 * 2**20]
     sizes = [s - s % (4 * world_size) for s in sizes]
-    iters, batches = ([20, 5, 2], 3) if quick else ([50, 10, 3], 5)
-    per_rank = launch(_collective_rank, world_size, (sizes, batches, iters), backend=backend, timeout=120)
-    seconds = {op: [max(r[op][i] for r in per_rank) for i in range(len(sizes))] for op in per_rank[0]}
+    iters, batches, calls = ([20, 5, 2], 3, 15) if quick else ([50, 10, 3], 5, 41)
+    per_rank = launch(_collective_rank, world_size, (sizes, batches, iters, calls), backend=backend, timeout=120,
+                      threads_per_rank=1)
+    # the slowest rank's, per mode, collective and size
+    seconds = {mode: {op: [max(r[mode][op][i] for r in per_rank) for i in range(len(sizes))]
+                      for op in per_rank[0][mode]} for mode in per_rank[0]}
     factor = {"all_reduce": 2 * (world_size - 1) / world_size, "all_to_all": (world_size - 1) / world_size}
-    fits = {op: _fit_latency_bandwidth([factor[op] * s for s in sizes], seconds[op]) for op in seconds}
+    # the fits: what an instruction of a step sees (in_step), not the back-to-back best
+    fits = {op: _fit_latency_bandwidth([factor[op] * s for s in sizes], t) for op, t in seconds["in_step"].items()}
     latency, bandwidth = fits["all_to_all"]
-    return {"backend": backend, "world_size": world_size, "sizes": sizes, "seconds": seconds,
-            "bus_factor": factor, "fits": {op: {"latency": a, "bandwidth": b} for op, (a, b) in fits.items()},
+    return {"backend": backend, "world_size": world_size, "sizes": sizes, "seconds": seconds["in_step"],
+            "seconds_back_to_back": seconds["back_to_back"], "fitted_on": "seconds (each call after a short "
+            "computation, median)", "bus_factor": factor,
+            "fits": {op: {"latency": a, "bandwidth": b} for op, (a, b) in fits.items()},
             "link_from": "all_to_all", "latency": latency, "bandwidth": bandwidth}

@@ -280,7 +280,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         med = measured[len(measured) // 2] if measured else float("nan")
         pred = p.prediction
         above = max(m - s.total for m, s in zip(pred.peak_memory, pred.static))
-        print(f"step time: predicted {pred.step_time * 1e3:.1f} ms on {p.cluster}, measured {med * 1e3:.1f} ms "
+        print(f"step time: predicted {pred.step_time * 1e3:.1f} ms{pred.cluster.prediction_label} on {p.cluster}, "
+              f"measured {med * 1e3:.1f} ms "
               f"(median); tensor memory above resident data, predicted peak {above / 2**20:.1f} MiB per rank "
               f"(measured: the peak tensor memory column)")
     _report_plan(p, args)

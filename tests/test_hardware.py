@@ -227,6 +227,15 @@ def test_calibrate_quick(calibrated: tuple[Cluster, Path]) -> None:
     for key in ("host", "date", "torch", "gemm", "stream", "spmm", "op_overhead", "collectives"):
         assert key in c.calibration
     assert set(c.calibration["collectives"]["fits"]) == {"all_reduce", "all_to_all"}
+    # collectives are fitted on calls made as a step makes them (after computing); back to back kept
+    assert set(c.calibration["collectives"]["seconds_back_to_back"]) == {"all_reduce", "all_to_all"}
+    # the products of a linear layer by output width, and the loss, at one thread and all cores
+    widths = [p["width"] for p in c.calibration["gemm_curve"]]
+    assert widths == sorted(widths) and widths[0] <= 8 and widths[-1] >= 64
+    assert [p[0] for p in d.gemm_curve] == widths
+    assert all(v > 0 for p in d.gemm_curve for v in p)
+    assert d.gemm_rates(16) is not None
+    assert d.loss_rate == c.calibration["rates"]["loss_rate"][1] > 0 and d.loss_grad_rate > 0
     assert Cluster.load(path) == c
     assert "uncalibrated" not in str(c)
 

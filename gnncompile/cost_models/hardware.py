@@ -48,10 +48,13 @@ __all__ = [
     "GPU_GAMMA",
     "CPU_GAMMA",
     "PROFILE_ENV",
+    "UNCALIBRATED_LABEL",
     "default_profile_path",
 ]
 
 DEFAULT_INTER = "ib100"    # inter-node link of a multi-node spec that names none
+#: The label of a time predicted from the uncalibrated CPU placeholder (:attr:`Cluster.prediction_label`)
+UNCALIBRATED_LABEL = "(uncalibrated: placeholder CPU rates, run `gnncompile calibrate` once)"
 PROFILE_ENV = "GNNCOMPILE_PROFILE"
 _FORMAT = "gnncompile.cluster"
 _FORMAT_VERSION = 1
@@ -193,7 +196,8 @@ class Cluster:
 
         GPUs: :attr:`device`. CPUs: the ``devices_per_node`` ranks of a host time-share its
         ``cores``. A rank with ``t`` threads gets rate ``r(t) · min(1, cores / (ranks · t))`` for
-        FLOP/s, ``mem_bandwidth`` and ``spmm_bandwidth``, where ``r`` interpolates linearly in
+        FLOP/s (the square GEMM's and each point of the ``gemm_curve``), ``mem_bandwidth``,
+        ``spmm_bandwidth`` and the other calibrated rates, where ``r`` interpolates linearly in
         threads between the calibrated single-thread and all-core rates; past ``cores`` it grows
         on with that slope if positive, else stays flat (one core: ``r(t) = t · r(1)``). An
         uncalibrated host assumes linear scaling of its all-core rates. ``memory`` is the host's
@@ -223,8 +227,12 @@ class Cluster:
             spmm_bandwidth=rate(rates["spmm_bandwidth"]),
             edge_rate=rate(rates["edge_rate"]) if "edge_rate" in rates else self.device.edge_rate,
             rng_rate=rate(rates["rng_rate"]) if "rng_rate" in rates else self.device.rng_rate,
+            loss_rate=rate(rates["loss_rate"]) if "loss_rate" in rates else self.device.loss_rate,
+            loss_grad_rate=rate(rates["loss_grad_rate"]) if "loss_grad_rate" in rates else self.device.loss_grad_rate,
             spmm_curve=tuple((p["working_set"], rate(p["bandwidth"]), rate(p["edge_rate"]))
                              for p in self.calibration.get("spmm_curve", [])) or self.device.spmm_curve,
+            gemm_curve=tuple((p["width"], rate(p["forward"]), rate(p["weight_grad"]), rate(p["input_grad"]))
+                             for p in self.calibration.get("gemm_curve", [])) or self.device.gemm_curve,
             memory=self.device.memory // ranks,
             # fixed costs are CPU time too: time-shared cores stretch them
             launch_overhead=self.device.launch_overhead / share,
@@ -358,6 +366,12 @@ class Cluster:
     def calibrated(self) -> bool:
         """Whether the device numbers come from measurement (CPU profile) or datasheets (GPU presets)."""
         return self.device.kind != "cpu" or bool(self.calibration)
+
+    @property
+    def prediction_label(self) -> str:
+        """What every time predicted on this cluster is printed with (plan explanations, the CLI,
+        timelines): ``""`` when :attr:`calibrated`, else :data:`UNCALIBRATED_LABEL` with a leading space."""
+        return "" if self.calibrated else f" {UNCALIBRATED_LABEL}"
 
     @classmethod
     def parse(cls, text: str, profile: Union["Cluster", str, Path, None] = None) -> "Cluster":

@@ -10,7 +10,13 @@ Compute (per op of a stage, on the rank's device):
 - ``T`` ops (dense, vertex-wise): roofline ``max(flops / FLOP/s, bytes / memory bandwidth)``;
   backward costs ``OpCost.backward`` forwards: one for the weights' gradient if the op has
   trainable weights, one for the input's gradient if the input needs one (the first layer's
-  ``x @ W`` on raw features costs one, a hidden ``h @ W`` two, ``relu(h)`` one).
+  ``x @ W`` on raw features costs one, a hidden ``h @ W`` two, ``relu(h)`` one). A linear layer
+  on dense rows (:func:`_dense_product`) runs at the calibrated rates of its output width
+  (:meth:`~gnncompile.cost_models.specs.DeviceSpec.gemm_rates`: forward, weight gradient, input
+  gradient) where the device has them: narrow products run far below the square-GEMM FLOP/s.
+  A linear layer on sparse CSR rows (:func:`_sparse_product_inputs`) is costed as two
+  propagations where the device's propagation rates were measured: the forward gathers rows of
+  the weight, the weight's gradient ``x^T @ g`` scatters into rows of the weight's size.
 - ``P`` ops (propagation): NeutronTask Eq. 6 for one layer of width ``d`` on the rank's ``|V|``
   vertices and ``|E| = |V| d̄`` edges (:func:`~gnncompile.cost_models.formulas.p_task_time`),
   plus ``|E| / edge_rate`` where the device was calibrated (random row gathers are latency bound
@@ -18,6 +24,8 @@ Compute (per op of a stage, on the rank's device):
   (:meth:`~gnncompile.cost_models.hardware.DeviceSpec.spmm_rates`: in cache or in DRAM);
   backward is the same propagation over the transposed graph.
 - random numbers (dropout masks): ``draws / rng_rate`` where calibrated.
+- the training loss, in the Forward and Backward of the stage that makes the model's output:
+  ``rows * classes / loss_rate`` (``loss_grad_rate``) where calibrated.
 - ``E`` ops (edge-wise): memory bound, ``bytes / memory bandwidth``; backward twice.
 - fixed costs: the runtime's measured overheads (``DeviceSpec.runtime``: per stage instruction,
   per op forward and backward, per communication instruction, per parameter tensor of the
@@ -131,18 +139,67 @@ def op_time(op: OpCost, sizes: RankSizes, device: DeviceSpec, *, backward: bool 
         # the edges the op visits, implicit self loops included: its FLOPs are 2 |E'| d
         visited = _eval(op.flops, at) / (2 * op.width) if op.width else edges
         width = op.width * share
-        bandwidth, edge_rate = device.spmm_rates(at.source_rows * width * _elsize(dtype))
-        t = formulas.p_task_time(nodes, visited / nodes if nodes else 0.0, [width], device.flops_for(dtype),
-                                 bandwidth, device.gamma, elsize=_elsize(dtype))
-        if edge_rate:
-            t += visited / edge_rate
+        t = _spmm_seconds(nodes, visited, width, at.source_rows * width, device, dtype)
         if backward and push:
             t *= device.push_factor if device.push_factor is not None else PUSH_FACTOR
         return mult * t + overhead
     flops, nbytes = _eval(op.flops, at) * share, _eval(op.bytes, at) * share
     if op.kind == "E":
         return mult * nbytes / device.mem_bandwidth + overhead
+    es = _elsize(dtype)
+    # sparse rows times a dense weight, on a device whose propagation rates were measured (presets
+    # keep the roofline): a propagation over the rows' stored entries
+    inputs = _sparse_product_inputs(op, es) if device.spmm_curve else None
+    if inputs is not None:
+        entries = flops / (2 * op.width)
+        # forward: gathers rows of the weight; the weight's gradient x^T @ g is scattered from x's
+        # structure into rows of the weight's size (nn.functional._sparse_t_matmul): the same accesses
+        return _spmm_seconds(nodes, entries, op.width, inputs * op.width, device, dtype) + overhead
+    rates = device.gemm_rates(op.width) if dtype == "float32" and _dense_product(op, es) else None
+    if rates is not None:  # a linear layer: its products' measured rates at its output width
+        forward, weight_grad, input_grad = rates
+        if not backward:
+            return max(flops / forward, nbytes / device.mem_bandwidth) + overhead
+        # one product for the weights' gradient, one more for the input's (OpCost.backward == 2)
+        seconds = flops / weight_grad + (op.backward - 1) * flops / input_grad
+        return max(seconds, mult * nbytes / device.mem_bandwidth) + overhead
     return mult * max(flops / device.flops_for(dtype), nbytes / device.mem_bandwidth) + overhead
+
+
+def _spmm_seconds(rows: float, entries: float, width: float, gathered: float, device: DeviceSpec,
+                  dtype: str) -> float:
+    """A sparse-dense product over ``rows`` rows with ``entries`` stored entries, ``width`` wide,
+    gathering from ``gathered`` elements of dense rows: NeutronTask Eq. 6 plus ``entries /
+    edge_rate``, at the device's rates for that working set (:meth:`DeviceSpec.spmm_rates`)."""
+    es = _elsize(dtype)
+    bandwidth, edge_rate = device.spmm_rates(gathered * es)
+    t = formulas.p_task_time(rows, entries / rows if rows else 0.0, [width], device.flops_for(dtype), bandwidth,
+                             device.gamma, elsize=es)
+    return t + entries / edge_rate if edge_rate else t
+
+
+def _sparse_product_inputs(op: OpCost, elsize: int) -> Optional[int]:
+    """The input width ``K`` of a linear layer on sparse CSR rows (the first layer on sparse
+    features), or ``None`` for other ops: a ``T`` op whose size-independent bytes are a ``K x
+    width`` weight while its FLOPs per row, ``2 * entries * width``, are fewer than ``2 K width``."""
+    if op.kind != "T" or not op.width or op.flops.e or op.backward != 1:
+        return None
+    inputs = int(op.bytes.c // (op.width * elsize))
+    entries = op.flops.v / (2 * op.width)
+    if inputs < 2 or entries < 1 or entries * 2 > inputs or op.bytes.c != inputs * op.width * elsize:
+        return None
+    return inputs
+
+
+def _dense_product(op: OpCost, elsize: int) -> bool:
+    """Whether ``op`` is a linear layer on dense rows: a ``T`` op with weights whose FLOPs per row are
+    ``2 K width`` for the ``K x width`` weight (and bias) its size-independent bytes read (a product
+    with sparse input rows does fewer FLOPs than its weight implies; elementwise ops do ``< 4 width``)."""
+    if op.kind != "T" or not op.width or op.flops.e or op.backward < 1:
+        return False
+    inner = op.flops.v / (2 * op.width)
+    weight = inner * op.width * elsize
+    return inner >= 2 and weight <= op.bytes.c <= weight + op.width * elsize  # (a fused bias: one row more)
 
 
 @dataclass(frozen=True)
@@ -420,8 +477,19 @@ class PlanCost:
                                                     for op in stage.costs)
             if backward:  # checkpointed segments run their forward again
                 t += sum(op_time(op, at, dev) for op in stage.costs if op.recompute)
+            t += self._loss_time(stage, at, dev, backward)
             self._stage_times[key] = t
         return t
+
+    def _loss_time(self, stage: StageSpec, sizes: RankSizes, device: DeviceSpec, backward: bool) -> float:
+        """Seconds of the training loss in a Forward (or Backward) of ``stage``: its logits (the rows
+        and width of the model's output, where the stage makes it) over the device's loss rates."""
+        rate = device.loss_grad_rate if backward else device.loss_rate
+        output = self.plan.info.get("output")
+        op = next((op for op in stage.costs if op.name == output), None) if rate else None
+        if op is None:
+            return 0.0
+        return _op_sizes(op, sizes)[0].nodes * op.width / rate
 
     # ------------------------------------------------------------------ communication
     def comm_time(self, rank: int, inst: Instruction) -> float:

@@ -128,6 +128,10 @@ class DeviceSpec:
         latency bound at small widths): calibrated from SpMM at two widths; ``None``: bytes only.
     rng_rate : float, optional
         Random numbers per second (dropout masks); ``None``: not charged.
+    loss_rate, loss_grad_rate : float, optional
+        Logits per second (rows x classes) of the training loss's forward (the cross-entropy of the
+        training rows, computed in the Forward of the stage that makes the model's output) and of
+        its backward (in that stage's Backward); ``None``: not charged beyond the fixed costs.
     spmm_curve : tuple of (working set bytes, spmm bandwidth, edge rate)
         Calibrated propagation rates by the size of the gathered source rows (a working set in
         the last-level cache is gathered faster than one in DRAM); empty: ``spmm_bandwidth`` and
@@ -139,6 +143,12 @@ class DeviceSpec:
         Bytes/s of loading rows from host memory onto the device (a sampled mini-batch's input
         features every step); default: a PCIe 4.0 x16 link's achieved 25 GB/s for a GPU, the
         memory bandwidth (a gather) for a CPU.
+    gemm_curve : tuple of (width, forward, weight gradient, input gradient)
+        Calibrated float32 FLOP/s of the three dense products of a linear layer by its output
+        width (``x @ W^T``, ``g^T @ x``, ``g @ W`` for a tall ``x``): a product with a narrow
+        output runs far below the square-GEMM rate of :attr:`flops` (a CPU at width 16 reaches
+        about half of it, at width 4-8 a fifth). Empty (presets): :attr:`flops` for all three.
+        See :meth:`gemm_rates`.
     """
 
     name: str
@@ -152,9 +162,12 @@ class DeviceSpec:
     runtime: dict[str, float] = field(default_factory=dict, hash=False)
     edge_rate: Optional[float] = None
     rng_rate: Optional[float] = None
+    loss_rate: Optional[float] = None
+    loss_grad_rate: Optional[float] = None
     spmm_curve: tuple[tuple[float, float, float], ...] = ()
     host_bandwidth: Optional[float] = None
     push_factor: Optional[float] = None
+    gemm_curve: tuple[tuple[float, float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         what = f"device {self.name!r}"
@@ -183,7 +196,7 @@ class DeviceSpec:
         for key, value in self.runtime.items():
             _check_number(value, f"{what}: runtime[{key!r}] (s)", strict=False)
         object.__setattr__(self, "runtime", dict(self.runtime))
-        for key in ("edge_rate", "rng_rate", "push_factor"):
+        for key in ("edge_rate", "rng_rate", "loss_rate", "loss_grad_rate", "push_factor"):
             if getattr(self, key) is not None:
                 _check_number(getattr(self, key), f"{what}: {key}")
         try:
@@ -194,6 +207,30 @@ class DeviceSpec:
             for value, name in zip(point, ("working set", "bandwidth", "edge rate")):
                 _check_number(value, f"{what}: spmm_curve {name}")
         object.__setattr__(self, "spmm_curve", curve)
+        try:
+            gemm = tuple(sorted((float(w), float(f), float(g), float(i)) for w, f, g, i in self.gemm_curve))
+        except (TypeError, ValueError):
+            raise PlanningError(f"{what}: gemm_curve must hold (width, forward, weight gradient, input gradient) "
+                                f"FLOP/s quadruples") from None
+        for point in gemm:
+            for value, name in zip(point, ("width", "forward", "weight gradient", "input gradient")):
+                _check_number(value, f"{what}: gemm_curve {name}")
+        object.__setattr__(self, "gemm_curve", gemm)
+
+    def gemm_rates(self, width: float) -> Optional[tuple[float, float, float]]:
+        """``(forward, weight gradient, input gradient)`` FLOP/s of a float32 linear layer with
+        ``width`` outputs per row: interpolated in log width between the calibrated points of
+        :attr:`gemm_curve`, clamped at the ends; ``None`` without a curve."""
+        curve = self.gemm_curve
+        if not curve:
+            return None
+        if width <= curve[0][0]:
+            return curve[0][1:]
+        for lo, hi in zip(curve, curve[1:]):
+            if width <= hi[0]:
+                f = math.log(width / lo[0]) / math.log(hi[0] / lo[0])
+                return tuple(a + f * (b - a) for a, b in zip(lo[1:], hi[1:]))  # type: ignore[return-value]
+        return curve[-1][1:]
 
     def spmm_rates(self, working_set: float) -> tuple[float, Optional[float]]:
         """``(bandwidth, edge rate)`` of a propagation gathering ``working_set`` bytes of source

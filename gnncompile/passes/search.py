@@ -596,7 +596,7 @@ def explain_plan(plan: Plan) -> str:
     if pred is not None:
         sim = pred.simulation
         lines.append(f"Chosen plan: {plan.strategy} over {plan.num_ranks} ranks on {pred.cluster}: predicted step "
-                     f"{_fmt_time(sim.step_time)}, bubble {sim.bubble_fraction:.0%}")
+                     f"{_fmt_time(sim.step_time)}{pred.cluster.prediction_label}, bubble {sim.bubble_fraction:.0%}")
         lines += [ln for ln in plan.header()[1:]]
         lines.append(sim.summary())
         st = pred.static[0]

@@ -1,0 +1,185 @@
+"""Time models of the cost models: calibrated linear-layer products by output width, sparse-input
+linear layers as propagations, old profiles without those measurements, and the label of a
+prediction made from the uncalibrated CPU placeholder."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+
+import gnncompile as gc
+from gnncompile.cost_models.hardware import (DEVICES, LINKS, PROFILE_ENV, UNCALIBRATED_LABEL, Cluster,
+                                             DeviceSpec)
+from gnncompile.cost_models.model import op_time
+from gnncompile.errors import PlanningError
+from gnncompile.ir.plan import OpCost, RankSizes
+from gnncompile.ir.symbolic import Lin
+
+#: (width, forward, weight gradient, input gradient) FLOP/s: narrow products slower
+CURVE = ((4.0, 1e9, 2e9, 4e9), (16.0, 4e9, 8e9, 16e9), (64.0, 8e9, 16e9, 32e9))
+
+
+@pytest.fixture(autouse=True)
+def no_saved_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's own saved profile must not leak into the tests."""
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "absent" / "cpu_profile.json"))
+
+
+def _device(**kw) -> DeviceSpec:
+    base = dict(name="test", flops={"float32": 100e9}, mem_bandwidth=1e15, memory=2**30, kind="cpu",
+                launch_overhead=0.0)
+    return DeviceSpec(**{**base, **kw})
+
+
+def _linear(inputs: int, width: int, backward: int = 2, bias: bool = False) -> OpCost:
+    """A linear layer on dense rows as the tracer annotates it: ``2 K w`` FLOPs per row, the weight
+    (and bias) as size-independent bytes."""
+    weight = 4 * inputs * width + (4 * width if bias else 0)
+    return OpCost("lin", "T", flops=Lin.of(v=2 * inputs * width), bytes=Lin.of(v=4 * (inputs + width), c=weight),
+                  width=width, backward=backward)
+
+
+# --- DeviceSpec.gemm_rates -----------------------------------------------------------------------------
+
+def test_gemm_rates_interpolate_in_log_width_and_clamp() -> None:
+    d = _device(gemm_curve=CURVE)
+    assert d.gemm_rates(16) == (4e9, 8e9, 16e9)
+    assert d.gemm_rates(8) == pytest.approx((2.5e9, 5e9, 10e9))        # halfway between 4 and 16 in log
+    assert d.gemm_rates(1) == (1e9, 2e9, 4e9)                           # clamped at the ends
+    assert d.gemm_rates(1024) == (8e9, 16e9, 32e9)
+    assert _device().gemm_rates(16) is None                            # presets: no curve
+    assert DEVICES["A100"].gemm_rates(16) is None
+
+
+def test_gemm_curve_is_sorted_checked_and_round_trips() -> None:
+    d = _device(gemm_curve=tuple(reversed(CURVE)))
+    assert d.gemm_curve == CURVE
+    assert DeviceSpec.from_dict(json.loads(json.dumps(d.to_dict()))) == d
+    with pytest.raises(PlanningError, match="gemm_curve"):
+        _device(gemm_curve=((16, 1e9, 2e9),))
+    with pytest.raises(PlanningError, match="gemm_curve forward"):
+        _device(gemm_curve=((16, -1.0, 2e9, 3e9),))
+
+
+def test_profiles_saved_before_the_curve_still_load(tmp_path: Path) -> None:
+    """A profile written before ``gemm_curve`` existed (no such key in the device or the raw
+    calibration) loads, scales per rank and predicts at the square-GEMM rate."""
+    c = Cluster(1, 1, _device(), LINKS["shm"], cores=2,
+                calibration={"rates": {"flops": {"float32": [50e9, 100e9]}, "mem_bandwidth": [1e15, 1e15],
+                                       "spmm_bandwidth": [1e10, 2e10]}})
+    data = c.to_dict()
+    del data["device"]["gemm_curve"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    old = Cluster.load(path)
+    dev = Cluster.parse("2xcpu", profile=old).rank_device(0)
+    assert dev.gemm_curve == () and dev.flops_for("float32") == pytest.approx(50e9)
+    op = _linear(512, 16)
+    sizes = RankSizes(nodes=1000, edges=0)
+    assert op_time(op, sizes, dev) == pytest.approx(2 * 512 * 16 * 1000 / 50e9)
+
+
+def test_rank_device_scales_the_curve_like_the_other_rates() -> None:
+    point = {"width": 16, "forward": [4e9, 6e9], "weight_grad": [8e9, 12e9], "input_grad": [16e9, 24e9]}
+    rates = {"flops": {"float32": [10e9, 15e9]}, "mem_bandwidth": [1e10, 1e10], "spmm_bandwidth": [1e9, 1e9]}
+    c = Cluster(1, 1, _device(), LINKS["shm"], cores=2, calibration={"rates": rates, "gemm_curve": [point]})
+    one_thread = dataclasses.replace(c, devices_per_node=2).rank_device(0)
+    assert one_thread.gemm_curve == ((16.0, 4e9, 8e9, 16e9),)
+    all_cores = c.rank_device(0)
+    assert all_cores.gemm_curve == ((16.0, 6e9, 12e9, 24e9),)
+    four = dataclasses.replace(c, devices_per_node=4).rank_device(0)      # 4 ranks time-share 2 cores
+    assert four.gemm_curve == ((16.0, 2e9, 4e9, 8e9),)
+
+
+# --- op_time ---------------------------------------------------------------------------------------------
+
+def test_linear_layer_runs_at_its_widths_rates() -> None:
+    dev = _device(gemm_curve=CURVE)
+    sizes = RankSizes(nodes=1000, edges=0)
+    flops = 2 * 512 * 16 * 1000
+    hidden = _linear(512, 16, backward=2)
+    assert op_time(hidden, sizes, dev) == pytest.approx(flops / 4e9)
+    # backward: the weights' gradient and the input's
+    assert op_time(hidden, sizes, dev, backward=True) == pytest.approx(flops / 8e9 + flops / 16e9)
+    first = _linear(512, 16, backward=1)        # raw features need no gradient: the weights' only
+    assert op_time(first, sizes, dev, backward=True) == pytest.approx(flops / 8e9)
+    assert op_time(_linear(512, 16, bias=True), sizes, dev) == pytest.approx(flops / 4e9)
+    # without a curve: the square-GEMM rate
+    assert op_time(hidden, sizes, _device()) == pytest.approx(flops / 100e9)
+    # other dtypes and elementwise ops keep the roofline at the dtype's FLOP/s
+    relu = OpCost("relu", "T", flops=Lin.of(v=16), bytes=Lin.of(v=128), width=16, backward=1)
+    assert op_time(relu, sizes, dev) == pytest.approx(16 * 1000 / 100e9)
+    bias = OpCost("add", "T", flops=Lin.of(v=16), bytes=Lin.of(v=128, c=64), width=16, backward=2)
+    assert op_time(bias, sizes, dev) == pytest.approx(16 * 1000 / 100e9)
+
+
+def test_linear_layer_on_sparse_rows_is_a_propagation() -> None:
+    """``x @ W^T`` with sparse CSR rows (33 entries per row of 8415 columns): the forward gathers rows
+    of the weight (a small working set), and the weight's gradient ``x^T @ g``, scattered from x's
+    structure into rows of the weight's size, makes the same accesses: both cost the propagation at
+    the small working set's rates, not the rank's rows'."""
+    entries, inputs, width, rows = 33, 8415, 64, 30000
+    op = OpCost("lin", "T", flops=Lin.of(v=2 * entries * width), bytes=Lin.of(v=4 * (2 * entries + width),
+                                                                              c=4 * inputs * width),
+                width=width, backward=1)
+    small, large = 4 * inputs * width, 4 * rows * width
+    dev = _device(spmm_bandwidth=1e10, spmm_curve=((small, 4e10, 1e12), (large, 1e10, 1e12)), gamma=0.0)
+    sizes = RankSizes(nodes=rows, edges=0)
+    nnz = entries * rows
+    fwd = op_time(op, sizes, dev)
+    back = op_time(op, sizes, dev, backward=True)
+    # Eq. 6 bytes of the propagation, at the small working set's bandwidth, plus the per-entry term
+    assert fwd == pytest.approx(4 * (nnz * (1 + 2 * width) + rows) / 4e10 + nnz / 1e12)
+    assert back == pytest.approx(fwd)
+    # a device without measured propagation rates (a preset) keeps the roofline
+    preset = _device(spmm_bandwidth=1e10, gamma=0.0)
+    assert op_time(op, sizes, preset) == pytest.approx(2 * entries * width * rows / 100e9)
+    assert op_time(op, sizes, preset, backward=True) == pytest.approx(2 * entries * width * rows / 100e9)
+    # a dense linear layer of the same weight is not taken for a sparse one
+    assert op_time(_linear(inputs, width, backward=1), sizes, dev) == pytest.approx(2 * inputs * width * rows / 100e9)
+
+
+def test_calibrated_profile_predicts_a_slower_narrow_layer(tmp_path: Path) -> None:
+    """The same plan on a profile whose narrow products are slow predicts a longer step."""
+    graph = gc.datasets.synthetic("sbm", num_nodes=400, avg_degree=4, num_features=256, num_classes=4, seed=0)
+    torch.manual_seed(0)
+    model = gc.nn.GCN(graph.num_features, 16, graph.num_classes, num_layers=2, dropout=0.0)
+    rates = {"flops": {"float32": [100e9, 100e9]}, "mem_bandwidth": [1e10, 1e10], "spmm_bandwidth": [1e9, 1e9]}
+    flat = Cluster(1, 1, _device(), LINKS["shm"], cores=1, calibration={"rates": rates})
+    slow = {"width": 4, "forward": [1e9, 1e9], "weight_grad": [1e9, 1e9], "input_grad": [1e9, 1e9]}
+    fast = {"width": 256, "forward": [100e9, 100e9], "weight_grad": [100e9, 100e9], "input_grad": [100e9, 100e9]}
+    narrow = dataclasses.replace(flat, calibration={**flat.calibration, "gemm_curve": [slow, fast]})
+    steps = [gc.plan(model, graph, Cluster.parse("1xcpu", profile=c), strategy="data",
+                     verify=False).prediction.step_time for c in (flat, narrow)]
+    assert steps[1] > steps[0]
+
+
+# --- labels ----------------------------------------------------------------------------------------------
+
+def test_uncalibrated_predictions_are_labelled() -> None:
+    placeholder = Cluster.parse("2xcpu")
+    assert not placeholder.calibrated
+    assert placeholder.prediction_label == f" {UNCALIBRATED_LABEL}" and "uncalibrated" in str(placeholder)
+    assert Cluster.parse("2xA100").prediction_label == ""
+    measured = dataclasses.replace(placeholder, calibration={"rates": {}})
+    assert measured.prediction_label == ""
+    graph = gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=4, num_features=8, num_classes=3, seed=0)
+    torch.manual_seed(0)
+    model = gc.nn.GCN(graph.num_features, 8, graph.num_classes, num_layers=2, dropout=0.0)
+    p = gc.plan(model, graph, placeholder, strategy="data", verify=False)
+    chosen = next(line for line in p.explanation().splitlines() if line.startswith("Chosen plan"))
+    assert UNCALIBRATED_LABEL in chosen
+    assert UNCALIBRATED_LABEL not in gc.plan(model, graph, "2xA100", strategy="data", verify=False).explanation()
+
+
+def test_fraction_forms_are_detected_exactly() -> None:
+    """The tracer's forms hold :class:`Fraction` coefficients; detection works on them."""
+    op = OpCost("lin", "T", flops=Lin(Fraction(2 * 7 * 16), Fraction(0), Fraction(0)),
+                bytes=Lin(Fraction(92), Fraction(0), Fraction(448)), width=7, backward=2)
+    dev = _device(gemm_curve=CURVE)
+    assert op_time(op, RankSizes(nodes=100, edges=0), dev) == pytest.approx(2 * 16 * 7 * 100 / dev.gemm_rates(7)[0])
