@@ -80,6 +80,44 @@ def test_spmm_matches_cpu(backend: str, shape: str, weights: str, dtype: torch.d
     assert_close_to_cpu(out_cpu_csr, expected, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("shape,weights", SPMM_CASES)
+def test_transposed_spmm_matches_cpu(backend: str, shape: str, weights: str, dtype: torch.dtype) -> None:
+    """``transpose=True`` (a backward product scattered from A's own CSR; cuSPARSE's op(A) = A^T for
+    ``cupy``) equals the CPU's transposed product, with per-vertex scales."""
+    rows, cols, nnz, feat, heads = SHAPES[shape]
+    csr = random_csr(rows, cols, nnz, seed=len(shape), hub=shape == "hub")
+    y = randn(rows, *feat, dtype=dtype, seed=3)
+    values = values_for(csr, weights, heads, dtype, seed=2)
+    rs, cs = randn(rows, dtype=dtype, seed=4), randn(cols, dtype=dtype, seed=5)
+    expected = kernels.spmm(csr, values, y, backend="torch", row_scale=rs, col_scale=cs, transpose=True)
+    gpu_csr = CSR(csr.indptr.cuda(), csr.indices.cuda(), rows, cols)
+    out = kernels.spmm(gpu_csr, cuda(values), y.cuda(), backend=backend, row_scale=rs.cuda(), col_scale=cs.cuda(),
+                       transpose=True)
+    assert out.shape == expected.shape
+    assert_close_to_cpu(out, expected, **TOL[dtype])
+
+
+def test_push_backward_on_cuda_matches_cpu(backend: str) -> None:
+    """Propagations over a directed graph whose backward products scatter (no transposed copy) give
+    the CPU's gradients, with attention-like edge values and with a normalization."""
+    g = make_graph("mixed")
+    n = g.num_nodes
+    x0, w0 = rand(n, 2, 3, seed=1), rand(g.num_edges + n, 2, seed=2, low=0.1)
+    grads = []
+    for device, name in (("cpu", "torch"), ("cuda", backend)):
+        gg = g.to(device)
+        ops.set_backward_product(gg, "push")
+        x, w = x0.to(device).requires_grad_(True), w0.to(device).requires_grad_(True)
+        out = ops.propagate(gg, x, norm="none", edge_weight=w, add_self_loops=True, backend=name)
+        out2 = ops.propagate(gg, x.reshape(n, 6), norm="gcn", backend=name)
+        (out.sum() + (out2 ** 2).sum()).backward()
+        grads.append((x.grad.cpu(), w.grad.cpu()))
+        assert not any(k in gg._cache for k in ("csr_t", "transpose", "transpose_structure"))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, **F64)
+
+
 @pytest.mark.parametrize("rows,cols,nnz,heads,width", [(60, 60, 4.0, 1, 16), (31, 17, 3.0, 3, 15),
                                                        (50, 50, 0.2, 2, 4), (12, 0, 3.0, 1, 8)])
 def test_sddmm_matches_cpu(backend: str, rows: int, cols: int, nnz: float, heads: int, width: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -193,3 +194,27 @@ def test_sparse_feature_linear_needs_no_transposed_copy(n: int, f: int, density:
         grads.append((lin.weight.grad.clone(), lin.bias.grad.clone()))
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)
     assert not nnf._TRANSPOSES
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_transposed_product_on_rectangular_and_skewed_structures(backend: str, dtype: torch.dtype) -> None:
+    """Rectangular structures (a rank's local graph: more sources than destinations), empty rows,
+    duplicate entries and a hub row: the transposed product equals the product with the dense
+    transpose."""
+    from test_kernels import SHAPES, random_csr, randn, values_for
+
+    for shape, (rows, cols, nnz, feat, heads) in SHAPES.items():
+        csr = random_csr(rows, cols, nnz, seed=len(shape), hub=shape == "hub")
+        y = randn(rows, *feat, dtype=dtype, seed=3)
+        values = values_for(csr, "weighted", heads, dtype, seed=2)
+        out = kernels.spmm(csr, values, y, backend, transpose=True)
+        dense_rows = torch.repeat_interleave(torch.arange(rows), csr.indptr[1:] - csr.indptr[:-1])
+        v = values if values is not None else torch.ones(csr.nnz, dtype=dtype)
+        v = v.reshape(csr.nnz, heads)
+        ref = torch.zeros(cols, *feat, dtype=dtype)
+        y3 = y.reshape(rows, heads, math.prod(feat) // heads)
+        contrib = (y3[dense_rows] * v[:, :, None]).reshape((csr.nnz,) + tuple(feat))
+        ref.index_add_(0, csr.indices.long(), contrib)
+        tol = 1e-5 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol, msg=lambda m, s=shape: f"{s}: {m}")
