@@ -16,7 +16,7 @@ import torch
 import gnncompile as gc
 from gnncompile import datasets
 from gnncompile.cost_models.hardware import Cluster
-from gnncompile.cost_models.model import PlanCost, _out_bytes, _RankWalk, _saved_per_op, op_value
+from gnncompile.cost_models.model import PlanCost, _out_bytes, _RankWalk, _replayed, _saved_per_op, op_value
 from gnncompile.ir.plan import Backward, Forward, OptimizerStep, Send
 from gnncompile.ir.rules import rule
 
@@ -90,9 +90,10 @@ def test_unchunked_dropout_holds_the_whole_mask_and_its_rows_while_it_runs(sbm: 
     assert c.alloc - c.free == int(kept) < c.alloc
 
 
-def test_chunked_ranks_keep_whole_masks_to_the_end_of_the_step(sbm: gc.Graph) -> None:
-    """``task`` with 4 chunks: a T rank draws each mask whole at its first use and keeps it for the
-    step (the chunks read views of its rows, so the dropout's saved rows are no new memory)."""
+def test_chunked_ranks_keep_their_mask_rows_to_the_stages_last_backward(sbm: gc.Graph) -> None:
+    """``task`` with 4 chunks: a T rank draws each mask whole at its first use (a temporary) and keeps
+    its chunks' rows, one byte per entry, until the stage's last backward (the chunks read views of
+    them, so the dropout's saved rows are no new memory)."""
     plan = gc.plan(model("GCN", sbm), sbm, 4, strategy="task", chunks=4)
     t_rank = next(r for r in range(4) if dropouts(plan, r))
     cost, w = walk(plan, t_rank)
@@ -101,19 +102,23 @@ def test_chunked_ranks_keep_whole_masks_to_the_end_of_the_step(sbm: gc.Graph) ->
     mask = 4 * N * H
     assert w.masks.bytes[drop.name] == mask
     dp = plan.ranks[t_rank]
+    kept = dp.sizes.nodes * H
+    assert w.masks.kept_bytes[drop.name] == pytest.approx(kept)
     firsts = [i for i in dp.instructions if isinstance(i, Forward) and drop in w.stages[i.stage].costs]
     walk_costs = cost._costs[t_rank]
-    # released after the last instruction, with the rest of the step
-    assert walk_costs[dp.instructions[-1]].free >= mask
-    # drawn once: the first forward of the stage allocates it, the others do not
+    # released after the stage's last backward on the rank
+    last = [i for i in dp.instructions if isinstance(i, Backward) and i.stage == firsts[0].stage][-1]
+    assert walk_costs[last].free >= kept
+    # drawn once: the first forward of the stage allocates the rows it keeps, the others do not
     a0, a1 = (walk_costs[f].alloc - walk_costs[f].free for f in firsts[:2])
-    assert a0 - a1 == pytest.approx(mask, abs=4)
+    assert a0 - a1 == pytest.approx(kept, abs=4)
+    assert walk_costs[firsts[0]].alloc >= mask  # the whole mask, while it is drawn
 
 
 def test_ranks_running_some_dropouts_draw_every_mask_first(sbm: gc.Graph) -> None:
     """``layer`` on 2 ranks, one GCN layer each: each rank runs some dropouts of the model but not
     all, so every rank draws every mask at the start of the step (the runtime's single-device RNG
-    order), keeps its own and drops the others at once."""
+    order), keeps its rows of its own (one byte per entry for a T op's) and drops the others at once."""
     m = model("GAT", sbm)
     plan = gc.plan(m, sbm, 2, strategy="layer")
     every = {op.name for r in range(2) for op in dropouts(plan, r)}
@@ -122,8 +127,10 @@ def test_ranks_running_some_dropouts_draw_every_mask_first(sbm: gc.Graph) -> Non
         cost, w = walk(plan, r)
         assert w.masks.mode == "draws"
         mine = {op.name for op in dropouts(plan, r)}
-        kept = sum(b for n, b in w.masks.bytes.items() if n in mine)
-        temporary = max(b for n, b in w.masks.bytes.items() if n not in mine)
+        kept = sum(w.masks.kept_bytes[n] for n in mine)
+        assert all(w.masks.kept_bytes[op.name] == w.masks.bytes[op.name] / (4 if op.kind == "T" else 1)
+                   for op in dropouts(plan, r))  # each rank runs every chunk: every row
+        temporary = max(b for n, b in w.masks.bytes.items() if n not in mine or w.masks.kept_bytes[n] != b)
         assert w.masks.step_start() == (kept, temporary)
         c0 = cost(r, plan.ranks[r].instructions[0])
         assert c0.alloc >= kept + temporary and c0.free >= temporary
@@ -207,7 +214,8 @@ def test_the_first_op_saving_a_held_input_adds_nothing() -> None:
 
 def test_a_checkpointed_segment_replays_its_activations_in_backward(sbm: gc.Graph) -> None:
     """Task-decoupled training with recomputation: the T stage is one checkpointed segment that
-    keeps only its input; its backward first replays the forward, holding the segment's outputs."""
+    keeps only its input; its backward first replays the forward, its ops (all but the first, whose
+    ``saved`` is what the segment keeps) saving what they save with gradients: less than every output."""
     plan = gc.plan(model("GCN", sbm, dropout=0.0), sbm, 4, strategy="task", decouple=True, recompute=True,
                    semantics="relaxed")
     for dp in plan.ranks:
@@ -216,9 +224,14 @@ def test_a_checkpointed_segment_replays_its_activations_in_backward(sbm: gc.Grap
             st = w.stages[b.stage]
             if not any(op.recompute for op in st.costs):
                 continue
-            replay = sum(w.value_bytes[op.name] for op in st.costs if op.recompute)
+            again = _replayed(st)
+            assert not again[0] and all(again[1:]) and all(op.recompute for op in st.costs)
+            replay = sum(op_value(op, op.saved, w.sizes) for op, a in zip(st.costs, again) if a)
+            assert sum(_saved_per_op(w, st, replay=True)) == replay
+            assert 0 < replay < sum(w.value_bytes[op.name] for op in st.costs)
             grads = 2 * max(w.value_bytes[op.name] for op in st.costs if op.backward)
             inputs = sum(w.value_bytes[v] for v in dict.fromkeys(st.inputs) if v in w.value_bytes)
-            assert cost(dp.rank, b).alloc == int(inputs + grads + replay)
+            held = cost(dp.rank, b).alloc - inputs - sum(_saved_per_op(w, st))
+            assert replay <= held <= replay + grads
             return
     pytest.fail("no checkpointed stage")

@@ -113,6 +113,27 @@ def test_decoupled_bytes(sbm: gc.Graph) -> None:
         assert sum(plan.predictions["bytes_sent"]) == (chain - 1) * sbm.num_nodes * 3 * 8 * 2
 
 
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_hybrid_t_group_in_the_shared_regime_trains_the_decoupled_model(sbm: gc.Graph, recompute: bool) -> None:
+    """Task-decoupled GCN-4 on 4 ranks (5 tasks) with one P rank: the single T task (the MLP) runs on a group of
+    3 ranks dealing the chunks round robin, each keeping only its chunks' rows of the dropout masks
+    (one byte per entry), with or without recomputation: the step equals one rank's."""
+    def run(strategy: str, n: int, **kw):
+        torch.manual_seed(0)
+        model = gc.nn.GCN(6, 5, 3, num_layers=4, dropout=0.5).to(DT)
+        p = gc.plan(model, sbm, n, strategy=strategy, decouple=True, semantics="relaxed", **kw)
+        return p, p.run(epochs=1, seed=0, capture=True, update_model=False, timeout=60)
+
+    _, one = run("tensor", 1)
+    plan, four = run("task", 4, chunks=6, p_ranks=1, recompute=recompute)
+    assert plan.info["regime"] == "shared" and plan.info["groups"] == {"T[0]": [0, 1, 2], "P[1,2,3,4]": [3]}
+    torch.testing.assert_close(torch.tensor(four.history.loss[0]), torch.tensor(one.history.loss[0]),
+                               rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(four.captured["logits"], one.captured["logits"], rtol=1e-9, atol=1e-11)
+    for name, g in one.captured["grads"].items():
+        torch.testing.assert_close(four.captured["grads"][name], g, rtol=1e-9, atol=1e-11)
+
 # --------------------------------------------------------------------------- placement
 def test_regimes_and_groups(sbm: gc.Graph) -> None:
     m = model_for("gcn", sbm)  # tasks: T0 P1 T2 P3 T4
@@ -153,6 +174,23 @@ def test_eq7_split_and_override(sbm: gc.Graph) -> None:
     assert [len(g.members) for g in place.groups] == [1, 5, 1, 4, 1]
     with pytest.raises(PlanningError, match="p_ranks must be in 1..3"):
         place_tasks(labels, times, 4, p_ranks=4)
+
+
+def test_shared_regime_gives_a_kind_with_few_tasks_hybrid_groups() -> None:
+    """Fewer ranks than tasks, but one heavy T task (a decoupled model's MLP): Eq. 7 asks for 3 T
+    ranks, which beats giving the T task one rank (the P tasks' 3 runs would idle), so the T task
+    gets a group of 3 ranks; with p_ranks the split is the user's, the groups the same rule's."""
+    labels = {0: "rows", 1: "cols", 2: "cols", 3: "cols", 4: "cols"}
+    times = {0: 10.0, 1: 0.1, 2: 0.1, 3: 0.1, 4: 0.1}
+    place, regime, (n_t, n_p) = place_tasks(labels, times, 4)
+    assert regime == "shared" and (n_t, n_p) == (3, 1)
+    assert [(g.name, g.members, g.layout) for g in place.groups] == [("T[0]", (0, 1, 2), "chunks"),
+                                                                     ("P[1,2,3,4]", (3,), "chunks")]
+    place, _, (n_t, n_p) = place_tasks(labels, times, 4, p_ranks=2)
+    assert (n_t, n_p) == (2, 2) and [g.members for g in place.groups] == [(0, 1), (2,), (3,)]
+    # light T work: the P tasks keep their ranks (the old rule, on a tie too)
+    place, _, (n_t, n_p) = place_tasks(labels, {0: 0.1, 1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}, 4)
+    assert (n_t, n_p) == (1, 3) and all(len(g.members) == 1 for g in place.groups)
 
 
 def test_balanced_runs_and_spread() -> None:

@@ -52,13 +52,14 @@ during their instruction. Inside a stage the ops run one after the other: forwar
 what ops ``0..k-1`` saved, the stage outputs made so far, its input, its output and its temporaries;
 backward visits the ops last to first, op ``k`` holding the saved tensors of ops ``0..k`` and the
 gradients of its output and input (ops autograd does not visit, ``backward == 0``, none); a
-checkpointed segment first replays its forward and holds its outputs. What the first op saves of a
-held stage input is that input (no new memory). An op that keeps sparse CSR input features sparse
-(their dropout) outputs new values on their structure, not dense rows. Replicated dropout masks are
-drawn whole (:class:`_RankMasks`: kept for the step where ranks run some of the dropouts or a rank
-runs several chunks, else a temporary of the op with the copy of its rows). A send of a slice of
-columns copies it, held until the send is known complete (the value's ``Free``, else the optimizer
-step). Adam's update holds three temporaries of the largest parameter tensor.
+checkpointed segment keeps only its inputs in forward and first replays its forward in backward,
+its ops saving what they save with gradients. What the first op saves of a held stage input is that
+input (no new memory). An op that keeps sparse CSR input features sparse (their dropout) outputs new
+values on their structure, not dense rows. Replicated dropout masks are drawn whole
+(:class:`_RankMasks`: the rank's rows kept until the stage's last backward where ranks run some of
+the dropouts or a rank runs several chunks, else a temporary of the op with the copy of its rows).
+A send of a slice of columns copies it, held until the send is known complete (the value's
+``Free``, else the optimizer step). Adam's update holds three temporaries of the largest parameter tensor.
 """
 
 from __future__ import annotations
@@ -364,15 +365,19 @@ class _RankMasks:
     Replicated masks (``plan.options["dropout"] == "replicated"``) are drawn for the whole tensor:
 
     - when some rank runs some of the plan's dropouts but not all, every rank draws every mask at the
-      start of the step, keeps those of its own stages to the end of the step and drops the others
-      at once (one at a time);
-    - else a rank that runs several chunks draws each of its masks at its first use and keeps it to
-      the end of the step (the chunks read their rows as views);
+      start of the step (one whole mask at a time, a temporary) and keeps its rows of those of its own
+      stages;
+    - else a rank that runs several chunks draws each of its masks whole at its first use (a
+      temporary) and keeps its rows;
     - else a dropout draws the whole mask, copies the rows it uses and multiplies: the mask and the
       copy are temporaries of the op (as is the own-rows mask of a dropout that is not replicated).
 
+    Kept rows (the first two cases) are the rows of the rank's chunks (a T op's mask: the rank's
+    share of the vertices, one byte per entry; other masks, and one drawn over sparse features,
+    whole in the model's dtype); they are released after the stage's last backward on the rank.
     A kept mask's rows are a view for a rank that runs whole chunks (contiguous rows), so what its
-    dropouts save for backward is no new memory; a rank running a share of each chunk's rows copies them.
+    dropouts save for backward is no new memory; a rank running a share of each chunk's rows is
+    counted as copying them.
     """
 
     def __init__(self, plan: Plan, dp: DevicePlan, sizes: RankSizes, every: dict[str, float], some: bool,
@@ -392,25 +397,39 @@ class _RankMasks:
         self.views = self.mode != "plain" and sizes.nodes >= chunk_rows
         self.mine = set(mine)
         self.drawn: set[str] = set()
+        #: bytes kept of each of the rank's masks
+        total = int(plan.info.get("topology", {}).get("nodes", 0)) or \
+            max((r.sizes.all_nodes or r.sizes.nodes for r in plan.ranks), default=0)
+        share = min(1.0, dp.sizes.nodes / total) if total else 1.0
+        es = _elsize(plan.info.get("param_dtype", "float32"))
+        rows = self.mode != "plain" and bool(total)
+        self.kept_bytes = {n: self.bytes[n] * share / es if rows and op.kind == "T" and not _sparse_op(plan, op)
+                           else self.bytes[n] for n, op in mine.items()}
+        self.stage_of = {op.name: st.index for st in dp.stages for op in st.costs if op.name in mine}
 
     def step_start(self) -> tuple[float, float]:
         """Bytes kept and bytes of temporaries the rank allocates before its first instruction."""
         if self.mode != "draws":
             return 0.0, 0.0
-        kept = sum(b for n, b in self.bytes.items() if n in self.mine)
-        return kept, max((b for n, b in self.bytes.items() if n not in self.mine), default=0.0)
+        kept = sum(self.kept_bytes[n] for n in self.mine)
+        # each mask is drawn whole, one at a time: the others' are dropped, the rank's own cut to its rows
+        whole = [b for n, b in self.bytes.items() if n not in self.mine or self.kept_bytes[n] != b]
+        return kept, max(whole, default=0.0)
 
-    def drawn_at(self, stage: StageSpec) -> float:
-        """Bytes of masks a forward (or replay) of ``stage`` draws and keeps to the end of the step."""
+    def drawn_at(self, stage: StageSpec) -> tuple[float, set[str]]:
+        """Bytes of masks a forward (or replay) of ``stage`` draws and keeps, and their ops."""
         if self.mode != "cached":
-            return 0.0
-        new = [op.name for op in stage.costs if op.name in self.bytes and op.name not in self.drawn]
+            return 0.0, set()
+        new = {op.name for op in stage.costs if op.name in self.bytes and op.name not in self.drawn}
         self.drawn.update(new)
-        return sum(self.bytes[n] for n in new)
+        return sum(self.kept_bytes[n] for n in new), new
 
-    def forward_extra(self, op: OpCost, out: float) -> float:
+    def forward_extra(self, op: OpCost, out: float, drawn: set[str]) -> float:
         """Temporaries of ``op``'s forward beside its output: an uncached dropout's mask (and, for a
-        replicated one, the copy of its rows)."""
+        replicated one, the copy of its rows); the whole mask a cached dropout draws here
+        (``drawn``), and the rows it keeps."""
+        if op.name in drawn:
+            return self.bytes[op.name] + self.kept_bytes[op.name]
         if self.mode != "plain" or op.name not in self.bytes:
             return 0.0
         return self.bytes[op.name] + (out if self.replicated else 0.0)
@@ -420,11 +439,13 @@ class _RankMasks:
         backward is no new memory)."""
         return self.views and op.name in self.mine
 
-    def kept(self) -> float:
-        """Bytes of the masks kept to the end of the step (released after the last instruction)."""
-        if self.mode == "draws":
-            return self.step_start()[0]
-        return sum(self.bytes[n] for n in self.drawn) if self.mode == "cached" else 0.0
+    def kept(self) -> dict[int, float]:
+        """Bytes of the masks kept, by the stage whose last backward releases them."""
+        names = self.mine if self.mode == "draws" else self.drawn if self.mode == "cached" else set()
+        out: dict[int, float] = {}
+        for n in names:
+            out[self.stage_of[n]] = out.get(self.stage_of[n], 0.0) + self.kept_bytes[n]
+        return out
 
 
 def _largest_param_bytes(plan: Plan, dp: DevicePlan) -> float:
@@ -530,8 +551,9 @@ class PlanCost:
                 kept, temporary = walk.masks.step_start()
                 alloc, transient = alloc + kept, transient + temporary
             costs[inst] = Cost(seconds=seconds, stream=stream, alloc=int(alloc + transient), free=int(transient))
-        if dp.instructions:
-            walk.release_at(len(dp.instructions) - 1, walk.masks.kept())
+        for stage, nbytes in walk.masks.kept().items():  # after the stage's last backward
+            last = max((i for (s, _), i in walk.backward_at.items() if s == stage), default=len(dp.instructions) - 1)
+            walk.release_at(last, nbytes)
         for i, nbytes in walk.frees.items():
             inst = dp.instructions[i]
             c = costs[inst]
@@ -644,15 +666,16 @@ def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> Step
     # the stage's ops run one after the other: op k holds what the ops before it saved, the stage
     # outputs made so far, its input (the previous op's output), its output and its temporaries (a
     # dropout's mask); what exceeds the stage's saved tensors and outputs is released at its end
+    drawn, new = w.masks.drawn_at(st)
     peak = held = made = prev = 0.0
     for op, k in zip(st.costs, kept):
         out = w.value_bytes.get(op.name, 0.0)
-        peak = max(peak, held + made + prev + out + w.masks.forward_extra(op, out))
+        peak = max(peak, held + made + prev + out + w.masks.forward_extra(op, out, new))
         held += k
         made += out if op.name in st.outputs else 0.0
         prev = 0.0 if op.name in st.outputs else out
-    transient = max(0.0, peak - saved - outs)
-    alloc = saved + outs + w.masks.drawn_at(st)
+    transient = max(0.0, peak - saved - outs - drawn)
+    alloc = saved + outs + drawn
     back = w.backward_at.get((inst.stage, inst.chunk), len(w.dp.instructions) - 1)
     w.release_at(back, saved)
     for o in st.outputs:
@@ -666,11 +689,28 @@ def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> Step
     return seconds, "compute", alloc, transient
 
 
-def _saved_per_op(w: _RankWalk, st: StageSpec) -> list[float]:
+def _replayed(st: StageSpec) -> list[bool]:
+    """Which ops of ``st`` save only while a checkpointed segment replays its forward in backward:
+    every op of a segment (ops named ``<segment>.<op>``, ``recompute``) but its first, whose
+    ``saved`` are the segment's kept inputs; the others' ``saved`` are what the op saves when it runs
+    with gradients."""
+    seen: set[str] = set()
+    out = []
+    for op in st.costs:
+        segment = op.name.rsplit(".", 1)[0] if op.recompute and "." in op.name else None
+        out.append(segment is not None and segment in seen)
+        if segment is not None:
+            seen.add(segment)
+    return out
+
+
+def _saved_per_op(w: _RankWalk, st: StageSpec, replay: bool = False) -> list[float]:
     """Bytes each op of ``st`` saves for backward that are new memory: not the rows of a kept
-    dropout mask (views), and not a held stage input that the stage's first op saves (the input itself)."""
-    kept = [0.0 if w.masks.viewed(op) else op_value(op, op.saved, w.sizes) for op in st.costs]
-    if kept:
+    dropout mask (views), and not a held stage input that the stage's first op saves (the input
+    itself). An op of a checkpointed segment (:func:`_replayed`) saves only in its replay (``replay``)."""
+    kept = [0.0 if w.masks.viewed(op) or again != replay and (again or replay) else
+            op_value(op, op.saved, w.sizes) for op, again in zip(st.costs, _replayed(st))]
+    if kept and not replay:
         kept[0] -= min(kept[0], max((w.value_bytes[v] for v in st.inputs if v in w.value_bytes), default=0.0))
     return kept
 
@@ -680,17 +720,17 @@ def _backward_cost(w: _RankWalk, i: int, inst: Backward) -> StepCost:
     seconds = w.cost.stage_time(w.dp.rank, st, backward=True)
     # the ops last to first: op k's backward holds the saved tensors of ops 0..k (later ones are
     # released), the gradients of its output and of its input (ops autograd visits only); a
-    # checkpointed segment first replays its forward and holds its outputs through its backward
+    # checkpointed segment first replays its forward, its ops saving what they save with gradients
     kept = _saved_per_op(w, st)
+    again = _saved_per_op(w, st, replay=True)
     peak = below = prev = 0.0
-    for op, k in zip(st.costs, kept):
-        below += k
+    for op, k, r in zip(st.costs, kept, again):
+        below += k + r
         out = w.value_bytes.get(op.name, 0.0)
         if op.backward:
             peak = max(peak, below + out + (prev or out))
         prev = out
-    transient = max(0.0, peak - below)
-    transient += sum(w.value_bytes.get(op.name, 0.0) for op in st.costs if op.recompute)
+    transient = max(0.0, peak - sum(kept))
     alloc = 0.0
     # gradients of the stage's inputs that something upstream consumes
     for v in dict.fromkeys(st.inputs):

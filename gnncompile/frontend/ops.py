@@ -617,6 +617,17 @@ class MaskCache:
             noise = self.masks[key] = dropout_noise(like(), p)
         return noise
 
+    def times(self, x: torch.Tensor, noise: Any, index: torch.Tensor) -> torch.Tensor:
+        """``x`` times the rows ``index`` of a mask :meth:`draw` returned: the rows are a view for a
+        contiguous ascending ``index`` on the CPU (a chunk's rows: the product's backward saves
+        them, and a copy would hold those rows twice), else a copy."""
+        n = index.numel()
+        if n > 0 and index.dim() == 1 and index.device.type == "cpu":
+            start = int(index[0])
+            if int(index[-1]) - start + 1 == n and (n == 1 or bool((index.diff() == 1).all())):
+                return x * noise.narrow(0, start, n)
+        return x * noise.index_select(0, index)
+
 
 _MASKS: Optional[MaskCache] = None
 
@@ -645,25 +656,21 @@ def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int) 
         raise KernelError(f"dropout_rows: index is on {index.device} but x is on {x.device}; move both to one device")
     if x.layout == torch.sparse_csr:
         values = x.values()
-        noise = _take_rows(_row_noise(lambda: values.new_empty(()).expand((num_rows,)), p), index)
-        return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), values * noise, size=x.shape,
-                                       device=x.device, check_invariants=False)
+        noise = _row_noise(lambda: values.new_empty(()).expand((num_rows,)), p)
+        return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), _times_rows(values, noise, index),
+                                       size=x.shape, device=x.device, check_invariants=False)
     # the template only gives dropout_noise the shape: one element, zero strides
     noise = _row_noise(lambda: x.new_empty(()).expand((num_rows,) + tuple(x.shape[1:])), p)
-    return x * _take_rows(noise, index)
+    return _times_rows(x, noise, index)
 
 
-def _take_rows(noise: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows ``index`` of a dropout mask. While a :class:`MaskCache` holds the whole mask (chunked
-    plans), a contiguous ascending ``index`` (a chunk's rows) gives a view: the product's backward
-    saves it, and a copy would hold those rows twice; otherwise a copy (a view would keep a mask
+def _times_rows(x: torch.Tensor, noise: Any, index: torch.Tensor) -> torch.Tensor:
+    """``x`` times the rows ``index`` of a dropout mask: while a :class:`MaskCache` is active, its
+    product (:meth:`MaskCache.times`); otherwise with a copy of the rows (a view would keep a mask
     nobody else holds alive whole)."""
-    n = index.numel()
-    if _MASKS is not None and n > 0 and index.dim() == 1 and index.device.type == "cpu":
-        start = int(index[0])
-        if int(index[-1]) - start + 1 == n and (n == 1 or bool((index.diff() == 1).all())):
-            return noise.narrow(0, start, n)
-    return noise.index_select(0, index)
+    if _MASKS is not None:
+        return _MASKS.times(x, noise, index)
+    return x * noise.index_select(0, index)
 
 
 def _nonzero_rows(t: torch.Tensor) -> torch.Tensor:

@@ -185,7 +185,9 @@ def op_costs(tp: TPGraph, nodes: list[torch.fx.Node], decisions: Optional[Decisi
             body_modules = dict(body.named_modules())
             for k, m in enumerate(inner):
                 c = _op_cost(m, m.meta["tp"], body_modules, recompute=True, backward=2 if m.meta["tp"].params else 1)
-                out.append(dataclasses.replace(c, name=f"{n.name}.{m.name}", saved=t.saved_bytes if k == 0 else Lin()))
+                # the first op's saved: what the segment keeps; the others': what they save in the replay
+                out.append(dataclasses.replace(c, name=f"{n.name}.{m.name}", saved=t.saved_bytes if k == 0 else
+                                               m.meta["tp"].saved_bytes))
             if inner:
                 continue
         weights = t.params > 0 or any(a.op == "get_attr" and a.name in req for a in n.all_input_nodes)

@@ -14,6 +14,12 @@ three regimes of §4.1:
   (NeutronTask Eq. 7–8, ``N_p = n T_p / (T_p + T_t)`` with ``T_t``, ``T_p`` the cost model's time
   of all T / P tasks on the cluster's device; ``p_ranks`` overrides it). Each kind's tasks are cut
   into contiguous runs of balanced time, one run per rank (Algorithm 2: GPUs ``< q`` run T tasks);
+  a kind with more ranks than tasks (a decoupled model's one T task, its MLP) gets one group per
+  task instead, its ranks spread by time and dealing the chunks round robin as in the hybrid regime
+  (each member holds only its chunks' intermediates and dropout-mask rows). Without ``p_ranks``
+  the split is Eq. 7's (P tasks at most one rank each: a P group's members would each receive the
+  sources) or the one giving no kind more ranks than tasks, whichever has the smaller largest time
+  per rank (the latter on a tie);
 - ``n == S`` (*one task per rank*), in task order;
 - ``n > S`` (*hybrid*, §4.3, Fig. 7): one group of ranks per task, ``N_t`` / ``N_p`` ranks spread
   over the T / P tasks in proportion to their time; inside a group the chunks are dealt round
@@ -160,6 +166,27 @@ def _spread(times: list[float], ranks: int) -> list[int]:
     return counts
 
 
+def _kind_groups(stages: list[int], times: dict[int, float], ranks: int,
+                 first: int) -> list[tuple[tuple[int, ...], list[int]]]:
+    """The groups of one task kind on ``ranks`` ranks numbered from ``first``: ``(members, stages)``.
+    Fewer ranks than tasks: contiguous runs of balanced time, one rank each (Algorithm 2); else one
+    group per task, the ranks spread by time (hybrid groups dealing the chunks round robin)."""
+    if ranks <= len(stages):
+        return [((first + i,), stages[a:b]) for i, (a, b) in enumerate(contiguous_runs([times[s] for s in stages],
+                                                                                       ranks))]
+    out, rank = [], first
+    for s, size in zip(stages, _spread([times[s] for s in stages], ranks)):
+        out.append((tuple(range(rank, rank + size)), [s]))
+        rank += size
+    return out
+
+
+def _bottleneck(t_st: list[int], p_st: list[int], times: dict[int, float], n_t: int, n_p: int) -> float:
+    """The largest time per rank of a shared-regime placement with ``n_t`` T and ``n_p`` P ranks."""
+    return max(sum(times[s] for s in run) / len(members)
+               for sts, parts in ((t_st, n_t), (p_st, n_p)) for members, run in _kind_groups(sts, times, parts, 0))
+
+
 def place_tasks(labels: dict[int, str], times: dict[int, float], num_ranks: int,
                 p_ranks: Optional[int] = None) -> tuple[Placement, str, tuple[int, int]]:
     """The groups of a ``task`` plan: ``(placement, regime, (N_t, N_p))`` (module docstring)."""
@@ -183,16 +210,21 @@ def place_tasks(labels: dict[int, str], times: dict[int, float], num_ranks: int,
     stage_group: dict[int, int] = {}
     if num_ranks < S:
         regime = "shared"
-        # no kind gets more ranks than it has tasks
-        n_p = min(max(n_p, num_ranks - len(t_st)), len(p_st))
+        if p_ranks is None:
+            # Eq. 7's split, or the one where no kind gets more ranks than tasks: whichever has the
+            # smaller largest time per rank. Only T tasks get hybrid groups here (a P group's members
+            # would each receive every source chunk they read: more traffic for the same rows)
+            clamped = min(max(n_p, num_ranks - len(t_st)), len(p_st))
+            eq7 = min(n_p, len(p_st))
+            n_p = min((eq7, clamped), key=lambda q: (_bottleneck(t_st, p_st, times, num_ranks - q, q), q != clamped))
         n_t = num_ranks - n_p
         rank = 0
         for kind, sts, parts in (("T", t_st, n_t), ("P", p_st, n_p)):
-            for a, b in contiguous_runs([times[s] for s in sts], parts):
-                for s in sts[a:b]:
+            for members, run in _kind_groups(sts, times, parts, rank):
+                for s in run:
                     stage_group[s] = len(groups)
-                groups.append(Group(f"{kind}[{','.join(map(str, sts[a:b]))}]", (rank,), "chunks"))
-                rank += 1
+                groups.append(Group(f"{kind}[{','.join(map(str, run))}]", members, "chunks"))
+            rank += parts
     else:
         regime = "one per rank" if num_ranks == S else "hybrid"
         n_p = min(max(n_p, len(p_st)), num_ranks - len(t_st))
