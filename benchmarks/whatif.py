@@ -9,10 +9,11 @@ layers of 256 and GCNII with 64 layers of 256. The single-device row breaks the 
 of a 1-GPU ``data`` plan into NeutronTask Table 1's parts (topology, features, parameters,
 intermediate data: the activation peak) next to the paper's numbers for a 3-layer GCN.
 
-On 1024 GPUs only ``data`` and ``layer`` are planned: lowering ``tensor`` and ``mop`` there lists
-one shape or message per member pair (about ``n^2`` per instruction) and exhausts this host's
-memory, which the table says. GCNII-64 is planned on 4 and 8 GPUs only: on 64 its search (the
-``layer`` candidates' pipelines of hundreds of chunks over 64 stages) ran over 5 minutes here.
+Every row runs the full search (every strategy), 1024 GPUs included: there the point-to-point
+strategies (``mop``, ``task``) are refused from their message counts before they are scheduled,
+and ``tensor`` and slower ``data`` variants are pruned by their step bounds before they are
+simulated. GCNII-64 is planned on 4 and 8 GPUs only: on 64 its search (the ``layer`` candidates'
+pipelines of hundreds of chunks over 64 stages) ran over 5 minutes here.
 
 Usage::
 
@@ -68,20 +69,11 @@ def single_device_row(gc: Any, name: str, stats: Any) -> str:
 
 
 def plan_row(gc: Any, name: str, stats: Any, label: str, make: Any, gpus: int) -> str:
-    from gnncompile.passes.search import search
-
     cluster = gc.Cluster.parse(CLUSTERS[gpus])
     t0 = time.perf_counter()
     try:
-        if gpus >= 1024:  # tensor and mop cannot be lowered at this scale on this host (see the docstring)
-            result = search(make(), stats, cluster, strategies=["data", "layer"])
-            best = result.best
-            plan, pred = best.plan, best.prediction
-            note = "data/layer only"
-        else:
-            plan = gc.plan(make(), stats, gpus=cluster)
-            pred = plan.prediction
-            note = ""
+        plan = gc.plan(make(), stats, gpus=cluster)
+        pred = plan.prediction
     except Exception as exc:  # a what-if that cannot be planned is a row saying why
         why = str(exc).splitlines()[0]
         if ": the closest, " in why:  # the planner's "no plan fits": keep the closest candidate's numbers
@@ -91,7 +83,7 @@ def plan_row(gc: Any, name: str, stats: Any, label: str, make: Any, gpus: int) -
     mem = pred.max_peak_memory  # the simulation starts from the resident data
     opts = ", ".join(f"{k}={v}" for k, v in plan.options.items()
                      if k in ("chunks", "stages", "decouple", "recompute", "partitioner") and v not in (None, False))
-    desc = f"{plan.strategy}" + (f" ({opts})" if opts else "") + (f" [{note}]" if note else "")
+    desc = f"{plan.strategy}" + (f" ({opts})" if opts else "")
     return (f"| {name} | {label} | {gpus} | {desc} | {pred.step_time * 1e3:.1f} ms | {gib(mem)} | "
             f"{gib(max(pred.plan.predictions['bytes_sent']))} | {secs:.1f} |")
 

@@ -10,8 +10,10 @@ import torch
 
 import gnncompile as gc
 from gnncompile.cost_models.hardware import Cluster
-from gnncompile.ir.plan import Backward, Forward, Send
+from gnncompile.ir.plan import AllReduce, Backward, DevicePlan, Forward, Free, OptimizerStep, Send
+from gnncompile.passes import schedule as schedule_mod
 from gnncompile.passes import search as search_mod
+from gnncompile.passes.schedule import RankOutline
 from gnncompile.passes.search import evaluate, search
 
 STATS = gc.GraphStats(num_nodes=50_000, num_edges=800_000, num_features=64, num_classes=8)
@@ -70,17 +72,19 @@ def test_outline_is_the_step_and_bounds_its_simulation(monkeypatch, sbm, spec, c
     assert bound <= sum(busy) * (1 + 1e-9) + 1e-12
 
 
+@pytest.mark.parametrize("strategies", [("tensor", "mop"), ("data", "tensor", "task")])
 @pytest.mark.parametrize("spec", ["2x2xA100-ib200", "4x2xA100-ib200", "4x4xA100-ib200"])
-def test_pruning_never_changes_the_winner(monkeypatch, spec):
+def test_pruning_never_changes_the_winner(monkeypatch, spec, strategies):
     """The search with pruning returns the plan (and prediction) that evaluating every candidate
-    in full ranks first; a pruned candidate's full simulation is slower than the winner."""
+    in full ranks first; a pruned candidate's full simulation is slower than the winner (pruned
+    from a step outline, from one rank of ranks alike, or from the plan's instruction lists)."""
     monkeypatch.setattr(search_mod, "PRUNE_FROM", 0)  # prune small candidates too
     model = gcn(STATS.num_features, STATS.num_classes, layers=3)
     cluster = Cluster.parse(spec)
-    result = search(model, STATS, cluster, strategies=["tensor", "mop"])
+    result = search(model, STATS, cluster, strategies=list(strategies))
     pruned = [e for e in result.rejected if e.rejected.startswith("pruned")]
     full = []
-    for cand in search_mod.candidates(cluster, strategies=["tensor", "mop"]):
+    for cand in search_mod.candidates(cluster, strategies=list(strategies)):
         ev = evaluate(model, STATS, cluster, cand.strategy, num_ranks=cand.num_ranks,
                       **{k: v for k, v in cand.options.items() if k != "semantics"})
         if ev.ok:
@@ -93,8 +97,10 @@ def test_pruning_never_changes_the_winner(monkeypatch, spec):
     for e in pruned:
         same = next(f for f in full if f.candidate == e.candidate)
         assert same.step_time > best.step_time
-    if spec == "4x4xA100-ib200":
+    if spec == "4x4xA100-ib200" and "mop" in strategies:
         assert pruned, "the 16-rank mop pipelines are slower than tensor's and are pruned"
+    if spec == "4x4xA100-ib200" and "data" in strategies:
+        assert pruned, "data's recomputing variant is slower than data's and is pruned"
 
 
 def test_a_pruned_candidate_says_by_how_much(monkeypatch):
@@ -132,6 +138,84 @@ def test_plan_bound_never_exceeds_the_simulated_step(sbm, spec, strategy, option
     bound, rank = search_mod.plan_bound(ev.plan, cluster, overlap)
     assert 0 < bound <= ev.prediction.step_time * (1 + 1e-9)
     assert 0 <= rank < ev.plan.num_ranks
+
+
+@pytest.mark.parametrize("spec", ["2x2xA100-ib200", "4x2xA100-ib200"])
+@pytest.mark.parametrize("strategy,options", CASES)
+def test_plan_bound_decides_against_a_beat_as_its_full_replay(sbm, spec, strategy, options):
+    """plan_bound with a ``beat`` skips a rank's dependency replay where its queues' totals already
+    decide: it exceeds the beat exactly when the full bound does, and never exceeds the step."""
+    model = gcn(sbm.num_features, sbm.num_classes)
+    cluster = Cluster.parse(spec)
+    ev = evaluate(model, sbm, cluster, strategy, **options)
+    full, _ = search_mod.plan_bound(ev.plan, cluster)
+    step = ev.prediction.step_time
+    for beat in (0.0, full * 0.5, full * 0.999, full, full * 1.001, step, step * 2):
+        bound, rank = search_mod.plan_bound(ev.plan, cluster, beat=beat)
+        assert (bound > beat) == (full > beat)
+        assert bound <= full * (1 + 1e-12) and 0 <= rank < ev.plan.num_ranks
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("on", ["stats", "graph"])
+def test_rank_outline_bounds_the_simulated_step(monkeypatch, sbm, chunks, overlap, on):
+    """tensor hands the planner its first rank's step before making the others' (RankOutline): the
+    bound of that rank alone is the rank's own instructions and never exceeds the simulated step."""
+    graph = STATS if on == "stats" else sbm
+    model = gcn(graph.num_features, graph.num_classes)
+    cluster = Cluster.parse("4x2xA100-ib200")
+    seen = []
+    real = search_mod.checking_outlines
+
+    def recording(check):
+        def both(outline):
+            seen.append(outline)
+            check(outline)
+        return real(both)
+
+    monkeypatch.setattr(search_mod, "checking_outlines", recording)
+    ev = evaluate(model, graph, cluster, "tensor", overlap=overlap, chunks=chunks, **TENSOR)
+    assert len(seen) == 1 and isinstance(seen[0], RankOutline)
+    outline = seen[0]
+    dp = ev.plan.ranks[outline.rank]
+    # the driver appends the gradient reduction and the optimizer step; tensor has no FREE before them
+    body = [i for i in dp.instructions if not isinstance(i, (AllReduce, OptimizerStep, Free))]
+    assert list(outline.instructions) == [i for i in body]
+    assert outline.sizes == dp.sizes and outline.stages == dp.stages
+    partial = DevicePlan(outline.rank, outline.stages, outline.instructions, outline.sizes)
+    bound = search_mod.rank_bound(partial, search_mod._Bounds(cluster), outline.inputs, overlap)
+    assert 0 < bound <= ev.prediction.step_time * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("strategy,options", [("mop", {"chunks": 2, "reorder": "rcm"}),
+                                              ("task", {"recompute": False, "decouple": False}),
+                                              ("layer", {"stages": 2, "chunks": 4, "recompute": False,
+                                                         "history": False})])
+def test_messages_are_counted_before_the_step_is_scheduled(monkeypatch, sbm, strategy, options):
+    """The point-to-point lowerings count their messages before scheduling (count_messages): the
+    count is the step's Sends, and a step over MAX_MESSAGES is refused before any task is scheduled."""
+    import importlib
+
+    mod = importlib.import_module(f"gnncompile.passes.{strategy}")
+    counted = []
+    real = mod.count_messages
+    monkeypatch.setattr(mod, "count_messages", lambda *a, **k: counted.append(real(*a, **k)) or counted[-1])
+    model = gcn(sbm.num_features, sbm.num_classes)
+    cluster = Cluster.parse("2x2xA100-ib200")
+    ev = evaluate(model, sbm, cluster, strategy, **options)
+    assert ev.plan is not None, ev.rejected
+    train, evaluation = counted
+    assert train == sum(isinstance(i, Send) for dp in ev.plan.ranks for i in dp.instructions) > 0
+    assert evaluation == sum(isinstance(i, Send) for p in ev.plan.program for i in p.eval_instructions)
+
+    def never(*a, **k):
+        raise AssertionError("scheduled a step that was too large")
+
+    monkeypatch.setattr(schedule_mod, "MAX_MESSAGES", train - 1)
+    monkeypatch.setattr(mod, "list_schedule", never)
+    ev = evaluate(model, sbm, cluster, strategy, **options)
+    assert ev.plan is None and "point-to-point messages" in ev.rejected
 
 
 @pytest.mark.parametrize("chunks", [1, 4])

@@ -314,6 +314,11 @@ class HaloExchange(Instruction):
     kind: ClassVar[str] = "HALO"
     communicates: ClassVar[bool] = True
 
+    def __hash__(self) -> int:
+        # without the per-member tuples (one entry per rank: the cost model keys its costs by
+        # instruction); equal instructions still hash equal
+        return hash((self.value, self.chunk, self.grad, len(self.group), self.width, self.halo))
+
     @property
     def output(self) -> str:
         return converted_name(self.value, "halo")
@@ -339,6 +344,10 @@ class AllToAll(Instruction):
     kind: ClassVar[str] = "A2A"
     communicates: ClassVar[bool] = True
 
+    def __hash__(self) -> int:
+        # without the per-member tuples (see HaloExchange.__hash__)
+        return hash((self.value, self.chunk, self.grad, len(self.group), self.src_layout, self.dst_layout))
+
     @property
     def output(self) -> str:
         return converted_name(self.value, self.dst_layout)
@@ -359,6 +368,10 @@ class _WholeTensorCollective(Instruction):
     grad: bool = False
     communicates: ClassVar[bool] = True
     suffix: ClassVar[str] = ""
+
+    def __hash__(self) -> int:
+        # without the group (see HaloExchange.__hash__)
+        return hash((self.kind, self.value, self.chunk, self.grad, len(self.group), self.shape))
 
     @property
     def output(self) -> str:
@@ -384,6 +397,7 @@ class AllGather(_WholeTensorCollective):
 
     kind: ClassVar[str] = "AG"
     suffix: ClassVar[str] = "gathered"
+    __hash__ = _WholeTensorCollective.__hash__
 
 
 @dataclass(frozen=True)
@@ -394,6 +408,7 @@ class ReduceScatter(_WholeTensorCollective):
 
     kind: ClassVar[str] = "RS"
     suffix: ClassVar[str] = "scattered"
+    __hash__ = _WholeTensorCollective.__hash__
 
 
 @dataclass(frozen=True)
@@ -407,6 +422,10 @@ class AllReduce(Instruction):
     dtype: str = "float32"
     kind: ClassVar[str] = "AR"
     communicates: ClassVar[bool] = True
+
+    def __hash__(self) -> int:
+        # without the group (see HaloExchange.__hash__)
+        return hash((self.value, len(self.group), self.numel))
 
     def __str__(self) -> str:
         return f"AR {self.value}"

@@ -235,11 +235,26 @@ def _checker(hint: Any, sized: bool = False) -> Any:
     if typing.get_origin(hint) is tuple:
         args = typing.get_args(hint)
         if len(args) == 2 and args[1] is Ellipsis or len(args) == 1:  # tuple[X, ...]
+            simple = _type_checker(args[0], sized)
+            if simple is not None:  # by the entries' distinct types (a halo's row counts: one per rank)
+                return lambda v: isinstance(v, tuple) and all(simple(t) for t in set(map(type, v)))
             inner = _checker(args[0], sized)
             return lambda v: isinstance(v, tuple) and all(inner(x) for x in v)
         parts = tuple(_checker(a, sized) for a in args)
         return lambda v: isinstance(v, tuple) and len(v) == len(parts) and all(f(x) for f, x in zip(parts, v))
     return lambda v: True
+
+
+def _type_checker(hint: Any, sized: bool) -> Optional[Any]:
+    """For a hint :func:`_checker` decides from the value's type alone (int, str, bool): that
+    predicate on the type; None for others."""
+    if hint is bool:
+        return lambda t: t is bool
+    if hint is int:
+        return (lambda t: issubclass(t, int) and t is not bool) if sized else (lambda t: t is int)
+    if hint is str:
+        return lambda t: issubclass(t, str)
+    return None
 
 
 #: The instruction fields whose entries may be per-step sizes (:class:`~gnncompile.ir.plan.StepSize`).
@@ -273,7 +288,11 @@ def _check_structure(plan: Plan, chunks: int, check_types: bool = True) -> None:
     n = plan.num_ranks
     if n == 0:
         raise VerificationError("plan has no ranks")
-    alone: set[str] = set()  # instructions that passed the checks of their own (ranks repeat them)
+    # instructions that passed the checks of their own, by their fields' identities (ranks repeat
+    # them and share their shape tuples; a repr would cost as much as the checks, and equality is
+    # not enough: True == 1, and a malformed field may be unhashable)
+    alone: set[tuple] = set()
+    field_names: dict[type, tuple[str, ...]] = {}
     for pos, dp in enumerate(plan.ranks):
         if not isinstance(dp, DevicePlan):
             raise VerificationError(f"plan.ranks[{pos}] is a {type(dp).__name__}, not a DevicePlan")
@@ -295,7 +314,10 @@ def _check_structure(plan: Plan, chunks: int, check_types: bool = True) -> None:
         for i, inst in enumerate(dp.instructions):
             if not isinstance(inst, Instruction):
                 raise VerificationError(f"rank {dp.rank} step {i}: {inst!r} is not an Instruction")
-            key = repr(inst)  # not the instruction: True == 1, and a malformed field may be unhashable
+            names = field_names.get(type(inst))
+            if names is None:
+                names = field_names[type(inst)] = tuple(f.name for f in fields(inst))
+            key = (type(inst), *[id(getattr(inst, f)) for f in names])
             problem = None
             if key not in alone:
                 problem = (check_types and _type_problem(inst)) or _instruction_problem(inst, chunks)
@@ -455,6 +477,13 @@ def _check_pairwise(plan: Plan, group: tuple[int, ...], idx: list[int], insts: l
         return
     out, into, counted = per_member
     what = f"{counted} disagree"
+    sent_all, expected_all = [getattr(a, out) for a in insts], [getattr(b, into) for b in insts]
+    n = len(insts)
+    if all(len(x) == n for x in sent_all) and all(len(x) == n for x in expected_all):
+        # every member lists every member: what i sends is column i of what they expect (compared
+        # as tuples, O(n^2) in C); a disagreement is located below
+        if all(tuple(s) == col for s, col in zip(sent_all, zip(*expected_all))):
+            return
     for i, a in enumerate(insts):
         for j, b in enumerate(insts):
             sent, expected = getattr(a, out), getattr(b, into)

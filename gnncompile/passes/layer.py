@@ -76,7 +76,7 @@ from .chunked import ChunkInputs, Chunking, Group, Placement, chunk_bounds, chun
     contiguous_runs, group_parameters, historical_reads, split_pipeline, stage_reads, stage_times, with_reads
 from .driver import Job, Lowered, RankLowering
 from .lower import Decisions, propagation_norms, requires_grad_values, value_dims
-from .schedule import compute_deps, gpipe, insert_messages, list_schedule, one_f_one_b
+from .schedule import compute_deps, count_messages, gpipe, insert_messages, list_schedule, one_f_one_b
 from .strategy import ANY, Strategy, StrategyOptions, option, product
 from .task import task_decisions
 
@@ -308,14 +308,16 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
     else:
         reads = stage_reads(staged, labels, chunking, sources)
     reads_eval = stage_reads(staged_eval, labels_eval, exact_chunking, sources_eval)
+    # a step too large to plan is refused before it is scheduled (the messages do not depend on the order)
+    dims, dims_eval, needs = value_dims(staged.tp), value_dims(staged_eval.tp), requires_grad_values(staged.tp)
+    count_messages(staged, place, chunking, reads, dims, needs, stale=stale)
+    count_messages(staged_eval, place, exact_chunking, reads_eval, dims_eval, set(), training=False)
     cost = {t(s, k): times[s] / K / 2 for s in times for k in range(K) for t in (Forward, Backward)}
     order = list_schedule(compute_deps(staged, K, reads), place.resource, cost,
                           priority=one_f_one_b if options.schedule == "1f1b" else gpipe)
     order_eval = list_schedule(compute_deps(staged_eval, K, reads_eval, training=False), place.resource)
-    train_progs = insert_messages(staged, order, place, chunking, reads, value_dims(staged.tp),
-                                  requires_grad_values(staged.tp), stale=stale)
-    eval_progs = insert_messages(staged_eval, order_eval, place, exact_chunking, reads_eval,
-                                 value_dims(staged_eval.tp), set())
+    train_progs = insert_messages(staged, order, place, chunking, reads, dims, needs, stale=stale)
+    eval_progs = insert_messages(staged_eval, order_eval, place, exact_chunking, reads_eval, dims_eval, set())
     held, grad_groups = group_parameters(job, staged, place)
 
     out_group = place.stage_group[staged.stage_of[staged.output]]

@@ -163,14 +163,19 @@ def _elsize(dtype: Optional[str]) -> int:
     return torch.empty(0, dtype=getattr(torch, dtype or "float32")).element_size()
 
 
-def op_costs(tp: TPGraph, nodes: list[torch.fx.Node], decisions: Optional[Decisions] = None) -> list[OpCost]:
+def op_costs(tp: TPGraph, nodes: list[torch.fx.Node], decisions: Optional[Decisions] = None, *,
+             req: Optional[set[str]] = None, modules: Optional[dict[str, torch.nn.Module]] = None) -> list[OpCost]:
     """The :class:`OpCost` of every T/P/E op among ``nodes`` (what a stage's cost model reads).
 
     A checkpointed segment (``insert_recomputation``) contributes one entry per op it runs (marked
-    ``recompute``; the segment's saved bytes, its inputs, on the first).
+    ``recompute``; the segment's saved bytes, its inputs, on the first). ``req`` and ``modules``:
+    ``tp``'s :func:`requires_grad_values` and named modules when the caller has them (a split
+    costs every stage of one graph).
     """
-    req = requires_grad_values(tp)
-    modules = dict(tp.named_modules())
+    if req is None:
+        req = requires_grad_values(tp)
+    if modules is None:
+        modules = dict(tp.named_modules())
     out = []
     for n in nodes:
         t = n.meta.get("tp")
@@ -305,6 +310,7 @@ def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
 
     stages: list[StageSpec] = []
     modules: dict[int, torch.fx.GraphModule] = {}
+    named = dict(tp.named_modules())
     for k in range(num_stages):
         members = nodes_by_stage[k]
         member_names = {n.name for n in members}
@@ -344,7 +350,8 @@ def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
         stages.append(StageSpec(index=k, inputs=tuple(inputs), outputs=tuple(outputs),
                                 ops=tuple(n.name for n in members),
                                 kinds=" ".join(f"{kk}{kinds[kk]}" for kk in ("T", "P", "E") if kinds.get(kk)),
-                                layers=tuple(layers), costs=tuple(op_costs(tp, members, decisions))))
+                                layers=tuple(layers), costs=tuple(op_costs(tp, members, decisions, req=req,
+                                                                          modules=named))))
         modules[k] = gm
 
     conversions = [

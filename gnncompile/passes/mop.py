@@ -52,7 +52,7 @@ from .chunked import Chunking, Group, Placement, chunk_bounds, chunk_graph, chun
     stage_groups, stage_reads, with_reads
 from .driver import Job, Lowered, RankLowering
 from .lower import StagedModel, propagation_norms, requires_grad_values, source_input, split_stages, value_dims
-from .schedule import compute_deps, insert_messages, list_schedule
+from .schedule import compute_deps, count_messages, insert_messages, list_schedule
 from .strategy import Strategy, StrategyOptions, option
 from .tensor import tensor_decisions
 
@@ -198,6 +198,9 @@ def lower_mop(job: Job, options: MopOptions) -> Lowered:
                                 "split by columns")
 
     place, place_eval = two.placement(groups), two.placement(groups_eval)
+    # a step too large to plan is refused before it is scheduled (the messages do not depend on the order)
+    count_messages(staged, place, chunking, reads, dims, set())
+    count_messages(staged_eval, place_eval, chunking, reads_eval, dims_eval, set(), training=False)
     order = list_schedule(compute_deps(staged, K, reads), place.resource)
     order_eval = list_schedule(compute_deps(staged_eval, K, reads_eval, training=False), place_eval.resource)
     sizes = {r: _sizes(two, chunking, stats, r) for r in range(num_ranks)}

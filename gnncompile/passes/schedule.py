@@ -49,7 +49,7 @@ from .chunked import Block, Chunking, Placement, held_block, intersect, needed_b
 from .lower import OUTPUT, Conversion, StagedModel
 
 __all__ = ["Compute", "Order", "Reads", "compute_deps", "list_schedule", "gpipe", "one_f_one_b", "rank_orders",
-           "insert_collectives", "insert_messages", "MAX_MESSAGES", "StepOutline", "Pruned", "checking_outlines"]
+           "insert_collectives", "insert_messages", "count_messages", "MAX_MESSAGES", "StepOutline", "RankOutline", "Pruned", "checking_outlines", "check_rank"]
 
 #: A task of the step: a stage's forward or backward on one chunk.
 Compute = Union[Forward, Backward]
@@ -80,17 +80,20 @@ def compute_deps(staged: StagedModel, chunks: int = 1, reads: Optional[Reads] = 
     for st in staged.stages:
         for v in dict.fromkeys(st.inputs):
             consumers.setdefault(v, []).append(st.index)
+    # every task made once (the sets below hold the same objects)
+    fwd = {st.index: [Forward(st.index, k) for k in range(chunks)] for st in staged.stages}
     deps: dict[Compute, set[Compute]] = {}
     for st in staged.stages:
+        read = [(fwd[producer[base]], v) for v in st.inputs
+                for base in [conv_out[v].value if v in conv_out else v] if base in producer]  # else a model input
         for k in range(chunks):
             d: set[Compute] = set()
-            for v in st.inputs:
-                base = conv_out[v].value if v in conv_out else v
-                if base in producer:  # else a model input
-                    d.update(Forward(producer[base], m) for m in _read(reads, st.index, v, k))
-            deps[Forward(st.index, k)] = d
+            for made, v in read:
+                d.update(map(made.__getitem__, _read(reads, st.index, v, k)))
+            deps[fwd[st.index][k]] = d
     if not training:
         return deps
+    bwd = {st.index: [Backward(st.index, k) for k in range(chunks)] for st in staged.stages}
     readers: dict[tuple[int, str], list[list[int]]] = {}  # (stage, input) -> per chunk k, the chunks j reading k
 
     def reading(s2: int, name: str, k: int) -> list[int]:
@@ -103,13 +106,14 @@ def compute_deps(staged: StagedModel, chunks: int = 1, reads: Optional[Reads] = 
         return inv[k]
 
     for st in staged.stages:
+        read_by = [(s2, name) for o in st.outputs
+                   for name in [o] + [c.output for c in staged.conversions if c.value == o and c.needs_grad]
+                   for s2 in consumers.get(name, [])]
         for k in range(chunks):
-            d = {Forward(st.index, k)}
-            for o in st.outputs:
-                for name in [o] + [c.output for c in staged.conversions if c.value == o and c.needs_grad]:
-                    for s2 in consumers.get(name, []):
-                        d.update(Backward(s2, j) for j in reading(s2, name, k))
-            deps[Backward(st.index, k)] = d
+            d = {fwd[st.index][k]}
+            for s2, name in read_by:
+                d.update(map(bwd[s2].__getitem__, reading(s2, name, k)))
+            deps[bwd[st.index][k]] = d
     return deps
 
 
@@ -151,34 +155,45 @@ def list_schedule(deps: Mapping[Compute, Iterable[Compute]],
         def res(t: Compute) -> Hashable:
             return table[t.stage]
     cost = cost or {}
+    # the tasks by position: one hash per task and dependency, every key computed once
     tasks = list(deps)
-    remaining = {t: len(set(deps[t])) for t in tasks}
-    users: dict[Compute, list[Compute]] = {t: [] for t in tasks}
-    for t in tasks:
+    index = {t: i for i, t in enumerate(tasks)}
+    n = len(tasks)
+    needs: list[list[int]] = []
+    users: list[list[int]] = [[] for _ in range(n)]
+    for i, t in enumerate(tasks):
+        mine = []
         for d in set(deps[t]):
-            if d not in users:
+            j = index.get(d)
+            if j is None:
                 raise PlanningError(f"schedule: task {t} depends on {d}, which is not a task of the step")
-            users[d].append(t)
-    end: dict[Compute, float] = {}
+            mine.append(j)
+            users[j].append(i)
+        needs.append(mine)
+    remaining = [len(m) for m in needs]
+    resource_of = [res(t) for t in tasks]
+    prio = [priority(t) for t in tasks]
+    duration = [cost.get(t, 1.0) for t in tasks]
+    end: list[Optional[float]] = [None] * n
     # per resource, its ready tasks: those whose data arrive after it is free, by (arrival, priority),
     # and those that could start the moment it is free, by priority; equal keys by readiness order
-    later: dict[Hashable, list[tuple[float, tuple, int, Compute]]] = {}
-    now: dict[Hashable, list[tuple[tuple, int, float, Compute]]] = {}
+    later: dict[Hashable, list[tuple[float, tuple, int, int]]] = {}
+    now: dict[Hashable, list[tuple[tuple, int, float, int]]] = {}
     free: dict[Hashable, float] = {}
     seq = 0
 
-    def make_ready(t: Compute, at: float) -> None:
+    def make_ready(i: int, at: float) -> None:
         nonlocal seq
-        r = res(t)
+        r = resource_of[i]
         seq += 1
         if at <= free.get(r, 0.0):
-            heapq.heappush(now.setdefault(r, []), (priority(t), seq, at, t))
+            heapq.heappush(now.setdefault(r, []), (prio[i], seq, at, i))
         else:
-            heapq.heappush(later.setdefault(r, []), (at, priority(t), seq, t))
+            heapq.heappush(later.setdefault(r, []), (at, prio[i], seq, i))
 
-    for t in tasks:
-        if not remaining[t]:
-            make_ready(t, 0.0)
+    for i in range(n):
+        if not remaining[i]:
+            make_ready(i, 0.0)
     out: Order = []
     while True:
         # the task that can start first on its resource (its data ready time vs the resource's free
@@ -198,20 +213,23 @@ def list_schedule(deps: Mapping[Compute, Iterable[Compute]],
         if best is None:
             break
         (start, _, _), r = best
-        t = heapq.heappop(now[r])[3] if now.get(r) else heapq.heappop(later[r])[3]
-        end[t] = start + cost.get(t, 1.0)
-        free[r] = end[t]
+        i = heapq.heappop(now[r])[3] if now.get(r) else heapq.heappop(later[r])[3]
+        e = end[i] = start + duration[i]
+        free[r] = e
         waiting = later.get(r, [])
-        while waiting and waiting[0][0] <= end[t]:  # ready by the time the resource is free
+        while waiting and waiting[0][0] <= e:  # ready by the time the resource is free
             at, pr, order, u = heapq.heappop(waiting)
             heapq.heappush(now.setdefault(r, []), (pr, order, at, u))
-        out.append((start, t))
-        for u in users[t]:
+        out.append((start, tasks[i]))
+        for u in users[i]:
             remaining[u] -= 1
             if not remaining[u]:
-                make_ready(u, max(end[d] + (delay(d, u) if delay is not None else 0.0) for d in deps[u]))
-    if len(out) != len(tasks):
-        stuck = sorted((t for t in tasks if t not in end), key=priority)
+                if delay is None:
+                    make_ready(u, max(end[j] for j in needs[u]))
+                else:
+                    make_ready(u, max(end[index[d]] + delay(d, tasks[u]) for d in deps[tasks[u]]))
+    if len(out) != n:
+        stuck = sorted((t for i, t in enumerate(tasks) if end[i] is None), key=priority)
         raise PlanningError(f"schedule: tasks {', '.join(map(str, stuck[:6]))} depend on each other in a cycle")
     return out
 
@@ -318,24 +336,181 @@ class StepOutline:
     sizes: Mapping[int, RankSizes]
 
 
+@dataclass(frozen=True)
+class RankOutline:
+    """One rank's training step as a lowering made it, before it makes the other ranks' steps.
+
+    ``instructions``: the rank's step without what the driver appends (the gradient reduction,
+    the optimizer step, FREE); ``inputs``: the plan's model inputs (there from the start). A
+    lowering whose ranks run alike (``tensor``) hands the planner one of them
+    (:func:`check_rank`): a bound of one rank's step is a bound of the whole step."""
+
+    rank: int
+    stages: tuple[StageSpec, ...]
+    instructions: tuple[Instruction, ...]
+    sizes: RankSizes
+    inputs: frozenset[str]
+
+
 class Pruned(PlanningError):
     """A candidate the planner ruled out from its :class:`StepOutline` (it cannot win), before its
     messages were materialized; the message says why."""
 
 
-_OUTLINE_CHECK: ContextVar[Optional[Callable[[StepOutline], None]]] = ContextVar("outline_check", default=None)
+_OUTLINE_CHECK: ContextVar[Optional[Callable[[Union[StepOutline, RankOutline]], None]]] = \
+    ContextVar("outline_check", default=None)
 
 
 @contextmanager
-def checking_outlines(check: Callable[[StepOutline], None]) -> Iterator[None]:
+def checking_outlines(check: Callable[[Union[StepOutline, RankOutline]], None]) -> Iterator[None]:
     """While active, :func:`insert_messages` hands the outline of every training step it is given
-    sizes for to ``check`` before making its instructions; ``check`` raises :class:`Pruned` to stop
-    the lowering (the planner's bound, :mod:`gnncompile.passes.search`)."""
+    sizes for to ``check`` before making its instructions, and :func:`check_rank` the rank outlines
+    lowerings give it; ``check`` raises :class:`Pruned` to stop the lowering (the planner's bound,
+    :mod:`gnncompile.passes.search`)."""
     token = _OUTLINE_CHECK.set(check)
     try:
         yield
     finally:
         _OUTLINE_CHECK.reset(token)
+
+
+def check_rank(outline: RankOutline) -> None:
+    """Hand ``outline`` to the active check (:func:`checking_outlines`), if any; raises what it raises."""
+    check = _OUTLINE_CHECK.get()
+    if check is not None:
+        check(outline)
+
+
+class _CrossGroup:
+    """The point-to-point traffic of one step of :func:`insert_messages`, before any instruction is
+    made: every cross-group read (``edges``), the consumer chunks reading each chunk (``readers``),
+    each chunk's messages (:meth:`messages`, memoized) and the gradient contributions a reader
+    waits for (``missing``, which :func:`insert_messages` counts down)."""
+
+    def __init__(self, staged: StagedModel, place: Placement, chunking: Chunking, reads: Reads,
+                 dims: Mapping[str, tuple[tuple[int, ...], str]], needs_grad: set[str],
+                 stale: Optional[Reads] = None) -> None:
+        self.place, self.chunking, self.reads, self.dims = place, chunking, reads, dims
+        K = self.K = chunking.num_chunks
+        conv_out = {c.output: c for c in staged.conversions}
+        self.producer = producer = {o: st.index for st in staged.stages for o in st.outputs}
+        if staged.output not in producer:
+            raise PlanningError("the chunked lowering needs the model's output computed by a stage")
+        # every cross-group read
+        edges: dict[tuple[str, int], _Edge] = {}
+        for st in staged.stages:
+            gi = place.stage_group[st.index]
+            for u in dict.fromkeys(st.inputs):
+                base = conv_out[u].value if u in conv_out else u
+                if base in producer:
+                    src = place.stage_group[producer[base]]
+                    if src == gi:
+                        if u in conv_out:
+                            raise PlanningError(f"stage {st.index} converts {base!r} within group "
+                                                f"{place.groups[gi].name!r}")
+                        g = place.groups[gi]
+                        across = reads.get(st.index, {}).get(u) is not None or \
+                            (stale or {}).get(st.index, {}).get(u) is not None
+                        if g.layout != "chunks" or len(g.members) == 1 or not across:
+                            continue  # every chunk it reads is on the reading rank
+                        # a group dealing whole chunks: chunks its members read across come from the
+                        # member running them (GNNPipe's hybrid: graph parallelism inside a stage)
+                elif u in conv_out and place.input_group is not None:
+                    src = place.input_group
+                else:
+                    continue  # a model input the rank reads directly
+                edges.setdefault((u, gi), _Edge(base, u, src, gi, base in needs_grad or
+                                                (u in conv_out and conv_out[u].needs_grad)))
+        self.edges = edges
+        self.by_base: dict[str, list[_Edge]] = {}
+        for e in edges.values():
+            self.by_base.setdefault(e.base, []).append(e)
+        # per (name, consumer group): the consumer tasks' chunks reading each chunk, and whether whole chunks
+        self.readers: dict[tuple[str, int], dict[int, set[int]]] = {}
+        self.whole: set[tuple[str, int]] = set()
+        # contributions missing before the gradient of (name, consumer group, member, chunk) is complete
+        self.missing: dict[tuple[str, int, int, int], int] = {}
+        for st in staged.stages:
+            gi = place.stage_group[st.index]
+            g = place.groups[gi]
+            for u in dict.fromkeys(st.inputs):
+                if (u, gi) not in edges:
+                    continue
+                if reads.get(st.index, {}).get(u) is not None:
+                    self.whole.add((u, gi))
+                per = self.readers.setdefault((u, gi), {})
+                sd = (stale or {}).get(st.index, {}).get(u)
+                for k in range(K):
+                    read = _read(reads, st.index, u, k)
+                    for m in tuple(read) + (tuple(sd[k]) if sd is not None else ()):
+                        per.setdefault(m, set()).add(k)
+                    for j in g.runners(k):
+                        for m in read:
+                            key = (u, gi, g.members[j], m)
+                            self.missing[key] = self.missing.get(key, 0) + 1
+        self._cache: dict[tuple[_Edge, int], list[tuple[int, int, Block, Block, Block]]] = {}
+
+    def messages(self, e: _Edge, m: int) -> list[tuple[int, int, Block, Block, Block]]:
+        """(producer rank, consumer rank, held block, needed block, intersection) of ``e`` at chunk ``m``."""
+        key = (e, m)
+        out = self._cache.get(key)
+        if out is None:
+            out = self._cache[key] = list(self._pairs(e, m))
+        return out
+
+    def _pairs(self, e: _Edge, m: int) -> Iterator[tuple[int, int, Block, Block, Block]]:
+        """The messages of ``e`` at chunk ``m``, one at a time (:meth:`messages`)."""
+        place, chunking = self.place, self.chunking
+        sg, dg = place.groups[e.src], place.groups[e.dst]
+        d = self.dims[e.base][0]
+        width = d[-1] if d else 1
+        need_members = sorted({j for k in self.readers.get((e.name, e.dst), {}).get(m, ()) for j in dg.runners(k)})
+        held_by = [(a, held_block(sg, i, chunking, m, width)) for i, a in enumerate(sg.members)]
+        held_by = [(a, held) for a, held in held_by if held is not None]
+        whole = (e.name, e.dst) in self.whole
+        for j in need_members:
+            need = needed_block(dg, j, chunking, m, width, whole)
+            for a, held in held_by:
+                inter = intersect(held, need)
+                if inter[0] == inter[1] and inter[2] == inter[3] or a == dg.members[j]:
+                    continue  # disjoint in both dimensions, or already on the reading rank: nothing to say
+                yield a, dg.members[j], held, need, inter
+
+    def shape_of(self, e: _Edge, inter: Block) -> tuple[int, ...]:
+        d = self.dims[e.base][0]
+        return (inter[1] - inter[0],) + tuple(d[:-1]) + ((inter[3] - inter[2],) if d else ())
+
+    def count(self, training: bool) -> int:
+        """The step's messages, counted before any is made: every chunk of a value goes to its
+        readers once, and each reader's gradient of it back once it is complete. Raises
+        :class:`PlanningError` past :data:`MAX_MESSAGES`."""
+        count = 0
+        for e in self.edges.values():
+            grads = training and e.needs_grad
+            for m in range(self.K):
+                made = self._cache.get((e, m))
+                fwd = [] if made is None else made
+                # made one at a time: a step far too large is refused after MAX_MESSAGES of them
+                for msg in (made if made is not None else self._pairs(e, m)):
+                    if made is None:
+                        fwd.append(msg)
+                    count += 1 + (grads and (e.name, e.dst, msg[1], m) in self.missing)
+                    if count > MAX_MESSAGES:
+                        raise PlanningError(f"the step would post more than {MAX_MESSAGES:,} point-to-point "
+                                            f"messages ({len(self.place.ranks)} ranks, {self.K} chunks); the planner "
+                                            "does not simulate steps that large: fewer chunks or ranks per group")
+                self._cache[e, m] = fwd
+        return count
+
+
+def count_messages(staged: StagedModel, place: Placement, chunking: Chunking, reads: Reads,
+                   dims: Mapping[str, tuple[tuple[int, ...], str]], needs_grad: set[str],
+                   stale: Optional[Reads] = None, training: bool = True) -> int:
+    """The point-to-point messages :func:`insert_messages` would post for one step with these
+    arguments (the order does not change them), counted before the step is scheduled, so that a
+    lowering refuses a step too large to plan before it builds it. Raises :class:`PlanningError`
+    when they exceed :data:`MAX_MESSAGES`."""
+    return _CrossGroup(staged, place, chunking, reads, dims, needs_grad, stale).count(training)
 
 
 def insert_messages(staged: StagedModel, order: Order, place: Placement, chunking: Chunking, reads: Reads,
@@ -352,113 +527,15 @@ def insert_messages(staged: StagedModel, order: Order, place: Placement, chunkin
     step, handed with its :class:`StepOutline` to the planner's check (:func:`checking_outlines`)
     before any instruction is made. Ends without the gradient all-reduce and the optimizer step.
     Raises :class:`PlanningError` when the step would post more than :data:`MAX_MESSAGES`
-    messages, and whatever the check raises.
+    messages (:func:`count_messages`), and whatever the check raises.
     """
-    K = chunking.num_chunks
+    cross = _CrossGroup(staged, place, chunking, reads, dims, needs_grad, stale)
+    K = cross.K
     progs: dict[int, list[Instruction]] = {r: [] for r in place.ranks}
-    conv_out = {c.output: c for c in staged.conversions}
-    producer = {o: st.index for st in staged.stages for o in st.outputs}
-    if staged.output not in producer:
-        raise PlanningError("the chunked lowering needs the model's output computed by a stage")
-    # every cross-group read
-    edges: dict[tuple[str, int], _Edge] = {}
-    for st in staged.stages:
-        gi = place.stage_group[st.index]
-        for u in dict.fromkeys(st.inputs):
-            base = conv_out[u].value if u in conv_out else u
-            if base in producer:
-                src = place.stage_group[producer[base]]
-                if src == gi:
-                    if u in conv_out:
-                        raise PlanningError(f"stage {st.index} converts {base!r} within group "
-                                            f"{place.groups[gi].name!r}")
-                    g = place.groups[gi]
-                    across = reads.get(st.index, {}).get(u) is not None or \
-                        (stale or {}).get(st.index, {}).get(u) is not None
-                    if g.layout != "chunks" or len(g.members) == 1 or not across:
-                        continue  # every chunk it reads is on the reading rank
-                    # a group dealing whole chunks: chunks its members read across come from the
-                    # member running them (GNNPipe's hybrid: graph parallelism inside a stage)
-            elif u in conv_out and place.input_group is not None:
-                src = place.input_group
-            else:
-                continue  # a model input the rank reads directly
-            edges.setdefault((u, gi), _Edge(base, u, src, gi, base in needs_grad or
-                                            (u in conv_out and conv_out[u].needs_grad)))
-    by_base: dict[str, list[_Edge]] = {}
-    for e in edges.values():
-        by_base.setdefault(e.base, []).append(e)
-    # per (name, consumer group): the consumer tasks' chunks reading each chunk, and whether whole chunks
-    readers: dict[tuple[str, int], dict[int, set[int]]] = {}
-    whole: set[tuple[str, int]] = set()
-    for st in staged.stages:
-        gi = place.stage_group[st.index]
-        for u in dict.fromkeys(st.inputs):
-            if (u, gi) not in edges:
-                continue
-            if reads.get(st.index, {}).get(u) is not None:
-                whole.add((u, gi))
-            per = readers.setdefault((u, gi), {})
-            sd = (stale or {}).get(st.index, {}).get(u)
-            for k in range(K):
-                for m in tuple(_read(reads, st.index, u, k)) + (tuple(sd[k]) if sd is not None else ()):
-                    per.setdefault(m, set()).add(k)
-
-    cache: dict[tuple[_Edge, int], list[tuple[int, int, Block, Block, Block]]] = {}
-
-    def messages(e: _Edge, m: int) -> list[tuple[int, int, Block, Block, Block]]:
-        """(producer rank, consumer rank, held block, needed block, intersection) of ``e`` at chunk ``m``."""
-        key = (e, m)
-        if key in cache:
-            return cache[key]
-        sg, dg = place.groups[e.src], place.groups[e.dst]
-        d = dims[e.base][0]
-        width = d[-1] if d else 1
-        need_members = sorted({j for k in readers.get((e.name, e.dst), {}).get(m, ()) for j in dg.runners(k)})
-        out = []
-        held_by = [(a, held_block(sg, i, chunking, m, width)) for i, a in enumerate(sg.members)]
-        held_by = [(a, held) for a, held in held_by if held is not None]
-        for j in need_members:
-            need = needed_block(dg, j, chunking, m, width, (e.name, e.dst) in whole)
-            for a, held in held_by:
-                inter = intersect(held, need)
-                if inter[0] == inter[1] and inter[2] == inter[3] or a == dg.members[j]:
-                    continue  # disjoint in both dimensions, or already on the reading rank: nothing to say
-                out.append((a, dg.members[j], held, need, inter))
-        cache[key] = out
-        return out
-
-    def shape_of(e: _Edge, inter: Block) -> tuple[int, ...]:
-        d = dims[e.base][0]
-        return (inter[1] - inter[0],) + tuple(d[:-1]) + ((inter[3] - inter[2],) if d else ())
-
-    # contributions missing before the gradient of (name, consumer group, member, chunk) is complete
-    missing: dict[tuple[str, int, int, int], int] = {}
-    for st in staged.stages:
-        gi = place.stage_group[st.index]
-        g = place.groups[gi]
-        for u in dict.fromkeys(st.inputs):
-            if (u, gi) in edges:
-                for k in range(K):
-                    for j in g.runners(k):
-                        for m in _read(reads, st.index, u, k):
-                            key = (u, gi, g.members[j], m)
-                            missing[key] = missing.get(key, 0) + 1
-
-    # the step's messages before any is made: every chunk of a value goes to its readers once, and
-    # each reader's gradient of it back once it is complete (below: the order they are posted in)
+    producer, edges, by_base, missing = cross.producer, cross.edges, cross.by_base, cross.missing
+    messages, shape_of = cross.messages, cross.shape_of
     training = any(isinstance(t, Backward) for _, t in order)
-    count = 0
-    for e in edges.values():
-        for m in range(K):
-            fwd = messages(e, m)
-            count += len(fwd)
-            if training and e.needs_grad:
-                count += sum((e.name, e.dst, b, m) in missing for _, b, *_ in fwd)
-            if count > MAX_MESSAGES:
-                raise PlanningError(f"the step would post more than {MAX_MESSAGES:,} point-to-point messages "
-                                    f"({len(place.ranks)} ranks, {K} chunks); the planner does not simulate steps "
-                                    "that large: fewer chunks or ranks per group")
+    cross.count(training)
     check = _OUTLINE_CHECK.get()
     if check is not None and sizes is not None and training:
         check(_outline(staged, order, place, edges.values(), K, messages, shape_of, missing, dims, sizes))

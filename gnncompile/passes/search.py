@@ -21,15 +21,20 @@
 **Pruning.** Candidates without chunks are evaluated first; every later one is bounded before it
 is costed: a point-to-point pipeline (``mop``) from its
 :class:`~gnncompile.passes.schedule.StepOutline`, before its messages are made
-(:func:`step_bound`), any plan from its instruction lists before the cost model's liveness walk
-and the simulation (:func:`plan_bound`). A rank runs one instruction at a time but its posted
-all-to-alls (or one per stream with ``overlap``), so the step lasts at least its compute plus its
-sends, and at least its all-to-alls, each costed as the cost model costs it or less. A candidate
+(:func:`step_bound`), a lowering whose ranks run alike (``tensor``) from its first rank's
+:class:`~gnncompile.passes.schedule.RankOutline`, before the other ranks' steps are made, and any
+plan from its instruction lists before the cost model's liveness walk and the simulation
+(:func:`plan_bound`). A rank runs one instruction at a time but its posted all-to-alls, which run
+in order on a queue of their own and which their readers wait for (with ``overlap``: one stream for
+compute, one for communication), so replaying one rank alone, each instruction costed as the cost
+model costs it or less (:func:`rank_bound`), ends no later than the simulated step. A candidate
 whose bound exceeds the fastest fitting step found so far cannot win and is recorded as rejected
 with both numbers (``pruned``); the others are simulated and ranked as above. Only large candidates
 (:data:`PRUNE_FROM` instructions or more over all ranks) are pruned: a small one costs little to
 simulate, and ``plan.explain()`` compares the plans it has (GNNPipe's rule, the sampled
-mini-batch comparison).
+mini-batch comparison). Point-to-point lowerings whose step would post more than
+:data:`~gnncompile.passes.schedule.MAX_MESSAGES` messages are refused from the count, before they
+are scheduled.
 
 The result is a :class:`SearchResult`; ``plan.explain()`` prints it.
 """
@@ -49,14 +54,17 @@ from ..cost_models.hardware import Cluster
 from ..cost_models.model import ELSIZE, Prediction, load_seconds, op_time, predict
 from ..errors import GnnCompileError, PlanningError
 from ..graph.core import Graph, GraphStats
-from ..ir.plan import AllToAll, Backward, Forward, Plan, RankSizes, Send, StageSpec, human_bytes
+from ..ir.plan import AllGather, AllReduce, AllToAll, Backward, DevicePlan, Forward, HaloExchange, Plan, RankSizes, \
+    ReduceScatter, Send, StageSpec, human_bytes
+from ..ir.replay import dependencies
+from ..ir.rules import rule
 from ..ir.tpgraph import TPGraph
 from .driver import lower, with_backward
 from .registry import STRATEGIES, get, neutral_values
-from .schedule import Pruned, StepOutline, checking_outlines
+from .schedule import Pruned, RankOutline, StepOutline, checking_outlines
 
 __all__ = ["Candidate", "Evaluated", "SearchResult", "candidates", "search", "rank_counts", "sub_cluster", "evaluate",
-           "explain_plan", "step_bound", "plan_bound", "PRUNE_FROM"]
+           "explain_plan", "step_bound", "plan_bound", "rank_bound", "PRUNE_FROM"]
 
 
 @dataclass(frozen=True)
@@ -354,8 +362,9 @@ PRUNE_FROM = 10_000
 
 class _Bounds:
     """Lower bounds of instruction costs on ``cluster``: each is the cost model's own
-    (:class:`~gnncompile.cost_models.model.PlanCost`) or less (recomputation, a sampled step's input
-    loading and an oversubscribed host's latency factor are left out), memoized (ranks repeat them)."""
+    (:class:`~gnncompile.cost_models.model.PlanCost`) or less (a sampled step's input loading and an
+    oversubscribed host's latency factor are left out, an all-to-all's peers counted from its send
+    and receive sides apart), memoized (ranks repeat them)."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
@@ -379,8 +388,10 @@ class _Bounds:
         t = self._stages.get(key)
         if t is None:
             at = sizes.per_chunk()
-            t = self._stages[key] = dev.runtime.get("stage", 0.0) + sum(
-                op_time(op, at, dev, backward=backward) for op in stage.costs)
+            t = dev.runtime.get("stage", 0.0) + sum(op_time(op, at, dev, backward=backward) for op in stage.costs)
+            if backward:  # checkpointed segments run their forward again
+                t += sum(op_time(op, at, dev) for op in stage.costs if op.recompute)
+            self._stages[key] = t
         return t
 
     def send(self, rank: int, peer: int, shape: tuple[int, ...], dtype: str) -> float:
@@ -406,9 +417,7 @@ class _Bounds:
         its peers counted as the larger of those it sends to and receives from."""
         if len(inst.group) <= 1 or not inst.send_shapes or not inst.recv_shapes:
             return 0.0
-        link = self._links.get(inst.group)
-        if link is None:
-            link = self._links[inst.group] = self.cluster.slowest_link(inst.group)
+        link = self._link(inst.group)
         me = inst.group.index(rank)
         moved, peers = [], 0
         for shapes in (inst.send_shapes, inst.recv_shapes):
@@ -419,6 +428,44 @@ class _Bounds:
         es = ELSIZE.get(inst.dtype, 0)
         return self.device(rank).runtime.get("comm", 0.0) + peers * link.latency + \
             max(moved) * es / link.bandwidth
+
+    def _link(self, group: tuple[int, ...]) -> Any:
+        link = self._links.get(group)
+        if link is None:
+            link = self._links[group] = self.cluster.slowest_link(group)
+        return link
+
+    def _rows(self, rows: tuple) -> tuple[int, int]:
+        hit = self._totals.get(id(rows))
+        if hit is None or hit[0] is not rows:
+            hit = self._totals[id(rows)] = (rows, sum(rows), sum(1 for x in rows if x))
+        return hit[1], hit[2]
+
+    def halo(self, rank: int, inst: HaloExchange) -> float:
+        """A halo exchange (an all-to-all of rows; its peers counted as for :meth:`all_to_all`)."""
+        if len(inst.group) <= 1:
+            return 0.0
+        per_row = inst.width * ELSIZE.get(inst.dtype, 0)
+        (out, peers_out), (into, peers_in) = self._rows(inst.send_rows), self._rows(inst.recv_rows)
+        link = self._link(inst.group)
+        return self.device(rank).runtime.get("comm", 0.0) + (max(peers_out, peers_in) if per_row else 0) * \
+            link.latency + max(out, into) * per_row / link.bandwidth
+
+    def collective(self, rank: int, inst: Union[AllReduce, AllGather, ReduceScatter]) -> float:
+        """A ring all-reduce, all-gather or reduce-scatter over the group's slowest link (an
+        all-reduce inside one node: the link the cluster measured for it)."""
+        n = len(inst.group)
+        if n <= 1:
+            return 0.0
+        c = self.cluster
+        if type(inst) is AllReduce:
+            link = c.collective_link("all_reduce") if c.nodes == 1 else self._link(inst.group)
+            t = formulas.ring_allreduce_time(inst.numel * ELSIZE.get(inst.dtype, 0), n, link.bandwidth, link.latency)
+        else:
+            link = self._link(inst.group)
+            t = formulas.ring_allgather_time(math.prod(inst.shape) * ELSIZE.get(inst.dtype, 0), n, link.bandwidth,
+                                             link.latency)
+        return self.device(rank).runtime.get("comm", 0.0) + t
 
 
 def step_bound(outline: StepOutline, cluster: Cluster, overlap: bool = False) -> tuple[float, int]:
@@ -438,30 +485,27 @@ def step_bound(outline: StepOutline, cluster: Cluster, overlap: bool = False) ->
     return best, worst
 
 
-def plan_bound(plan: Plan, cluster: Cluster, overlap: bool = False) -> tuple[float, int]:
+def plan_bound(plan: Plan, cluster: Cluster, overlap: bool = False, beat: float = math.inf) -> tuple[float, int]:
     """A lower bound of ``plan``'s simulated step time on ``cluster`` (and the rank giving it) from
-    its instruction lists, without the cost model's liveness walk or the simulation: a rank's
-    instructions run one at a time except its posted all-to-alls, which run in order on a queue of
-    their own (with ``overlap``: one stream for compute, one for communication), so the step lasts
-    at least its compute plus its sends, and at least its all-to-alls (each its own part of the
-    exchange: the collective lasts as long as its slowest member's); other instructions count 0."""
+    its instruction lists, without the cost model's liveness walk or the simulation.
+
+    Every rank's instructions are replayed alone (:func:`rank_bound`) with each instruction's
+    bounded duration: the simulation runs the same queues and dependencies, a collective starts no
+    earlier than this rank is ready and lasts at least this rank's own part, and a Recv ends no
+    earlier than it is ready, so no instruction ends earlier in the simulation than here. With
+    ``overlap`` (two streams per rank) the rank's compute, and its communication, each run one at a
+    time. Stops at the first rank whose bound exceeds ``beat`` (that rank's bound: the candidate
+    cannot win)."""
     bounds = _Bounds(cluster)
+    names = plan.info.get("inputs", ("g", "x"))
+    inputs = frozenset((names,) if isinstance(names, str) else names)
     best, worst = 0.0, -1
     for dp in plan.ranks:
-        r = dp.rank
-        stages = {s.index: s for s in dp.stages}
-        compute = sends = posted = 0.0
-        for inst in dp.instructions:
-            kind = type(inst)
-            if kind is Forward or kind is Backward:
-                compute += bounds.stage(r, dp.sizes, stages[inst.stage], kind is Backward)
-            elif kind is Send:
-                sends += bounds.send(r, inst.peer, inst.shape, inst.dtype)
-            elif kind is AllToAll:
-                posted += bounds.all_to_all(r, inst)
-        t = max(compute, sends + posted) if overlap else max(compute + sends, posted)
+        t = rank_bound(dp, bounds, inputs, overlap, beat)
         if t > best:
-            best, worst = t, r
+            best, worst = t, dp.rank
+            if best > beat:
+                break
     return best, worst
 
 
@@ -478,6 +522,64 @@ def _holds_transposes(plan: Plan) -> bool:
     return not (topo.get("symmetric") and whole)
 
 
+def rank_bound(dp: DevicePlan, bounds: "_Bounds", inputs: frozenset[str], overlap: bool = False,
+               beat: float = math.inf) -> float:
+    """A lower bound of when rank ``dp``'s last instruction ends in the simulation (:func:`plan_bound`).
+
+    Without ``overlap``: the replay of the rank alone (:func:`~gnncompile.ir.replay.replay`'s queues
+    and data dependencies: one instruction at a time, posted all-to-alls in order on a queue of
+    their own, a reader waiting for them), each Forward/Backward, Send and collective taking its
+    :class:`_Bounds` time, anything else none. That replay lies between the larger of its two
+    queues' totals and the sum of both (it never idles); when either already decides against a
+    finite ``beat`` (the former exceeds it, or the latter does not), the former is returned without
+    the rank's dependencies. With ``overlap``: the larger of the compute and the communication (each
+    stream runs one instruction at a time)."""
+    r = dp.rank
+    stages = {s.index: s for s in dp.stages}
+    insts = dp.instructions
+    rules = [rule(inst) for inst in insts]
+    posted = [rl.posted for rl in rules]  # all-to-alls: on a queue of their own
+    seconds = [0.0] * len(insts)
+    compute = comm = 0.0
+    for i, inst in enumerate(insts):
+        kind = type(inst)
+        if kind is Forward or kind is Backward:
+            seconds[i] = t = bounds.stage(r, dp.sizes, stages[inst.stage], kind is Backward)
+            compute += t
+        elif kind is Send:
+            seconds[i] = t = bounds.send(r, inst.peer, inst.shape, inst.dtype)
+            comm += t
+        elif kind is AllToAll:
+            seconds[i] = t = bounds.all_to_all(r, inst)
+            comm += t
+        elif kind is HaloExchange:
+            seconds[i] = t = bounds.halo(r, inst)
+            comm += t
+        elif kind is AllReduce or kind is AllGather or kind is ReduceScatter:
+            seconds[i] = t = bounds.collective(r, inst)
+            comm += t
+    if overlap:
+        return max(compute, comm)
+    if not any(posted):  # one queue, in program order
+        return sum(seconds)
+    total = sum(seconds)
+    on_posted = sum(t for t, p in zip(seconds, posted) if p)
+    cheap = max(total - on_posted, on_posted)
+    if math.isfinite(beat) and (cheap > beat or total <= beat):
+        return cheap
+    queues = ["posted" if p else "rank" for p in posted]
+    deps = dependencies(dp, inputs, queues, rules)
+    end = [0.0] * len(insts)
+    last = {"rank": 0.0, "posted": 0.0}
+    for i, q in enumerate(queues):
+        t = last[q]
+        for d in deps[i]:
+            if end[d] > t:
+                t = end[d]
+        end[i] = last[q] = t + seconds[i]
+    return max(last.values())
+
+
 def _evaluate(cand: Candidate, model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Cluster,
               tp: TPGraph, tp_eval: TPGraph, semantics: str, overlap: bool, beat: float = math.inf) -> Evaluated:
     """Lower and predict one candidate; ``rejected`` says why it cannot be returned (if so). A large
@@ -492,7 +594,16 @@ def _evaluate(cand: Candidate, model: torch.nn.Module, graph: Union[Graph, Graph
     # NeutronTask Eq. 7 splits the ranks by the cost model's task times on the cluster's device
     device = used.rank_device(0) if strategy.needs_device else None
 
-    def check(outline: StepOutline) -> None:
+    def check(outline: Union[StepOutline, RankOutline]) -> None:
+        if isinstance(outline, RankOutline):  # one of ranks that run alike
+            if len(outline.instructions) * cand.num_ranks < PRUNE_FROM or not math.isfinite(beat):
+                return
+            dp = DevicePlan(outline.rank, outline.stages, outline.instructions, outline.sizes)
+            bound = rank_bound(dp, _Bounds(used), outline.inputs, overlap, beat)
+            if bound > beat:
+                raise Pruned(f"pruned: its step takes at least {_fmt_time(bound)} (rank {outline.rank}'s compute, "
+                             f"sends and all-to-alls in program order), slower than {_fmt_time(beat)} found before")
+            return
         size = sum(map(len, outline.tasks.values())) + 2 * sum(map(len, outline.sends.values()))  # Send + Recv
         if size < PRUNE_FROM or not math.isfinite(beat):
             return
@@ -515,10 +626,10 @@ def _evaluate(cand: Candidate, model: torch.nn.Module, graph: Union[Graph, Graph
         ev.rejected = f"relaxed ({'; '.join(ev.plan.relaxations)}) but semantics='exact'"
         return ev
     if math.isfinite(beat) and sum(len(dp.instructions) for dp in ev.plan.ranks) >= PRUNE_FROM:
-        bound, rank = plan_bound(ev.plan, used, overlap)
+        bound, rank = plan_bound(ev.plan, used, overlap, beat)
         if bound > beat:
             ev.rejected = (f"pruned: its step takes at least {_fmt_time(bound)} (rank {rank}'s compute, sends and "
-                           f"all-to-alls), slower than {_fmt_time(beat)} found before")
+                           f"all-to-alls in program order), slower than {_fmt_time(beat)} found before")
             return ev
     ev.plan.cluster = str(used)
     # the devices planned for, as data (the run header compares them with where the ranks run)

@@ -65,7 +65,7 @@ from .chunked import ChunkInputs, Chunking, Group, Placement, chunk_bounds, chun
     contiguous_runs, group_parameters, historical_reads, split_pipeline, stage_reads, stage_times, with_reads
 from .driver import Job, Lowered, RankLowering
 from .lower import Decisions, propagation_norms, requires_grad_values, source_input, value_dims
-from .schedule import compute_deps, insert_messages, list_schedule
+from .schedule import compute_deps, count_messages, insert_messages, list_schedule
 from .strategy import Strategy, StrategyOptions, option, product
 
 __all__ = ["TaskOptions", "task_decisions", "place_tasks", "lower_task", "STRATEGY"]
@@ -311,6 +311,9 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
     dims = value_dims(staged.tp)
     dims_eval = value_dims(staged_eval.tp)
     needs = requires_grad_values(staged.tp)
+    # a step too large to plan is refused before it is scheduled (the messages do not depend on the order)
+    count_messages(staged, place, chunking, reads, dims, needs, stale=stale_reads)
+    count_messages(staged_eval, place, eval_chunking, reads_eval, dims_eval, set(), training=False)
     # list-schedule with the tasks' per-chunk times
     cost = {t(s, k): times[s] / K / 2 for s in times for k in range(K) for t in (Forward, Backward)}
     order = list_schedule(compute_deps(staged, K, reads), place.resource, cost)

@@ -102,7 +102,7 @@ from .chunked import Chunking, Group, chunk_bounds, chunk_graph, chunk_reads, pr
 from .driver import Job, Lowered, RankLowering
 from .lower import Conversion, Decisions, StagedModel, call_arguments, propagation_norms, source_input, \
     split_stages, value_dims
-from .schedule import Order, compute_deps, insert_collectives, list_schedule
+from .schedule import Order, RankOutline, check_rank, compute_deps, insert_collectives, list_schedule
 from .strategy import Strategy, StrategyOptions, option, product
 
 __all__ = ["TensorOptions", "tensor_decisions", "chunked_decisions", "column_splits", "row_blocks", "lower_tensor",
@@ -168,6 +168,14 @@ class _SharedShapes:
             out = self._made[key] = make()
         return out
 
+    def _get_for(self, rows: tuple, key: tuple, make: Any) -> Any:
+        """:meth:`_get` for a key holding the tuple ``rows`` (one entry per rank), looked up by its
+        identity: hashing it would cost ``n`` per instruction."""
+        hit = self._made.get((id(rows),) + key)
+        if hit is None or hit[0] is not rows:
+            hit = self._made[(id(rows),) + key] = (rows, make())
+        return hit[1]
+
     def cols(self, width: int) -> tuple[int, ...]:
         """Each rank's columns of a last dimension of ``width``."""
         return self._get(("cols", width), lambda: tuple(column_splits(width, self.n)))
@@ -178,7 +186,7 @@ class _SharedShapes:
 
     def their_rows(self, rows: tuple[int, ...], cols: int, dims: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
         """Each rank's rows (``rows[q]``) of ``cols`` columns, rank by rank."""
-        return self._get(("theirs", rows, cols, dims), lambda: tuple((r, *dims[:-1], cols) for r in rows))
+        return self._get_for(rows, ("theirs", cols, dims), lambda: tuple((r, *dims[:-1], cols) for r in rows))
 
 
 def _edge_weight_input(node: torch.fx.Node) -> Optional[torch.fx.Node]:
@@ -329,11 +337,13 @@ def lower_tensor(job: Job, options: TensorOptions) -> Lowered:
             step = dict(inputs={"g": job.graph, **_owned_inputs(job, owned)},
                         halo=(tuple(torch.zeros(0, dtype=torch.long) for _ in range(n)), (0,) * n),
                         **job.scored_rows(owned))
+        instructions = insert_collectives(staged, order, convert_for(r, staged))
+        sizes = RankSizes(nodes=blocks[r], edges=stats.num_edges, src=stats.num_nodes, all_nodes=stats.num_nodes,
+                          col_share_ppm=round(1e6 / n))
+        if r == 0:  # the ranks run alike: the planner may rule the plan out from the first (most rows and columns)
+            check_rank(RankOutline(r, tuple(staged.stages), tuple(instructions), sizes, frozenset(job.inputs)))
         ranks.append(RankLowering(
-            rank=r, stages=tuple(staged.stages),
-            instructions=insert_collectives(staged, order, convert_for(r, staged)),
-            sizes=RankSizes(nodes=blocks[r], edges=stats.num_edges, src=stats.num_nodes, all_nodes=stats.num_nodes,
-                            col_share_ppm=round(1e6 / n)),
+            rank=r, stages=tuple(staged.stages), instructions=instructions, sizes=sizes,
             eval_stages=tuple(staged_eval.stages),
             eval_instructions=tuple(insert_collectives(staged_eval, order_eval, convert_for(r, staged_eval))),
             step=step))
@@ -470,11 +480,13 @@ def _lower_chunked(job: Job, options: TensorOptions) -> Lowered:
                                                   for m, ids in enumerate(per_chunk)},
                         halo=((), ()), **job.scored_rows(per_chunk))
         rows = sum(sub[m][r][1] - sub[m][r][0] for m in range(K))
+        instructions = insert_collectives(staged, order, convert_for(r, staged), K, reads)
+        sizes = RankSizes(nodes=rows, edges=stats.num_edges, src=stats.num_nodes, all_nodes=stats.num_nodes,
+                          col_share_ppm=round(1e6 / n), chunks=K)
+        if r == 0:  # the ranks run alike: the planner may rule the plan out from the first (most rows and columns)
+            check_rank(RankOutline(r, stages, tuple(instructions), sizes, frozenset(job.inputs)))
         ranks.append(RankLowering(
-            rank=r, stages=stages,
-            instructions=insert_collectives(staged, order, convert_for(r, staged), K, reads),
-            sizes=RankSizes(nodes=rows, edges=stats.num_edges, src=stats.num_nodes, all_nodes=stats.num_nodes,
-                            col_share_ppm=round(1e6 / n), chunks=K),
+            rank=r, stages=stages, instructions=instructions, sizes=sizes,
             eval_stages=eval_stages,
             eval_instructions=tuple(insert_collectives(staged_eval, order_eval, convert_for(r, staged_eval), K,
                                                        reads_eval)),
