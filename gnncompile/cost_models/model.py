@@ -402,7 +402,9 @@ class _RankMasks:
             max((r.sizes.all_nodes or r.sizes.nodes for r in plan.ranks), default=0)
         share = min(1.0, dp.sizes.nodes / total) if total else 1.0
         es = _elsize(plan.info.get("param_dtype", "float32"))
-        rows = self.mode != "plain" and bool(total)
+        # rows are kept where the rank's chunks are ranges of the mask's rows: not in a reordered
+        # plan (its chunks are runs of the new order, scattered over the mask's rows: kept whole)
+        rows = self.mode != "plain" and bool(total) and plan.options.get("reorder", "none") in (None, "none")
         self.kept_bytes = {n: self.bytes[n] * share / es if rows and op.kind == "T" and not _sparse_op(plan, op)
                            else self.bytes[n] for n, op in mine.items()}
         self.stage_of = {op.name: st.index for st in dp.stages for op in st.costs if op.name in mine}

@@ -663,6 +663,8 @@ class _KeptRows:
         the numbers of ``x`` times the mask (``x * 1 = x`` and ``x * 0`` exactly, then the one
         rounding of ``x * scale``); its gradient ``(g * scale) * rows`` too, unless ``g * scale``
         overflows."""
+        if n == 0:  # a chunk with none of this rank's rows
+            return (x * self.table[:0]) * self.scale
         for a, b, off in self.pieces:
             if a <= start and start + n <= b:
                 return (x * self.table.narrow(0, off + start - a, n)) * self.scale
@@ -690,7 +692,11 @@ class _RowMasks(MaskCache):
     def keep(self, key: tuple[Any, int], noise: torch.Tensor) -> Any:
         """Store the mask ``noise`` of ``key`` (its rows of this rank); returns what :meth:`times` reads."""
         ranges = self.rows.get(key[0])
-        if not ranges or noise.dim() == 0 or noise.shape[0] != self.total or not noise.is_floating_point():
+        # a mask over rows the ranges index (every rank's chunk rows of the whole tensor: a rank of a
+        # chunked tensor or mop plan reads a share of each chunk); a 1-d mask (over a sparse input's
+        # stored values) only when it is as long as the chunked vertices
+        if not ranges or noise.dim() == 0 or not noise.is_floating_point() or ranges[-1][1] > noise.shape[0] \
+                or (noise.dim() == 1 and noise.shape[0] != self.total):
             self.masks[key] = noise  # not a mask over the chunked vertices
             return noise
         pieces, off = [], 0
