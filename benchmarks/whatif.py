@@ -60,7 +60,8 @@ def single_device_row(gc: Any, name: str, stats: Any) -> str:
 
     model = gc.nn.GCN(stats.num_features, int(PAPER[name][0]), stats.num_classes, num_layers=3)
     cluster = gc.Cluster.parse(CLUSTERS[1])
-    e = evaluate(model, stats, cluster, "data", num_ranks=1, partitioner="metis", recompute=False)
+    e = evaluate(model, stats, cluster, "data", num_ranks=1, partitioner="metis", recompute=False,
+                 backward="transposed")
     static = PlanCost(e.plan, cluster).static[0]
     # the same plan with backward products scattered from the forward CSR: no transposed graph
     pushed = evaluate(model, stats, cluster, "data", num_ranks=1, partitioner="metis", recompute=False,
