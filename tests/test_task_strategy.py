@@ -80,17 +80,19 @@ def test_recomputation(sbm: gc.Graph, name: str) -> None:
     assert res.plan.options["recompute"]
 
 
+def _decoupled_step(sbm: gc.Graph, layers: int, strategy: str, n: int, **kw):
+    """The plan and one captured step of a decoupled GCN (dropout 0.5, float64) under ``strategy`` on ``n`` ranks."""
+    torch.manual_seed(0)
+    model = gc.nn.GCN(6, 5, 3, num_layers=layers, dropout=0.5).to(DT)
+    p = gc.plan(model, sbm, n, strategy=strategy, decouple=True, semantics="relaxed", **kw)
+    return p, p.run(epochs=1, seed=0, capture=True, update_model=False, timeout=60)
+
+
 def test_task_decoupled_equals_the_decoupled_model_on_one_rank(sbm: gc.Graph) -> None:
     """Task-decoupled training (§5.1, Fig. 8b): all T tasks, then the propagations, each a P task;
     4 ranks train the decoupled model exactly as one rank of the decoupled tensor plan does."""
-    def run(strategy: str, n: int, **kw):
-        torch.manual_seed(0)
-        model = gc.nn.GCN(6, 5, 3, num_layers=3, dropout=0.5).to(DT)
-        p = gc.plan(model, sbm, n, strategy=strategy, decouple=True, semantics="relaxed", **kw)
-        return p, p.run(epochs=1, seed=0, capture=True, update_model=False, timeout=60)
-
-    _, one = run("tensor", 1)
-    plan, four = run("task", 4, chunks=4)
+    _, one = _decoupled_step(sbm, 3, "tensor", 1)
+    plan, four = _decoupled_step(sbm, 3, "task", 4, chunks=4)
     assert plan.relaxations and "decoupled" in plan.relaxations[0]
     kinds = [s.kinds.split()[0][0] for dp in plan.ranks for s in sorted(dp.stages, key=lambda s: s.index)]
     assert kinds.count("P") == 3  # one P task per propagation
@@ -119,14 +121,8 @@ def test_a_hybrid_t_group_in_the_shared_regime_trains_the_decoupled_model(sbm: g
     """Task-decoupled GCN-4 on 4 ranks (5 tasks) with one P rank: the single T task (the MLP) runs on a group of
     3 ranks dealing the chunks round robin, each keeping only its chunks' rows of the dropout masks
     (one byte per entry), with or without recomputation: the step equals one rank's."""
-    def run(strategy: str, n: int, **kw):
-        torch.manual_seed(0)
-        model = gc.nn.GCN(6, 5, 3, num_layers=4, dropout=0.5).to(DT)
-        p = gc.plan(model, sbm, n, strategy=strategy, decouple=True, semantics="relaxed", **kw)
-        return p, p.run(epochs=1, seed=0, capture=True, update_model=False, timeout=60)
-
-    _, one = run("tensor", 1)
-    plan, four = run("task", 4, chunks=6, p_ranks=1, recompute=recompute)
+    _, one = _decoupled_step(sbm, 4, "tensor", 1)
+    plan, four = _decoupled_step(sbm, 4, "task", 4, chunks=6, p_ranks=1, recompute=recompute)
     assert plan.info["regime"] == "shared" and plan.info["groups"] == {"T[0]": [0, 1, 2], "P[1,2,3,4]": [3]}
     torch.testing.assert_close(torch.tensor(four.history.loss[0]), torch.tensor(one.history.loss[0]),
                                rtol=1e-12, atol=1e-14)

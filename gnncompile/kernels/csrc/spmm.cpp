@@ -402,6 +402,26 @@ void check_csr(const torch::Tensor& indptr, const torch::Tensor& col) {
   TORCH_CHECK(indptr[-1].item<int64_t>() == col.numel(), "indptr[-1] must equal the number of indices");
 }
 
+// Whether optional edge weights are given; if so they must be contiguous, of x's dtype, E * heads entries.
+bool check_weights(const torch::optional<torch::Tensor>& weights, const torch::Tensor& x, int64_t nnz, int64_t heads) {
+  const bool has = weights.has_value() && weights->defined();
+  if (has) {
+    TORCH_CHECK(weights->is_contiguous() && weights->scalar_type() == x.scalar_type(),
+                "weights must be contiguous with the dtype of x");
+    TORCH_CHECK(weights->numel() == nnz * heads, "weights must have E * heads entries");
+  }
+  return has;
+}
+
+// Whether an optional per-vertex scale is given; if so it must be contiguous, of x's dtype, n entries.
+bool check_scale(const torch::optional<torch::Tensor>& scale, const torch::Tensor& x, int64_t n, const char* name) {
+  const bool has = scale.has_value() && scale->defined();
+  if (has)
+    TORCH_CHECK(scale->is_contiguous() && scale->scalar_type() == x.scalar_type() && scale->numel() == n, name,
+                " must be contiguous with the dtype of x and ", n, " entries, got ", scale->numel());
+  return has;
+}
+
 // Ask for transparent huge pages on a large output before its first write. glibc serves
 // allocations above its largest mmap threshold (32 MiB) from fresh mmap regions, whose 4 KiB
 // first-touch page faults cost ~0.35 s per GB here (PERF_NOTES.md), about 40% of a d = 256
@@ -438,20 +458,9 @@ torch::Tensor spmm(torch::Tensor indptr, torch::Tensor col, torch::optional<torc
   auto out = torch::empty({rows, x.size(1)}, x.options());
   if (rows == 0 || x.size(1) == 0) return out;
   advise_huge_pages(out);
-  const bool has_w = weights.has_value() && weights->defined();
-  if (has_w) {
-    TORCH_CHECK(weights->is_contiguous() && weights->scalar_type() == x.scalar_type(),
-                "weights must be contiguous with the dtype of x");
-    TORCH_CHECK(weights->numel() == col.numel() * heads, "weights must have E * heads entries");
-  }
-  const bool has_rs = row_scale.has_value() && row_scale->defined();
-  const bool has_cs = col_scale.has_value() && col_scale->defined();
-  if (has_rs)
-    TORCH_CHECK(row_scale->is_contiguous() && row_scale->scalar_type() == x.scalar_type() && row_scale->numel() == rows,
-                "row_scale must be contiguous with the dtype of x and one entry per row");
-  if (has_cs)
-    TORCH_CHECK(col_scale->is_contiguous() && col_scale->scalar_type() == x.scalar_type() &&
-                col_scale->numel() == x.size(0), "col_scale must be contiguous with the dtype of x and one entry per row of x");
+  const bool has_w = check_weights(weights, x, col.numel(), heads);
+  const bool has_rs = check_scale(row_scale, x, rows, "row_scale");
+  const bool has_cs = check_scale(col_scale, x, x.size(0), "col_scale");
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gnncompile_spmm", [&] {
     const scalar_t* wp = has_w ? weights->data_ptr<scalar_t>() : nullptr;
     const scalar_t* rp = has_rs ? row_scale->data_ptr<scalar_t>() : nullptr;
@@ -483,20 +492,9 @@ torch::Tensor spmm_t(torch::Tensor indptr, torch::Tensor col, torch::optional<to
   auto out = torch::empty({cols, x.size(1)}, x.options());
   if (cols == 0 || x.size(1) == 0) return out;
   advise_huge_pages(out);
-  const bool has_w = weights.has_value() && weights->defined();
-  if (has_w) {
-    TORCH_CHECK(weights->is_contiguous() && weights->scalar_type() == x.scalar_type(),
-                "weights must be contiguous with the dtype of x");
-    TORCH_CHECK(weights->numel() == col.numel() * heads, "weights must have E * heads entries");
-  }
-  const bool has_rs = row_scale.has_value() && row_scale->defined();
-  const bool has_cs = col_scale.has_value() && col_scale->defined();
-  if (has_rs)
-    TORCH_CHECK(row_scale->is_contiguous() && row_scale->scalar_type() == x.scalar_type() && row_scale->numel() == rows,
-                "row_scale must be contiguous with the dtype of x and one entry per CSR row");
-  if (has_cs)
-    TORCH_CHECK(col_scale->is_contiguous() && col_scale->scalar_type() == x.scalar_type() && col_scale->numel() == cols,
-                "col_scale must be contiguous with the dtype of x and one entry per column");
+  const bool has_w = check_weights(weights, x, col.numel(), heads);
+  const bool has_rs = check_scale(row_scale, x, rows, "row_scale");
+  const bool has_cs = check_scale(col_scale, x, cols, "col_scale");
   const int64_t head_dim = x.size(1) / heads;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gnncompile_spmm_t", [&] {
     const scalar_t* wp = has_w ? weights->data_ptr<scalar_t>() : nullptr;
