@@ -203,6 +203,18 @@ def _dense_product(op: OpCost, elsize: int) -> bool:
     return inner >= 2 and weight <= op.bytes.c <= weight + op.width * elsize  # (a fused bias: one row more)
 
 
+def stage_ops_time(stage: StageSpec, sizes: RankSizes, device: DeviceSpec, backward: bool, push: bool = False) -> float:
+    """Seconds of one Forward/Backward of ``stage``'s ops on a rank of ``sizes`` (one chunk's
+    share): the runtime's cost per stage instruction plus each op's :func:`op_time`; a backward
+    also replays its checkpointed segments' forwards. The training loss is not included
+    (:meth:`PlanCost.stage_time` adds it)."""
+    t = device.runtime.get("stage", 0.0) + sum(op_time(op, sizes, device, backward=backward, push=push)
+                                               for op in stage.costs)
+    if backward:  # checkpointed segments run their forward again
+        t += sum(op_time(op, sizes, device) for op in stage.costs if op.recompute)
+    return t
+
+
 @dataclass(frozen=True)
 class StaticMemory:
     """Bytes a rank holds for the whole step, by kind."""
@@ -496,11 +508,7 @@ class PlanCost:
         if t is None:
             at = sizes.per_chunk()
             push = backward and self.plan.info.get("topology", {}).get("backward") == "push"
-            t = dev.runtime.get("stage", 0.0) + sum(op_time(op, at, dev, backward=backward, push=push)
-                                                    for op in stage.costs)
-            if backward:  # checkpointed segments run their forward again
-                t += sum(op_time(op, at, dev) for op in stage.costs if op.recompute)
-            t += self._loss_time(stage, at, dev, backward)
+            t = stage_ops_time(stage, at, dev, backward, push) + self._loss_time(stage, at, dev, backward)
             self._stage_times[key] = t
         return t
 

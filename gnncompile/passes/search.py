@@ -51,7 +51,7 @@ import torch
 
 from ..cost_models import formulas
 from ..cost_models.hardware import Cluster
-from ..cost_models.model import ELSIZE, Prediction, load_seconds, op_time, predict
+from ..cost_models.model import ELSIZE, Prediction, load_seconds, predict, stage_ops_time
 from ..errors import GnnCompileError, PlanningError
 from ..graph.core import Graph, GraphStats
 from ..ir.plan import AllGather, AllReduce, AllToAll, Backward, DevicePlan, Forward, HaloExchange, Plan, RankSizes, \
@@ -387,11 +387,8 @@ class _Bounds:
         key = (id(dev), sizes, id(stage), backward)
         t = self._stages.get(key)
         if t is None:
-            at = sizes.per_chunk()
-            t = dev.runtime.get("stage", 0.0) + sum(op_time(op, at, dev, backward=backward) for op in stage.costs)
-            if backward:  # checkpointed segments run their forward again
-                t += sum(op_time(op, at, dev) for op in stage.costs if op.recompute)
-            self._stages[key] = t
+            # the cost model's own stage time without the loss and with pulled backward products: not more
+            t = self._stages[key] = stage_ops_time(stage, sizes.per_chunk(), dev, backward)
         return t
 
     def send(self, rank: int, peer: int, shape: tuple[int, ...], dtype: str) -> float:
