@@ -284,3 +284,35 @@ def test_torchrun_main_reads_the_environment(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("MASTER_PORT")
     with pytest.raises(RuntimeFailure, match="MASTER_PORT"):
         torchrun_main(_group_size, (5,))
+
+
+_TEARDOWN_SCRIPT = """
+import os, socket, sys, torch
+from gnncompile.runtime.launcher import torchrun_main
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+assert "torch._dynamo" not in sys.modules, "the check needs torch._dynamo unimported when the group starts"
+
+def fn(ctx):
+    # torch.optim's first optimizer imports torch._dynamo, as a training rank's does
+    torch.optim.Adam([torch.nn.Parameter(torch.ones(2))])
+    return 1
+
+torchrun_main(fn, (), backend="gloo", timeout=30)
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(",".join(n for n in names if "gloo" in n))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="lists the process's threads in /proc")
+def test_torchrun_main_tears_the_group_down_before_returning() -> None:
+    """The group's worker threads are joined when ``torchrun_main`` returns, also when the rank built
+    an optimizer: a gloo worker still alive at interpreter exit aborts the process ("terminate called
+    without an active exception") when it drops a tensor after Python has finalized."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", _TEARDOWN_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "", f"gloo threads alive after torchrun_main returned: {r.stdout.strip()}"

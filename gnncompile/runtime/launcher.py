@@ -72,6 +72,7 @@ import collections
 import contextlib
 import ctypes
 import faulthandler
+import importlib
 import multiprocessing.connection
 import multiprocessing.util
 import os
@@ -378,6 +379,11 @@ def _init_group(rank: int, world_size: int, local_rank: int, placement: "Placeme
     device = placement.device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # torch.optim's first optimizer imports torch._dynamo; imported after the group exists, it keeps
+    # the group alive past destroy_process_group (torch 2.13), and a gloo worker still alive at
+    # interpreter exit aborts the process ("terminate called without an active exception") when it
+    # drops a tensor. Imported before, the group is torn down (its threads joined) when destroyed.
+    importlib.import_module("torch._dynamo")
     dist.init_process_group(placement.backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout), **init)
     return RankContext(rank=rank, world_size=world_size, backend=placement.backend, device=device,
