@@ -172,6 +172,27 @@ def test_native_feature_tiles_give_identical_results() -> None:
             assert torch.equal(mod.spmm(csr.indptr, idx, w, x, heads, tile), whole), (heads, width, tile)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_native_spmm_every_window_width(dtype: torch.dtype) -> None:
+    """Every width up to past two register windows, in particular the ones that are no power of two
+    (one masked window in the accumulator of the next power of two; a partial last window past the
+    widest): equal to the torch backend, for each kind of edge values; the gathered rows include the
+    last row of ``x`` (a masked window must not read past it)."""
+    if "native" not in kernels.available_backends("cpu"):
+        pytest.skip("native backend unavailable here")
+    csr = random_csr(40, 30, 4.0, seed=21)
+    last = torch.full((3,), 29, dtype=csr.indices.dtype)  # row 0 also gathers x's last row
+    csr = CSR(torch.cat([csr.indptr[:1], csr.indptr[1:] + 3]), torch.cat([last, csr.indices]), csr.num_rows,
+              csr.num_cols)
+    for width in list(range(1, 21)) + [31, 47, 100, 130, 257, 300]:
+        x = randn(30, width, dtype=dtype, seed=width)
+        for weights in ("unweighted", "weighted", "column"):
+            values = values_for(csr, weights, 1, dtype, seed=width + 1)
+            torch.testing.assert_close(kernels.spmm(csr, values, x, backend="native"),
+                                       kernels.spmm(csr, values, x, backend="torch"), **TOL[dtype],
+                                       msg=lambda m, w=width, k=weights: f"width {w}, {k}: {m}")
+
+
 def test_native_spmm_is_deterministic() -> None:
     if "native" not in kernels.available_backends("cpu"):
         pytest.skip("native backend unavailable here")

@@ -116,23 +116,33 @@ enum Mode { kUnweighted = 0, kScalar = 1, kHeads = 2 };
 // weight of (edge 0, head h0), `wstride` apart per edge. kHeads: `groups` heads of width C.
 // `cs` (may be null): a per-column (source) scale multiplying every edge's weight; `rs`: the row's
 // (destination's) scale, applied once to the finished sums (1 leaves them as they are).
-template <typename scalar_t, typename index_t, int C, int MODE, int G = 0>
+// MASKED (single-head modes): the window is `width_rt` < C columns wide; the accumulator keeps the
+// compile-time width C (in registers) and loads and stores only the first `width_rt` columns.
+template <typename scalar_t, typename index_t, int C, int MODE, int G = 0, bool MASKED = false>
 inline void spmm_window_row(const index_t* __restrict col, const scalar_t* __restrict w, int64_t wstride,
                             const scalar_t* __restrict cs, scalar_t rs,
                             const scalar_t* __restrict x, int64_t ld, scalar_t* __restrict out,
                             int64_t beg, int64_t end, int64_t nnz, int64_t pf, int64_t width_rt, int64_t groups_rt) {
+  static_assert(!MASKED || (C > 0 && MODE != kHeads), "masked windows are single-head, compile-time width");
   constexpr int64_t kMax = kMaxWindowBytes / sizeof(scalar_t);
   const int64_t width = C ? C : width_rt;  // per head
   const int64_t groups = G ? G : groups_rt;
   const int64_t total = MODE == kHeads ? width * groups : width;
-  const int64_t bytes = total * (int64_t)sizeof(scalar_t);
+  const int64_t bytes = (MASKED ? width_rt : total) * (int64_t)sizeof(scalar_t);
   alignas(64) scalar_t acc[C == 0 || (MODE == kHeads && G == 0) ? kMax : (MODE == kHeads ? C * G : C)];
 #pragma omp simd
   for (int64_t c = 0; c < total; ++c) acc[c] = 0;
   for (int64_t e = beg; e < end; ++e) {
     if (e + pf < nnz) prefetch_span(x + (int64_t)col[e + pf] * ld, bytes);
     const scalar_t* xr = x + (int64_t)col[e] * ld;
-    if constexpr (MODE == kUnweighted) {
+    if constexpr (MASKED && MODE == kUnweighted) {
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) acc[c] += c < width_rt ? xr[c] : scalar_t(0);
+    } else if constexpr (MASKED) {
+      const scalar_t we = (w ? w[e * wstride] : scalar_t(1)) * (cs ? cs[col[e]] : scalar_t(1));
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) acc[c] = std::fma(we, c < width_rt ? xr[c] : scalar_t(0), acc[c]);
+    } else if constexpr (MODE == kUnweighted) {
 #pragma omp simd
       for (int64_t c = 0; c < total; ++c) acc[c] += xr[c];
     } else if constexpr (MODE == kScalar) {
@@ -151,8 +161,17 @@ inline void spmm_window_row(const index_t* __restrict col, const scalar_t* __res
       }
     }
   }
+  const int64_t stored = MASKED ? width_rt : total;
 #pragma omp simd
-  for (int64_t c = 0; c < total; ++c) out[c] = acc[c] * rs;
+  for (int64_t c = 0; c < stored; ++c) out[c] = acc[c] * rs;
+}
+
+// The compile-time accumulator width of a single-head window `width` columns wide: the smallest
+// dispatched power of two that holds it (`width` itself when it is one).
+inline int64_t padded_width(int64_t width) {
+  int64_t p = 1;
+  while (p < width) p *= 2;
+  return p;
 }
 
 template <typename F>
@@ -190,15 +209,13 @@ inline void dispatch_heads(int64_t width, int64_t groups, F&& f) {
   dispatch_width(width, by_groups);
 }
 
-// Split `cols` columns starting at c0 into register-sized windows of one head (G = 1).
+// Split `cols` columns starting at c0 into register-sized windows of one head (G = 1): full windows
+// of `max_cols` (a power of two) and one narrower last window, which runs masked in the accumulator
+// of the next power of two (one pass over the row's edges for any width up to `max_cols`: splitting
+// width 7 into 4 + 3 walked the edges twice and took twice as long as width 8).
 void single_windows(std::vector<Window>& out, int64_t c0, int64_t cols, int64_t h0, int64_t max_cols) {
   while (cols > 0) {
-    int64_t wdt = std::min(cols, max_cols);
-    if (wdt >= 4) {  // largest power of two <= wdt: compile-time width
-      int64_t p = 4;
-      while (p * 2 <= wdt) p *= 2;
-      wdt = p;
-    }
+    const int64_t wdt = std::min(cols, max_cols);
     out.push_back({c0, wdt, 1, h0});
     c0 += wdt;
     cols -= wdt;
@@ -238,21 +255,35 @@ void spmm_impl(const int64_t* indptr, const index_t* col, const scalar_t* w, int
         for (const Window& win : windows) {
           const scalar_t* wh = w ? w + win.h0 : nullptr;
           const int64_t pf = prefetch_distance(win.width * win.groups * (int64_t)sizeof(scalar_t));
-          auto run = [&](auto width_c, auto mode_c, auto groups_c) {
+          auto run = [&](auto width_c, auto mode_c, auto groups_c, auto masked_c) {
             constexpr int C = decltype(width_c)::value;
             constexpr int M = decltype(mode_c)::value;
             constexpr int G = decltype(groups_c)::value;
+            constexpr bool K = decltype(masked_c)::value;
             for (int64_t r = r0; r < r1; ++r)
-              spmm_window_row<scalar_t, index_t, C, M, G>(col, wh, heads, cscale, rscale ? rscale[r] : scalar_t(1),
-                                                          x + win.c0, ld, out + r * ld + win.c0,
-                                                          indptr[r], indptr[r + 1], nnz, pf, win.width, win.groups);
+              spmm_window_row<scalar_t, index_t, C, M, G, K>(col, wh, heads, cscale, rscale ? rscale[r] : scalar_t(1),
+                                                             x + win.c0, ld, out + r * ld + win.c0,
+                                                             indptr[r], indptr[r + 1], nnz, pf, win.width, win.groups);
+          };
+          // a single-head window of any width runs at the compile-time width that holds it
+          auto single = [&](auto mode_c) {
+            const int64_t padded = padded_width(win.width);
+            dispatch_width(padded, [&](auto c) {
+              constexpr int C = decltype(c)::value;
+              if constexpr (C == 0)
+                run(c, mode_c, Int<1>{}, std::false_type{});
+              else if (padded == win.width)
+                run(c, mode_c, Int<1>{}, std::false_type{});
+              else
+                run(c, mode_c, Int<1>{}, std::true_type{});
+            });
           };
           if (w == nullptr && cscale == nullptr)
-            dispatch_width(win.width, [&](auto c) { run(c, Int<kUnweighted>{}, Int<1>{}); });
+            single(Int<kUnweighted>{});
           else if (win.groups == 1)
-            dispatch_width(win.width, [&](auto c) { run(c, Int<kScalar>{}, Int<1>{}); });
+            single(Int<kScalar>{});
           else
-            dispatch_heads(win.width, win.groups, [&](auto c, auto g) { run(c, Int<kHeads>{}, g); });
+            dispatch_heads(win.width, win.groups, [&](auto c, auto g) { run(c, Int<kHeads>{}, g, std::false_type{}); });
         }
       }
     });
