@@ -58,6 +58,13 @@ Children get ``threads_per_rank`` threads (``torch.set_num_threads``; ``OMP_NUM_
 ``MKL_NUM_THREADS`` and ``OPENBLAS_NUM_THREADS`` are set for them too, as those libraries read
 them when they load).
 
+A rank process keeps its heap (:func:`keep_heap`, glibc): a training step allocates and frees the
+same activation-sized blocks every step, and glibc's defaults hand blocks of a few MiB back to the
+kernel and fault them in again, zeroed, page by page (four element-wise ops on [16745, 64] float32
+tensors: 9.5 ms with 4,150 page faults per call, 1.0 ms and none with the heap kept). Launched
+ranks and :func:`torchrun_main`'s process keep theirs; ``inline`` runs leave the caller's process
+as it is.
+
 **Several machines** (torchrun starts, restarts and tears down the processes; each calls
 :func:`torchrun_main`, which joins the group with ``init_method="env://"``)::
 
@@ -99,7 +106,8 @@ import torch.multiprocessing as mp
 from ..errors import RuntimeFailure
 from .comm import set_progress_recorder
 
-__all__ = ["Placement", "RankContext", "RankFailure", "launch", "resolve_placement", "torchrun_main", "visible_gpus"]
+__all__ = ["Placement", "RankContext", "RankFailure", "keep_heap", "launch", "resolve_placement", "torchrun_main",
+           "visible_gpus"]
 
 T = TypeVar("T")
 
@@ -280,6 +288,7 @@ def torchrun_main(fn: Callable[..., T], args: tuple = (), *, backend: Optional[s
                              "(LOCAL_WORLD_SIZE)")
     if threads_per_rank:
         torch.set_num_threads(threads_per_rank)
+    keep_heap()
     ctx = _init_group(rank, world_size, local_rank, placement, timeout, init_method="env://")
     try:
         result = fn(ctx, *args)
@@ -338,6 +347,7 @@ def _child_main(rank: int, world_size: int, placement: "Placement", port: int, t
     # variables here too (libraries that size their pools later read them)
     os.environ.update({k: str(threads) for k in _THREAD_ENV})
     torch.set_num_threads(threads)
+    keep_heap()
     failed = False
     try:
         try:
@@ -369,6 +379,33 @@ def _wait_for_peers(store: dist.Store, world_size: int) -> None:
     if store.add("gnncompile/finished", 1) == world_size:
         store.set("gnncompile/all-finished", b"1")
     store.wait(["gnncompile/all-finished"])
+
+
+#: glibc ``mallopt`` parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: blocks up to this size come from the heap (glibc's largest static mmap threshold on 64-bit)
+_HEAP_BLOCKS = 32 << 20
+
+
+def keep_heap() -> bool:
+    """Have this process's C heap keep the memory it frees (glibc): blocks up to 32 MiB are served
+    from the heap instead of fresh mappings, and freed memory is not trimmed back to the kernel, so
+    a training step reuses the pages the last step freed instead of faulting them in again.
+
+    The process's resident memory stays at its peak; tensor memory (what
+    :class:`~gnncompile.runtime.memory.PeakMemory` counts) is unchanged. Returns whether the
+    settings took (``False`` without glibc: another C library or a preloaded allocator that
+    ignores ``mallopt``).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # the mmap threshold first: setting either turns off glibc's dynamic adjustment of both
+    return bool(mallopt(_M_MMAP_THRESHOLD, _HEAP_BLOCKS)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def _init_group(rank: int, world_size: int, local_rank: int, placement: "Placement", timeout: float,
