@@ -40,7 +40,8 @@ def _page_faults_per_step(ctx: RankContext) -> float:
         z = y * b
         return z + a
 
-    step()
+    for _ in range(5):  # the heap grows to the step's peak once
+        step()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(20):
         step()
@@ -340,6 +341,6 @@ def test_torchrun_main_tears_the_group_down_before_returning() -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and getrusage page faults")
 def test_launched_ranks_keep_their_heap() -> None:
     """A rank reuses the memory its last step freed: glibc's defaults return 4 MiB blocks to the
-    kernel and fault them in again every step (about 4,000 page faults for these four ops)."""
+    kernel and fault them in again every step (1,000-4,000 page faults for these four ops)."""
     faults = launch(_page_faults_per_step, 2, ())
-    assert max(faults) < 100, faults
+    assert max(faults) < 200, faults
