@@ -86,11 +86,13 @@ def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False
     graph of uniform degree 10, width 64, in the Eq. 6 byte convention), and the three products
     of a linear layer (forward, weight and input gradient of ``x @ W^T``, ``x`` 4096 x 512) at
     output widths 4 to 256 (``gemm_curve``: narrow products run far below the square GEMM's
-    rate), and the training loss's forward and backward per logit (``loss_rate``,
+    rate), the same with a deep input (``x`` 512 x 4096, ``gemm_deep_curve``: a first layer on
+    dense features), and the training loss's forward and backward per logit (``loss_rate``,
     ``loss_grad_rate``). Also the time of a tiny torch op (``launch_overhead``) and, over
     ``world_size`` launched ranks,
     ``all_reduce`` and ``all_to_all_single`` at three message sizes, each call after a short
-    computation as in a training step (median; the back-to-back best is kept too), fitted as
+    computation as in a training step (mean: a step is a sum of its instructions, so their tails
+    count; the back-to-back best is kept too), fitted as
     ``latency + bus_bytes / bandwidth`` (bus bytes as nccl-tests: ``2(p-1)/p·size`` for
     all-reduce, ``(p-1)/p·size`` for all-to-all; least squares on relative error). The
     ``shm`` link takes the all-to-all fit (a plain exchange of data); gloo's all-reduce has a
@@ -122,12 +124,16 @@ def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False
         spmm_curve=tuple((p["working_set"], p["bandwidth"][1], p["edge_rate"][1]) for p in local["spmm_curve"]),
         gemm_curve=tuple((p["width"], p["forward"][1], p["weight_grad"][1], p["input_grad"][1])
                          for p in local["gemm_curve"]),
+        gemm_inner=float(local["linear"]["inner"]),
+        gemm_deep_curve=tuple((p["width"], p["forward"][1], p["weight_grad"][1], p["input_grad"][1])
+                              for p in local["gemm_deep_curve"]),
+        gemm_deep_inner=float(local["linear_deep"]["inner"]),
         gamma=CPU_GAMMA,
         push_factor=local["push"]["factor"],
         launch_overhead=local["op_overhead"]["seconds"],
         kind="cpu",
     )
-    rank_rates = {k: local[k] for k in ("rates", "spmm_curve", "gemm_curve")}
+    rank_rates = {k: local[k] for k in ("rates", "spmm_curve", "gemm_curve", "gemm_deep_curve")}
     device = dataclasses.replace(device, runtime=runtime_overheads(
         Cluster(1, 1, device, LinkSpec("shm", comm["bandwidth"], comm["latency"]), cores=cores, threads_per_rank=1,
                 calibration=rank_rates), quick=quick))
@@ -276,13 +282,18 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
                                 torch.rand(n, n, dtype=getattr(torch, dtype), generator=gen))
                    for dtype in ("float32", "float64") for n in sizes}
 
-    # the products of a linear layer of a GNN: many rows, a few hundred inputs, a narrow output
+    # the products of a linear layer of a GNN: many rows, a few hundred inputs, a narrow output; and
+    # the same with a deep input (a first layer on dense features), as many input elements
     linear_rows, linear_inner = (2048, 256) if quick else (4096, 512)
+    deep_rows, deep_inner = (256, 2048) if quick else (512, 4096)
     linear_widths = (4, 8, 16, 32, 64, 128) if quick else (4, 8, 16, 32, 64, 128, 256)
-    lx = torch.rand(linear_rows, linear_inner, generator=gen)
-    linear_inputs = {w: (torch.rand(w, linear_inner, generator=gen), torch.rand(linear_rows, w, generator=gen))
-                     for w in linear_widths}
-    linear: dict[str, dict[str, dict[str, float]]] = {}  # width -> product -> threads -> seconds
+    products_of: dict[str, tuple[int, int, torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
+    for key, rows, inner in (("linear", linear_rows, linear_inner), ("linear_deep", deep_rows, deep_inner)):
+        products_of[key] = (rows, inner, torch.rand(rows, inner, generator=gen),
+                            {w: (torch.rand(w, inner, generator=gen), torch.rand(rows, w, generator=gen))
+                             for w in linear_widths})
+    #: "linear"/"linear_deep" -> width -> product -> threads -> seconds
+    linear: dict[str, dict[str, dict[str, dict[str, float]]]] = {"linear": {}, "linear_deep": {}}
     gemm: dict[str, dict[str, list[float]]] = {"float32": {}, "float64": {}}
     # the training loss as the runtime computes it: cross-entropy of the training rows of the logits
     loss_rows, loss_classes = (16_384, 8) if quick else (65_536, 8)
@@ -317,11 +328,12 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
         forward_s = _best_time(loss_forward, repeats, budget)
         loss_s[str(t)] = {"forward": forward_s,
                           "backward": max(_best_time(loss_both, repeats, budget) - forward_s, forward_s / 10)}
-        for w, (weight, grad) in linear_inputs.items():
-            products = {"forward": lambda: torch.nn.functional.linear(lx, weight),  # what autograd runs
-                        "weight_grad": lambda: grad.t().mm(lx), "input_grad": lambda: grad.mm(weight)}
-            for name, fn in products.items():
-                linear.setdefault(str(w), {}).setdefault(name, {})[str(t)] = _best_time(fn, repeats, budget)
+        for key, (_, _, lx, inputs) in products_of.items():
+            for w, (weight, grad) in inputs.items():
+                products = {"forward": lambda: torch.nn.functional.linear(lx, weight),  # what autograd runs
+                            "weight_grad": lambda: grad.t().mm(lx), "input_grad": lambda: grad.mm(weight)}
+                for name, fn in products.items():
+                    linear[key].setdefault(str(w), {}).setdefault(name, {})[str(t)] = _best_time(fn, repeats, budget)
     tiny, ops = torch.zeros(1), 200
     op_overhead = _best_time(lambda: [tiny.add_(1.0) for _ in range(ops)], repeats, budget) / ops
     torch.set_num_threads(max(threads))
@@ -334,6 +346,13 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
     def fit(case: dict[str, Any], t: str) -> tuple[float, float]:
         return _spmm_fit(case["nnz"], (case["narrow_bytes"], case["narrow_seconds"][t]),
                          (case["bytes"], case["seconds"][t]))
+
+    def gemm_curve(key: str) -> list[dict[str, Any]]:
+        """FLOP/s ``[single thread, all cores]`` of the products measured under ``key``, by output width."""
+        rows, inner = products_of[key][:2]
+        return [{"width": int(w), **{name: pair(lambda t, x=sec, n=2 * rows * inner * int(w): n / x[t])
+                                     for name, sec in products.items()}}
+                for w, products in linear[key].items()]
 
     large = spmm_cases[-1]
     array_bytes = 4 * stream_elems
@@ -360,12 +379,12 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
                  "bytes_convention": "4*(nnz*(1+2*width)+rows), NeutronTask Eq. 6; nnz with self loops",
                  "cases": [{k: v for k, v in case.items() if k not in ("graph", "x", "x_narrow")}
                            for case in spmm_cases]},
-        "gemm_curve": [{"width": int(w), **{name: pair(lambda t, x=sec: 2 * linear_rows * linear_inner * int(w) / x[t])
-                                            for name, sec in products.items()}}
-                       for w, products in linear.items()],
-        "linear": {"rows": linear_rows, "inner": linear_inner, "dtype": "float32",
-                   "products": {"forward": "F.linear(x, W)", "weight_grad": "g.t() @ x", "input_grad": "g @ W"},
-                   "seconds": linear},
+        "gemm_curve": gemm_curve("linear"),
+        "gemm_deep_curve": gemm_curve("linear_deep"),
+        **{key: {"rows": rows, "inner": inner, "dtype": "float32",
+                 "products": {"forward": "F.linear(x, W)", "weight_grad": "g.t() @ x", "input_grad": "g @ W"},
+                 "seconds": linear[key]}
+           for key, (rows, inner, _, _) in products_of.items()},
         "spmm_curve": [{"working_set": case["working_set"], "bandwidth": pair(lambda t, c=case: fit(c, t)[1]),
                         "edge_rate": pair(lambda t, c=case: fit(c, t)[0])} for case in spmm_cases],
         "op_overhead": {"op": "add_ on a 1-element tensor, 1 thread", "seconds": op_overhead},
@@ -405,7 +424,7 @@ def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int],
                      calls: int) -> dict[str, dict[str, list[float]]]:
     """Run on each launched rank: seconds per ``all_reduce`` / ``all_to_all_single`` of each size,
     ``"back_to_back"``: the best over ``batches`` of ``iters[i]`` calls in a row; ``"in_step"``: the
-    median of ``calls`` calls each after the same short computation on every rank, as the runtime
+    mean of ``calls`` calls each after the same short computation on every rank, as the runtime
     issues them (a collective follows a stage's compute: the ranks arrive at it apart, and a peer
     that computed meanwhile answers later than one spinning on the previous call)."""
     import torch.distributed as dist
@@ -444,7 +463,9 @@ def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int],
                 call()
                 sync()
                 seconds.append(time.perf_counter() - t0)
-            result["in_step"][op].append(statistics.median(seconds))
+            # the mean, not the median: a call that waits for a peer descheduled a few ms (a shared
+            # host) is part of what a step costs, and a step sums its instructions
+            result["in_step"][op].append(statistics.fmean(seconds))
     return result
 
 
@@ -483,6 +504,6 @@ def _measure_collectives(backend: str, world_size: int, quick: bool) -> dict[str
     latency, bandwidth = fits["all_to_all"]
     return {"backend": backend, "world_size": world_size, "sizes": sizes, "seconds": seconds["in_step"],
             "seconds_back_to_back": seconds["back_to_back"], "fitted_on": "seconds (each call after a short "
-            "computation, median)", "bus_factor": factor,
+            "computation, mean)", "bus_factor": factor,
             "fits": {op: {"latency": a, "bandwidth": b} for op, (a, b) in fits.items()},
             "link_from": "all_to_all", "latency": latency, "bandwidth": bandwidth}

@@ -96,6 +96,44 @@ def test_rank_device_scales_the_curve_like_the_other_rates() -> None:
     assert four.gemm_curve == ((16.0, 2e9, 4e9, 8e9),)
 
 
+#: the same products with a deep input (K = 4096): a quarter of CURVE's rates
+DEEP = tuple((w, f / 4, g / 4, i / 4) for w, f, g, i in CURVE)
+
+
+def test_gemm_rates_fall_with_the_input_width_between_the_two_curves() -> None:
+    d = _device(gemm_curve=CURVE, gemm_inner=512, gemm_deep_curve=DEEP, gemm_deep_inner=4096)
+    assert d.gemm_rates(16) == d.gemm_rates(16, 512) == d.gemm_rates(16, 64) == (4e9, 8e9, 16e9)
+    assert d.gemm_rates(16, 4096) == pytest.approx((1e9, 2e9, 4e9))
+    assert d.gemm_rates(16, 1 << 20) == pytest.approx((1e9, 2e9, 4e9))      # clamped at the deep curve
+    # geometric in log K: one of three octaves from 512 to 4096 costs a third of the factor 4
+    assert d.gemm_rates(16, 1024) == pytest.approx(tuple(r * 4 ** (-1 / 3) for r in (4e9, 8e9, 16e9)))
+    assert DeviceSpec.from_dict(json.loads(json.dumps(d.to_dict()))) == d
+    with pytest.raises(PlanningError, match="gemm_deep_curve needs"):
+        _device(gemm_curve=CURVE, gemm_deep_curve=DEEP)
+    with pytest.raises(PlanningError, match="gemm_deep_curve needs"):
+        _device(gemm_curve=CURVE, gemm_inner=4096, gemm_deep_curve=DEEP, gemm_deep_inner=512)
+    with pytest.raises(PlanningError, match="gemm_deep_curve forward"):
+        _device(gemm_curve=CURVE, gemm_inner=512, gemm_deep_curve=((16, -1.0, 1.0, 1.0),), gemm_deep_inner=4096)
+
+
+def test_rank_device_scales_the_deep_curve_and_a_deep_first_layer_costs_more() -> None:
+    point = {"width": 16, "forward": [4e9, 6e9], "weight_grad": [8e9, 12e9], "input_grad": [16e9, 24e9]}
+    deep = {"width": 16, "forward": [1e9, 1.5e9], "weight_grad": [2e9, 3e9], "input_grad": [4e9, 6e9]}
+    rates = {"flops": {"float32": [10e9, 15e9]}, "mem_bandwidth": [1e15, 1e15], "spmm_bandwidth": [1e9, 1e9]}
+    dev = _device(gemm_curve=((16.0, 6e9, 12e9, 24e9),), gemm_inner=512,
+                  gemm_deep_curve=((16.0, 1.5e9, 3e9, 6e9),), gemm_deep_inner=4096)
+    c = Cluster(1, 1, dev, LINKS["shm"], cores=2,
+                calibration={"rates": rates, "gemm_curve": [point], "gemm_deep_curve": [deep]})
+    one_thread = dataclasses.replace(c, devices_per_node=2).rank_device(0)
+    assert one_thread.gemm_deep_curve == ((16.0, 1e9, 2e9, 4e9),)
+    assert one_thread.gemm_inner == 512 and one_thread.gemm_deep_inner == 4096
+    sizes = RankSizes(nodes=1000, edges=0)
+    shallow, wide = _linear(512, 16, backward=1), _linear(4096, 16, backward=1)
+    assert op_time(shallow, sizes, one_thread) == pytest.approx(2 * 512 * 16 * 1000 / 4e9)
+    assert op_time(wide, sizes, one_thread) == pytest.approx(2 * 4096 * 16 * 1000 / 1e9)
+    assert op_time(wide, sizes, one_thread, backward=True) == pytest.approx(2 * 4096 * 16 * 1000 / 2e9)
+
+
 # --- op_time ---------------------------------------------------------------------------------------------
 
 def test_linear_layer_runs_at_its_widths_rates() -> None:

@@ -235,6 +235,10 @@ def test_calibrate_quick(calibrated: tuple[Cluster, Path]) -> None:
     assert [p[0] for p in d.gemm_curve] == widths
     assert all(v > 0 for p in d.gemm_curve for v in p)
     assert d.gemm_rates(16) is not None
+    # and with a deep input (a first layer on dense features), over the same widths
+    assert [p["width"] for p in c.calibration["gemm_deep_curve"]] == widths == [p[0] for p in d.gemm_deep_curve]
+    assert d.gemm_inner == c.calibration["linear"]["inner"] < d.gemm_deep_inner == c.calibration["linear_deep"]["inner"]
+    assert all(v > 0 for p in d.gemm_deep_curve for v in p)
     assert d.loss_rate == c.calibration["rates"]["loss_rate"][1] > 0 and d.loss_grad_rate > 0
     assert Cluster.load(path) == c
     assert "uncalibrated" not in str(c)

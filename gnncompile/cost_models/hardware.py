@@ -196,7 +196,7 @@ class Cluster:
 
         GPUs: :attr:`device`. CPUs: the ``devices_per_node`` ranks of a host time-share its
         ``cores``. A rank with ``t`` threads gets rate ``r(t) · min(1, cores / (ranks · t))`` for
-        FLOP/s (the square GEMM's and each point of the ``gemm_curve``), ``mem_bandwidth``,
+        FLOP/s (the square GEMM's and each point of the ``gemm_curve`` and ``gemm_deep_curve``), ``mem_bandwidth``,
         ``spmm_bandwidth`` and the other calibrated rates, where ``r`` interpolates linearly in
         threads between the calibrated single-thread and all-core rates; past ``cores`` it grows
         on with that slope if positive, else stays flat (one core: ``r(t) = t · r(1)``). An
@@ -233,6 +233,8 @@ class Cluster:
                              for p in self.calibration.get("spmm_curve", [])) or self.device.spmm_curve,
             gemm_curve=tuple((p["width"], rate(p["forward"]), rate(p["weight_grad"]), rate(p["input_grad"]))
                              for p in self.calibration.get("gemm_curve", [])) or self.device.gemm_curve,
+            gemm_deep_curve=tuple((p["width"], rate(p["forward"]), rate(p["weight_grad"]), rate(p["input_grad"]))
+                                  for p in self.calibration.get("gemm_deep_curve", [])) or self.device.gemm_deep_curve,
             memory=self.device.memory // ranks,
             # fixed costs are CPU time too: time-shared cores stretch them
             launch_overhead=self.device.launch_overhead / share,

@@ -156,8 +156,9 @@ def op_time(op: OpCost, sizes: RankSizes, device: DeviceSpec, *, backward: bool 
         # forward: gathers rows of the weight; the weight's gradient x^T @ g is scattered from x's
         # structure into rows of the weight's size (nn.functional._sparse_t_matmul): the same accesses
         return _spmm_seconds(nodes, entries, op.width, inputs * op.width, device, dtype) + overhead
-    rates = device.gemm_rates(op.width) if dtype == "float32" and _dense_product(op, es) else None
-    if rates is not None:  # a linear layer: its products' measured rates at its output width
+    rates = device.gemm_rates(op.width, op.flops.v / (2 * op.width)) \
+        if dtype == "float32" and _dense_product(op, es) else None
+    if rates is not None:  # a linear layer: its products' measured rates at its output and input widths
         forward, weight_grad, input_grad = rates
         if not backward:
             return max(flops / forward, nbytes / device.mem_bandwidth) + overhead

@@ -93,6 +93,35 @@ def _fields_from_dict(cls: type, data: Any, what: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- specs
+def _gemm_points(curve: Any, what: str) -> tuple[tuple[float, float, float, float], ...]:
+    """A GEMM curve as sorted ``(width, forward, weight gradient, input gradient)`` float quadruples,
+    every number checked; :class:`PlanningError` naming ``what`` otherwise."""
+    try:
+        points = tuple(sorted((float(w), float(f), float(g), float(i)) for w, f, g, i in curve))
+    except (TypeError, ValueError):
+        raise PlanningError(f"{what} must hold (width, forward, weight gradient, input gradient) "
+                            f"FLOP/s quadruples") from None
+    for point in points:
+        for value, name in zip(point, ("width", "forward", "weight gradient", "input gradient")):
+            _check_number(value, f"{what} {name}")
+    return points
+
+
+def _interpolate_width(curve: tuple[tuple[float, float, float, float], ...],
+                       width: float) -> Optional[tuple[float, float, float]]:
+    """The three rates of ``curve`` at ``width``: linear in log width between its points, clamped at
+    the ends; ``None`` for an empty curve."""
+    if not curve:
+        return None
+    if width <= curve[0][0]:
+        return curve[0][1:]
+    for lo, hi in zip(curve, curve[1:]):
+        if width <= hi[0]:
+            f = math.log(width / lo[0]) / math.log(hi[0] / lo[0])
+            return tuple(a + f * (b - a) for a, b in zip(lo[1:], hi[1:]))  # type: ignore[return-value]
+    return curve[-1][1:]
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One rank's compute device.
@@ -149,6 +178,15 @@ class DeviceSpec:
         output runs far below the square-GEMM rate of :attr:`flops` (a CPU at width 16 reaches
         about half of it, at width 4-8 a fifth). Empty (presets): :attr:`flops` for all three.
         See :meth:`gemm_rates`.
+    gemm_inner : float, optional
+        The inner size (input width ``K`` of ``x``) of the products of :attr:`gemm_curve`.
+    gemm_deep_curve : tuple of (width, forward, weight gradient, input gradient)
+        The same products with a deep input, ``K =`` :attr:`gemm_deep_inner` (a first layer on
+        dense features: a narrow product packs and streams the whole input once per output
+        block, so its rate falls with ``K``: on the 2-vCPU Zen host at width 16, 62-72 GFLOP/s per
+        core at ``K = 512``, 37-48 at ``K >= 1024``). Empty: no dependence on ``K``.
+    gemm_deep_inner : float, optional
+        The inner size of :attr:`gemm_deep_curve`'s products.
     """
 
     name: str
@@ -168,6 +206,9 @@ class DeviceSpec:
     host_bandwidth: Optional[float] = None
     push_factor: Optional[float] = None
     gemm_curve: tuple[tuple[float, float, float, float], ...] = ()
+    gemm_inner: Optional[float] = None
+    gemm_deep_curve: tuple[tuple[float, float, float, float], ...] = ()
+    gemm_deep_inner: Optional[float] = None
 
     def __post_init__(self) -> None:
         what = f"device {self.name!r}"
@@ -207,30 +248,28 @@ class DeviceSpec:
             for value, name in zip(point, ("working set", "bandwidth", "edge rate")):
                 _check_number(value, f"{what}: spmm_curve {name}")
         object.__setattr__(self, "spmm_curve", curve)
-        try:
-            gemm = tuple(sorted((float(w), float(f), float(g), float(i)) for w, f, g, i in self.gemm_curve))
-        except (TypeError, ValueError):
-            raise PlanningError(f"{what}: gemm_curve must hold (width, forward, weight gradient, input gradient) "
-                                f"FLOP/s quadruples") from None
-        for point in gemm:
-            for value, name in zip(point, ("width", "forward", "weight gradient", "input gradient")):
-                _check_number(value, f"{what}: gemm_curve {name}")
-        object.__setattr__(self, "gemm_curve", gemm)
+        for key in ("gemm_curve", "gemm_deep_curve"):
+            object.__setattr__(self, key, _gemm_points(getattr(self, key), f"{what}: {key}"))
+        for key in ("gemm_inner", "gemm_deep_inner"):
+            if getattr(self, key) is not None:
+                _check_number(getattr(self, key), f"{what}: {key}")
+        if self.gemm_deep_curve and (self.gemm_inner is None or self.gemm_deep_inner is None
+                                     or self.gemm_deep_inner <= self.gemm_inner):
+            raise PlanningError(f"{what}: gemm_deep_curve needs gemm_inner and a larger gemm_deep_inner "
+                                f"(got {self.gemm_inner} and {self.gemm_deep_inner})")
 
-    def gemm_rates(self, width: float) -> Optional[tuple[float, float, float]]:
+    def gemm_rates(self, width: float, inner: Optional[float] = None) -> Optional[tuple[float, float, float]]:
         """``(forward, weight gradient, input gradient)`` FLOP/s of a float32 linear layer with
-        ``width`` outputs per row: interpolated in log width between the calibrated points of
-        :attr:`gemm_curve`, clamped at the ends; ``None`` without a curve."""
-        curve = self.gemm_curve
-        if not curve:
-            return None
-        if width <= curve[0][0]:
-            return curve[0][1:]
-        for lo, hi in zip(curve, curve[1:]):
-            if width <= hi[0]:
-                f = math.log(width / lo[0]) / math.log(hi[0] / lo[0])
-                return tuple(a + f * (b - a) for a, b in zip(lo[1:], hi[1:]))  # type: ignore[return-value]
-        return curve[-1][1:]
+        ``width`` outputs per row and ``inner`` inputs: interpolated in log width between the
+        calibrated points of :attr:`gemm_curve`, clamped at the ends; with a :attr:`gemm_deep_curve`
+        and an ``inner`` above :attr:`gemm_inner`, scaled towards the deep curve's rates
+        geometrically in log ``inner`` (clamped at :attr:`gemm_deep_inner`). ``None`` without a curve."""
+        rates = _interpolate_width(self.gemm_curve, width)
+        if rates is None or not self.gemm_deep_curve or inner is None or inner <= self.gemm_inner:
+            return rates
+        deep = _interpolate_width(self.gemm_deep_curve, width)
+        f = min(1.0, math.log(inner / self.gemm_inner) / math.log(self.gemm_deep_inner / self.gemm_inner))
+        return tuple(r * (d / r) ** f for r, d in zip(rates, deep))  # type: ignore[return-value]
 
     def spmm_rates(self, working_set: float) -> tuple[float, Optional[float]]:
         """``(bandwidth, edge rate)`` of a propagation gathering ``working_set`` bytes of source
@@ -379,3 +418,4 @@ DEFAULT_INTRA: dict[str, str] = {
     "A100-40GB": "nvlink3", "A100-80GB": "nvlink3", "A100": "nvlink3", "H100": "nvlink4", "H200": "nvlink4",
     "cpu": "shm",
 }
+
