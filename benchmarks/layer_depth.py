@@ -59,12 +59,6 @@ def _plan(gc, model, g, gpus: Any, strategy: str) -> tuple[Any, float]:
     return plan, time.perf_counter() - t
 
 
-def _above_resident(pred) -> list[int]:
-    """Predicted peak per rank above what is resident before the first step (graph, features, labels,
-    parameters): what the runtime measures (the first step also allocates gradients and Adam's moments)."""
-    return [p - (s.total - s.gradients - s.optimizer) for p, s in zip(pred.peak_memory, pred.static)]
-
-
 def crossover(rows: list[dict]) -> Any:
     """The smallest depth whose `layer` bytes are below `data`'s (``None``: none)."""
     return next((r["depth"] for r in rows if r["layer"] < r["data"]), None)
@@ -155,7 +149,7 @@ def measured_bytes(gc, torch, epochs: int) -> list[str]:
         meas = [r.bytes_sent for r in res.ranks]
         lines.append(f"| {strategy} | {sum(pred) / MIB:,.2f} MiB | {sum(meas) / MIB:,.2f} MiB | "
                      f"{'yes' if pred == meas else '**no**: ' + str([m - p for m, p in zip(meas, pred)])} | "
-                     f"{max(_above_resident(plan.prediction)) / MIB:.1f} MiB | "
+                     f"{max(plan.prediction.first_step_above_resident()) / MIB:.1f} MiB | "
                      f"{max(r.peak_memory for r in res.ranks) / MIB:.1f} MiB | {wall:.1f} |")
         print(lines[-1], flush=True)
     lines += ["", "The features of coauthor_physics are a sparse CSR matrix (the runtime keeps them sparse); the cost "
@@ -188,7 +182,7 @@ def planned_memory(gc, torch, keep: dict) -> list[str]:
                 lines.append(f"| {name} | {strategy} | refused | | | | | | |")
                 continue
             pred = plan.prediction
-            peaks, act = pred.peak_memory, _above_resident(pred)
+            peaks, act = pred.peak_memory, pred.first_step_above_resident()
             top = max(range(len(peaks)), key=peaks.__getitem__)
             st = pred.static[top]
             lines.append(f"| {name} | {strategy} | {max(peaks) / MIB:,.0f} | {statistics.mean(peaks) / MIB:,.0f} | "
@@ -214,7 +208,7 @@ def measured_memory(gc, torch, epochs: int, ranks: int = 4) -> list[str]:
     for strategy in ("data", "layer"):
         plan, _ = _plan(gc, model, g, ranks, strategy)
         res = plan.run(epochs=epochs, seed=0, timeout=1800, progress=False)
-        pred = _above_resident(plan.prediction)
+        pred = plan.prediction.first_step_above_resident()
         meas = [r.peak_memory for r in res.ranks]
         same = [r.bytes_sent for r in res.ranks] == list(plan.predictions["bytes_sent"])
         lines.append(f"| {strategy} | {max(pred) / MIB:.1f} | {max(meas) / MIB:.1f} | {max(meas) / max(pred):.2f} | "

@@ -54,12 +54,6 @@ def _model(gc, kind: str, layers: int, g):
     return gc.nn.GAT(g.num_features, 16, g.num_classes, heads=4, num_layers=layers, dropout=0.5)
 
 
-def _above_resident(pred) -> list[int]:
-    """Predicted peak per rank above what is resident before the first step (graph, features, labels,
-    parameters): the measured first step also allocates the gradients and Adam's moments."""
-    return [p - (s.total - s.gradients - s.optimizer) for p, s in zip(pred.peak_memory, pred.static)]
-
-
 def memory(gc, torch, ranks: int) -> list[str]:
     lines = ["| graph | model | data peak/rank max (pred) | data total (pred) | task peak/rank max (pred) | "
              "task total (pred) | task total / data total | task dec+rc peak/rank max (pred) | "
@@ -77,14 +71,14 @@ def memory(gc, torch, ranks: int) -> list[str]:
                     plan = gc.plan(copy.deepcopy(model), g, ranks, strategy=strategy, **kw)
                     res = plan.run(epochs=1, timeout=600)
                     assert [r.bytes_sent for r in res.ranks] == plan.predictions["bytes_sent"], strategy
-                    act = _above_resident(plan.prediction)
+                    act = plan.prediction.first_step_above_resident()
                     out[strategy] = (plan, [r.peak_memory for r in res.ranks], act)
                 (dp, dm, da), (tp, tm, ta) = out["data"], out["task"]
                 try:  # NeutronTask's memory configuration: task-decoupled training with recomputation
                     dec = gc.plan(copy.deepcopy(model), g, ranks, strategy="task", decouple=True, recompute=True,
                                   semantics="relaxed")
                     dres = dec.run(epochs=1, timeout=600)
-                    dmeas, dpred = [r.peak_memory for r in dres.ranks], _above_resident(dec.prediction)
+                    dmeas, dpred = [r.peak_memory for r in dres.ranks], dec.prediction.first_step_above_resident()
                     dec_cells = (f"{max(dmeas) / mib:.0f} MiB ({max(dpred) / mib:.0f}) | {sum(dmeas) / mib:.0f} MiB "
                                  f"({sum(dpred) / mib:.0f}) | {sum(dmeas) / sum(dm):.2f}")
                 except gc.PlanningError as e:  # e.g. a decoupled GAT's attention would cross tasks

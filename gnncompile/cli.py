@@ -279,11 +279,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         measured = sorted(res.ranks[0].epoch_time[1:] or res.ranks[0].epoch_time)
         med = measured[len(measured) // 2] if measured else float("nan")
         pred = p.prediction
-        above = max(m - s.total for m, s in zip(pred.peak_memory, pred.static))
+        above = max(pred.first_step_above_resident())
         print(f"step time: predicted {pred.step_time * 1e3:.1f} ms{pred.cluster.prediction_label} on {p.cluster}, "
               f"measured {med * 1e3:.1f} ms "
-              f"(median); tensor memory above resident data, predicted peak {above / 2**20:.1f} MiB per rank "
-              f"(measured: the peak tensor memory column)")
+              f"(median); tensor memory of the first step above resident data, predicted peak {above / 2**20:.1f} "
+              f"MiB per rank (measured: the peak tensor memory column)")
     _report_plan(p, args)
     if args.json:
         with open(args.json, "w") as f:

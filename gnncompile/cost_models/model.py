@@ -37,29 +37,38 @@ Communication (per instruction, over the slowest link of its group): halo exchan
 as pairwise exchanges, all-reduce / all-gather / reduce-scatter as rings, send/recv point to point
 (:mod:`~gnncompile.cost_models.formulas`).
 
-Memory (per rank, over the instruction list; the liveness walk of :class:`PlanCost`): a static part
-(the rank's topology in the runtime's layout, features, labels, parameters, gradients and Adam state)
-plus a liveness walk: a stage's ``saved`` activations live from its ``Forward`` to its ``Backward``; a
-value passed between stages (a stage output, a halo-extended tensor) lives from its producer to its
-last forward read (the ``reads`` of :mod:`gnncompile.ir.dataflow`), or to its ``Free`` where the
-plan has one (the runtime holds what the plan has not freed: a sent output until its send
-completed, see :mod:`gnncompile.passes.free`), and at least to the ``Backward`` of each stage that
-reads it, whose input leaf it is; a stage reading several chunks of a value reads their
-concatenation, held from the first such forward to the last such backward (its gradient, of the
-same size, is made anew in each of those backwards); the gradient of a value from the backward that
-makes it to the backward (or gradient communication) that consumes it; transient buffers only
+Memory (per rank, over the instruction list; the liveness walk of :class:`PlanCost`): a resident part
+(the rank's topology in the runtime's layout, features, labels, parameters and Adam state) plus a
+liveness walk: the parameters' gradients live from the first ``Backward`` of the stage whose ops hold
+the weights (a stage's share of the rank's gradients: its ops' size-independent bytes) to the end of
+the optimizer step, which sets them to ``None``; gradients no backward made are made by the gradient
+all-reduce (zeros), which flattens all of them into one temporary bucket. A stage's ``saved``
+activations live from its ``Forward`` to its ``Backward``; a value passed between stages (a stage
+output, a halo-extended tensor, a received value) lives from its producer to its ``Free`` (after its
+last forward read, the ``reads`` of :mod:`gnncompile.ir.dataflow`, and its sends' completion, see
+:mod:`gnncompile.passes.free`), else to the end of the step (the runtime holds what the plan has not
+freed), and at least to the ``Backward`` of each stage that reads it, whose input leaf it is, or
+that saves it (an output saved by an op of its own stage); a stage reading several chunks of a
+value reads their concatenation, held from the first such forward to the last such backward where
+an op saves it (:func:`_saves_inputs`), else to the last such forward (its gradient, of the same
+size, is made anew in each of those backwards); the gradient of a value (made by a backward, or
+received) until the backward (or gradient communication) that consumes it; transient buffers only
 during their instruction. Inside a stage the ops run one after the other: forward, op ``k`` holds
-what ops ``0..k-1`` saved, the stage outputs made so far, its input, its output and its temporaries;
-backward visits the ops last to first, op ``k`` holding the saved tensors of ops ``0..k`` and the
-gradients of its output and input (ops autograd does not visit, ``backward == 0``, none); a
-checkpointed segment keeps only its inputs in forward and first replays its forward in backward,
-its ops saving what they save with gradients. What the first op saves of a held stage input is that
-input (no new memory). An op that keeps sparse CSR input features sparse (their dropout) outputs new
-values on their structure, not dense rows. Replicated dropout masks are drawn whole
-(:class:`_RankMasks`: the rank's rows kept until the stage's last backward where ranks run some of
-the dropouts or a rank runs several chunks, else a temporary of the op with the copy of its rows).
-A send of a slice of columns copies it, held until the send is known complete (the value's
-``Free``, else the optimizer step). Adam's update holds three temporaries of the largest parameter tensor.
+what ops ``0..k-1`` saved, the stage outputs made so far, its input (unless op ``k-1`` saved it as
+its result: ``relu``...), its output and its temporaries; backward visits the ops last to first, op
+``k`` holding the saved tensors of ops ``0..k`` and the gradients of its output and input (ops
+autograd does not visit, ``backward == 0``, none); a checkpointed segment keeps only its inputs in
+forward and first replays its forward in backward, its ops saving what they save with gradients.
+What the first op saves of a held stage input is that input (no new memory), as is what an op saves
+of a stage output. An op that keeps sparse CSR input features sparse (their dropout) outputs new
+values on their structure, not dense rows; a linear layer on them copies its weight and the rows'
+indices on a CPU. Replicated dropout masks are drawn whole (:class:`_RankMasks`: the rank's rows
+kept until the stage's last backward where ranks run some of the dropouts or a rank runs several
+chunks, else a temporary of the op with the copy of its rows). A send of a slice of columns copies
+it, held until the send is known complete (the value's ``Free``, else the optimizer step). Adam's
+update holds three temporaries of the largest parameter tensor. That is a steady step's; the first
+step (``first_step``: what the runtime measures) has no Adam state before its optimizer step, which
+allocates the two moments.
 """
 
 from __future__ import annotations
@@ -218,7 +227,8 @@ def stage_ops_time(stage: StageSpec, sizes: RankSizes, device: DeviceSpec, backw
 
 @dataclass(frozen=True)
 class StaticMemory:
-    """Bytes a rank holds for the whole step, by kind."""
+    """Bytes a rank holds for the whole step, by kind; ``gradients`` are the exception: they live from
+    the backward that makes them to the end of the optimizer step (:attr:`resident`: the rest)."""
 
     topology: int
     features: int
@@ -233,6 +243,11 @@ class StaticMemory:
     def total(self) -> int:
         return self.topology + self.features + self.labels + self.parameters + self.gradients + self.optimizer \
             + self.history
+
+    @property
+    def resident(self) -> int:
+        """Bytes live before a steady step starts: :attr:`total` without the gradients."""
+        return self.total - self.gradients
 
     def as_dict(self) -> dict[str, int]:
         out = {"topology": self.topology, "features": self.features, "labels": self.labels,
@@ -390,7 +405,8 @@ class _RankMasks:
     whole in the model's dtype); they are released after the stage's last backward on the rank.
     A kept mask's rows are a view for a rank that runs whole chunks (contiguous rows), so what its
     dropouts save for backward is no new memory; a rank running a share of each chunk's rows is
-    counted as copying them.
+    counted as copying them, as is an edge-wise (``E``) dropout (a chunk's edges are not a range of
+    the graph's edge order).
     """
 
     def __init__(self, plan: Plan, dp: DevicePlan, sizes: RankSizes, every: dict[str, float], some: bool,
@@ -452,7 +468,7 @@ class _RankMasks:
     def viewed(self, op: OpCost) -> bool:
         """Whether ``op`` is a dropout whose mask rows are a view of a kept mask (what it saves for
         backward is no new memory)."""
-        return self.views and op.name in self.mine
+        return self.views and op.name in self.mine and op.kind != "E"
 
     def kept(self) -> dict[int, float]:
         """Bytes of the masks kept, by the stage whose last backward releases them."""
@@ -477,14 +493,17 @@ class PlanCost:
 
     Building it walks each rank's instruction list once (the memory liveness); calling it is a
     dictionary lookup. ``plan_cost(rank, instruction)`` returns a :class:`~.simulate.Cost`.
+    ``first_step``: cost the first step, whose optimizer step allocates Adam's moments (else they
+    are resident: :meth:`base_memory`).
     """
 
-    def __init__(self, plan: Plan, cluster: Cluster) -> None:
+    def __init__(self, plan: Plan, cluster: Cluster, *, first_step: bool = False) -> None:
         if cluster.num_devices < plan.num_ranks:
             raise PlanningError(f"the plan has {plan.num_ranks} ranks but the cluster {cluster.name!r} has "
                                 f"{cluster.num_devices} devices")
         self.plan = plan
         self.cluster = cluster
+        self.first_step = first_step
         self.static = [static_memory(plan, dp) for dp in plan.ranks]
         self.masks = _plan_masks(plan)  # the dropout masks of every rank, for the ranks' liveness walks
         self.devices = [cluster.rank_device(r) for r in range(plan.num_ranks)]
@@ -497,6 +516,11 @@ class PlanCost:
 
     def __call__(self, rank: int, inst: Instruction) -> Cost:
         return self._costs[rank][inst]
+
+    def base_memory(self) -> list[int]:
+        """Bytes each rank holds before the step: its resident data (:attr:`StaticMemory.resident`),
+        without Adam's moments in the first step."""
+        return [s.resident - (s.optimizer if self.first_step else 0) for s in self.static]
 
     # ------------------------------------------------------------------ compute
     def stage_time(self, rank: int, stage: StageSpec, backward: bool) -> float:
@@ -592,42 +616,54 @@ class _RankWalk:
             nbytes = output_bytes(inst, src_rows) if output_bytes is not None else None
             if nbytes is not None:
                 self.value_bytes[inst.output] = nbytes
-        # last forward consumer and backward consumer of every value, per chunk
-        self.last_use: dict[tuple[str, int], int] = {}
+        # where each value is freed (per chunk) and each stage's backward runs
         self.backward_at: dict[tuple[int, int], int] = {}
         self.free_at: dict[tuple[str, int], int] = {}
+        #: the first Forward or Backward from each instruction on (``len(instructions)`` if none)
+        self.next_compute = [len(dp.instructions)] * (len(dp.instructions) + 1)
+        for i in reversed(range(len(dp.instructions))):
+            self.next_compute[i] = i if rule(dp.instructions[i]).runs in ("forward", "backward") \
+                else self.next_compute[i + 1]
         for i, inst in enumerate(dp.instructions):
-            eff = effects(inst, stages)
-            self.last_use.update(dict.fromkeys(eff.reads, i))
-            self.free_at.update(dict.fromkeys(eff.frees, i))
+            self.free_at.update(dict.fromkeys(effects(inst, stages).frees, i))
             if rule(inst).runs == "backward":
                 self.backward_at[inst.stage, inst.chunk] = i
         # a stage's input leaves stay until its backward: a single chunk read is the value itself
-        # (held at least that long), several chunks read are one concatenation per (value, chunks)
+        # (held at least that long), several chunks read are one concatenation per (value, chunks),
+        # kept to the last such backward where an op saves it, else dropped after the last forward
+        # that reads it (the executor keeps only its shape)
         self.held: dict[tuple[str, int], int] = {}
-        self.concat_span: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}  # -> (first forward, last backward)
+        self.concat_span: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}  # -> (first, last use)
         for i, inst in enumerate(dp.instructions):
             if rule(inst).runs == "forward" and (inst.stage, inst.chunk) in self.backward_at:
                 st = stages[inst.stage]
                 back = self.backward_at[inst.stage, inst.chunk]
+                saves_input = _saves_inputs(st, sizes)
                 for v in dict.fromkeys(st.inputs):
                     read = st.chunks_read(v, inst.chunk)
                     if len(read) == 1:
                         self.held[v, read[0]] = max(self.held.get((v, read[0]), back), back)
                     else:
-                        first, last = self.concat_span.get((v, read), (i, back))
-                        self.concat_span[v, read] = (min(first, i), max(last, back))
+                        end = back if saves_input else i
+                        first, last = self.concat_span.get((v, read), (i, end))
+                        self.concat_span[v, read] = (min(first, i), max(last, end))
         #: where posted sends are last waited for: the optimizer step (else the last instruction)
         self.optimizer_at = next((i for i, inst in enumerate(dp.instructions) if isinstance(inst, OptimizerStep)),
                                  len(dp.instructions) - 1)
         self.frees: dict[int, float] = {}  # instruction index -> bytes released at its end
+        #: bytes of the parameters' gradients each stage's first backward makes, and those not made yet
+        self.index = dp.rank if dp.rank < len(plan.ranks) and plan.ranks[dp.rank] is dp else plan.ranks.index(dp)
+        self.param_grads = cost.static[self.index].gradients
+        self.stage_grads = _stage_gradients(dp, self.param_grads)
+        self.grads_unmade = float(self.param_grads)
         self.grad_made: dict[tuple[str, int], float] = {}
         self.received: dict[tuple[str, int], float] = {}
 
     def gone(self, key: tuple[str, int], i: int) -> int:
-        """Where the value ``key`` stored at instruction ``i`` is released."""
-        end = self.free_at[key] if key in self.free_at else max(self.last_use.get(key, i), i)
-        return max(end, self.held.get(key, end))
+        """Where the value ``key`` stored at instruction ``i`` is released: at its ``Free``, else at
+        the end of the step (the runtime keeps every value it stored and the plan does not free)."""
+        end = self.free_at[key] if key in self.free_at else len(self.dp.instructions) - 1
+        return max(end, i, self.held.get(key, end))
 
     def release_at(self, i: int, nbytes: float) -> None:
         self.frees[i] = self.frees.get(i, 0.0) + nbytes
@@ -666,6 +702,28 @@ def load_seconds(plan: Plan, dp: DevicePlan, device: DeviceSpec) -> float:
     return rows * per_row / device.host_bandwidth
 
 
+def _stage_gradients(dp: DevicePlan, total: float) -> dict[int, float]:
+    """Bytes of the parameter gradients the first backward of each of the rank's stages makes: the
+    rank's ``total`` shared in proportion to the size-independent bytes of the stages' ops (their
+    weights: a GEMM reads its weight whatever the rows); all of it to the first stage where no op
+    has any."""
+    weights = {st.index: sum(float(op.bytes.c) for op in st.costs if op.bytes.c > 0) for st in dp.stages}
+    whole = sum(weights.values())
+    if not total or not weights:
+        return {}
+    if not whole:
+        return {dp.stages[0].index: float(total)}
+    return {k: total * v / whole for k, v in weights.items() if v}
+
+
+def _make_gradients(w: _RankWalk, nbytes: float) -> float:
+    """Gradients of ``nbytes`` made now (at most those not made yet), kept to the optimizer step's end."""
+    nbytes = min(nbytes, w.grads_unmade)
+    w.grads_unmade -= nbytes
+    w.release_at(w.optimizer_at, nbytes)
+    return nbytes
+
+
 def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> StepCost:
     st = w.stages[inst.stage]
     seconds = w.cost.stage_time(w.dp.rank, st, backward=False)
@@ -681,16 +739,20 @@ def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> Step
     peak = held = made = prev = 0.0
     for op, k in zip(st.costs, kept):
         out = w.value_bytes.get(op.name, 0.0)
-        peak = max(peak, held + made + prev + out + w.masks.forward_extra(op, out, new))
+        extra = w.masks.forward_extra(op, out, new) + _sparse_product_temporaries(w, op)
+        peak = max(peak, held + made + prev + out + extra)
         held += k
         made += out if op.name in st.outputs else 0.0
-        prev = 0.0 if op.name in st.outputs else out
+        # the next op's input: already counted where it is a stage output or what this op saved
+        prev = 0.0 if op.name in st.outputs else out - min(out, k) if _saves_result(op) else out
     transient = max(0.0, peak - saved - outs - drawn)
     alloc = saved + outs + drawn
     back = w.backward_at.get((inst.stage, inst.chunk), len(w.dp.instructions) - 1)
     w.release_at(back, saved)
-    for o in st.outputs:
-        w.release_at(w.gone((o, inst.chunk), i), w.value_bytes.get(o, 0.0))
+    kept_outputs = set(_outputs_saved(st).values())
+    for o in st.outputs:  # an output an op saved stays until the backward too
+        end = w.gone((o, inst.chunk), i)
+        w.release_at(max(end, back) if o in kept_outputs else end, w.value_bytes.get(o, 0.0))
     for v in dict.fromkeys(st.inputs):
         read = st.chunks_read(v, inst.chunk)
         if v in w.value_bytes and len(read) > 1 and w.concat_span.get((v, read), (-1,))[0] == i:
@@ -715,15 +777,78 @@ def _replayed(st: StageSpec) -> list[bool]:
     return out
 
 
+#: functions whose autograd node saves their result, not their input (PyTorch's derivative
+#: formulas): an op so named (fx names a call after its function: ``relu``, ``relu_1``) holds its output
+_RESULT_SAVERS = frozenset({"relu", "sigmoid", "tanh", "exp", "softmax", "log_softmax"})
+
+
+def _saves_result(op: OpCost) -> bool:
+    """Whether ``op`` is a call of a function whose backward saves its output (:data:`_RESULT_SAVERS`);
+    other ops' ``saved`` count as their inputs (a linear layer's, ``elu``'s, ``leaky_relu``'s)."""
+    base = op.name.rsplit(".", 1)[-1]
+    stem, _, suffix = base.rpartition("_")
+    return (stem if suffix.isdigit() and stem else base) in _RESULT_SAVERS
+
+
 def _saved_per_op(w: _RankWalk, st: StageSpec, replay: bool = False) -> list[float]:
     """Bytes each op of ``st`` saves for backward that are new memory: not the rows of a kept
-    dropout mask (views), and not a held stage input that the stage's first op saves (the input
-    itself). An op of a checkpointed segment (:func:`_replayed`) saves only in its replay (``replay``)."""
+    dropout mask (views), not a held stage input that the stage's first op saves (the input
+    itself), not a stage output that the op after it saves as its input (a linear layer's: an op
+    with weights) or that the op itself saves as its result (:func:`_saves_result`). An op of a
+    checkpointed segment (:func:`_replayed`) saves only in its replay (``replay``)."""
     kept = [0.0 if w.masks.viewed(op) or again != replay and (again or replay) else
-            op_value(op, op.saved, w.sizes) for op, again in zip(st.costs, _replayed(st))]
+            _saved_bytes(op, w.sizes) for op, again in zip(st.costs, _replayed(st))]
     if kept and not replay:
         kept[0] -= min(kept[0], max((w.value_bytes[v] for v in st.inputs if v in w.value_bytes), default=0.0))
+        for j, name in _outputs_saved(st).items():
+            kept[j] -= min(kept[j], w.value_bytes.get(name, 0.0))
     return kept
+
+
+def _saves_inputs(st: StageSpec, sizes: RankSizes) -> bool:
+    """Whether an op of ``st`` saves a stage input for backward: its first op saving anything (a
+    linear layer its input), or a propagation that saves (its edge values need a gradient, which
+    reads the gathered input rows: GAT's)."""
+    return bool(st.costs) and op_value(st.costs[0], st.costs[0].saved, sizes) > 0 or \
+        any(op.kind == "P" and op_value(op, op.saved, sizes) > 0 for op in st.costs)
+
+
+def _sparse_product_temporaries(w: _RankWalk, op: OpCost) -> float:
+    """Temporaries of a linear layer on sparse CSR rows (:func:`_sparse_product_inputs`) on a CPU
+    (the native kernels): its forward copies the weight transposed and the rows' column indices as
+    int32; its backward the indices again and the weight's gradient once more (made contiguous, as
+    its parameter). The same bytes each way; 0 for other ops and devices."""
+    es = _elsize(w.cost.plan.info.get("param_dtype", "float32"))
+    if w.cost.devices[w.dp.rank].kind != "cpu":
+        return 0.0
+    inputs = _sparse_product_inputs(op, es)
+    if inputs is None:
+        return 0.0
+    entries = op_value(op, op.flops, w.sizes) / (2 * op.width)
+    return inputs * op.width * es + 4 * entries
+
+
+def _saved_bytes(op: OpCost, sizes: RankSizes) -> float:
+    """Bytes ``op`` saves for backward on a rank of ``sizes``: ``op.saved``, except that a propagation
+    on a share of the columns (``cols``) saves its edge values whole: its share of them is a view of
+    the replicated edge tensor (one head of GAT's), which keeps all of it."""
+    if op.kind == "P" and op.layout == "cols":
+        return _eval(op.saved, _op_sizes(op, sizes)[0])
+    return op_value(op, op.saved, sizes)
+
+
+def _outputs_saved(st: StageSpec) -> dict[int, str]:
+    """The stage outputs that an op of ``st`` saves for backward, by the op's position: its own
+    output (:func:`_saves_result`), or the previous op's, which an op with weights (a linear
+    layer: a ``T`` op with size-independent bytes) saves as its input. They live until the
+    stage's backward at least (:func:`_forward_cost`)."""
+    out: dict[int, str] = {}
+    for j, op in enumerate(st.costs):
+        if _saves_result(op) and op.name in st.outputs:
+            out[j] = op.name
+        elif j and op.kind == "T" and op.bytes.c > 0 and st.costs[j - 1].name in st.outputs:
+            out[j] = st.costs[j - 1].name
+    return out
 
 
 def _backward_cost(w: _RankWalk, i: int, inst: Backward) -> StepCost:
@@ -739,18 +864,28 @@ def _backward_cost(w: _RankWalk, i: int, inst: Backward) -> StepCost:
         below += k + r
         out = w.value_bytes.get(op.name, 0.0)
         if op.backward:
-            peak = max(peak, below + out + (prev or out))
+            peak = max(peak, below + out + (prev or out) + _sparse_product_temporaries(w, op))
         prev = out
     transient = max(0.0, peak - sum(kept))
-    alloc = 0.0
-    # gradients of the stage's inputs that something upstream consumes
+    # the weights' gradients of the stage, at its first backward (later chunks accumulate into them)
+    alloc = _make_gradients(w, w.stage_grads.pop(inst.stage, 0.0))
+    # gradients of the stage's inputs that something upstream consumes. A concatenation's gradient
+    # and one temporary of its size live while the ops run; then it is split into a gradient of every
+    # chunk it holds, made by the first backward that reads them (later ones add into them). A
+    # gradient made before is summed with the new one (no growth).
+    wholes = split = 0.0
     for v in dict.fromkeys(st.inputs):
         if v in w.value_bytes:
-            alloc += w.value_bytes[v]
-            w.grad_made[v, inst.chunk] = w.value_bytes[v]
             read = st.chunks_read(v, inst.chunk)
-            if len(read) > 1:  # the concatenation's gradient and one temporary of its size
-                transient += 2 * w.value_bytes[v] * len(read)
+            for key in [(v, k) for k in read] if len(read) > 1 else [(v, inst.chunk)]:
+                if key not in w.grad_made:
+                    w.grad_made[key] = w.value_bytes[v]
+                    alloc += w.value_bytes[v]
+                    split += w.value_bytes[v] if len(read) > 1 else 0.0
+            if len(read) > 1:
+                wholes += w.value_bytes[v] * len(read)
+    if wholes:  # the new chunk gradients are made after the temporaries are gone
+        transient = max(transient + 2 * wholes, wholes + split) - split
     # the gradients of the outputs were consumed here
     for o in st.outputs:
         w.release_at(i, w.grad_made.pop((o, inst.chunk), 0.0))
@@ -764,7 +899,10 @@ def _optimizer_cost(w: _RankWalk, i: int, inst: OptimizerStep) -> StepCost:
     # the step's bookkeeping outside instructions (loss, zeroing gradients) is charged here
     seconds = params * _ADAM_BYTES_PER_PARAM / dev.mem_bandwidth + \
         tensors * dev.runtime.get("optimizer_tensor", dev.launch_overhead) + dev.runtime.get("step", 0.0)
-    return seconds, "compute", 0.0, _ADAM_TEMPORARIES * _largest_param_bytes(w.cost.plan, w.dp)
+    temporaries = _ADAM_TEMPORARIES * _largest_param_bytes(w.cost.plan, w.dp)
+    # the first step creates Adam's two moments (kept); a steady step holds them from the start
+    moments = w.cost.static[w.index].optimizer if w.cost.first_step else 0.0
+    return seconds, "compute", moments, temporaries
 
 
 def _free_cost(w: _RankWalk, i: int, inst: Free) -> StepCost:
@@ -772,9 +910,12 @@ def _free_cost(w: _RankWalk, i: int, inst: Free) -> StepCost:
 
 
 # --------------------------------------------------------------------------- communication rules
-def _message_cost(w: _RankWalk, i: int, inst: Union[Send, Recv, AllReduce]) -> StepCost:
-    """A gradient Recv or an all-reduce: time only (reductions are in place)."""
-    return w.cost.comm_time(w.dp.rank, inst), "comm", 0.0, 0.0
+def _all_reduce_cost(w: _RankWalk, i: int, inst: AllReduce) -> StepCost:
+    """The gradients' all-reduce: gradients no backward made are made (zeros), and over a group of
+    several ranks they are flattened into one bucket (a temporary of the ``numel`` reduced)."""
+    alloc = _make_gradients(w, w.grads_unmade)
+    bucket = inst.numel * _elsize(inst.dtype) if len(inst.group) > 1 else 0.0
+    return w.cost.comm_time(w.dp.rank, inst), "comm", alloc, bucket
 
 
 def _send_cost(w: _RankWalk, i: int, inst: Send) -> StepCost:
@@ -791,10 +932,19 @@ def _send_cost(w: _RankWalk, i: int, inst: Send) -> StepCost:
 
 
 def _recv_cost(w: _RankWalk, i: int, inst: Recv) -> StepCost:
+    """A Recv: a value (or a block of one) kept like a stage output; a gradient kept until the
+    backward (or gradient communication) that consumes it: a block is added into a gradient of the
+    value's size, a whole one is stored, or summed with the gradient made so far (a new tensor)."""
     seconds = w.cost.comm_time(w.dp.rank, inst)
+    nbytes = math.prod(inst.shape) * _elsize(inst.dtype)
     if inst.grad:
-        return seconds, "comm", 0.0, 0.0
-    alloc = math.prod(inst.shape) * _elsize(inst.dtype)
+        key = (inst.name, inst.chunk)
+        if key in w.grad_made:
+            return seconds, "comm", 0.0, nbytes if inst.part else 2 * nbytes
+        whole = w.value_bytes.get(inst.name, nbytes) if inst.part else nbytes
+        w.grad_made[key] = whole
+        return seconds, "comm", whole, nbytes if inst.part else 0.0
+    alloc = nbytes
     if inst.part:  # a block of (name, chunk): the value is the sum of its blocks
         key = (inst.name, inst.chunk)
         got = w.received[key] = w.received.get(key, 0.0) + alloc
@@ -815,6 +965,16 @@ def _conversion_cost(w: _RankWalk, i: int, inst: Union[HaloExchange, AllToAll, A
         alloc = w.value_bytes.get(inst.output, 0.0)
         w.release_at(w.gone((inst.output, inst.chunk), i), alloc)
     return seconds, "comm", alloc, 0.0
+
+
+def _all_to_all_cost(w: _RankWalk, i: int, inst: AllToAll) -> StepCost:
+    """An all-to-all: a conversion (:func:`_conversion_cost`) whose sent tensor (the value, or the
+    output's gradient) is copied per peer and then into one contiguous buffer, which the posted
+    exchange keeps until it is waited for, by the next ``Forward`` or ``Backward``."""
+    seconds, stream, alloc, transient = _conversion_cost(w, i, inst)
+    sent = w.value_bytes.get(inst.output if inst.grad else inst.value, 0.0)
+    w.release_at(max(i, w.next_compute[i + 1] - 1), sent)
+    return seconds, stream, alloc + sent, transient + sent
 
 
 def _p2p_transfer(pc: PlanCost, rank: int, inst: Union[Send, Recv]) -> float:
@@ -922,10 +1082,10 @@ for _cls, _rule in {
     OptimizerStep: CostRule(_optimizer_cost), Free: CostRule(_free_cost),
     Send: CostRule(_send_cost, _p2p_transfer), Recv: CostRule(_recv_cost, _p2p_transfer),
     HaloExchange: CostRule(_conversion_cost, _halo_transfer, _halo_bytes),
-    AllToAll: CostRule(_conversion_cost, _all_to_all_transfer, _all_to_all_bytes),
+    AllToAll: CostRule(_all_to_all_cost, _all_to_all_transfer, _all_to_all_bytes),
     AllGather: CostRule(_conversion_cost, _ring_transfer(gather=True), _gathered_bytes),
     ReduceScatter: CostRule(_conversion_cost, _ring_transfer(gather=False), _scattered_bytes),
-    AllReduce: CostRule(_message_cost, _all_reduce_transfer),
+    AllReduce: CostRule(_all_reduce_cost, _all_reduce_transfer),
 }.items():
     register_cost(_cls, _rule)
 del _cls, _rule
@@ -970,9 +1130,22 @@ class Prediction:
     def time_by_kind(self) -> dict[str, float]:
         return self.simulation.time_by_kind()
 
+    def first_step_peak_memory(self) -> list[int]:
+        """Peak bytes per rank of the first training step (what the runtime measures): Adam's moments
+        are allocated by its optimizer step, not resident before it (:attr:`peak_memory`: a steady
+        step's). Simulates the plan again."""
+        return predict(self.plan, self.cluster, overlap=self.overlap, first_step=True).peak_memory
 
-def predict(plan: Plan, cluster: Cluster, *, overlap: bool = False) -> Prediction:
-    """Simulate ``plan`` on ``cluster``: step time, per-rank busy/idle/wait time and peak memory."""
-    cost = PlanCost(plan, cluster)
-    sim = simulate(plan, cost, overlap=overlap, base_memory=[s.total for s in cost.static])
+    def first_step_above_resident(self) -> list[int]:
+        """Peak bytes per rank of the first step above what is resident before it (graph, features,
+        labels, parameters): what the runtime's ``PeakMemory`` measures of that step, gradients and
+        Adam's moments included (they are made during it)."""
+        return [p - (s.total - s.gradients - s.optimizer) for p, s in zip(self.first_step_peak_memory(), self.static)]
+
+
+def predict(plan: Plan, cluster: Cluster, *, overlap: bool = False, first_step: bool = False) -> Prediction:
+    """Simulate ``plan`` on ``cluster``: step time, per-rank busy/idle/wait time and peak memory (of
+    a steady step; ``first_step``: of the first, whose optimizer step allocates Adam's moments)."""
+    cost = PlanCost(plan, cluster, first_step=first_step)
+    sim = simulate(plan, cost, overlap=overlap, base_memory=cost.base_memory())
     return Prediction(plan=plan, cluster=cluster, simulation=sim, static=cost.static, overlap=overlap)
