@@ -86,7 +86,7 @@ def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False
     graph of uniform degree 10, width 64, in the Eq. 6 byte convention), and the three products
     of a linear layer (forward, weight and input gradient of ``x @ W^T``, ``x`` 4096 x 512) at
     output widths 4 to 256 (``gemm_curve``: narrow products run far below the square GEMM's
-    rate), the same with a deep input (``x`` 512 x 4096, ``gemm_deep_curve``: a first layer on
+    rate), the same with a deep input (``x`` 2048 x 4096, ``gemm_deep_curve``: a first layer on
     dense features), and the training loss's forward and backward per logit (``loss_rate``,
     ``loss_grad_rate``). Also the time of a tiny torch op (``launch_overhead``) and, over
     ``world_size`` launched ranks,
@@ -285,7 +285,7 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
     # the products of a linear layer of a GNN: many rows, a few hundred inputs, a narrow output; and
     # the same with a deep input (a first layer on dense features), as many input elements
     linear_rows, linear_inner = (2048, 256) if quick else (4096, 512)
-    deep_rows, deep_inner = (256, 2048) if quick else (512, 4096)
+    deep_rows, deep_inner = (256, 2048) if quick else (2048, 4096)
     linear_widths = (4, 8, 16, 32, 64, 128) if quick else (4, 8, 16, 32, 64, 128, 256)
     products_of: dict[str, tuple[int, int, torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
     for key, rows, inner in (("linear", linear_rows, linear_inner), ("linear_deep", deep_rows, deep_inner)):
