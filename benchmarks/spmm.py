@@ -364,6 +364,13 @@ def load_average() -> str:
         return "n/a"
 
 
+def table_lines(columns: tuple[str, ...], rows: list[Row]) -> list[str]:
+    """The markdown table of ``rows`` under ``columns`` (graph and system left-aligned)."""
+    return ["| " + " | ".join(columns) + " |",
+            "|" + "|".join("---" if i in (0, 4) else "---:" for i in range(len(columns))) + "|",
+            *("| " + " | ".join(cells(r)) + " |" for r in rows)]
+
+
 def markdown(rows: list[Row], stream: float, threads: int, repeat: int, loads: tuple[str, str]) -> str:
     """The body of the "SpMM throughput" section of RESULTS.md."""
     lines = [
@@ -379,12 +386,8 @@ def markdown(rows: list[Row], stream: float, threads: int, repeat: int, loads: t
         "`torch.sparse.mm(adj, x, \"sum\")` (ATen's sparse-reduce kernel). The byte model counts one x row "
         "read from memory per edge; rows served from cache (x fits in the 32 MiB L3 for Cora, coauthor_physics "
         "up to d = 64 and R-MAT at d <= 64; hubs are re-read) take results above 100% of STREAM.",
-        "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "|".join("---" if i in (0, 4) else "---:" for i in range(len(COLUMNS))) + "|",
     ]
-    lines += ["| " + " | ".join(cells(r)) + " |" for r in rows]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *table_lines(COLUMNS, rows)])
 
 
 def markdown_cuda(rows: list[Row], copy: float, repeat: int, warmup: int) -> str:
@@ -402,12 +405,8 @@ def markdown_cuda(rows: list[Row], copy: float, repeat: int, warmup: int) -> str
         "rows are the transposed product of a backward: over the transposed CSR, or scattered from A's own CSR "
         "(`transpose=True`, cuSPARSE op(A) = A^T for `cupy`). max abs err = largest deviation from the torch "
         "backend's result.",
-        "",
-        "| " + " | ".join(COLUMNS_CUDA) + " |",
-        "|" + "|".join("---" if i in (0, 4) else "---:" for i in range(len(COLUMNS_CUDA))) + "|",
     ]
-    lines += ["| " + " | ".join(cells(r)) + " |" for r in rows]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *table_lines(COLUMNS_CUDA, rows)])
 
 
 def main(argv: Optional[list[str]] = None) -> int:

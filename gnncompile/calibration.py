@@ -48,7 +48,7 @@ import torch
 from . import datasets, nn
 from .api import plan as make_plan
 from .cost_models.hardware import Cluster, _usable_cores
-from .cost_models.model import op_time
+from .cost_models.model import loss_time, stage_ops_time
 from .cost_models.specs import CPU_GAMMA, DeviceSpec, LinkSpec
 from .errors import PlanningError
 from .frontend.ops import propagate
@@ -122,11 +122,9 @@ def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False
         loss_rate=rates["loss_rate"][1],
         loss_grad_rate=rates["loss_grad_rate"][1],
         spmm_curve=tuple((p["working_set"], p["bandwidth"][1], p["edge_rate"][1]) for p in local["spmm_curve"]),
-        gemm_curve=tuple((p["width"], p["forward"][1], p["weight_grad"][1], p["input_grad"][1])
-                         for p in local["gemm_curve"]),
+        gemm_curve=_all_cores_curve(local["gemm_curve"]),
         gemm_inner=float(local["linear"]["inner"]),
-        gemm_deep_curve=tuple((p["width"], p["forward"][1], p["weight_grad"][1], p["input_grad"][1])
-                              for p in local["gemm_deep_curve"]),
+        gemm_deep_curve=_all_cores_curve(local["gemm_deep_curve"]),
         gemm_deep_inner=float(local["linear_deep"]["inner"]),
         gamma=CPU_GAMMA,
         push_factor=local["push"]["factor"],
@@ -152,6 +150,12 @@ def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False
     if path is not None:
         cluster.save(path)
     return cluster
+
+
+def _all_cores_curve(points: list[dict[str, Any]]) -> tuple[tuple[float, float, float, float], ...]:
+    """A measured GEMM curve as the device's ``(width, forward, weight gradient, input gradient)``
+    FLOP/s at all cores."""
+    return tuple((p["width"], p["forward"][1], p["weight_grad"][1], p["input_grad"][1]) for p in points)
 
 
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -203,10 +207,9 @@ def runtime_overheads(cluster: Any, *, quick: bool = False) -> dict[str, float]:
             if isinstance(inst, (Forward, Backward)):
                 st = stages[inst.stage]
                 back = isinstance(inst, Backward)
-                compute = sum(op_time(op, dp.sizes, bare, backward=back) for op in st.costs)
-                rate = bare.loss_grad_rate if back else bare.loss_rate
-                if rate:  # the loss, in the stage that makes the output (PlanCost.stage_time)
-                    compute += sum(dp.sizes.nodes * op.width / rate for op in st.costs if op.name == p.info["output"])
+                # what the cost model charges the stage beyond the fixed costs (PlanCost.stage_time)
+                compute = stage_ops_time(st, dp.sizes, bare, back) + loss_time(st, dp.sizes, bare, back,
+                                                                                p.info["output"])
                 samples["B" if back else "F"].append((len(st.costs), measured - compute))
             elif isinstance(inst, HaloExchange):
                 samples["comm"].append((0.0, measured))

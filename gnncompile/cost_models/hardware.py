@@ -218,6 +218,11 @@ class Cluster:
             within = min(threads, self.cores)
             return (single + slope * (within - 1) + max(0.0, slope) * (threads - within)) * share
 
+        def gemm(key: str) -> tuple:
+            """The calibrated GEMM curve ``key`` at this rank's threads (the device's where none)."""
+            return tuple((p["width"], *(rate(p[k]) for k in ("forward", "weight_grad", "input_grad")))
+                         for p in self.calibration.get(key, [])) or getattr(self.device, key)
+
         rates = self._thread_rates()
         return dataclasses.replace(
             self.device,
@@ -231,10 +236,8 @@ class Cluster:
             loss_grad_rate=rate(rates["loss_grad_rate"]) if "loss_grad_rate" in rates else self.device.loss_grad_rate,
             spmm_curve=tuple((p["working_set"], rate(p["bandwidth"]), rate(p["edge_rate"]))
                              for p in self.calibration.get("spmm_curve", [])) or self.device.spmm_curve,
-            gemm_curve=tuple((p["width"], rate(p["forward"]), rate(p["weight_grad"]), rate(p["input_grad"]))
-                             for p in self.calibration.get("gemm_curve", [])) or self.device.gemm_curve,
-            gemm_deep_curve=tuple((p["width"], rate(p["forward"]), rate(p["weight_grad"]), rate(p["input_grad"]))
-                                  for p in self.calibration.get("gemm_deep_curve", [])) or self.device.gemm_deep_curve,
+            gemm_curve=gemm("gemm_curve"),
+            gemm_deep_curve=gemm("gemm_deep_curve"),
             memory=self.device.memory // ranks,
             # fixed costs are CPU time too: time-shared cores stretch them
             launch_overhead=self.device.launch_overhead / share,

@@ -225,6 +225,17 @@ def stage_ops_time(stage: StageSpec, sizes: RankSizes, device: DeviceSpec, backw
     return t
 
 
+def loss_time(stage: StageSpec, sizes: RankSizes, device: DeviceSpec, backward: bool, output: Optional[str]) -> float:
+    """Seconds of the training loss in a Forward (or Backward) of ``stage`` on a rank of ``sizes``: the
+    logits of the model's ``output`` (its rows and width, where the stage makes it) over the device's
+    loss rates; 0 where the stage does not make it or the rates were not calibrated."""
+    rate = device.loss_grad_rate if backward else device.loss_rate
+    op = next((op for op in stage.costs if op.name == output), None) if rate else None
+    if op is None:
+        return 0.0
+    return _op_sizes(op, sizes)[0].nodes * op.width / rate
+
+
 @dataclass(frozen=True)
 class StaticMemory:
     """Bytes a rank holds for the whole step, by kind; ``gradients`` are the exception: they live from
@@ -533,19 +544,10 @@ class PlanCost:
         if t is None:
             at = sizes.per_chunk()
             push = backward and self.plan.info.get("topology", {}).get("backward") == "push"
-            t = stage_ops_time(stage, at, dev, backward, push) + self._loss_time(stage, at, dev, backward)
+            t = stage_ops_time(stage, at, dev, backward, push) + \
+                loss_time(stage, at, dev, backward, self.plan.info.get("output"))
             self._stage_times[key] = t
         return t
-
-    def _loss_time(self, stage: StageSpec, sizes: RankSizes, device: DeviceSpec, backward: bool) -> float:
-        """Seconds of the training loss in a Forward (or Backward) of ``stage``: its logits (the rows
-        and width of the model's output, where the stage makes it) over the device's loss rates."""
-        rate = device.loss_grad_rate if backward else device.loss_rate
-        output = self.plan.info.get("output")
-        op = next((op for op in stage.costs if op.name == output), None) if rate else None
-        if op is None:
-            return 0.0
-        return _op_sizes(op, sizes)[0].nodes * op.width / rate
 
     # ------------------------------------------------------------------ communication
     def comm_time(self, rank: int, inst: Instruction) -> float:

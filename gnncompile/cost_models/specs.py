@@ -182,9 +182,8 @@ class DeviceSpec:
         The inner size (input width ``K`` of ``x``) of the products of :attr:`gemm_curve`.
     gemm_deep_curve : tuple of (width, forward, weight gradient, input gradient)
         The same products with a deep input, ``K =`` :attr:`gemm_deep_inner` (a first layer on
-        dense features: a narrow product packs and streams the whole input once per output
-        block, so its rate falls with ``K``: on the 2-vCPU Zen host at width 16, 62-72 GFLOP/s per
-        core at ``K = 512``, 37-48 at ``K >= 1024``). Empty: no dependence on ``K``.
+        dense features, whose narrow products run below the shallow curve's rates). Empty: no
+        dependence on ``K``.
     gemm_deep_inner : float, optional
         The inner size of :attr:`gemm_deep_curve`'s products.
     """
