@@ -46,7 +46,7 @@ def _cluster(gpus: Any) -> Cluster:
 
 def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4, *, strategy: Optional[str] = None,
          semantics: str = "exact", devices: str = "all", overlap: bool = False, verify: bool = True,
-         **options: Any) -> "Plan":
+         features: str = "auto", **options: Any) -> "Plan":
     """Plan parallel training of ``model`` on ``graph`` over the devices ``gpus`` describes.
 
     Parameters
@@ -80,6 +80,12 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         with a communication stream). The default ``False`` simulates what ``plan.run`` does:
         blocking collectives, except sends and all-to-alls, which are posted and waited for by
         their first reader (so a chunked ``tensor`` plan's all-to-alls overlap the next chunk).
+    features:
+        How ranks hold the input features (:mod:`gnncompile.passes.features`): ``"auto"`` (default)
+        stores a dense feature matrix that is mostly zeros as CSR when only linear layers read it and
+        the cost models predict those layers faster so (exact: the products skip zero terms);
+        ``"dense"`` keeps it as given; ``"csr"`` always converts it (a ``PlanningError`` if the model
+        reads it otherwise). Recorded in ``plan.options["features"]``; ``plan.explain()`` says why.
     verify:
         Check the plan with :func:`gnncompile.verify_plan` (matching sends and receives, collective
         order, a deadlock dry run) before returning it; a violation raises ``VerificationError``.
@@ -112,7 +118,7 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
     if max(ranks) > max(graph.num_nodes, 1) and devices == "all":
         raise PlanningError(f"gpus={cluster.num_devices} exceeds the graph's {graph.num_nodes} vertices")
     result = search(model, graph, cluster, semantics=semantics, strategies=None if named is None else [named.name],
-                    fixed=fixed, ranks=ranks, overlap=overlap)
+                    fixed=fixed, ranks=ranks, overlap=overlap, features=features)
     best = result.best
     chosen = best.plan
     chosen.search = result
@@ -288,7 +294,9 @@ def load_plan(path: Union[str, Path], model: Optional[torch.nn.Module] = None,
     saved = read_plan(path)
     if model is None:
         return runnable(saved)
-    rebuilt = runnable(plan(model, graph, gpus=saved.num_ranks, **saved.options))
+    options = dict(saved.options)
+    options.setdefault("features", "dense")  # plans saved before the layout was a decision held x as given
+    rebuilt = runnable(plan(model, graph, gpus=saved.num_ranks, **options))
     diffs = plan_differences(saved, rebuilt)
     if diffs:
         shown = diffs[:8] + ([f"... {len(diffs) - 8} more"] if len(diffs) > 8 else [])

@@ -180,7 +180,7 @@ def _make_plan(args: argparse.Namespace):
                                num_layers=args.layers, dropout=args.dropout, **extra)
     strategy = None if args.strategy == "auto" else args.strategy
     p = plan(model, graph, gpus=_gpus(args.gpus), strategy=strategy, semantics=args.semantics, seed=args.seed,
-             **_strategy_options(args))
+             features=args.features, **_strategy_options(args))
     return graph, model, p
 
 
@@ -531,6 +531,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="parallelization strategy; auto (default) lets the cost models choose")
     p.add_argument("--semantics", default="exact", choices=("exact", "relaxed"),
                    help="refuse (exact, default) or allow relaxed transformations")
+    p.add_argument("--features", default="auto", choices=("auto", "dense", "csr"),
+                   help="how ranks hold the input features: auto (default) stores mostly-zero dense features as "
+                        "CSR when only linear layers read them and the cost models predict it faster")
     _add_strategy_options(p)
     p.add_argument("--explain", action="store_true", help="print the planner's candidates and why it chose the plan")
     p.add_argument("--timeline", default=None, metavar="PATH", help="draw the predicted (and measured) timeline")

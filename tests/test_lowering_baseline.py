@@ -30,6 +30,10 @@ def _without_backward_option(fp: dict[str, Any]) -> dict[str, Any]:
     return {**fp, "options": {k: v for k, v in fp["options"].items() if k != "backward"}}
 
 
+def _without_features_option(fp: dict[str, Any]) -> dict[str, Any]:
+    return {**fp, "options": {k: v for k, v in fp["options"].items() if k != "features"}}
+
+
 def _without_frees(fp: dict[str, Any]) -> dict[str, Any]:
     ranks = [{k: [i for i in v if not i.startswith("Free(")] if k.endswith("instructions") else v
               for k, v in r.items()} for r in fp["ranks"]]
@@ -50,6 +54,9 @@ INTENDED: list[tuple[str, str, Callable[[dict[str, Any]], dict[str, Any]], Calla
     ("*", "every strategy gained the option of how propagations compute their backward product (backward; "
           "'transposed': what they did before)",
      _without_backward_option, lambda fp: fp["options"].get("backward") == "transposed"),
+    ("*", "every plan records how ranks hold the input features (features; the cases' features are dense "
+          "Gaussian, which the planner keeps dense: 'dense', what they did before)",
+     _without_features_option, lambda fp: fp["options"].get("features") == "dense"),
 ]
 
 

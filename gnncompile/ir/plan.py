@@ -855,7 +855,8 @@ class Plan:
                  f"  cluster: {self.cluster}",
                  f"  relaxed transformations applied: {rel}"]
         if self.info.get("graph"):
-            lines.append(f"  graph: {self.info['graph']}")
+            lines.append(f"  graph: {self.info['graph']}"
+                         + ("; input features held as CSR" if self.options.get("features") == "csr" else ""))
         if self.info.get("model"):
             lines.append(f"  model: {self.info['model']}")
         if self.options.get("backward") == "push":

@@ -59,6 +59,7 @@ from ..ir.plan import AllGather, AllReduce, AllToAll, Backward, DevicePlan, Forw
 from ..ir.replay import dependencies
 from ..ir.rules import rule
 from ..ir.tpgraph import TPGraph
+from .features import choose_feature_layout, trace_both
 from .driver import lower, with_backward
 from .registry import STRATEGIES, get, neutral_values
 from .schedule import Pruned, RankOutline, StepOutline, checking_outlines
@@ -312,11 +313,14 @@ def candidates(cluster: Cluster, *, semantics: str = "exact", strategies: Option
 def search(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Cluster, *,
            tp: Optional[TPGraph] = None, tp_eval: Optional[TPGraph] = None, semantics: str = "exact",
            strategies: Optional[Iterable[str]] = None, fixed: Optional[dict[str, Any]] = None,
-           ranks: Optional[Sequence[int]] = None, overlap: bool = False) -> SearchResult:
-    """Lower, predict, filter and rank every candidate (see the module docstring)."""
+           ranks: Optional[Sequence[int]] = None, overlap: bool = False, features: str = "auto") -> SearchResult:
+    """Lower, predict, filter and rank every candidate (see the module docstring); ``features``: how
+    ranks hold the input features (:func:`~gnncompile.passes.features.choose_feature_layout`)."""
     t0 = time.perf_counter()
     if tp is None or tp_eval is None:
-        tp, tp_eval = _trace_both(model, graph)
+        tp, tp_eval = trace_both(model, graph)
+    layout = choose_feature_layout(model, graph, cluster, tp, tp_eval, features)
+    graph, tp, tp_eval = layout.graph, layout.tp, layout.tp_eval
     ok: list[Evaluated] = []
     rejected: list[Evaluated] = []
     found = candidates(cluster, semantics=semantics, strategies=strategies, fixed=fixed, ranks=ranks)
@@ -326,8 +330,13 @@ def search(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Clu
         ev = _evaluate(cand, model, graph, cluster, tp, tp_eval, semantics, overlap, beat=best)
         (ok if ev.ok else rejected).append(ev)
     ok.sort(key=lambda e: (e.step_time, e.candidate.num_ranks, e.max_bytes))
+    for e in ok + rejected:
+        if e.plan is not None:
+            e.plan.options["features"] = layout.layout
     result = SearchResult(cluster=cluster, semantics=semantics, ranked=ok, rejected=rejected,
                           seconds=time.perf_counter() - t0)
+    if layout.note:
+        result.notes.append(layout.note)
     if not cluster.calibrated:
         result.notes.append("the CPU numbers are uncalibrated placeholders; run `gnncompile calibrate` once on "
                             "this machine for predictions that track measurements")
@@ -343,16 +352,6 @@ def search(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Clu
     if not ok:
         raise PlanningError(_nothing_fits(result))
     return result
-
-
-def _trace_both(model: torch.nn.Module, graph: Union[Graph, GraphStats]) -> tuple[TPGraph, TPGraph]:
-    from ..frontend.tracer import trace
-
-    was_training = model.training
-    try:
-        return trace(model, graph, training=True), trace(model, graph, training=False)
-    finally:
-        model.train(was_training)
 
 
 #: The fewest instructions (over all ranks) a candidate's step must have for the search to prune it
@@ -653,21 +652,26 @@ def _evaluate(cand: Candidate, model: torch.nn.Module, graph: Union[Graph, Graph
 
 def evaluate(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Cluster, strategy: str = "data", *,
              num_ranks: Optional[int] = None, semantics: str = "exact", overlap: bool = False,
-             **options: Any) -> Evaluated:
+             features: str = "auto", **options: Any) -> Evaluated:
     """Lower and predict one candidate without filtering it (e.g. to see how far a plan overflows).
 
     ``options`` are the strategy's options (``partitioner="metis"``, ``recompute=False``...);
-    ``num_ranks`` defaults to every device of ``cluster``.
+    ``num_ranks`` defaults to every device of ``cluster``; ``features`` as for :func:`search`.
     """
     if strategy not in STRATEGIES:
         raise PlanningError(f"no lowering registered for strategy {strategy!r}; registered: {', '.join(STRATEGIES)}")
-    tp, tp_eval = _trace_both(model, graph)
+    tp, tp_eval = trace_both(model, graph)
+    layout = choose_feature_layout(model, graph, cluster, tp, tp_eval, features)
+    graph, tp, tp_eval = layout.graph, layout.tp, layout.tp_eval
     opts = STRATEGIES[strategy].candidates(semantics, options, neutral_values(), num_ranks or cluster.num_devices)
     if len(opts) != 1:
         raise PlanningError(f"evaluate: fix every option of strategy {strategy!r} (got {sorted(options)}); "
                             f"it would try {len(opts)} variants")
     cand = Candidate(strategy, opts[0], num_ranks or cluster.num_devices)
-    return _evaluate(cand, model, graph, cluster, tp, tp_eval, semantics, overlap)
+    ev = _evaluate(cand, model, graph, cluster, tp, tp_eval, semantics, overlap)
+    if ev.plan is not None:
+        ev.plan.options["features"] = layout.layout
+    return ev
 
 
 def _nothing_fits(result: SearchResult) -> str:
