@@ -96,3 +96,81 @@ def test_send_recv_counts_bytes() -> None:
     assert b["got"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     assert a["stats"]["sent"]["train"] == {1: 24} and a["stats"]["received"]["train"] == {1: 8}
     assert b["stats"]["sent"]["train"] == {0: 8} and b["stats"]["received"]["train"] == {0: 24}
+
+
+# --------------------------------------------------------------------------- waiting by polling
+class _FakeWork:
+    """A work handle that completes after ``polls`` calls of ``is_completed`` (never: ``None``)."""
+
+    def __init__(self, polls) -> None:
+        self.polls, self.checked, self.waited = polls, 0, False
+
+    def is_completed(self) -> bool:
+        self.checked += 1
+        return self.polls is not None and self.checked > self.polls
+
+    def wait(self) -> bool:
+        self.waited = True
+        return True
+
+
+def test_complete_polls_until_the_work_completes_then_waits() -> None:
+    from gnncompile.runtime import comm
+
+    w = _FakeWork(polls=5)
+    comm.complete(w, poll=True)
+    assert w.checked == 6 and w.waited
+    sleeping = _FakeWork(polls=5)
+    comm.complete(sleeping)  # without poll: straight to the library's wait
+    assert sleeping.checked == 0 and sleeping.waited
+
+
+def test_complete_stops_polling_after_poll_seconds(monkeypatch) -> None:
+    import time
+
+    from gnncompile.runtime import comm
+
+    monkeypatch.setattr(comm, "POLL_SECONDS", 0.02)
+    w = _FakeWork(polls=None)  # a peer that never answers: the library's wait (and its timeout) takes over
+    t0 = time.perf_counter()
+    comm.complete(w, poll=True)
+    assert w.waited and 0.02 <= time.perf_counter() - t0 < 1.0 and w.checked > 1
+
+
+def test_ranks_poll_only_on_cpu_gloo_with_cores_of_their_own() -> None:
+    import os
+
+    from gnncompile.runtime.comm import polls_by_default
+
+    cores = len(os.sched_getaffinity(0))
+    cpu = torch.device("cpu")
+    assert polls_by_default("gloo", cpu, 1, cores)
+    assert not polls_by_default("gloo", cpu, cores + 1, 1)  # oversubscribed: sleep, leave the cores to peers
+    assert not polls_by_default("gloo", cpu, 1, cores + 1)
+    assert not polls_by_default("nccl", torch.device("cuda", 0), 1, 1)
+    assert not polls_by_default("gloo", torch.device("cuda", 0), 1, 1)
+
+
+def _polling_worker(ctx: RankContext) -> dict:
+    comm = Communicator(ctx.rank, ctx.world_size, poll=True)
+    n = sum(ROWS)
+    x = _global(3, n, 2)
+    r = offsets(ROWS)
+    rows = x[r[ctx.rank]:r[ctx.rank + 1]]
+    back = cols_to_rows(rows_to_cols(rows, comm, ROWS, (1, 1, 0)), comm, ROWS, (1, 1, 0))
+    total = comm.sum_(torch.full((3,), float(ctx.rank + 1), dtype=torch.float64))
+    if ctx.rank == 0:
+        comm.send(torch.arange(4.0), 1)
+        got = None
+    elif ctx.rank == 1:
+        got = comm.recv((4,), torch.float32, 0)
+    else:
+        got = None
+    return dict(round_trip=torch.equal(back, rows), total=total.tolist(), got=None if got is None else got.tolist())
+
+
+def test_a_polling_communicator_gives_the_same_results() -> None:
+    out = launch(_polling_worker, 3, backend="gloo", timeout=60)
+    assert all(o["round_trip"] for o in out)
+    assert all(o["total"] == [6.0, 6.0, 6.0] for o in out)
+    assert out[1]["got"] == [0.0, 1.0, 2.0, 3.0]

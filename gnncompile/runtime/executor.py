@@ -50,7 +50,7 @@ from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, Forward, Free, 
                        resolve_shape)
 from ..ir.rules import register_execute, rule
 from . import checkpoint as ckpt
-from .comm import Communicator, HaloSpec, Pending, note_progress
+from .comm import Communicator, HaloSpec, Pending, note_progress, polls_by_default
 from .inputs import StepInputProvider, StepView
 from .launcher import Placement, RankContext, RankFailure, launch, resolve_placement, visible_gpus
 from .memory import PeakMemory
@@ -245,7 +245,10 @@ class _Rank:
         self.prog = prog
         self.ctx = ctx
         self.provider = provider
-        self.comm = Communicator(ctx.rank, ctx.world_size, stage_through_host=ctx.stage_through_host)
+        # ranks started by torchrun say how many share this machine; launch() starts all of them here
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+        self.comm = Communicator(ctx.rank, ctx.world_size, stage_through_host=ctx.stage_through_host,
+                                 poll=polls_by_default(ctx.backend, ctx.device, local_ranks, torch.get_num_threads()))
         self.clock = _Clock(ctx.device)
         send_index, recv_count = provider.step.halo
         g = provider.inputs.get("g")
