@@ -218,3 +218,24 @@ def test_transposed_product_on_rectangular_and_skewed_structures(backend: str, d
         ref.index_add_(0, csr.indices.long(), contrib)
         tol = 1e-5 if dtype == torch.float32 else 1e-12
         torch.testing.assert_close(out, ref, rtol=tol, atol=tol, msg=lambda m, s=shape: f"{s}: {m}")
+
+
+@pytest.mark.skipif("native" not in BACKENDS, reason="the native kernels need a C++ compiler to build")
+def test_sparse_feature_structure_is_prepared_once_per_matrix() -> None:
+    """The native kernels' form of a CSR feature matrix (index form, the transposed product's thread
+    parts) is cached per structure: a dropout-rescaled copy sharing the structure reuses it, another
+    matrix gets its own, and the cache stays small."""
+    from gnncompile.nn import functional as nnf
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.rand(30, 20, generator=gen) < 0.2).to(DT).to_sparse_csr()
+    nnf._NATIVE_CSRS.clear()
+    first = nnf._native_csr(x)
+    rescaled = nnf.feature_dropout(x, p=0.5, training=True)
+    assert nnf._native_csr(x) is first and nnf._native_csr(rescaled) is first
+    lin = nnf.Linear(20, 4).to(DT)
+    lin(rescaled).sum().backward()  # forward and transposed product both use the cached structure
+    assert len(nnf._NATIVE_CSRS) == 1 and any(k.startswith("native:push_parts:") for k in first.cache)
+    others = [(torch.rand(30, 20, generator=gen) < 0.2).to(DT).to_sparse_csr() for _ in range(6)]
+    assert all(nnf._native_csr(o) is not first for o in others)
+    assert len(nnf._NATIVE_CSRS) <= nnf._MAX_TRANSPOSES

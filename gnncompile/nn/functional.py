@@ -68,12 +68,28 @@ def _csr_transpose(x: torch.Tensor) -> torch.Tensor:
                                    device=x.device, check_invariants=False)
 
 
+#: Native-kernel structures of sparse CSR matrices: (crow, col) data pointers, shape and nnz -> a
+#: :class:`kernels.CSR` that holds the index tensors (so the pointers in the key stay theirs while
+#: cached) and what the kernels derive from them (their index form, the transposed product's
+#: thread parts): made once per feature matrix instead of every product. A few entries.
+_NATIVE_CSRS: "OrderedDict[tuple, kernels.CSR]" = OrderedDict()
+
+
 def _native_csr(x: torch.Tensor) -> Optional[kernels.CSR]:
-    """``x``'s structure for the native kernels, when ``x`` is on the CPU and they are the CPU's
-    backend (else ``None``)."""
-    if x.device.type == "cpu" and kernels.default_backend("cpu") == "native":
-        return kernels.CSR(x.crow_indices().to(torch.int64), x.col_indices(), x.shape[0], x.shape[1])
-    return None
+    """``x``'s structure for the native kernels (cached per structure), when ``x`` is on the CPU and
+    they are the CPU's backend (else ``None``)."""
+    if x.device.type != "cpu" or kernels.default_backend("cpu") != "native":
+        return None
+    crow, col = x.crow_indices(), x.col_indices()
+    key = (crow.data_ptr(), col.data_ptr(), tuple(x.shape), int(col.numel()))
+    csr = _NATIVE_CSRS.get(key)
+    if csr is None or csr.indices is not col and csr.indices.data_ptr() != col.data_ptr():
+        csr = _NATIVE_CSRS[key] = kernels.CSR(crow.to(torch.int64), col, x.shape[0], x.shape[1])
+        if len(_NATIVE_CSRS) > _MAX_TRANSPOSES:
+            _NATIVE_CSRS.popitem(last=False)
+    else:
+        _NATIVE_CSRS.move_to_end(key)
+    return csr
 
 
 def _sparse_matmul(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
