@@ -41,7 +41,7 @@ import socket
 import statistics
 import time
 from collections import defaultdict
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -55,6 +55,7 @@ from .frontend.ops import propagate
 from .graph.core import Graph
 from .ir.plan import Backward, Forward, HaloExchange, OptimizerStep
 from .kernels import CSR, default_backend, spmm
+from .runtime.comm import complete, polls_by_default
 from .runtime.executor import run_plan
 from .runtime.launcher import launch
 
@@ -132,9 +133,10 @@ def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False
         kind="cpu",
     )
     rank_rates = {k: local[k] for k in ("rates", "spmm_curve", "gemm_curve", "gemm_deep_curve")}
-    device = dataclasses.replace(device, runtime=runtime_overheads(
+    runtime = runtime_overheads(
         Cluster(1, 1, device, LinkSpec("shm", comm["bandwidth"], comm["latency"]), cores=cores, threads_per_rank=1,
-                calibration=rank_rates), quick=quick))
+                calibration=rank_rates), quick=quick)
+    device = dataclasses.replace(device, runtime={**runtime, "switch": local["switch"]["seconds"]})
     calibration = {
         "host": host,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -339,6 +341,7 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
                     linear[key].setdefault(str(w), {}).setdefault(name, {})[str(t)] = _best_time(fn, repeats, budget)
     tiny, ops = torch.zeros(1), 200
     op_overhead = _best_time(lambda: [tiny.add_(1.0) for _ in range(ops)], repeats, budget) / ops
+    switch = _switch_seconds(gen, 100 if quick else 300)
     torch.set_num_threads(max(threads))
     push = _push_seconds(spmm_cases[-1], repeats, budget)
 
@@ -391,8 +394,57 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
         "spmm_curve": [{"working_set": case["working_set"], "bandwidth": pair(lambda t, c=case: fit(c, t)[1]),
                         "edge_rate": pair(lambda t, c=case: fit(c, t)[0])} for case in spmm_cases],
         "op_overhead": {"op": "add_ on a 1-element tensor, 1 thread", "seconds": op_overhead},
+        "switch": switch,
         "push": push,
     }
+
+
+def _switch_seconds(gen: torch.Generator, rounds: int) -> dict[str, Any]:
+    """How much longer a small step-like computation (a propagation and a ReLU, 4096 rows of width
+    16: cache-resident) takes right after its thread blocked while another thread ran (three
+    hand-offs through queues, as a rank waiting for a collective and gloo's threads do) than right
+    after running it: the caches and predictors the switch cost it. Median over ``rounds`` of each,
+    interleaved, at the threads set."""
+    import queue
+    import threading
+
+    rows, degree, width = 4096, 10, 16
+    graph = Graph.from_edge_index(torch.stack([torch.randint(0, rows, (rows * degree,), generator=gen),
+                                               torch.arange(rows).repeat_interleave(degree)]), rows)
+    x = torch.randn(rows, width, generator=gen)
+
+    def work() -> None:
+        torch.relu(propagate(graph, x, "gcn", add_self_loops=True))
+
+    requests: "queue.Queue[Optional[int]]" = queue.Queue()
+    replies: "queue.Queue[int]" = queue.Queue()
+
+    def echo() -> None:
+        while (item := requests.get()) is not None:
+            replies.put(item)
+
+    worker = threading.Thread(target=echo, daemon=True)
+    worker.start()
+    warm, after = [], []
+    try:
+        for _ in range(rounds):
+            work()
+            t0 = time.perf_counter()
+            work()
+            warm.append(time.perf_counter() - t0)
+            for _ in range(3):
+                requests.put(1)
+                replies.get()
+            t0 = time.perf_counter()
+            work()
+            after.append(time.perf_counter() - t0)
+    finally:
+        requests.put(None)
+        worker.join()
+    plain, switched = statistics.median(warm), statistics.median(after)
+    return {"op": f"relu(propagate) over {rows} rows of width {width}, after 3 thread hand-offs vs in a row",
+            "threads": torch.get_num_threads(), "seconds_in_a_row": plain, "seconds_after_switch": switched,
+            "seconds": max(0.0, switched - plain)}
 
 
 def _push_seconds(case: dict[str, Any], repeats: int, budget: float) -> dict[str, Any]:
@@ -428,11 +480,14 @@ def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int],
     """Run on each launched rank: seconds per ``all_reduce`` / ``all_to_all_single`` of each size,
     ``"back_to_back"``: the best over ``batches`` of ``iters[i]`` calls in a row; ``"in_step"``: the
     mean of ``calls`` calls each after the same short computation on every rank, as the runtime
-    issues them (a collective follows a stage's compute: the ranks arrive at it apart, and a peer
-    that computed meanwhile answers later than one spinning on the previous call)."""
+    issues and waits for them (:func:`~gnncompile.runtime.comm.complete`; a collective follows a
+    stage's compute: the ranks arrive at it apart, and a peer that computed meanwhile answers
+    later than one spinning on the previous call)."""
     import torch.distributed as dist
 
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+    # wait as the runtime's ranks do (polling when the ranks have cores of their own)
+    poll = polls_by_default(ctx.backend, ctx.device, ctx.world_size, torch.get_num_threads())
     result: dict[str, dict[str, list[float]]] = {
         "back_to_back": {"all_reduce": [], "all_to_all": []}, "in_step": {"all_reduce": [], "all_to_all": []}}
     a = torch.rand(128, 128, device=ctx.device)
@@ -446,8 +501,8 @@ def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int],
     for nbytes, k in zip(sizes, iters):
         src = torch.zeros(nbytes // 4, device=ctx.device)
         dst = torch.empty_like(src)
-        for op, call in (("all_reduce", lambda: dist.all_reduce(src)),
-                         ("all_to_all", lambda: dist.all_to_all_single(dst, src))):
+        for op, call in (("all_reduce", lambda: complete(dist.all_reduce(src, async_op=True), poll)),
+                         ("all_to_all", lambda: complete(dist.all_to_all_single(dst, src, async_op=True), poll))):
             call()
             best = math.inf
             for _ in range(batches):

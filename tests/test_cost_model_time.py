@@ -221,3 +221,44 @@ def test_fraction_forms_are_detected_exactly() -> None:
                 bytes=Lin(Fraction(92), Fraction(0), Fraction(448)), width=7, backward=2)
     dev = _device(gemm_curve=CURVE)
     assert op_time(op, RankSizes(nodes=100, edges=0), dev) == pytest.approx(2 * 16 * 7 * 100 / dev.gemm_rates(7)[0])
+
+
+# --- compute after a wait for peers ----------------------------------------------------------------------
+
+def test_compute_after_a_wait_for_peers_pays_the_switch() -> None:
+    """``runtime["switch"]`` is charged to each compute instruction (and the optimizer step) that follows a
+    communication with peers, FREEs between them aside; a one-rank plan's exchanges have no peers."""
+    from gnncompile.cost_models.model import PlanCost, _RankWalk
+    from gnncompile.ir.plan import AllReduce, Backward, Forward, Free, HaloExchange, OptimizerStep
+    from gnncompile.ir.rules import rule
+
+    g = gc.datasets.synthetic("sbm", num_nodes=80, avg_degree=4, num_features=8, num_classes=3, seed=0)
+    torch.manual_seed(0)
+    model = gc.nn.GCN(8, 8, 3, num_layers=2, dropout=0.0)
+    base = Cluster.parse("2xcpu")
+    device = dataclasses.replace(base.device, runtime={"stage": 1e-5, "switch": 7e-3})
+    for ranks in (1, 2):
+        cluster = dataclasses.replace(Cluster.parse(f"{ranks}xcpu"), device=device)
+        plan = gc.plan(model, g, cluster, strategy="data")
+        walk = _RankWalk(PlanCost(plan, cluster), plan.ranks[0])
+        insts = plan.ranks[0].instructions
+        if ranks == 1:
+            assert not walk.after_wait
+            continue
+        expected = set()
+        waited = False
+        for i, inst in enumerate(insts):
+            if isinstance(inst, Free):
+                continue
+            if waited and isinstance(inst, (Forward, Backward, OptimizerStep)):
+                expected.add(i)
+            waited = isinstance(inst, (HaloExchange, AllReduce))
+        assert walk.after_wait == expected and expected
+        assert any(isinstance(insts[i], OptimizerStep) for i in expected)  # after the gradients' all-reduce
+        for i in range(len(insts)):
+            if rule(insts[i]).kind in ("compute", "optimizer"):
+                cost = rule(insts[i]).cost_rule().cost
+                no_switch = dataclasses.replace(device, runtime={"stage": 1e-5})
+                plain = _RankWalk(PlanCost(plan, dataclasses.replace(cluster, device=no_switch)), plan.ranks[0])
+                extra = cost(walk, i, insts[i])[0] - cost(plain, i, insts[i])[0]
+                assert extra == pytest.approx(7e-3 if i in expected else 0.0, abs=1e-9)

@@ -164,7 +164,7 @@ class _Recorder:
 
     def __getattr__(self, name: str):
         real = getattr(dist, name)
-        if name not in ("send", "isend", "recv"):
+        if name not in ("send", "isend", "recv", "irecv"):
             return real
 
         def call(t: torch.Tensor, *args, **kwargs):

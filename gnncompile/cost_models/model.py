@@ -29,7 +29,8 @@ Compute (per op of a stage, on the rank's device):
 - ``E`` ops (edge-wise): memory bound, ``bytes / memory bandwidth``; backward twice.
 - fixed costs: the runtime's measured overheads (``DeviceSpec.runtime``: per stage instruction,
   per op forward and backward, per communication instruction, per parameter tensor of the
-  optimizer), or ``launch_overhead`` per op where none were measured; a checkpointed
+  optimizer, per compute instruction that follows a wait for peers), or ``launch_overhead`` per
+  op where none were measured; a checkpointed
   (``recompute``) segment runs its forward again in the backward.
 - ``OPT``: Adam reads and writes parameters, gradients and two moments: ``16 * 4 * params`` bytes.
 
@@ -649,6 +650,18 @@ class _RankWalk:
                         end = back if saves_input else i
                         first, last = self.concat_span.get((v, read), (i, end))
                         self.concat_span[v, read] = (min(first, i), max(last, end))
+        #: compute instructions that follow a wait for peers (nothing but FREEs between): each pays the
+        #: device's ``runtime["switch"]`` (its thread blocked while others ran)
+        self.after_wait: set[int] = set()
+        if len(plan.ranks) > 1:
+            waited = False
+            for i, inst in enumerate(dp.instructions):
+                r = rule(inst)
+                if r.kind == "memory":
+                    continue
+                if waited and r.kind in ("compute", "optimizer"):
+                    self.after_wait.add(i)
+                waited = r.communicates
         #: where posted sends are last waited for: the optimizer step (else the last instruction)
         self.optimizer_at = next((i for i, inst in enumerate(dp.instructions) if isinstance(inst, OptimizerStep)),
                                  len(dp.instructions) - 1)
@@ -669,6 +682,10 @@ class _RankWalk:
 
     def release_at(self, i: int, nbytes: float) -> None:
         self.frees[i] = self.frees.get(i, 0.0) + nbytes
+
+    def switch(self, i: int) -> float:
+        """What instruction ``i`` pays for following a wait for peers (0 if it does not)."""
+        return self.cost.devices[self.dp.rank].runtime.get("switch", 0.0) if i in self.after_wait else 0.0
 
 
 #: What a cost rule returns for one instruction: seconds, stream, bytes allocated when it starts
@@ -728,7 +745,7 @@ def _make_gradients(w: _RankWalk, nbytes: float) -> float:
 
 def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> StepCost:
     st = w.stages[inst.stage]
-    seconds = w.cost.stage_time(w.dp.rank, st, backward=False)
+    seconds = w.cost.stage_time(w.dp.rank, st, backward=False) + w.switch(i)
     if isinstance(inst, Forward) and "x" in st.inputs:  # a sampled step's features arrive first
         seconds += load_seconds(w.cost.plan, w.dp, w.cost.devices[w.dp.rank])
     kept = _saved_per_op(w, st)
@@ -855,7 +872,7 @@ def _outputs_saved(st: StageSpec) -> dict[int, str]:
 
 def _backward_cost(w: _RankWalk, i: int, inst: Backward) -> StepCost:
     st = w.stages[inst.stage]
-    seconds = w.cost.stage_time(w.dp.rank, st, backward=True)
+    seconds = w.cost.stage_time(w.dp.rank, st, backward=True) + w.switch(i)
     # the ops last to first: op k's backward holds the saved tensors of ops 0..k (later ones are
     # released), the gradients of its output and of its input (ops autograd visits only); a
     # checkpointed segment first replays its forward, its ops saving what they save with gradients
@@ -900,7 +917,7 @@ def _optimizer_cost(w: _RankWalk, i: int, inst: OptimizerStep) -> StepCost:
     tensors = int(info.get("param_tensors", 1))
     # the step's bookkeeping outside instructions (loss, zeroing gradients) is charged here
     seconds = params * _ADAM_BYTES_PER_PARAM / dev.mem_bandwidth + \
-        tensors * dev.runtime.get("optimizer_tensor", dev.launch_overhead) + dev.runtime.get("step", 0.0)
+        tensors * dev.runtime.get("optimizer_tensor", dev.launch_overhead) + dev.runtime.get("step", 0.0) + w.switch(i)
     temporaries = _ADAM_TEMPORARIES * _largest_param_bytes(w.cost.plan, w.dp)
     # the first step creates Adam's two moments (kept); a steady step holds them from the start
     moments = w.cost.static[w.index].optimizer if w.cost.first_step else 0.0

@@ -150,8 +150,10 @@ class DeviceSpec:
         (:func:`gnncompile.calibration.runtime_overheads`): ``stage`` per Forward/Backward
         instruction, ``op_forward``/``op_backward`` per op of a stage, ``comm`` per communication
         instruction, ``optimizer_tensor`` per parameter tensor of the optimizer step, ``step``
-        per training step outside the instructions (loss, zeroing gradients). Empty for
-        presets: the cost models then charge ``launch_overhead`` per op only.
+        per training step outside the instructions (loss, zeroing gradients); ``switch`` per
+        compute instruction that follows a wait for peers (the caches a thread switch costs it,
+        :func:`gnncompile.calibration.calibrate`). Empty for presets: the cost models then charge
+        ``launch_overhead`` per op only.
     edge_rate : float, optional
         Edges per second a propagation visits on top of its bytes (random row gathers are
         latency bound at small widths): calibrated from SpMM at two widths; ``None``: bytes only.
