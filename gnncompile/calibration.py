@@ -489,7 +489,7 @@ def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int],
     # wait as the runtime's ranks do (polling when the ranks have cores of their own)
     poll = polls_by_default(ctx.backend, ctx.device, ctx.world_size, torch.get_num_threads())
     result: dict[str, dict[str, list[float]]] = {
-        mode: {"all_reduce": [], "all_to_all": []} for mode in ("back_to_back", "in_step", "in_step_sleeping")}
+        "back_to_back": {"all_reduce": [], "all_to_all": []}, "in_step": {"all_reduce": [], "all_to_all": []}}
     a = torch.rand(128, 128, device=ctx.device)
     b = torch.empty_like(a)
 
@@ -501,9 +501,8 @@ def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int],
     for nbytes, k in zip(sizes, iters):
         src = torch.zeros(nbytes // 4, device=ctx.device)
         dst = torch.empty_like(src)
-        for op, post in (("all_reduce", lambda: dist.all_reduce(src, async_op=True)),
-                         ("all_to_all", lambda: dist.all_to_all_single(dst, src, async_op=True))):
-            call = lambda post=post: complete(post(), poll)  # noqa: E731
+        for op, call in (("all_reduce", lambda: complete(dist.all_reduce(src, async_op=True), poll)),
+                         ("all_to_all", lambda: complete(dist.all_to_all_single(dst, src, async_op=True), poll))):
             call()
             best = math.inf
             for _ in range(batches):
@@ -515,19 +514,16 @@ def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int],
                 sync()
                 best = min(best, (time.perf_counter() - t0) / k)
             result["back_to_back"][op].append(best)
-            # as a step's instructions wait (polling where this launch's ranks poll), and sleeping
-            # in the library's wait (as oversubscribed ranks do)
-            for mode, wait in (("in_step", call), ("in_step_sleeping", lambda post=post: complete(post()))):
-                seconds = []
-                for _ in range(max(1, calls // max(1, nbytes // 2**20))):  # fewer of the large ones
-                    compute()
-                    t0 = time.perf_counter()
-                    wait()
-                    sync()
-                    seconds.append(time.perf_counter() - t0)
-                # the mean, not the median: a call that waits for a peer descheduled a few ms (a shared
-                # host) is part of what a step costs, and a step sums its instructions
-                result[mode][op].append(statistics.fmean(seconds))
+            seconds = []
+            for _ in range(max(1, calls // max(1, nbytes // 2**20))):  # fewer of the large ones
+                compute()
+                t0 = time.perf_counter()
+                call()
+                sync()
+                seconds.append(time.perf_counter() - t0)
+            # the mean, not the median: a call that waits for a peer descheduled a few ms (a shared
+            # host) is part of what a step costs, and a step sums its instructions
+            result["in_step"][op].append(statistics.fmean(seconds))
     return result
 
 
@@ -563,14 +559,9 @@ def _measure_collectives(backend: str, world_size: int, quick: bool) -> dict[str
     factor = {"all_reduce": 2 * (world_size - 1) / world_size, "all_to_all": (world_size - 1) / world_size}
     # the fits: what an instruction of a step sees (in_step), not the back-to-back best
     fits = {op: _fit_latency_bandwidth([factor[op] * s for s in sizes], t) for op, t in seconds["in_step"].items()}
-    sleeping = {op: _fit_latency_bandwidth([factor[op] * s for s in sizes], t)
-                for op, t in seconds["in_step_sleeping"].items()}
     latency, bandwidth = fits["all_to_all"]
     return {"backend": backend, "world_size": world_size, "sizes": sizes, "seconds": seconds["in_step"],
-            "seconds_sleeping": seconds["in_step_sleeping"],
             "seconds_back_to_back": seconds["back_to_back"], "fitted_on": "seconds (each call after a short "
             "computation, mean)", "bus_factor": factor,
-            "polled": polls_by_default(backend, torch.device("cpu"), world_size, 1),
             "fits": {op: {"latency": a, "bandwidth": b} for op, (a, b) in fits.items()},
-            "fits_sleeping": {op: {"latency": a, "bandwidth": b} for op, (a, b) in sleeping.items()},
             "link_from": "all_to_all", "latency": latency, "bandwidth": bandwidth}

@@ -262,28 +262,3 @@ def test_compute_after_a_wait_for_peers_pays_the_switch() -> None:
                 plain = _RankWalk(PlanCost(plan, dataclasses.replace(cluster, device=no_switch)), plan.ranks[0])
                 extra = cost(walk, i, insts[i])[0] - cost(plain, i, insts[i])[0]
                 assert extra == pytest.approx(7e-3 if i in expected else 0.0, abs=1e-9)
-
-
-def test_oversubscribed_hosts_wait_asleep() -> None:
-    """Ranks poll only with cores of their own, so an oversubscribed host's messages take the latency
-    its calibration measured sleeping (times the oversubscription); a host with cores to spare, or a
-    calibration that did not poll, keeps the plain factor."""
-    fits = {"all_to_all": {"latency": 1e-4, "bandwidth": 1e9}, "all_reduce": {"latency": 2e-4, "bandwidth": 1e9}}
-    asleep = {"all_to_all": {"latency": 3e-4, "bandwidth": 1e9}, "all_reduce": {"latency": 5e-4, "bandwidth": 1e9}}
-    calibration = {"collectives": {"world_size": 2, "polled": True, "fits": fits, "fits_sleeping": asleep}}
-    four = dataclasses.replace(Cluster.parse("4xcpu"), cores=2, threads_per_rank=1, calibration=calibration)
-    two = dataclasses.replace(four, devices_per_node=2)
-    assert four.oversubscription == 2 and four.latency_factor == pytest.approx(6.0)
-    assert two.oversubscription == 1 and two.latency_factor == 1.0
-    not_polled = dataclasses.replace(four, calibration={"collectives": {**calibration["collectives"], "polled": False}})
-    assert not_polled.latency_factor == 2.0
-    assert dataclasses.replace(four, calibration={}).latency_factor == 2.0
-    # a plan's halo exchange on the oversubscribed host costs the slept latency
-    g = gc.datasets.synthetic("sbm", num_nodes=80, avg_degree=4, num_features=8, num_classes=3, seed=0)
-    torch.manual_seed(0)
-    model = gc.nn.GCN(8, 8, 3, num_layers=2, dropout=0.0)
-    from gnncompile.cost_models.model import PlanCost
-
-    plan = gc.plan(model, g, four, strategy="data")
-    link = PlanCost(plan, four)._group_link(tuple(range(4)), "all_to_all")
-    assert link.latency == pytest.approx(1e-4 * 6.0)  # the two-rank fit (one peer step), slept, time-shared

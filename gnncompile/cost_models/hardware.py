@@ -175,21 +175,6 @@ class Cluster:
         threads = self.threads_per_rank or max(1, self.cores // self.devices_per_node)
         return max(1.0, self.devices_per_node * threads / self.cores)
 
-    @property
-    def latency_factor(self) -> float:
-        """What a message's latency on this host is multiplied by: :attr:`oversubscription`, times, for
-        an oversubscribed CPU host whose calibration polled, how much longer its collectives took
-        waiting asleep than polling (the runtime's ranks poll only with cores of their own:
-        :func:`gnncompile.runtime.comm.polls_by_default`). 1 for GPUs and hosts with cores to spare."""
-        over = self.oversubscription
-        if over <= 1:
-            return 1.0
-        comm = self.calibration.get("collectives", {})
-        polled, sleeping = comm.get("fits", {}).get("all_to_all"), comm.get("fits_sleeping", {}).get("all_to_all")
-        if not comm.get("polled") or not polled or not sleeping:
-            return over
-        return over * max(1.0, sleeping["latency"] / polled["latency"])
-
     def collective_link(self, op: str) -> LinkSpec:
         """The link a collective ``op`` (``"all_reduce"``, ``"all_to_all"``) sees inside a node.
 

@@ -566,15 +566,15 @@ class PlanCost:
 
     def _group_link(self, group: tuple[int, ...], collective: str = "") -> Any:
         """The link a collective over ``group`` runs at: the group's slowest, or on one node the measured
-        link of ``collective`` where it names one; latency scaled by the cluster's ``latency_factor``."""
+        link of ``collective`` where it names one; latency scaled by the cluster's oversubscription."""
         c = self.cluster
         link = self._links.get(group)
         if link is None:
             link = self._links[group] = c.slowest_link(group)
         if collective and c.nodes == 1:
             link = c.collective_link(collective)
-        if c.latency_factor > 1:  # a message waits for its peer process to be scheduled
-            link = dataclasses.replace(link, latency=link.latency * c.latency_factor)
+        if c.oversubscription > 1:  # a message waits for its peer process to be scheduled
+            link = dataclasses.replace(link, latency=link.latency * c.oversubscription)
         return link
 
     # ------------------------------------------------------------------ one rank
@@ -1002,8 +1002,8 @@ def _p2p_transfer(pc: PlanCost, rank: int, inst: Union[Send, Recv]) -> float:
     t = pc._p2p_times.get(key)
     if t is None:
         link = c.link(rank, inst.peer)
-        if c.latency_factor > 1:
-            link = dataclasses.replace(link, latency=link.latency * c.latency_factor)
+        if c.oversubscription > 1:
+            link = dataclasses.replace(link, latency=link.latency * c.oversubscription)
         t = pc._p2p_times[key] = formulas.p2p_time(math.prod(inst.shape) * _elsize(inst.dtype),
                                                      link.bandwidth, link.latency)
     return t
