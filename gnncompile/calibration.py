@@ -486,8 +486,8 @@ def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int],
     import torch.distributed as dist
 
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
-    # wait as the runtime's ranks do (polling when the ranks have cores of their own)
-    poll = polls_by_default(ctx.backend, ctx.device, ctx.world_size, torch.get_num_threads())
+    # wait as the runtime's ranks do (:func:`~gnncompile.runtime.comm.complete`)
+    poll = polls_by_default(ctx.backend, ctx.device)
     result: dict[str, dict[str, list[float]]] = {
         "back_to_back": {"all_reduce": [], "all_to_all": []}, "in_step": {"all_reduce": [], "all_to_all": []}}
     a = torch.rand(128, 128, device=ctx.device)

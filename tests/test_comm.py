@@ -137,18 +137,12 @@ def test_complete_stops_polling_after_poll_seconds(monkeypatch) -> None:
     assert w.waited and 0.02 <= time.perf_counter() - t0 < 1.0 and w.checked > 1
 
 
-def test_ranks_poll_only_on_cpu_gloo_with_cores_of_their_own() -> None:
-    import os
-
+def test_ranks_poll_on_cpu_gloo_only() -> None:
     from gnncompile.runtime.comm import polls_by_default
 
-    cores = len(os.sched_getaffinity(0))
-    cpu = torch.device("cpu")
-    assert polls_by_default("gloo", cpu, 1, cores)
-    assert not polls_by_default("gloo", cpu, cores + 1, 1)  # oversubscribed: sleep, leave the cores to peers
-    assert not polls_by_default("gloo", cpu, 1, cores + 1)
-    assert not polls_by_default("nccl", torch.device("cuda", 0), 1, 1)
-    assert not polls_by_default("gloo", torch.device("cuda", 0), 1, 1)
+    assert polls_by_default("gloo", torch.device("cpu"))
+    assert not polls_by_default("nccl", torch.device("cuda", 0))
+    assert not polls_by_default("gloo", torch.device("cuda", 0))
 
 
 def _polling_worker(ctx: RankContext) -> dict:

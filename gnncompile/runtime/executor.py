@@ -245,10 +245,8 @@ class _Rank:
         self.prog = prog
         self.ctx = ctx
         self.provider = provider
-        # ranks started by torchrun say how many share this machine; launch() starts all of them here
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
         self.comm = Communicator(ctx.rank, ctx.world_size, stage_through_host=ctx.stage_through_host,
-                                 poll=polls_by_default(ctx.backend, ctx.device, local_ranks, torch.get_num_threads()))
+                                 poll=polls_by_default(ctx.backend, ctx.device))
         self.clock = _Clock(ctx.device)
         send_index, recv_count = provider.step.halo
         g = provider.inputs.get("g")
