@@ -136,7 +136,7 @@ def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False
     runtime = runtime_overheads(
         Cluster(1, 1, device, LinkSpec("shm", comm["bandwidth"], comm["latency"]), cores=cores, threads_per_rank=1,
                 calibration=rank_rates), quick=quick)
-    device = dataclasses.replace(device, runtime={**runtime, "switch": local["switch"]["seconds"]})
+    device = dataclasses.replace(device, runtime={**runtime, "switch": comm["switch"]["seconds"]})
     calibration = {
         "host": host,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -341,7 +341,6 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
                     linear[key].setdefault(str(w), {}).setdefault(name, {})[str(t)] = _best_time(fn, repeats, budget)
     tiny, ops = torch.zeros(1), 200
     op_overhead = _best_time(lambda: [tiny.add_(1.0) for _ in range(ops)], repeats, budget) / ops
-    switch = _switch_seconds(gen, 100 if quick else 300)
     torch.set_num_threads(max(threads))
     push = _push_seconds(spmm_cases[-1], repeats, budget)
 
@@ -394,57 +393,8 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
         "spmm_curve": [{"working_set": case["working_set"], "bandwidth": pair(lambda t, c=case: fit(c, t)[1]),
                         "edge_rate": pair(lambda t, c=case: fit(c, t)[0])} for case in spmm_cases],
         "op_overhead": {"op": "add_ on a 1-element tensor, 1 thread", "seconds": op_overhead},
-        "switch": switch,
         "push": push,
     }
-
-
-def _switch_seconds(gen: torch.Generator, rounds: int) -> dict[str, Any]:
-    """How much longer a small step-like computation (a propagation and a ReLU, 4096 rows of width
-    16: cache-resident) takes right after its thread blocked while another thread ran (three
-    hand-offs through queues, as a rank waiting for a collective and gloo's threads do) than right
-    after running it: the caches and predictors the switch cost it. Median over ``rounds`` of each,
-    interleaved, at the threads set."""
-    import queue
-    import threading
-
-    rows, degree, width = 4096, 10, 16
-    graph = Graph.from_edge_index(torch.stack([torch.randint(0, rows, (rows * degree,), generator=gen),
-                                               torch.arange(rows).repeat_interleave(degree)]), rows)
-    x = torch.randn(rows, width, generator=gen)
-
-    def work() -> None:
-        torch.relu(propagate(graph, x, "gcn", add_self_loops=True))
-
-    requests: "queue.Queue[Optional[int]]" = queue.Queue()
-    replies: "queue.Queue[int]" = queue.Queue()
-
-    def echo() -> None:
-        while (item := requests.get()) is not None:
-            replies.put(item)
-
-    worker = threading.Thread(target=echo, daemon=True)
-    worker.start()
-    warm, after = [], []
-    try:
-        for _ in range(rounds):
-            work()
-            t0 = time.perf_counter()
-            work()
-            warm.append(time.perf_counter() - t0)
-            for _ in range(3):
-                requests.put(1)
-                replies.get()
-            t0 = time.perf_counter()
-            work()
-            after.append(time.perf_counter() - t0)
-    finally:
-        requests.put(None)
-        worker.join()
-    plain, switched = statistics.median(warm), statistics.median(after)
-    return {"op": f"relu(propagate) over {rows} rows of width {width}, after 3 thread hand-offs vs in a row",
-            "threads": torch.get_num_threads(), "seconds_in_a_row": plain, "seconds_after_switch": switched,
-            "seconds": max(0.0, switched - plain)}
 
 
 def _push_seconds(case: dict[str, Any], repeats: int, budget: float) -> dict[str, Any]:
@@ -475,20 +425,20 @@ def _spmm_fit(edges: int, narrow: tuple[float, float], wide: tuple[float, float]
     return 1.0 / per_edge, 1.0 / per_byte
 
 
-def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int],
-                     calls: int) -> dict[str, dict[str, list[float]]]:
+def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int], calls: int) -> dict[str, Any]:
     """Run on each launched rank: seconds per ``all_reduce`` / ``all_to_all_single`` of each size,
     ``"back_to_back"``: the best over ``batches`` of ``iters[i]`` calls in a row; ``"in_step"``: the
     mean of ``calls`` calls each after the same short computation on every rank, as the runtime
     issues and waits for them (:func:`~gnncompile.runtime.comm.complete`; a collective follows a
     stage's compute: the ranks arrive at it apart, and a peer that computed meanwhile answers
-    later than one spinning on the previous call)."""
+    later than one spinning on the previous call); ``"switch"``: :func:`_switch_after_collective`
+    (CPU ranks; ``None`` on CUDA)."""
     import torch.distributed as dist
 
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
     # wait as the runtime's ranks do (:func:`~gnncompile.runtime.comm.complete`)
     poll = polls_by_default(ctx.backend, ctx.device)
-    result: dict[str, dict[str, list[float]]] = {
+    result: dict[str, Any] = {
         "back_to_back": {"all_reduce": [], "all_to_all": []}, "in_step": {"all_reduce": [], "all_to_all": []}}
     a = torch.rand(128, 128, device=ctx.device)
     b = torch.empty_like(a)
@@ -524,7 +474,38 @@ def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int],
             # the mean, not the median: a call that waits for a peer descheduled a few ms (a shared
             # host) is part of what a step costs, and a step sums its instructions
             result["in_step"][op].append(statistics.fmean(seconds))
+    # what a wait costs the next computation (CPU ranks: on CUDA the host only launches kernels)
+    result["switch"] = _switch_after_collective(poll, 100 if calls < 41 else 300) if ctx.device.type == "cpu" else None
     return result
+
+
+def _switch_after_collective(poll: bool, rounds: int) -> dict[str, float]:
+    """How much longer a small step-like computation (a propagation and a ReLU over 4096 rows of width
+    16: cache-resident) takes right after a collective (a 4 KiB all-reduce, waited for as the runtime
+    waits) than right after running it: what the thread switches of a wait cost the caches and
+    predictors of the next instruction. Medians over ``rounds`` of each, interleaved."""
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(1)
+    rows, degree, width = 4096, 10, 16
+    graph = Graph.from_edge_index(torch.stack([torch.randint(0, rows, (rows * degree,), generator=gen),
+                                               torch.arange(rows).repeat_interleave(degree)]), rows)
+    x = torch.randn(rows, width, generator=gen)
+    small = torch.zeros(1024)
+
+    def work() -> None:
+        torch.relu(propagate(graph, x, "gcn", add_self_loops=True))
+
+    after, in_a_row = [], []
+    for _ in range(rounds):
+        complete(dist.all_reduce(small, async_op=True), poll)
+        t0 = time.perf_counter()
+        work()
+        after.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        work()
+        in_a_row.append(time.perf_counter() - t0)
+    return {"after_collective": statistics.median(after), "in_a_row": statistics.median(in_a_row)}
 
 
 def _fit_latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -555,7 +536,15 @@ def _measure_collectives(backend: str, world_size: int, quick: bool) -> dict[str
                       threads_per_rank=1)
     # the slowest rank's, per mode, collective and size
     seconds = {mode: {op: [max(r[mode][op][i] for r in per_rank) for i in range(len(sizes))]
-                      for op in per_rank[0][mode]} for mode in per_rank[0]}
+                      for op in per_rank[0][mode]} for mode in per_rank[0] if mode != "switch"}
+    if per_rank[0]["switch"] is None:
+        switch: dict[str, Any] = {"op": "not measured (CUDA ranks)", "seconds": 0.0}
+    else:
+        after = statistics.fmean(r["switch"]["after_collective"] for r in per_rank)
+        in_a_row = statistics.fmean(r["switch"]["in_a_row"] for r in per_rank)
+        switch = {"op": "relu(propagate) over 4096 rows of width 16, right after a 4 KiB all-reduce vs in a row "
+                        "(mean of the ranks' medians)", "seconds_after_collective": after,
+                  "seconds_in_a_row": in_a_row, "seconds": max(0.0, after - in_a_row)}
     factor = {"all_reduce": 2 * (world_size - 1) / world_size, "all_to_all": (world_size - 1) / world_size}
     # the fits: what an instruction of a step sees (in_step), not the back-to-back best
     fits = {op: _fit_latency_bandwidth([factor[op] * s for s in sizes], t) for op, t in seconds["in_step"].items()}
@@ -564,4 +553,4 @@ def _measure_collectives(backend: str, world_size: int, quick: bool) -> dict[str
             "seconds_back_to_back": seconds["back_to_back"], "fitted_on": "seconds (each call after a short "
             "computation, mean)", "bus_factor": factor,
             "fits": {op: {"latency": a, "bandwidth": b} for op, (a, b) in fits.items()},
-            "link_from": "all_to_all", "latency": latency, "bandwidth": bandwidth}
+            "link_from": "all_to_all", "latency": latency, "bandwidth": bandwidth, "switch": switch}
