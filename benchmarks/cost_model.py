@@ -19,6 +19,7 @@ Usage::
     python benchmarks/cost_model.py                 # both parts, 30 epochs per plan
     python benchmarks/cost_model.py --epochs 10 --datasets cora --no-write
     python benchmarks/cost_model.py --profile ~/.cache/gnncompile/cpu_profile.json --repeats 3 --skip-scale --no-write
+    python benchmarks/cost_model.py --epochs 20 --repeats 3 --sessions 4   # RESULTS.md: 4 calibrations
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ def spearman(a, b) -> float:
     return float(spearmanr(a, b).statistic)
 
 
-def local_fidelity(args, gc, Cluster) -> tuple[str, list[tuple]]:
+def one_session(args, gc, Cluster):
+    """Calibrate (or load ``--profile``), then predict and measure every candidate plan once; returns
+    the profile's description, the rows ``(dataset, ranks, strategy, partitioner, recompute, predicted,
+    measured, predicted peak, measured peak)`` and the per-kind instruction errors."""
     t0 = time.perf_counter()
     if args.profile:
         cal = Cluster.load(args.profile)
@@ -83,7 +87,6 @@ def local_fidelity(args, gc, Cluster) -> tuple[str, list[tuple]]:
     print(f"calibrated ({source}): {cal}")
     rows = []
     kinds: dict[str, list[float]] = defaultdict(list)
-    per_dataset: dict[str, list[tuple[float, float]]] = defaultdict(list)
     import torch
 
     for name in args.datasets:
@@ -103,35 +106,61 @@ def local_fidelity(args, gc, Cluster) -> tuple[str, list[tuple]]:
             mem_pred = max(p - s.total for p, s in zip(pred.peak_memory, pred.static))
             mem_meas = max(r.peak_memory for r in res.ranks)
             rows.append((name, n, strategy, part or "-", rec, pred.step_time, meas, mem_pred, mem_meas))
-            per_dataset[name].append((pred.step_time, meas))
             print(f"{name:>17} x{n} {strategy:>6} {part or '-':>6} recompute={rec!s:>5}: predicted {pred.step_time * 1e3:8.2f} ms, "
                   f"measured {meas * 1e3:8.2f} ms; activation peak predicted {mem_pred / 2**20:7.1f} MiB, "
                   f"measured {mem_meas / 2**20:7.1f} MiB", flush=True)
-    all_pred = [r[5] for r in rows]
-    all_meas = [r[6] for r in rows]
-    rho = spearman(all_pred, all_meas)
-    lines = [
-        f"Calibrated profile ({source}): {cal}." + (f" Each plan run {args.repeats} times (measured step: the median "
-                                                    f"of the runs' medians)." if args.repeats > 1 else ""),
-        "",
-        "| dataset | ranks | strategy | partitioner | recompute | predicted step | measured step | ratio | "
-        "predicted activation peak | measured tensor peak |",
-        "|---|---:|---|---|---|---:|---:|---:|---:|---:|",
-    ]
-    label = Cluster.parse("1xcpu", profile=cal).prediction_label  # empty: a calibrated profile
-    for name, n, strategy, part, rec, p, m, mp, mm in rows:
-        lines.append(f"| {name} | {n} | {strategy} | {part} | {'yes' if rec else 'no'} | {p * 1e3:.2f} ms{label} | "
-                     f"{m * 1e3:.2f} ms | "
-                     f"{p / m:.2f} | {mp / 2**20:.1f} MiB | {mm / 2**20:.1f} MiB |")
+    return f"{source}: {cal}", rows, kinds
+
+
+def local_fidelity(args, gc, Cluster) -> tuple[str, list[tuple]]:
+    sessions = [one_session(args, gc, Cluster) for _ in range(args.sessions)]
+    rows = sessions[0][1]
+    kinds: dict[str, list[float]] = defaultdict(list)
+    for _, _, k in sessions:
+        for kind, errors in k.items():
+            kinds[kind] += errors
+    # per plan, over the sessions: predicted, measured and their ratio (medians), and the ratio's range
+    pred = [[sess[1][i][5] for sess in sessions] for i in range(len(rows))]
+    meas = [[sess[1][i][6] for sess in sessions] for i in range(len(rows))]
+    ratios = [[p / m for p, m in zip(ps, ms)] for ps, ms in zip(pred, meas)]
+    med = statistics.median
+    rho = spearman([med(p) for p in pred], [med(m) for m in meas])
+    many = len(sessions) > 1
+    repeats = (f" Each plan run {args.repeats} times per session (measured step: the median of the runs' "
+               f"medians)." if args.repeats > 1 else "")
+    if many:
+        lines = [f"{len(sessions)} sessions, each calibrating this machine afresh and then running every plan:"]
+        lines += [f"- {desc}" for desc, _, _ in sessions]
+        lines += ([""] + [repeats.strip()] if repeats else []) + ["",
+                  "| dataset | ranks | strategy | partitioner | recompute | predicted step | measured step | ratio | "
+                  "ratio range | predicted activation peak | measured tensor peak |",
+                  "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    else:
+        lines = [f"Calibrated profile ({sessions[0][0]}).{repeats}", "",
+                 "| dataset | ranks | strategy | partitioner | recompute | predicted step | measured step | ratio | "
+                 "predicted activation peak | measured tensor peak |",
+                 "|---|---:|---|---|---|---:|---:|---:|---:|---:|"]
+    for i, (name, n, strategy, part, rec, _, _, mp, mm) in enumerate(rows):
+        span = f" {min(ratios[i]):.2f}-{max(ratios[i]):.2f} |" if many else ""
+        lines.append(f"| {name} | {n} | {strategy} | {part} | {'yes' if rec else 'no'} | {med(pred[i]) * 1e3:.2f} ms | "
+                     f"{med(meas[i]) * 1e3:.2f} ms | {med(ratios[i]):.2f} |{span} {mp / 2**20:.1f} MiB | {mm / 2**20:.1f} MiB |")
+    inside = sum(0.7 <= med(r) <= 1.4 for r in ratios)
+    always = sum(all(0.7 <= x <= 1.4 for x in r) for r in ratios)
     lines.append("")
+    if many:
+        lines.append(f"Predicted, measured and ratio: medians over the sessions. **Ratio within 0.7-1.4x: {inside} of "
+                     f"{len(rows)} plans by the median, {always} of {len(rows)} in every session.**")
+    else:
+        lines.append(f"**Ratio within 0.7-1.4x: {inside} of {len(rows)} plans.**")
     lines.append(f"**Spearman rank correlation, predicted vs measured step time, all {len(rows)} plans: {rho:.3f}** "
                  "(goal >= 0.8).")
-    for name, pairs in per_dataset.items():
-        if len(pairs) > 2:
-            lines.append(f"- {name} alone ({len(pairs)} plans): "
-                         f"{spearman([p for p, _ in pairs], [m for _, m in pairs]):.3f}")
+    for name in dict.fromkeys(r[0] for r in rows):
+        idx = [i for i, r in enumerate(rows) if r[0] == name]
+        if len(idx) > 2:
+            lines.append(f"- {name} alone ({len(idx)} plans): "
+                         f"{spearman([med(pred[i]) for i in idx], [med(meas[i]) for i in idx]):.3f}")
     lines += ["", "Median relative error of an instruction's simulated duration vs its measured median duration, "
-                  "by kind (all ranks of all plans):", "",
+                  "by kind (all ranks of all plans" + (", all sessions" if many else "") + "):", "",
               "| kind | instructions | median relative error |", "|---|---:|---:|"]
     for k in sorted(kinds):
         lines.append(f"| {k} | {len(kinds[k])} | {statistics.median(kinds[k]):.2f} |")
@@ -189,6 +218,8 @@ def main() -> None:
     ap.add_argument("--skip-scale", action="store_true", help="only the local part")
     ap.add_argument("--profile", default=None, help="a saved CPU profile to use instead of calibrating")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each plan (the median of their median steps)")
+    ap.add_argument("--sessions", type=int, default=1,
+                    help="calibrate-and-measure sessions (the table gives medians over them and the ratio's range)")
     ap.add_argument("--plans", type=int, nargs="+", default=None,
                     help="indices into CANDIDATES to run (default: all)")
     ap.add_argument("--no-write", action="store_true", help="print the section instead of updating RESULTS.md")

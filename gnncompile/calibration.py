@@ -23,6 +23,7 @@ training small GCNs (2 and 4 layers, so stages with different op counts) on one 
 thread, subtracting the compute time the cost model predicts for each instruction, and fitting
 
     Forward:  stage + op_forward  * ops        Backward: stage + op_backward * ops
+    a stage with checkpointed segments (a 2-layer GCN with recomputation): + segment per segment
     comm instruction (a halo exchange with no peer): comm
     optimizer step: optimizer_tensor * parameter tensors
     a step beyond its instructions (zeroing gradients, bookkeeping): step
@@ -48,7 +49,7 @@ import torch
 from . import datasets, nn
 from .api import plan as make_plan
 from .cost_models.hardware import Cluster, _usable_cores
-from .cost_models.model import loss_time, stage_ops_time
+from .cost_models.model import checkpointed_segments, loss_time, stage_ops_time
 from .cost_models.specs import CPU_GAMMA, DeviceSpec, LinkSpec
 from .errors import PlanningError
 from .frontend.ops import propagate
@@ -176,7 +177,7 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 def runtime_overheads(cluster: Any, *, quick: bool = False) -> dict[str, float]:
     """Fit the runtime's fixed costs on rank 0 of ``cluster`` (one rank with
     ``cluster.threads_per_rank`` threads, default all cores; see the module docstring): ``stage``,
-    ``op_forward``, ``op_backward``, ``comm``, ``optimizer_tensor``, ``step``, seconds.
+    ``op_forward``, ``op_backward``, ``segment``, ``comm``, ``optimizer_tensor``, ``step``, seconds.
 
     :func:`calibrate` measures them at one thread: they are the CPU time of dispatching work, and a
     single thread's is not inflated by waits for the other cores of a busy host."""
@@ -184,11 +185,11 @@ def runtime_overheads(cluster: Any, *, quick: bool = False) -> dict[str, float]:
     threads = cluster.threads_per_rank
     graph = datasets.synthetic("sbm", num_nodes=256, avg_degree=4, num_features=8, num_classes=4, seed=0)
     epochs = 12 if quick else 40
-    samples: dict[str, list[tuple[float, float]]] = defaultdict(list)  # kind -> (x, residual seconds)
-    for layers in (2, 4):
+    samples: dict[str, list[tuple]] = defaultdict(list)  # kind -> (x, residual seconds); segment: 4-tuples
+    for layers, recompute in ((2, False), (4, False), (2, True)):
         torch.manual_seed(0)
         model = nn.GCN(graph.num_features, 8, graph.num_classes, num_layers=layers, dropout=0.5)
-        p = make_plan(model, graph, cluster, strategy="data", verify=False)
+        p = make_plan(model, graph, cluster, strategy="data", recompute=recompute, verify=False)
         res = run_plan(p, epochs=epochs, lr=0.01, seed=0, eval_every=epochs, update_model=False, timeout=120,
                        threads_per_rank=threads, progress=False)
         durations: dict[str, list[float]] = defaultdict(list)
@@ -212,7 +213,11 @@ def runtime_overheads(cluster: Any, *, quick: bool = False) -> dict[str, float]:
                 # what the cost model charges the stage beyond the fixed costs (PlanCost.stage_time)
                 compute = stage_ops_time(st, dp.sizes, bare, back) + loss_time(st, dp.sizes, bare, back,
                                                                                 p.info["output"])
-                samples["B" if back else "F"].append((len(st.costs), measured - compute))
+                segments = checkpointed_segments(st)
+                if segments:  # fitted after the stage and op costs, from what those leave
+                    samples["segment"].append((segments, len(st.costs), back, measured - compute))
+                else:
+                    samples["B" if back else "F"].append((len(st.costs), measured - compute))
             elif isinstance(inst, HaloExchange):
                 samples["comm"].append((0.0, measured))
             elif isinstance(inst, OptimizerStep):
@@ -221,6 +226,11 @@ def runtime_overheads(cluster: Any, *, quick: bool = False) -> dict[str, float]:
     out["stage"], out["op_forward"] = _fit_line(*map(list, zip(*samples["F"])))
     stage_b, out["op_backward"] = _fit_line(*map(list, zip(*samples["B"])))
     out["stage"] = (out["stage"] + stage_b) / 2
+    # a checkpointed segment's own cost: what its stages' instructions take beyond the stage and op
+    # costs, per segment (least squares through the origin)
+    rest = [(n, y - out["stage"] - ops * out["op_backward" if back else "op_forward"])
+            for n, ops, back, y in samples["segment"]]
+    out["segment"] = max(0.0, sum(n * y for n, y in rest) / sum(n * n for n, _ in rest)) if rest else 0.0
     out["comm"] = statistics.median(y for _, y in samples["comm"]) if samples["comm"] else 0.0
     out["optimizer_tensor"] = statistics.median(y / x for x, y in samples["opt"] if x) if samples["opt"] else 0.0
     out["step"] = max(0.0, statistics.median(y for _, y in samples["step"])) if samples["step"] else 0.0

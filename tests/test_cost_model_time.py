@@ -262,3 +262,22 @@ def test_compute_after_a_wait_for_peers_pays_the_switch() -> None:
                 plain = _RankWalk(PlanCost(plan, dataclasses.replace(cluster, device=no_switch)), plan.ranks[0])
                 extra = cost(walk, i, insts[i])[0] - cost(plain, i, insts[i])[0]
                 assert extra == pytest.approx(7e-3 if i in expected else 0.0, abs=1e-9)
+
+
+def test_checkpointed_segments_cost_the_runtime_segment_each_way() -> None:
+    from gnncompile.cost_models.model import checkpointed_segments, stage_ops_time
+
+    g = gc.datasets.synthetic("sbm", num_nodes=80, avg_degree=4, num_features=8, num_classes=3, seed=0)
+    torch.manual_seed(0)
+    model = gc.nn.GCN(8, 8, 3, num_layers=3, dropout=0.5)
+    plan = gc.plan(model, g, 1, strategy="data", recompute=True)
+    dp = plan.ranks[0]
+    counts = [checkpointed_segments(st) for st in dp.stages]
+    assert sum(counts) >= 1 and 0 in counts  # the ops before the first propagation are not checkpointed
+    device = Cluster.parse("1xcpu").device
+    with_segment = dataclasses.replace(device, runtime={"stage": 1e-5, "segment": 3e-3})
+    without = dataclasses.replace(device, runtime={"stage": 1e-5})
+    for st, n in zip(dp.stages, counts):
+        for back in (False, True):
+            extra = stage_ops_time(st, dp.sizes, with_segment, back) - stage_ops_time(st, dp.sizes, without, back)
+            assert extra == pytest.approx(3e-3 * n)

@@ -231,6 +231,9 @@ def test_calibrate_quick(calibrated: tuple[Cluster, Path]) -> None:
     switch = c.calibration["collectives"]["switch"]
     assert switch["seconds"] == max(0.0, switch["seconds_after_collective"] - switch["seconds_in_a_row"])
     assert d.runtime["switch"] == switch["seconds"] and switch["seconds_in_a_row"] > 0
+    # the runtime's fixed costs, a checkpointed segment's included
+    assert {"stage", "op_forward", "op_backward", "segment", "comm", "optimizer_tensor", "step"} <= set(d.runtime)
+    assert all(v >= 0 for v in d.runtime.values())
     assert set(c.calibration["collectives"]["fits"]) == {"all_reduce", "all_to_all"}
     # collectives are fitted on calls made as a step makes them (after computing); back to back kept
     assert set(c.calibration["collectives"]["seconds_back_to_back"]) == {"all_reduce", "all_to_all"}

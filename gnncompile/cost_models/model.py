@@ -216,14 +216,21 @@ def _dense_product(op: OpCost, elsize: int) -> bool:
 
 def stage_ops_time(stage: StageSpec, sizes: RankSizes, device: DeviceSpec, backward: bool, push: bool = False) -> float:
     """Seconds of one Forward/Backward of ``stage``'s ops on a rank of ``sizes`` (one chunk's
-    share): the runtime's cost per stage instruction plus each op's :func:`op_time`; a backward
-    also replays its checkpointed segments' forwards. The training loss is not included
-    (:meth:`PlanCost.stage_time` adds it)."""
+    share): the runtime's cost per stage instruction and per checkpointed segment plus each op's
+    :func:`op_time`; a backward also replays its checkpointed segments' forwards. The training loss
+    is not included (:meth:`PlanCost.stage_time` adds it)."""
     t = device.runtime.get("stage", 0.0) + sum(op_time(op, sizes, device, backward=backward, push=push)
                                                for op in stage.costs)
     if backward:  # checkpointed segments run their forward again
         t += sum(op_time(op, sizes, device) for op in stage.costs if op.recompute)
-    return t
+    return t + device.runtime.get("segment", 0.0) * checkpointed_segments(stage)
+
+
+def checkpointed_segments(stage: StageSpec) -> int:
+    """How many checkpointed segments ``stage`` runs (its ``recompute`` ops, named ``<segment>.<op>``):
+    each costs the runtime's ``segment`` in its forward and in its backward (saving and restoring
+    the random state, the saved-tensor hooks that replay it)."""
+    return len({op.name.rsplit(".", 1)[0] for op in stage.costs if op.recompute and "." in op.name})
 
 
 def loss_time(stage: StageSpec, sizes: RankSizes, device: DeviceSpec, backward: bool, output: Optional[str]) -> float:

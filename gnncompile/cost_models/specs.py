@@ -148,7 +148,8 @@ class DeviceSpec:
     runtime : dict[str, float]
         Measured fixed costs of gnncompile's runtime on this device, seconds
         (:func:`gnncompile.calibration.runtime_overheads`): ``stage`` per Forward/Backward
-        instruction, ``op_forward``/``op_backward`` per op of a stage, ``comm`` per communication
+        instruction, ``op_forward``/``op_backward`` per op of a stage, ``segment`` per checkpointed
+        segment in a Forward or Backward, ``comm`` per communication
         instruction, ``optimizer_tensor`` per parameter tensor of the optimizer step, ``step``
         per training step outside the instructions (loss, zeroing gradients); ``switch`` per
         compute instruction that follows a wait for peers (the caches a thread switch costs it,
