@@ -19,7 +19,7 @@ import gnncompile as gc
 from gnncompile import datasets
 from gnncompile.cost_models.hardware import Cluster
 from gnncompile.cost_models.model import (PlanCost, _RankWalk, _saves_result, _sparse_product_temporaries,
-                                          _stage_gradients, predict)
+                                          _stage_gradients, predict, static_memory)
 from gnncompile.ir.plan import AllToAll, Backward, Forward, Free, OpCost, OptimizerStep, Recv
 
 N, F, H = 600, 32, 16
@@ -162,9 +162,10 @@ def test_an_all_to_all_keeps_its_send_buffer_until_waited_for(sbm: gc.Graph) -> 
     assert c.free >= sent
 
 
-def test_a_linear_layer_on_sparse_features_copies_its_weight_and_indices_on_a_cpu(sbm: gc.Graph) -> None:
-    """The native CPU product makes the weight contiguous transposed and the rows' column indices
-    int32, in forward and again in backward; not counted on a GPU."""
+def test_a_linear_layer_on_sparse_features_copies_its_weight_on_a_cpu_and_keeps_int32_indices(sbm: gc.Graph) -> None:
+    """The native CPU product makes the weight contiguous transposed, in forward and again in
+    backward; the rows' int32 column indices are made before the first step and kept beside the
+    features (resident). Neither is counted on a GPU."""
     gen = torch.Generator().manual_seed(0)
     cols = torch.stack([torch.randperm(F, generator=gen)[:3].sort().values for _ in range(N)])
     x = torch.sparse_csr_tensor(torch.arange(0, 3 * N + 1, 3), cols.reshape(-1), torch.rand(3 * N, generator=gen),
@@ -176,5 +177,9 @@ def test_a_linear_layer_on_sparse_features_copies_its_weight_and_indices_on_a_cp
     assert lin.name == "convs_0_lin"
     cpu = Cluster.parse("2xcpu")
     w = _RankWalk(PlanCost(plan, cpu), dp)
-    assert _sparse_product_temporaries(w, lin) == pytest.approx(4 * F * H + 4 * 3 * dp.sizes.nodes)
+    assert _sparse_product_temporaries(w, lin) == pytest.approx(4 * F * H)
     assert _sparse_product_temporaries(_RankWalk(PlanCost(plan, GPU), dp), lin) == 0
+    rows = dp.sizes.nodes if dp.sizes.feature_rows is None else dp.sizes.feature_rows
+    plain = static_memory(plan, dp).features
+    assert PlanCost(plan, cpu).static[0].features - plain == pytest.approx(4 * 3 * rows, abs=4)
+    assert PlanCost(plan, GPU).static[0].features == plain

@@ -239,3 +239,24 @@ def test_sparse_feature_structure_is_prepared_once_per_matrix() -> None:
     others = [(torch.rand(30, 20, generator=gen) < 0.2).to(DT).to_sparse_csr() for _ in range(6)]
     assert all(nnf._native_csr(o) is not first for o in others)
     assert len(nnf._NATIVE_CSRS) <= nnf._MAX_TRANSPOSES
+
+
+@pytest.mark.skipif("native" not in BACKENDS, reason="the native kernels need a C++ compiler to build")
+def test_prepared_sparse_features_need_nothing_built_in_a_step() -> None:
+    """``prepare_sparse_features`` (the runtime calls it before the first step) leaves the native
+    structure of a CSR feature matrix complete: a product and its transposed product then add
+    nothing to its cache."""
+    from gnncompile.nn import functional as nnf
+
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.rand(40, 30, generator=gen) < 0.2).to(DT).to_sparse_csr()
+    nnf._NATIVE_CSRS.clear()
+    nnf.prepare_sparse_features(x)
+    nnf.prepare_sparse_features(torch.ones(3, 3))  # dense: nothing
+    assert len(nnf._NATIVE_CSRS) == 1
+    csr = nnf._native_csr(x)
+    before = dict(csr.cache)
+    assert "native:indices" in before and any(k.startswith("native:push_parts:") for k in before)
+    lin = nnf.Linear(30, 5).to(DT)
+    lin(x).sum().backward()
+    assert csr.cache.keys() == before.keys() and all(csr.cache[k] is v for k, v in before.items())

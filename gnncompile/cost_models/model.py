@@ -344,6 +344,18 @@ def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
                         optimizer=2 * pbytes, history=_history_bytes(plan, dp))
 
 
+def _with_native_features(plan: Plan, dp: DevicePlan, static: StaticMemory, device: DeviceSpec) -> StaticMemory:
+    """``static`` with, on a CPU, the int32 column indices the native kernels keep beside sparse
+    CSR input features (``nn.functional.prepare_sparse_features``: 4 bytes per stored entry)."""
+    per_row = plan.info.get("feature_bytes_per_row")
+    if device.kind != "cpu" or _sparse_row_value_bytes(plan) is None or per_row is None:
+        return static
+    rows = dp.sizes.nodes if dp.sizes.feature_rows is None else dp.sizes.feature_rows
+    es = _elsize(plan.info.get("param_dtype", "float32"))
+    entries = rows * max(0.0, float(per_row) - 8.0) / (es + 8)
+    return dataclasses.replace(static, features=static.features + int(4 * entries))
+
+
 #: parameter-sized temporaries of one tensor's Adam update (torch's single-tensor Adam with weight
 #: decay, its default on the CPU): ``grad + wd * param``, then ``sqrt(v)`` and ``sqrt(v) / c`` alive at once
 _ADAM_TEMPORARIES = 3
@@ -523,9 +535,10 @@ class PlanCost:
         self.plan = plan
         self.cluster = cluster
         self.first_step = first_step
-        self.static = [static_memory(plan, dp) for dp in plan.ranks]
-        self.masks = _plan_masks(plan)  # the dropout masks of every rank, for the ranks' liveness walks
         self.devices = [cluster.rank_device(r) for r in range(plan.num_ranks)]
+        self.static = [_with_native_features(plan, dp, static_memory(plan, dp), dev)
+                       for dp, dev in zip(plan.ranks, self.devices)]
+        self.masks = _plan_masks(plan)  # the dropout masks of every rank, for the ranks' liveness walks
         self._p2p_times: dict[tuple[bool, tuple[int, ...], str], float] = {}  # (same node, shape, dtype)
         self._a2a_totals: dict[tuple[int, int], _ShapeTotals] = {}  # by the ids of the shape tuples
         self._group_index: dict[tuple[int, ...], dict[int, int]] = {}  # group -> rank -> position
@@ -841,17 +854,17 @@ def _saves_inputs(st: StageSpec, sizes: RankSizes) -> bool:
 
 def _sparse_product_temporaries(w: _RankWalk, op: OpCost) -> float:
     """Temporaries of a linear layer on sparse CSR rows (:func:`_sparse_product_inputs`) on a CPU
-    (the native kernels): its forward copies the weight transposed and the rows' column indices as
-    int32; its backward the indices again and the weight's gradient once more (made contiguous, as
-    its parameter). The same bytes each way; 0 for other ops and devices."""
+    (the native kernels): its forward copies the weight transposed, its backward the weight's
+    gradient once more (made contiguous, as its parameter). The same bytes each way; 0 for other
+    ops and devices. (The rows' int32 column indices are made before the first step and kept:
+    :attr:`StaticMemory.features` on a CPU.)"""
     es = _elsize(w.cost.plan.info.get("param_dtype", "float32"))
     if w.cost.devices[w.dp.rank].kind != "cpu":
         return 0.0
     inputs = _sparse_product_inputs(op, es)
     if inputs is None:
         return 0.0
-    entries = op_value(op, op.flops, w.sizes) / (2 * op.width)
-    return inputs * op.width * es + 4 * entries
+    return inputs * op.width * es
 
 
 def _saved_bytes(op: OpCost, sizes: RankSizes) -> float:

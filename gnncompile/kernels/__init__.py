@@ -53,6 +53,7 @@ __all__ = [
     "set_default_backend",
     "spmm",
     "sddmm",
+    "prepare_native",
     "native_extension_name",
 ]
 
@@ -247,6 +248,15 @@ def _spmm_native(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor,
         return out.reshape((csr.num_cols,) + tail)
     out = mod.spmm(csr.indptr, _native_index(csr), vals, x2, heads, 0, rs, cs)
     return out.reshape((csr.num_rows,) + tail)
+
+
+def prepare_native(csr: CSR, transpose_threads: Optional[int] = None) -> None:
+    """Build now what the native kernels derive from ``csr`` and cache on it: its index form (int32
+    column indices where they fit) and, with ``transpose_threads``, the transposed product's output
+    parts for that many threads; later products then allocate nothing for the structure."""
+    _native_index(csr)
+    if transpose_threads:
+        _push_parts(csr, transpose_threads)
 
 
 def _push_parts(csr: CSR, threads: int) -> torch.Tensor:

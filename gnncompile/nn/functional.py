@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 
-__all__ = ["feature_dropout", "Linear"]
+__all__ = ["feature_dropout", "Linear", "prepare_sparse_features"]
 
 
 def feature_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True) -> torch.Tensor:
@@ -90,6 +90,17 @@ def _native_csr(x: torch.Tensor) -> Optional[kernels.CSR]:
     else:
         _NATIVE_CSRS.move_to_end(key)
     return csr
+
+
+def prepare_sparse_features(x: Any) -> None:
+    """Build the native kernels' form of a sparse CSR feature matrix ``x`` now (its int32 column
+    indices, the transposed product's parts for this process's threads), as the runtime does before
+    the first step: resident beside the features, like a graph's derived structures. Nothing for
+    other inputs or off the CPU's native backend."""
+    if isinstance(x, torch.Tensor) and x.layout == torch.sparse_csr and x.dim() == 2:
+        csr = _native_csr(x)
+        if csr is not None:
+            kernels.prepare_native(csr, torch.get_num_threads())
 
 
 def _sparse_matmul(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ from torch.autograd.graph import _engine_run_backward
 from ..errors import RuntimeFailure, VerificationError
 from ..graph.core import Graph
 from ..frontend.ops import MaskCache, dropout_noise, prepare_graph
+from ..nn.functional import prepare_sparse_features
 from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, Instruction,
                        OptimizerStep, Plan, RankProgram, Recompute, Recv, ReduceScatter, Send, StageSpec, member_rows,
                        resolve_shape)
@@ -993,10 +994,15 @@ def _input_graphs(provider: StepInputProvider) -> list[Graph]:
 
 def _prepare_graphs(prog: RankProgram, provider: StepInputProvider, dtype: torch.dtype) -> None:
     """Build the graphs' derived structures before the first step (resident topology, not the
-    step's memory or time): :func:`~gnncompile.frontend.ops.prepare_graph` for the rank's programs."""
+    step's memory or time): :func:`~gnncompile.frontend.ops.prepare_graph` for the rank's programs,
+    and the native kernels' form of sparse CSR input features
+    (:func:`~gnncompile.nn.functional.prepare_sparse_features`)."""
     graphs = [m.graph for m in (*prog.modules.values(), *prog.eval_modules.values()) if hasattr(m, "graph")]
     for g in _input_graphs(provider):
         prepare_graph(g, graphs, dtype, prog.backward)
+    for store in (provider.inputs, *provider.step.chunk_inputs.values()):
+        for v in store.values():
+            prepare_sparse_features(v)
 
 
 def _topology_bytes(provider: StepInputProvider) -> int:
