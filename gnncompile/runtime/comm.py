@@ -144,8 +144,11 @@ class _HeldWork:
 
 _yield = getattr(os, "sched_yield", None)
 
-#: How long :func:`complete` polls before it sleeps in the library's wait (seconds).
-POLL_SECONDS = 0.05
+#: How long :func:`complete` polls before it sleeps in the library's wait (seconds): longer than a
+#: step's collectives take here (0.2-1 ms), short enough that ranks of jobs sharing the cores do not
+#: spin away each other's time (the test suite's two workers: two property tests of multi-rank
+#: plans took 51 s polling up to 50 ms, 23 s polling up to 2 ms, 20 s sleeping).
+POLL_SECONDS = 0.002
 
 
 def complete(work: Any, poll: bool = False) -> None:
@@ -158,7 +161,7 @@ def complete(work: Any, poll: bool = False) -> None:
     computation, gloo's own threads). Measured here (2 cores, medians of steps): cora's GCN step
     on 2 ranks 10-11 ms sleeping, 5 ms polling; on 4 ranks 20-25 ms, 10-15 ms; on 8 ranks 51,
     38-41 ms; coauthor_physics on 4 ranks 116, 105 ms. A wait longer than :data:`POLL_SECONDS` (a
-    slow peer, a failure the library reports at its timeout) sleeps.
+    slow peer, another job on the cores, a failure the library reports at its timeout) sleeps.
     """
     if poll and _yield is not None:
         deadline = time.perf_counter() + POLL_SECONDS
