@@ -114,9 +114,10 @@ class _FakeWork:
         return True
 
 
-def test_complete_polls_until_the_work_completes_then_waits() -> None:
+def test_complete_polls_until_the_work_completes_then_waits(monkeypatch) -> None:
     from gnncompile.runtime import comm
 
+    monkeypatch.setattr(comm, "POLL_SECONDS", 60.0)  # a loaded machine must not end the loop first
     w = _FakeWork(polls=5)
     comm.complete(w, poll=True)
     assert w.checked == 6 and w.waited
