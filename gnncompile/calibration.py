@@ -284,8 +284,7 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
     spmm_cases = []
     for rows in spmm_rows:
         # the propagation the models run (GCN normalization, implicit self loops), uniform random edges
-        graph = Graph.from_edge_index(torch.stack([torch.randint(0, rows, (rows * degree,), generator=gen),
-                                                   torch.arange(rows).repeat_interleave(degree)]), rows)
+        graph = _uniform_graph(rows, degree, gen)
         nnz = graph.num_edges + rows
         spmm_cases.append({
             "graph": graph, "rows": rows, "nnz": nnz, "working_set": 4 * rows * width,
@@ -489,6 +488,12 @@ def _collective_rank(ctx: Any, sizes: list[int], batches: int, iters: list[int],
     return result
 
 
+def _uniform_graph(rows: int, degree: int, gen: torch.Generator) -> Graph:
+    """``rows`` vertices of in-degree ``degree`` from uniformly drawn sources (the calibration's propagations)."""
+    return Graph.from_edge_index(torch.stack([torch.randint(0, rows, (rows * degree,), generator=gen),
+                                              torch.arange(rows).repeat_interleave(degree)]), rows)
+
+
 def _switch_after_collective(poll: bool, rounds: int) -> dict[str, float]:
     """How much longer a small step-like computation (a propagation and a ReLU over 4096 rows of width
     16: cache-resident) takes right after a collective (a 4 KiB all-reduce, waited for as the runtime
@@ -498,8 +503,7 @@ def _switch_after_collective(poll: bool, rounds: int) -> dict[str, float]:
 
     gen = torch.Generator().manual_seed(1)
     rows, degree, width = 4096, 10, 16
-    graph = Graph.from_edge_index(torch.stack([torch.randint(0, rows, (rows * degree,), generator=gen),
-                                               torch.arange(rows).repeat_interleave(degree)]), rows)
+    graph = _uniform_graph(rows, degree, gen)
     x = torch.randn(rows, width, generator=gen)
     small = torch.zeros(1024)
 

@@ -83,7 +83,7 @@ def _native_csr(x: torch.Tensor) -> Optional[kernels.CSR]:
     crow, col = x.crow_indices(), x.col_indices()
     key = (crow.data_ptr(), col.data_ptr(), tuple(x.shape), int(col.numel()))
     csr = _NATIVE_CSRS.get(key)
-    if csr is None or csr.indices is not col and csr.indices.data_ptr() != col.data_ptr():
+    if csr is None:
         csr = _NATIVE_CSRS[key] = kernels.CSR(crow.to(torch.int64), col, x.shape[0], x.shape[1])
         if len(_NATIVE_CSRS) > _MAX_TRANSPOSES:
             _NATIVE_CSRS.popitem(last=False)

@@ -91,10 +91,9 @@ def linear_readers(tp: TPGraph) -> tuple[list[torch.fx.Node], Optional[torch.fx.
 def _reader_seconds(tp: TPGraph, readers: list[torch.fx.Node], graph: Graph, cluster: Cluster) -> float:
     """Predicted forward plus backward seconds of ``readers`` over the whole graph on one of
     ``cluster``'s devices."""
-    names = {n.name for n in readers}
     sizes = RankSizes(nodes=graph.num_nodes, edges=graph.num_edges)
     device = cluster.rank_device(0)
-    costs = [c for c in op_costs(tp, list(tp.graph.nodes)) if c.name in names]
+    costs = op_costs(tp, readers)
     return sum(op_time(c, sizes, device) + op_time(c, sizes, device, backward=True) for c in costs)
 
 

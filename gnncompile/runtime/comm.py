@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CommStats", "Communicator", "Pending", "complete", "polls_by_default", "HaloSpec", "halo_exchange",
-           "rows_to_cols", "cols_to_rows", "all_gather_rows", "reduce_scatter_rows", "offsets", "STAGEABLE_OPS", "host_staged_ops",
-           "ProgressRecorder", "set_progress_recorder", "note_progress"]
+           "rows_to_cols", "cols_to_rows", "all_gather_rows", "reduce_scatter_rows", "offsets", "STAGEABLE_OPS",
+           "host_staged_ops", "ProgressRecorder", "set_progress_recorder", "note_progress"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -484,11 +484,12 @@ class Communicator:
     def sum_(self, t: torch.Tensor, group: Any = None) -> torch.Tensor:
         """Sum ``t`` in place across the group (``None``: this communicator's) and return it; not
         counted (the caller counts what it moves)."""
+        group = group if group is not None else self.group
         if "all_reduce" in self.stage_through_host:
             host = t.to("cpu", copy=True)
-            complete(dist.all_reduce(host, group=group if group is not None else self.group, async_op=True), self.poll)
+            complete(dist.all_reduce(host, group=group, async_op=True), self.poll)
             return t.copy_(host)
-        complete(dist.all_reduce(t, group=group if group is not None else self.group, async_op=True), self.poll)
+        complete(dist.all_reduce(t, group=group, async_op=True), self.poll)
         return t
 
 
