@@ -52,7 +52,7 @@ from .cost_models.hardware import Cluster, _usable_cores
 from .cost_models.model import checkpointed_segments, loss_time, stage_ops_time
 from .cost_models.specs import CPU_GAMMA, DeviceSpec, LinkSpec
 from .errors import PlanningError
-from .frontend.ops import propagate
+from .frontend.ops import dropout_noise, propagate
 from .graph.core import Graph
 from .ir.plan import Backward, Forward, HaloExchange, OptimizerStep
 from .kernels import CSR, default_backend, spmm
@@ -338,7 +338,7 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
             for key, xs in (("seconds", case["x"]), ("narrow_seconds", case["x_narrow"])):
                 case[key][str(t)] = _best_time(lambda: propagate(g, xs, norm="gcn", add_self_loops=True),
                                                repeats, budget)
-        rng_s[str(t)] = _best_time(lambda: noise.bernoulli_(0.5), repeats, budget)
+        rng_s[str(t)] = _best_time(lambda: dropout_noise(noise, 0.5), repeats, budget)
         forward_s = _best_time(loss_forward, repeats, budget)
         loss_s[str(t)] = {"forward": forward_s,
                           "backward": max(_best_time(loss_both, repeats, budget) - forward_s, forward_s / 10)}
@@ -382,7 +382,7 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
             "loss_rate": pair(lambda t: loss_rows * loss_classes / loss_s[t]["forward"]),
             "loss_grad_rate": pair(lambda t: loss_rows * loss_classes / loss_s[t]["backward"]),
         },
-        "rng": {"op": "bernoulli_(0.5)", "elements": noise.numel(), "seconds": rng_s},
+        "rng": {"op": "dropout_noise(x, 0.5) (Philox4x32-10 masks)", "elements": noise.numel(), "seconds": rng_s},
         "loss": {"op": "cross_entropy(logits[train], labels[train]), half the rows training rows",
                  "rows": loss_rows, "classes": loss_classes, "seconds": loss_s},
         "gemm": {"sizes": sizes, "seconds": gemm},

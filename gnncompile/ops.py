@@ -17,10 +17,12 @@ from .frontend.ops import (  # noqa: F401
     gather_src,
     is_primitive,
     masked_propagate,
+    mask_generator,
+    plan_dropout_draws,
     propagate,
     set_backward_product,
 )
 
 __all__ = ["propagate", "gather_src", "gather_dst", "edge_softmax", "aggregate", "dst_rows", "masked_propagate",
-           "dropout_noise", "PRIMITIVES", "NORMS", "REDUCES", "is_primitive", "BACKWARD_PRODUCTS",
+           "dropout_noise", "plan_dropout_draws", "mask_generator", "PRIMITIVES", "NORMS", "REDUCES", "is_primitive", "BACKWARD_PRODUCTS",
            "set_backward_product", "backward_product"]

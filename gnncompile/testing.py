@@ -12,7 +12,6 @@ with explicit tolerances. Plans are verified first (when the plan verifier is av
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ class ReferenceStep:
 def reference_step(model: torch.nn.Module, graph: Graph, lr: float = 0.01, weight_decay: float = 5e-4,
                    seed: int = 0) -> ReferenceStep:
     """One step of the single-device reference on ``model`` (which it updates), on the device of
-    ``graph`` and ``model``; off the CPU dropout draws its masks as plans do (as :func:`gnncompile.train`)."""
+    ``graph`` and ``model``; dropout draws its masks as plans do (as :func:`gnncompile.train`)."""
     torch.manual_seed(seed)
     model.train()
     params = dict(model.named_parameters())
@@ -50,10 +49,10 @@ def reference_step(model: torch.nn.Module, graph: Graph, lr: float = 0.01, weigh
         x = x.to(first.dtype)
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
     opt.zero_grad(set_to_none=True)
-    with contextlib.nullcontext() if x.device.type == "cpu" else plan_dropout_draws():
+    with plan_dropout_draws():  # backward too: a checkpointed segment's replay draws its masks again
         logits = model(graph, x)
-    loss = F.cross_entropy(logits[graph.train_mask], graph.y[graph.train_mask])
-    loss.backward()
+        loss = F.cross_entropy(logits[graph.train_mask], graph.y[graph.train_mask])
+        loss.backward()
     grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in params.items()}
     opt.step()
     return ReferenceStep(float(loss.detach()), logits.detach(), grads,
@@ -172,10 +171,12 @@ def _forward_and_grads(module: torch.nn.Module, graph: Graph, x: torch.Tensor, s
                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Output and parameter gradients for a fixed upstream gradient, torch's RNG seeded with ``seed``."""
     torch.manual_seed(seed)
-    out = module(graph, x)
-    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=out.dtype)
-    params = dict(module.named_parameters())
-    got = torch.autograd.grad(out, list(params.values()), up, allow_unused=True)
+    # masks drawn as plans and gnncompile.train draw them, in a recomputing replay too
+    with plan_dropout_draws():
+        out = module(graph, x)
+        up = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=out.dtype)
+        params = dict(module.named_parameters())
+        got = torch.autograd.grad(out, list(params.values()), up, allow_unused=True)
     return out.detach(), {k: torch.zeros_like(p) if g is None else g for (k, p), g in zip(params.items(), got)}
 
 

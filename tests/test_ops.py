@@ -625,9 +625,9 @@ def test_backward_passes_create_tensors_on_their_inputs_device() -> None:
     torch.testing.assert_close(results[0].to_dense(), x.to_dense().t())
 
 
-def test_plan_dropout_draws_redirects_dropout_off_the_cpu(monkeypatch) -> None:
-    """Off the CPU, F.dropout and nn.Dropout draw their masks with dropout_noise (as plans do);
-    inactive dropout and CPU tensors are left alone."""
+def test_plan_dropout_draws_redirects_dropout(monkeypatch) -> None:
+    """On every device, F.dropout and nn.Dropout draw their masks with dropout_noise (as plans do);
+    inactive dropout is left alone."""
     import torch.nn.functional as F
 
     from gnncompile.frontend import ops as ops_module
@@ -636,14 +636,14 @@ def test_plan_dropout_draws_redirects_dropout_off_the_cpu(monkeypatch) -> None:
     real = ops_module.dropout_noise
     monkeypatch.setattr(ops_module, "dropout_noise", lambda x, p: calls.append((x.device.type, p)) or real(x, p))
     x = torch.randn(6, 3, device="meta")
+    cpu = torch.randn(6, 3)
     with ops_module.plan_dropout_draws():
         F.dropout(x, 0.25)
         torch.nn.Dropout(0.5)(x)
         F.dropout(x, 0.25, training=False)
         F.dropout(x, 0.0)
-        cpu = torch.randn(6, 3)
         torch.manual_seed(0)
         a = F.dropout(cpu, 0.3)
     torch.manual_seed(0)
-    assert torch.equal(a, F.dropout(cpu, 0.3))
-    assert calls == [("meta", 0.25), ("meta", 0.5)]
+    assert torch.equal(a, cpu * real(cpu, 0.3))
+    assert calls == [("meta", 0.25), ("meta", 0.5), ("cpu", 0.3)]

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import gnncompile as gc
 from gnncompile import PassError
 from gnncompile.frontend import ops
-from gnncompile.frontend.ops import dropout_noise, masked_propagate, propagate
+from gnncompile.frontend.ops import dropout_noise, masked_propagate, plan_dropout_draws, propagate
 from gnncompile.ir.tpgraph import TPGraph, TPInfo
 from gnncompile.passes import PassManager, PrintIR, Timing, graph_pass, verify
 from gnncompile.passes.decouple import decouple, decouple_exact, plan_decoupling
@@ -68,10 +68,12 @@ def run(module: torch.nn.Module, g: gc.Graph, x: torch.Tensor, seed: int = 0
     """Output, gradient of every named parameter, and gradient of ``x`` for a fixed upstream gradient."""
     x = x.detach().clone().requires_grad_(True)
     torch.manual_seed(seed)
-    out = module(g, x)
-    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=out.dtype)
-    params = dict(module.named_parameters())
-    got = torch.autograd.grad(out, list(params.values()) + [x], up, allow_unused=True)
+    # F.dropout draws as dropout_noise does (as in gnncompile's training), in a recomputing replay too
+    with plan_dropout_draws():
+        out = module(g, x)
+        up = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=out.dtype)
+        params = dict(module.named_parameters())
+        got = torch.autograd.grad(out, list(params.values()) + [x], up, allow_unused=True)
     grads = {k: (torch.zeros_like(p) if gr is None else gr) for (k, p), gr in zip(params.items(), got)}
     return out.detach(), grads, got[-1]
 
@@ -387,11 +389,12 @@ def test_decouple_then_recompute(graph: gc.Graph) -> None:
 
 
 # --------------------------------------------------------------------------- fuse_masked_propagate
-def test_dropout_noise_is_f_dropout() -> None:
+def test_dropout_noise_is_f_dropout_as_plans_draw_it() -> None:
     for dtype in (torch.float32, DT):
         x = torch.randn(50, 7, dtype=dtype)
         torch.manual_seed(11)
-        a = F.dropout(x, 0.3, training=True)
+        with plan_dropout_draws():
+            a = F.dropout(x, 0.3, training=True)
         torch.manual_seed(11)
         b = x * dropout_noise(x, 0.3)
         assert torch.equal(a, b)

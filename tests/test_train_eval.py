@@ -191,10 +191,11 @@ def modes_of(m: nn.Module) -> dict[str, bool]:
 def run(module: nn.Module, g: gc.Graph, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Output and parameter gradients for a fixed upstream gradient, RNG seeded with ``seed``."""
     torch.manual_seed(seed)
-    out = module(g, g.x)
-    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=out.dtype)
-    params = dict(module.named_parameters())
-    grads = torch.autograd.grad(out, list(params.values()), up, allow_unused=True)
+    with ops.plan_dropout_draws():  # F.dropout draws as dropout_noise does (as gnncompile's training does)
+        out = module(g, g.x)
+        up = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=out.dtype)
+        params = dict(module.named_parameters())
+        grads = torch.autograd.grad(out, list(params.values()), up, allow_unused=True)
     return out.detach(), {k: (torch.zeros_like(p) if gr is None else gr) for (k, p), gr in zip(params.items(), grads)}
 
 

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import threading
 from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import torch
@@ -47,6 +49,7 @@ from ..errors import GraphError, KernelError
 from ..graph.core import _INT32_MAX, Graph
 from .. import kernels
 from ..kernels import CSR
+from ..kernels.dropout import dropout_mask
 
 __all__ = [
     "propagate",
@@ -540,33 +543,79 @@ from ..kernels import masked as _masked_kernels  # noqa: E402  (appended section
 __all__ += ["masked_propagate", "dropout_noise", "dropout_rows", "plan_dropout_draws"]
 
 
-def dropout_noise(x: torch.Tensor, p: float) -> torch.Tensor:
-    """The dropout multiplier ``F.dropout(x, p, training=True)`` would draw: 0 or ``1 / (1 - p)``.
+#: Mask generators :func:`dropout_noise` can use (environment variable ``GNNCOMPILE_DROPOUT_MASKS``)
+MASK_GENERATORS = ("philox", "torch")
 
-    Makes the same RNG call as ``F.dropout`` on CPU (``empty_like(x).bernoulli_(1 - p).div_(1 - p)``),
-    so for the same seed and a contiguous ``x``, ``x * dropout_noise(x, p)`` is bit-identical to
-    ``F.dropout(x, p)``; the result is contiguous and depends only on ``x``'s shape, dtype and
-    device. A T op (one fx node when traced), used by
+
+def mask_generator() -> str:
+    """The generator of dropout masks: ``philox`` (default; counter-based, any rows of a mask on
+    their own) or ``torch`` (``bernoulli_`` on torch's generator: the masks ``F.dropout`` draws on a
+    CPU, bit for bit, several times slower), from ``GNNCOMPILE_DROPOUT_MASKS`` (read at every draw,
+    so launched ranks inherit it)."""
+    name = os.environ.get("GNNCOMPILE_DROPOUT_MASKS") or "philox"
+    if name not in MASK_GENERATORS:
+        raise KernelError(f"GNNCOMPILE_DROPOUT_MASKS={name!r}: valid values are {', '.join(MASK_GENERATORS)}")
+    return name
+
+
+def draw_mask_seed() -> int:
+    """The seed of the next dropout mask: one 63-bit draw from torch's CPU generator (so
+    ``torch.manual_seed`` fixes every mask, on every device, and checkpointed replays, which restore
+    the CPU RNG state, draw the same one)."""
+    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+
+
+def dropout_noise(x: torch.Tensor, p: float) -> torch.Tensor:
+    """The dropout multiplier of every element of ``x``: 0 or ``1 / (1 - p)``, of ``x``'s shape, dtype
+    and device (contiguous; depends only on those and the RNG state).
+
+    Every mask gnncompile draws comes from here or from :func:`dropout_rows`: one seed from torch's
+    CPU generator (:func:`draw_mask_seed`), then the counter-based mask of that seed
+    (:func:`gnncompile.kernels.dropout.dropout_mask`): the same masks on every device and whatever
+    the thread count, with ``F.dropout``'s distribution but not its draws (its CPU ``bernoulli_``
+    draws 85 M numbers/s on one core; this, several times that, in parallel). Single-device
+    training (:func:`gnncompile.train`, the reference step) draws ``F.dropout``'s masks here too
+    (:class:`plan_dropout_draws`). With ``GNNCOMPILE_DROPOUT_MASKS=torch`` (:func:`mask_generator`)
+    masks are ``F.dropout``'s CPU draws instead. A T op (one fx node when traced), used by
     :func:`gnncompile.passes.fuse_masked_propagate` to draw a dropout mask before the propagation
-    that the mask will skip. (On CUDA ``F.dropout`` uses a fused kernel with its own RNG stream:
-    same distribution, different draws.)
+    that the mask will skip.
     """
     if isinstance(x, torch.fx.Proxy):
         return x.tracer.create_proxy("call_function", dropout_noise, (x, p), {})
     if not 0.0 <= p < 1.0:
         raise KernelError(f"dropout_noise: p must be in [0, 1), got {p}")
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p).div_(1.0 - p)
+    if mask_generator() == "torch":
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p).div_(1.0 - p)
+    shape = tuple(x.shape)
+    rows, rest = (shape[0], shape[1:]) if shape else (1, ())
+    return dropout_mask(draw_mask_seed(), float(p), rows, rest, dtype=x.dtype, device=x.device).reshape(shape)
 
 
 class plan_dropout_draws(torch.overrides.TorchFunctionMode):
     """Context in which ``F.dropout`` (and so ``nn.Dropout``) draws its mask with :func:`dropout_noise`.
 
-    On CPU this changes nothing (the draws are already the same). On other devices ``F.dropout``
-    runs a fused kernel with its own RNG stream, while plans draw every mask with
-    :func:`dropout_noise`; the single-device reference (:func:`gnncompile.train`) runs its forward
-    in this context there, so for the same seed a plan's masks equal the reference's on every
-    device. Only active dropout (``training``, ``0 < p < 1``, dense ``x``) is redirected.
+    Plans draw every mask with :func:`dropout_noise` or :func:`dropout_rows`, not with
+    ``F.dropout``'s own RNG calls; the single-device reference (:func:`gnncompile.train`, the
+    reference step of :mod:`gnncompile.testing`) runs its forward in this context, so for the same
+    seed a plan's masks equal the reference's on every device. Only active dropout (``training``,
+    ``0 < p < 1``, dense ``x``) is redirected.
     """
+
+    _depth = threading.local()
+
+    @classmethod
+    def active(cls) -> bool:
+        """Whether this thread is inside a ``plan_dropout_draws`` context (a replay that autograd runs
+        later, outside it, re-enters one: :class:`~gnncompile.passes.recompute.Recompute`)."""
+        return getattr(cls._depth, "n", 0) > 0
+
+    def __enter__(self) -> "plan_dropout_draws":
+        type(self)._depth.n = getattr(type(self)._depth, "n", 0) + 1
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        type(self)._depth.n -= 1
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -574,7 +623,7 @@ class plan_dropout_draws(torch.overrides.TorchFunctionMode):
             bound = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
             x, p = bound["input"], bound.get("p", 0.5)
             if (bound.get("training", True) and 0.0 < p < 1.0 and isinstance(x, torch.Tensor)
-                    and x.layout == torch.strided and x.device.type != "cpu"):
+                    and x.layout == torch.strided):
                 noise = dropout_noise(x, p)
                 return x.mul_(noise) if bound.get("inplace", False) else x * noise
         return func(*args, **kwargs)

@@ -6,7 +6,8 @@ the backward pass. The pass finds a ``propagate`` whose output flows, through el
 only, into
 
 - a **dropout** (forward mask): the dropout's multiplier is drawn *before* the propagation
-  (:func:`~gnncompile.frontend.ops.dropout_noise`, the same RNG call ``F.dropout`` makes), the
+  (:func:`~gnncompile.frontend.ops.dropout_noise`, the draw ``F.dropout`` makes under
+  :class:`~gnncompile.frontend.ops.plan_dropout_draws`, as in gnncompile's training), the
   propagation becomes :func:`~gnncompile.frontend.ops.masked_propagate` with that mask (rows the
   mask empties are not computed; their backward is skipped too), and the dropout becomes a
   multiplication by the same multiplier;

@@ -28,6 +28,8 @@ mask, is the same as without the pass.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import operator
 import re
@@ -53,7 +55,8 @@ class Recompute(torch.nn.Module):
     """Runs ``body`` under :func:`torch.utils.checkpoint.checkpoint` (non-reentrant).
 
     Autograd keeps only the inputs; the body's ops run again in backward with the forward's RNG
-    state (``preserve_rng_state``), so dropout draws the same masks. Without gradients (eval,
+    state (``preserve_rng_state``), so dropout draws the same masks (under
+    :class:`~gnncompile.frontend.ops.plan_dropout_draws` when the forward ran in it). Without gradients (eval,
     ``no_grad``) the body runs plainly. When traced again by torch.fx the body is inlined.
 
     ``body`` is a ``GraphModule`` that refers to the *same* submodules and parameters as the graph
@@ -69,9 +72,16 @@ class Recompute(torch.nn.Module):
     def forward(self, *inputs: Any) -> Any:
         if not torch.is_grad_enabled() or any(isinstance(a, torch.fx.Proxy) for a in inputs):
             return self.body(*inputs)
+        # torch function modes are not active in checkpoint's replay: a forward whose F.dropout
+        # plan_dropout_draws redirects replays under the same redirection
+        draws = ops.plan_dropout_draws.active()
+
+        def contexts() -> tuple[Any, Any]:
+            return contextlib.nullcontext(), ops.plan_dropout_draws() if draws else contextlib.nullcontext()
+
         cache = ops._MASKS
         if cache is None:
-            return checkpoint(self.body, *inputs, use_reentrant=False, preserve_rng_state=True)
+            return checkpoint(self.body, *inputs, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
         # a chunked executor serves dropout masks from a per-step cache keyed by the call's position
         # in its stage: the replay in backward takes them from the same positions
         base = cache._count
@@ -81,7 +91,7 @@ class Recompute(torch.nn.Module):
                 ops._MASKS._count = base
             return self.body(*xs)
 
-        return checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=True)
+        return checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
 
 
 _RANDOM_FUNCTIONS = {

@@ -117,6 +117,7 @@ _BUSY_FRACTION = 0.05    # a rank using more than this fraction of a core is mak
 _CPU_WINDOW_S = 1.0      # how often the ranks' CPU time is sampled
 _GUARD_SLACK_S = 5.0     # the hang guard waits this much longer than the ranks' own timeouts
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+_SETTINGS_PREFIX = "GNNCOMPILE_"  # environment variables a rank takes from its caller
 _STDERR_TAIL_LINES = 20    # a RankFailure quotes this many of the failed rank's last stderr lines
 _STDERR_LINE_CHARS = 500   # ... each cut to this many characters
 _WATCH_POLL_S = 0.2        # without pidfds, how often a rank checks that the calling process lives
@@ -233,7 +234,7 @@ def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: 
                 tee.add(rank, err_reader)
                 p = mpc.Process(target=_child_main, name=f"gnncompile-rank{rank}",
                                 args=(rank, world_size, placement, store.port, timeout, threads, os.getpid(),
-                                      payload, writer, err_writer, board, temp_paths))
+                                      payload, writer, err_writer, board, temp_paths, _settings()))
                 try:
                     p.start()
                 finally:
@@ -330,8 +331,8 @@ _CONTEXT: Any = None
 def _child_main(rank: int, world_size: int, placement: "Placement", port: int, timeout: float, threads: int,
                 parent_pid: int, payload: bytes, conn: multiprocessing.connection.Connection,
                 stderr: multiprocessing.connection.Connection, board: "_ProgressBoard",
-                temp_paths: tuple[str, ...]) -> None:
-    """Body of a spawned rank: make ``stderr`` its fd 2, watch the calling process ``parent_pid``
+                temp_paths: tuple[str, ...], settings: Optional[dict[str, str]] = None) -> None:
+    """Body of a spawned rank: take the caller's gnncompile ``settings`` (:func:`_settings`), make ``stderr`` its fd 2, watch the calling process ``parent_pid``
     (exit quietly, deleting ``temp_paths``, when it dies), record progress on ``board``, unpickle
     ``(fn, args)`` from ``payload``, join the group, run ``fn``, send ``("ok", pickled result)`` or
     ``("error", type name, message, traceback)`` to the caller, destroy the group."""
@@ -344,8 +345,12 @@ def _child_main(rank: int, world_size: int, placement: "Placement", port: int, t
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # the caller asks a lagging rank where it is
     set_progress_recorder(_RankRecorder(board, rank))
     # a forkserver child inherits the server's environment, not the launcher's: set the thread
-    # variables here too (libraries that size their pools later read them)
+    # variables here too (libraries that size their pools later read them), and the caller's settings
     os.environ.update({k: str(threads) for k in _THREAD_ENV})
+    if settings is not None:
+        for k in [k for k in os.environ if k.startswith(_SETTINGS_PREFIX) and k not in settings]:
+            del os.environ[k]
+        os.environ.update(settings)
     torch.set_num_threads(threads)
     keep_heap()
     failed = False
@@ -905,6 +910,12 @@ def _shutdown(procs: list[multiprocessing.process.BaseProcess], polite: bool, te
     for p in procs:
         p.join()
         p.close()
+
+
+def _settings() -> dict[str, str]:
+    """The caller's ``GNNCOMPILE_*`` environment variables, which its ranks take over (a rank forked
+    from the forkserver would otherwise see the server's, as they were when it started)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(_SETTINGS_PREFIX)}
 
 
 @contextmanager

@@ -9,7 +9,6 @@ plan: for the same samples); relaxed plans report their distance from it.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -328,8 +327,8 @@ def train(
     elif verbose is None:
         lines = ProgressLines(epochs, label)
 
-    # off the CPU, dropout draws its masks as plans do (see plan_dropout_draws)
-    draws = contextlib.nullcontext() if device.type == "cpu" else plan_dropout_draws()
+    # dropout draws its masks as plans do (see plan_dropout_draws)
+    draws = plan_dropout_draws()
     hist = History()
     best: dict[str, Any] = {"val": -math.inf, "epoch": None, "state": None}
     start = 0
@@ -350,10 +349,10 @@ def train(
         t0 = time.perf_counter()
         if minibatch is None:
             optimizer.zero_grad(set_to_none=True)
-            with draws:
+            with draws:  # backward too: a checkpointed segment's replay draws its masks again
                 logits = model(graph, x)
-            loss = F.cross_entropy(logits[train_mask], y[train_mask])
-            loss.backward()
+                loss = F.cross_entropy(logits[train_mask], y[train_mask])
+                loss.backward()
             optimizer.step()
             epoch_loss = float(loss.detach())
         else:
@@ -415,10 +414,10 @@ def _minibatch_epoch(model: BlockModel, host: Graph, x: torch.Tensor, y: torch.T
         batch = sample_blocks(host, seeds, mb.fanouts, generator=batch_generator(seed, epoch, step), norms=norms)
         batch = batch.to(x.device)
         optimizer.zero_grad(set_to_none=True)
-        with draws:
+        with draws:  # backward too: a checkpointed segment's replay draws its masks again
             logits = model(batch.blocks, slice_rows(x, batch.input_ids))
-        loss = F.cross_entropy(logits, y.index_select(0, seeds.to(y.device)))
-        loss.backward()
+            loss = F.cross_entropy(logits, y.index_select(0, seeds.to(y.device)))
+            loss.backward()
         optimizer.step()
         total += float(loss.detach()) * seeds.numel()
         seen += seeds.numel()

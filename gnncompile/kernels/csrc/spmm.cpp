@@ -5,6 +5,8 @@
 //         so a normalized product needs no per-edge array)
 // spmm_t: the transposed product (diag(rs) A diag(cs))^T x from the same CSR, by scattering
 // sddmm:  w[e, h]      = <a[row(e), h, :], b[col[e], h, :]>
+// dropout_mask: 0 or 1/(1-p) per element of chosen rows of a tensor, from Philox4x32-10 keyed by a
+//         seed and counted by the element's flat index (any rows, in parallel, thread-count independent)
 //
 // SpMM on this class of machine is bound by the latency of the random row reads of x, not by DRAM
 // bandwidth (see PERF_NOTES.md). What the kernels do about it:
@@ -567,6 +569,154 @@ torch::Tensor sddmm(torch::Tensor indptr, torch::Tensor col, torch::Tensor a, to
   return w;
 }
 
+// ----------------------------------------------------------------------------- dropout masks
+namespace {
+
+// Philox4x32-10 (Salmon, Moraes, Dror, Shaw, SC'11; Random123's multipliers, Weyl key increments
+// and round order): the counter-based generator JAX and cuRAND use. Checked against Random123's
+// known-answer vectors in tests/test_dropout_masks.py.
+inline void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
+  for (int r = 0; r < 10; ++r) {
+    if (r) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    const uint64_t p0 = uint64_t(0xD2511F53u) * c[0];
+    const uint64_t p1 = uint64_t(0xCD9E8D57u) * c[2];
+    const uint32_t n0 = uint32_t(p1 >> 32) ^ c[1] ^ k0;
+    const uint32_t n2 = uint32_t(p0 >> 32) ^ c[3] ^ k1;
+    c[0] = n0;
+    c[1] = uint32_t(p1);
+    c[2] = n2;
+    c[3] = uint32_t(p0);
+  }
+}
+
+// Blocks generated together: their rounds run as one vector loop (AVX2/AVX-512 multiply 32-bit
+// lanes into 64-bit products), several times the throughput of one block at a time.
+constexpr int kPhiloxBatch = 16;
+
+// Philox of the blocks ids[0..kPhiloxBatch): words[4 * b + w] is word w of block ids[b].
+inline void philox_batch(const uint64_t* ids, uint32_t k0, uint32_t k1, uint32_t words[4 * kPhiloxBatch]) {
+  uint32_t c0[kPhiloxBatch], c1[kPhiloxBatch], c2[kPhiloxBatch], c3[kPhiloxBatch];
+  for (int b = 0; b < kPhiloxBatch; ++b) {
+    c0[b] = uint32_t(ids[b]);
+    c1[b] = uint32_t(ids[b] >> 32);
+    c2[b] = 0;
+    c3[b] = 0;
+  }
+  for (int r = 0; r < 10; ++r) {
+    const uint32_t key0 = k0 + uint32_t(r) * 0x9E3779B9u, key1 = k1 + uint32_t(r) * 0xBB67AE85u;
+#pragma omp simd
+    for (int b = 0; b < kPhiloxBatch; ++b) {
+      const uint64_t p0 = uint64_t(0xD2511F53u) * c0[b];
+      const uint64_t p1 = uint64_t(0xCD9E8D57u) * c2[b];
+      const uint32_t n0 = uint32_t(p1 >> 32) ^ c1[b] ^ key0;
+      const uint32_t n2 = uint32_t(p0 >> 32) ^ c3[b] ^ key1;
+      c0[b] = n0;
+      c1[b] = uint32_t(p1);
+      c2[b] = n2;
+      c3[b] = uint32_t(p0);
+    }
+  }
+  for (int b = 0; b < kPhiloxBatch; ++b) {
+    words[4 * b] = c0[b];
+    words[4 * b + 1] = c1[b];
+    words[4 * b + 2] = c2[b];
+    words[4 * b + 3] = c3[b];
+  }
+}
+
+// out[i, j] for i < n: element k = row(i) * width + j is kept iff word k & 3 of Philox(counter k >> 2)
+// is >= threshold. The blocks the elements need are generated kPhiloxBatch at a time: consecutive
+// ones for a whole mask; for chosen rows, the distinct blocks of the next elements in output order
+// (each output element remembers its block's slot and lane until the batch is generated).
+template <typename scalar_t>
+void dropout_mask_impl(uint64_t seed, uint64_t threshold, scalar_t scale, const int64_t* rows, int64_t n,
+                       int64_t width, scalar_t* out) {
+  const uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    uint32_t words[4 * kPhiloxBatch];
+    uint64_t ids[kPhiloxBatch];
+    if (rows == nullptr) {  // rows begin..end-1 are one run of elements
+      const uint64_t first = uint64_t(begin) * uint64_t(width), last = uint64_t(end) * uint64_t(width);
+      scalar_t* o = out + begin * width;
+      for (uint64_t block = first >> 2; (block << 2) < last; block += kPhiloxBatch) {
+        for (int b = 0; b < kPhiloxBatch; ++b) ids[b] = block + uint64_t(b);
+        philox_batch(ids, k0, k1, words);
+        const uint64_t lo = std::max(first, block << 2), hi = std::min(last, (block + kPhiloxBatch) << 2);
+        const uint32_t* word = words + (lo - (block << 2));
+        scalar_t* dst = o + (lo - first);
+        const int64_t count = int64_t(hi - lo);
+#pragma omp simd
+        for (int64_t t = 0; t < count; ++t) dst[t] = word[t] >= threshold ? scale : scalar_t(0);
+      }
+      return;
+    }
+    int64_t pos[4 * kPhiloxBatch];
+    uint8_t code[4 * kPhiloxBatch];  // slot * 4 + lane
+    int nb = 0, np = 0;
+    auto flush = [&]() {
+      for (int b = nb; b < kPhiloxBatch; ++b) ids[b] = 0;
+      philox_batch(ids, k0, k1, words);
+      for (int q = 0; q < np; ++q) out[pos[q]] = words[code[q]] >= threshold ? scale : scalar_t(0);
+      nb = np = 0;
+    };
+    for (int64_t i = begin; i < end; ++i) {
+      const uint64_t base = uint64_t(rows[i]) * uint64_t(width);
+      for (int64_t j = 0; j < width; ++j) {
+        const uint64_t k = base + uint64_t(j);
+        if (np == 4 * kPhiloxBatch) flush();  // a repeated row fills a slot past its 4 elements
+        if (nb == 0 || ids[nb - 1] != (k >> 2)) {
+          if (nb == kPhiloxBatch) flush();
+          ids[nb++] = k >> 2;
+        }
+        pos[np] = i * width + j;
+        code[np++] = uint8_t(((nb - 1) << 2) | int(k & 3));
+      }
+    }
+    if (np) flush();
+  });
+}
+
+}  // namespace
+
+// The dropout multipliers of rows `rows` (int64, or None: rows 0..num_rows-1) of a [num_rows, width]
+// tensor: [n, width] of `dtype`, 0 or 1/(1-p), element k = row * width + j kept iff its 32-bit
+// Philox word is >= floor(p * 2^32).
+torch::Tensor dropout_mask(int64_t seed, double p, int64_t num_rows, int64_t width, c10::optional<torch::Tensor> rows,
+                           torch::ScalarType dtype) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "p must be in [0, 1)");
+  TORCH_CHECK(num_rows >= 0 && width >= 0, "num_rows and width must be non-negative");
+  const bool some = rows.has_value() && rows->defined();
+  if (some)
+    TORCH_CHECK(rows->scalar_type() == torch::kInt64 && rows->dim() == 1 && rows->is_contiguous() && rows->is_cpu(),
+                "rows: a contiguous 1-d int64 CPU tensor");
+  const int64_t n = some ? rows->numel() : num_rows;
+  if (some && n) {
+    const auto bad = torch::logical_or(rows->lt(0), rows->ge(num_rows)).any().item<bool>();
+    TORCH_CHECK(!bad, "rows: every row must be in [0, num_rows)");
+  }
+  auto out = torch::empty({n, width}, torch::TensorOptions().dtype(dtype));
+  if (n == 0 || width == 0) return out;
+  const uint64_t threshold = uint64_t(p * 4294967296.0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "gnncompile_dropout_mask", [&] {
+    dropout_mask_impl<scalar_t>(uint64_t(seed), threshold, scalar_t(1.0 / (1.0 - p)),
+                                some ? rows->data_ptr<int64_t>() : nullptr, n, width, out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+// One Philox4x32-10 block (for known-answer tests).
+std::vector<int64_t> philox4x32(std::vector<int64_t> counter, std::vector<int64_t> key) {
+  TORCH_CHECK(counter.size() == 4 && key.size() == 2, "counter: 4 words, key: 2 words");
+  uint32_t c[4];
+  for (int i = 0; i < 4; ++i) c[i] = uint32_t(counter[i]);
+  philox4x32_10(c, uint32_t(key[0]), uint32_t(key[1]));
+  return {c[0], c[1], c[2], c[3]};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("spmm", &spmm, "CSR SpMM with optional (multi-head) edge weights and optional feature tiling",
         py::arg("indptr"), py::arg("indices"), py::arg("weights"), py::arg("x"), py::arg("heads"), py::arg("tile"),
@@ -576,4 +726,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bounds"), py::arg("row_scale") = py::none(), py::arg("col_scale") = py::none());
   m.def("sddmm", &sddmm, "per-edge (multi-head) dot products over CSR", py::arg("indptr"), py::arg("indices"),
         py::arg("a"), py::arg("b"), py::arg("heads"));
+  m.def("dropout_mask", &dropout_mask, "dropout multipliers of chosen rows from Philox4x32-10", py::arg("seed"),
+        py::arg("p"), py::arg("num_rows"), py::arg("width"), py::arg("rows"), py::arg("dtype"));
+  m.def("philox4x32", &philox4x32, "one Philox4x32-10 block", py::arg("counter"), py::arg("key"));
 }

@@ -1,0 +1,134 @@
+"""Dropout masks from a counter-based generator: any rows of a mask, drawn independently.
+
+A mask is a function of a 64-bit ``seed`` and each element's flat index ``k`` in the whole
+``[num_rows, *row_shape]`` tensor: element ``k`` is kept (multiplier ``1 / (1 - p)``, else 0) iff
+word ``k mod 4`` of Philox4x32-10 (Salmon et al., SC'11, the generator of JAX and cuRAND) at
+counter ``(k div 4, 0)`` under key ``(seed mod 2^32, seed div 2^32)`` is at least
+``floor(p * 2^32)``. So a rank holding some rows of a tensor computes exactly those rows of the
+whole tensor's mask, in work proportional to its rows, and the result does not depend on the
+thread count, the device or which rows are asked for together.
+
+:func:`dropout_mask` runs the native CPU kernel (``csrc/spmm.cpp``, parallel over rows) when the
+extension builds, else the same arithmetic in torch operations (any device; much slower on a CPU).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from ..errors import KernelError
+from . import _load_native
+
+__all__ = ["dropout_mask", "philox4x32", "keep_threshold"]
+
+_MASK32 = 0xFFFFFFFF
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Weyl increments of the key
+_NATIVE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def keep_threshold(p: float) -> int:
+    """The smallest 32-bit word that keeps an element: ``floor(p * 2^32)`` (keep probability
+    ``1 - threshold / 2^32``, within ``2^-32`` of ``1 - p``)."""
+    return int(p * 4294967296.0)
+
+
+def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hi, lo)`` 32-bit halves of ``a * m`` for ``a`` holding 32-bit words in int64, computed in
+    16-bit pieces so that no intermediate leaves int64's range."""
+    m_hi, m_lo = m >> 16, m & 0xFFFF
+    t_lo = a * m_lo  # < 2^48
+    t_hi = a * m_hi  # < 2^48
+    low = (t_lo & _MASK32) + ((t_hi & 0xFFFF) << 16)  # < 2^33
+    lo = low & _MASK32
+    hi = (t_hi >> 16) + (t_lo >> 32) + (low >> 32)
+    return hi & _MASK32, lo
+
+
+def _philox_torch(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor, k0: int, k1: int
+                  ) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-10 on tensors of 32-bit words held in int64 (any device)."""
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+        hi0, lo0 = _mulhilo(c0, _M0)
+        hi1, lo1 = _mulhilo(c2, _M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def philox4x32(counter: Sequence[int], key: Sequence[int], native: bool = False) -> list[int]:
+    """One Philox4x32-10 block: four 32-bit words of ``counter`` under two of ``key`` (the native
+    kernel's when ``native``, else the torch implementation's)."""
+    if len(counter) != 4 or len(key) != 2:
+        raise KernelError(f"philox4x32: need 4 counter words and 2 key words, got {len(counter)} and {len(key)}")
+    if native:
+        return [int(w) for w in _load_native().philox4x32([int(c) & _MASK32 for c in counter],
+                                                          [int(k) & _MASK32 for k in key])]
+    words = [torch.tensor([int(c) & _MASK32], dtype=torch.int64) for c in counter]
+    return [int(w) for w in _philox_torch(*words, int(key[0]) & _MASK32, int(key[1]) & _MASK32)]
+
+
+def _mask_torch(seed: int, p: float, num_rows: int, width: int, rows: Optional[torch.Tensor],
+                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """:func:`dropout_mask` in torch operations: the words of the blocks the elements fall in."""
+    r = torch.arange(num_rows, dtype=torch.int64, device=device) if rows is None else rows.to(device, torch.int64)
+    k = (r.unsqueeze(1) * width + torch.arange(width, dtype=torch.int64, device=device)).reshape(-1)
+    block = k >> 2
+    zeros = torch.zeros_like(block)
+    words = torch.stack(_philox_torch(block & _MASK32, block >> 32, zeros, zeros,
+                                      seed & _MASK32, (seed >> 32) & _MASK32), dim=1)
+    word = words.gather(1, (k & 3).unsqueeze(1)).squeeze(1)
+    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float64).to(dtype)
+    keep = word >= keep_threshold(p)
+    return torch.where(keep, scale.to(device), torch.zeros((), dtype=dtype, device=device)).reshape(r.numel(), width)
+
+
+def dropout_mask(seed: int, p: float, num_rows: int, row_shape: Sequence[int] = (), *,
+                 rows: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", native: Optional[bool] = None) -> torch.Tensor:
+    """The dropout multipliers (0 or ``1 / (1 - p)``, of ``dtype``) of rows ``rows`` (1-d integer
+    tensor; ``None``: every row) of a ``[num_rows, *row_shape]`` tensor: ``[len(rows), *row_shape]``.
+
+    ``seed`` is any integer in ``[0, 2^64)`` (see the module docstring for the exact rule).
+    ``native``: force (``True``) or forbid (``False``) the native CPU kernel; by default it is used
+    for CPU outputs when it builds. Raises :class:`KernelError` for ``p`` outside ``[0, 1)``, rows
+    outside ``[0, num_rows)`` or a negative size.
+    """
+    if not 0.0 <= p < 1.0:
+        raise KernelError(f"dropout_mask: p must be in [0, 1), got {p}")
+    if num_rows < 0 or any(int(d) < 0 for d in row_shape):
+        raise KernelError(f"dropout_mask: sizes must be non-negative, got {num_rows} rows of {tuple(row_shape)}")
+    if not 0 <= seed < 2**64:
+        raise KernelError(f"dropout_mask: seed must be in [0, 2^64), got {seed}")
+    device = torch.device(device)
+    width = math.prod(int(d) for d in row_shape)
+    shape = tuple(int(d) for d in row_shape)
+    if rows is not None:
+        if rows.dim() != 1 or rows.dtype.is_floating_point or rows.dtype == torch.bool:
+            raise KernelError(f"dropout_mask: rows must be a 1-d integer tensor, got {rows.dtype} {list(rows.shape)}")
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
+            raise KernelError(f"dropout_mask: rows must be in [0, {num_rows})")
+    use_native = native if native is not None else (device.type == "cpu" and dtype in _NATIVE_DTYPES)
+    if use_native:
+        if device.type != "cpu" or dtype not in _NATIVE_DTYPES:
+            raise KernelError(f"dropout_mask: the native kernel draws CPU masks of {_NATIVE_DTYPES}, "
+                              f"not {dtype} on {device}")
+        try:
+            mod = _load_native()
+        except KernelError:
+            if native:
+                raise
+        else:
+            # the kernel takes the seed's 64 bits as a signed integer
+            signed = seed - 2**64 if seed >= 2**63 else seed
+            idx = None if rows is None else rows.to("cpu", torch.int64).contiguous()
+            n = num_rows if rows is None else rows.numel()
+            return mod.dropout_mask(signed, float(p), int(num_rows), width, idx, dtype).reshape((n,) + shape)
+    n = num_rows if rows is None else rows.numel()
+    if n == 0 or width == 0:
+        return torch.empty((n,) + shape, dtype=dtype, device=device)
+    return _mask_torch(seed, float(p), int(num_rows), width, rows, dtype, device).reshape((n,) + shape)

@@ -1,0 +1,142 @@
+"""Counter-based dropout masks (kernels.dropout): the generator, its two implementations, rows of a
+mask, and how dropout_noise / plan_dropout_draws use it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gnncompile as gc
+from gnncompile.frontend import ops as fops
+from gnncompile.kernels import available_backends
+from gnncompile.kernels.dropout import dropout_mask, keep_threshold, philox4x32
+
+NATIVE = "native" in available_backends("cpu")
+needs_native = pytest.mark.skipif(not NATIVE, reason="the native CPU extension did not build here")
+
+# Random123's known-answer vectors for Philox4x32-10: counter, key, output
+KAT = [
+    ([0, 0, 0, 0], [0, 0], [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]),
+    ([0xFFFFFFFF] * 4, [0xFFFFFFFF] * 2, [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]),
+    ([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], [0xA4093822, 0x299F31D0],
+     [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]),
+]
+
+
+@pytest.mark.parametrize("counter,key,expected", KAT)
+def test_philox_known_answers_torch(counter, key, expected) -> None:
+    assert philox4x32(counter, key) == expected
+
+
+@needs_native
+@pytest.mark.parametrize("counter,key,expected", KAT)
+def test_philox_known_answers_native(counter, key, expected) -> None:
+    assert philox4x32(counter, key, native=True) == expected
+
+
+def test_mask_follows_the_documented_rule() -> None:
+    """Element k of the mask is word k mod 4 of Philox(counter (k div 4, 0), key = the seed's halves)
+    compared with floor(p 2^32)."""
+    seed, p, rows, width = 0x0123456789ABCDEF, 0.4, 5, 3
+    mask = dropout_mask(seed, p, rows, (width,), native=False).reshape(-1)
+    key = [seed & 0xFFFFFFFF, seed >> 32]
+    for k in range(rows * width):
+        block = k // 4
+        word = philox4x32([block & 0xFFFFFFFF, block >> 32, 0, 0], key)[k % 4]
+        assert float(mask[k]) == (pytest.approx(1 / (1 - p)) if word >= keep_threshold(p) else 0.0)
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**64 - 1), p=st.floats(0.0, 0.99), num_rows=st.integers(0, 300),
+       row_shape=st.lists(st.integers(0, 9), max_size=2), data=st.data())
+def test_native_equals_torch_for_whole_masks_and_rows(seed, p, num_rows, row_shape, data) -> None:
+    whole = dropout_mask(seed, p, num_rows, row_shape, native=True)
+    assert torch.equal(whole, dropout_mask(seed, p, num_rows, row_shape, native=False))
+    assert whole.shape == (num_rows, *row_shape)
+    if num_rows:
+        picks = data.draw(st.lists(st.integers(0, num_rows - 1), max_size=60))  # repeats and any order
+        rows = torch.tensor(picks, dtype=torch.int64)
+        for native in (True, False):
+            assert torch.equal(dropout_mask(seed, p, num_rows, row_shape, rows=rows, native=native), whole[rows])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_dtypes_and_scale(dtype) -> None:
+    a = dropout_mask(99, 0.3, 200, (5,), dtype=dtype, native=True)
+    assert a.dtype == dtype and torch.equal(a, dropout_mask(99, 0.3, 200, (5,), dtype=dtype, native=False))
+    scale = torch.tensor(1 / 0.7, dtype=torch.float64).to(dtype)
+    assert set(a.unique().tolist()) == {0.0, float(scale)}
+
+
+@needs_native
+def test_independent_of_the_thread_count() -> None:
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = dropout_mask(5, 0.5, 70_000, (16,))
+        rows = torch.randperm(70_000)[:9000]
+        one_rows = dropout_mask(5, 0.5, 70_000, (16,), rows=rows)
+        torch.set_num_threads(2)
+        assert torch.equal(one, dropout_mask(5, 0.5, 70_000, (16,)))
+        assert torch.equal(one_rows, dropout_mask(5, 0.5, 70_000, (16,), rows=rows))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_rate_and_independence(p) -> None:
+    n = 400_000
+    mask = dropout_mask(2024, p, n, ()) != 0
+    sigma = (p * (1 - p) / n) ** 0.5
+    assert abs(mask.float().mean().item() - (1 - p)) < 5 * sigma
+    # neighbouring elements (the four words of a block, and across blocks) are uncorrelated
+    a, b = mask[:-1].float(), mask[1:].float()
+    both = (a * b).mean().item()
+    assert abs(both - (1 - p) ** 2) < 5 * (((1 - p) ** 2 * (1 - (1 - p) ** 2)) / n) ** 0.5
+    # another seed gives another mask
+    assert not torch.equal(mask, dropout_mask(2025, p, n, ()) != 0)
+
+
+def test_errors() -> None:
+    with pytest.raises(gc.KernelError, match="p must be in"):
+        dropout_mask(0, 1.0, 3)
+    with pytest.raises(gc.KernelError, match="rows must be in"):
+        dropout_mask(0, 0.5, 3, (2,), rows=torch.tensor([0, 3]))
+    with pytest.raises(gc.KernelError, match="1-d integer"):
+        dropout_mask(0, 0.5, 3, (2,), rows=torch.tensor([0.0]))
+    with pytest.raises(gc.KernelError, match="seed"):
+        dropout_mask(-1, 0.5, 3)
+    with pytest.raises(gc.KernelError, match="non-negative"):
+        dropout_mask(0, 0.5, -1)
+    with pytest.raises(gc.KernelError, match="native kernel"):
+        dropout_mask(0, 0.5, 3, dtype=torch.int32, native=True)
+
+
+def test_dropout_noise_draws_one_seed_from_torch() -> None:
+    x = torch.randn(40, 3, 2)
+    torch.manual_seed(3)
+    a = fops.dropout_noise(x, 0.25)
+    b = fops.dropout_noise(x, 0.25)
+    torch.manual_seed(3)
+    seed = fops.draw_mask_seed()
+    assert torch.equal(a, dropout_mask(seed, 0.25, 40, (3, 2)))
+    assert not torch.equal(a, b)  # the generator moved on
+    assert fops.dropout_noise(torch.randn(()), 0.5).shape == ()
+
+
+def test_plan_dropout_draws_matches_dropout_rows() -> None:
+    """Under plan_dropout_draws, F.dropout of a whole tensor and dropout_rows of some of its rows see
+    the same mask for the same seed (what makes a rank's masks the single-device ones)."""
+    x = torch.randn(30, 4)
+    torch.manual_seed(8)
+    with fops.plan_dropout_draws():
+        whole = F.dropout(x, 0.5)
+    index = torch.tensor([3, 4, 5, 17, 29])
+    torch.manual_seed(8)
+    rows = fops.dropout_rows(x[index], 0.5, index, 30)
+    assert torch.equal(rows, whole[index])
