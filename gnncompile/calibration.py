@@ -52,10 +52,11 @@ from .cost_models.hardware import Cluster, _usable_cores
 from .cost_models.model import checkpointed_segments, loss_time, stage_ops_time
 from .cost_models.specs import CPU_GAMMA, DeviceSpec, LinkSpec
 from .errors import PlanningError
-from .frontend.ops import dropout_noise, propagate
+from .frontend.ops import propagate
 from .graph.core import Graph
 from .ir.plan import Backward, Forward, HaloExchange, OptimizerStep
 from .kernels import CSR, default_backend, spmm
+from .kernels.dropout import dropout_mask
 from .runtime.comm import complete, polls_by_default
 from .runtime.executor import run_plan
 from .runtime.launcher import launch
@@ -325,7 +326,11 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
     loss_s: dict[str, dict[str, float]] = {}
     stream: dict[str, dict[str, float]] = {}
     rng_s: dict[str, float] = {}
-    noise = torch.empty(stream_elems // 4)
+    # a dropout's mask as a rank computes it: the rows it holds (here every other row) of a whole
+    # tensor's mask, as bools (MaskDraw.times)
+    mask_rows, mask_width = 131_072, 32
+    held_rows = torch.arange(0, mask_rows, 2)
+    draws = held_rows.numel() * mask_width
     for t in threads:
         torch.set_num_threads(t)
         for (dtype, n), (p, q) in gemm_inputs.items():
@@ -338,7 +343,8 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
             for key, xs in (("seconds", case["x"]), ("narrow_seconds", case["x_narrow"])):
                 case[key][str(t)] = _best_time(lambda: propagate(g, xs, norm="gcn", add_self_loops=True),
                                                repeats, budget)
-        rng_s[str(t)] = _best_time(lambda: dropout_noise(noise, 0.5), repeats, budget)
+        rng_s[str(t)] = _best_time(lambda: dropout_mask(7, 0.5, mask_rows, (mask_width,), rows=held_rows,
+                                                        dtype=torch.bool), repeats, budget)
         forward_s = _best_time(loss_forward, repeats, budget)
         loss_s[str(t)] = {"forward": forward_s,
                           "backward": max(_best_time(loss_both, repeats, budget) - forward_s, forward_s / 10)}
@@ -378,11 +384,12 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
                                                 3 * array_bytes / stream[t]["add"])),
             "spmm_bandwidth": pair(lambda t: fit(large, t)[1]),
             "edge_rate": pair(lambda t: fit(large, t)[0]),
-            "rng_rate": pair(lambda t: noise.numel() / rng_s[t]),
+            "rng_rate": pair(lambda t: draws / rng_s[t]),
             "loss_rate": pair(lambda t: loss_rows * loss_classes / loss_s[t]["forward"]),
             "loss_grad_rate": pair(lambda t: loss_rows * loss_classes / loss_s[t]["backward"]),
         },
-        "rng": {"op": "dropout_noise(x, 0.5) (Philox4x32-10 masks)", "elements": noise.numel(), "seconds": rng_s},
+        "rng": {"op": f"dropout_mask(p=0.5, bool): every other row of a {mask_rows} x {mask_width} mask (Philox4x32-10)",
+                "elements": draws, "seconds": rng_s},
         "loss": {"op": "cross_entropy(logits[train], labels[train]), half the rows training rows",
                  "rows": loss_rows, "classes": loss_classes, "seconds": loss_s},
         "gemm": {"sizes": sizes, "seconds": gemm},

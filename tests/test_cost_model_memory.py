@@ -18,7 +18,7 @@ import torch
 import gnncompile as gc
 from gnncompile import datasets
 from gnncompile.cost_models.hardware import Cluster
-from gnncompile.cost_models.model import (PlanCost, _RankWalk, _saves_result, _sparse_product_temporaries,
+from gnncompile.cost_models.model import (PlanCost, _RankWalk, _saved_per_op, _saves_result, _sparse_product_temporaries,
                                           _stage_gradients, predict, static_memory)
 from gnncompile.ir.plan import AllToAll, Backward, Forward, Free, OpCost, OptimizerStep, Recv
 
@@ -94,7 +94,8 @@ def test_relu_saves_its_result_not_its_input() -> None:
 def test_relu_output_is_counted_once_in_the_forward(sbm: gc.Graph) -> None:
     """GCN's hidden stage: ``propagate, add, relu, dropout, lin``. At the dropout, ``relu``'s output
     is both what ``relu`` saved and the dropout's input: one tensor. The forward's peak is the
-    dropout's: ``relu``'s output, the whole mask, its rows' copy and the output (the runtime's)."""
+    dropout's: ``relu``'s output, ``x * keep`` and the output (the runtime's ``(x * keep) * scale``;
+    the bool ``keep`` of the rank's rows, one byte per entry, is what the dropout saves)."""
     plan = gc.plan(model("GCN", sbm), sbm, 2, strategy="data")
     cost = PlanCost(plan, GPU)
     w = _RankWalk(cost, plan.ranks[0])
@@ -103,7 +104,8 @@ def test_relu_output_is_counted_once_in_the_forward(sbm: gc.Graph) -> None:
     assert [op.name for op in st.costs][2:4] == ["relu", "dropout_rows"]
     rows = 4 * H * plan.ranks[0].sizes.nodes
     c = cost(0, f1)
-    assert c.alloc == pytest.approx(rows + 4 * N * H + rows + rows, abs=8)
+    assert c.alloc == pytest.approx(rows + rows + rows, abs=8)
+    assert _saved_per_op(w, st)[3] == pytest.approx(rows / 4, abs=1)
 
 
 def test_a_concatenation_no_op_saves_is_dropped_after_its_last_forward(sbm: gc.Graph) -> None:

@@ -344,3 +344,18 @@ def test_launched_ranks_keep_their_heap() -> None:
     kernel and fault them in again every step (1,000-4,000 page faults for these four ops)."""
     faults = launch(_page_faults_per_step, 2, ())
     assert max(faults) < 200, faults
+
+
+def _settings_seen(ctx: RankContext) -> tuple:
+    return os.environ.get("GNNCOMPILE_DROPOUT_MASKS"), os.environ.get("GNNCOMPILE_TEST_ONLY_SETTING")
+
+
+def test_ranks_take_the_callers_gnncompile_settings(monkeypatch) -> None:
+    """A rank forked from the forkserver (started before the caller changed its environment) sees the
+    caller's GNNCOMPILE_* variables, set and unset, as they are at the launch."""
+    launch(_sum_ranks, 2, (0,), timeout=30)  # the forkserver runs, with today's environment
+    monkeypatch.setenv("GNNCOMPILE_DROPOUT_MASKS", "torch")
+    assert launch(_settings_seen, 2, timeout=30) == [("torch", None)] * 2
+    monkeypatch.delenv("GNNCOMPILE_DROPOUT_MASKS")
+    monkeypatch.setenv("GNNCOMPILE_TEST_ONLY_SETTING", "1")
+    assert launch(_settings_seen, 2, timeout=30) == [(None, "1")] * 2

@@ -63,9 +63,8 @@ forward and first replays its forward in backward, its ops saving what they save
 What the first op saves of a held stage input is that input (no new memory), as is what an op saves
 of a stage output. An op that keeps sparse CSR input features sparse (their dropout) outputs new
 values on their structure, not dense rows; a linear layer on them copies its weight and the rows'
-indices on a CPU. Replicated dropout masks are drawn whole (:class:`_RankMasks`: the rank's rows
-kept until the stage's last backward where ranks run some of the dropouts or a rank runs several
-chunks, else a temporary of the op with the copy of its rows). A send of a slice of columns copies
+indices on a CPU. A replicated dropout computes only the bool mask of the rows it reads
+(:class:`_RankMasks`). A send of a slice of columns copies
 it, held until the send is known complete (the value's ``Free``, else the optimizer step). Adam's
 update holds three temporaries of the largest parameter tensor. That is a steady step's; the first
 step (``first_step``: what the runtime measures) has no Adam state before its optimizer step, which
@@ -391,123 +390,66 @@ def _out_bytes(plan: Plan, op: OpCost, sizes: RankSizes) -> float:
 
 
 def _mask_bytes(plan: Plan, op: OpCost, sizes: RankSizes) -> float:
-    """Bytes of the dropout mask ``op`` draws: ``op.random`` numbers (a replicated mask: the whole
-    tensor's; a sparse input's mask: one number per stored value of the whole matrix)."""
+    """Bytes of the dropout mask ``op`` draws in the model's dtype: ``op.random`` numbers (the rows
+    the op reads; a sparse input's replicated mask: one number per stored value of the whole matrix)."""
     draws = _eval(op.random, sizes)
     if _sparse_op(plan, op):
         draws /= max(op.width, 1)
     return draws * _elsize(plan.info.get("param_dtype", "float32"))
 
 
-def _plan_masks(plan: Plan) -> tuple[dict[str, float], bool, int]:
-    """Mask bytes of every dropout of the plan (by op name; a replicated mask's size is the same on
-    every rank), whether some rank runs some of them but not all, and the rows of one whole chunk."""
+def _plan_masks(plan: Plan) -> dict[str, float]:
+    """Mask bytes of every dropout of the plan, by op name, at the size of the rank that runs it."""
     every: dict[str, float] = {}
-    counts = []
     for r in plan.ranks:
         at = r.sizes.per_chunk()
-        names = set()
         for st in r.stages:
             for op in st.costs:
                 if _eval(op.random, at) > 0:
-                    names.add(op.name)
                     every.setdefault(op.name, _mask_bytes(plan, op, at))
-        counts.append(len(names))
-    whole = max((r.sizes.nodes for r in plan.ranks), default=0)
-    chunk_rows = -(-whole // max(int(plan.options.get("chunks", 1) or 1), 1))
-    return every, any(0 < c < len(every) for c in counts), chunk_rows
+    return every
 
 
 class _RankMasks:
-    """Where a rank's dropout masks live (the runtime's :class:`~gnncompile.frontend.ops.MaskCache`).
+    """What a rank's dropout masks hold (the runtime's :class:`~gnncompile.frontend.ops.MaskDraw`).
 
-    Replicated masks (``plan.options["dropout"] == "replicated"``) are drawn for the whole tensor:
-
-    - when some rank runs some of the plan's dropouts but not all, every rank draws every mask at the
-      start of the step (one whole mask at a time, a temporary) and keeps its rows of those of its own
-      stages;
-    - else a rank that runs several chunks draws each of its masks whole at its first use (a
-      temporary) and keeps its rows;
-    - else a dropout draws the whole mask, copies the rows it uses and multiplies: the mask and the
-      copy are temporaries of the op (as is the own-rows mask of a dropout that is not replicated).
-
-    Kept rows (the first two cases) are the rows of the rank's chunks (a T op's mask: the rank's
-    share of the vertices, one byte per entry; other masks, and one drawn over sparse features,
-    whole in the model's dtype); they are released after the stage's last backward on the rank.
-    A kept mask's rows are a view for a rank that runs whole chunks (contiguous rows), so what its
-    dropouts save for backward is no new memory; a rank running a share of each chunk's rows is
-    counted as copying them, as is an edge-wise (``E``) dropout (a chunk's edges are not a range of
-    the graph's edge order).
+    A replicated mask (``plan.options["dropout"] == "replicated"``) is a seed: a dropout computes
+    only the rows it reads, as a bool tensor (one byte per entry: what its product saves for
+    backward, in the op's measured saved bytes), and multiplies, ``(x * keep) * scale``: ``x *
+    keep`` is a temporary of the op's output size. A mask that is not replicated (``F.dropout`` on
+    the rank's rows) is drawn whole in the model's dtype, a temporary of the op. Nothing is kept
+    between instructions. (``GNNCOMPILE_DROPOUT_MASKS=torch`` draws and keeps whole masks instead;
+    the model does not follow it.)
     """
 
-    def __init__(self, plan: Plan, dp: DevicePlan, sizes: RankSizes, every: dict[str, float], some: bool,
-                 chunk_rows: int) -> None:
-        """``every``, ``some``, ``chunk_rows``: the plan's dropouts (:func:`_plan_masks`); ``sizes``:
-        the rank's per-chunk sizes."""
-        self.replicated = replicated = plan.options.get("dropout", "replicated") == "replicated"
-        mine = {op.name: op for st in dp.stages for op in st.costs if op.name in every}
-        self.mode = "plain"
-        if replicated and some:
-            self.mode = "draws"
-        elif replicated and (dp.sizes.chunks or 1) > 1:
-            self.mode = "cached"
-        self.bytes = {**every, **{name: _mask_bytes(plan, op, sizes) for name, op in mine.items()}}
-        # a rank running whole chunks (contiguous rows) reads its rows of a kept mask as a view, a rank
-        # running a share of each chunk's rows copies them
-        self.views = self.mode != "plain" and sizes.nodes >= chunk_rows
-        self.mine = set(mine)
-        self.drawn: set[str] = set()
-        #: bytes kept of each of the rank's masks
-        total = int(plan.info.get("topology", {}).get("nodes", 0)) or \
-            max((r.sizes.all_nodes or r.sizes.nodes for r in plan.ranks), default=0)
-        share = min(1.0, dp.sizes.nodes / total) if total else 1.0
-        es = _elsize(plan.info.get("param_dtype", "float32"))
-        # rows are kept where the rank's chunks are ranges of the mask's rows: not in a reordered
-        # plan (its chunks are runs of the new order, scattered over the mask's rows: kept whole)
-        rows = self.mode != "plain" and bool(total) and plan.options.get("reorder", "none") in (None, "none")
-        self.kept_bytes = {n: self.bytes[n] * share / es if rows and op.kind == "T" and not _sparse_op(plan, op)
-                           else self.bytes[n] for n, op in mine.items()}
-        self.stage_of = {op.name: st.index for st in dp.stages for op in st.costs if op.name in mine}
+    def __init__(self, plan: Plan, dp: DevicePlan, sizes: RankSizes, every: dict[str, float]) -> None:
+        """``every``: the plan's dropouts (:func:`_plan_masks`); ``sizes``: the rank's per-chunk sizes."""
+        self.replicated = plan.options.get("dropout", "replicated") == "replicated"
+        self.bytes = {op.name: _mask_bytes(plan, op, sizes) for st in dp.stages for op in st.costs
+                      if op.name in every}
 
     def step_start(self) -> tuple[float, float]:
-        """Bytes kept and bytes of temporaries the rank allocates before its first instruction."""
-        if self.mode != "draws":
-            return 0.0, 0.0
-        kept = sum(self.kept_bytes[n] for n in self.mine)
-        # each mask is drawn whole, one at a time: the others' are dropped, the rank's own cut to its rows
-        whole = [b for n, b in self.bytes.items() if n not in self.mine or self.kept_bytes[n] != b]
-        return kept, max(whole, default=0.0)
+        """Bytes kept and bytes of temporaries the rank allocates before its first instruction: none."""
+        return 0.0, 0.0
 
     def drawn_at(self, stage: StageSpec) -> tuple[float, set[str]]:
-        """Bytes of masks a forward (or replay) of ``stage`` draws and keeps, and their ops."""
-        if self.mode != "cached":
-            return 0.0, set()
-        new = {op.name for op in stage.costs if op.name in self.bytes and op.name not in self.drawn}
-        self.drawn.update(new)
-        return sum(self.kept_bytes[n] for n in new), new
+        """Bytes of masks a forward of ``stage`` keeps, and their ops: none (masks are seeds)."""
+        return 0.0, set()
 
     def forward_extra(self, op: OpCost, out: float, drawn: set[str]) -> float:
-        """Temporaries of ``op``'s forward beside its output: an uncached dropout's mask (and, for a
-        replicated one, the copy of its rows); the whole mask a cached dropout draws here
-        (``drawn``), and the rows it keeps."""
-        if op.name in drawn:
-            return self.bytes[op.name] + self.kept_bytes[op.name]
-        if self.mode != "plain" or op.name not in self.bytes:
+        """Temporaries of ``op``'s forward beside its output: a replicated dropout's ``x * keep``, a
+        local one's mask."""
+        if op.name not in self.bytes:
             return 0.0
-        return self.bytes[op.name] + (out if self.replicated else 0.0)
+        return out if self.replicated else self.bytes[op.name]
 
     def viewed(self, op: OpCost) -> bool:
-        """Whether ``op`` is a dropout whose mask rows are a view of a kept mask (what it saves for
-        backward is no new memory)."""
-        return self.views and op.name in self.mine and op.kind != "E"
+        """Whether what ``op`` saves for backward is a view of memory counted elsewhere: never."""
+        return False
 
     def kept(self) -> dict[int, float]:
-        """Bytes of the masks kept, by the stage whose last backward releases them."""
-        names = self.mine if self.mode == "draws" else self.drawn if self.mode == "cached" else set()
-        out: dict[int, float] = {}
-        for n in names:
-            out[self.stage_of[n]] = out.get(self.stage_of[n], 0.0) + self.kept_bytes[n]
-        return out
+        """Bytes of masks kept until a stage's last backward, by stage: none."""
+        return {}
 
 
 def _largest_param_bytes(plan: Plan, dp: DevicePlan) -> float:
@@ -632,7 +574,7 @@ class _RankWalk:
         for s in dp.stages:
             for op in s.costs:
                 self.value_bytes[op.name] = _out_bytes(plan, op, sizes)
-        self.masks = _RankMasks(plan, dp, sizes, *cost.masks)
+        self.masks = _RankMasks(plan, dp, sizes, cost.masks)
         src_rows = sizes.source_rows
         for inst in dp.instructions:
             output_bytes = rule(inst).cost_rule().output_bytes

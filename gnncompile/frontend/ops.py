@@ -629,17 +629,52 @@ class plan_dropout_draws(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class MaskDraw:
+    """A dropout mask that is drawn (its seed taken from torch's generator) but not computed: the
+    mask of a whole ``[num_rows, *row_shape]`` tensor, of which :meth:`times` computes only the
+    rows a product needs (:func:`gnncompile.kernels.dropout.dropout_mask`). With the ``torch``
+    generator (:func:`mask_generator`) the whole mask is drawn at once instead, as ``F.dropout``
+    draws it, and kept."""
+
+    __slots__ = ("seed", "p", "num_rows", "row_shape", "dtype", "device", "noise")
+
+    def __init__(self, p: float, num_rows: int, row_shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.p, self.num_rows, self.row_shape, self.dtype, self.device = p, num_rows, row_shape, dtype, device
+        self.noise: Optional[torch.Tensor] = None
+        self.seed = 0
+        if mask_generator() == "torch":
+            template = torch.empty((), dtype=dtype, device=device).expand((num_rows,) + row_shape)
+            self.noise = dropout_noise(template, p)
+        else:
+            self.seed = draw_mask_seed()
+
+    def times(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``x`` (the rows ``index`` of the whole tensor) times those rows of the mask: ``(x * keep) *
+        scale`` with ``keep`` a bool tensor of the rows (what the product saves for backward, one byte
+        per entry) and ``scale = 1 / (1 - p)`` in ``x``'s dtype, which rounds as ``x * mask`` does
+        (``x * 1 = x`` exactly); its gradient ``(g * scale) * keep`` too, unless ``g * scale`` overflows."""
+        if self.noise is not None:
+            return x * self.noise.index_select(0, index)
+        keep = dropout_mask(self.seed, self.p, self.num_rows, self.row_shape, rows=index, dtype=torch.bool,
+                            device=x.device)
+        scale = torch.tensor(1.0 / (1.0 - self.p), dtype=torch.float64).to(x.dtype)
+        return (x * keep) * scale.to(x.device)
+
+
 class MaskCache:
-    """Dropout masks shared by the chunks of a training step (used by the executor for chunked plans).
+    """Dropout masks shared by the chunks of a training step (used by the executor for chunked plans,
+    and where a rank runs some of a plan's dropouts).
 
     A chunked rank runs a stage once per chunk; :func:`dropout_rows` must then draw each op's mask of
     the whole tensor once (at the stage's first chunk, so masks are drawn in the single-device order)
-    and reuse it for the other chunks. While a cache is active (``with cache.stage(s):``), the k-th
-    :func:`dropout_rows` call of stage ``s`` is keyed ``(s, k)``.
+    and compute each chunk's rows from it. While a cache is active (``with cache.stage(s):``), the
+    k-th :func:`dropout_rows` call of stage ``s`` is keyed ``(s, k)``. A cached mask is a
+    :class:`MaskDraw` (a seed): nothing of the size of the tensor is kept.
     """
 
     def __init__(self) -> None:
-        self.masks: dict[tuple[Any, int], torch.Tensor] = {}
+        self.masks: dict[tuple[Any, int], MaskDraw] = {}
         self._scope: Any = None
         self._count = 0
 
@@ -656,45 +691,46 @@ class MaskCache:
         global _MASKS
         _MASKS = None
 
-    def draw(self, like: Callable[[], torch.Tensor], p: float) -> torch.Tensor:
-        """The mask of the current stage's next dropout: the cached one, else drawn into ``like()``
-        (called only then: a chunk that reuses the mask allocates no full-size template)."""
+    def keep(self, key: tuple[Any, int], draw: MaskDraw) -> MaskDraw:
+        """Store ``draw`` as the mask of ``key``."""
+        self.masks[key] = draw
+        return draw
+
+    def release(self, stage: Any) -> None:
+        """Drop the masks of ``stage`` (after its last backward on this rank)."""
+        for key in [key for key in self.masks if key[0] == stage]:
+            del self.masks[key]
+
+    def draw(self, p: float, num_rows: int, row_shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> MaskDraw:
+        """The mask of the current stage's next dropout: the cached one, else a new draw."""
         key = (self._scope, self._count)
         self._count += 1
-        noise = self.masks.get(key)
-        if noise is None:
-            noise = self.masks[key] = dropout_noise(like(), p)
-        return noise
-
-    def times(self, x: torch.Tensor, noise: Any, index: torch.Tensor) -> torch.Tensor:
-        """``x`` times the rows ``index`` of a mask :meth:`draw` returned: the rows are a view for a
-        contiguous ascending ``index`` on the CPU (a chunk's rows: the product's backward saves
-        them, and a copy would hold those rows twice), else a copy."""
-        n = index.numel()
-        if n > 0 and index.dim() == 1 and index.device.type == "cpu":
-            start = int(index[0])
-            if int(index[-1]) - start + 1 == n and (n == 1 or bool((index.diff() == 1).all())):
-                return x * noise.narrow(0, start, n)
-        return x * noise.index_select(0, index)
+        found = self.masks.get(key)
+        return found if found is not None else self.keep(key, MaskDraw(p, num_rows, row_shape, dtype, device))
 
 
 _MASKS: Optional[MaskCache] = None
 
 
-def _row_noise(like: Callable[[], torch.Tensor], p: float) -> torch.Tensor:
-    return _MASKS.draw(like, p) if _MASKS is not None else dropout_noise(like(), p)
+def _row_draw(p: float, num_rows: int, row_shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device) -> MaskDraw:
+    if _MASKS is not None:
+        return _MASKS.draw(p, num_rows, row_shape, dtype, device)
+    return MaskDraw(p, num_rows, row_shape, dtype, device)
 
 
 def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Dropout of rows ``index`` of a ``[num_rows, ...]`` tensor, with the mask of the whole tensor.
 
-    Draws the dropout mask of the full ``[num_rows, *x.shape[1:]]`` tensor exactly as
-    ``F.dropout`` on it would (same RNG calls, see :func:`dropout_noise`) and applies its rows
-    ``index`` to ``x``: a rank holding some rows of a tensor gets, for the same seed, the same
-    masks as single-device training. For a sparse CSR ``x`` the mask is over the stored values of
-    the full matrix (``num_rows`` of them) and ``index`` selects this matrix's values, as
-    :func:`gnncompile.nn.functional.feature_dropout` draws it. ``p == 0`` draws nothing, like
-    ``F.dropout``. Used by the ``data`` strategy; costs ``num_rows`` random draws per call.
+    Draws the dropout mask of the full ``[num_rows, *x.shape[1:]]`` tensor as :func:`dropout_noise`
+    would (one seed from torch's generator) and computes only its rows ``index``
+    (:class:`MaskDraw`): a rank holding some rows of a tensor gets, for the same seed, the same
+    masks as single-device training, in work and memory proportional to its rows. For a sparse CSR
+    ``x`` the mask is over the stored values of the full matrix (``num_rows`` of them) and ``index``
+    selects this matrix's values, as :func:`gnncompile.nn.functional.feature_dropout` draws it.
+    ``p == 0`` draws nothing, like ``F.dropout``. Used by the ``data`` strategy and every strategy
+    with ``dropout="replicated"``.
     """
     proxy = _has_proxy((x, index), {})
     if proxy is not None:  # one fx node (stage modules are re-traced when unpickled)
@@ -705,21 +741,10 @@ def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int) 
         raise KernelError(f"dropout_rows: index is on {index.device} but x is on {x.device}; move both to one device")
     if x.layout == torch.sparse_csr:
         values = x.values()
-        noise = _row_noise(lambda: values.new_empty(()).expand((num_rows,)), p)
-        return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), _times_rows(values, noise, index),
+        draw = _row_draw(p, num_rows, (), values.dtype, values.device)
+        return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), draw.times(values, index),
                                        size=x.shape, device=x.device, check_invariants=False)
-    # the template only gives dropout_noise the shape: one element, zero strides
-    noise = _row_noise(lambda: x.new_empty(()).expand((num_rows,) + tuple(x.shape[1:])), p)
-    return _times_rows(x, noise, index)
-
-
-def _times_rows(x: torch.Tensor, noise: Any, index: torch.Tensor) -> torch.Tensor:
-    """``x`` times the rows ``index`` of a dropout mask: while a :class:`MaskCache` is active, its
-    product (:meth:`MaskCache.times`); otherwise with a copy of the rows (a view would keep a mask
-    nobody else holds alive whole)."""
-    if _MASKS is not None:
-        return _MASKS.times(x, noise, index)
-    return x * noise.index_select(0, index)
+    return _row_draw(p, num_rows, tuple(x.shape[1:]), x.dtype, x.device).times(x, index)
 
 
 def _nonzero_rows(t: torch.Tensor) -> torch.Tensor:

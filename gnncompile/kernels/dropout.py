@@ -27,7 +27,7 @@ __all__ = ["dropout_mask", "philox4x32", "keep_threshold"]
 _MASK32 = 0xFFFFFFFF
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Weyl increments of the key
-_NATIVE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_NATIVE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool)
 
 
 def keep_threshold(p: float) -> int:
@@ -82,15 +82,18 @@ def _mask_torch(seed: int, p: float, num_rows: int, width: int, rows: Optional[t
     words = torch.stack(_philox_torch(block & _MASK32, block >> 32, zeros, zeros,
                                       seed & _MASK32, (seed >> 32) & _MASK32), dim=1)
     word = words.gather(1, (k & 3).unsqueeze(1)).squeeze(1)
-    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float64).to(dtype)
     keep = word >= keep_threshold(p)
+    if dtype == torch.bool:
+        return keep.reshape(r.numel(), width)
+    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float64).to(dtype)
     return torch.where(keep, scale.to(device), torch.zeros((), dtype=dtype, device=device)).reshape(r.numel(), width)
 
 
 def dropout_mask(seed: int, p: float, num_rows: int, row_shape: Sequence[int] = (), *,
                  rows: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", native: Optional[bool] = None) -> torch.Tensor:
-    """The dropout multipliers (0 or ``1 / (1 - p)``, of ``dtype``) of rows ``rows`` (1-d integer
+    """The dropout multipliers (0 or ``1 / (1 - p)``, of ``dtype``; for ``torch.bool``, whether an
+    element is kept) of rows ``rows`` (1-d integer
     tensor; ``None``: every row) of a ``[num_rows, *row_shape]`` tensor: ``[len(rows), *row_shape]``.
 
     ``seed`` is any integer in ``[0, 2^64)`` (see the module docstring for the exact rule).

@@ -1,12 +1,14 @@
-"""``replicate_dropout_masks``: every training-mode dropout draws the whole tensor's mask (exact).
+"""``replicate_dropout_masks``: every training-mode dropout uses the whole tensor's mask (exact).
 
-A rank that holds some rows of a tensor draws the mask of the *whole* tensor from the common seed
-and keeps its rows (:func:`~gnncompile.ops.dropout_rows`), so distributed training sees the masks
-single-device training sees, bit for bit (the strategies' ``dropout="replicated"``).
+A rank that holds some rows of a tensor draws the seed of the *whole* tensor's mask from the common
+RNG stream and computes that mask's rows it holds (:func:`~gnncompile.ops.dropout_rows`, a
+counter-based generator), so distributed training sees the masks single-device training sees, bit
+for bit (the strategies' ``dropout="replicated"``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -96,6 +98,11 @@ def replicate_dropout_masks(tp: TPGraph, graph: Graph, strategy: str = "",
         with g.inserting_before(n):
             new = g.call_function(dropout_rows, (inp, p, inputs[name], sizes[space]))
         new.meta = dict(n.meta)
+        t = n.meta.get("tp")
+        if t is not None and t.dtype:
+            # it saves a bool mask of its rows (one byte per entry), where the dropout saved one in its dtype
+            es = torch.empty((), dtype=getattr(torch, t.dtype)).element_size()
+            new.meta["tp"] = dataclasses.replace(t, saved_bytes=t.saved_bytes * (1.0 / es))
         n.replace_all_uses_with(new)
         g.erase_node(n)
     tp.recompile()

@@ -223,9 +223,12 @@ def _op_cost(n: torch.fx.Node, t: TPInfo, modules: dict[str, torch.nn.Module], *
     rows = t.rows if t.rows is not None else Lin()
     random = Lin()
     if draws_random_numbers(n, modules) and _dropout_p(n, modules) != 0.0:
-        # replicated dropout masks draw the whole tensor's (a constant number of rows), else the op's rows
-        num_rows = call_arguments(n).get("num_rows") if n.target is dropout_rows else None
-        random = Lin.const(num_rows * width) if num_rows is not None else rows * width
+        # a dropout computes the mask of the rows it reads (a replicated one: only those rows of the
+        # whole tensor's mask); a sparse input's replicated mask is counted whole (its stored values,
+        # ``num_rows`` of them: a rank's share of them is not among its sizes)
+        args = call_arguments(n) if n.target is dropout_rows else {}
+        sparse = getattr(args.get("index"), "name", "") == "dropout_index_nnz"  # passes.dropout.INDEX_INPUTS
+        random = Lin.const(args["num_rows"] * width) if sparse else rows * width
     return OpCost(name=n.name, kind=t.kind, flops=t.flops, bytes=t.bytes_read + t.bytes_written, saved=t.saved_bytes,
                   out=rows * (width * _elsize(t.dtype)), width=width, recompute=recompute, backward=backward,
                   random=random, layer=t.layer)

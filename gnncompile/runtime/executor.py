@@ -44,7 +44,7 @@ from torch.autograd.graph import _engine_run_backward
 
 from ..errors import RuntimeFailure, VerificationError
 from ..graph.core import Graph
-from ..frontend.ops import MaskCache, dropout_noise, prepare_graph
+from ..frontend.ops import MaskCache, MaskDraw, prepare_graph
 from ..nn.functional import prepare_sparse_features
 from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, Instruction,
                        OptimizerStep, Plan, RankProgram, Recompute, Recv, ReduceScatter, Send, StageSpec, member_rows,
@@ -409,8 +409,7 @@ class _Rank:
         clock = self.clock
         marks: list[tuple[str, Any, Any]] = []  # (instruction, start mark, end mark)
         chunked = bool(self.offsets) and len(self.offsets) > 2
-        masks = _RowMasks(_mask_rows(stages, instructions, self.chunk_inputs), sum(self.provider.step.chunk_rows)) \
-            if (chunked or prog.dropout_draws) and optimizer is not None else None
+        masks = MaskCache() if (chunked or prog.dropout_draws) and optimizer is not None else None
         # a stage's masks are dropped after its last backward on this rank
         last_backward = {ins.stage: i for i, ins in enumerate(instructions) if isinstance(ins, Backward)} \
             if masks is not None else {}
@@ -431,14 +430,11 @@ class _Rank:
         if masks is not None and prog.dropout_draws:  # every mask of the step, in single-device order
             mine = {s.index for s in stages}
             for stage, ordinal, shape, dtype, p in prog.dropout_draws:
-                # every rank draws every mask (the random stream must match single-device training's)
-                # but keeps only those of its own stages
-                # (the template only gives the shape: one element, zero strides)
-                template = torch.empty((), dtype=getattr(torch, dtype), device=self.ctx.device).expand(shape)
-                noise = dropout_noise(template, p)
+                # every rank draws every mask's seed (the random stream must match single-device
+                # training's) but keeps only those of its own stages; rows are computed where used
+                draw = MaskDraw(p, shape[0], tuple(shape[1:]), getattr(torch, dtype), self.ctx.device)
                 if stage in mine:
-                    masks.keep((stage, ordinal), noise)
-                del noise
+                    masks.keep((stage, ordinal), draw)
 
         def get(name: str, chunk: int) -> Any:
             key = (name, chunk)
@@ -649,118 +645,6 @@ class _Rank:
                 total = losses[c] if total is None else total + losses[c]
         out = torch.cat([logits[c] for c in sorted(logits)]) if logits else None
         return total, out
-
-
-class _KeptRows:
-    """The rows of a whole-tensor dropout mask that a rank's chunks use, one byte per entry:
-    ``table`` holds where the rows ``[a, b)`` of each piece ``(a, b, offset)`` are not 0 at
-    ``offset``; ``scale`` is the mask's nonzero value (``1 / (1 - p)``)."""
-
-    def __init__(self, table: torch.Tensor, pieces: tuple[tuple[int, int, int], ...], scale: torch.Tensor) -> None:
-        self.table, self.pieces, self.scale = table, pieces, scale
-
-    def times(self, x: torch.Tensor, start: int, n: int) -> Optional[torch.Tensor]:
-        """``x`` times the rows ``[start, start + n)`` (``None``: not kept here). The rows are a view:
-        what the product saves for backward is no new memory. The product is ``(x * rows) * scale``:
-        the numbers of ``x`` times the mask (``x * 1 = x`` and ``x * 0`` exactly, then the one
-        rounding of ``x * scale``); its gradient ``(g * scale) * rows`` too, unless ``g * scale``
-        overflows."""
-        if n == 0:  # a chunk with none of this rank's rows
-            return (x * self.table[:0]) * self.scale
-        for a, b, off in self.pieces:
-            if a <= start and start + n <= b:
-                return (x * self.table.narrow(0, off + start - a, n)) * self.scale
-        return None
-
-
-class _RowMasks(MaskCache):
-    """A :class:`~gnncompile.frontend.ops.MaskCache` that keeps of each whole-tensor mask over the
-    chunked vertices (``total`` rows) only the rows this rank's chunks read: the mask is drawn whole
-    (the single-device random stream) and its rows outside ``rows[stage]`` (ranges of positions,
-    from the chunks' dropout indices; :func:`_mask_rows`) are dropped at once. A chunk's rows are a
-    view of what is kept, one byte per entry (:class:`_KeptRows`). Other masks, and those of a
-    stage without ranges, are kept whole. The executor drops a stage's masks after its last
-    backward on the rank (:meth:`release`)."""
-
-    def __init__(self, rows: dict[int, tuple[tuple[int, int], ...]], total: int) -> None:
-        super().__init__()
-        self.rows, self.total = rows, total
-
-    def release(self, stage: int) -> None:
-        """Drop the masks of ``stage`` (after its last backward on this rank)."""
-        for key in [key for key in self.masks if key[0] == stage]:
-            del self.masks[key]
-
-    def keep(self, key: tuple[Any, int], noise: torch.Tensor) -> Any:
-        """Store the mask ``noise`` of ``key`` (its rows of this rank); returns what :meth:`times` reads."""
-        ranges = self.rows.get(key[0])
-        # a mask over rows the ranges index (every rank's chunk rows of the whole tensor: a rank of a
-        # chunked tensor or mop plan reads a share of each chunk); a 1-d mask (over a sparse input's
-        # stored values) only when it is as long as the chunked vertices
-        if not ranges or noise.dim() == 0 or not noise.is_floating_point() or ranges[-1][1] > noise.shape[0] \
-                or (noise.dim() == 1 and noise.shape[0] != self.total):
-            self.masks[key] = noise  # not a mask over the chunked vertices
-            return noise
-        pieces, off = [], 0
-        for a, b in ranges:
-            pieces.append((a, b, off))
-            off += b - a
-        # 0 or 1 / (1 - p): one byte per entry
-        scale = noise.amax() if noise.numel() else noise.new_ones(())
-        kept = self.masks[key] = _KeptRows(torch.cat([noise[a:b] != 0 for a, b, _ in pieces]), tuple(pieces), scale)
-        return kept
-
-    def draw(self, like: Callable[[], torch.Tensor], p: float) -> Any:
-        key = (self._scope, self._count)
-        self._count += 1
-        noise = self.masks.get(key)
-        return noise if noise is not None else self.keep(key, dropout_noise(like(), p))
-
-    def times(self, x: torch.Tensor, noise: Any, index: torch.Tensor) -> torch.Tensor:
-        if not isinstance(noise, _KeptRows):
-            return super().times(x, noise, index)
-        n = index.numel()
-        start = int(index[0]) if n else 0
-        out = noise.times(x, start, n)  # the index is a contiguous range (checked by _mask_rows)
-        if out is not None:
-            return out
-        raise RuntimeFailure(f"dropout rows [{start}, {start + n}) are not among the rows this rank keeps "
-                             f"({[(a, b) for a, b, _ in noise.pieces]})")
-
-
-def _mask_rows(stages: tuple, instructions: tuple,
-               chunk_inputs: dict[int, dict[str, Any]]) -> dict[int, tuple[tuple[int, int], ...]]:
-    """Per stage, the merged ranges of mask positions its chunks on this rank read: every 1-D
-    integer chunk input of the stage (its dropout indices) as a range. A stage with an index that
-    is not a contiguous ascending range, or with none, is left out (its masks are kept whole)."""
-    chunks: dict[int, list[int]] = {}
-    for ins in instructions:
-        if isinstance(ins, Forward):
-            chunks.setdefault(ins.stage, []).append(ins.chunk)
-    out: dict[int, tuple[tuple[int, int], ...]] = {}
-    for st in stages:
-        ranges: list[tuple[int, int]] = []
-        ok = True
-        for k in chunks.get(st.index, ()):
-            ci = chunk_inputs.get(k) or {}
-            for name in st.inputs:
-                t = ci.get(name)
-                if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_sparse \
-                        or t.dtype == torch.bool or t.layout != torch.strided or t.numel() == 0:
-                    continue
-                a, n = int(t[0]), t.numel()
-                if int(t[-1]) - a + 1 != n or (n > 1 and not bool((t.diff() == 1).all())):
-                    ok = False
-                ranges.append((a, a + n))
-        if ok and ranges:
-            merged: list[list[int]] = []
-            for a, b in sorted(ranges):
-                if merged and a <= merged[-1][1]:
-                    merged[-1][1] = max(merged[-1][1], b)
-                else:
-                    merged.append([a, b])
-            out[st.index] = tuple((a, b) for a, b in merged)
-    return out
 
 
 @dataclass

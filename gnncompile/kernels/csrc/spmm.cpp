@@ -683,7 +683,7 @@ void dropout_mask_impl(uint64_t seed, uint64_t threshold, scalar_t scale, const 
 }  // namespace
 
 // The dropout multipliers of rows `rows` (int64, or None: rows 0..num_rows-1) of a [num_rows, width]
-// tensor: [n, width] of `dtype`, 0 or 1/(1-p), element k = row * width + j kept iff its 32-bit
+// tensor: [n, width] of `dtype`, 0 or 1/(1-p) (bool: whether kept), element k = row * width + j kept iff its 32-bit
 // Philox word is >= floor(p * 2^32).
 torch::Tensor dropout_mask(int64_t seed, double p, int64_t num_rows, int64_t width, c10::optional<torch::Tensor> rows,
                            torch::ScalarType dtype) {
@@ -701,7 +701,7 @@ torch::Tensor dropout_mask(int64_t seed, double p, int64_t num_rows, int64_t wid
   auto out = torch::empty({n, width}, torch::TensorOptions().dtype(dtype));
   if (n == 0 || width == 0) return out;
   const uint64_t threshold = uint64_t(p * 4294967296.0);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "gnncompile_dropout_mask", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, dtype, "gnncompile_dropout_mask", [&] {
     dropout_mask_impl<scalar_t>(uint64_t(seed), threshold, scalar_t(1.0 / (1.0 - p)),
                                 some ? rows->data_ptr<int64_t>() : nullptr, n, width, out.data_ptr<scalar_t>());
   });
