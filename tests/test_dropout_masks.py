@@ -140,3 +140,15 @@ def test_plan_dropout_draws_matches_dropout_rows() -> None:
     torch.manual_seed(8)
     rows = fops.dropout_rows(x[index], 0.5, index, 30)
     assert torch.equal(rows, whole[index])
+
+
+@needs_native
+@pytest.mark.parametrize("width", [1, 3, 16, 20, 64, 100])
+def test_rows_mixing_runs_and_scattered_rows(width) -> None:
+    """Runs of consecutive rows (generated as one range of elements when they fill a batch) mixed
+    with scattered and repeated rows (generated through the queue of blocks) give the whole mask's rows."""
+    rows = torch.tensor([3, 4, 5, 6, 10, 11, *range(50, 81), 2, 2, 199, 0, 1, *range(120, 124)])
+    whole = dropout_mask(77, 0.4, 200, (width,), native=True)
+    for dtype in (torch.float32, torch.bool):
+        got = dropout_mask(77, 0.4, 200, (width,), rows=rows, dtype=dtype, native=True)
+        assert torch.equal(got, (whole[rows] != 0) if dtype == torch.bool else whole[rows])

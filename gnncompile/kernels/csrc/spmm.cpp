@@ -630,50 +630,71 @@ inline void philox_batch(const uint64_t* ids, uint32_t k0, uint32_t k1, uint32_t
 // Rows begin..end-1 of the output (see dropout_mask_impl). A function of plain arguments, called
 // from parallel_for's lambda: a lambda body capturing by reference was measured 2-2.5x slower in
 // parallel_for's out-of-line path than in its inline one (captures reloaded after every store).
+// Elements first .. first + count - 1 of a mask into dst, kPhiloxBatch consecutive blocks at a time.
+template <typename scalar_t>
+void dropout_mask_run(uint32_t k0, uint32_t k1, uint64_t threshold, scalar_t scale, uint64_t first, uint64_t count,
+                      scalar_t* dst) {
+  uint32_t words[4 * kPhiloxBatch];
+  uint64_t ids[kPhiloxBatch];
+  const uint64_t last = first + count;
+  for (uint64_t block = first >> 2; (block << 2) < last; block += kPhiloxBatch) {
+    for (int b = 0; b < kPhiloxBatch; ++b) ids[b] = block + uint64_t(b);
+    philox_batch(ids, k0, k1, words);
+    const uint64_t lo = std::max(first, block << 2), hi = std::min(last, (block + kPhiloxBatch) << 2);
+    const uint32_t* word = words + (lo - (block << 2));
+    scalar_t* o = dst + (lo - first);
+    const int64_t n = int64_t(hi - lo);
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) o[t] = word[t] >= threshold ? scale : scalar_t(0);
+  }
+}
+
+// Rows begin..end-1 of the output (see dropout_mask_impl). A function of plain arguments, called
+// from parallel_for's lambda: a lambda body capturing by reference was measured 2-2.5x slower in
+// parallel_for's out-of-line path than in its inline one (captures reloaded after every store).
+// Runs of consecutive rows long enough to fill a batch are generated as one range of elements;
+// the elements of other rows go through a queue of the distinct blocks they need.
 template <typename scalar_t>
 void dropout_mask_rows(uint32_t k0, uint32_t k1, uint64_t threshold, scalar_t scale, const int64_t* rows,
                        int64_t begin, int64_t end, int64_t width, scalar_t* out) {
-  uint32_t words[4 * kPhiloxBatch];
-  uint64_t ids[kPhiloxBatch];
   if (rows == nullptr) {  // rows begin..end-1 are one run of elements
-    const uint64_t first = uint64_t(begin) * uint64_t(width), last = uint64_t(end) * uint64_t(width);
-    scalar_t* o = out + begin * width;
-    for (uint64_t block = first >> 2; (block << 2) < last; block += kPhiloxBatch) {
-      for (int b = 0; b < kPhiloxBatch; ++b) ids[b] = block + uint64_t(b);
-      philox_batch(ids, k0, k1, words);
-      const uint64_t lo = std::max(first, block << 2), hi = std::min(last, (block + kPhiloxBatch) << 2);
-      const uint32_t* word = words + (lo - (block << 2));
-      scalar_t* dst = o + (lo - first);
-      const int64_t count = int64_t(hi - lo);
-#pragma omp simd
-      for (int64_t t = 0; t < count; ++t) dst[t] = word[t] >= threshold ? scale : scalar_t(0);
-    }
+    dropout_mask_run(k0, k1, threshold, scale, uint64_t(begin) * uint64_t(width),
+                     uint64_t(end - begin) * uint64_t(width), out + begin * width);
     return;
   }
+  uint32_t words[4 * kPhiloxBatch];
+  uint64_t ids[kPhiloxBatch];
   int64_t pos[4 * kPhiloxBatch];
   uint8_t code[4 * kPhiloxBatch];  // slot * 4 + lane
   int nb = 0, np = 0;
-  for (int64_t i = begin; i < end; ++i) {
-    const uint64_t base = uint64_t(rows[i]) * uint64_t(width);
-    for (int64_t j = 0; j < width; ++j) {
-      const uint64_t k = base + uint64_t(j);
-      // a full batch (or, for a repeated row, a slot past its 4 elements) is generated and written
-      if (np == 4 * kPhiloxBatch || (nb == kPhiloxBatch && ids[nb - 1] != (k >> 2))) {
-        for (int b = nb; b < kPhiloxBatch; ++b) ids[b] = 0;
-        philox_batch(ids, k0, k1, words);
-        for (int q = 0; q < np; ++q) out[pos[q]] = words[code[q]] >= threshold ? scale : scalar_t(0);
-        nb = np = 0;
-      }
-      if (nb == 0 || ids[nb - 1] != (k >> 2)) ids[nb++] = k >> 2;
-      pos[np] = i * width + j;
-      code[np++] = uint8_t(((nb - 1) << 2) | int(k & 3));
-    }
-  }
-  if (np) {
+  auto flush = [&]() {
     for (int b = nb; b < kPhiloxBatch; ++b) ids[b] = 0;
     philox_batch(ids, k0, k1, words);
     for (int q = 0; q < np; ++q) out[pos[q]] = words[code[q]] >= threshold ? scale : scalar_t(0);
+    nb = np = 0;
+  };
+  for (int64_t i = begin; i < end;) {
+    int64_t j = i + 1;
+    while (j < end && rows[j] == rows[j - 1] + 1) ++j;
+    if ((j - i) * width >= 4 * kPhiloxBatch) {  // a run of consecutive rows
+      dropout_mask_run(k0, k1, threshold, scale, uint64_t(rows[i]) * uint64_t(width), uint64_t(j - i) * uint64_t(width),
+                       out + i * width);
+      i = j;
+      continue;
+    }
+    for (; i < j; ++i) {
+      const uint64_t base = uint64_t(rows[i]) * uint64_t(width);
+      for (int64_t c = 0; c < width; ++c) {
+        const uint64_t k = base + uint64_t(c);
+        // a full batch (or, for a repeated row, a slot past its 4 elements) is generated and written
+        if (np == 4 * kPhiloxBatch || (nb == kPhiloxBatch && ids[nb - 1] != (k >> 2))) flush();
+        if (nb == 0 || ids[nb - 1] != (k >> 2)) ids[nb++] = k >> 2;
+        pos[np] = i * width + c;
+        code[np++] = uint8_t(((nb - 1) << 2) | int(k & 3));
+      }
+    }
   }
+  if (np) flush();
 }
 
 // out[i, j] for i < n: element k = row(i) * width + j is kept iff word k & 3 of Philox(counter k >> 2)
