@@ -650,16 +650,36 @@ class MaskDraw:
             self.seed = draw_mask_seed()
 
     def times(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """``x`` (the rows ``index`` of the whole tensor) times those rows of the mask: ``(x * keep) *
-        scale`` with ``keep`` a bool tensor of the rows (what the product saves for backward, one byte
-        per entry) and ``scale = 1 / (1 - p)`` in ``x``'s dtype, which rounds as ``x * mask`` does
-        (``x * 1 = x`` exactly); its gradient ``(g * scale) * keep`` too, unless ``g * scale`` overflows."""
+        """``x`` (the rows ``index`` of the whole tensor) times those rows of the mask, ``x * noise``
+        with ``noise`` 0 or ``1 / (1 - p)`` as :func:`dropout_noise` has it (the same numbers, and
+        the gradient ``g * noise``), saving for backward only the bool ``keep`` of the rows (one byte
+        per entry); ``noise`` is a temporary of the product, made again in backward."""
         if self.noise is not None:
             return x * self.noise.index_select(0, index)
         keep = dropout_mask(self.seed, self.p, self.num_rows, self.row_shape, rows=index, dtype=torch.bool,
                             device=x.device)
-        scale = torch.tensor(1.0 / (1.0 - self.p), dtype=torch.float64).to(x.dtype)
-        return (x * keep) * scale.to(x.device)
+        return _KeepTimes.apply(x, keep, 1.0 / (1.0 - self.p))
+
+
+class _KeepTimes(torch.autograd.Function):
+    """``x * where(keep, scale, 0)`` (the multiplier in ``x``'s dtype), saving ``keep`` (bool), not the
+    multiplier: forward and backward compute what ``x * noise`` and its gradient ``g * noise`` do."""
+
+    @staticmethod
+    def _noise(keep: torch.Tensor, scale: float, like: torch.Tensor) -> torch.Tensor:
+        value = torch.tensor(scale, dtype=torch.float64).to(device=like.device, dtype=like.dtype)
+        return torch.where(keep, value, torch.zeros((), dtype=like.dtype, device=like.device))
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return x * _KeepTimes._noise(keep, scale, x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
+        (keep,) = ctx.saved_tensors
+        return g * _KeepTimes._noise(keep, ctx.scale, g), None, None
 
 
 class MaskCache:
