@@ -326,9 +326,9 @@ def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
     loss_s: dict[str, dict[str, float]] = {}
     stream: dict[str, dict[str, float]] = {}
     rng_s: dict[str, float] = {}
-    # a dropout's mask as a rank computes it: the rows it holds (here every other row) of a whole
-    # tensor's mask, as bools (MaskDraw.times)
-    mask_rows, mask_width = 131_072, 32
+    # a dropout's mask as a rank computes it: the rows it holds (here every other row, a hidden
+    # layer's 64 features each) of a whole tensor's mask, as bools (MaskDraw.times)
+    mask_rows, mask_width = 65_536, 64
     held_rows = torch.arange(0, mask_rows, 2)
     draws = held_rows.numel() * mask_width
     for t in threads:

@@ -296,6 +296,26 @@ def test_rank_device_interpolates_in_threads() -> None:
     assert placeholder.rank_device().flops_for("float32") == pytest.approx(DEVICES["cpu"].flops["float32"] / 4)
 
 
+def test_ranks_of_a_host_share_its_memory_bound_rates() -> None:
+    """Two one-thread ranks on two cores each get half the host's two-thread bandwidth (never more
+    than a lone thread's); compute rates stay a lone thread's; one rank keeps the interpolation."""
+    rates = {"flops": {"float32": [10.0, 20.0]}, "mem_bandwidth": [6.0, 8.0], "spmm_bandwidth": [4.0, 10.0],
+             "edge_rate": [3.0, 5.0]}
+    curve = [{"working_set": 1000, "bandwidth": [9.0, 12.0], "edge_rate": [2.0, 2.0]}]
+    host = Cluster(1, 2, DEVICES["cpu"], LINKS["shm"], cores=2, threads_per_rank=1,
+                   calibration={"rates": rates, "spmm_curve": curve})
+    d = host.rank_device(1)
+    assert d.flops_for("float32") == pytest.approx(10.0)
+    assert d.mem_bandwidth == pytest.approx(4.0) and d.host_bandwidth == pytest.approx(4.0)
+    assert d.spmm_bandwidth == pytest.approx(4.0)            # a lone thread's 4 < the host's 10 / 2
+    assert d.edge_rate == pytest.approx(2.5)
+    assert d.spmm_curve == ((1000, pytest.approx(6.0), pytest.approx(1.0)),)
+    four = dataclasses.replace(host, devices_per_node=4).rank_device(3)   # 4 one-thread ranks on 2 cores
+    assert four.mem_bandwidth == pytest.approx(2.0) and four.flops_for("float32") == pytest.approx(5.0)
+    one = dataclasses.replace(host, devices_per_node=1, threads_per_rank=2).rank_device(0)
+    assert one.mem_bandwidth == pytest.approx(8.0) and one.spmm_bandwidth == pytest.approx(10.0)
+
+
 def test_calibrate_needs_two_ranks() -> None:
     with pytest.raises(PlanningError, match="world_size"):
         calibrate(world_size=1)

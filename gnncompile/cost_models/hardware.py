@@ -199,8 +199,12 @@ class Cluster:
         FLOP/s (the square GEMM's and each point of the ``gemm_curve`` and ``gemm_deep_curve``), ``mem_bandwidth``,
         ``spmm_bandwidth`` and the other calibrated rates, where ``r`` interpolates linearly in
         threads between the calibrated single-thread and all-core rates; past ``cores`` it grows
-        on with that slope if positive, else stays flat (one core: ``r(t) = t · r(1)``). An
-        uncalibrated host assumes linear scaling of its all-core rates. ``memory`` is the host's
+        on with that slope if positive, else stays flat (one core: ``r(t) = t · r(1)``). The
+        memory-bound rates (``mem_bandwidth``, ``spmm_bandwidth``, ``edge_rate``, the
+        ``spmm_curve``) are the host's, shared: at most ``r(b) / ranks`` with ``b = min(cores,
+        ranks · t)`` the threads running at once (two one-thread ranks on two cores do not each
+        get a lone thread's bandwidth). An uncalibrated host assumes linear scaling of its
+        all-core rates. ``memory`` is the host's
         split evenly among its ranks.
         """
         self.node_of(rank)
@@ -218,6 +222,17 @@ class Cluster:
             within = min(threads, self.cores)
             return (single + slope * (within - 1) + max(0.0, slope) * (threads - within)) * share
 
+        busy = min(self.cores, ranks * threads)  # threads the host's ranks run at once
+
+        def shared(pair: Sequence[float]) -> float:
+            """A memory-bound rate: the host's memory system serves its ranks together, at most the
+            calibrated rate of ``busy`` threads split among the ranks (never above :func:`rate`)."""
+            single, all_cores = pair
+            if ranks == 1 or self.cores == 1:
+                return rate(pair)
+            node = single + (all_cores - single) / (self.cores - 1) * (busy - 1)
+            return min(rate(pair), node / ranks)
+
         def gemm(key: str) -> tuple:
             """The calibrated GEMM curve ``key`` at this rank's threads (the device's where none)."""
             return tuple((p["width"], *(rate(p[k]) for k in ("forward", "weight_grad", "input_grad")))
@@ -227,14 +242,14 @@ class Cluster:
         return dataclasses.replace(
             self.device,
             flops={dtype: rate(pair) for dtype, pair in rates["flops"].items()},
-            mem_bandwidth=rate(rates["mem_bandwidth"]),
-            host_bandwidth=rate(rates["mem_bandwidth"]),  # a CPU rank "loads" rows by gathering them
-            spmm_bandwidth=rate(rates["spmm_bandwidth"]),
-            edge_rate=rate(rates["edge_rate"]) if "edge_rate" in rates else self.device.edge_rate,
+            mem_bandwidth=shared(rates["mem_bandwidth"]),
+            host_bandwidth=shared(rates["mem_bandwidth"]),  # a CPU rank "loads" rows by gathering them
+            spmm_bandwidth=shared(rates["spmm_bandwidth"]),
+            edge_rate=shared(rates["edge_rate"]) if "edge_rate" in rates else self.device.edge_rate,
             rng_rate=rate(rates["rng_rate"]) if "rng_rate" in rates else self.device.rng_rate,
             loss_rate=rate(rates["loss_rate"]) if "loss_rate" in rates else self.device.loss_rate,
             loss_grad_rate=rate(rates["loss_grad_rate"]) if "loss_grad_rate" in rates else self.device.loss_grad_rate,
-            spmm_curve=tuple((p["working_set"], rate(p["bandwidth"]), rate(p["edge_rate"]))
+            spmm_curve=tuple((p["working_set"], shared(p["bandwidth"]), shared(p["edge_rate"]))
                              for p in self.calibration.get("spmm_curve", [])) or self.device.spmm_curve,
             gemm_curve=gemm("gemm_curve"),
             gemm_deep_curve=gemm("gemm_deep_curve"),
