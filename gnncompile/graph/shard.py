@@ -233,7 +233,7 @@ def global_rows(shards: list[Shard], local: list[torch.Tensor], num_nodes: int) 
 def dropout_positions(space: str, graph: Graph, rows: torch.Tensor,
                       edge_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Where the dropout-mask entries of ``rows`` (and of the edges ``edge_ids``) sit in a mask over
-    the whole graph (replicated dropout: every rank draws the whole mask and keeps these entries).
+    the whole graph (replicated dropout: every rank computes these entries of the whole graph's mask).
 
     ``space``: ``"V"`` one entry per vertex; ``"E"`` one per edge; ``"E+V"`` the edges, then one per
     vertex (the self loops a propagation adds); ``"nnz"`` one per stored value of the sparse

@@ -33,7 +33,7 @@ alpha)`` run in ``cols`` split along ``C``: every rank keeps every head, so the 
 ``a_src = (h * att_src).sum(-1)`` and ``a_dst`` (``[V, H]``) are T ops on whole rows (``rows``), each
 all-gathered to ``replicated``; then every rank runs the E ops (``gather_src + gather_dst``,
 LeakyReLU, ``edge_softmax``, dropout) on all edges and holds the same ``alpha``: a dropout of alpha
-draws the whole tensor's mask from the seed every rank shares (``dropout="replicated"``,
+uses the whole tensor's mask, drawn from the seed every rank shares (``dropout="replicated"``,
 :func:`~gnncompile.passes.data.replicate_dropout_masks`), so the masks agree across ranks and with
 single-device training. Backward: rank r's propagation sees only its ``C``-slice, so the gradient
 it sends into ``alpha`` is a partial sum over the ranks; the E ops' backward is linear in the
