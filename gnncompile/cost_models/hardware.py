@@ -214,24 +214,26 @@ class Cluster:
         threads = self.threads_per_rank or max(1, self.cores // ranks)
         share = min(1.0, self.cores / (ranks * threads))
 
-        def rate(pair: Sequence[float]) -> float:
+        def at(pair: Sequence[float], t: int) -> float:
+            """``r(t)``: the calibrated rate ``pair`` (single thread, all cores) at ``t`` threads."""
             single, all_cores = pair
             if self.cores == 1:
-                return single * threads * share
+                return single * t
             slope = (all_cores - single) / (self.cores - 1)
-            within = min(threads, self.cores)
-            return (single + slope * (within - 1) + max(0.0, slope) * (threads - within)) * share
+            within = min(t, self.cores)
+            return single + slope * (within - 1) + max(0.0, slope) * (t - within)
+
+        def rate(pair: Sequence[float]) -> float:
+            return at(pair, threads) * share
 
         busy = min(self.cores, ranks * threads)  # threads the host's ranks run at once
 
         def shared(pair: Sequence[float]) -> float:
             """A memory-bound rate: the host's memory system serves its ranks together, at most the
             calibrated rate of ``busy`` threads split among the ranks (never above :func:`rate`)."""
-            single, all_cores = pair
             if ranks == 1 or self.cores == 1:
                 return rate(pair)
-            node = single + (all_cores - single) / (self.cores - 1) * (busy - 1)
-            return min(rate(pair), node / ranks)
+            return min(rate(pair), at(pair, busy) / ranks)
 
         def gemm(key: str) -> tuple:
             """The calibrated GEMM curve ``key`` at this rank's threads (the device's where none)."""

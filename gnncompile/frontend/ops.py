@@ -636,11 +636,13 @@ class MaskDraw:
     generator (:func:`mask_generator`) the whole mask is drawn at once instead, as ``F.dropout``
     draws it, and kept."""
 
-    __slots__ = ("seed", "p", "num_rows", "row_shape", "dtype", "device", "noise")
+    __slots__ = ("seed", "p", "num_rows", "row_shape", "noise")
 
     def __init__(self, p: float, num_rows: int, row_shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.p, self.num_rows, self.row_shape, self.dtype, self.device = p, num_rows, row_shape, dtype, device
+        """``dtype`` and ``device``: the whole mask's, drawn now with the ``torch`` generator only (else
+        each product's rows take ``x``'s)."""
+        self.p, self.num_rows, self.row_shape = p, num_rows, row_shape
         self.noise: Optional[torch.Tensor] = None
         self.seed = 0
         if mask_generator() == "torch":

@@ -77,11 +77,12 @@ def _mask_torch(seed: int, p: float, num_rows: int, width: int, rows: Optional[t
     """:func:`dropout_mask` in torch operations: the words of the blocks the elements fall in."""
     r = torch.arange(num_rows, dtype=torch.int64, device=device) if rows is None else rows.to(device, torch.int64)
     k = (r.unsqueeze(1) * width + torch.arange(width, dtype=torch.int64, device=device)).reshape(-1)
-    block = k >> 2
+    # one Philox block per run of elements that share it (up to four), not one per element
+    block, which = torch.unique_consecutive(k >> 2, return_inverse=True)
     zeros = torch.zeros_like(block)
     words = torch.stack(_philox_torch(block & _MASK32, block >> 32, zeros, zeros,
                                       seed & _MASK32, (seed >> 32) & _MASK32), dim=1)
-    word = words.gather(1, (k & 3).unsqueeze(1)).squeeze(1)
+    word = words[which, k & 3]
     keep = word >= keep_threshold(p)
     if dtype == torch.bool:
         return keep.reshape(r.numel(), width)
@@ -115,6 +116,7 @@ def dropout_mask(seed: int, p: float, num_rows: int, row_shape: Sequence[int] = 
             raise KernelError(f"dropout_mask: rows must be a 1-d integer tensor, got {rows.dtype} {list(rows.shape)}")
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
             raise KernelError(f"dropout_mask: rows must be in [0, {num_rows})")
+    n = num_rows if rows is None else rows.numel()
     use_native = native if native is not None else (device.type == "cpu" and dtype in _NATIVE_DTYPES)
     if use_native:
         if device.type != "cpu" or dtype not in _NATIVE_DTYPES:
@@ -129,9 +131,7 @@ def dropout_mask(seed: int, p: float, num_rows: int, row_shape: Sequence[int] = 
             # the kernel takes the seed's 64 bits as a signed integer
             signed = seed - 2**64 if seed >= 2**63 else seed
             idx = None if rows is None else rows.to("cpu", torch.int64).contiguous()
-            n = num_rows if rows is None else rows.numel()
             return mod.dropout_mask(signed, float(p), int(num_rows), width, idx, dtype).reshape((n,) + shape)
-    n = num_rows if rows is None else rows.numel()
     if n == 0 or width == 0:
         return torch.empty((n,) + shape, dtype=dtype, device=device)
     return _mask_torch(seed, float(p), int(num_rows), width, rows, dtype, device).reshape((n,) + shape)

@@ -158,9 +158,10 @@ def complete(work: Any, poll: bool = False) -> None:
     :data:`POLL_SECONDS`), then wait. A rank that sleeps in the library's wait lets its core go
     idle, and on a virtual machine waking an idle virtual CPU can take the host a millisecond; a
     yielding rank stays runnable but hands its core to any other runnable thread (a peer rank's
-    computation, gloo's own threads). Measured here (2 cores, medians of steps): cora's GCN step
-    on 2 ranks 10-11 ms sleeping, 5 ms polling; on 4 ranks 20-25 ms, 10-15 ms; on 8 ranks 51,
-    38-41 ms; coauthor_physics on 4 ranks 116, 105 ms. A wait longer than :data:`POLL_SECONDS` (a
+    computation, gloo's own threads). Measured here (2 cores, medians of steps), sleeping against
+    polling up to 50 ms: cora's GCN step on 2 ranks 10-11 ms, 5 ms; on 4 ranks 20-25 ms, 10-15 ms;
+    on 8 ranks 51, 38-41 ms; coauthor_physics on 4 ranks 116, 105 ms. Polling up to 2 ms (today's
+    window) kept the cora gains: 4.7-4.9 ms on 2 ranks, 12-13 ms on 4. A wait longer than :data:`POLL_SECONDS` (a
     slow peer, another job on the cores, a failure the library reports at its timeout) sleeps.
     """
     if poll and _yield is not None:

@@ -349,7 +349,7 @@ def train(
         t0 = time.perf_counter()
         if minibatch is None:
             optimizer.zero_grad(set_to_none=True)
-            with draws:  # backward too: a checkpointed segment's replay draws its masks again
+            with draws:  # backward too: a reentrant checkpoint replays its forward there
                 logits = model(graph, x)
                 loss = F.cross_entropy(logits[train_mask], y[train_mask])
                 loss.backward()
@@ -414,7 +414,7 @@ def _minibatch_epoch(model: BlockModel, host: Graph, x: torch.Tensor, y: torch.T
         batch = sample_blocks(host, seeds, mb.fanouts, generator=batch_generator(seed, epoch, step), norms=norms)
         batch = batch.to(x.device)
         optimizer.zero_grad(set_to_none=True)
-        with draws:  # backward too: a checkpointed segment's replay draws its masks again
+        with draws:  # backward too: a reentrant checkpoint replays its forward there
             logits = model(batch.blocks, slice_rows(x, batch.input_ids))
             loss = F.cross_entropy(logits, y.index_select(0, seeds.to(y.device)))
             loss.backward()
