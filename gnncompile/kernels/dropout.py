@@ -76,13 +76,16 @@ def _mask_torch(seed: int, p: float, num_rows: int, width: int, rows: Optional[t
                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """:func:`dropout_mask` in torch operations: the words of the blocks the elements fall in."""
     r = torch.arange(num_rows, dtype=torch.int64, device=device) if rows is None else rows.to(device, torch.int64)
-    k = (r.unsqueeze(1) * width + torch.arange(width, dtype=torch.int64, device=device)).reshape(-1)
-    # one Philox block per run of elements that share it (up to four), not one per element
-    block, which = torch.unique_consecutive(k >> 2, return_inverse=True)
+    base = r * width
+    cols = torch.arange(width, dtype=torch.int64, device=device)
+    # the blocks covering each row (ceil(width / 4) + 1 of them, the last maybe unused), not one
+    # block per element
+    spans = (width + 3) // 4 + 1
+    block = (base >> 2).unsqueeze(1) + torch.arange(spans, dtype=torch.int64, device=device)
     zeros = torch.zeros_like(block)
     words = torch.stack(_philox_torch(block & _MASK32, block >> 32, zeros, zeros,
-                                      seed & _MASK32, (seed >> 32) & _MASK32), dim=1)
-    word = words[which, k & 3]
+                                      seed & _MASK32, (seed >> 32) & _MASK32), dim=2).reshape(r.numel(), 4 * spans)
+    word = words.gather(1, (base & 3).unsqueeze(1) + cols).reshape(-1)
     keep = word >= keep_threshold(p)
     if dtype == torch.bool:
         return keep.reshape(r.numel(), width)
