@@ -49,10 +49,10 @@ def reference_step(model: torch.nn.Module, graph: Graph, lr: float = 0.01, weigh
         x = x.to(first.dtype)
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
     opt.zero_grad(set_to_none=True)
-    with plan_dropout_draws():  # backward too: a reentrant checkpoint replays its forward there
+    with plan_dropout_draws():
         logits = model(graph, x)
-        loss = F.cross_entropy(logits[graph.train_mask], graph.y[graph.train_mask])
-        loss.backward()
+    loss = F.cross_entropy(logits[graph.train_mask], graph.y[graph.train_mask])
+    loss.backward()
     grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in params.items()}
     opt.step()
     return ReferenceStep(float(loss.detach()), logits.detach(), grads,

@@ -152,3 +152,20 @@ def test_rows_mixing_runs_and_scattered_rows(width) -> None:
     for dtype in (torch.float32, torch.bool):
         got = dropout_mask(77, 0.4, 200, (width,), rows=rows, dtype=dtype, native=True)
         assert torch.equal(got, (whole[rows] != 0) if dtype == torch.bool else whole[rows])
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_foreign_checkpoint_is_refused_under_plan_draws(reentrant: bool) -> None:
+    """torch's checkpoint replays its forward in backward without torch function modes: a redirected
+    F.dropout inside one would draw other masks there (wrong gradients), so it is refused; outside a
+    checkpoint the redirection draws dropout_noise's mask."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.randn(20, 3, requires_grad=True)
+    with fops.plan_dropout_draws():
+        with pytest.raises(gc.KernelError, match="inside torch.utils.checkpoint"):
+            checkpoint(lambda t: F.dropout(t, 0.5), x, use_reentrant=reentrant)
+        torch.manual_seed(4)
+        y = F.dropout(x, 0.5)
+    torch.manual_seed(4)
+    assert torch.equal(y, x * fops.dropout_noise(x, 0.5))

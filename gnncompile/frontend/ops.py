@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 import threading
 from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
@@ -602,6 +603,13 @@ class plan_dropout_draws(torch.overrides.TorchFunctionMode):
     """
 
     _depth = threading.local()
+    _handled = threading.local()
+
+    @classmethod
+    def replays_handled(cls) -> Any:
+        """Context for the forward of a checkpoint that re-enters this redirection for its replay
+        (:class:`~gnncompile.passes.recompute.Recompute`): its dropouts are not refused."""
+        return _Counting(cls._handled)
 
     @classmethod
     def active(cls) -> bool:
@@ -624,9 +632,43 @@ class plan_dropout_draws(torch.overrides.TorchFunctionMode):
             x, p = bound["input"], bound.get("p", 0.5)
             if (bound.get("training", True) and 0.0 < p < 1.0 and isinstance(x, torch.Tensor)
                     and x.layout == torch.strided):
+                if getattr(self._handled, "n", 0) == 0 and _in_checkpoint_forward():
+                    raise KernelError(
+                        "F.dropout inside torch.utils.checkpoint while gnncompile draws the dropout masks "
+                        "(gnncompile.train, the reference step): the checkpoint replays its forward in backward "
+                        "without this redirection and would draw other masks, so the gradients would be wrong. "
+                        "Use gnncompile's recomputation (plan(..., recompute=True)) or, on a CPU, "
+                        "GNNCOMPILE_DROPOUT_MASKS=torch")
                 noise = dropout_noise(x, p)
                 return x.mul_(noise) if bound.get("inplace", False) else x * noise
         return func(*args, **kwargs)
+
+
+class _Counting:
+    """Increments a thread-local counter while entered."""
+
+    def __init__(self, local: threading.local) -> None:
+        self.local = local
+
+    def __enter__(self) -> None:
+        self.local.n = getattr(self.local, "n", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        self.local.n -= 1
+
+
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+def _in_checkpoint_forward() -> bool:
+    """Whether this call runs inside ``torch.utils.checkpoint`` (a frame of its module on the stack):
+    either variant replays the forward in backward, where torch function modes are not active."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class MaskDraw:

@@ -51,6 +51,14 @@ from .infra import graph_pass
 __all__ = ["Recompute", "TSegment", "t_segments", "insert_recomputation", "source_name", "draws_random_numbers"]
 
 
+@contextlib.contextmanager
+def _redirected_replay() -> Any:
+    """A replay under :class:`~gnncompile.frontend.ops.plan_dropout_draws`, which it re-enters
+    itself (its dropouts are not refused as a foreign checkpoint's)."""
+    with ops.plan_dropout_draws.replays_handled(), ops.plan_dropout_draws():
+        yield
+
+
 class Recompute(torch.nn.Module):
     """Runs ``body`` under :func:`torch.utils.checkpoint.checkpoint` (non-reentrant).
 
@@ -77,7 +85,9 @@ class Recompute(torch.nn.Module):
         draws = ops.plan_dropout_draws.active()
 
         def contexts() -> tuple[Any, Any]:
-            return contextlib.nullcontext(), ops.plan_dropout_draws() if draws else contextlib.nullcontext()
+            if not draws:
+                return contextlib.nullcontext(), contextlib.nullcontext()
+            return ops.plan_dropout_draws.replays_handled(), _redirected_replay()
 
         cache = ops._MASKS
         if cache is None:

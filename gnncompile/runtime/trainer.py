@@ -349,10 +349,10 @@ def train(
         t0 = time.perf_counter()
         if minibatch is None:
             optimizer.zero_grad(set_to_none=True)
-            with draws:  # backward too: a reentrant checkpoint replays its forward there
+            with draws:
                 logits = model(graph, x)
-                loss = F.cross_entropy(logits[train_mask], y[train_mask])
-                loss.backward()
+            loss = F.cross_entropy(logits[train_mask], y[train_mask])
+            loss.backward()
             optimizer.step()
             epoch_loss = float(loss.detach())
         else:
@@ -414,10 +414,10 @@ def _minibatch_epoch(model: BlockModel, host: Graph, x: torch.Tensor, y: torch.T
         batch = sample_blocks(host, seeds, mb.fanouts, generator=batch_generator(seed, epoch, step), norms=norms)
         batch = batch.to(x.device)
         optimizer.zero_grad(set_to_none=True)
-        with draws:  # backward too: a reentrant checkpoint replays its forward there
+        with draws:
             logits = model(batch.blocks, slice_rows(x, batch.input_ids))
-            loss = F.cross_entropy(logits, y.index_select(0, seeds.to(y.device)))
-            loss.backward()
+        loss = F.cross_entropy(logits, y.index_select(0, seeds.to(y.device)))
+        loss.backward()
         optimizer.step()
         total += float(loss.detach()) * seeds.numel()
         seen += seeds.numel()
