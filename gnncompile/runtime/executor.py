@@ -528,8 +528,11 @@ class _Rank:
             saved_storage: set[int] = set()
 
             def pack(t: Any) -> Any:
+                # a detached alias, as autograd keeps without hooks: a saved stage output (a custom
+                # op saving its own result) must keep its storage when Free swaps the output's
                 if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                     saved_storage.add(t.untyped_storage().data_ptr())
+                    return t.detach()
                 return t
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if last_use else contextlib.nullcontext():
