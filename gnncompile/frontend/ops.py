@@ -710,20 +710,23 @@ class _KeepTimes(torch.autograd.Function):
     multiplier: forward and backward compute what ``x * noise`` and its gradient ``g * noise`` do."""
 
     @staticmethod
-    def _noise(keep: torch.Tensor, scale: float, like: torch.Tensor) -> torch.Tensor:
-        value = torch.tensor(scale, dtype=torch.float64).to(device=like.device, dtype=like.dtype)
-        return torch.where(keep, value, torch.zeros((), dtype=like.dtype, device=like.device))
+    def _times(keep: torch.Tensor, scale: float, x: torch.Tensor) -> torch.Tensor:
+        """``noise * x`` with ``noise = where(keep, scale, 0)`` in ``x``'s dtype, bit for bit (the same
+        products), built as ``keep`` cast, scaled and multiplied in place: ``torch.where`` with scalar
+        branches runs ~4x slower than these three passes on the CPU."""
+        value = torch.tensor(scale, dtype=torch.float64).to(device=x.device, dtype=x.dtype)
+        return keep.to(x.dtype).mul_(value).mul_(x)
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.save_for_backward(keep)
         ctx.scale = scale
-        return x * _KeepTimes._noise(keep, scale, x)
+        return _KeepTimes._times(keep, scale, x)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
         (keep,) = ctx.saved_tensors
-        return g * _KeepTimes._noise(keep, ctx.scale, g), None, None
+        return _KeepTimes._times(keep, ctx.scale, g), None, None
 
 
 class MaskCache:

@@ -90,7 +90,7 @@ def _mask_torch(seed: int, p: float, num_rows: int, width: int, rows: Optional[t
     if dtype == torch.bool:
         return keep.reshape(r.numel(), width)
     scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float64).to(dtype)
-    return torch.where(keep, scale.to(device), torch.zeros((), dtype=dtype, device=device)).reshape(r.numel(), width)
+    return keep.to(dtype).mul_(scale.to(device)).reshape(r.numel(), width)  # where(keep, scale, 0), faster
 
 
 def dropout_mask(seed: int, p: float, num_rows: int, row_shape: Sequence[int] = (), *,
