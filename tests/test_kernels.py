@@ -193,6 +193,36 @@ def test_native_spmm_every_window_width(dtype: torch.dtype) -> None:
                                        msg=lambda m, w=width, k=weights: f"width {w}, {k}: {m}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_native_narrow_widths_padded_equal_the_kernel_unpadded(dtype: torch.dtype) -> None:
+    """Narrow widths that are no power of two run zero-padded (``kernels._PADDED_WIDTHS``): the same
+    sums, bit for bit, as the kernel on the unpadded rows (its masked window, which reads whole
+    accumulator widths except from the last rows of ``x``), forward and transposed, with scales."""
+    if "native" not in kernels.available_backends("cpu"):
+        pytest.skip("native backend unavailable here")
+    mod = kernels._load_native()
+    csr = random_csr(40, 30, 4.0, seed=23)
+    last = torch.full((3,), 29, dtype=csr.indices.dtype)  # row 0 also gathers x's last row
+    csr = CSR(torch.cat([csr.indptr[:1], csr.indptr[1:] + 3]), torch.cat([last, csr.indices]), csr.num_rows,
+              csr.num_cols)
+    idx = kernels._native_index(csr)
+    rs, cs = randn(40, dtype=dtype, seed=3), randn(30, dtype=dtype, seed=4)
+    parts = kernels._push_parts(csr, torch.get_num_threads())
+    assert set(kernels._PADDED_WIDTHS) >= {3, 5, 7, 12, 20, 31}
+    for width in sorted(kernels._PADDED_WIDTHS):
+        x = randn(30, width, dtype=dtype, seed=width)
+        for values in (None, randn(csr.nnz, dtype=dtype, seed=width + 1)):
+            unpadded = mod.spmm(csr.indptr, idx, values, x, 1, 0, rs, cs)
+            assert torch.equal(kernels.spmm(csr, values, x, backend="native", row_scale=rs, col_scale=cs),
+                               unpadded), width
+            torch.testing.assert_close(unpadded, kernels.spmm(csr, values, x, backend="torch", row_scale=rs,
+                                                              col_scale=cs), **TOL[dtype])
+            y = randn(40, width, dtype=dtype, seed=width + 2)
+            pushed = mod.spmm_t(csr.indptr, idx, values, y, 1, 30, parts, rs, cs)
+            assert torch.equal(kernels.spmm(csr, values, y, backend="native", row_scale=rs, col_scale=cs,
+                                            transpose=True), pushed), width
+
+
 def test_native_spmm_is_deterministic() -> None:
     if "native" not in kernels.available_backends("cpu"):
         pytest.skip("native backend unavailable here")

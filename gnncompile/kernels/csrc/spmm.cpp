@@ -119,12 +119,16 @@ enum Mode { kUnweighted = 0, kScalar = 1, kHeads = 2 };
 // `cs` (may be null): a per-column (source) scale multiplying every edge's weight; `rs`: the row's
 // (destination's) scale, applied once to the finished sums (1 leaves them as they are).
 // MASKED (single-head modes): the window is `width_rt` < C columns wide; the accumulator keeps the
-// compile-time width C (in registers) and loads and stores only the first `width_rt` columns.
+// compile-time width C (in registers) and stores only the first `width_rt` columns. Source rows
+// below `safe_rows` are read C wide (the extra lanes read the next columns of x, whatever they
+// hold, and are never stored: a masked load per element is 2-4x slower); the last rows of x,
+// whose C-wide read would pass its end, load only the first `width_rt` columns.
 template <typename scalar_t, typename index_t, int C, int MODE, int G = 0, bool MASKED = false>
 inline void spmm_window_row(const index_t* __restrict col, const scalar_t* __restrict w, int64_t wstride,
                             const scalar_t* __restrict cs, scalar_t rs,
                             const scalar_t* __restrict x, int64_t ld, scalar_t* __restrict out,
-                            int64_t beg, int64_t end, int64_t nnz, int64_t pf, int64_t width_rt, int64_t groups_rt) {
+                            int64_t beg, int64_t end, int64_t nnz, int64_t pf, int64_t width_rt, int64_t groups_rt,
+                            int64_t safe_rows) {
   static_assert(!MASKED || (C > 0 && MODE != kHeads), "masked windows are single-head, compile-time width");
   constexpr int64_t kMax = kMaxWindowBytes / sizeof(scalar_t);
   const int64_t width = C ? C : width_rt;  // per head
@@ -138,12 +142,22 @@ inline void spmm_window_row(const index_t* __restrict col, const scalar_t* __res
     if (e + pf < nnz) prefetch_span(x + (int64_t)col[e + pf] * ld, bytes);
     const scalar_t* xr = x + (int64_t)col[e] * ld;
     if constexpr (MASKED && MODE == kUnweighted) {
+      if ((int64_t)col[e] < safe_rows) {
 #pragma omp simd
-      for (int64_t c = 0; c < C; ++c) acc[c] += c < width_rt ? xr[c] : scalar_t(0);
+        for (int64_t c = 0; c < C; ++c) acc[c] += xr[c];
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) acc[c] += c < width_rt ? xr[c] : scalar_t(0);
+      }
     } else if constexpr (MASKED) {
       const scalar_t we = (w ? w[e * wstride] : scalar_t(1)) * (cs ? cs[col[e]] : scalar_t(1));
+      if ((int64_t)col[e] < safe_rows) {
 #pragma omp simd
-      for (int64_t c = 0; c < C; ++c) acc[c] = std::fma(we, c < width_rt ? xr[c] : scalar_t(0), acc[c]);
+        for (int64_t c = 0; c < C; ++c) acc[c] = std::fma(we, xr[c], acc[c]);
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) acc[c] = std::fma(we, c < width_rt ? xr[c] : scalar_t(0), acc[c]);
+      }
     } else if constexpr (MODE == kUnweighted) {
 #pragma omp simd
       for (int64_t c = 0; c < total; ++c) acc[c] += xr[c];
@@ -227,7 +241,7 @@ void single_windows(std::vector<Window>& out, int64_t c0, int64_t cols, int64_t 
 template <typename scalar_t, typename index_t>
 void spmm_impl(const int64_t* indptr, const index_t* col, const scalar_t* w, int64_t heads,
                const scalar_t* rscale, const scalar_t* cscale,
-               const scalar_t* x, scalar_t* out, int64_t rows, int64_t head_dim, int64_t tile) {
+               const scalar_t* x, int64_t src_rows, scalar_t* out, int64_t rows, int64_t head_dim, int64_t tile) {
   const int64_t ld = heads * head_dim;
   const int64_t nnz = indptr[rows];
   const int64_t max_cols = kMaxWindowBytes / (int64_t)sizeof(scalar_t);
@@ -262,10 +276,14 @@ void spmm_impl(const int64_t* indptr, const index_t* col, const scalar_t* w, int
             constexpr int M = decltype(mode_c)::value;
             constexpr int G = decltype(groups_c)::value;
             constexpr bool K = decltype(masked_c)::value;
+            // the source rows whose C-wide read from column c0 stays inside x (masked windows)
+            const int64_t span = win.c0 + (K ? C : 0);
+            const int64_t safe = src_rows * ld >= span ? (src_rows * ld - span) / ld + 1 : 0;
             for (int64_t r = r0; r < r1; ++r)
               spmm_window_row<scalar_t, index_t, C, M, G, K>(col, wh, heads, cscale, rscale ? rscale[r] : scalar_t(1),
                                                              x + win.c0, ld, out + r * ld + win.c0,
-                                                             indptr[r], indptr[r + 1], nnz, pf, win.width, win.groups);
+                                                             indptr[r], indptr[r + 1], nnz, pf, win.width, win.groups,
+                                                             safe);
           };
           // a single-head window of any width runs at the compile-time width that holds it
           auto single = [&](auto mode_c) {
@@ -500,10 +518,10 @@ torch::Tensor spmm(torch::Tensor indptr, torch::Tensor col, torch::optional<torc
     const scalar_t* cp = has_cs ? col_scale->data_ptr<scalar_t>() : nullptr;
     if (col.scalar_type() == torch::kInt32)
       spmm_impl<scalar_t, int32_t>(indptr.data_ptr<int64_t>(), col.data_ptr<int32_t>(), wp, heads, rp, cp,
-                                   x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, head_dim, tile);
+                                   x.data_ptr<scalar_t>(), x.size(0), out.data_ptr<scalar_t>(), rows, head_dim, tile);
     else
       spmm_impl<scalar_t, int64_t>(indptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(), wp, heads, rp, cp,
-                                   x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, head_dim, tile);
+                                   x.data_ptr<scalar_t>(), x.size(0), out.data_ptr<scalar_t>(), rows, head_dim, tile);
   });
   return out;
 }
