@@ -18,7 +18,8 @@ import torch
 import gnncompile as gc
 from gnncompile import datasets
 from gnncompile.cost_models.hardware import Cluster
-from gnncompile.cost_models.model import (PlanCost, _RankWalk, _saved_per_op, _saves_result, _sparse_product_temporaries,
+from gnncompile.cost_models.model import (PlanCost, _RankWalk, _saved_per_op, _op_temporaries, _saves_result,
+                                          _sparse_product_temporaries,
                                           _stage_gradients, predict, static_memory)
 from gnncompile.ir.plan import AllToAll, Backward, Forward, Free, OpCost, OptimizerStep, Recv
 
@@ -83,19 +84,35 @@ def test_values_the_plan_does_not_free_live_to_the_end_of_the_step(sbm: gc.Graph
 
 
 def test_relu_saves_its_result_not_its_input() -> None:
-    """PyTorch's ``relu``, ``sigmoid``, ``tanh``, ``exp``, ``softmax`` save their output; ``elu``,
-    ``leaky_relu`` and GAT's edge softmax op (named otherwise) are counted as saving their input."""
+    """PyTorch's ``relu``, ``sigmoid``, ``tanh``, ``exp``, ``softmax`` and gnncompile's
+    ``edge_softmax`` save their output; ``elu``, ``leaky_relu`` are counted as saving their input.
+    ``edge_softmax`` also holds one temporary of its output's size each way."""
     def op(name: str) -> OpCost:
         return OpCost(name=name, kind="T")
-    assert all(_saves_result(op(n)) for n in ("relu", "relu_1", "seg.relu_12", "sigmoid", "log_softmax_3"))
-    assert not any(_saves_result(op(n)) for n in ("elu", "leaky_relu_1", "edge_softmax", "relu6", "dropout_rows"))
+    assert all(_saves_result(op(n)) for n in ("relu", "relu_1", "seg.relu_12", "sigmoid", "log_softmax_3",
+                                              "edge_softmax_1"))
+    assert not any(_saves_result(op(n)) for n in ("elu", "leaky_relu_1", "relu6", "dropout_rows"))
+    assert _op_temporaries(op("seg.edge_softmax_2"), 100.0) == 100.0 and _op_temporaries(op("relu"), 100.0) == 0
+
+
+def test_edge_softmax_saves_only_its_output() -> None:
+    """What the model assumes of ``edge_softmax`` (with and without self loops): autograd saves its
+    output (the same storage) and nothing else per edge."""
+    g = datasets.synthetic("sbm", num_nodes=50, avg_degree=4, num_features=4, num_classes=2, seed=1)
+    for loops in (False, True):
+        e = torch.randn(g.num_edges + (g.num_nodes if loops else 0), 3, requires_grad=True)
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = gc.ops.edge_softmax(g, e, add_self_loops=loops)
+        assert [t.untyped_storage().data_ptr() for t in saved] == [out.untyped_storage().data_ptr()]
 
 
 def test_relu_output_is_counted_once_in_the_forward(sbm: gc.Graph) -> None:
     """GCN's hidden stage: ``propagate, add, relu, dropout, lin``. At the dropout, ``relu``'s output
-    is both what ``relu`` saved and the dropout's input: one tensor. The forward's peak is the
-    dropout's: ``relu``'s output, ``x * keep`` and the output (the runtime's ``(x * keep) * scale``;
-    the bool ``keep`` of the rank's rows, one byte per entry, is what the dropout saves)."""
+    is both what ``relu`` saved and the dropout's input: one tensor. The dropout multiplies into its
+    output's buffer (``keep`` cast, scaled, times ``x`` in place): no temporary, so the forward holds
+    what its ops save (``relu``'s output, the bool ``keep`` of the rank's rows, one byte per entry,
+    and the dropout's output, the linear layer's input) and the stage's output, nothing more."""
     plan = gc.plan(model("GCN", sbm), sbm, 2, strategy="data")
     cost = PlanCost(plan, GPU)
     w = _RankWalk(cost, plan.ranks[0])
@@ -104,8 +121,8 @@ def test_relu_output_is_counted_once_in_the_forward(sbm: gc.Graph) -> None:
     assert [op.name for op in st.costs][2:4] == ["relu", "dropout_rows"]
     rows = 4 * H * plan.ranks[0].sizes.nodes
     c = cost(0, f1)
-    assert c.alloc == pytest.approx(rows + rows + rows, abs=8)
-    assert _saved_per_op(w, st)[3] == pytest.approx(rows / 4, abs=1)
+    assert _saved_per_op(w, st)[2:] == pytest.approx([rows, rows / 4, rows], abs=1)
+    assert c.alloc == pytest.approx(rows + rows / 4 + rows + w.value_bytes["convs_1_lin"], abs=8)
 
 
 def test_a_concatenation_no_op_saves_is_dropped_after_its_last_forward(sbm: gc.Graph) -> None:

@@ -511,6 +511,7 @@ def _warm_caches(g: Graph) -> None:
            + aggregate(g, gather_src(g, x) * gather_dst(g, x), reduce="max")
            + fops.masked_propagate(g, x, mask=(x[:, :1] > 0).to(DT)))
     s = edge_softmax(g, gather_src(g, x, add_self_loops=True).sum(-1), add_self_loops=True)
+    s = s + aggregate(g, gather_src(g, x, add_self_loops=True), add_self_loops=True).sum()  # A + I's structure
     out.sum().backward()
     s.sum().backward()
 
@@ -603,12 +604,12 @@ def test_backward_passes_create_tensors_on_their_inputs_device() -> None:
     a, b, e = rand(g.num_nodes, 4), rand(g.num_nodes, 4), rand(g.num_edges, 2)
     w, gv, glin = rand(g.num_edges, seed=3), rand(g.num_nodes, 4, seed=4), rand(g.num_nodes, 3, seed=5).float()
     smax = fops._SegmentMax.apply(g, e)
-    soft = fops._EdgeSoftmax.apply(g, e)
+    soft = fops._EdgeSoftmax.apply(g, torch.cat([e, rand(g.num_nodes, 2, seed=6)]), True)  # with self loops
     keep = torch.arange(g.num_nodes) % 2 == 0
 
     def ctx(*saved: torch.Tensor, grads: tuple[bool, ...] = (False, True, True, False, False)) -> SimpleNamespace:
         return SimpleNamespace(g=g, backend=None, saved_tensors=saved, needs_input_grad=grads, all_kept=False,
-                               x=x, has_bias=True)
+                               x=x, has_bias=True, loops=True)
 
     with torch.device("meta"):
         results = [

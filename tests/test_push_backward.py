@@ -107,7 +107,7 @@ def test_push_gradients_equal_the_transposed_ones(kind: str, backend: str) -> No
 
 def test_a_pushing_graph_holds_the_cost_models_layout() -> None:
     """After a step, a directed graph whose backward products scatter holds its CSR (and for
-    attention its destinations and loop structure) and nothing transposed: ``topology_bytes(push=True)``."""
+    attention its destinations) and nothing transposed: ``topology_bytes(push=True)``."""
     g = directed(500, 3000, features=4, classes=2)
     n = g.num_nodes
     c = g.compact()
@@ -119,8 +119,8 @@ def test_a_pushing_graph_holds_the_cost_models_layout() -> None:
     gat = g.compact()
     ops.set_backward_product(gat, "push")
     gc.nn.GAT(4, 2, 2, heads=2)(gat, g.x).sum().backward()
-    assert gat.structure_bytes() == topology_bytes(n, g.num_edges, edge_values=True, edge_loops=True, push=True)
-    assert gat.structure_bytes() < topology_bytes(n, g.num_edges, edge_values=True, edge_loops=True)
+    assert gat.structure_bytes() == topology_bytes(n, g.num_edges, edge_values=True, push=True)
+    assert gat.structure_bytes() < topology_bytes(n, g.num_edges, edge_values=True)
     # a symmetric graph: its own structure serves products without edge values; those with edge
     # values (attention) scatter, so no edge permutation is held either
     sym = gc.datasets.synthetic("rmat", num_nodes=300, avg_degree=6, num_features=4, num_classes=2, seed=0).compact()
@@ -128,8 +128,7 @@ def test_a_pushing_graph_holds_the_cost_models_layout() -> None:
     ops.set_backward_product(sym, "push")
     gc.nn.GAT(4, 2, 2, heads=2)(sym, sym.x).sum().backward()
     assert "transpose" not in sym._cache
-    assert sym.structure_bytes() == topology_bytes(300, sym.num_edges, symmetric=True, edge_values=True,
-                                                   edge_loops=True, push=True)
+    assert sym.structure_bytes() == topology_bytes(300, sym.num_edges, symmetric=True, edge_values=True, push=True)
 
 
 @pytest.mark.parametrize("strategy", ["data", "tensor"])

@@ -124,7 +124,9 @@ def test_a_directed_graph_holds_its_transpose_once() -> None:
     gat = g.compact()
     gc.nn.GAT(4, 2, 2, heads=2)(gat, g.x).sum().backward()
     assert gat._cache["transpose"][2].dtype == torch.int32
-    assert gat.structure_bytes() == topology_bytes(n, g.num_edges, edge_values=True, edge_loops=True)
+    # (its softmax over A + I runs in the edge layout: no loop-augmented structure)
+    assert gat.structure_bytes() == topology_bytes(n, g.num_edges, edge_values=True)
+    assert "with_loops" not in gat._cache
 
 
 def test_norm_scales_factor_the_coefficients() -> None:

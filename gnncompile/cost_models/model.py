@@ -415,8 +415,8 @@ class _RankMasks:
 
     A replicated mask (``plan.options["dropout"] == "replicated"``) is a seed: a dropout computes
     only the rows it reads, as a bool tensor (one byte per entry: what its product saves for
-    backward, in the op's measured saved bytes), and multiplies, ``(x * keep) * scale``: ``x *
-    keep`` is a temporary of the op's output size. A mask that is not replicated (``F.dropout`` on
+    backward, in the op's measured saved bytes), and multiplies into the output's own buffer
+    (``keep`` cast, scaled, times ``x`` in place): no temporary beside the output. A mask that is not replicated (``F.dropout`` on
     the rank's rows) is drawn whole in the model's dtype, a temporary of the op. Nothing is kept
     between instructions. (``GNNCOMPILE_DROPOUT_MASKS=torch`` draws and keeps whole masks instead;
     the model does not follow it.)
@@ -436,12 +436,12 @@ class _RankMasks:
         """Bytes of masks a forward of ``stage`` keeps, and their ops: none (masks are seeds)."""
         return 0.0, set()
 
-    def forward_extra(self, op: OpCost, out: float, drawn: set[str]) -> float:
-        """Temporaries of ``op``'s forward beside its output: a replicated dropout's ``x * keep``, a
-        local one's mask."""
-        if op.name not in self.bytes:
+    def forward_extra(self, op: OpCost, drawn: set[str]) -> float:
+        """Temporaries of ``op``'s forward beside its output: none for a replicated dropout, a local
+        one's mask."""
+        if op.name not in self.bytes or self.replicated:
             return 0.0
-        return out if self.replicated else self.bytes[op.name]
+        return self.bytes[op.name]
 
     def viewed(self, op: OpCost) -> bool:
         """Whether what ``op`` saves for backward is a view of memory counted elsewhere: never."""
@@ -720,7 +720,7 @@ def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> Step
     peak = held = made = prev = 0.0
     for op, k in zip(st.costs, kept):
         out = w.value_bytes.get(op.name, 0.0)
-        extra = w.masks.forward_extra(op, out, new) + _sparse_product_temporaries(w, op)
+        extra = w.masks.forward_extra(op, new) + _sparse_product_temporaries(w, op) + _op_temporaries(op, out)
         peak = max(peak, held + made + prev + out + extra)
         held += k
         made += out if op.name in st.outputs else 0.0
@@ -760,15 +760,30 @@ def _replayed(st: StageSpec) -> list[bool]:
 
 #: functions whose autograd node saves their result, not their input (PyTorch's derivative
 #: formulas): an op so named (fx names a call after its function: ``relu``, ``relu_1``) holds its output
-_RESULT_SAVERS = frozenset({"relu", "sigmoid", "tanh", "exp", "softmax", "log_softmax"})
+_RESULT_SAVERS = frozenset({"relu", "sigmoid", "tanh", "exp", "softmax", "log_softmax", "edge_softmax"})
+
+#: functions whose forward and backward each hold this many temporaries of their output's size
+#: beside their inputs, output and gradients: ``edge_softmax`` spreads a per-destination term
+#: over the edges (:class:`~gnncompile.frontend.ops._EdgeSoftmax`)
+_OUTPUT_SIZED_TEMPORARIES = {"edge_softmax": 1}
+
+
+def _function_of(op: OpCost) -> str:
+    """The function an op calls, from its fx name (``relu_1`` -> ``relu``; ``seg.relu`` -> ``relu``)."""
+    base = op.name.rsplit(".", 1)[-1]
+    stem, _, suffix = base.rpartition("_")
+    return stem if suffix.isdigit() and stem else base
 
 
 def _saves_result(op: OpCost) -> bool:
     """Whether ``op`` is a call of a function whose backward saves its output (:data:`_RESULT_SAVERS`);
     other ops' ``saved`` count as their inputs (a linear layer's, ``elu``'s, ``leaky_relu``'s)."""
-    base = op.name.rsplit(".", 1)[-1]
-    stem, _, suffix = base.rpartition("_")
-    return (stem if suffix.isdigit() and stem else base) in _RESULT_SAVERS
+    return _function_of(op) in _RESULT_SAVERS
+
+
+def _op_temporaries(op: OpCost, out: float) -> float:
+    """Bytes of ``op``'s own temporaries in its forward or backward (:data:`_OUTPUT_SIZED_TEMPORARIES`)."""
+    return _OUTPUT_SIZED_TEMPORARIES.get(_function_of(op), 0) * out
 
 
 def _saved_per_op(w: _RankWalk, st: StageSpec, replay: bool = False) -> list[float]:
@@ -841,12 +856,16 @@ def _backward_cost(w: _RankWalk, i: int, inst: Backward) -> StepCost:
     kept = _saved_per_op(w, st)
     again = _saved_per_op(w, st, replay=True)
     peak = below = prev = 0.0
+    needs = True  # whether the op's input (the previous op's output) needs a gradient
     for op, k, r in zip(st.costs, kept, again):
         below += k + r
         out = w.value_bytes.get(op.name, 0.0)
         if op.backward:
-            peak = max(peak, below + out + (prev or out) + _sparse_product_temporaries(w, op))
-        prev = out
+            # the gradient of its input, where it needs one (not after an op autograd does not
+            # visit: a first linear layer after the features' dropout computes its weights' only)
+            grad_in = (prev or out) if needs else 0.0
+            peak = max(peak, below + out + grad_in + _sparse_product_temporaries(w, op) + _op_temporaries(op, out))
+        prev, needs = out, op.backward > 0
     transient = max(0.0, peak - sum(kept))
     # the weights' gradients of the stage, at its first backward (later chunks accumulate into them)
     alloc = _make_gradients(w, w.stage_grads.pop(inst.stage, 0.0))

@@ -448,18 +448,41 @@ def _segment(g: Graph, t: torch.Tensor, reduce: str) -> torch.Tensor:
 
 
 class _EdgeSoftmax(torch.autograd.Function):
+    """Softmax over each destination's in-edges and, with ``loops``, its implicit self loop (row
+    ``E + v`` of an ``[E + N, ...]`` input), in the edge layout itself (no reordering into a
+    loop-augmented CSR). Saves its output only; forward and backward each hold one temporary of
+    the output's size (a per-destination term spread over the edges)."""
+
     @staticmethod
-    def forward(ctx: Any, g: Graph, e: torch.Tensor) -> torch.Tensor:
-        if g.num_edges == 0:
-            ctx.g = g
+    def _spread(g: Graph, t: torch.Tensor, loops: bool) -> torch.Tensor:
+        """``[N, ...]`` per destination -> ``[E (+ N), ...]``: row ``e`` gets ``t[dst(e)]``, loop ``v`` ``t[v]``."""
+        e = g.num_edges
+        out = torch.empty((e + (g.num_nodes if loops else 0),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        torch.index_select(t, 0, g.dst, out=out[:e])
+        if loops:
+            out[e:] = t
+        return out
+
+    @staticmethod
+    def _reduce(g: Graph, t: torch.Tensor, how: str, loops: bool) -> torch.Tensor:
+        """Per destination: ``how`` (max or sum) of its edges' rows and, with ``loops``, its loop's
+        (the loop last, as in a loop-augmented CSR row)."""
+        e = g.num_edges
+        out = torch.segment_reduce(t[:e], how, offsets=g.indptr, axis=0)
+        if loops:
+            out = torch.maximum(out, t[e:]) if how == "max" else out.add_(t[e:])
+        return out
+
+    @staticmethod
+    def forward(ctx: Any, g: Graph, e: torch.Tensor, loops: bool) -> torch.Tensor:
+        ctx.g, ctx.loops = g, loops
+        if e.shape[0] == 0:
             ctx.save_for_backward(e)
             return e.clone()
         with torch.no_grad():
-            m = torch.segment_reduce(e, "max", offsets=g.indptr, axis=0)
-            s = torch.exp(e - m.index_select(0, g.dst))
-            z = torch.segment_reduce(s, "sum", offsets=g.indptr, axis=0)
-            s = s / z.index_select(0, g.dst)
-        ctx.g = g
+            s = _EdgeSoftmax._spread(g, _EdgeSoftmax._reduce(g, e, "max", loops), loops)
+            torch.sub(e, s, out=s).exp_()
+            s.div_(_EdgeSoftmax._spread(g, _EdgeSoftmax._reduce(g, s, "sum", loops), loops))
         ctx.save_for_backward(s)
         return s
 
@@ -467,11 +490,11 @@ class _EdgeSoftmax(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (s,) = ctx.saved_tensors
         g: Graph = ctx.g
-        if g.num_edges == 0:
-            return None, grad
+        if s.shape[0] == 0:
+            return None, grad, None
         sg = s * grad
-        dot = torch.segment_reduce(sg, "sum", offsets=g.indptr, axis=0)
-        return None, sg - s * dot.index_select(0, g.dst)
+        dot = _EdgeSoftmax._spread(g, _EdgeSoftmax._reduce(g, sg, "sum", ctx.loops), ctx.loops).mul_(s)
+        return None, sg.sub_(dot), None
 
 
 def _with_loops(g: Graph) -> Graph:
@@ -515,10 +538,7 @@ def edge_softmax(g: Graph, e: torch.Tensor, add_self_loops: bool = False) -> tor
     """
     g = _check_graph(g, "edge_softmax")
     _check_rows(e, _edge_rows(g, add_self_loops), "edge_softmax", "e", "edge", g)
-    if not add_self_loops:
-        return _EdgeSoftmax.apply(g, e)
-    aug, e_csr, order = _to_csr_order(g, e)
-    return _EdgeSoftmax.apply(aug, e_csr).index_select(0, order)
+    return _EdgeSoftmax.apply(g, e, bool(add_self_loops))
 
 
 @fx_leaf("E")
@@ -947,5 +967,5 @@ def prepare_graph(g: Graph, graphs: Iterable[torch.fx.Graph], dtype: torch.dtype
             _csr_t(g, values)
         if any(n.target in (gather_dst, edge_softmax, aggregate) for n, _ in calls):
             _ = g.dst
-        if any(a.get("add_self_loops") for a in edge_ops):
+        if any(n.target is aggregate and a.get("add_self_loops") for n, a in calls):
             _ = _loop_orders(g)[0].dst

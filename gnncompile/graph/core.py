@@ -131,8 +131,8 @@ def topology_bytes(nodes: int, edges: int, sources: Optional[int] = None, *, sym
     transpose for backward products (offsets and indices; none when ``symmetric``: the structure
     serves both), float32 edge weights when ``weighted``, the edge permutation between the two
     orders when edge values exist (``weighted``, or ``edge_values``: the model computes them, as
-    attention does) and, with ``edge_values``, each edge's destination. ``edge_loops``: edge-wise
-    ops over ``A + I`` (attention with self loops) also hold the loop-augmented structure (offsets,
+    attention does) and, with ``edge_values``, each edge's destination. ``edge_loops``: an
+    aggregation over ``A + I`` (``aggregate(..., add_self_loops=True)``) also holds the loop-augmented structure (offsets,
     indices, destinations, and the two permutations between the edge layout and its CSR order, one
     index per edge and loop each). Normalization scales are per vertex and not included. ``push``:
     backward products scatter from the in-edge CSR (``ops.set_backward_product``), so neither the

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from ..errors import PassError, PlanningError
-from ..frontend.ops import BACKWARD_PRODUCTS, call_arguments, is_primitive, propagation_calls
+from ..frontend.ops import BACKWARD_PRODUCTS, aggregate, call_arguments, is_primitive, propagation_calls
 from ..graph.core import Graph, GraphStats
 from ..ir.plan import AllReduce, DevicePlan, Instruction, OptimizerStep, ParamPlacement, Plan, RankProgram, RankSizes, \
     Schedule, StageSpec, StepInputs
@@ -288,9 +288,10 @@ def _topology_info(job: Job, ranks: list[RankLowering], backward: str) -> dict[s
     calls = list(propagation_calls(*(tp.graph for tp in (job.tp, job.tp_eval))))
     norms = {(a["norm"], bool(a["add_self_loops"])) for _, a in calls
              if a["edge_weight"] is None and a["norm"] in ("gcn", "mean")}
-    edge_ops = [call_arguments(n) for n in job.tp.ops(("E",)) if n.op == "call_function" and is_primitive(n.target)]
-    edge_values = bool(edge_ops) or any(a["edge_weight"] is not None for _, a in calls)
-    edge_loops = any(a.get("add_self_loops") for a in edge_ops)
+    edge_nodes = [n for n in job.tp.ops(("E",)) if n.op == "call_function" and is_primitive(n.target)]
+    edge_values = bool(edge_nodes) or any(a["edge_weight"] is not None for _, a in calls)
+    # the loop-augmented structure: what an aggregation over A + I reads (edge_softmax needs none)
+    edge_loops = any(n.target is aggregate and call_arguments(n).get("add_self_loops") for n in edge_nodes)
     info = {"nodes": stats.num_nodes, "symmetric": symmetric, "weighted": weighted, "edge_values": edge_values,
             "edge_loops": edge_loops, "norms": [[nm, loops] for nm, loops in sorted(norms)], "backward": backward}
     if job.concrete:
