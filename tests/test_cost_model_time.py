@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gnncompile as gc
-from gnncompile.cost_models.hardware import (DEVICES, LINKS, PROFILE_ENV, UNCALIBRATED_LABEL, Cluster,
+from gnncompile.cost_models.hardware import (DATASHEET_LABEL, DEVICES, LINKS, PROFILE_ENV, UNCALIBRATED_LABEL, Cluster,
                                              DeviceSpec)
 from gnncompile.cost_models.model import op_time
 from gnncompile.errors import PlanningError
@@ -203,16 +203,20 @@ def test_uncalibrated_predictions_are_labelled() -> None:
     placeholder = Cluster.parse("2xcpu")
     assert not placeholder.calibrated
     assert placeholder.prediction_label == f" {UNCALIBRATED_LABEL}" and "uncalibrated" in str(placeholder)
-    assert Cluster.parse("2xA100").prediction_label == ""
+    gpus = Cluster.parse("2xA100")  # datasheet rates: labelled as such
+    assert not gpus.calibrated and gpus.prediction_label == f" {DATASHEET_LABEL}"
     measured = dataclasses.replace(placeholder, calibration={"rates": {}})
-    assert measured.prediction_label == ""
+    assert measured.calibrated and measured.prediction_label == ""
     graph = gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=4, num_features=8, num_classes=3, seed=0)
     torch.manual_seed(0)
     model = gc.nn.GCN(graph.num_features, 8, graph.num_classes, num_layers=2, dropout=0.0)
     p = gc.plan(model, graph, placeholder, strategy="data", verify=False)
     chosen = next(line for line in p.explanation().splitlines() if line.startswith("Chosen plan"))
     assert UNCALIBRATED_LABEL in chosen
-    assert UNCALIBRATED_LABEL not in gc.plan(model, graph, "2xA100", strategy="data", verify=False).explanation()
+    on_gpus = gc.plan(model, graph, "2xA100", strategy="data", verify=False).explanation()
+    assert UNCALIBRATED_LABEL not in on_gpus
+    assert DATASHEET_LABEL in next(line for line in on_gpus.splitlines() if line.startswith("Chosen plan"))
+    assert "datasheet peak rates" in on_gpus
 
 
 def test_fraction_forms_are_detected_exactly() -> None:

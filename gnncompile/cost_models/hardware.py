@@ -49,12 +49,16 @@ __all__ = [
     "CPU_GAMMA",
     "PROFILE_ENV",
     "UNCALIBRATED_LABEL",
+    "DATASHEET_LABEL",
     "default_profile_path",
 ]
 
 DEFAULT_INTER = "ib100"    # inter-node link of a multi-node spec that names none
 #: The label of a time predicted from the uncalibrated CPU placeholder (:attr:`Cluster.prediction_label`)
 UNCALIBRATED_LABEL = "(uncalibrated: placeholder CPU rates, run `gnncompile calibrate` once)"
+#: The label of a time predicted from a GPU preset (:attr:`Cluster.prediction_label`): datasheet peak
+#: rates, no kernel launch or framework costs measured, so small steps are predicted far too fast
+DATASHEET_LABEL = "(uncalibrated: datasheet GPU rates, no measured launch or framework costs)"
 PROFILE_ENV = "GNNCOMPILE_PROFILE"
 _FORMAT = "gnncompile.cluster"
 _FORMAT_VERSION = 1
@@ -386,14 +390,18 @@ class Cluster:
 
     @property
     def calibrated(self) -> bool:
-        """Whether the device numbers come from measurement (CPU profile) or datasheets (GPU presets)."""
-        return self.device.kind != "cpu" or bool(self.calibration)
+        """Whether the device numbers come from measurement (a calibrated profile): not for the CPU
+        placeholder, nor for GPU presets (datasheet rates)."""
+        return bool(self.calibration)
 
     @property
     def prediction_label(self) -> str:
         """What every time predicted on this cluster is printed with (plan explanations, the CLI,
-        timelines): ``""`` when :attr:`calibrated`, else :data:`UNCALIBRATED_LABEL` with a leading space."""
-        return "" if self.calibrated else f" {UNCALIBRATED_LABEL}"
+        timelines): ``""`` when :attr:`calibrated`, else :data:`UNCALIBRATED_LABEL` (a CPU) or
+        :data:`DATASHEET_LABEL` (a GPU preset) with a leading space."""
+        if self.calibrated:
+            return ""
+        return f" {UNCALIBRATED_LABEL if self.device.kind == 'cpu' else DATASHEET_LABEL}"
 
     @classmethod
     def parse(cls, text: str, profile: Union["Cluster", str, Path, None] = None) -> "Cluster":

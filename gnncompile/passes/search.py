@@ -337,9 +337,13 @@ def search(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Clu
                           seconds=time.perf_counter() - t0)
     if layout.note:
         result.notes.append(layout.note)
-    if not cluster.calibrated:
+    if not cluster.calibrated and cluster.device.kind == "cpu":
         result.notes.append("the CPU numbers are uncalibrated placeholders; run `gnncompile calibrate` once on "
                             "this machine for predictions that track measurements")
+    elif not cluster.calibrated:
+        result.notes.append("the GPU numbers are datasheet peak rates: kernel launches and the framework's own "
+                            "costs are not measured, so steps of small graphs are predicted far too fast (the "
+                            "ranking of plans on large graphs holds better)")
     if isinstance(graph, GraphStats):
         if (fixed or {}).get("batch_size") is not None:
             result.notes.append("planned from graph statistics: a mini-batch's per-layer sizes are expectations "
