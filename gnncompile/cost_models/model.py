@@ -392,10 +392,7 @@ def _out_bytes(plan: Plan, op: OpCost, sizes: RankSizes) -> float:
 def _mask_bytes(plan: Plan, op: OpCost, sizes: RankSizes) -> float:
     """Bytes of the dropout mask ``op`` draws in the model's dtype: ``op.random`` numbers (the rows
     the op reads; a sparse input's replicated mask: one number per stored value of the whole matrix)."""
-    draws = _eval(op.random, sizes)
-    if _sparse_op(plan, op):
-        draws /= max(op.width, 1)
-    return draws * _elsize(plan.info.get("param_dtype", "float32"))
+    return _eval(op.random, sizes) * _elsize(plan.info.get("param_dtype", "float32"))
 
 
 def _plan_masks(plan: Plan) -> dict[str, float]:

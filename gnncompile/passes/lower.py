@@ -224,11 +224,12 @@ def _op_cost(n: torch.fx.Node, t: TPInfo, modules: dict[str, torch.nn.Module], *
     random = Lin()
     if draws_random_numbers(n, modules) and _dropout_p(n, modules) != 0.0:
         # a dropout computes the mask of the rows it reads (a replicated one: only those rows of the
-        # whole tensor's mask); a sparse input's replicated mask is counted whole (its stored values,
-        # ``num_rows`` of them: a rank's share of them is not among its sizes)
+        # whole tensor's mask); a sparse input's replicated mask is one draw per stored value, counted
+        # whole (``num_rows`` of them: a rank's share of them is not among its sizes), not per element
+        # of its dense width
         args = call_arguments(n) if n.target is dropout_rows else {}
         sparse = getattr(args.get("index"), "name", "") == "dropout_index_nnz"  # passes.dropout.INDEX_INPUTS
-        random = Lin.const(args["num_rows"] * width) if sparse else rows * width
+        random = Lin.const(args["num_rows"]) if sparse else rows * width
     return OpCost(name=n.name, kind=t.kind, flops=t.flops, bytes=t.bytes_read + t.bytes_written, saved=t.saved_bytes,
                   out=rows * (width * _elsize(t.dtype)), width=width, recompute=recompute, backward=backward,
                   random=random, layer=t.layer)
