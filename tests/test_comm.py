@@ -79,6 +79,24 @@ def test_halo_exchange_forward_and_backward() -> None:
         torch.testing.assert_close(o["grad"], w[o["owned"]] * count[o["owned"], None], rtol=0, atol=1e-12)
 
 
+def _lone_halo_worker(ctx: RankContext) -> dict:
+    comm = Communicator(ctx.rank, ctx.world_size)
+    spec = HaloSpec((torch.empty(0, dtype=torch.long),), (0,), 5)
+    h = torch.randn(5, 3)
+    ext = comm.halo_forward(h, spec)
+    g = torch.randn(5, 3)
+    return dict(same=ext.untyped_storage().data_ptr() == h.untyped_storage().data_ptr() and torch.equal(ext, h),
+                grad_same=comm.halo_backward(g, spec) is not None and
+                comm.halo_backward(g, spec).untyped_storage().data_ptr() == g.untyped_storage().data_ptr())
+
+
+def test_a_rank_without_halo_rows_gets_its_value_not_a_copy() -> None:
+    """One rank alone (the single-device plan's halo exchanges): the exchange hands back the value
+    and the gradient themselves, as the cost model assumes (no allocation)."""
+    (o,) = launch(_lone_halo_worker, 1, timeout=60)
+    assert o["same"] and o["grad_same"]
+
+
 def _send_recv_worker(ctx: RankContext) -> dict:
     comm = Communicator(ctx.rank, ctx.world_size)
     if ctx.rank == 0:

@@ -18,7 +18,7 @@ from gnncompile import datasets
 from gnncompile.cost_models.hardware import Cluster
 from gnncompile.cost_models.model import (PlanCost, _out_bytes, _RankWalk, _replayed, _saved_per_op, _stage_gradients,
                                           op_value)
-from gnncompile.ir.plan import Backward, Forward, OptimizerStep, Send
+from gnncompile.ir.plan import Backward, Forward, HaloExchange, OptimizerStep, Send
 from gnncompile.ir.rules import rule
 
 N, F, H = 600, 32, 16
@@ -154,6 +154,19 @@ def test_backward_temporaries_only_for_ops_autograd_visits() -> None:
     assert cost(0, b0).alloc == int(weights + grads + max(0.0, peak - below))
     widest = max(st.costs, key=lambda op: w.value_bytes[op.name])
     assert widest.backward == 0 and peak - below < 2 * w.value_bytes[widest.name]
+
+
+def test_a_lone_ranks_halo_exchanges_allocate_nothing(sbm: gc.Graph) -> None:
+    """One rank: its halo exchanges hand on the value and the gradient themselves (no copy), so they
+    allocate nothing, and a value lives as long as the exchange's output reads it."""
+    plan = gc.plan(model("GCN", sbm), sbm, 1, strategy="data")
+    cost, w = walk(plan)
+    halos = [(i, inst) for i, inst in enumerate(plan.ranks[0].instructions) if isinstance(inst, HaloExchange)]
+    assert halos and all(cost(0, inst).alloc == 0 for _, inst in halos)
+    for i, inst in halos:
+        if not inst.grad:
+            assert w.aliases[inst.value, inst.chunk] == (inst.output, inst.chunk)
+            assert w.gone((inst.value, inst.chunk), i) >= w.gone((inst.output, inst.chunk), i)
 
 
 def test_adam_holds_three_copies_of_the_largest_parameter(sbm: gc.Graph) -> None:

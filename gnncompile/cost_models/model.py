@@ -632,12 +632,19 @@ class _RankWalk:
         self.grads_unmade = float(self.param_grads)
         self.grad_made: dict[tuple[str, int], float] = {}
         self.received: dict[tuple[str, int], float] = {}
+        #: (value, chunk) -> (output, chunk) of a halo exchange that hands the value on as its output
+        self.aliases: dict[tuple[str, int], tuple[str, int]] = {
+            (inst.value, inst.chunk): (inst.output, inst.chunk) for inst in dp.instructions
+            if isinstance(inst, HaloExchange) and not inst.grad and _halo_aliases(inst)}
 
     def gone(self, key: tuple[str, int], i: int) -> int:
         """Where the value ``key`` stored at instruction ``i`` is released: at its ``Free``, else at
-        the end of the step (the runtime keeps every value it stored and the plan does not free)."""
+        the end of the step (the runtime keeps every value it stored and the plan does not free);
+        a value a halo exchange hands on as its output (:func:`_halo_aliases`) lives as long as that too."""
         end = self.free_at[key] if key in self.free_at else len(self.dp.instructions) - 1
-        return max(end, i, self.held.get(key, end))
+        end = max(end, i, self.held.get(key, end))
+        alias = self.aliases.get(key)
+        return max(end, self.gone(alias, i)) if alias is not None else end
 
     def release_at(self, i: int, nbytes: float) -> None:
         self.frees[i] = self.frees.get(i, 0.0) + nbytes
@@ -954,6 +961,12 @@ def _recv_cost(w: _RankWalk, i: int, inst: Recv) -> StepCost:
 
 def _conversion_cost(w: _RankWalk, i: int, inst: Union[HaloExchange, AllToAll, AllGather, ReduceScatter]) -> StepCost:
     seconds = w.cost.comm_time(w.dp.rank, inst)
+    aliased = _halo_aliases(inst)
+    if aliased and inst.grad:  # the output's gradient becomes the value's: nothing made or released
+        w.grad_made[inst.value, inst.chunk] = w.grad_made.pop((inst.output, inst.chunk), 0.0)
+        return seconds, "comm", 0.0, 0.0
+    if aliased:  # the output is the value itself (its storage lives until both are gone: _RankWalk.gone)
+        return seconds, "comm", 0.0, 0.0
     if inst.grad:  # consumes the gradient of the output, makes the value's
         w.release_at(i, w.grad_made.pop((inst.output, inst.chunk), 0.0))
         w.grad_made[inst.value, inst.chunk] = w.value_bytes.get(inst.value, 0.0)
@@ -962,6 +975,15 @@ def _conversion_cost(w: _RankWalk, i: int, inst: Union[HaloExchange, AllToAll, A
         alloc = w.value_bytes.get(inst.output, 0.0)
         w.release_at(w.gone((inst.output, inst.chunk), i), alloc)
     return seconds, "comm", alloc, 0.0
+
+
+def _halo_aliases(inst: Any) -> bool:
+    """Whether a halo exchange hands back its input itself (:meth:`Communicator.halo_forward`): the
+    rank receives no rows (forward), and for the gradient sends none either (one rank alone).
+    Sampled exchanges (``inst.halo``) change every step and are not assumed to."""
+    if not isinstance(inst, HaloExchange) or inst.halo or any(inst.recv_rows):
+        return False
+    return not inst.grad or not any(inst.send_rows)
 
 
 def _all_to_all_cost(w: _RankWalk, i: int, inst: AllToAll) -> StepCost:

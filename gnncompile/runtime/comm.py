@@ -316,19 +316,23 @@ class Communicator:
         return out
 
     def halo_forward(self, h: torch.Tensor, spec: HaloSpec) -> torch.Tensor:
-        """``[n_owned, ...] -> [n_owned + n_halo, ...]``: this rank's rows, then the halo rows."""
+        """``[n_owned, ...] -> [n_owned + n_halo, ...]``: this rank's rows, then the halo rows. A rank
+        without halo rows (one rank alone) gets ``h`` itself (detached), not a copy."""
         if h.shape[0] != spec.num_owned:
             raise RuntimeError(f"halo exchange: value has {h.shape[0]} rows, rank {self.rank} owns {spec.num_owned}")
         h = h.detach()
         send = torch.cat([h.index_select(0, idx) for idx in spec.send_index]) if spec.send_index else h[:0]
         recv = self._all_to_all(send, spec.send_count, spec.recv_count)
-        return torch.cat([h, recv])
+        return torch.cat([h, recv]) if recv.shape[0] else h
 
     def halo_backward(self, grad_ext: torch.Tensor, spec: HaloSpec) -> torch.Tensor:
-        """Gradient of :meth:`halo_forward`: halo rows' gradients go back and add up at their owners."""
+        """Gradient of :meth:`halo_forward`: halo rows' gradients go back and add up at their owners.
+        Where no rows are exchanged either way the gradient is ``grad_ext`` itself, not a copy."""
         n = spec.num_owned
         grad_ext = grad_ext.detach()
         back = self._all_to_all(grad_ext[n:], spec.recv_count, spec.send_count)
+        if grad_ext.shape[0] == n and not back.shape[0]:
+            return grad_ext
         grad = grad_ext[:n].clone()
         if back.shape[0]:
             idx = torch.cat(list(spec.send_index))
