@@ -296,6 +296,18 @@ def test_rank_device_interpolates_in_threads() -> None:
     assert placeholder.rank_device().flops_for("float32") == pytest.approx(DEVICES["cpu"].flops["float32"] / 4)
 
 
+def test_an_oversubscribed_host_time_shares_its_links() -> None:
+    """Four one-thread ranks on two cores: a message waits twice as long for its peer to be
+    scheduled and its copies run at half the rate; two ranks on two cores, and GPUs, see the link."""
+    four = Cluster(1, 4, DEVICES["cpu"], LINKS["shm"], cores=2, threads_per_rank=1)
+    assert four.oversubscription == 2.0
+    shared = four.time_shared(LINKS["shm"])
+    assert shared.latency == pytest.approx(2 * LINKS["shm"].latency)
+    assert shared.bandwidth == pytest.approx(LINKS["shm"].bandwidth / 2)
+    assert dataclasses.replace(four, devices_per_node=2).time_shared(LINKS["shm"]) is LINKS["shm"]
+    assert Cluster.parse("4xA100").time_shared(LINKS["nvlink3"]) is LINKS["nvlink3"]
+
+
 def test_ranks_of_a_host_share_its_memory_bound_rates() -> None:
     """Two one-thread ranks on two cores each get half the host's two-thread bandwidth (never more
     than a lone thread's); compute rates stay a lone thread's; one rank keeps the interpolation."""

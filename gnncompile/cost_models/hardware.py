@@ -171,13 +171,23 @@ class Cluster:
     def oversubscription(self) -> float:
         """How many times over a CPU host's cores its ranks' threads are (>= 1; 1 for GPUs).
 
-        Time-shared cores stretch everything a rank does on the CPU, including the latency of a
-        message, which waits for the peer process to be scheduled.
+        Time-shared cores stretch everything a rank does on the CPU, including its messages
+        (:meth:`time_shared`).
         """
         if self.device.kind != "cpu":
             return 1.0
         threads = self.threads_per_rank or max(1, self.cores // self.devices_per_node)
         return max(1.0, self.devices_per_node * threads / self.cores)
+
+    def time_shared(self, link: LinkSpec) -> LinkSpec:
+        """``link`` as the ranks of an oversubscribed CPU host see it: a message's latency waits for
+        the peer process to be scheduled, and its copies (shared memory, loopback sockets: CPU work
+        of both processes) run on time-shared cores, so latency is multiplied and bandwidth divided
+        by :attr:`oversubscription` (the link itself where that is 1)."""
+        o = self.oversubscription
+        if o <= 1:
+            return link
+        return dataclasses.replace(link, latency=link.latency * o, bandwidth=link.bandwidth / o)
 
     def collective_link(self, op: str) -> LinkSpec:
         """The link a collective ``op`` (``"all_reduce"``, ``"all_to_all"``) sees inside a node.

@@ -525,16 +525,15 @@ class PlanCost:
 
     def _group_link(self, group: tuple[int, ...], collective: str = "") -> Any:
         """The link a collective over ``group`` runs at: the group's slowest, or on one node the measured
-        link of ``collective`` where it names one; latency scaled by the cluster's oversubscription."""
+        link of ``collective`` where it names one; time-shared where the host is oversubscribed
+        (:meth:`~gnncompile.cost_models.hardware.Cluster.time_shared`)."""
         c = self.cluster
         link = self._links.get(group)
         if link is None:
             link = self._links[group] = c.slowest_link(group)
         if collective and c.nodes == 1:
             link = c.collective_link(collective)
-        if c.oversubscription > 1:  # a message waits for its peer process to be scheduled
-            link = dataclasses.replace(link, latency=link.latency * c.oversubscription)
-        return link
+        return c.time_shared(link)
 
     # ------------------------------------------------------------------ one rank
     def _rank_costs(self, dp: DevicePlan) -> dict[Instruction, Cost]:
@@ -1001,9 +1000,7 @@ def _p2p_transfer(pc: PlanCost, rank: int, inst: Union[Send, Recv]) -> float:
     key = (rank // c.devices_per_node == inst.peer // c.devices_per_node, inst.shape, inst.dtype)
     t = pc._p2p_times.get(key)
     if t is None:
-        link = c.link(rank, inst.peer)
-        if c.oversubscription > 1:
-            link = dataclasses.replace(link, latency=link.latency * c.oversubscription)
+        link = c.time_shared(c.link(rank, inst.peer))
         t = pc._p2p_times[key] = formulas.p2p_time(math.prod(inst.shape) * _elsize(inst.dtype),
                                                      link.bandwidth, link.latency)
     return t
