@@ -359,6 +359,26 @@ def _rows_index(idx: torch.Tensor) -> torch.Tensor:
     return idx.long() if idx.device.type == "cpu" and idx.dtype != torch.int64 else idx
 
 
+class _GatherRows(torch.autograd.Function):
+    """``x[src(e)]`` (or ``x[dst(e)]`` with ``dst``) for every edge, saving nothing per edge: the
+    backward reads the graph's own structure (a segment sum over the destinations' CSR rows; an
+    ``index_add_`` into the sources), where ``index_select``'s autograd would save its index (an
+    int64 copy of a compact graph's: 8 bytes per edge per gather until the backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, g: Graph, x: torch.Tensor, dst: bool) -> torch.Tensor:
+        ctx.g, ctx.dst, ctx.rows = g, dst, x.shape[0]
+        return x.index_select(0, _rows_index(g.dst if dst else g.indices))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        g: Graph = ctx.g
+        if ctx.dst:  # the edges are in CSR order: each destination's are one segment
+            return None, torch.segment_reduce(grad, "sum", offsets=g.indptr, axis=0), None
+        out = torch.zeros((ctx.rows,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        return None, out.index_add_(0, _rows_index(g.indices), grad), None
+
+
 def _edge_rows(g: Graph, add_self_loops: bool) -> int:
     return g.num_edges + g.num_nodes if add_self_loops else g.num_edges
 
@@ -381,7 +401,7 @@ def gather_src(g: Graph, x: torch.Tensor, add_self_loops: bool = False) -> torch
     """Vertex -> edge: ``out[e] = x[src(e)]`` (``[E, ...]``, or ``[E + N, ...]`` with self loops)."""
     g = _check_graph(g, "gather_src")
     _check_rows(x, g.num_src, "gather_src", "x", "vertex", g)
-    out = x.index_select(0, _rows_index(g.indices))
+    out = _GatherRows.apply(g, x, False)
     return torch.cat([out, _own_rows(g, x)]) if add_self_loops else out
 
 
@@ -390,7 +410,7 @@ def gather_dst(g: Graph, x: torch.Tensor, add_self_loops: bool = False) -> torch
     """Vertex -> edge: ``out[e] = x[dst(e)]`` (``[E, ...]``, or ``[E + N, ...]`` with self loops)."""
     g = _check_graph(g, "gather_dst")
     _check_rows(x, g.num_nodes, "gather_dst", "x", "vertex", g)
-    out = x.index_select(0, _rows_index(g.dst))
+    out = _GatherRows.apply(g, x, True)
     return torch.cat([out, x]) if add_self_loops else out
 
 
