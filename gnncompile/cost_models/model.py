@@ -481,7 +481,7 @@ class PlanCost:
         self._p2p_times: dict[tuple[bool, tuple[int, ...], str], float] = {}  # (same node, shape, dtype)
         self._a2a_totals: dict[tuple[int, int], _ShapeTotals] = {}  # by the ids of the shape tuples
         self._group_index: dict[tuple[int, ...], dict[int, int]] = {}  # group -> rank -> position
-        self._links: dict[tuple[int, ...], Any] = {}  # group -> its slowest link
+        self._links: dict[tuple[tuple[int, ...], str], Any] = {}  # (group, collective) -> _group_link
         self._stage_times: dict[tuple, float] = {}  # (device id, sizes, stage id, backward) -> seconds
         self._costs: list[dict[Instruction, Cost]] = [self._rank_costs(dp) for dp in plan.ranks]
 
@@ -528,12 +528,13 @@ class PlanCost:
         link of ``collective`` where it names one; time-shared where the host is oversubscribed
         (:meth:`~gnncompile.cost_models.hardware.Cluster.time_shared`)."""
         c = self.cluster
-        link = self._links.get(group)
+        measured = bool(collective) and c.nodes == 1
+        key = (group, collective if measured else "")
+        link = self._links.get(key)
         if link is None:
-            link = self._links[group] = c.slowest_link(group)
-        if collective and c.nodes == 1:
-            link = c.collective_link(collective)
-        return c.time_shared(link)
+            base = c.collective_link(collective) if measured else c.slowest_link(group)
+            link = self._links[key] = c.time_shared(base)
+        return link
 
     # ------------------------------------------------------------------ one rank
     def _rank_costs(self, dp: DevicePlan) -> dict[Instruction, Cost]:
@@ -960,11 +961,9 @@ def _recv_cost(w: _RankWalk, i: int, inst: Recv) -> StepCost:
 
 def _conversion_cost(w: _RankWalk, i: int, inst: Union[HaloExchange, AllToAll, AllGather, ReduceScatter]) -> StepCost:
     seconds = w.cost.comm_time(w.dp.rank, inst)
-    aliased = _halo_aliases(inst)
-    if aliased and inst.grad:  # the output's gradient becomes the value's: nothing made or released
-        w.grad_made[inst.value, inst.chunk] = w.grad_made.pop((inst.output, inst.chunk), 0.0)
-        return seconds, "comm", 0.0, 0.0
-    if aliased:  # the output is the value itself (its storage lives until both are gone: _RankWalk.gone)
+    if _halo_aliases(inst):  # the output is the value itself (its storage lives until both are gone:
+        if inst.grad:        # _RankWalk.gone); the output's gradient becomes the value's
+            w.grad_made[inst.value, inst.chunk] = w.grad_made.pop((inst.output, inst.chunk), 0.0)
         return seconds, "comm", 0.0, 0.0
     if inst.grad:  # consumes the gradient of the output, makes the value's
         w.release_at(i, w.grad_made.pop((inst.output, inst.chunk), 0.0))

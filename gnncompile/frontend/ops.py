@@ -285,13 +285,14 @@ def _normalize(g: Graph, norm: str, we: torch.Tensor,
             "which a rank's local graph (with halo sources) does not hold; normalize the weights before "
             "partitioning or use norm='mean'/'sum'")
     zeros = torch.zeros(g.num_nodes, dtype=we.dtype, device=we.device)
-    dst, src = _rows_index(g.dst), _rows_index(g.indices)
+    dst = _rows_index(g.dst)
     deg_in = zeros.index_add(0, dst, we)
     if wl is not None:
         deg_in = deg_in + wl
     if norm == "mean":
         inv = torch.where(deg_in > 0, 1.0 / deg_in.clamp_min(1e-30), torch.zeros_like(deg_in))
         return we * inv[dst], None if wl is None else wl * inv
+    src = _rows_index(g.indices)
     deg_out = zeros.index_add(0, src, we)
     if wl is not None:
         deg_out = deg_out + wl
@@ -555,9 +556,10 @@ def _loop_orders(g: Graph) -> tuple[Graph, torch.Tensor, torch.Tensor]:
     return aug, order, g.cached("with_loops_inv", lambda: torch.argsort(order).to(order.dtype))
 
 
-def _to_csr_order(g: Graph, t: torch.Tensor) -> tuple[Graph, torch.Tensor, torch.Tensor]:
-    aug, order, inv = _loop_orders(g)
-    return aug, t.index_select(0, _rows_index(inv)), order
+def _to_csr_order(g: Graph, t: torch.Tensor) -> tuple[Graph, torch.Tensor]:
+    """The loop-augmented graph and ``t`` (``[E + N, ...]``, edge layout) in its CSR order."""
+    aug, _, inv = _loop_orders(g)
+    return aug, t.index_select(0, _rows_index(inv))
 
 
 @fx_leaf("E")
@@ -584,7 +586,7 @@ def aggregate(g: Graph, msg: torch.Tensor, reduce: str = "sum", add_self_loops: 
     _check_rows(msg, _edge_rows(g, add_self_loops), "aggregate", "msg", "edge", g)
     if not add_self_loops:
         return _segment(g, msg, reduce)
-    aug, m_csr, _ = _to_csr_order(g, msg)
+    aug, m_csr = _to_csr_order(g, msg)
     return _segment(aug, m_csr, reduce)
 
 
