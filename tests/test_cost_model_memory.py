@@ -10,6 +10,7 @@ linear layer on sparse features copies its weight and indices on a CPU.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -18,7 +19,8 @@ import torch
 import gnncompile as gc
 from gnncompile import datasets
 from gnncompile.cost_models.hardware import Cluster
-from gnncompile.cost_models.model import (PlanCost, _RankWalk, _saved_per_op, _op_temporaries, _saves_result,
+from gnncompile.cost_models.model import (PlanCost, _RankWalk, _saved_per_op, _op_temporaries, _permuted_values,
+                                          _saves_result,
                                           _sparse_product_temporaries,
                                           _stage_gradients, predict, static_memory)
 from gnncompile.ir.plan import AllToAll, Backward, Forward, Free, OpCost, OptimizerStep, Recv
@@ -86,13 +88,30 @@ def test_values_the_plan_does_not_free_live_to_the_end_of_the_step(sbm: gc.Graph
 def test_relu_saves_its_result_not_its_input() -> None:
     """PyTorch's ``relu``, ``sigmoid``, ``tanh``, ``exp``, ``softmax`` and gnncompile's
     ``edge_softmax`` save their output; ``elu``, ``leaky_relu`` are counted as saving their input.
-    ``edge_softmax`` also holds one temporary of its output's size each way."""
+    ``edge_softmax`` also holds one temporary of its output's size each way in its torch
+    formulation (off the CPU); the CPU's native edge reductions hold none."""
     def op(name: str) -> OpCost:
         return OpCost(name=name, kind="T")
     assert all(_saves_result(op(n)) for n in ("relu", "relu_1", "seg.relu_12", "sigmoid", "log_softmax_3",
                                               "edge_softmax_1"))
     assert not any(_saves_result(op(n)) for n in ("elu", "leaky_relu_1", "relu6", "dropout_rows"))
-    assert _op_temporaries(op("seg.edge_softmax_2"), 100.0) == 100.0 and _op_temporaries(op("relu"), 100.0) == 0
+    gpu, cpu = GPU.rank_device(0), Cluster.parse("1xcpu").rank_device(0)
+    assert _op_temporaries(op("seg.edge_softmax_2"), 100.0, gpu) == 100.0
+    assert _op_temporaries(op("relu"), 100.0, gpu) == 0
+    assert _op_temporaries(op("seg.edge_softmax_2"), 100.0, cpu) == 0
+
+
+def test_a_pulled_attention_backward_holds_its_values_permuted() -> None:
+    """A GAT propagation's backward through the transposed structure permutes its edge values (a
+    temporary of their size: E x heads); a push backward scatters from the values as they are."""
+    g = datasets.synthetic("sbm", num_nodes=200, avg_degree=6, num_features=8, num_classes=3, seed=2)
+    net = gc.nn.GAT(8, 4, 3, num_layers=2, heads=2, dropout=0.0)
+    for backward, expected in (("transposed", g.num_edges * 2 * 4), ("push", 0)):
+        plan = gc.plan(copy.deepcopy(net), g, Cluster.parse("1xcpu"), strategy="data", backward=backward)
+        dp = plan.ranks[0]
+        w = _RankWalk(PlanCost(plan, Cluster.parse("1xcpu")), dp)
+        first = next(op for st in dp.stages for op in st.costs if op.name == "propagate")
+        assert _permuted_values(w, first) == expected
 
 
 def test_edge_softmax_saves_only_its_output() -> None:

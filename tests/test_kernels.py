@@ -301,6 +301,101 @@ def test_native_rejects_malformed_arguments() -> None:
         mod.spmm(csr.indptr, csr.indices, None, torch.randn(10, 5), 2, 0)
 
 
+# --------------------------------------------------------------------------- edge reductions
+def _edge_rows_of(csr: CSR) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(csr.num_rows), csr.indptr[1:] - csr.indptr[:-1])
+
+
+def _softmax_reference(csr: CSR, e: torch.Tensor, loops: bool) -> torch.Tensor:
+    """Softmax per row over its edges (and its loop, row ``E + r``) by a dense masked softmax."""
+    rows, nnz = _edge_rows_of(csr), csr.nnz
+    out = torch.empty_like(e)
+    for r in range(csr.num_rows):
+        idx = torch.nonzero(rows == r).flatten()
+        if loops:
+            idx = torch.cat([idx, torch.tensor([nnz + r])])
+        if idx.numel():
+            out[idx] = torch.softmax(e[idx], dim=0)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("width", [1, 3, 8, 20])
+def test_native_edge_reductions_match_their_definitions(dtype: torch.dtype, width: int) -> None:
+    require_native()
+    csr = random_csr(120, 90, 4.0, seed=width, hub=True)
+    t = randn(csr.nnz, width, dtype=dtype, seed=1)
+    rows = _edge_rows_of(csr)
+    expect_rows = torch.zeros(csr.num_rows, width, dtype=dtype).index_add_(0, rows, t)
+    torch.testing.assert_close(kernels.segment_sum(csr, t), expect_rows, **TOL[dtype])
+    expect_cols = torch.zeros(csr.num_cols, width, dtype=dtype).index_add_(0, csr.indices, t)
+    torch.testing.assert_close(kernels.scatter_sum(csr, t), expect_cols, **TOL[dtype])
+    for loops in (False, True):
+        e = randn(csr.nnz + (csr.num_rows if loops else 0), width, dtype=dtype, seed=2)
+        shifted = kernels.edge_softmax_step(csr, e, "shift", loops=loops)
+        s = kernels.edge_softmax_step(csr, shifted.exp_(), "normalize", loops=loops)
+        ref = _softmax_reference(csr, e, loops)
+        covered = rows if not loops else torch.cat([rows, torch.arange(csr.num_rows)])
+        torch.testing.assert_close(s[: covered.numel()], ref[: covered.numel()], **TOL[dtype])
+        g = randn(*e.shape, dtype=dtype, seed=3)
+        e_ = e.clone().requires_grad_(True)
+        (_softmax_reference(csr, e_, loops) * g).sum().backward()
+        got = kernels.edge_softmax_step(csr, s, "backward", loops=loops, grad=g)
+        torch.testing.assert_close(got, e_.grad, **TOL[dtype])
+
+
+def test_native_edge_reductions_are_deterministic_across_thread_counts() -> None:
+    require_native()
+    csr = random_csr(2000, 1500, 8.0, seed=7, hub=True)
+    t = randn(csr.nnz, 4, dtype=torch.float32, seed=4)
+    e = randn(csr.nnz + csr.num_rows, 4, dtype=torch.float32, seed=5)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            s = kernels.edge_softmax_step(csr, kernels.edge_softmax_step(csr, e, "shift", loops=True).exp_(),
+                                          "normalize", loops=True)
+            results.append((kernels.segment_sum(csr, t), kernels.scatter_sum(csr, t), s,
+                            kernels.edge_softmax_step(csr, s, "backward", loops=True, grad=e)))
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+def test_edge_reductions_validate_inputs() -> None:
+    require_native()
+    csr = random_csr(10, 10, 3.0, seed=41)
+    with pytest.raises(KernelError, match=f"{csr.nnz} rows"):
+        kernels.segment_sum(csr, torch.randn(csr.nnz + 1, 2))
+    with pytest.raises(KernelError, match="self loops"):
+        kernels.edge_softmax_step(csr, torch.randn(csr.nnz, 2), "shift", loops=True)
+    with pytest.raises(KernelError, match="float32/float64"):
+        kernels.scatter_sum(csr, torch.ones(csr.nnz, 2, dtype=torch.int64))
+    with pytest.raises(KernelError, match="unknown step"):
+        kernels.edge_softmax_step(csr, torch.randn(csr.nnz, 2), "exp")
+    with pytest.raises(KernelError, match="needs grad"):
+        kernels.edge_softmax_step(csr, torch.randn(csr.nnz, 2), "backward")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_keep_times_is_x_times_its_noise_bit_for_bit(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gnncompile.kernels import dropout
+
+    x = randn(1000, 7, dtype=dtype, seed=9)
+    x[0, 0], x[1, 1] = float("inf"), float("nan")
+    keep = torch.rand(1000, 7, generator=torch.Generator().manual_seed(1)) > 0.3
+    noise = torch.where(keep, torch.tensor(1 / 0.7, dtype=dtype), torch.tensor(0.0, dtype=dtype))
+    expected = x * noise
+    assert torch.equal(dropout.keep_times(x, keep, 1 / 0.7).nan_to_num(), expected.nan_to_num())
+    monkeypatch.setattr(dropout, "native_edge_ops", lambda t: False)  # the torch formulation
+    assert torch.equal(dropout.keep_times(x, keep, 1 / 0.7).nan_to_num(), expected.nan_to_num())
+    with pytest.raises(KernelError, match="bool tensor"):
+        dropout.keep_times(x, keep.to(torch.uint8), 2.0)
+
+
 # --------------------------------------------------------------------------- validation
 def test_spmm_and_sddmm_validate_inputs() -> None:
     csr = random_csr(10, 8, 3.0, seed=51)

@@ -22,7 +22,9 @@ Compute (per op of a stage, on the rank's device):
   plus ``|E| / edge_rate`` where the device was calibrated (random row gathers are latency bound
   at small widths), both rates for the size of the gathered source rows
   (:meth:`~gnncompile.cost_models.hardware.DeviceSpec.spmm_rates`: in cache or in DRAM);
-  backward is the same propagation over the transposed graph.
+  backward is the same propagation over the transposed graph; where its edge values need a
+  gradient (:attr:`OpCost.values`, GAT's attention) one more (the SDDMM, ``OpCost.backward == 2``)
+  and, pulled through the transposed graph, a gather of the values in transposed order.
 - random numbers (dropout masks): ``draws / rng_rate`` where calibrated.
 - the training loss, in the Forward and Backward of the stage that makes the model's output:
   ``rows * classes / loss_rate`` (``loss_grad_rate``) where calibrated.
@@ -85,6 +87,7 @@ from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, DevicePlan, For
                        Instruction, OpCost, OptimizerStep, Plan, RankSizes, Recompute, Recv, ReduceScatter, Send,
                        StageSpec)
 from ..ir.rules import register_cost, rule
+from ..ir.symbolic import Lin
 from . import formulas
 from .hardware import Cluster, DeviceSpec
 from .specs import PUSH_FACTOR
@@ -152,6 +155,12 @@ def op_time(op: OpCost, sizes: RankSizes, device: DeviceSpec, *, backward: bool 
         t = _spmm_seconds(nodes, visited, width, at.source_rows * width, device, dtype)
         if backward and push:
             t *= device.push_factor if device.push_factor is not None else PUSH_FACTOR
+        elif backward and op.values.e:
+            # a pull through the transposed structure first permutes the edge values: a gather of
+            # E rows of the values' width, at a propagation's rates for that width
+            heads = float(op.values.e) / _elsize(dtype)
+            t_perm = _spmm_seconds(edges, edges, heads, edges * heads, device, dtype)
+            return mult * t + t_perm + overhead
         return mult * t + overhead
     flops, nbytes = _eval(op.flops, at) * share, _eval(op.bytes, at) * share
     if op.kind == "E":
@@ -724,7 +733,7 @@ def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> Step
     peak = held = made = prev = 0.0
     for op, k in zip(st.costs, kept):
         out = w.value_bytes.get(op.name, 0.0)
-        extra = w.masks.forward_extra(op, new) + _sparse_product_temporaries(w, op) + _op_temporaries(op, out)
+        extra = w.masks.forward_extra(op, new) + _sparse_product_temporaries(w, op) + _op_temporaries(op, out, w.cost.devices[w.index])
         peak = max(peak, held + made + prev + out + extra)
         held += k
         made += out if op.name in st.outputs else 0.0
@@ -767,8 +776,9 @@ def _replayed(st: StageSpec) -> list[bool]:
 _RESULT_SAVERS = frozenset({"relu", "sigmoid", "tanh", "exp", "softmax", "log_softmax", "edge_softmax"})
 
 #: functions whose forward and backward each hold this many temporaries of their output's size
-#: beside their inputs, output and gradients: ``edge_softmax`` spreads a per-destination term
-#: over the edges (:class:`~gnncompile.frontend.ops._EdgeSoftmax`)
+#: beside their inputs, output and gradients off the CPU: ``edge_softmax``'s torch formulation
+#: spreads a per-destination term over the edges (:class:`~gnncompile.frontend.ops._EdgeSoftmax`);
+#: the CPU's native edge reductions make none
 _OUTPUT_SIZED_TEMPORARIES = {"edge_softmax": 1}
 
 
@@ -785,8 +795,11 @@ def _saves_result(op: OpCost) -> bool:
     return _function_of(op) in _RESULT_SAVERS
 
 
-def _op_temporaries(op: OpCost, out: float) -> float:
-    """Bytes of ``op``'s own temporaries in its forward or backward (:data:`_OUTPUT_SIZED_TEMPORARIES`)."""
+def _op_temporaries(op: OpCost, out: float, device: DeviceSpec) -> float:
+    """Bytes of ``op``'s own temporaries in its forward or backward on ``device``
+    (:data:`_OUTPUT_SIZED_TEMPORARIES`; none on a CPU, whose edge reductions are native)."""
+    if device.kind == "cpu":
+        return 0.0
     return _OUTPUT_SIZED_TEMPORARIES.get(_function_of(op), 0) * out
 
 
@@ -826,6 +839,16 @@ def _sparse_product_temporaries(w: _RankWalk, op: OpCost) -> float:
     if inputs is None:
         return 0.0
     return inputs * op.width * es
+
+
+def _permuted_values(w: _RankWalk, op: OpCost) -> float:
+    """Bytes of the edge values a propagation's backward pulls through the transposed structure
+    (``frontend.ops._SpMM``): its edges' values in transposed order, a temporary of their size (the
+    ``E`` part of :attr:`OpCost.values`). 0 for a push backward,
+    which scatters from the forward structure with the values as they are, and for other ops."""
+    if op.kind != "P" or not op.values.e or w.cost.plan.info.get("topology", {}).get("backward") == "push":
+        return 0.0
+    return op_value(op, Lin.of(e=op.values.e), w.sizes)
 
 
 def _saved_bytes(op: OpCost, sizes: RankSizes) -> float:
@@ -868,7 +891,8 @@ def _backward_cost(w: _RankWalk, i: int, inst: Backward) -> StepCost:
             # the gradient of its input, where it needs one (not after an op autograd does not
             # visit: a first linear layer after the features' dropout computes its weights' only)
             grad_in = (prev or out) if needs else 0.0
-            peak = max(peak, below + out + grad_in + _sparse_product_temporaries(w, op) + _op_temporaries(op, out))
+            peak = max(peak, below + out + grad_in + _sparse_product_temporaries(w, op) + _op_temporaries(op, out, w.cost.devices[w.index])
+                       + _permuted_values(w, op))
         prev, needs = out, op.backward > 0
     transient = max(0.0, peak - sum(kept))
     # the weights' gradients of the stage, at its first backward (later chunks accumulate into them)

@@ -50,7 +50,7 @@ from ..errors import GraphError, KernelError
 from ..graph.core import _INT32_MAX, Graph
 from .. import kernels
 from ..kernels import CSR
-from ..kernels.dropout import dropout_mask
+from ..kernels.dropout import dropout_mask, keep_times
 
 __all__ = [
     "propagate",
@@ -226,7 +226,7 @@ class _SpMM(torch.autograd.Function):
             grad_x = kernels.spmm(_csr(g), values, grad_out, ctx.backend, row_scale=row, col_scale=col, transpose=True)
         elif ctx.needs_input_grad[2]:
             csr_t, perm = _csr_t(g, values is not None)
-            vt = None if values is None else values[perm]
+            vt = None if values is None else kernels.gather_rows(values, perm)
             grad_x = kernels.spmm(csr_t, vt, grad_out, ctx.backend, row_scale=col, col_scale=row)
         if values is not None and ctx.needs_input_grad[1]:
             grad_values = _values_grad(g, values, grad_out, x, row, col, ctx.backend)
@@ -361,23 +361,61 @@ def _rows_index(idx: torch.Tensor) -> torch.Tensor:
 
 
 class _GatherRows(torch.autograd.Function):
-    """``x[src(e)]`` (or ``x[dst(e)]`` with ``dst``) for every edge, saving nothing per edge: the
-    backward reads the graph's own structure (a segment sum over the destinations' CSR rows; an
-    ``index_add_`` into the sources), where ``index_select``'s autograd would save its index (an
-    int64 copy of a compact graph's: 8 bytes per edge per gather until the backward)."""
+    """``x[src(e)]`` (or ``x[dst(e)]`` with ``dst``) for every edge and, with ``loops``, the
+    destinations' own rows after them (``[E + N, ...]``, made in place of a concatenation), saving
+    nothing per edge: the backward reads the graph's own structure (a segment sum over the
+    destinations' CSR rows; a sum into the sources), where ``index_select``'s autograd would save
+    its index (an int64 copy of a compact graph's: 8 bytes per edge per gather until the backward)."""
 
     @staticmethod
-    def forward(ctx: Any, g: Graph, x: torch.Tensor, dst: bool) -> torch.Tensor:
-        ctx.g, ctx.dst, ctx.rows = g, dst, x.shape[0]
-        return x.index_select(0, _rows_index(g.dst if dst else g.indices))
+    def forward(ctx: Any, g: Graph, x: torch.Tensor, dst: bool, loops: bool = False) -> torch.Tensor:
+        ctx.g, ctx.dst, ctx.rows, ctx.loops = g, dst, x.shape[0], loops
+        index = g.dst if dst else g.indices
+        if not loops:
+            return kernels.gather_rows(x, index)
+        e = g.num_edges
+        out = kernels.gather_rows(x, index, x.new_empty((e + g.num_nodes,) + tuple(x.shape[1:])))
+        out[e:] = x if dst else _own_rows(g, x)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         g: Graph = ctx.g
+        e = g.num_edges
+        edges = grad[:e] if ctx.loops else grad
         if ctx.dst:  # the edges are in CSR order: each destination's are one segment
-            return None, torch.segment_reduce(grad, "sum", offsets=g.indptr, axis=0), None
-        out = torch.zeros((ctx.rows,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        return None, out.index_add_(0, _rows_index(g.indices), grad), None
+            out = _segment_sum(g, edges)
+        else:
+            out = _EdgeSums.apply(g, edges, False, ctx.rows)
+        if ctx.loops:
+            own = out if ctx.dst else _own_rows(g, out)
+            own += grad[e:]
+        return None, out, None, None
+
+
+class _EdgeSums(torch.autograd.Function):
+    """An edge tensor ``[E, ...]`` summed per destination (``dst``: its CSR rows) or per source, the
+    adjoint of :class:`_GatherRows` (whose gather is this one's backward): natively on the CPU
+    (:func:`gnncompile.kernels.native_edge_ops`), else ``segment_reduce`` / ``index_add_``."""
+
+    @staticmethod
+    def forward(ctx: Any, g: Graph, t: torch.Tensor, dst: bool, rows: int) -> torch.Tensor:
+        ctx.g, ctx.dst = g, dst
+        if kernels.native_edge_ops(t):
+            return kernels.segment_sum(_csr(g), t) if dst else kernels.scatter_sum(_csr(g), t)
+        if dst:
+            return torch.segment_reduce(t, "sum", offsets=g.indptr, axis=0)
+        out = torch.zeros((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        return out.index_add_(0, _rows_index(g.indices), t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return None, _GatherRows.apply(ctx.g, grad, ctx.dst), None, None
+
+
+def _segment_sum(g: Graph, t: torch.Tensor) -> torch.Tensor:
+    """Per-destination sums of an edge tensor ``[E, ...]`` (CSR order); 0 for no in-edges; differentiable."""
+    return _EdgeSums.apply(g, t, True, g.num_nodes)
 
 
 def _edge_rows(g: Graph, add_self_loops: bool) -> int:
@@ -385,13 +423,15 @@ def _edge_rows(g: Graph, add_self_loops: bool) -> int:
 
 
 def _loop_norm(g: Graph, norm: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split normalized ``[E + N, ...]`` weights into (edge part, self-loop part); differentiable."""
-    e = g.num_edges
+    """Split normalized ``[E + N, ...]`` weights into (edge part, self-loop part); differentiable.
+    One ``split``: its backward concatenates the parts' gradients into one tensor, where two slices'
+    would each fill a zero tensor of ``w``'s size and add them."""
+    edges, loops = torch.split(w, [g.num_edges, w.shape[0] - g.num_edges])
     if norm in ("sum", "none"):
-        return w[:e], w[e:]
+        return edges, loops
     if w.dim() != 1:
         raise KernelError(f"propagate: norm={norm!r} needs 1-d edge weights, got shape {list(w.shape)}")
-    edge_coef, loop_coef = _normalize(g, norm, w[:e], w[e:])
+    edge_coef, loop_coef = _normalize(g, norm, edges, loops)
     assert loop_coef is not None
     return edge_coef, loop_coef
 
@@ -402,8 +442,7 @@ def gather_src(g: Graph, x: torch.Tensor, add_self_loops: bool = False) -> torch
     """Vertex -> edge: ``out[e] = x[src(e)]`` (``[E, ...]``, or ``[E + N, ...]`` with self loops)."""
     g = _check_graph(g, "gather_src")
     _check_rows(x, g.num_src, "gather_src", "x", "vertex", g)
-    out = _GatherRows.apply(g, x, False)
-    return torch.cat([out, _own_rows(g, x)]) if add_self_loops else out
+    return _GatherRows.apply(g, x, False, add_self_loops)
 
 
 @fx_leaf("E")
@@ -411,8 +450,7 @@ def gather_dst(g: Graph, x: torch.Tensor, add_self_loops: bool = False) -> torch
     """Vertex -> edge: ``out[e] = x[dst(e)]`` (``[E, ...]``, or ``[E + N, ...]`` with self loops)."""
     g = _check_graph(g, "gather_dst")
     _check_rows(x, g.num_nodes, "gather_dst", "x", "vertex", g)
-    out = _GatherRows.apply(g, x, True)
-    return torch.cat([out, x]) if add_self_loops else out
+    return _GatherRows.apply(g, x, True, add_self_loops)
 
 
 @fx_leaf("E")
@@ -471,7 +509,7 @@ def _segment(g: Graph, t: torch.Tensor, reduce: str) -> torch.Tensor:
     """Reduce edge rows into destination rows; empty segments give 0."""
     if reduce == "max":
         return _SegmentMax.apply(g, t)
-    out = torch.segment_reduce(t, "sum", offsets=g.indptr, axis=0)
+    out = _segment_sum(g, t)
     if reduce == "sum":
         return out
     deg = g.in_degree().reshape((-1,) + (1,) * (t.dim() - 1))
@@ -481,8 +519,10 @@ def _segment(g: Graph, t: torch.Tensor, reduce: str) -> torch.Tensor:
 class _EdgeSoftmax(torch.autograd.Function):
     """Softmax over each destination's in-edges and, with ``loops``, its implicit self loop (row
     ``E + v`` of an ``[E + N, ...]`` input), in the edge layout itself (no reordering into a
-    loop-augmented CSR). Saves its output only; forward and backward each hold one temporary of
-    the output's size (a per-destination term spread over the edges)."""
+    loop-augmented CSR). Saves its output only. With the native edge reductions
+    (:func:`gnncompile.kernels.native_edge_ops`) forward and backward make their result and nothing
+    else; the torch formulation holds one more tensor of the output's size each way (a
+    per-destination term spread over the edges)."""
 
     @staticmethod
     def _spread(g: Graph, t: torch.Tensor, loops: bool) -> torch.Tensor:
@@ -511,9 +551,14 @@ class _EdgeSoftmax(torch.autograd.Function):
             ctx.save_for_backward(e)
             return e.clone()
         with torch.no_grad():
-            s = _EdgeSoftmax._spread(g, _EdgeSoftmax._reduce(g, e, "max", loops), loops)
-            torch.sub(e, s, out=s).exp_()
-            s.div_(_EdgeSoftmax._spread(g, _EdgeSoftmax._reduce(g, s, "sum", loops), loops))
+            if kernels.native_edge_ops(e):  # the output is the only tensor made
+                csr = _csr(g)
+                s = kernels.edge_softmax_step(csr, kernels.edge_softmax_step(csr, e, "shift", loops=loops).exp_(),
+                                              "normalize", loops=loops)
+            else:
+                s = _EdgeSoftmax._spread(g, _EdgeSoftmax._reduce(g, e, "max", loops), loops)
+                torch.sub(e, s, out=s).exp_()
+                s.div_(_EdgeSoftmax._spread(g, _EdgeSoftmax._reduce(g, s, "sum", loops), loops))
         ctx.save_for_backward(s)
         return s
 
@@ -523,6 +568,9 @@ class _EdgeSoftmax(torch.autograd.Function):
         g: Graph = ctx.g
         if s.shape[0] == 0:
             return None, grad, None
+        if kernels.native_edge_ops(grad):
+            return None, kernels.edge_softmax_step(_csr(g), s, "backward", loops=ctx.loops,
+                                                   grad=grad.contiguous()), None
         sg = s * grad
         dot = _EdgeSoftmax._spread(g, _EdgeSoftmax._reduce(g, sg, "sum", ctx.loops), ctx.loops).mul_(s)
         return None, sg.sub_(dot), None
@@ -762,23 +810,15 @@ class _KeepTimes(torch.autograd.Function):
     multiplier: forward and backward compute what ``x * noise`` and its gradient ``g * noise`` do."""
 
     @staticmethod
-    def _times(keep: torch.Tensor, scale: float, x: torch.Tensor) -> torch.Tensor:
-        """``noise * x`` with ``noise = where(keep, scale, 0)`` in ``x``'s dtype, bit for bit (the same
-        products), built as ``keep`` cast, scaled and multiplied in place: ``torch.where`` with scalar
-        branches runs ~4x slower than these three passes on the CPU."""
-        value = torch.tensor(scale, dtype=torch.float64).to(device=x.device, dtype=x.dtype)
-        return keep.to(x.dtype).mul_(value).mul_(x)
-
-    @staticmethod
     def forward(ctx: Any, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.save_for_backward(keep)
         ctx.scale = scale
-        return _KeepTimes._times(keep, scale, x)
+        return keep_times(x, keep, scale)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
         (keep,) = ctx.saved_tensors
-        return _KeepTimes._times(keep, ctx.scale, g), None, None
+        return keep_times(g, keep, ctx.scale), None, None
 
 
 class MaskCache:

@@ -510,8 +510,11 @@ class OpCost:
     #: the op's GNN layer (the tracer's, 1-based; 0: unknown): where a rank's sizes differ per layer
     #: (:attr:`RankSizes.layers`, a sampled mini-batch) its forms are evaluated at its layer's
     layer: int = 0
+    #: bytes of the per-edge values a propagation multiplies by where they need a gradient (GAT's
+    #: attention coefficients): its backward computes their gradient (an SDDMM) beside its input's
+    values: Lin = field(default_factory=Lin)
 
-    _LINS: ClassVar[tuple[str, ...]] = ("flops", "bytes", "saved", "out", "random")
+    _LINS: ClassVar[tuple[str, ...]] = ("flops", "bytes", "saved", "out", "random", "values")
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "kind": self.kind, "width": self.width, "recompute": self.recompute,

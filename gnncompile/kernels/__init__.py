@@ -10,6 +10,11 @@ Two products cover every P op and the backward of every P op:
 - ``sddmm(csr, a, b)``: ``w[e] = <a[row(e)], b[col[e]]>`` (per head), the gradient of SpMM
   with respect to its edge values.
 
+Edge ops, native on the CPU (:func:`native_edge_ops`): ``gather_rows`` (rows by an index,
+prefetched), ``segment_sum`` (an edge tensor summed per row), ``scatter_sum`` (per column) and
+``edge_softmax_step`` (a softmax over each row's edges in three steps), the E ops' forward and
+backward without index copies or spread temporaries.
+
 Backends
 --------
 ``native``  C++/OpenMP kernel compiled on first use (``csrc/spmm.cpp``): edge-balanced row blocks
@@ -53,6 +58,11 @@ __all__ = [
     "set_default_backend",
     "spmm",
     "sddmm",
+    "gather_rows",
+    "segment_sum",
+    "scatter_sum",
+    "edge_softmax_step",
+    "native_edge_ops",
     "prepare_native",
     "native_extension_name",
 ]
@@ -256,8 +266,9 @@ def _spmm_native(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor,
     return out.reshape((out.shape[0],) + tail)
 
 
-#: Narrow single-head widths the native kernels run zero-padded to a power of two (the columns
-#: are independent: the same sums, bit for bit). Rows of such widths straddle cache lines and miss
+#: Narrow single-head widths the native kernels run zero-padded to a power of two (SpMM: the columns
+#: are independent, the same sums bit for bit; SDDMM: the zero columns add nothing to the dot products,
+#: summed in the compile-time width's order: width 5 on coauthor_physics 3.7 -> 1.1 ms). Rows of such widths straddle cache lines and miss
 #: the kernels' compile-time loops: on coauthor_physics (2 threads) width 5 took 1.3 ms pulled and
 #: 3.7 ms pushed against 0.47 and 1.8 ms at width 8, width 12 2.0 and 4.3 ms against 0.47 and 1.9 at
 #: 16, width 20 1.5 and 3.1 against 0.66 and 2.1 at 32; at width 40 padding to 64 no longer paid.
@@ -291,7 +302,95 @@ def _sddmm_native(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> tor
     mod = _load_native()
     a2 = _as_rows(a).contiguous()
     b2 = _as_rows(b).contiguous()
+    padded = _PADDED_WIDTHS.get(a2.shape[1]) if heads == 1 else None
+    if padded is not None:  # zero columns add nothing to the dot products
+        a2 = torch.nn.functional.pad(a2, (0, padded - a2.shape[1]))
+        b2 = torch.nn.functional.pad(b2, (0, padded - b2.shape[1]))
     return mod.sddmm(csr.indptr, _native_index(csr), a2, b2, heads)
+
+
+# --------------------------------------------------------------------------- edge reductions
+#: the dtypes the native edge reductions run in
+_EDGE_DTYPES = (torch.float32, torch.float64)
+
+
+def native_edge_ops(t: torch.Tensor) -> bool:
+    """Whether the native edge reductions (:func:`segment_sum`, :func:`scatter_sum`,
+    :func:`edge_softmax_step`, :func:`gnncompile.kernels.dropout.keep_times`) serve ``t``: a float32 or
+    float64 CPU tensor while the default backend there is ``native``. Elsewhere (CUDA, another
+    backend chosen, the extension unavailable) :mod:`gnncompile.frontend.ops` runs their torch
+    formulations, which compute the same values with temporaries these do not need."""
+    return t.device.type == "cpu" and t.dtype in _EDGE_DTYPES and default_backend(t.device) == "native"
+
+
+def _edge_rows(csr: CSR, t: torch.Tensor, op: str, loops: bool = False) -> torch.Tensor:
+    rows = csr.nnz + (csr.num_rows if loops else 0)
+    if t.dim() == 0 or t.shape[0] != rows:
+        raise KernelError(f"{op}: expected an edge tensor of {rows} rows (edges{' + self loops' if loops else ''}), "
+                          f"got shape {list(t.shape)}")
+    if t.dtype not in _EDGE_DTYPES:
+        raise KernelError(f"{op}: runs on float32/float64 tensors, got {t.dtype}")
+    _require_cpu("native", t)
+    return t.contiguous()
+
+
+def gather_rows(t: torch.Tensor, index: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``t[index]`` (rows of ``t`` by a 1-d int32/int64 index), natively: the rows prefetched ahead
+    of their copy, which a gather at random (an edge permutation, the edges' sources) is bound by;
+    int32 indices are read as they are (no int64 copy). Where :func:`native_edge_ops` does not hold
+    for ``t``, ``index_select``. With ``out`` (contiguous, ``t``'s dtype and row shape) the rows
+    fill its first ``len(index)`` rows and ``out`` is returned."""
+    if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64):
+        raise KernelError(f"gather_rows: index must be a 1-d int32/int64 tensor, got {index.dtype} {list(index.shape)}")
+    if out is not None and (not out.is_contiguous() or out.dtype != t.dtype or out.shape[1:] != t.shape[1:]
+                            or out.shape[0] < index.numel()):
+        raise KernelError(f"gather_rows: out must be a contiguous {t.dtype} tensor of rows {list(t.shape[1:])} "
+                          f"and at least {index.numel()} rows, got {out.dtype} {list(out.shape)}")
+    if not native_edge_ops(t) or index.device != t.device:
+        idx = index.long() if t.device.type == "cpu" else index
+        if out is None:
+            return t.index_select(0, idx)
+        torch.index_select(t, 0, idx, out=out[: index.numel()])
+        return out
+    return _load_native().gather_rows(t.contiguous(), index.contiguous(), out)
+
+
+def segment_sum(csr: CSR, t: torch.Tensor) -> torch.Tensor:
+    """``out[r] = sum_{e in row r} t[e]``: an edge tensor ``[E, ...]`` in CSR order summed per row
+    (``[num_rows, ...]``, 0 for an empty row), natively: rows in parallel, each summed in edge order."""
+    return _load_native().segment_sum(csr.indptr, _edge_rows(csr, t, "segment_sum"))
+
+
+def scatter_sum(csr: CSR, t: torch.Tensor) -> torch.Tensor:
+    """``out[u] = sum_{e: col(e) = u} t[e]``: an edge tensor ``[E, ...]`` summed into its edges'
+    columns (``[num_cols, ...]``), natively: each thread owns a range of columns (those of the
+    transposed product, :func:`_push_parts`) and adds its columns' edges in edge order."""
+    t = _edge_rows(csr, t, "scatter_sum")
+    return _load_native().scatter_sum(csr.indptr, _native_index(csr), t, csr.num_cols,
+                                      _push_parts(csr, torch.get_num_threads()))
+
+
+def edge_softmax_step(csr: CSR, t: torch.Tensor, step: str, *, loops: bool = False,
+                      grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One step of a softmax over each row's edges (rows of ``t``, ``[E (+ num_rows), ...]`` in CSR
+    order; with ``loops`` row ``E + r`` is row ``r``'s self loop, reduced after its edges), natively:
+
+    - ``"shift"``: a new tensor, ``t`` minus its rows' maxima (per column);
+    - ``"normalize"``: ``t`` divided in place by its rows' sums, returned;
+    - ``"backward"``: a new tensor, ``t * grad - t * rowsum(t * grad)`` (``t`` the softmax's output).
+
+    The softmax is ``normalize(exp(shift(e)))``; the exponential is torch's (vectorized) ``exp_``."""
+    if step not in ("shift", "normalize", "backward"):
+        raise KernelError(f"edge_softmax_step: unknown step {step!r}; valid: 'shift', 'normalize', 'backward'")
+    t = _edge_rows(csr, t, "edge_softmax_step", loops)
+    if step == "backward":
+        if grad is None or grad.shape != t.shape or grad.dtype != t.dtype:
+            raise KernelError(f"edge_softmax_step: the backward step needs grad of shape {list(t.shape)} and dtype "
+                              f"{t.dtype}")
+        grad = _edge_rows(csr, grad, "edge_softmax_step", loops)
+    elif grad is not None:
+        raise KernelError(f"edge_softmax_step: grad is given to the backward step only, not {step!r}")
+    return _load_native().edge_softmax_step(csr.indptr, t, grad, loops, step)
 
 
 # --------------------------------------------------------------------------- torch backend

@@ -197,9 +197,24 @@ def op_costs(tp: TPGraph, nodes: list[torch.fx.Node], decisions: Optional[Decisi
                 continue
         weights = t.params > 0 or any(a.op == "get_attr" and a.name in req for a in n.all_input_nodes)
         inputs = any(a.op != "get_attr" and a.name in req for a in n.all_input_nodes)
-        c = _op_cost(n, t, modules, recompute=t.recompute, backward=int(weights) + int(inputs))
+        values = _trained_edge_values(n, req) if t.kind == "P" else Lin()
+        # a propagation whose edge values need a gradient computes it too (an SDDMM: one more unit)
+        trained = values != Lin()
+        c = _op_cost(n, t, modules, recompute=t.recompute, backward=int(weights) + int(inputs) + int(trained))
+        if trained:
+            c = dataclasses.replace(c, values=values)
         out.append(dataclasses.replace(c, layout=decisions.layout_of(n.name)) if decisions is not None else c)
     return out
+
+
+def _trained_edge_values(n: torch.fx.Node, req: set[str]) -> Lin:
+    """Bytes of the edge values (``edge_weight``) propagation ``n`` multiplies by where they need a
+    gradient, else ``Lin()``."""
+    arg = call_arguments(n).get("edge_weight")
+    info = arg.meta.get("tp") if isinstance(arg, torch.fx.Node) and arg.name in req else None
+    if info is None or info.rows is None:
+        return Lin()
+    return info.rows * (math.prod(info.dims) * _elsize(info.dtype) if info.dims else _elsize(info.dtype))
 
 
 def _dropout_p(n: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> Optional[float]:

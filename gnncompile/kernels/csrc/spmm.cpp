@@ -5,6 +5,8 @@
 //         so a normalized product needs no per-edge array)
 // spmm_t: the transposed product (diag(rs) A diag(cs))^T x from the same CSR, by scattering
 // sddmm:  w[e, h]      = <a[row(e), h, :], b[col[e], h, :]>
+// segment_sum, scatter_sum, edge_softmax_step: reductions of edge tensors over rows / columns
+// keep_times: x * (keep ? 1/(1-p) : 0), a dropout applied from its kept mask
 // dropout_mask: 0 or 1/(1-p) per element of chosen rows of a tensor, from Philox4x32-10 keyed by a
 //         seed and counted by the element's flat index (any rows, in parallel, thread-count independent)
 //
@@ -33,6 +35,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 #ifdef __linux__
@@ -587,6 +591,283 @@ torch::Tensor sddmm(torch::Tensor indptr, torch::Tensor col, torch::Tensor a, to
   return w;
 }
 
+// ----------------------------------------------------------------------------- edge reductions
+// Edge-valued tensors t: [E (+ rows), W] in CSR order (row r's edges are rows indptr[r]..indptr[r+1]
+// of t); with `loops`, row E + r of t is r's implicit self loop, last in its row's reductions.
+// Each output row is written by one thread in edge order (then the loop): deterministic and
+// independent of the thread count.
+namespace {
+
+template <typename scalar_t, int C>
+void segment_sum_impl(const int64_t* indptr, const scalar_t* t, scalar_t* out, int64_t rows, int64_t width_rt) {
+  const int64_t width = C ? C : width_rt;
+  const std::vector<int64_t> bounds = row_blocks(indptr, rows);
+  for_each_block((int64_t)bounds.size() - 1, [&](int64_t b) {
+    for (int64_t r = bounds[b]; r < bounds[b + 1]; ++r) {
+      scalar_t* __restrict o = out + r * width;
+      std::fill(o, o + width, scalar_t(0));
+      for (int64_t e = indptr[r]; e < indptr[r + 1]; ++e) {
+        const scalar_t* __restrict te = t + e * width;
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) o[c] += te[c];
+      }
+    }
+  });
+}
+
+// out[col[e]] += t[e] for every edge, each thread owning the output rows [bounds[p], bounds[p+1]).
+template <typename scalar_t, typename index_t, int C>
+void scatter_sum_impl(const index_t* col, int64_t nnz, const scalar_t* t, scalar_t* out, int64_t width_rt,
+                      const int64_t* bounds, int64_t nparts) {
+  const int64_t width = C ? C : width_rt;
+  for_each_block(nparts, [&](int64_t p) {
+    const int64_t lo = bounds[p], hi = bounds[p + 1];
+    if (hi <= lo) return;
+    std::fill(out + lo * width, out + hi * width, scalar_t(0));
+    for (int64_t e = 0; e < nnz; ++e) {
+      const int64_t u = (int64_t)col[e];
+      if (u < lo || u >= hi) continue;
+      scalar_t* __restrict o = out + u * width;
+      const scalar_t* __restrict te = t + e * width;
+#pragma omp simd
+      for (int64_t c = 0; c < width; ++c) o[c] += te[c];
+    }
+  });
+}
+
+// Softmax pieces per row r and column c over its edges (and loop):
+//   shift:     out[e, c] = t[e, c] - max_e t[e, c]            (a new tensor)
+//   normalize: t[e, c] /= sum_e t[e, c]                       (in place; the sum over edges, then the loop)
+//   backward:  out[e, c] = s[e, c] g[e, c] - s[e, c] sum_e s[e, c] g[e, c]
+// MODE 0: shift, 1: normalize, 2: backward. C: the compile-time width (0: width_rt).
+template <typename scalar_t, int MODE, int C>
+void softmax_rows_impl(const int64_t* indptr, const scalar_t* a, const scalar_t* g, scalar_t* out, int64_t rows,
+                       int64_t width_rt, bool loops) {
+  const int64_t width = C ? C : width_rt;
+  const int64_t nnz = indptr[rows];
+  const std::vector<int64_t> bounds = row_blocks(indptr, rows);
+  for_each_block((int64_t)bounds.size() - 1, [&](int64_t b) {
+    std::vector<scalar_t> acc_buf(C ? 0 : width);
+    scalar_t acc_fixed[C ? C : 1];
+    scalar_t* __restrict acc = C ? acc_fixed : acc_buf.data();
+    auto reduce = [&](int64_t e) {
+      const scalar_t* __restrict ae = a + e * width;
+      if constexpr (MODE == 0) {
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) acc[c] = std::max(acc[c], ae[c]);
+      } else if constexpr (MODE == 1) {
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) acc[c] += ae[c];
+      } else {
+        const scalar_t* __restrict ge = g + e * width;
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) acc[c] += ae[c] * ge[c];
+      }
+    };
+    auto apply = [&](int64_t e) {
+      const scalar_t* __restrict ae = a + e * width;
+      scalar_t* __restrict oe = out + e * width;
+      if constexpr (MODE == 0) {
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) oe[c] = ae[c] - acc[c];
+      } else if constexpr (MODE == 1) {
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) oe[c] = ae[c] / acc[c];
+      } else {
+        const scalar_t* __restrict ge = g + e * width;
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) oe[c] = ae[c] * ge[c] - ae[c] * acc[c];
+      }
+    };
+    for (int64_t r = bounds[b]; r < bounds[b + 1]; ++r) {
+      const int64_t beg = indptr[r], end = indptr[r + 1];
+      if (beg == end && !loops) continue;
+      const scalar_t init = MODE == 0 ? -std::numeric_limits<scalar_t>::infinity() : scalar_t(0);
+      for (int64_t c = 0; c < width; ++c) acc[c] = init;
+      for (int64_t e = beg; e < end; ++e) reduce(e);
+      if (loops) reduce(nnz + r);
+      for (int64_t e = beg; e < end; ++e) apply(e);
+      if (loops) apply(nnz + r);
+    }
+  });
+}
+
+// out[i] = t[index[i]] (rows of `width` elements), the rows of t prefetched `pf` ahead: a gather
+// of rows at random (an edge permutation, the edges' sources) is bound by the latency of its reads.
+template <typename scalar_t, typename index_t, int C>
+void gather_rows_impl(const scalar_t* t, const index_t* index, scalar_t* out, int64_t n, int64_t width_rt) {
+  const int64_t width = C ? C : width_rt;
+  const int64_t bytes = width * (int64_t)sizeof(scalar_t);
+  const int64_t pf = prefetch_distance(bytes);
+  at::parallel_for(0, n, 4096, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      if (i + pf < hi) prefetch_span(t + (int64_t)index[i + pf] * width, bytes);
+      const scalar_t* __restrict src = t + (int64_t)index[i] * width;
+      scalar_t* __restrict dst = out + i * width;
+#pragma omp simd
+      for (int64_t c = 0; c < width; ++c) dst[c] = src[c];
+    }
+  });
+}
+
+// The edge tensor's rows: E, or E + rows with loops; its width: the product of the trailing dims.
+int64_t check_edge_tensor(const torch::Tensor& indptr, const torch::Tensor& t, bool loops, const char* name) {
+  TORCH_CHECK(indptr.device().is_cpu() && indptr.scalar_type() == torch::kInt64 && indptr.is_contiguous() &&
+              indptr.dim() == 1 && indptr.numel() >= 1, "indptr must be a contiguous 1-d int64 CPU tensor");
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() >= 1, name, " must be a contiguous CPU tensor");
+  const int64_t rows = indptr.size(0) - 1;
+  const int64_t want = indptr[-1].item<int64_t>() + (loops ? rows : 0);
+  TORCH_CHECK(t.size(0) == want, name, " must have ", want, " rows (edges", loops ? " + self loops" : "",
+              "), got ", t.size(0));
+  return t.size(0) ? t.numel() / t.size(0) : 0;
+}
+
+}  // namespace
+
+// Per-row sums of an edge tensor t [E, ...] in CSR order: returns [rows, ...].
+torch::Tensor segment_sum(torch::Tensor indptr, torch::Tensor t) {
+  const int64_t width = check_edge_tensor(indptr, t, false, "t");
+  const int64_t rows = indptr.size(0) - 1;
+  std::vector<int64_t> shape = t.sizes().vec();
+  shape[0] = rows;
+  auto out = torch::empty(shape, t.options());
+  if (rows == 0 || width == 0) return out.zero_();
+  AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "gnncompile_segment_sum", [&] {
+    dispatch_width(width, [&](auto c) {
+      segment_sum_impl<scalar_t, decltype(c)::value>(indptr.data_ptr<int64_t>(), t.data_ptr<scalar_t>(),
+                                                     out.data_ptr<scalar_t>(), rows, width);
+    });
+  });
+  return out;
+}
+
+// out[col[e]] += t[e]: t [E, ...] -> [cols, ...]; `bounds` as for spmm_t.
+torch::Tensor scatter_sum(torch::Tensor indptr, torch::Tensor col, torch::Tensor t, int64_t cols, torch::Tensor bounds) {
+  check_csr(indptr, col);
+  const int64_t width = check_edge_tensor(indptr, t, false, "t");
+  TORCH_CHECK(bounds.scalar_type() == torch::kInt64 && bounds.is_contiguous() && bounds.dim() == 1 &&
+              bounds.numel() >= 2 && bounds[0].item<int64_t>() == 0 && bounds[-1].item<int64_t>() == cols,
+              "bounds must be a contiguous int64 tensor from 0 to cols");
+  std::vector<int64_t> shape = t.sizes().vec();
+  shape[0] = cols;
+  auto out = torch::empty(shape, t.options());
+  if (cols == 0 || width == 0 || col.numel() == 0) return out.zero_();
+  AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "gnncompile_scatter_sum", [&] {
+    dispatch_width(width, [&](auto c) {
+      constexpr int C = decltype(c)::value;
+      if (col.scalar_type() == torch::kInt32)
+        scatter_sum_impl<scalar_t, int32_t, C>(col.data_ptr<int32_t>(), col.numel(), t.data_ptr<scalar_t>(),
+                                               out.data_ptr<scalar_t>(), width, bounds.data_ptr<int64_t>(),
+                                               bounds.numel() - 1);
+      else
+        scatter_sum_impl<scalar_t, int64_t, C>(col.data_ptr<int64_t>(), col.numel(), t.data_ptr<scalar_t>(),
+                                               out.data_ptr<scalar_t>(), width, bounds.data_ptr<int64_t>(),
+                                               bounds.numel() - 1);
+    });
+  });
+  return out;
+}
+
+// Rows `index` of t (t: [n_rows, ...] contiguous, index: int32 or int64 in [0, n_rows)): [len(index), ...].
+// With `out` (contiguous, t's dtype and trailing shape, at least len(index) rows) the rows are
+// written into its first len(index) rows and `out` is returned.
+torch::Tensor gather_rows(torch::Tensor t, torch::Tensor index, c10::optional<torch::Tensor> into) {
+  TORCH_CHECK(t.device().is_cpu() && index.device().is_cpu() && t.is_contiguous() && index.is_contiguous() &&
+              t.dim() >= 1 && index.dim() == 1, "t: a contiguous CPU tensor; index: a contiguous 1-d CPU tensor");
+  TORCH_CHECK(index.scalar_type() == torch::kInt32 || index.scalar_type() == torch::kInt64, "index must be int32 or int64");
+  std::vector<int64_t> shape = t.sizes().vec();
+  shape[0] = index.numel();
+  torch::Tensor out;
+  if (into.has_value() && into->defined()) {
+    out = *into;
+    TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == t.scalar_type() &&
+                out.dim() == t.dim() && out.size(0) >= index.numel() &&
+                out.sizes().slice(1) == t.sizes().slice(1), "out: a contiguous tensor of t's dtype and row shape "
+                "with at least len(index) rows");
+  } else {
+    out = torch::empty(shape, t.options());
+    advise_huge_pages(out);
+  }
+  const int64_t width = t.size(0) ? t.numel() / t.size(0) : 0;
+  if (index.numel() == 0 || width == 0) return out;
+  {
+    const auto range = torch::aminmax(index);
+    TORCH_CHECK(std::get<0>(range).item<int64_t>() >= 0 && std::get<1>(range).item<int64_t>() < t.size(0),
+                "index out of range for ", t.size(0), " rows");
+  }
+  AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "gnncompile_gather_rows", [&] {
+    dispatch_width(width, [&](auto c) {
+      constexpr int C = decltype(c)::value;
+      if (index.scalar_type() == torch::kInt32)
+        gather_rows_impl<scalar_t, int32_t, C>(t.data_ptr<scalar_t>(), index.data_ptr<int32_t>(),
+                                               out.data_ptr<scalar_t>(), index.numel(), width);
+      else
+        gather_rows_impl<scalar_t, int64_t, C>(t.data_ptr<scalar_t>(), index.data_ptr<int64_t>(),
+                                               out.data_ptr<scalar_t>(), index.numel(), width);
+    });
+  });
+  return out;
+}
+
+// Softmax steps over each row's edges (and loop), see softmax_rows_impl: "shift" returns t minus
+// its rows' maxima; "normalize" divides t in place by its rows' sums and returns it; "backward"
+// returns s * g - s * rowsum(s * g).
+torch::Tensor edge_softmax_step(torch::Tensor indptr, torch::Tensor t, c10::optional<torch::Tensor> grad, bool loops,
+                                std::string step) {
+  const int64_t width = check_edge_tensor(indptr, t, loops, "t");
+  const int64_t rows = indptr.size(0) - 1;
+  const bool backward = step == "backward";
+  TORCH_CHECK(backward || step == "shift" || step == "normalize", "step must be shift, normalize or backward");
+  TORCH_CHECK(backward == (grad.has_value() && grad->defined()), "grad is given exactly for the backward step");
+  if (backward)
+    TORCH_CHECK(grad->sizes() == t.sizes() && grad->is_contiguous() && grad->scalar_type() == t.scalar_type(),
+                "grad must be contiguous, with the shape and dtype of t");
+  auto out = step == "normalize" ? t : torch::empty_like(t);
+  if (t.numel() == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "gnncompile_edge_softmax", [&] {
+    const int64_t* ip = indptr.data_ptr<int64_t>();
+    const scalar_t* tp = t.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    dispatch_width(width, [&](auto c) {
+      constexpr int C = decltype(c)::value;
+      if (step == "shift")
+        softmax_rows_impl<scalar_t, 0, C>(ip, tp, nullptr, op, rows, width, loops);
+      else if (step == "normalize")
+        softmax_rows_impl<scalar_t, 1, C>(ip, tp, nullptr, op, rows, width, loops);
+      else
+        softmax_rows_impl<scalar_t, 2, C>(ip, tp, grad->data_ptr<scalar_t>(), op, rows, width, loops);
+    });
+  });
+  return out;
+}
+
+namespace {
+template <typename scalar_t>
+void keep_times_span(const scalar_t* __restrict x, const uint8_t* __restrict keep, scalar_t scale,
+                     scalar_t* __restrict out, int64_t lo, int64_t hi) {
+  // branch free (a random mask mispredicts every other branch): the multiplier is keep * scale,
+  // exactly 0 or scale, as torch's keep.to(dtype).mul_(scale) makes it
+#pragma omp simd
+  for (int64_t i = lo; i < hi; ++i) out[i] = (static_cast<scalar_t>(keep[i]) * scale) * x[i];
+}
+}  // namespace
+
+// x * (keep ? scale : 0) elementwise (keep: bool, x's shape), the products x * noise makes.
+torch::Tensor keep_times(torch::Tensor x, torch::Tensor keep, double scale) {
+  TORCH_CHECK(x.device().is_cpu() && keep.device().is_cpu() && x.is_contiguous() && keep.is_contiguous(),
+              "x and keep: contiguous CPU tensors");
+  TORCH_CHECK(keep.scalar_type() == torch::kBool && keep.numel() == x.numel(), "keep: a bool tensor of x's size");
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gnncompile_keep_times", [&] {
+    const scalar_t s = static_cast<scalar_t>(scale);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const uint8_t* kp = reinterpret_cast<const uint8_t*>(keep.data_ptr<bool>());
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.numel(), 32768, [&](int64_t lo, int64_t hi) { keep_times_span(xp, kp, s, op, lo, hi); });
+  });
+  return out;
+}
+
 // ----------------------------------------------------------------------------- dropout masks
 namespace {
 
@@ -776,4 +1057,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dropout_mask", &dropout_mask, "dropout multipliers of chosen rows from Philox4x32-10", py::arg("seed"),
         py::arg("p"), py::arg("num_rows"), py::arg("width"), py::arg("rows"), py::arg("dtype"));
   m.def("philox4x32", &philox4x32, "one Philox4x32-10 block", py::arg("counter"), py::arg("key"));
+  m.def("segment_sum", &segment_sum, "per-row sums of an edge tensor in CSR order", py::arg("indptr"), py::arg("t"));
+  m.def("scatter_sum", &scatter_sum, "sums of an edge tensor into its edges' columns, by thread-owned parts",
+        py::arg("indptr"), py::arg("indices"), py::arg("t"), py::arg("cols"), py::arg("bounds"));
+  m.def("edge_softmax_step", &edge_softmax_step, "one step of a softmax over each row's edges (and self loop)",
+        py::arg("indptr"), py::arg("t"), py::arg("grad"), py::arg("loops"), py::arg("step"));
+  m.def("gather_rows", &gather_rows, "rows of a tensor by an index, prefetched", py::arg("t"), py::arg("index"),
+        py::arg("out") = py::none());
+  m.def("keep_times", &keep_times, "x times a dropout multiplier given as a kept mask and a scale",
+        py::arg("x"), py::arg("keep"), py::arg("scale"));
 }
