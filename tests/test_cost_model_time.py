@@ -211,6 +211,28 @@ def test_a_sparse_features_dropout_draws_one_number_per_stored_value() -> None:
     assert first.random.c == g.x.values().numel()
 
 
+def test_a_propagation_with_trained_edge_values_costs_their_gradient() -> None:
+    """GAT's propagation differentiates its attention values too (an SDDMM: backward == 2, and its
+    ``values`` are the [E + V, heads] coefficients); GCN's fixed normalization is not trained. The
+    pulled backward also permutes the values, which a push backward does not."""
+    g = gc.datasets.synthetic("sbm", num_nodes=200, avg_degree=4, num_features=8, num_classes=3, seed=0)
+    torch.manual_seed(0)
+    gat = gc.plan(gc.nn.GAT(8, 4, 3, heads=2, num_layers=2, dropout=0.5), g, 1, strategy="data", verify=False)
+    gcn = gc.plan(gc.nn.GCN(8, 4, 3, num_layers=2), g, 1, strategy="data", verify=False)
+
+    def propagation(plan: gc.Plan) -> OpCost:
+        return next(op for st in plan.ranks[0].stages for op in st.costs if op.kind == "P")
+    att, fixed = propagation(gat), propagation(gcn)
+    assert att.backward == 2 and att.values == Lin.of(v=8, e=8)  # 2 heads x float32 per edge and self loop
+    assert fixed.backward == 1 and fixed.values == Lin()
+    dev = Cluster.parse("1xcpu").rank_device(0)
+    sizes = RankSizes(nodes=10_000, edges=200_000, src=10_000)
+    pulled = op_time(att, sizes, dev, backward=True)
+    unvalued = op_time(dataclasses.replace(att, values=Lin(), backward=1), sizes, dev, backward=True)
+    assert pulled > 2 * unvalued - dev.runtime.get("op_backward", dev.launch_overhead)
+    assert op_time(att, sizes, dev, backward=True, push=True) < pulled or dev.push_factor is None
+
+
 # --- labels ----------------------------------------------------------------------------------------------
 
 def test_uncalibrated_predictions_are_labelled() -> None:

@@ -365,6 +365,22 @@ def test_native_edge_reductions_are_deterministic_across_thread_counts() -> None
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("width", [1, 5, 8, 64])
+def test_gather_rows_is_index_select(width: int) -> None:
+    require_native()
+    t = randn(500, width, dtype=torch.float32, seed=width)
+    index = torch.randint(0, 500, (3000,), generator=torch.Generator().manual_seed(0))
+    for idx in (index, index.to(torch.int32)):
+        assert torch.equal(kernels.gather_rows(t, idx), t.index_select(0, index))
+    out = torch.full((3100, width), 7.0)
+    assert kernels.gather_rows(t, index.to(torch.int32), out) is out
+    assert torch.equal(out[:3000], t[index]) and bool((out[3000:] == 7.0).all())
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.gather_rows(t, torch.tensor([500]))
+    with pytest.raises(KernelError, match="at least 3000 rows"):
+        kernels.gather_rows(t, index, torch.empty(10, width))
+
+
 def test_edge_reductions_validate_inputs() -> None:
     require_native()
     csr = random_csr(10, 10, 3.0, seed=41)
