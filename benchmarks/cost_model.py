@@ -2,9 +2,9 @@
 """Cost-model fidelity: predicted vs measured step time of candidate plans, and planning at scale.
 
 Part 1 (local runs): calibrate this machine (``gnncompile.calibrate``: GEMM, STREAM, SpMM, gloo
-collectives), then for cora and coauthor_physics lower several candidate plans (``data`` over 1, 2
-and 4 ranks, METIS and random partitions, with and without recomputation; ``tensor`` over 2 and 4
-ranks), predict each one's step
+collectives), then for cora and coauthor_physics lower several candidate plans of a GCN-2 (``data``
+over 1, 2 and 4 ranks, METIS and random partitions, with and without recomputation; ``tensor`` over
+2 and 4 ranks) and a GAT-2 (``data`` over 1 and 2 ranks, ``tensor`` over 2), predict each one's step
 time with the simulator on the calibrated ``<n>xcpu`` cluster, run it with gloo ranks on this
 machine and measure it (median over steps of the slowest rank's training step). Reports the
 Spearman rank correlation between predicted and measured step time and the median relative error
@@ -41,10 +41,23 @@ sys.path.insert(0, str(HERE.parent))
 from _results import command_line, machine_info, today, update_section  # noqa: E402
 
 HIDDEN = {"cora": 16, "coauthor_physics": 64}
-#: (ranks, strategy, partitioner, recompute) candidates per dataset
-CANDIDATES = [(1, "data", "metis", False), (2, "data", "metis", False), (2, "data", "random", False),
-              (4, "data", "metis", False), (4, "data", "random", False), (4, "data", "metis", True),
-              (2, "data", "metis", True), (2, "tensor", None, False), (4, "tensor", None, False)]
+#: (model, ranks, strategy, partitioner, recompute) candidates per dataset: GCN-2 (hidden as HIDDEN),
+#: GAT-2 (8 heads x 8; attention: edge gathers, softmax, SDDMM)
+CANDIDATES = [("GCN", 1, "data", "metis", False), ("GCN", 2, "data", "metis", False),
+              ("GCN", 2, "data", "random", False), ("GCN", 4, "data", "metis", False),
+              ("GCN", 4, "data", "random", False), ("GCN", 4, "data", "metis", True),
+              ("GCN", 2, "data", "metis", True), ("GCN", 2, "tensor", None, False), ("GCN", 4, "tensor", None, False),
+              ("GAT", 1, "data", "metis", False), ("GAT", 2, "data", "metis", False), ("GAT", 2, "tensor", None, False)]
+
+
+def build_model(gc, kind: str, graph):
+    """The benchmark's GCN-2 or GAT-2 for ``graph`` (seeded)."""
+    import torch
+
+    torch.manual_seed(0)
+    if kind == "GAT":
+        return gc.nn.GAT(graph.num_features, 8, graph.num_classes, num_layers=2, heads=8, dropout=0.5)
+    return gc.nn.GCN(graph.num_features, HIDDEN.get(graph.name, 64), graph.num_classes, num_layers=2, dropout=0.5)
 
 
 def kind_of(label: str) -> str:
@@ -75,8 +88,8 @@ def spearman(a, b) -> float:
 
 def one_session(args, gc, Cluster):
     """Calibrate (or load ``--profile``), then predict and measure every candidate plan once; returns
-    the profile's description, the rows ``(dataset, ranks, strategy, partitioner, recompute, predicted,
-    measured, predicted peak, measured peak)`` and the per-kind instruction errors."""
+    the profile's description, the rows ``(dataset, model, ranks, strategy, partitioner, recompute,
+    predicted, measured, predicted peak, measured peak)`` and the per-kind instruction errors."""
     t0 = time.perf_counter()
     if args.profile:
         cal = Cluster.load(args.profile)
@@ -87,15 +100,12 @@ def one_session(args, gc, Cluster):
     print(f"calibrated ({source}): {cal}")
     rows = []
     kinds: dict[str, list[float]] = defaultdict(list)
-    import torch
-
     for name in args.datasets:
         graph = gc.datasets.load(name).normalize_features()
-        torch.manual_seed(0)
-        model = gc.nn.GCN(graph.num_features, HIDDEN.get(name, 64), graph.num_classes, num_layers=2, dropout=0.5)
-        for n, strategy, part, rec in (CANDIDATES if args.plans is None else [CANDIDATES[i] for i in args.plans]):
+        for kind, n, strategy, part, rec in (CANDIDATES if args.plans is None else [CANDIDATES[i] for i in args.plans]):
             cluster = Cluster.parse(f"{n}xcpu", profile=cal)
-            plan = gc.plan(copy.deepcopy(model), graph, cluster, strategy=strategy, partitioner=part, recompute=rec)
+            plan = gc.plan(build_model(gc, kind, graph), graph, cluster, strategy=strategy, partitioner=part,
+                           recompute=rec)
             pred = plan.prediction
             meas, per_inst, res = measure(plan, args.epochs, args.repeats)
             for ev_rank in pred.simulation.ranks:
@@ -105,8 +115,8 @@ def one_session(args, gc, Cluster):
                         kinds[kind_of(e.label)].append(abs(e.end - e.wait_start - m) / m)
             mem_pred = max(p - s.total for p, s in zip(pred.peak_memory, pred.static))
             mem_meas = max(r.peak_memory for r in res.ranks)
-            rows.append((name, n, strategy, part or "-", rec, pred.step_time, meas, mem_pred, mem_meas))
-            print(f"{name:>17} x{n} {strategy:>6} {part or '-':>6} recompute={rec!s:>5}: predicted {pred.step_time * 1e3:8.2f} ms, "
+            rows.append((name, kind, n, strategy, part or "-", rec, pred.step_time, meas, mem_pred, mem_meas))
+            print(f"{name:>17} {kind} x{n} {strategy:>6} {part or '-':>6} recompute={rec!s:>5}: predicted {pred.step_time * 1e3:8.2f} ms, "
                   f"measured {meas * 1e3:8.2f} ms; activation peak predicted {mem_pred / 2**20:7.1f} MiB, "
                   f"measured {mem_meas / 2**20:7.1f} MiB", flush=True)
     return f"{source}: {cal}", rows, kinds
@@ -120,8 +130,8 @@ def local_fidelity(args, gc, Cluster) -> tuple[str, list[tuple]]:
         for kind, errors in k.items():
             kinds[kind] += errors
     # per plan, over the sessions: predicted, measured and their ratio (medians), and the ratio's range
-    pred = [[sess[1][i][5] for sess in sessions] for i in range(len(rows))]
-    meas = [[sess[1][i][6] for sess in sessions] for i in range(len(rows))]
+    pred = [[sess[1][i][6] for sess in sessions] for i in range(len(rows))]
+    meas = [[sess[1][i][7] for sess in sessions] for i in range(len(rows))]
     ratios = [[p / m for p, m in zip(ps, ms)] for ps, ms in zip(pred, meas)]
     med = statistics.median
     rho = spearman([med(p) for p in pred], [med(m) for m in meas])
@@ -132,17 +142,17 @@ def local_fidelity(args, gc, Cluster) -> tuple[str, list[tuple]]:
         lines = [f"{len(sessions)} sessions, each calibrating this machine afresh and then running every plan:"]
         lines += [f"- {desc}" for desc, _, _ in sessions]
         lines += ([""] + [repeats.strip()] if repeats else []) + ["",
-                  "| dataset | ranks | strategy | partitioner | recompute | predicted step | measured step | ratio | "
+                  "| dataset | model | ranks | strategy | partitioner | recompute | predicted step | measured step | ratio | "
                   "ratio range | predicted activation peak | measured tensor peak |",
-                  "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
     else:
         lines = [f"Calibrated profile ({sessions[0][0]}).{repeats}", "",
-                 "| dataset | ranks | strategy | partitioner | recompute | predicted step | measured step | ratio | "
+                 "| dataset | model | ranks | strategy | partitioner | recompute | predicted step | measured step | ratio | "
                  "predicted activation peak | measured tensor peak |",
-                 "|---|---:|---|---|---|---:|---:|---:|---:|---:|"]
-    for i, (name, n, strategy, part, rec, _, _, mp, mm) in enumerate(rows):
+                 "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|"]
+    for i, (name, kind, n, strategy, part, rec, _, _, mp, mm) in enumerate(rows):
         span = f" {min(ratios[i]):.2f}-{max(ratios[i]):.2f} |" if many else ""
-        lines.append(f"| {name} | {n} | {strategy} | {part} | {'yes' if rec else 'no'} | {med(pred[i]) * 1e3:.2f} ms | "
+        lines.append(f"| {name} | {kind} | {n} | {strategy} | {part} | {'yes' if rec else 'no'} | {med(pred[i]) * 1e3:.2f} ms | "
                      f"{med(meas[i]) * 1e3:.2f} ms | {med(ratios[i]):.2f} |{span} {mp / 2**20:.1f} MiB | {mm / 2**20:.1f} MiB |")
     inside = sum(0.7 <= med(r) <= 1.4 for r in ratios)
     always = sum(all(0.7 <= x <= 1.4 for x in r) for r in ratios)
@@ -154,10 +164,10 @@ def local_fidelity(args, gc, Cluster) -> tuple[str, list[tuple]]:
         lines.append(f"**Ratio within 0.7-1.4x: {inside} of {len(rows)} plans.**")
     lines.append(f"**Spearman rank correlation, predicted vs measured step time, all {len(rows)} plans: {rho:.3f}** "
                  "(goal >= 0.8).")
-    for name in dict.fromkeys(r[0] for r in rows):
-        idx = [i for i, r in enumerate(rows) if r[0] == name]
+    for name in dict.fromkeys(r[:2] for r in rows):
+        idx = [i for i, r in enumerate(rows) if r[:2] == name]
         if len(idx) > 2:
-            lines.append(f"- {name} alone ({len(idx)} plans): "
+            lines.append(f"- {' '.join(name)} alone ({len(idx)} plans): "
                          f"{spearman([med(pred[i]) for i in idx], [med(meas[i]) for i in idx]):.3f}")
     lines += ["", "Median relative error of an instruction's simulated duration vs its measured median duration, "
                   "by kind (all ranks of all plans" + (", all sessions" if many else "") + "):", "",
