@@ -135,9 +135,13 @@ def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False
         kind="cpu",
     )
     rank_rates = {k: local[k] for k in ("rates", "spmm_curve", "gemm_curve", "gemm_deep_curve")}
-    runtime = runtime_overheads(
-        Cluster(1, 1, device, LinkSpec("shm", comm["bandwidth"], comm["latency"]), cores=cores, threads_per_rank=1,
-                calibration=rank_rates), quick=quick)
+    link = LinkSpec("shm", comm["bandwidth"], comm["latency"])
+    runtime = runtime_overheads(Cluster(1, 1, device, link, cores=cores, threads_per_rank=1, calibration=rank_rates),
+                                quick=quick)
+    # and at all cores: a multi-threaded op forks and joins its threads, which a small one does not
+    # earn back (cora's GCN step: as fast at 2 threads as at 1)
+    runtime_all = runtime_overheads(Cluster(1, 1, device, link, cores=cores, threads_per_rank=cores,
+                                            calibration=rank_rates), quick=quick) if cores > 1 else runtime
     device = dataclasses.replace(device, runtime={**runtime, "switch": comm["switch"]["seconds"]})
     calibration = {
         "host": host,
@@ -148,6 +152,7 @@ def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False
         "threads": [1, cores],
         **local,
         "collectives": comm,
+        "runtime": {k: [runtime[k], runtime_all[k]] for k in runtime},
     }
     cluster = Cluster(1, 1, device, LinkSpec("shm", comm["bandwidth"], comm["latency"]),
                   name=f"cpu (calibrated {host})", cores=cores, calibration=calibration)
@@ -180,8 +185,10 @@ def runtime_overheads(cluster: Any, *, quick: bool = False) -> dict[str, float]:
     ``cluster.threads_per_rank`` threads, default all cores; see the module docstring): ``stage``,
     ``op_forward``, ``op_backward``, ``segment``, ``comm``, ``optimizer_tensor``, ``step``, seconds.
 
-    :func:`calibrate` measures them at one thread: they are the CPU time of dispatching work, and a
-    single thread's is not inflated by waits for the other cores of a busy host."""
+    :func:`calibrate` measures them at one thread and at all cores (``calibration["runtime"]``:
+    ``[single, all_cores]`` per overhead): a rank of ``t`` threads pays them interpolated in ``t``
+    (:meth:`~gnncompile.cost_models.hardware.Cluster.rank_device`), since each multi-threaded op
+    forks and joins its threads."""
     bare = dataclasses.replace(cluster.rank_device(0), launch_overhead=0.0, runtime={})
     threads = cluster.threads_per_rank
     graph = datasets.synthetic("sbm", num_nodes=256, avg_degree=4, num_features=8, num_classes=4, seed=0)

@@ -96,6 +96,23 @@ def test_rank_device_scales_the_curve_like_the_other_rates() -> None:
     assert four.gemm_curve == ((16.0, 2e9, 4e9, 8e9),)
 
 
+def test_rank_device_interpolates_the_runtime_costs_in_threads() -> None:
+    """Fixed costs calibrated at one thread and at all cores: a rank pays those of its threads, and
+    ranks time-sharing the cores pay them stretched; costs measured once stay as they are."""
+    rates = {"flops": {"float32": [10e9, 15e9]}, "mem_bandwidth": [1e10, 1e10], "spmm_bandwidth": [1e9, 1e9]}
+    dev = _device(runtime={"op_forward": 10e-6, "stage": 50e-6})
+    c = Cluster(1, 1, dev, LINKS["shm"], cores=2,
+                calibration={"rates": rates, "runtime": {"op_forward": [10e-6, 30e-6]}})
+    assert c.rank_device(0).runtime["op_forward"] == pytest.approx(30e-6)          # one rank, 2 threads
+    assert c.rank_device(0).runtime["stage"] == pytest.approx(50e-6)               # measured at one thread only
+    two = dataclasses.replace(c, devices_per_node=2).rank_device(0)                 # 2 ranks x 1 thread
+    assert two.runtime["op_forward"] == pytest.approx(10e-6)
+    four = dataclasses.replace(c, devices_per_node=4).rank_device(0)                # 4 ranks share 2 cores
+    assert four.runtime["op_forward"] == pytest.approx(20e-6)
+    one_core = dataclasses.replace(c, cores=1, threads_per_rank=2).rank_device(0)   # 2 threads on 1 core
+    assert one_core.runtime["op_forward"] == pytest.approx(20e-6)
+
+
 #: the same products with a deep input (K = 4096): a quarter of CURVE's rates
 DEEP = tuple((w, f / 4, g / 4, i / 4) for w, f, g, i in CURVE)
 

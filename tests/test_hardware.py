@@ -234,6 +234,11 @@ def test_calibrate_quick(calibrated: tuple[Cluster, Path]) -> None:
     # the runtime's fixed costs, a checkpointed segment's included
     assert {"stage", "op_forward", "op_backward", "segment", "comm", "optimizer_tensor", "step"} <= set(d.runtime)
     assert all(v >= 0 for v in d.runtime.values())
+    # ... at one thread (the device's) and at all cores (what a rank of that many threads pays)
+    threaded = c.calibration["runtime"]
+    assert set(threaded) == set(d.runtime) - {"switch"}
+    assert all(threaded[k][0] == d.runtime[k] and threaded[k][1] >= 0 for k in threaded)
+    assert c.rank_device(0).runtime["op_forward"] == pytest.approx(threaded["op_forward"][1 if c.cores > 1 else 0])
     assert set(c.calibration["collectives"]["fits"]) == {"all_reduce", "all_to_all"}
     # collectives are fitted on calls made as a step makes them (after computing); back to back kept
     assert set(c.calibration["collectives"]["seconds_back_to_back"]) == {"all_reduce", "all_to_all"}

@@ -219,7 +219,10 @@ class Cluster:
         ranks · t)`` the threads running at once (two one-thread ranks on two cores do not each
         get a lone thread's bandwidth). An uncalibrated host assumes linear scaling of its
         all-core rates. ``memory`` is the host's
-        split evenly among its ranks.
+        split evenly among its ranks. The runtime's fixed costs (``DeviceSpec.runtime``), where
+        calibrated at one thread and at all cores (``calibration["runtime"]``), are interpolated
+        linearly in ``min(t, cores)`` threads and stretched by ``1 / min(1, cores / (ranks · t))``
+        where the ranks time-share the cores.
         """
         self.node_of(rank)
         if self.device.kind != "cpu":
@@ -255,6 +258,15 @@ class Cluster:
                          for p in self.calibration.get(key, [])) or getattr(self.device, key)
 
         rates = self._thread_rates()
+        threaded = self.calibration.get("runtime", {})
+
+        def fixed(pair: Sequence[float]) -> float:
+            """A fixed cost ``pair`` (single thread, all cores) at this rank's threads, linear in
+            between, flat past ``cores`` (more threads than cores: ``share`` stretches it)."""
+            single, all_cores = pair
+            if self.cores == 1:
+                return single
+            return single + (all_cores - single) * (min(threads, self.cores) - 1) / (self.cores - 1)
         return dataclasses.replace(
             self.device,
             flops={dtype: rate(pair) for dtype, pair in rates["flops"].items()},
@@ -270,9 +282,10 @@ class Cluster:
             gemm_curve=gemm("gemm_curve"),
             gemm_deep_curve=gemm("gemm_deep_curve"),
             memory=self.device.memory // ranks,
-            # fixed costs are CPU time too: time-shared cores stretch them
+            # fixed costs are CPU time too: time-shared cores stretch them; measured at one thread and
+            # at all cores, they are r(t) as the rates are (a multi-threaded op forks and joins)
             launch_overhead=self.device.launch_overhead / share,
-            runtime={k: v / share for k, v in self.device.runtime.items()},
+            runtime={k: (fixed(threaded[k]) if k in threaded else v) / share for k, v in self.device.runtime.items()},
         )
 
     def _thread_rates(self) -> dict[str, Any]:
