@@ -266,12 +266,13 @@ def _spmm_native(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor,
     return out.reshape((out.shape[0],) + tail)
 
 
-#: Narrow single-head widths the native kernels run zero-padded to a power of two (SpMM: the columns
-#: are independent, the same sums bit for bit; SDDMM: the zero columns add nothing to the dot products,
-#: summed in the compile-time width's order: width 5 on coauthor_physics 3.7 -> 1.1 ms). Rows of such widths straddle cache lines and miss
-#: the kernels' compile-time loops: on coauthor_physics (2 threads) width 5 took 1.3 ms pulled and
-#: 3.7 ms pushed against 0.47 and 1.8 ms at width 8, width 12 2.0 and 4.3 ms against 0.47 and 1.9 at
-#: 16, width 20 1.5 and 3.1 against 0.66 and 2.1 at 32; at width 40 padding to 64 no longer paid.
+#: Narrow single-head widths the native kernels run zero-padded to a power of two (SpMM: the
+#: columns are independent, the same sums bit for bit; SDDMM: the zero columns add nothing to the
+#: dot products, summed in the compile-time width's order: width 5 on coauthor_physics 3.7 -> 1.1
+#: ms). Rows of such widths straddle cache lines and miss the kernels' compile-time loops: on
+#: coauthor_physics (2 threads) width 5 took 1.3 ms pulled and 3.7 ms pushed against 0.47 and 1.8
+#: ms at width 8, width 12 2.0 and 4.3 ms against 0.47 and 1.9 at 16, width 20 1.5 and 3.1 against
+#: 0.66 and 2.1 at 32; at width 40 padding to 64 no longer paid.
 _PADDED_WIDTHS = {w: 1 << (w - 1).bit_length() for w in range(3, 32) if w & (w - 1)}
 
 
@@ -315,7 +316,7 @@ _EDGE_DTYPES = (torch.float32, torch.float64)
 
 
 def native_edge_ops(t: torch.Tensor) -> bool:
-    """Whether the native edge reductions (:func:`segment_sum`, :func:`scatter_sum`,
+    """Whether the native edge ops (:func:`gather_rows`, :func:`segment_sum`, :func:`scatter_sum`,
     :func:`edge_softmax_step`, :func:`gnncompile.kernels.dropout.keep_times`) serve ``t``: a float32 or
     float64 CPU tensor while the default backend there is ``native``. Elsewhere (CUDA, another
     backend chosen, the extension unavailable) :mod:`gnncompile.frontend.ops` runs their torch
