@@ -636,6 +636,7 @@ class _RankWalk:
         self.frees: dict[int, float] = {}  # instruction index -> bytes released at its end
         #: bytes of the parameters' gradients each stage's first backward makes, and those not made yet
         self.index = dp.rank if dp.rank < len(plan.ranks) and plan.ranks[dp.rank] is dp else plan.ranks.index(dp)
+        self.device = cost.devices[self.index]  # the rank's device (DeviceSpec)
         self.param_grads = cost.static[self.index].gradients
         self.stage_grads = _stage_gradients(dp, self.param_grads)
         self.grads_unmade = float(self.param_grads)
@@ -660,7 +661,7 @@ class _RankWalk:
 
     def switch(self, i: int) -> float:
         """What instruction ``i`` pays for following a wait for peers (0 if it does not)."""
-        return self.cost.devices[self.dp.rank].runtime.get("switch", 0.0) if i in self.after_wait else 0.0
+        return self.device.runtime.get("switch", 0.0) if i in self.after_wait else 0.0
 
 
 #: What a cost rule returns for one instruction: seconds, stream, bytes allocated when it starts
@@ -722,7 +723,7 @@ def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> Step
     st = w.stages[inst.stage]
     seconds = w.cost.stage_time(w.dp.rank, st, backward=False) + w.switch(i)
     if isinstance(inst, Forward) and "x" in st.inputs:  # a sampled step's features arrive first
-        seconds += load_seconds(w.cost.plan, w.dp, w.cost.devices[w.dp.rank])
+        seconds += load_seconds(w.cost.plan, w.dp, w.device)
     kept = _saved_per_op(w, st)
     saved = sum(kept)
     outs = sum(w.value_bytes.get(o, 0.0) for o in st.outputs)
@@ -733,7 +734,7 @@ def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> Step
     peak = held = made = prev = 0.0
     for op, k in zip(st.costs, kept):
         out = w.value_bytes.get(op.name, 0.0)
-        extra = w.masks.forward_extra(op, new) + _sparse_product_temporaries(w, op) + _op_temporaries(op, out, w.cost.devices[w.index])
+        extra = w.masks.forward_extra(op, new) + _sparse_product_temporaries(w, op) + _op_temporaries(op, out, w.device)
         peak = max(peak, held + made + prev + out + extra)
         held += k
         made += out if op.name in st.outputs else 0.0
@@ -833,7 +834,7 @@ def _sparse_product_temporaries(w: _RankWalk, op: OpCost) -> float:
     ops and devices. (The rows' int32 column indices are made before the first step and kept:
     :attr:`StaticMemory.features` on a CPU.)"""
     es = _elsize(w.cost.plan.info.get("param_dtype", "float32"))
-    if w.cost.devices[w.dp.rank].kind != "cpu":
+    if w.device.kind != "cpu":
         return 0.0
     inputs = _sparse_product_inputs(op, es)
     if inputs is None:
@@ -891,7 +892,7 @@ def _backward_cost(w: _RankWalk, i: int, inst: Backward) -> StepCost:
             # the gradient of its input, where it needs one (not after an op autograd does not
             # visit: a first linear layer after the features' dropout computes its weights' only)
             grad_in = (prev or out) if needs else 0.0
-            peak = max(peak, below + out + grad_in + _sparse_product_temporaries(w, op) + _op_temporaries(op, out, w.cost.devices[w.index])
+            peak = max(peak, below + out + grad_in + _sparse_product_temporaries(w, op) + _op_temporaries(op, out, w.device)
                        + _permuted_values(w, op))
         prev, needs = out, op.backward > 0
     transient = max(0.0, peak - sum(kept))
@@ -921,7 +922,7 @@ def _backward_cost(w: _RankWalk, i: int, inst: Backward) -> StepCost:
 
 
 def _optimizer_cost(w: _RankWalk, i: int, inst: OptimizerStep) -> StepCost:
-    info, dev = w.cost.plan.info, w.cost.devices[w.dp.rank]
+    info, dev = w.cost.plan.info, w.device
     params = int(info.get("params", 0))
     tensors = int(info.get("param_tensors", 1))
     # the step's bookkeeping outside instructions (loss, zeroing gradients) is charged here

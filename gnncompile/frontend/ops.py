@@ -360,6 +360,18 @@ def _rows_index(idx: torch.Tensor) -> torch.Tensor:
     return idx.long() if idx.device.type == "cpu" and idx.dtype != torch.int64 else idx
 
 
+def _gather(g: Graph, x: torch.Tensor, dst: bool, loops: bool = False) -> torch.Tensor:
+    """``x[dst(e)]`` (``dst``) or ``x[src(e)]`` for every edge and, with ``loops``, the destinations'
+    own rows after them (``[E + N, ...]``, written in place of a concatenation); not differentiable."""
+    index = g.dst if dst else g.indices
+    if not loops:
+        return kernels.gather_rows(x, index)
+    e = g.num_edges
+    out = kernels.gather_rows(x, index, x.new_empty((e + g.num_nodes,) + tuple(x.shape[1:])))
+    out[e:] = x if dst else _own_rows(g, x)
+    return out
+
+
 class _GatherRows(torch.autograd.Function):
     """``x[src(e)]`` (or ``x[dst(e)]`` with ``dst``) for every edge and, with ``loops``, the
     destinations' own rows after them (``[E + N, ...]``, made in place of a concatenation), saving
@@ -370,13 +382,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, g: Graph, x: torch.Tensor, dst: bool, loops: bool = False) -> torch.Tensor:
         ctx.g, ctx.dst, ctx.rows, ctx.loops = g, dst, x.shape[0], loops
-        index = g.dst if dst else g.indices
-        if not loops:
-            return kernels.gather_rows(x, index)
-        e = g.num_edges
-        out = kernels.gather_rows(x, index, x.new_empty((e + g.num_nodes,) + tuple(x.shape[1:])))
-        out[e:] = x if dst else _own_rows(g, x)
-        return out
+        return _gather(g, x, dst, loops)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -499,10 +505,9 @@ class _SegmentMax(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         t, out = ctx.saved_tensors
         g: Graph = ctx.g
-        dst = _rows_index(g.dst)
-        hit = (t == out.index_select(0, dst)).to(t.dtype)
-        count = torch.segment_reduce(hit, "sum", offsets=g.indptr, axis=0).clamp_min(1)
-        return None, hit * (grad / count).index_select(0, dst)
+        hit = (t == _gather(g, out, True)).to(t.dtype)
+        count = _segment_sum(g, hit).clamp_min(1)
+        return None, hit * _gather(g, grad / count, True)
 
 
 def _segment(g: Graph, t: torch.Tensor, reduce: str) -> torch.Tensor:
@@ -523,16 +528,6 @@ class _EdgeSoftmax(torch.autograd.Function):
     (:func:`gnncompile.kernels.native_edge_ops`) forward and backward make their result and nothing
     else; the torch formulation holds one more tensor of the output's size each way (a
     per-destination term spread over the edges)."""
-
-    @staticmethod
-    def _spread(g: Graph, t: torch.Tensor, loops: bool) -> torch.Tensor:
-        """``[N, ...]`` per destination -> ``[E (+ N), ...]``: row ``e`` gets ``t[dst(e)]``, loop ``v`` ``t[v]``."""
-        e = g.num_edges
-        out = torch.empty((e + (g.num_nodes if loops else 0),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-        torch.index_select(t, 0, _rows_index(g.dst), out=out[:e])
-        if loops:
-            out[e:] = t
-        return out
 
     @staticmethod
     def _reduce(g: Graph, t: torch.Tensor, how: str, loops: bool) -> torch.Tensor:
@@ -556,9 +551,9 @@ class _EdgeSoftmax(torch.autograd.Function):
                 s = kernels.edge_softmax_step(csr, kernels.edge_softmax_step(csr, e, "shift", loops=loops).exp_(),
                                               "normalize", loops=loops)
             else:
-                s = _EdgeSoftmax._spread(g, _EdgeSoftmax._reduce(g, e, "max", loops), loops)
+                s = _gather(g, _EdgeSoftmax._reduce(g, e, "max", loops), True, loops)
                 torch.sub(e, s, out=s).exp_()
-                s.div_(_EdgeSoftmax._spread(g, _EdgeSoftmax._reduce(g, s, "sum", loops), loops))
+                s.div_(_gather(g, _EdgeSoftmax._reduce(g, s, "sum", loops), True, loops))
         ctx.save_for_backward(s)
         return s
 
@@ -572,7 +567,7 @@ class _EdgeSoftmax(torch.autograd.Function):
             return None, kernels.edge_softmax_step(_csr(g), s, "backward", loops=ctx.loops,
                                                    grad=grad.contiguous()), None
         sg = s * grad
-        dot = _EdgeSoftmax._spread(g, _EdgeSoftmax._reduce(g, sg, "sum", ctx.loops), ctx.loops).mul_(s)
+        dot = _gather(g, _EdgeSoftmax._reduce(g, sg, "sum", ctx.loops), True, ctx.loops).mul_(s)
         return None, sg.sub_(dot), None
 
 
