@@ -72,17 +72,23 @@ def test_the_first_step_allocates_adams_moments_in_its_optimizer_step(sbm: gc.Gr
     assert all(f <= p for f, p in zip(pred.first_step_peak_memory(), pred.peak_memory))
 
 
-def test_values_the_plan_does_not_free_live_to_the_end_of_the_step(sbm: gc.Graph) -> None:
-    """``data`` plans have no ``Free``: the runtime keeps every stage output and halo-extended value
-    it stored until the step ends (the first layer's output stays beside its halo extension)."""
+def test_data_plans_free_stage_outputs_after_their_last_use(sbm: gc.Graph) -> None:
+    """``data`` plans ``Free`` a stage output after the last instruction that reads it: the first
+    layer's output is released before the step ends, and the next stage's input leaf is not held
+    until its backward (no op of that stage saves it: a propagation first)."""
     plan = gc.plan(model("GCN", sbm), sbm, 2, strategy="data")
     dp = plan.ranks[0]
-    assert not any(isinstance(i, Free) for i in dp.instructions)
+    frees = {(i.value, i.chunk): k for k, i in enumerate(dp.instructions) if isinstance(i, Free)}
     w = _RankWalk(PlanCost(plan, GPU), dp)
     last = len(dp.instructions) - 1
     f0 = next(i for i, inst in enumerate(dp.instructions) if isinstance(inst, Forward))
     for o in w.stages[dp.instructions[f0].stage].outputs:
-        assert w.gone((o, 0), f0) == last
+        assert (o, 0) in frees
+        assert w.gone((o, 0), f0) == frees[o, 0] < last
+    f1 = next(i for i, inst in enumerate(dp.instructions) if isinstance(inst, Forward) and i > f0)
+    st = w.stages[dp.instructions[f1].stage]
+    assert st.costs[0].kind == "P"
+    assert not any((v, 0) in w.held for v in st.inputs)
 
 
 def test_relu_saves_its_result_not_its_input() -> None:

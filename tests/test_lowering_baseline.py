@@ -46,6 +46,9 @@ INTENDED: list[tuple[str, str, Callable[[dict[str, Any]], dict[str, Any]], Calla
     ("mop", "FREE now also in mop (the driver frees values that cross ranks or chunks for every chunked strategy; "
             "mop sends point to point like task, and kept every received chunk for the whole step)",
      _without_frees, lambda fp: any(i.startswith("Free(") for r in fp["ranks"] for i in r["instructions"])),
+    ("data", "FREE now also in data (every stage output and halo extension is released after its last use "
+             "instead of at the end of the step: the first layer's output no longer lives beside the second's)",
+     _without_frees, lambda fp: any(i.startswith("Free(") for r in fp["ranks"] for i in r["instructions"])),
     ("data", "data gained the options of sampled mini-batch training (batch_size, fanouts; None: the "
              "full-graph training it did before), and HaloExchange the name of its exchange lists (halo, '': the "
              "rank's own ones)",

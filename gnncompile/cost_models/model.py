@@ -599,10 +599,10 @@ class _RankWalk:
             self.free_at.update(dict.fromkeys(effects(inst, stages).frees, i))
             if rule(inst).runs == "backward":
                 self.backward_at[inst.stage, inst.chunk] = i
-        # a stage's input leaves stay until its backward: a single chunk read is the value itself
-        # (held at least that long), several chunks read are one concatenation per (value, chunks),
-        # kept to the last such backward where an op saves it, else dropped after the last forward
-        # that reads it (the executor keeps only its shape)
+        # a stage's input leaves stay until its backward where an op of the stage saves them, else
+        # the executor keeps only their shape: a single chunk read is the value itself (then held
+        # until that backward at least), several chunks read are one concatenation per (value,
+        # chunks), kept to the last such backward, else dropped after the last forward that reads it
         self.held: dict[tuple[str, int], int] = {}
         self.concat_span: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}  # -> (first, last use)
         for i, inst in enumerate(dp.instructions):
@@ -613,7 +613,8 @@ class _RankWalk:
                 for v in dict.fromkeys(st.inputs):
                     read = st.chunks_read(v, inst.chunk)
                     if len(read) == 1:
-                        self.held[v, read[0]] = max(self.held.get((v, read[0]), back), back)
+                        if saves_input:
+                            self.held[v, read[0]] = max(self.held.get((v, read[0]), back), back)
                     else:
                         end = back if saves_input else i
                         first, last = self.concat_span.get((v, read), (i, end))

@@ -188,7 +188,7 @@ def lower_data(job: Job, options: DataOptions) -> Lowered:
     info = {"partition": part_info, "halo_rows": [rd.sizes.halo for rd in rank_data],
             "owned_rows": [rd.sizes.nodes for rd in rank_data]}
     return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=[(group, job.numel)],
-                   schedule=Schedule(), info=info)
+                   schedule=Schedule(), info=info, frees=True)
 
 
 STRATEGY = Strategy("data", DataOptions, lower_data, summary="graph (vertex) parallelism with halo exchange",

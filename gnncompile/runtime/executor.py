@@ -487,6 +487,7 @@ class _Rank:
             leaves: dict[str, tuple[torch.Tensor, tuple[int, ...], list[int]]] = {}
             args = []
             last_use = []  # (key, concatenation) read for the last time this step
+            own_leaves: list[torch.Tensor] = []
             for name in st.inputs:
                 fresh_read, old = _chunk_reads(st, name, ins.chunk)
                 read = fresh_read
@@ -524,6 +525,8 @@ class _Rank:
                     concat_uses[key] -= 1
                     if concat_uses[key] == 0:
                         last_use.append((key, v))
+                elif len(parts) == 1 and name in leaves:
+                    own_leaves.append(v)  # this forward's own leaf: only its gradient is needed later
                 args.append(v)
             saved_storage: set[int] = set()
 
@@ -535,15 +538,19 @@ class _Rank:
                     return t.detach()
                 return t
 
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if last_use else contextlib.nullcontext():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if last_use or own_leaves \
+                    else contextlib.nullcontext():
                 if masks is not None:
                     with masks.stage(ins.stage):
                         outs = modules[ins.stage](*args)
                 else:
                     outs = modules[ins.stage](*args)
             outd = dict(zip(st.outputs, outs))
+            # a gradient leaf that no op saved for backward keeps only its shape: its memory is the
+            # value's, which Free releases after its last use (a concatenation's, after its last read)
             for key, v in last_use:
                 concat.pop(key, None)
+            for v in [v for _, v in last_use] + own_leaves:
                 if optimizer is None or not (v.is_leaf and v.requires_grad and v.layout == torch.strided):
                     continue
                 ptr = v.untyped_storage().data_ptr()
