@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gnncompile as gc
+from gnncompile.errors import KernelError
 from gnncompile.frontend import ops as fops
 from gnncompile.kernels import available_backends
 from gnncompile.kernels.dropout import dropout_mask, keep_threshold, philox4x32
@@ -169,3 +170,93 @@ def test_a_foreign_checkpoint_is_refused_under_plan_draws(reentrant: bool) -> No
         y = F.dropout(x, 0.5)
     torch.manual_seed(4)
     assert torch.equal(y, x * fops.dropout_noise(x, 0.5))
+
+
+def _dropout_chain(replay: bool, layers: int = 3) -> tuple[list[torch.Tensor], int, int]:
+    """``layers`` x (relu, replicated dropout, linear) on 2000 x 64 float32, forward under
+    :func:`fops.replay_dropout_outputs` (or hooks that keep what autograd saves as it is): the
+    gradients, the peak of live tensor bytes of the forward and the bytes of one activation."""
+    from gnncompile.runtime.memory import PeakMemory
+
+    torch.manual_seed(0)
+    n, d = 2000, 64
+    h = torch.randn(n, d, requires_grad=True)
+    lins = [torch.nn.Linear(d, d) for _ in range(layers)]
+    index = torch.arange(n)
+    torch.manual_seed(1)
+    hooks = fops.replay_dropout_outputs() if replay else torch.autograd.graph.saved_tensors_hooks(lambda t: t,
+                                                                                                  lambda t: t)
+    with PeakMemory("cpu") as peak, hooks:
+        x = h * 1.0
+        for lin in lins:
+            x = lin(fops.dropout_rows(torch.relu(x), 0.5, index, n, replay=True))
+    x.square().sum().backward()
+    grads = [h.grad] + [p.grad for lin in lins for p in lin.parameters()]
+    return grads, peak.peak_bytes, n * d * 4
+
+
+def test_a_replayed_dropout_output_gives_the_same_gradients_and_is_not_held() -> None:
+    """Under ``replay_dropout_outputs`` a linear layer after ``dropout(relu(x))`` saves the dropout's
+    input and mask (held anyway by ``relu`` and the dropout) instead of its output, computed again in
+    backward: the gradients are bit for bit those of keeping it, and the forward of three such
+    layers holds two fewer activations."""
+    kept, peak_kept, act = _dropout_chain(replay=False)
+    replayed, peak_replayed, _ = _dropout_chain(replay=True)
+    for a, b in zip(kept, replayed):
+        assert torch.equal(a, b)
+    assert peak_kept - peak_replayed >= 1.9 * act
+
+
+def test_a_dropout_output_changed_in_place_is_saved_as_it_is() -> None:
+    """An in-place change of the dropout's output before it is saved makes a replay wrong: the
+    output is then saved itself; an in-place change of its input after it was saved is refused
+    in backward, as autograd refuses a changed saved tensor."""
+    torch.manual_seed(0)
+    x = torch.randn(50, 8, requires_grad=True)
+    lin = torch.nn.Linear(8, 4)
+    index = torch.arange(50)
+    with fops.replay_dropout_outputs():
+        d = fops.dropout_rows(x * 1.0, 0.5, index, 50, replay=True)
+        d.add_(1.0)
+        y = lin(d)
+    y.sum().backward()
+    torch.testing.assert_close(lin.weight.grad, d.detach().sum(0).expand(4, 8))  # the changed output's
+    with fops.replay_dropout_outputs():
+        r = torch.relu(x * 1.0)
+        y = lin(fops.dropout_rows(r, 0.5, index, 50, replay=True))
+    r.mul_(2.0)
+    with pytest.raises((KernelError, RuntimeError), match="modified"):
+        y.sum().backward()
+
+
+def test_a_plan_from_statistics_replicates_its_dropouts_and_replays_them() -> None:
+    """A plan from statistics lowers dropout as a runnable plan does (replicated masks): its
+    predicted memory is what a run holds, the linear layer after a hidden dropout holding nothing
+    for backward beside what ``relu`` and the dropout hold."""
+    stats = gc.GraphStats(num_nodes=100_000, num_edges=1_000_000, num_features=32, num_classes=4)
+    plan = gc.plan(gc.nn.GCN(32, 16, 4, num_layers=3, dropout=0.5), stats, "1xA100", strategy="data")
+    ops_ = [op for st in plan.ranks[0].stages for op in st.costs]
+    names = [op.name for op in ops_]
+    assert "dropout_rows" in names and not any(n == "dropout" or n.startswith("dropout_") and
+                                                not n.startswith("dropout_rows") for n in names)
+    lins = [op for k, op in enumerate(ops_) if k and ops_[k - 1].name.startswith("dropout_rows")]
+    assert len(lins) == 2
+    for op in lins:
+        assert op.saved.v == 0 and op.replayed.v == 16 * 4
+
+
+def test_replicated_dropouts_replay_only_where_their_input_is_held() -> None:
+    """``replicate_dropout_masks`` sets ``replay`` on a dropout whose input another op saves anyway
+    (GCN: ``relu``'s output) or that is a model input; GAT's hidden dropout reads ``elu``'s output,
+    which ``elu`` does not save (it saves its input): holding it instead of the dropout's output
+    would hold as much, so that dropout does not replay."""
+    from gnncompile.passes.dropout import replicate_dropout_masks
+
+    g = gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=4, num_features=8, num_classes=3, seed=0)
+    for net, expected in ((gc.nn.GCN(8, 16, 3, num_layers=3), [True, True]),
+                          (gc.nn.GAT(8, 4, 3, heads=2, num_layers=2), [True, False])):
+        tp = replicate_dropout_masks(gc.trace(net, g, training=True), graph=g)
+        # the dropouts of vertex rows in order (GAT's attention dropouts are of edge rows)
+        flags = [bool(n.kwargs.get("replay")) for n in tp.graph.nodes
+                 if n.target is fops.dropout_rows and n.args[0].meta["tp"].space == "V"]
+        assert flags == expected, (type(net).__name__, flags)

@@ -50,8 +50,8 @@ activations live from its ``Forward`` to its ``Backward``; a value passed betwee
 output, a halo-extended tensor, a received value) lives from its producer to its ``Free`` (after its
 last forward read, the ``reads`` of :mod:`gnncompile.ir.dataflow`, and its sends' completion, see
 :mod:`gnncompile.passes.free`), else to the end of the step (the runtime holds what the plan has not
-freed), and at least to the ``Backward`` of each stage that reads it, whose input leaf it is, or
-that saves it (an output saved by an op of its own stage); a stage reading several chunks of a
+freed), and at least to the ``Backward`` of each stage that saves it (an input its ops save, an
+output saved by an op of its own stage: else the stage's input leaf keeps only its shape); a stage reading several chunks of a
 value reads their concatenation, held from the first such forward to the last such backward where
 an op saves it (:func:`_saves_inputs`), else to the last such forward (its gradient, of the same
 size, is made anew in each of those backwards); the gradient of a value (made by a backward, or
@@ -66,7 +66,9 @@ What the first op saves of a held stage input is that input (no new memory), as 
 of a stage output. An op that keeps sparse CSR input features sparse (their dropout) outputs new
 values on their structure, not dense rows; a linear layer on them copies its weight and the rows'
 indices on a CPU. A replicated dropout computes only the bool mask of the rows it reads
-(:class:`_RankMasks`). A send of a slice of columns copies
+(:class:`_RankMasks`); an op of its stage that saves its output (a linear layer) holds its input
+instead, computing the output again in backward (``OpCost.replayed``: a temporary of that backward,
+and one more pass over it). A send of a slice of columns copies
 it, held until the send is known complete (the value's ``Free``, else the optimizer step). Adam's
 update holds three temporaries of the largest parameter tensor. That is a steady step's; the first
 step (``first_step``: what the runtime measures) has no Adam state before its optimizer step, which
@@ -148,6 +150,8 @@ def op_time(op: OpCost, sizes: RankSizes, device: DeviceSpec, *, backward: bool 
     overhead = op.count * per_op
     if not backward and device.rng_rate:
         overhead += _eval(op.random, at) * share / device.rng_rate
+    if backward:  # a replayed dropout output is computed again: its input and mask read, it written
+        overhead += _eval(op.replayed, at) * share * (2 + 1 / _elsize(dtype)) / device.mem_bandwidth
     if op.kind == "P":
         # the edges the op visits, implicit self loops included: its FLOPs are 2 |E'| d
         visited = _eval(op.flops, at) / (2 * op.width) if op.width else edges
@@ -808,12 +812,12 @@ def _op_temporaries(op: OpCost, out: float, device: DeviceSpec) -> float:
 def _saved_per_op(w: _RankWalk, st: StageSpec, replay: bool = False) -> list[float]:
     """Bytes each op of ``st`` saves for backward that are new memory: not the rows of a kept
     dropout mask (views), not a held stage input that the stage's first op saves (the input
-    itself), not a stage output that the op after it saves as its input (a linear layer's: an op
+    itself; a first dropout saves its mask), not a stage output that the op after it saves as its input (a linear layer's: an op
     with weights) or that the op itself saves as its result (:func:`_saves_result`). An op of a
     checkpointed segment (:func:`_replayed`) saves only in its replay (``replay``)."""
     kept = [0.0 if w.masks.viewed(op) or again != replay and (again or replay) else
             _saved_bytes(op, w.sizes) for op, again in zip(st.costs, _replayed(st))]
-    if kept and not replay:
+    if kept and not replay and st.costs[0].name not in w.masks.bytes:  # (a dropout saves its mask)
         kept[0] -= min(kept[0], max((w.value_bytes[v] for v in st.inputs if v in w.value_bytes), default=0.0))
         for j, name in _outputs_saved(st).items():
             kept[j] -= min(kept[j], w.value_bytes.get(name, 0.0))
@@ -894,7 +898,7 @@ def _backward_cost(w: _RankWalk, i: int, inst: Backward) -> StepCost:
             # visit: a first linear layer after the features' dropout computes its weights' only)
             grad_in = (prev or out) if needs else 0.0
             peak = max(peak, below + out + grad_in + _sparse_product_temporaries(w, op) + _op_temporaries(op, out, w.device)
-                       + _permuted_values(w, op))
+                       + _permuted_values(w, op) + op_value(op, op.replayed, w.sizes))
         prev, needs = out, op.backward > 0
     transient = max(0.0, peak - sum(kept))
     # the weights' gradients of the stage, at its first backward (later chunks accumulate into them)

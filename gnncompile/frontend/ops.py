@@ -636,7 +636,8 @@ def aggregate(g: Graph, msg: torch.Tensor, reduce: str = "sum", add_self_loops: 
 # --------------------------------------------------------------------------- masked propagate (P, S-SpMM)
 from ..kernels import masked as _masked_kernels  # noqa: E402  (appended section)
 
-__all__ += ["masked_propagate", "dropout_noise", "dropout_rows", "plan_dropout_draws"]
+__all__ += ["masked_propagate", "dropout_noise", "dropout_rows", "plan_dropout_draws", "replay_dropout_outputs",
+            "replay_pack", "replay_unpack", "drop_replay"]
 
 
 #: Mask generators :func:`dropout_noise` can use (environment variable ``GNNCOMPILE_DROPOUT_MASKS``)
@@ -788,16 +789,86 @@ class MaskDraw:
         else:
             self.seed = draw_mask_seed()
 
-    def times(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def times(self, x: torch.Tensor, index: torch.Tensor, replay: bool = False) -> torch.Tensor:
         """``x`` (the rows ``index`` of the whole tensor) times those rows of the mask, ``x * noise``
         with ``noise`` 0 or ``1 / (1 - p)`` as :func:`dropout_noise` has it (the same numbers, and
         the gradient ``g * noise``), saving for backward only the bool ``keep`` of the rows (one byte
-        per entry); ``noise`` is a temporary of the product, made again in backward."""
+        per entry); ``noise`` is a temporary of the product, made again in backward. ``replay``: the
+        output may be replayed (:func:`replay_dropout_outputs`) where ``x`` qualifies."""
         if self.noise is not None:
             return x * self.noise.index_select(0, index)
         keep = dropout_mask(self.seed, self.p, self.num_rows, self.row_shape, rows=index, dtype=torch.bool,
                             device=x.device)
-        return _KeepTimes.apply(x, keep, 1.0 / (1.0 - self.p))
+        scale = 1.0 / (1.0 - self.p)
+        out = _KeepTimes.apply(x, keep, scale)
+        if replay and _replayable_source(x):
+            out._gnncompile_replay = _Replay(x, keep, scale, x._version, out._version)
+        return out
+
+
+class _Replay:
+    """A dropout's output as its backward readers need it: its input ``x`` and kept mask, from which
+    :func:`keep_times` computes the output again, bit for bit (:func:`replay_dropout_outputs`).
+    ``x_version``/``out_version``: the tensors' versions when the dropout ran (an in-place change of
+    either afterwards makes the replay wrong: it is then not packed, or refused when unpacked)."""
+
+    __slots__ = ("x", "keep", "scale", "x_version", "out_version")
+
+    def __init__(self, x: torch.Tensor, keep: torch.Tensor, scale: float, x_version: int, out_version: int) -> None:
+        self.x, self.keep, self.scale = x, keep, scale
+        self.x_version, self.out_version = x_version, out_version
+
+    def output(self) -> torch.Tensor:
+        if self.x._version != self.x_version:
+            raise KernelError("a dropout's input was modified in place after the dropout ran; its output, "
+                              "needed for gradient computation, cannot be computed again (replay_dropout_outputs)")
+        with torch.no_grad():
+            return keep_times(self.x.detach(), self.keep, self.scale)
+
+
+def _replayable_source(x: torch.Tensor) -> bool:
+    """Whether a replay of a dropout of ``x`` holds less than its output: ``x`` is a step input (a
+    leaf needing no gradient: resident data; the replay then holds the mask, a quarter of the
+    output's float32 bytes, which the dropout's backward would not), or needs a gradient (the
+    dropout's backward holds the mask anyway) and owns all of its storage (no larger buffer kept)."""
+    if x.layout != torch.strided or not x.is_floating_point():
+        return False
+    if x.is_leaf and not x.requires_grad:
+        return True
+    return x.requires_grad and x.is_contiguous() and x.storage_offset() == 0 and \
+        x.untyped_storage().nbytes() == x.numel() * x.element_size()
+
+
+def replay_pack(t: Any) -> Any:
+    """What autograd saves for ``t`` under :func:`replay_dropout_outputs`: for the unchanged output of
+    a replicated dropout (:meth:`MaskDraw.times`), a :class:`_Replay` of its input and mask (which
+    the dropout's own backward holds anyway); anything else as it is."""
+    info = getattr(t, "_gnncompile_replay", None) if isinstance(t, torch.Tensor) else None
+    if info is None or t._version != info.out_version or info.x._version != info.x_version:
+        return t
+    return info
+
+
+def replay_unpack(p: Any) -> Any:
+    """The inverse of :func:`replay_pack`: a :class:`_Replay`'s output computed again."""
+    return p.output() if isinstance(p, _Replay) else p
+
+
+def replay_dropout_outputs() -> Any:
+    """Context in which a tensor autograd saves that is the output of a replicated dropout is kept as
+    that dropout's input and bool mask and computed again when backward reads it (one
+    :func:`keep_times` pass): a linear layer after ``dropout(relu(h))`` holds nothing beside what
+    ``relu`` and the dropout save. Exact: the replayed output equals the forward's bit for bit.
+    The executor runs every training forward in it (:mod:`gnncompile.runtime.executor`); inside a
+    checkpointed segment the checkpoint's own hooks apply instead."""
+    return torch.autograd.graph.saved_tensors_hooks(replay_pack, replay_unpack)
+
+
+def drop_replay(t: Any) -> None:
+    """Forget that ``t`` is a dropout's output (a stage output the executor keeps: a later stage that
+    saves it must hold it, not its input)."""
+    if isinstance(t, torch.Tensor) and hasattr(t, "_gnncompile_replay"):
+        del t._gnncompile_replay
 
 
 class _KeepTimes(torch.autograd.Function):
@@ -874,7 +945,7 @@ def _row_draw(p: float, num_rows: int, row_shape: tuple[int, ...], dtype: torch.
     return MaskDraw(p, num_rows, row_shape, dtype, device)
 
 
-def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int, replay: bool = False) -> torch.Tensor:
     """Dropout of rows ``index`` of a ``[num_rows, ...]`` tensor, with the mask of the whole tensor.
 
     Draws the dropout mask of the full ``[num_rows, *x.shape[1:]]`` tensor as :func:`dropout_noise`
@@ -884,11 +955,15 @@ def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int) 
     ``x`` the mask is over the stored values of the full matrix (``num_rows`` of them) and ``index``
     selects this matrix's values, as :func:`gnncompile.nn.functional.feature_dropout` draws it.
     ``p == 0`` draws nothing, like ``F.dropout``. Used by the ``data`` strategy and every strategy
-    with ``dropout="replicated"``.
+    with ``dropout="replicated"``. ``replay``: an op that saves the (dense) output for backward keeps
+    ``x`` and the mask instead, computing the output again when backward reads it, under
+    :func:`replay_dropout_outputs` (set by :func:`gnncompile.passes.replicate_dropout_masks` where
+    that holds less).
     """
     proxy = _has_proxy((x, index), {})
     if proxy is not None:  # one fx node (stage modules are re-traced when unpickled)
-        return proxy.tracer.create_proxy("call_function", dropout_rows, (x, p, index, num_rows), {})
+        kwargs = {"replay": True} if replay else {}
+        return proxy.tracer.create_proxy("call_function", dropout_rows, (x, p, index, num_rows), kwargs)
     if p == 0.0:
         return x
     if index.device != x.device:
@@ -898,7 +973,7 @@ def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int) 
         draw = _row_draw(p, num_rows, (), values.dtype, values.device)
         return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), draw.times(values, index),
                                        size=x.shape, device=x.device, check_invariants=False)
-    return _row_draw(p, num_rows, tuple(x.shape[1:]), x.dtype, x.device).times(x, index)
+    return _row_draw(p, num_rows, tuple(x.shape[1:]), x.dtype, x.device).times(x, index, replay=replay)
 
 
 def _nonzero_rows(t: torch.Tensor) -> torch.Tensor:

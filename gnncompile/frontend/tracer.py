@@ -429,6 +429,7 @@ class _Measure(torch.fx.Interpreter):
         self.seen: set[int] = set(exclude)
         self.records: dict[str, dict[str, Any]] = {}
         self.modules = dict(gm.named_modules())
+        self.owner: dict[int, str] = {}  # storage -> the node whose value first held it
 
     def run_node(self, n: torch.fx.Node) -> Any:
         saved: list[torch.Tensor] = []
@@ -439,9 +440,15 @@ class _Measure(torch.fx.Interpreter):
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             result = super().run_node(n)
+        for t in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(t, torch.Tensor):
+                self.owner.setdefault(_storage_key(t)[0], n.name)
         new_bytes = 0
+        saves: set[str] = set()
         for t in saved:
             key = _storage_key(t)
+            if key[0] in self.owner:
+                saves.add(self.owner[key[0]])
             if key[0] in self.seen:
                 continue
             self.seen.add(key[0])
@@ -451,6 +458,7 @@ class _Measure(torch.fx.Interpreter):
         self.records[n.name] = {
             "out": result,
             "saved": new_bytes,
+            "saves": tuple(sorted(saves)),
             "cost": _cost(n, result, in_vals, self.modules, self.env),
         }
         return result
@@ -882,6 +890,7 @@ def _annotate(model: torch.nn.Module, gm: torch.fx.GraphModule, stats: GraphStat
             saved_bytes=lin(lambda r: r["saved"], node.name) or Lin(),
             params=params,
             op=_op_label(node, modules),
+            saves=rec["saves"],
         )
     tp = TPGraph(gm, gm.graph, stats, class_name=f"TP{type(model).__name__}")
     tp.train(training)  # sets the views' modes, not the model's

@@ -513,8 +513,12 @@ class OpCost:
     #: bytes of the per-edge values a propagation multiplies by where they need a gradient (GAT's
     #: attention coefficients): its backward computes their gradient (an SDDMM) beside its input's
     values: Lin = field(default_factory=Lin)
+    #: bytes of the dropout outputs the op saves that its backward computes again from their inputs
+    #: and masks (:func:`~gnncompile.frontend.ops.replay_dropout_outputs`; not in ``saved``): a
+    #: temporary of its backward
+    replayed: Lin = field(default_factory=Lin)
 
-    _LINS: ClassVar[tuple[str, ...]] = ("flops", "bytes", "saved", "out", "random", "values")
+    _LINS: ClassVar[tuple[str, ...]] = ("flops", "bytes", "saved", "out", "random", "values", "replayed")
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "kind": self.kind, "width": self.width, "recompute": self.recompute,

@@ -16,6 +16,13 @@ flops              floating-point operations of the op (forward)
 bytes_read/written memory traffic of the op (forward)
 saved_bytes        bytes the op keeps alive for backward (measured through autograd's
                    saved-tensor hooks on sample graphs, deduplicated by storage)
+saves              the values (node names) whose memory the op saves for backward
+replays            the replicated dropouts whose output the op saves and the runtime computes
+                   again in backward from the dropout's input and mask
+                   (:func:`~gnncompile.frontend.ops.replay_dropout_outputs`), where they run in
+                   the op's stage; ``replayed_bytes``: their outputs' bytes (a temporary of the
+                   op's backward); ``replay_saving``: what of ``saved_bytes`` the op then does not
+                   hold (the outputs, where their inputs are held anyway)
 params             number of parameters owned by the op (module parameters, or a get_attr)
 =================  =====================================================================
 
@@ -81,6 +88,10 @@ class TPInfo:
     params: int = 0
     recompute: bool = False
     op: str = ""
+    saves: tuple[str, ...] = ()
+    replays: tuple[str, ...] = ()
+    replayed_bytes: Lin = field(default_factory=Lin)
+    replay_saving: Lin = field(default_factory=Lin)
 
     @property
     def space(self) -> str:

@@ -259,7 +259,7 @@ def lower(strategy: Strategy, tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Mod
         strategy.check(job, options)
     # sampled mini-batch plans draw each rank's masks from its own stream (no whole-graph masks)
     sampled = getattr(options, "batch_size", None) is not None
-    if job.concrete and options.dropout == "replicated" and not sampled:
+    if options.dropout == "replicated" and not sampled:  # statistics too: a plan predicts what runs
         allowed = strategy.dropout_spaces(options)
         job.tp = _run([replicate_dropout_masks.bind(graph=graph, strategy=strategy.name, allowed=allowed,
                                                     share_parameters=True)], job.tp, semantics, instruments)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ..errors import PlanningError
 from ..frontend.ops import dropout_rows
 from ..graph.core import Graph
+from ..ir.symbolic import Lin
 from ..ir.tpgraph import TPGraph
 from ..nn.functional import feature_dropout
 from .infra import graph_pass
@@ -45,6 +46,40 @@ def _dropout_of(tp: TPGraph, n: torch.fx.Node) -> Optional[tuple[torch.fx.Node, 
     return None
 
 
+def _mark_replays(g: torch.fx.Graph, old: torch.fx.Node, new: torch.fx.Node, inp: torch.fx.Node) -> None:
+    """Where the input of dropout ``old`` is held anyway, make ``new`` (its replacement) replay its
+    output, and record on each of its users that saves it that the runtime computes that output
+    again in backward (:func:`~gnncompile.frontend.ops.replay_dropout_outputs`,
+    where ``frontend.ops._replayable_source`` holds): the user holds the dropout's input and mask
+    instead. The input is no new memory where another op saves it too (``relu``'s output) or it is
+    a model input (the features); the mask none where the dropout's backward saves it (its input
+    needs a gradient), else its bytes (one per element)."""
+    t = old.meta.get("tp")
+    if t is None or not t.dtype:
+        return
+    masked = t.saved_bytes != Lin()  # the dropout saves its mask: its input needs a gradient
+    if inp.op != "placeholder" and not masked:
+        return  # not replayed: neither a step input nor an input needing a gradient
+    held = inp.op == "placeholder" or any(
+        inp.name in m.meta["tp"].saves for m in g.nodes if m is not old and "tp" in m.meta)
+    if not held:
+        return  # the input would be held instead of the output: no less memory, one more pass
+    out = t.bytes_written
+    saving = out - (Lin() if masked else out * (1.0 / _elsize(t.dtype)))
+    users = [u for u in old.users if u.meta.get("tp") is not None and old.name in u.meta["tp"].saves]
+    if users:
+        new.kwargs = {"replay": True}
+    for u in users:
+        ut = u.meta["tp"]
+        u.meta["tp"] = ut.with_(saves=tuple(sorted({*ut.saves} - {old.name} | {new.name, inp.name})),
+                                replays=ut.replays + (new.name,), replayed_bytes=ut.replayed_bytes + out,
+                                replay_saving=ut.replay_saving + saving)
+
+
+def _elsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
 def dropout_inputs(tp: TPGraph) -> dict[str, str]:
     """The dropout-index inputs :func:`replicate_dropout_masks` added to ``tp``, with their row spaces."""
     spaces = {name: space for space, name in INDEX_INPUTS.items()}
@@ -65,7 +100,9 @@ def replicate_dropout_masks(tp: TPGraph, graph: Graph, strategy: str = "",
     Ensures:
         Each dropout of a V-, E- or (E+V)-space value (or of sparse input features) reads a model
         input ``dropout_index_<space>`` (the global rows a rank holds; :func:`dropout_inputs`
-        lists them) and draws the mask of the global tensor.
+        lists them) and draws the mask of the global tensor. A dropout whose input is held anyway
+        (saved by another op, or a model input) and whose output an op saves replays that output
+        (``replay=True``): the saving op's annotation records it (``TPInfo.replays``).
     Preserves:
         The function computed on one rank holding every row (identity index), including the RNG
         calls, so a rank's masks equal single-device training's for the same seed. Exact.
@@ -75,8 +112,9 @@ def replicate_dropout_masks(tp: TPGraph, graph: Graph, strategy: str = "",
     inputs: dict[str, torch.fx.Node] = {}
     spaces: dict[str, str] = {}
     sizes = {"V": graph.num_nodes, "E": graph.num_edges, "E+V": graph.num_edges + graph.num_nodes}
-    if graph.x is not None and graph.x.layout == torch.sparse_csr:
-        sizes["nnz"] = int(graph.x.values().numel())
+    x = getattr(graph, "x", None)  # GraphStats: none (planned from statistics, dense features)
+    if x is not None and x.layout == torch.sparse_csr:
+        sizes["nnz"] = int(x.values().numel())
     for n in list(g.nodes):
         found = _dropout_of(tp, n)
         if found is None:
@@ -103,6 +141,8 @@ def replicate_dropout_masks(tp: TPGraph, graph: Graph, strategy: str = "",
             # it saves a bool mask of its rows (one byte per entry), where the dropout saved one in its dtype
             es = torch.empty((), dtype=getattr(torch, t.dtype)).element_size()
             new.meta["tp"] = dataclasses.replace(t, saved_bytes=t.saved_bytes * (1.0 / es))
+            if space != "nnz":
+                _mark_replays(g, n, new, inp)
         n.replace_all_uses_with(new)
         g.erase_node(n)
     tp.recompile()

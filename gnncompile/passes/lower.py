@@ -177,6 +177,7 @@ def op_costs(tp: TPGraph, nodes: list[torch.fx.Node], decisions: Optional[Decisi
     if modules is None:
         modules = dict(tp.named_modules())
     out = []
+    here = {n.name for n in nodes}
     for n in nodes:
         t = n.meta.get("tp")
         if t is None or t.kind not in ("T", "P", "E"):
@@ -203,6 +204,9 @@ def op_costs(tp: TPGraph, nodes: list[torch.fx.Node], decisions: Optional[Decisi
         c = _op_cost(n, t, modules, recompute=t.recompute, backward=int(weights) + int(inputs) + int(trained))
         if trained:
             c = dataclasses.replace(c, values=values)
+        if t.replays and all(r in here for r in t.replays):
+            # the dropouts it saves run in its stage: their outputs are computed again in backward
+            c = dataclasses.replace(c, saved=t.saved_bytes - t.replay_saving, replayed=t.replayed_bytes)
         out.append(dataclasses.replace(c, layout=decisions.layout_of(n.name)) if decisions is not None else c)
     return out
 

@@ -44,7 +44,7 @@ from torch.autograd.graph import _engine_run_backward
 
 from ..errors import RuntimeFailure, VerificationError
 from ..graph.core import Graph
-from ..frontend.ops import MaskCache, MaskDraw, prepare_graph
+from ..frontend.ops import MaskCache, MaskDraw, drop_replay, prepare_graph, replay_pack, replay_unpack
 from ..nn.functional import prepare_sparse_features
 from ..ir.plan import (AllGather, AllReduce, AllToAll, Backward, Forward, Free, HaloExchange, Instruction,
                        OptimizerStep, Plan, RankProgram, Recompute, Recv, ReduceScatter, Send, StageSpec, member_rows,
@@ -531,14 +531,20 @@ class _Rank:
             saved_storage: set[int] = set()
 
             def pack(t: Any) -> Any:
-                # a detached alias, as autograd keeps without hooks: a saved stage output (a custom
-                # op saving its own result) must keep its storage when Free swaps the output's
+                # a dropout's output is kept as its input and mask (computed again in backward);
+                # anything else as a detached alias, as autograd keeps without hooks: a saved stage
+                # output (a custom op saving its own result) must keep its storage when Free swaps
+                # the output's
+                kept = replay_pack(t)
+                if kept is not t:
+                    saved_storage.add(kept.x.untyped_storage().data_ptr())
+                    return kept
                 if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                     saved_storage.add(t.untyped_storage().data_ptr())
                     return t.detach()
                 return t
 
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if last_use or own_leaves \
+            with torch.autograd.graph.saved_tensors_hooks(pack, replay_unpack) if optimizer is not None \
                     else contextlib.nullcontext():
                 if masks is not None:
                     with masks.stage(ins.stage):
@@ -546,6 +552,8 @@ class _Rank:
                 else:
                     outs = modules[ins.stage](*args)
             outd = dict(zip(st.outputs, outs))
+            for v in outd.values():  # kept beyond the stage: a later reader saves the output itself
+                drop_replay(v)
             # a gradient leaf that no op saved for backward keeps only its shape: its memory is the
             # value's, which Free releases after its last use (a concatenation's, after its last read)
             for key, v in last_use:
