@@ -128,7 +128,10 @@ def main() -> None:
         "destinations, normalization scales: resident topology, `RankResult.topology_bytes`, equal to the cost "
         "model's) before the first step (`frontend.ops.prepare_graph`), so they are not in these peaks. The weight "
         "gradient of a linear layer on sparse input features is scattered from the features' own structure on "
-        "the CPU (no transposition is built or kept).", ""])
+        "the CPU (no transposition is built or kept). A linear layer (or propagation) that saves the output of a "
+        "replicated dropout whose input is held anyway (relu's output, the features, a softmax's) keeps that input "
+        "and the dropout's bool mask instead and computes the output again in backward "
+        "(`frontend.ops.replay_dropout_outputs`); every strategy frees a value after its last use.", ""])
     print(text)
     if not args.no_write:
         update_section(HERE / "RESULTS.md", SECTION, text)

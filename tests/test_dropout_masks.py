@@ -260,3 +260,34 @@ def test_replicated_dropouts_replay_only_where_their_input_is_held() -> None:
         flags = [bool(n.kwargs.get("replay")) for n in tp.graph.nodes
                  if n.target is fops.dropout_rows and n.args[0].meta["tp"].space == "V"]
         assert flags == expected, (type(net).__name__, flags)
+
+
+def test_views_of_a_replayed_output_replay_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GAT's propagation saves slices of its attention coefficients (the edges' in its product, the
+    self loops' in a product of its own): views of a replayed dropout output replay too, one
+    recomputation of the output per backward node that reads them, with the gradients of keeping it."""
+    g = gc.datasets.synthetic("sbm", num_nodes=200, avg_degree=6, num_features=8, num_classes=3, seed=0)
+    rows = g.num_edges + g.num_nodes
+    torch.manual_seed(0)
+    h = torch.randn(200, 4, 4, requires_grad=True)
+    e = torch.randn(rows, 4, requires_grad=True)
+    calls = []
+    real = fops.keep_times
+    monkeypatch.setattr(fops, "keep_times", lambda *a: calls.append(1) or real(*a))
+
+    def run(replay: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+        h.grad = e.grad = None
+        calls.clear()
+        torch.manual_seed(1)
+        with fops.replay_dropout_outputs():
+            alpha = fops.edge_softmax(g, e, add_self_loops=True)
+            d = fops.dropout_rows(alpha, 0.5, torch.arange(rows), rows, replay=replay)
+            out = fops.propagate(g, h, "none", edge_weight=d, add_self_loops=True)
+        del d
+        out.square().sum().backward()
+        return h.grad.clone(), e.grad.clone(), len(calls)
+
+    h_kept, e_kept, n_kept = run(False)
+    h_rep, e_rep, n_rep = run(True)
+    assert torch.equal(h_kept, h_rep) and torch.equal(e_kept, e_rep)
+    assert n_rep == n_kept + 2  # (forward and the dropout's backward) and one replay for each slice

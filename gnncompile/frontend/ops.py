@@ -41,6 +41,7 @@ import inspect
 import os
 import sys
 import threading
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import torch
@@ -802,7 +803,7 @@ class MaskDraw:
         scale = 1.0 / (1.0 - self.p)
         out = _KeepTimes.apply(x, keep, scale)
         if replay and _replayable_source(x):
-            out._gnncompile_replay = _Replay(x, keep, scale, x._version, out._version)
+            _mark_replayable(out, _Replay(x, keep, scale, x._version, out._version))
         return out
 
 
@@ -810,20 +811,45 @@ class _Replay:
     """A dropout's output as its backward readers need it: its input ``x`` and kept mask, from which
     :func:`keep_times` computes the output again, bit for bit (:func:`replay_dropout_outputs`).
     ``x_version``/``out_version``: the tensors' versions when the dropout ran (an in-place change of
-    either afterwards makes the replay wrong: it is then not packed, or refused when unpacked)."""
+    either afterwards makes the replay wrong: it is then not packed, or refused when unpacked).
+    ``view``: ``(size, stride, offset)`` where what was saved is a view of the output (a slice an
+    op saved), ``None`` for the output itself; ``made``: the output computed last, while alive
+    (the views of one output share one replay)."""
 
-    __slots__ = ("x", "keep", "scale", "x_version", "out_version")
+    __slots__ = ("x", "keep", "scale", "x_version", "out_version", "view", "made")
 
-    def __init__(self, x: torch.Tensor, keep: torch.Tensor, scale: float, x_version: int, out_version: int) -> None:
+    def __init__(self, x: torch.Tensor, keep: torch.Tensor, scale: float, x_version: int, out_version: int,
+                 view: Optional[tuple] = None, made: Optional[list] = None) -> None:
         self.x, self.keep, self.scale = x, keep, scale
-        self.x_version, self.out_version = x_version, out_version
+        self.x_version, self.out_version, self.view = x_version, out_version, view
+        self.made: list = made if made is not None else [None]  # [weakref of the last replay], shared
+
+    def of_view(self, t: torch.Tensor) -> "_Replay":
+        """The replay of ``t``, a view of this output."""
+        return _Replay(self.x, self.keep, self.scale, self.x_version, self.out_version,
+                       (tuple(t.size()), tuple(t.stride()), t.storage_offset()), self.made)
 
     def output(self) -> torch.Tensor:
         if self.x._version != self.x_version:
             raise KernelError("a dropout's input was modified in place after the dropout ran; its output, "
                               "needed for gradient computation, cannot be computed again (replay_dropout_outputs)")
-        with torch.no_grad():
-            return keep_times(self.x.detach(), self.keep, self.scale)
+        out = self.made[0]() if self.made[0] is not None else None
+        if out is None:
+            with torch.no_grad():
+                out = keep_times(self.x.detach(), self.keep, self.scale)
+            self.made[0] = weakref.ref(out)
+        return out if self.view is None else out.as_strided(*self.view)
+
+
+#: storage of a replayable dropout output -> that output (weakly): a view of it an op saves replays too
+_REPLAYABLE: dict[int, "weakref.ref[torch.Tensor]"] = {}
+
+
+def _mark_replayable(out: torch.Tensor, info: _Replay) -> None:
+    out._gnncompile_replay = info
+    ptr = out.untyped_storage().data_ptr()
+    _REPLAYABLE[ptr] = weakref.ref(out, lambda ref, ptr=ptr: _REPLAYABLE.pop(ptr, None)
+                                   if _REPLAYABLE.get(ptr) is ref else None)
 
 
 def _replayable_source(x: torch.Tensor) -> bool:
@@ -841,10 +867,21 @@ def _replayable_source(x: torch.Tensor) -> bool:
 
 def replay_pack(t: Any) -> Any:
     """What autograd saves for ``t`` under :func:`replay_dropout_outputs`: for the unchanged output of
-    a replicated dropout (:meth:`MaskDraw.times`), a :class:`_Replay` of its input and mask (which
-    the dropout's own backward holds anyway); anything else as it is."""
-    info = getattr(t, "_gnncompile_replay", None) if isinstance(t, torch.Tensor) else None
-    if info is None or t._version != info.out_version or info.x._version != info.x_version:
+    a replicated dropout (:meth:`MaskDraw.times`) or a view of it, a :class:`_Replay` of its input
+    and mask (which the dropout's own backward holds anyway); anything else as it is."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    info = getattr(t, "_gnncompile_replay", None)
+    if info is None:
+        if not _REPLAYABLE or t.layout != torch.strided:
+            return t
+        ref = _REPLAYABLE.get(t.untyped_storage().data_ptr())
+        base = ref() if ref is not None else None
+        info = getattr(base, "_gnncompile_replay", None)
+        if info is None:
+            return t
+        info = info.of_view(t)
+    if t._version != info.out_version or info.x._version != info.x_version:
         return t
     return info
 
@@ -869,6 +906,7 @@ def drop_replay(t: Any) -> None:
     saves it must hold it, not its input)."""
     if isinstance(t, torch.Tensor) and hasattr(t, "_gnncompile_replay"):
         del t._gnncompile_replay
+        _REPLAYABLE.pop(t.untyped_storage().data_ptr(), None)
 
 
 class _KeepTimes(torch.autograd.Function):
