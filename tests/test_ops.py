@@ -648,3 +648,30 @@ def test_plan_dropout_draws_redirects_dropout(monkeypatch) -> None:
     torch.manual_seed(0)
     assert torch.equal(a, cpu * real(cpu, 0.3))
     assert calls == [("meta", 0.25), ("meta", 0.5), ("cpu", 0.3)]
+
+
+def test_functional_linear_takes_sparse_features_without_a_transposed_copy() -> None:
+    """``gnncompile.nn.functional.linear`` (SAGE's first layer, ``transform_first``) on sparse CSR
+    features: the value and the weight's gradient of ``F.linear`` on the dense features, through
+    :class:`_SparseLinear` (torch's backward of ``F.linear`` on a CSR input transposes it every
+    step); traced, it is one node costed as a GEMM on the stored entries."""
+    import scipy.sparse as sp
+
+    from gnncompile.nn.functional import linear
+
+    x = Graph._convert_features(sp.random(40, 12, density=0.25, random_state=3, format="csr", dtype="float32"))
+    w = torch.randn(5, 12, requires_grad=True)
+    out = linear(x, w)
+    out.square().sum().backward()
+    assert out.grad_fn.name().startswith("_SparseLinear")
+    w_dense = w.detach().clone().requires_grad_(True)
+    ref = torch.nn.functional.linear(x.to_dense(), w_dense)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(w.grad, w_dense.grad)
+    base = gnncompile.datasets.synthetic("sbm", num_nodes=60, avg_degree=4, num_features=12, num_classes=3, seed=0)
+    g = base.replace(x=sp.random(60, 12, density=0.25, random_state=1, format="csr", dtype="float32"))
+    tp = gnncompile.trace(gnncompile.nn.GraphSAGE(12, 4, 3, num_layers=2), g, training=True)
+    node = next(n for n in tp.graph.nodes if n.target is linear)  # the first layer's, on the features
+    t = node.meta["tp"]
+    assert t.kind == "T" and t.flops.v > 0 and t.bytes_read.c >= 12 * 4 * 4  # reads the weight: a GEMM

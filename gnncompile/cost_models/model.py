@@ -995,6 +995,10 @@ def _conversion_cost(w: _RankWalk, i: int, inst: Union[HaloExchange, AllToAll, A
         if inst.grad:        # _RankWalk.gone); the output's gradient becomes the value's
             w.grad_made[inst.value, inst.chunk] = w.grad_made.pop((inst.output, inst.chunk), 0.0)
         return seconds, "comm", 0.0, 0.0
+    # a halo exchange's buffer of the rows it sends (forward; backward: of the gradients it receives
+    # back, the same rows), beside its result (forward: the halo rows are received into the output)
+    rows = sum(inst.send_rows) if isinstance(inst, HaloExchange) else 0
+    transient = rows * inst.width * _elsize(inst.dtype) if rows else 0.0
     if inst.grad:  # consumes the gradient of the output, makes the value's
         w.release_at(i, w.grad_made.pop((inst.output, inst.chunk), 0.0))
         w.grad_made[inst.value, inst.chunk] = w.value_bytes.get(inst.value, 0.0)
@@ -1002,7 +1006,7 @@ def _conversion_cost(w: _RankWalk, i: int, inst: Union[HaloExchange, AllToAll, A
     else:
         alloc = w.value_bytes.get(inst.output, 0.0)
         w.release_at(w.gone((inst.output, inst.chunk), i), alloc)
-    return seconds, "comm", alloc, 0.0
+    return seconds, "comm", alloc, transient
 
 
 def _halo_aliases(inst: Any) -> bool:

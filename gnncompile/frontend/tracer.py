@@ -524,7 +524,10 @@ def _cost(node: torch.fx.Node, out: Any, ins: list[Any], modules: dict[str, torc
             return _numel(ins[1]) if len(ins) > 1 else _numel(out), read, written
         return _numel(out), read, written
     module = modules.get(target) if node.op == "call_module" else None
-    is_gemm = isinstance(module, _GEMM_MODULES) or (node.op == "call_function" and target in _GEMM_FUNCS) or (
+    # a function marked ``__gnncompile_linear__`` computes ``F.linear`` (gnncompile.nn.functional.linear)
+    linear_fn = target is F.linear or getattr(target, "__gnncompile_linear__", False)
+    is_gemm = isinstance(module, _GEMM_MODULES) or (
+        node.op == "call_function" and (target in _GEMM_FUNCS or linear_fn)) or (
         node.op == "call_method" and target in ("matmul", "mm"))
     if is_gemm and isinstance(out, torch.Tensor):
         if module is not None and isinstance(module, torch.nn.Linear):
@@ -535,7 +538,7 @@ def _cost(node: torch.fx.Node, out: Any, ins: list[Any], modules: dict[str, torc
             d_in = int(a.shape[-1]) if isinstance(a, torch.Tensor) and a.dim() else 1
         if module is not None:
             has_bias = getattr(module, "bias", None) is not None
-        elif target is F.linear:
+        elif linear_fn:
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             has_bias = bias is not None
         else:

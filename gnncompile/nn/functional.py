@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 
-__all__ = ["feature_dropout", "Linear", "prepare_sparse_features"]
+__all__ = ["feature_dropout", "linear", "Linear", "prepare_sparse_features"]
 
 
 def feature_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True) -> torch.Tensor:
@@ -142,6 +142,20 @@ class _SparseLinear(torch.autograd.Function):
         grad_w = _sparse_t_matmul(ctx.x, grad).t() if ctx.needs_input_grad[1] else None
         grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return None, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` that also takes sparse CSR input features efficiently (:class:`_SparseLinear`:
+    no transposed copy of ``x`` per step, as torch's backward of ``F.linear`` on a CSR input makes);
+    dense inputs go to ``F.linear`` unchanged. An fx leaf (one T node, costed as a GEMM)."""
+    if isinstance(x, torch.fx.Proxy):
+        return x.tracer.create_proxy("call_function", linear, (x, weight, bias), {})
+    if x.layout == torch.sparse_csr and x.dim() == 2 and not x.requires_grad:
+        return _SparseLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+linear.__gnncompile_linear__ = True  # type: ignore[attr-defined]  (the tracer costs it as F.linear)
 
 
 class Linear(torch.nn.Linear):

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops as gops
-from .functional import Linear
+from .functional import Linear, linear
 from ..graph.core import Graph
 
 __all__ = [
@@ -204,7 +204,7 @@ class SAGEConv(nn.Module):
         if self.aggr == "max":
             out = self.lin_l(gops.aggregate(g, gops.gather_src(g, x), "max"))
         elif self.transform_first:
-            out = gops.propagate(g, F.linear(x, self.lin_l.weight), self.aggr)
+            out = gops.propagate(g, linear(x, self.lin_l.weight), self.aggr)
             if self.lin_l.bias is not None:
                 out = out + self.lin_l.bias
         else:

@@ -60,7 +60,7 @@ from ..errors import PassError
 from ..frontend import ops
 from ..frontend.tracer import trace
 from ..ir.tpgraph import TPGraph, TPInfo
-from ..nn.functional import feature_dropout
+from ..nn.functional import feature_dropout, linear
 from .infra import SEMANTICS, graph_pass
 from .recompute import Recompute
 
@@ -204,7 +204,7 @@ def _non_commuting(n: torch.fx.Node, count: dict[torch.fx.Node, Optional[int]], 
         if a in feats and b not in feats and not _is_vertex_or_edge(b):
             return None
         return f"{where}: a product that mixes vertex rows or multiplies feature tensors"
-    if target is F.linear:
+    if target is F.linear or target is linear:
         bias = n.kwargs.get("bias", n.args[2] if len(n.args) > 2 else None)
         if n.args[0] in feats and len(feats) == 1 and bias is None:
             return None

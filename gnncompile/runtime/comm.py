@@ -277,12 +277,14 @@ class Communicator:
 
     @_tracked("all_to_all")
     def _exchange(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
-                  group: Any = None, size: Optional[int] = None, async_op: bool = False) -> Any:
+                  group: Any = None, size: Optional[int] = None, async_op: bool = False,
+                  out: Optional[torch.Tensor] = None) -> Any:
         """All-to-all of rows (``send_counts[q]`` rows to member ``q``), not counted; returns the
-        received rows. With ``async_op`` the exchange is posted and a :class:`Pending` returned whose
-        ``wait()`` gives them (on the device of ``send``, staged or not)."""
+        received rows (into ``out``, contiguous rows of their shape, where given). With
+        ``async_op`` the exchange is posted and a :class:`Pending` returned whose ``wait()`` gives
+        them (on the device of ``send``, staged or not)."""
         tail = tuple(send.shape[1:])
-        recv = send.new_empty((sum(recv_counts),) + tail)
+        recv = send.new_empty((sum(recv_counts),) + tail) if out is None else out
         send = send.contiguous()
         work, finish = None, (lambda: recv)
         keep: Any = send
@@ -307,8 +309,8 @@ class Communicator:
         return finish()
 
     def _all_to_all(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
-                    async_op: bool = False) -> Any:
-        out = self._exchange(send, send_counts, recv_counts, async_op=async_op)
+                    async_op: bool = False, out: Optional[torch.Tensor] = None) -> Any:
+        out = self._exchange(send, send_counts, recv_counts, async_op=async_op, out=out)
         es = send.element_size() * math.prod(send.shape[1:])
         for q in range(self.world_size):
             if q != self.rank:
@@ -317,13 +319,21 @@ class Communicator:
 
     def halo_forward(self, h: torch.Tensor, spec: HaloSpec) -> torch.Tensor:
         """``[n_owned, ...] -> [n_owned + n_halo, ...]``: this rank's rows, then the halo rows. A rank
-        without halo rows (one rank alone) gets ``h`` itself (detached), not a copy."""
+        without halo rows (one rank alone) gets ``h`` itself (detached), not a copy. Holds one
+        buffer of the rows it sends beside ``h`` and the result, which the halo rows are received into."""
         if h.shape[0] != spec.num_owned:
             raise RuntimeError(f"halo exchange: value has {h.shape[0]} rows, rank {self.rank} owns {spec.num_owned}")
         h = h.detach()
-        send = torch.cat([h.index_select(0, idx) for idx in spec.send_index]) if spec.send_index else h[:0]
-        recv = self._all_to_all(send, spec.send_count, spec.recv_count)
-        return torch.cat([h, recv]) if recv.shape[0] else h
+        index = [idx for idx in spec.send_index if idx.numel()]
+        send = h.index_select(0, index[0] if len(index) == 1 else torch.cat(index)) if index else h[:0]
+        n, halo = spec.num_owned, spec.num_halo
+        if not halo:
+            self._all_to_all(send, spec.send_count, spec.recv_count)
+            return h
+        out = h.new_empty((n + halo,) + tuple(h.shape[1:]))
+        out[:n].copy_(h)
+        self._all_to_all(send, spec.send_count, spec.recv_count, out=out[n:])
+        return out
 
     def halo_backward(self, grad_ext: torch.Tensor, spec: HaloSpec) -> torch.Tensor:
         """Gradient of :meth:`halo_forward`: halo rows' gradients go back and add up at their owners.
