@@ -263,9 +263,9 @@ def test_replicated_dropouts_replay_only_where_their_input_is_held() -> None:
 
 
 def test_views_of_a_replayed_output_replay_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GAT's propagation saves slices of its attention coefficients (the edges' in its product, the
-    self loops' in a product of its own): views of a replayed dropout output replay too, one
-    recomputation of the output per backward node that reads them, with the gradients of keeping it."""
+    """GAT's propagation saves slices of its attention coefficients (the edges' and the self
+    loops'): views of a replayed dropout output replay too, from one recomputation of the output,
+    with the gradients of keeping it."""
     g = gc.datasets.synthetic("sbm", num_nodes=200, avg_degree=6, num_features=8, num_classes=3, seed=0)
     rows = g.num_edges + g.num_nodes
     torch.manual_seed(0)
@@ -290,4 +290,4 @@ def test_views_of_a_replayed_output_replay_once(monkeypatch: pytest.MonkeyPatch)
     h_kept, e_kept, n_kept = run(False)
     h_rep, e_rep, n_rep = run(True)
     assert torch.equal(h_kept, h_rep) and torch.equal(e_kept, e_rep)
-    assert n_rep == n_kept + 2  # (forward and the dropout's backward) and one replay for each slice
+    assert n_rep == n_kept + 1  # (forward and the dropout's backward) and one replay for both slices

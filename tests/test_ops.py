@@ -617,7 +617,7 @@ def test_backward_passes_create_tensors_on_their_inputs_device() -> None:
             kernels.sddmm(fops._csr(g), a, b, backend="torch"),
             fops._SegmentMax.backward(ctx(e, smax), torch.ones_like(smax))[1],
             fops._EdgeSoftmax.backward(ctx(soft), torch.ones_like(soft))[1],
-            *fops._SpMM.backward(ctx(w, a, None, None), gv)[1:3],
+            *fops._SpMM.backward(ctx(w, a, None, None, None), gv)[1:3],
             *fops._MaskedSpMM.backward(ctx(w, a, keep, None, None), gv)[1:3],
             *_SparseLinear.backward(ctx(), glin)[1:],
         ]

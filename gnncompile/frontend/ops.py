@@ -204,24 +204,37 @@ def _values_grad(g: Graph, values: torch.Tensor, grad_out: torch.Tensor, x: torc
     return gv.reshape(values.shape)
 
 
+def _per_row(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Per-vertex factors ``t`` (``[N]`` or ``[N, H]``) shaped to multiply ``like``'s rows."""
+    return t.reshape(t.shape + (1,) * (like.dim() - t.dim()))
+
+
 class _SpMM(torch.autograd.Function):
-    """``out = diag(row) A_c diag(col) x`` with edge values ``c`` and fixed per-vertex scales
-    ``row`` / ``col`` (the normalization); gradients for ``x`` and (optionally) ``c``."""
+    """``out = diag(row) A_c diag(col) x + loop * x_own`` with edge values ``c``, fixed per-vertex
+    scales ``row`` / ``col`` (the normalization) and optional self-loop factors ``loop`` (times the
+    destinations' own rows of ``x``, added into the output); gradients for ``x``, ``c`` and ``loop``
+    (the self-loop term's into the own rows of ``x``'s gradient, in place: no tensor of ``x``'s
+    size beside it)."""
 
     @staticmethod
     def forward(ctx: Any, g: Graph, values: Optional[torch.Tensor], x: torch.Tensor, backend: Optional[str],
-                row: Optional[torch.Tensor], col: Optional[torch.Tensor]) -> torch.Tensor:
+                row: Optional[torch.Tensor], col: Optional[torch.Tensor],
+                loop: Optional[torch.Tensor] = None) -> torch.Tensor:
         ctx.g, ctx.backend = g, backend
-        # x only serves the gradient of trainable edge values (GAT): a propagation with fixed
-        # coefficients keeps nothing of its input for backward
-        ctx.save_for_backward(values, x if values is not None and ctx.needs_input_grad[1] else None, row, col)
-        return kernels.spmm(_csr(g), values, x, backend, row_scale=row, col_scale=col)
+        # x only serves the gradients of trainable edge values or self-loop factors (GAT): a
+        # propagation with fixed coefficients keeps nothing of its input for backward
+        keep_x = values is not None and ctx.needs_input_grad[1] or loop is not None and ctx.needs_input_grad[6]
+        ctx.save_for_backward(values, x if keep_x else None, row, col, loop)
+        out = kernels.spmm(_csr(g), values, x, backend, row_scale=row, col_scale=col)
+        if loop is not None:  # (a product, then a sum: what ``out + loop * x_own`` computes, bit for bit)
+            out += _per_row(loop, x) * _own_rows(g, x)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
-        values, x, row, col = ctx.saved_tensors
+        values, x, row, col, loop = ctx.saved_tensors
         g: Graph = ctx.g
-        grad_values = grad_x = None
+        grad_values = grad_x = grad_loop = None
         grad_out = grad_out.contiguous()
         if ctx.needs_input_grad[2] and _pushes(g, values is not None):
             grad_x = kernels.spmm(_csr(g), values, grad_out, ctx.backend, row_scale=row, col_scale=col, transpose=True)
@@ -229,9 +242,14 @@ class _SpMM(torch.autograd.Function):
             csr_t, perm = _csr_t(g, values is not None)
             vt = None if values is None else kernels.gather_rows(values, perm)
             grad_x = kernels.spmm(csr_t, vt, grad_out, ctx.backend, row_scale=col, col_scale=row)
+        if loop is not None and grad_x is not None:
+            _own_rows(g, grad_x).add_(grad_out * _per_row(loop, grad_out))
         if values is not None and ctx.needs_input_grad[1]:
             grad_values = _values_grad(g, values, grad_out, x, row, col, ctx.backend)
-        return None, grad_values, grad_x, None, None, None
+        if loop is not None and ctx.needs_input_grad[6]:
+            prod = grad_out * _own_rows(g, x)
+            grad_loop = prod.sum(dim=tuple(range(loop.dim(), prod.dim()))) if prod.dim() > loop.dim() else prod
+        return None, grad_values, grad_x, None, None, None, grad_loop
 
 
 Terms = tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]
@@ -340,11 +358,7 @@ def propagate(g: Graph, x: torch.Tensor, norm: str = "gcn", edge_weight: Optiona
         if edge_weight.dtype != x.dtype:
             edge_weight = edge_weight.to(x.dtype)
     values, row, col, loop = _propagation_terms(g, norm, edge_weight, add_self_loops, x.dtype)
-    out = _SpMM.apply(g, values, x, backend, row, col)
-    if loop is None:
-        return out
-    loop = loop.reshape(loop.shape + (1,) * (x.dim() - loop.dim()))
-    return out + loop * _own_rows(g, x)
+    return _SpMM.apply(g, values, x, backend, row, col, loop)
 
 
 def _own_rows(g: Graph, x: torch.Tensor) -> torch.Tensor:
@@ -813,8 +827,10 @@ class _Replay:
     ``x_version``/``out_version``: the tensors' versions when the dropout ran (an in-place change of
     either afterwards makes the replay wrong: it is then not packed, or refused when unpacked).
     ``view``: ``(size, stride, offset)`` where what was saved is a view of the output (a slice an
-    op saved), ``None`` for the output itself; ``made``: the output computed last, while alive
-    (the views of one output share one replay)."""
+    op saved), ``None`` for the output itself; ``made``: ``[output, pending]``, shared by the packs
+    of one output: the output replayed first is kept until every pack of it was unpacked (the
+    views one backward node reads share one replay; later readers hold no more than keeping the
+    output would have)."""
 
     __slots__ = ("x", "keep", "scale", "x_version", "out_version", "view", "made")
 
@@ -822,7 +838,7 @@ class _Replay:
                  view: Optional[tuple] = None, made: Optional[list] = None) -> None:
         self.x, self.keep, self.scale = x, keep, scale
         self.x_version, self.out_version, self.view = x_version, out_version, view
-        self.made: list = made if made is not None else [None]  # [weakref of the last replay], shared
+        self.made: list = made if made is not None else [None, 0]  # [replayed output, packs pending], shared
 
     def of_view(self, t: torch.Tensor) -> "_Replay":
         """The replay of ``t``, a view of this output."""
@@ -833,11 +849,12 @@ class _Replay:
         if self.x._version != self.x_version:
             raise KernelError("a dropout's input was modified in place after the dropout ran; its output, "
                               "needed for gradient computation, cannot be computed again (replay_dropout_outputs)")
-        out = self.made[0]() if self.made[0] is not None else None
+        out, pending = self.made
         if out is None:
             with torch.no_grad():
                 out = keep_times(self.x.detach(), self.keep, self.scale)
-            self.made[0] = weakref.ref(out)
+        # kept for the packs of this output not unpacked yet (one node's views share one replay)
+        self.made[:] = [out, pending - 1] if pending > 1 else [None, 0]
         return out if self.view is None else out.as_strided(*self.view)
 
 
@@ -883,6 +900,7 @@ def replay_pack(t: Any) -> Any:
         info = info.of_view(t)
     if t._version != info.out_version or info.x._version != info.x_version:
         return t
+    info.made[1] += 1
     return info
 
 
