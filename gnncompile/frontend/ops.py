@@ -858,15 +858,16 @@ class _Replay:
         return out if self.view is None else out.as_strided(*self.view)
 
 
-#: storage of a replayable dropout output -> that output (weakly): a view of it an op saves replays too
-_REPLAYABLE: dict[int, "weakref.ref[torch.Tensor]"] = {}
+#: storage of a replayable dropout output -> (that output, weakly; its replay): the output or a view
+#: of it that an op saves replays
+_REPLAYABLE: dict[int, tuple["weakref.ref[torch.Tensor]", _Replay]] = {}
 
 
 def _mark_replayable(out: torch.Tensor, info: _Replay) -> None:
-    out._gnncompile_replay = info
     ptr = out.untyped_storage().data_ptr()
-    _REPLAYABLE[ptr] = weakref.ref(out, lambda ref, ptr=ptr: _REPLAYABLE.pop(ptr, None)
-                                   if _REPLAYABLE.get(ptr) is ref else None)
+    ref = weakref.ref(out, lambda ref, ptr=ptr: _REPLAYABLE.pop(ptr, None)
+                      if _REPLAYABLE.get(ptr, (None,))[0] is ref else None)
+    _REPLAYABLE[ptr] = (ref, info)
 
 
 def _replayable_source(x: torch.Tensor) -> bool:
@@ -886,20 +887,14 @@ def replay_pack(t: Any) -> Any:
     """What autograd saves for ``t`` under :func:`replay_dropout_outputs`: for the unchanged output of
     a replicated dropout (:meth:`MaskDraw.times`) or a view of it, a :class:`_Replay` of its input
     and mask (which the dropout's own backward holds anyway); anything else as it is."""
-    if not isinstance(t, torch.Tensor):
+    if not _REPLAYABLE or not isinstance(t, torch.Tensor) or t.layout != torch.strided:
         return t
-    info = getattr(t, "_gnncompile_replay", None)
-    if info is None:
-        if not _REPLAYABLE or t.layout != torch.strided:
-            return t
-        ref = _REPLAYABLE.get(t.untyped_storage().data_ptr())
-        base = ref() if ref is not None else None
-        info = getattr(base, "_gnncompile_replay", None)
-        if info is None:
-            return t
+    ref, info = _REPLAYABLE.get(t.untyped_storage().data_ptr(), (None, None))
+    base = ref() if ref is not None else None
+    if base is None or t._version != info.out_version or info.x._version != info.x_version:
+        return t
+    if (t.size(), t.stride(), t.storage_offset()) != (base.size(), base.stride(), base.storage_offset()):
         info = info.of_view(t)
-    if t._version != info.out_version or info.x._version != info.x_version:
-        return t
     info.made[1] += 1
     return info
 
@@ -920,10 +915,9 @@ def replay_dropout_outputs() -> Any:
 
 
 def drop_replay(t: Any) -> None:
-    """Forget that ``t`` is a dropout's output (a stage output the executor keeps: a later stage that
-    saves it must hold it, not its input)."""
-    if isinstance(t, torch.Tensor) and hasattr(t, "_gnncompile_replay"):
-        del t._gnncompile_replay
+    """Forget that ``t`` (or the tensor whose storage it shares) is a dropout's output (a stage output
+    the executor keeps: a later stage that saves it must hold it, not its input)."""
+    if _REPLAYABLE and isinstance(t, torch.Tensor) and t.layout == torch.strided:
         _REPLAYABLE.pop(t.untyped_storage().data_ptr(), None)
 
 

@@ -22,7 +22,7 @@ from ..ir.symbolic import Lin
 from ..ir.tpgraph import TPGraph
 from ..nn.functional import feature_dropout
 from .infra import graph_pass
-from .lower import StagedModel, call_arguments
+from .lower import StagedModel, _elsize, call_arguments
 from .recompute import Recompute
 
 __all__ = ["replicate_dropout_masks", "dropout_inputs", "dropout_draws", "INDEX_INPUTS"]
@@ -74,10 +74,6 @@ def _mark_replays(g: torch.fx.Graph, old: torch.fx.Node, new: torch.fx.Node, inp
         u.meta["tp"] = ut.with_(saves=tuple(sorted({*ut.saves} - {old.name} | {new.name, inp.name})),
                                 replays=ut.replays + (new.name,), replayed_bytes=ut.replayed_bytes + out,
                                 replay_saving=ut.replay_saving + saving)
-
-
-def _elsize(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def dropout_inputs(tp: TPGraph) -> dict[str, str]:
@@ -139,8 +135,7 @@ def replicate_dropout_masks(tp: TPGraph, graph: Graph, strategy: str = "",
         t = n.meta.get("tp")
         if t is not None and t.dtype:
             # it saves a bool mask of its rows (one byte per entry), where the dropout saved one in its dtype
-            es = torch.empty((), dtype=getattr(torch, t.dtype)).element_size()
-            new.meta["tp"] = dataclasses.replace(t, saved_bytes=t.saved_bytes * (1.0 / es))
+            new.meta["tp"] = dataclasses.replace(t, saved_bytes=t.saved_bytes * (1.0 / _elsize(t.dtype)))
             if space != "nnz":
                 _mark_replays(g, n, new, inp)
         n.replace_all_uses_with(new)

@@ -244,6 +244,12 @@ class HaloSpec:
     def num_halo(self) -> int:
         return sum(self.recv_count)
 
+    @functools.cached_property
+    def send_rows(self) -> torch.Tensor:
+        """Every row sent, in peer order (one index: the forward gathers them, the backward adds
+        their gradients back); made once per spec."""
+        return torch.cat(self.send_index) if self.send_index else torch.zeros(0, dtype=torch.long)
+
 
 class Communicator:
     """This rank's communication: halo exchange, all-reduce, point-to-point, with accounting.
@@ -324,8 +330,7 @@ class Communicator:
         if h.shape[0] != spec.num_owned:
             raise RuntimeError(f"halo exchange: value has {h.shape[0]} rows, rank {self.rank} owns {spec.num_owned}")
         h = h.detach()
-        index = [idx for idx in spec.send_index if idx.numel()]
-        send = h.index_select(0, index[0] if len(index) == 1 else torch.cat(index)) if index else h[:0]
+        send = h.index_select(0, spec.send_rows) if spec.send_rows.numel() else h[:0]
         n, halo = spec.num_owned, spec.num_halo
         if not halo:
             self._all_to_all(send, spec.send_count, spec.recv_count)
@@ -345,8 +350,7 @@ class Communicator:
             return grad_ext
         grad = grad_ext[:n].clone()
         if back.shape[0]:
-            idx = torch.cat(list(spec.send_index))
-            grad.index_add_(0, idx, back)
+            grad.index_add_(0, spec.send_rows, back)
         return grad
 
     def _all_to_all_blocks(self, blocks: Sequence[torch.Tensor], recv_shapes: Sequence[tuple[int, ...]],
