@@ -205,7 +205,7 @@ def test_native_narrow_widths_padded_equal_the_kernel_unpadded(dtype: torch.dtyp
     sums, bit for bit, as the kernel on the unpadded rows (its masked window, which reads whole
     accumulator widths except from the last rows of ``x``), forward and transposed, with scales."""
     mod = require_native()
-    csr = random_csr(40, 30, 4.0, seed=23)
+    csr = random_csr(40, 30, 8.0, seed=23)  # enough edges per row that padding pays (kernels._padded_width)
     last = torch.full((3,), 29, dtype=csr.indices.dtype)  # row 0 also gathers x's last row
     csr = CSR(torch.cat([csr.indptr[:1], csr.indptr[1:] + 3]), torch.cat([last, csr.indices]), csr.num_rows,
               csr.num_cols)
@@ -214,6 +214,8 @@ def test_native_narrow_widths_padded_equal_the_kernel_unpadded(dtype: torch.dtyp
     parts = kernels._push_parts(csr, torch.get_num_threads())
     assert set(kernels._PADDED_WIDTHS) >= {3, 5, 7, 12, 20, 31}
     for width in sorted(kernels._PADDED_WIDTHS):
+        assert kernels._padded_width(csr, width, False) == kernels._PADDED_WIDTHS[width]
+        assert kernels._padded_width(csr, width, True) == kernels._PADDED_WIDTHS[width]
         x = randn(30, width, dtype=dtype, seed=width)
         for values in (None, randn(csr.nnz, dtype=dtype, seed=width + 1)):
             unpadded = mod.spmm(csr.indptr, idx, values, x, 1, 0, rs, cs)
@@ -225,6 +227,16 @@ def test_native_narrow_widths_padded_equal_the_kernel_unpadded(dtype: torch.dtyp
             pushed = mod.spmm_t(csr.indptr, idx, values, y, 1, 30, parts, rs, cs)
             assert torch.equal(kernels.spmm(csr, values, y, backend="native", row_scale=rs, col_scale=cs,
                                             transpose=True), pushed), width
+
+
+def test_native_chunk_products_run_unpadded() -> None:
+    """A product over a few rows of a graph against all its sources (a chunk of a ``task`` plan) is
+    not padded: padding would copy every source row for few edges. The whole graph's product is."""
+    csr = random_csr(2000, 2000, 8.0, seed=5)
+    chunk = CSR(csr.indptr[:101] - csr.indptr[0], csr.indices[:int(csr.indptr[100])], 100, 2000)
+    assert kernels._padded_width(csr, 5, False) == 8 and kernels._padded_width(csr, 5, True) == 8
+    assert kernels._padded_width(chunk, 5, False) is None and kernels._padded_width(chunk, 5, True) is None
+    assert kernels._padded_width(csr, 8, False) is None  # a power of two runs as it is
 
 
 def test_native_spmm_is_deterministic() -> None:

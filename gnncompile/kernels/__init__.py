@@ -121,6 +121,13 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], math.prod(t.shape[1:]))
 
 
+def _shaped(out: torch.Tensor, rows: int, tail: tuple[int, ...]) -> torch.Tensor:
+    """``out`` ``[rows, heads * d]`` as ``[rows, *tail]``: itself when the shapes agree, not a view of
+    it (a view keeps its base alive: a plan's ``Free`` releases only a product that is no view)."""
+    shape = (rows,) + tail
+    return out if tuple(out.shape) == shape else out.reshape(shape)
+
+
 def _split_heads(values: Optional[torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:
     """Return ``(x2d, heads, out_shape_tail)`` with ``x2d`` contiguous ``[N, H*C]``."""
     if values is not None and values.dim() == 2 and values.shape[1] > 1:
@@ -253,7 +260,7 @@ def _spmm_native(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor,
     rs = None if row_scale is None else row_scale.contiguous()
     cs = None if col_scale is None else col_scale.contiguous()
     width = x2.shape[1]
-    padded = _PADDED_WIDTHS.get(width) if heads == 1 else None
+    padded = _padded_width(csr, width, transpose) if heads == 1 else None
     if padded is not None:
         x2 = torch.nn.functional.pad(x2, (0, padded - width))
     if transpose:
@@ -263,7 +270,7 @@ def _spmm_native(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor,
         out = mod.spmm(csr.indptr, _native_index(csr), vals, x2, heads, 0, rs, cs)
     if padded is not None:
         out = out[:, :width].contiguous()
-    return out.reshape((out.shape[0],) + tail)
+    return _shaped(out, out.shape[0], tail)
 
 
 #: Narrow single-head widths the native kernels run zero-padded to a power of two (SpMM: the
@@ -274,6 +281,24 @@ def _spmm_native(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor,
 #: ms at width 8, width 12 2.0 and 4.3 ms against 0.47 and 1.9 at 16, width 20 1.5 and 3.1 against
 #: 0.66 and 2.1 at 32; at width 40 padding to 64 no longer paid.
 _PADDED_WIDTHS = {w: 1 << (w - 1).bit_length() for w in range(3, 32) if w & (w - 1)}
+
+#: Edges per row of the padded input and output below which an SpMM runs unpadded: padding copies
+#: every row of the input and of the output (a chunk's product pads the whole source tensor), which
+#: pays only over enough edges. Measured on coauthor_physics (2 threads), width 5, a chunk of the
+#: rows against all 34,493 sources, padded against unpadded: a quarter of the rows (3.1 edges per
+#: padded row) pulled 0.42 against 0.43 ms; an eighth (1.7) pulled 0.31 against 0.17, pushed 0.47
+#: against 0.59; a sixteenth (0.84) pushed 0.32 against 0.27; all rows (7.2) 0.98 against 1.65 and
+#: 2.67 against 4.60.
+_PAD_EDGES_PER_ROW = {False: 3.0, True: 1.0}
+
+
+def _padded_width(csr: CSR, width: int, transpose: bool) -> Optional[int]:
+    """The width an SpMM of ``csr`` (``transpose``: its transposed product) with ``width`` columns
+    runs at in the native kernel: a power of two when padding pays (above), else ``None``."""
+    padded = _PADDED_WIDTHS.get(width)
+    if padded is None or csr.nnz < _PAD_EDGES_PER_ROW[transpose] * (csr.num_rows + csr.num_cols):
+        return None
+    return padded
 
 
 def prepare_native(csr: CSR, transpose_threads: Optional[int] = None) -> None:
@@ -436,7 +461,7 @@ def _spmm_torch(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, trans
         outs = [torch.sparse.mm(mat(values[:, h].contiguous()), x2[:, h * c:(h + 1) * c].contiguous())
                 for h in range(heads)]
         out = torch.stack(outs, dim=1)
-    return out.reshape((csr.num_cols if transpose else csr.num_rows,) + tail)
+    return _shaped(out, csr.num_cols if transpose else csr.num_rows, tail)
 
 
 def _sddmm_gather(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> torch.Tensor:
@@ -478,7 +503,7 @@ def _spmm_scipy(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, trans
         c = xn.shape[1] // heads
         out = np.concatenate([mat(values[:, h]) @ xn[:, h * c:(h + 1) * c] for h in range(heads)], axis=1)
     rows = csr.num_cols if transpose else csr.num_rows
-    return torch.from_numpy(np.ascontiguousarray(out, dtype=xn.dtype)).reshape((rows,) + tail)
+    return _shaped(torch.from_numpy(np.ascontiguousarray(out, dtype=xn.dtype)), rows, tail)
 
 
 # --------------------------------------------------------------------------- cupy backend
@@ -595,7 +620,7 @@ def _spmm_cupy(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, transp
     rows = csr.num_cols if transpose else csr.num_rows
     out = torch.zeros((rows, width), dtype=x.dtype, device=dev)
     if csr.nnz == 0 or rows == 0 or width == 0:
-        return out.reshape((rows,) + tail)
+        return _shaped(out, rows, tail)
     mat = csr.cached(f"cusparse:{dev}:{x.dtype}", lambda: _CusparseCSR(cusparse, csr, dev, x.dtype))
     vals = None if values is None else values.detach()
     stream = torch.cuda.current_stream(dev)
@@ -615,7 +640,7 @@ def _spmm_cupy(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, transp
                 _cusparse_spmm(cusparse, handle, mat, _aligned(vals[:, h]), _aligned(x2[:, h * c:(h + 1) * c]),
                                out_h, transpose)
                 out[:, h * c:(h + 1) * c] = out_h
-    return out.reshape((rows,) + tail)
+    return _shaped(out, rows, tail)
 
 
 # --------------------------------------------------------------------------- dispatch
