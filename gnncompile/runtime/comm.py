@@ -129,15 +129,21 @@ def offsets(sizes: Sequence[int]) -> list[int]:
     return out
 
 
-class _HeldWork:
-    """A posted send's work handle that keeps its host staging buffer alive until :meth:`wait`."""
+class _SendWork:
+    """A posted send's work handle that keeps its buffer (``t``, or a host staging copy) alive until
+    :meth:`wait`, which returns once the library let go of it (:func:`let_go`; ``held``: its
+    reference count before it was posted)."""
 
-    def __init__(self, work: Any, buffer: torch.Tensor) -> None:
-        self._work, self._buffer = work, buffer
+    def __init__(self, work: Any, buffer: torch.Tensor, held: int) -> None:
+        self._work, self._buffer, self._held = work, buffer, held
 
     @_tracked("wait for a send")
     def wait(self) -> bool:
+        if self._work is None:
+            return True
         done = self._work.wait()
+        self._work = None
+        let_go(self._buffer, self._held)
         self._buffer = None  # type: ignore[assignment]
         return done
 
@@ -171,6 +177,28 @@ def complete(work: Any, poll: bool = False) -> None:
     work.wait()
 
 
+#: the longest a rank waits for the communication library to let go of a completed exchange's
+#: buffer (:func:`let_go`)
+LET_GO_SECONDS = 0.005
+
+
+def let_go(buf: Any, held: int) -> None:
+    """Wait, yielding the core, until the communication library no longer references the CPU tensor
+    ``buf`` of an exchange that completed and whose handle the caller dropped: until its reference
+    count is back to ``held`` (taken before it was posted), for at most :data:`LET_GO_SECONDS`.
+
+    gloo's worker thread drops its references to a work's tensors a moment after the work reports
+    completion. A buffer whose last reference that thread drops is freed there: after the plan's
+    ``Free``, and unseen by :class:`~gnncompile.runtime.memory.PeakMemory` (the profiler records the
+    frees of the thread that measures), which then counts it as live to the end of the step."""
+    if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or buf._use_count() <= held:
+        return
+    deadline = time.perf_counter() + LET_GO_SECONDS
+    while buf._use_count() > held and time.perf_counter() < deadline:
+        if _yield is not None:
+            _yield()
+
+
 def polls_by_default(backend: str, device: torch.device) -> bool:
     """Whether a rank waits for communication by polling (:func:`complete`): gloo on the CPU, where
     ``os.sched_yield`` exists (however many ranks share the cores: see :func:`complete`). NCCL
@@ -188,17 +216,21 @@ class Pending:
 
     ``work``: the communication library's handle (``None``: nothing crossed, e.g. one rank);
     ``finish``: builds the result from the received buffer; ``keep``: the send buffer, held until
-    the exchange completes (the library reads it in the background).
+    the exchange completes (the library reads it in the background) and the library let go of it
+    (:func:`let_go`; ``held``: its reference count before it was posted).
     """
 
-    def __init__(self, work: Any, finish: Callable[[], torch.Tensor], keep: Any = None, poll: bool = False) -> None:
-        self._work, self._finish, self._keep, self._poll = work, finish, keep, poll
+    def __init__(self, work: Any, finish: Callable[[], torch.Tensor], keep: Any = None, poll: bool = False,
+                 held: int = 0) -> None:
+        self._work, self._finish, self._keep, self._poll, self._held = work, finish, keep, poll, held
         self._result: Optional[torch.Tensor] = None
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
             if self._work is not None:
                 _wait_posted(self._work, self._poll)
+                self._work = None
+                let_go(self._keep, self._held)
             self._result = self._finish()
             self._work = self._finish = self._keep = None  # type: ignore[assignment]
         return self._result
@@ -294,24 +326,28 @@ class Communicator:
         send = send.contiguous()
         work, finish = None, (lambda: recv)
         keep: Any = send
+        held = send._use_count()
         if (self.world_size if size is None else size) > 1:
             staged = "all_to_all" in self.stage_through_host
             send_buf = self._host("all_to_all", send)
+            if staged:
+                keep, held = send_buf, send_buf._use_count()
             recv_buf = torch.empty(recv.shape, dtype=recv.dtype) if staged else recv
             work = dist.all_to_all_single(recv_buf, send_buf, output_split_sizes=list(recv_counts),
                                           input_split_sizes=list(send_counts),
                                           group=group if group is not None else self.group, async_op=True)
             if staged:
-                keep = send_buf
 
                 def finish() -> torch.Tensor:
                     return recv.copy_(recv_buf)
         elif recv.numel():  # one rank: what it sends to itself is what it receives
             recv.copy_(send.reshape(recv.shape))
         if async_op:
-            return Pending(work, finish, keep=keep, poll=self.poll)
+            return Pending(work, finish, keep=keep, poll=self.poll, held=held)
         if work is not None:
             complete(work, self.poll)
+            work = None
+            let_go(keep, held)
         return finish()
 
     def _all_to_all(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
@@ -474,8 +510,8 @@ class Communicator:
         t = t.detach().contiguous()
         self.stats.add(self.phase, peer, sent=t.numel() * t.element_size())
         buf = self._host("send", t)
-        work = dist.isend(buf, dst=peer, group=self.group)
-        return work if buf is t else _HeldWork(work, buf)
+        held = buf._use_count()
+        return _SendWork(dist.isend(buf, dst=peer, group=self.group), buf, held)
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], group: Any = None,
                     members: Optional[Sequence[int]] = None) -> None:
@@ -506,10 +542,17 @@ class Communicator:
         group = group if group is not None else self.group
         if "all_reduce" in self.stage_through_host:
             host = t.to("cpu", copy=True)
-            complete(dist.all_reduce(host, group=group, async_op=True), self.poll)
+            self._run(lambda: dist.all_reduce(host, group=group, async_op=True), host)
             return t.copy_(host)
-        complete(dist.all_reduce(t, group=group, async_op=True), self.poll)
+        self._run(lambda: dist.all_reduce(t, group=group, async_op=True), t)
         return t
+
+    def _run(self, post: Callable[[], Any], buf: torch.Tensor) -> None:
+        """Post a collective on ``buf`` (``post()`` returns its work), wait for it and for the library
+        to let go of ``buf`` (:func:`let_go`)."""
+        held = buf._use_count()
+        complete(post(), self.poll)
+        let_go(buf, held)
 
 
 class _HaloExchange(torch.autograd.Function):
