@@ -24,6 +24,7 @@ from .frontend.blocks import BlockModel
 from .frontend.ops import plan_dropout_draws
 from .graph.core import Graph
 from .graph.minibatch import SampledSteps
+from .runtime.trainer import adam
 
 __all__ = ["ReferenceStep", "reference_step", "sampled_reference_step", "check_plan", "check_trace"]
 
@@ -47,7 +48,7 @@ def reference_step(model: torch.nn.Module, graph: Graph, lr: float = 0.01, weigh
     first = next(iter(params.values()), None)
     if first is not None and x.layout == torch.strided and x.dtype != first.dtype:
         x = x.to(first.dtype)
-    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+    opt = adam(model.parameters(), lr, weight_decay)
     opt.zero_grad(set_to_none=True)
     with plan_dropout_draws():
         logits = model(graph, x)
@@ -73,7 +74,7 @@ def sampled_reference_step(model: torch.nn.Module, graph: Graph, batch_size: int
     sources = [SampledSteps(graph, targets, batch_size, tuple(fanouts), seed, tuple(bound.norms), r, ranks)
                for r in range(ranks if micro else 1)]
     params = dict(model.named_parameters())
-    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+    opt = adam(model.parameters(), lr, weight_decay)
     opt.zero_grad(set_to_none=True)
     loss, outs, ids = 0.0, [], []
     for src in sources:
@@ -163,7 +164,7 @@ def _adam_step(model: torch.nn.Module, grads: dict[str, Optional[torch.Tensor]],
     for n, p in params.items():
         g = grads.get(n)
         p.grad = None if g is None else g.detach().to(p.dtype).clone()
-    torch.optim.Adam(params.values(), lr=lr, weight_decay=weight_decay).step()
+    adam(params.values(), lr, weight_decay).step()
     return {n: p.detach() for n, p in params.items()}
 
 

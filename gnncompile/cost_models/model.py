@@ -100,9 +100,9 @@ __all__ = ["ELSIZE", "StaticMemory", "static_memory", "PlanCost", "predict", "Pr
 
 ELSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4}
 
-#: bytes Adam moves per float32 parameter: torch's multi-tensor Adam with weight decay makes about
-#: 16 passes over parameter-sized tensors (decay, two moment updates, bias corrections, sqrt, step)
-_ADAM_BYTES_PER_PARAM = 16 * 4
+#: bytes Adam moves per float32 parameter: torch's fused Adam (:func:`gnncompile.runtime.trainer.adam`)
+#: reads the parameter, its gradient and both moments and writes the parameter and the moments
+_ADAM_BYTES_PER_PARAM = 7 * 4
 
 
 def _elsize(dtype: str) -> int:
@@ -368,11 +368,6 @@ def _with_native_features(plan: Plan, dp: DevicePlan, static: StaticMemory, devi
     return dataclasses.replace(static, features=static.features + int(4 * entries))
 
 
-#: parameter-sized temporaries of one tensor's Adam update (torch's single-tensor Adam with weight
-#: decay, its default on the CPU): ``grad + wd * param``, then ``sqrt(v)`` and ``sqrt(v) / c`` alive at once
-_ADAM_TEMPORARIES = 3
-
-
 def _sparse_row_value_bytes(plan: Plan) -> Optional[float]:
     """Bytes per row of the stored values of the plan's sparse CSR input features, or ``None`` when
     the features are dense. ``plan.info["feature_bytes_per_row"]`` counts a stored entry as its value
@@ -460,15 +455,6 @@ class _RankMasks:
     def kept(self) -> dict[int, float]:
         """Bytes of masks kept until a stage's last backward, by stage: none."""
         return {}
-
-
-def _largest_param_bytes(plan: Plan, dp: DevicePlan) -> float:
-    """Bytes of the rank's largest parameter tensor, as the largest size-independent part of an op's
-    bytes (a GEMM reads its weight whatever the rows), at most the rank's parameters."""
-    s = dp.sizes
-    params = s.params if s.params is not None else int(plan.info.get("params", 0)) if s.trains != 0 else 0
-    largest = max((float(op.bytes.c) for st in dp.stages for op in st.costs), default=0.0)
-    return max(0.0, min(largest, params * _elsize(plan.info.get("param_dtype", "float32"))))
 
 
 class PlanCost:
@@ -826,10 +812,11 @@ def _saved_per_op(w: _RankWalk, st: StageSpec, replay: bool = False) -> list[flo
 
 def _saves_inputs(st: StageSpec, sizes: RankSizes) -> bool:
     """Whether an op of ``st`` saves a stage input for backward: its first op saving anything (a
-    linear layer its input), or a propagation that saves (its edge values need a gradient, which
-    reads the gathered input rows: GAT's)."""
+    linear layer its input), or a propagation whose edge values need a gradient (which reads the
+    gathered input rows: GAT's; its ``saved`` may be none of its own, the values replayed and the
+    input counted as saved by the op that made it)."""
     return bool(st.costs) and op_value(st.costs[0], st.costs[0].saved, sizes) > 0 or \
-        any(op.kind == "P" and op_value(op, op.saved, sizes) > 0 for op in st.costs)
+        any(op.kind == "P" and op_value(op, op.values, sizes) > 0 for op in st.costs)
 
 
 def _sparse_product_temporaries(w: _RankWalk, op: OpCost) -> float:
@@ -883,47 +870,75 @@ def _outputs_saved(st: StageSpec) -> dict[int, str]:
 def _backward_cost(w: _RankWalk, i: int, inst: Backward) -> StepCost:
     st = w.stages[inst.stage]
     seconds = w.cost.stage_time(w.dp.rank, st, backward=True) + w.switch(i)
-    # the ops last to first: op k's backward holds the saved tensors of ops 0..k (later ones are
-    # released), the gradients of its output and of its input (ops autograd visits only); a
-    # checkpointed segment first replays its forward, its ops saving what they save with gradients
-    kept = _saved_per_op(w, st)
-    again = _saved_per_op(w, st, replay=True)
-    peak = below = prev = 0.0
-    needs = True  # whether the op's input (the previous op's output) needs a gradient
-    for op, k, r in zip(st.costs, kept, again):
-        below += k + r
-        out = w.value_bytes.get(op.name, 0.0)
-        if op.backward:
-            # the gradient of its input, where it needs one (not after an op autograd does not
-            # visit: a first linear layer after the features' dropout computes its weights' only)
-            grad_in = (prev or out) if needs else 0.0
-            peak = max(peak, below + out + grad_in + _sparse_product_temporaries(w, op) + _op_temporaries(op, out, w.device)
-                       + _permuted_values(w, op) + op_value(op, op.replayed, w.sizes))
-        prev, needs = out, op.backward > 0
-    transient = max(0.0, peak - sum(kept))
-    # the weights' gradients of the stage, at its first backward (later chunks accumulate into them)
-    alloc = _make_gradients(w, w.stage_grads.pop(inst.stage, 0.0))
-    # gradients of the stage's inputs that something upstream consumes. A concatenation's gradient
-    # and one temporary of its size live while the ops run; then it is split into a gradient of every
-    # chunk it holds, made by the first backward that reads them (later ones add into them). A
-    # gradient made before is summed with the new one (no growth).
-    wholes = split = 0.0
+    # gradients of the stage's inputs that something upstream consumes, made by the backward of the
+    # ops reading them. A concatenation's gradient is then split into a gradient of every chunk it
+    # holds, made by the first backward that reads them (later ones add into them); a gradient made
+    # before is summed with the new one (no growth).
+    made = split = wholes = 0.0
+    inputs: dict[str, float] = {}  # stage input -> bytes of its gradient here (a concatenation's whole)
     for v in dict.fromkeys(st.inputs):
         if v in w.value_bytes:
             read = st.chunks_read(v, inst.chunk)
             for key in [(v, k) for k in read] if len(read) > 1 else [(v, inst.chunk)]:
                 if key not in w.grad_made:
                     w.grad_made[key] = w.value_bytes[v]
-                    alloc += w.value_bytes[v]
+                    made += w.value_bytes[v]
                     split += w.value_bytes[v] if len(read) > 1 else 0.0
-            if len(read) > 1:
-                wholes += w.value_bytes[v] * len(read)
-    if wholes:  # the new chunk gradients are made after the temporaries are gone
-        transient = max(transient + 2 * wholes, wholes + split) - split
+            inputs[v] = w.value_bytes[v] * len(read)
+            wholes += inputs[v] if len(read) > 1 else 0.0
+    received = {op.name for op in st.costs if op.name in st.outputs and (op.name, inst.chunk) in w.grad_made}
+    peak = _backward_peak(w, st, inputs, received)
+    if wholes:  # the new chunk gradients are copied out of the concatenation's
+        peak = max(peak, sum(inputs.values()) + split)
+    transient = max(0.0, peak - sum(_saved_per_op(w, st)) - made)
+    # the weights' gradients of the stage, at its first backward (later chunks accumulate into them)
+    alloc = _make_gradients(w, w.stage_grads.pop(inst.stage, 0.0)) + made
     # the gradients of the outputs were consumed here
     for o in st.outputs:
         w.release_at(i, w.grad_made.pop((o, inst.chunk), 0.0))
     return seconds, "compute", alloc, transient
+
+
+def _backward_peak(w: _RankWalk, st: StageSpec, inputs: dict[str, float], received: set[str]) -> float:
+    """Peak bytes of a stage's backward above what was live before it, gradients received for its
+    outputs (``received``) excepted. Autograd visits its ops last to first; op ``k``'s backward holds
+    the saved tensors of ops ``0..k`` (later ones are released; a checkpointed segment first replays
+    its forward, its ops saving what they save with gradients), the gradients of the values that
+    ops ``k..`` read (:attr:`OpCost.reads`) and that ops ``..k`` made (its output's, the ones its
+    inputs get now, the accumulating ones of values read again further up), the gradients of the
+    stage's inputs (``inputs``, bytes) that it or a later op read, and its temporaries."""
+    costs = st.costs
+    index = {op.name: j for j, op in enumerate(costs)}
+    by_base: dict[str, list[str]] = {}
+    for v in inputs:
+        by_base.setdefault(v.split("@", 1)[0], []).append(v)
+    grads_in = [op.backward > 0 and op.input_grad for op in costs]
+    for j in range(1, len(costs)):  # nothing flows back through an op autograd does not visit
+        grads_in[j] = grads_in[j] and (costs[j - 1].backward > 0 or bool(costs[j].reads))
+    last_use: dict[str, int] = {}     # value read -> the last op (forward order) whose backward grads it
+    for j, op in enumerate(costs):
+        if not grads_in[j]:
+            continue
+        read = op.reads or ((costs[j - 1].name,) if j else tuple(inputs))
+        for name in read:
+            for u in by_base.get(name, [name] if name in index or name in inputs else []):
+                last_use[u] = j
+    kept = _saved_per_op(w, st)
+    again = _saved_per_op(w, st, replay=True)
+    peak = below = 0.0
+    for k, op in enumerate(costs):
+        below += kept[k] + again[k]
+        if not op.backward:
+            continue
+        out = w.value_bytes.get(op.name, 0.0)
+        grads = sum(b for v, b in inputs.items() if last_use.get(v, -1) >= k)
+        grads += sum(w.value_bytes.get(u, 0.0) for u, j in index.items()
+                     if j <= k and u not in received and last_use.get(u, -1) >= k)
+        if op.name not in received and op.name not in last_use:  # read by nobody here: a stage output
+            grads += out
+        peak = max(peak, below + grads + _sparse_product_temporaries(w, op) + _op_temporaries(op, out, w.device)
+                   + _permuted_values(w, op) + op_value(op, op.replayed, w.sizes))
+    return peak
 
 
 def _optimizer_cost(w: _RankWalk, i: int, inst: OptimizerStep) -> StepCost:
@@ -933,10 +948,10 @@ def _optimizer_cost(w: _RankWalk, i: int, inst: OptimizerStep) -> StepCost:
     # the step's bookkeeping outside instructions (loss, zeroing gradients) is charged here
     seconds = params * _ADAM_BYTES_PER_PARAM / dev.mem_bandwidth + \
         tensors * dev.runtime.get("optimizer_tensor", dev.launch_overhead) + dev.runtime.get("step", 0.0) + w.switch(i)
-    temporaries = _ADAM_TEMPORARIES * _largest_param_bytes(w.cost.plan, w.dp)
-    # the first step creates Adam's two moments (kept); a steady step holds them from the start
+    # the first step creates Adam's two moments (kept); a steady step holds them from the start; the
+    # fused update makes no temporaries
     moments = w.cost.static[w.index].optimizer if w.cost.first_step else 0.0
-    return seconds, "compute", moments, temporaries
+    return seconds, "compute", moments, 0.0
 
 
 def _free_cost(w: _RankWalk, i: int, inst: Free) -> StepCost:

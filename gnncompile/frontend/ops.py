@@ -209,6 +209,22 @@ def _per_row(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape + (1,) * (like.dim() - t.dim()))
 
 
+#: bytes of the temporary in which :func:`_add_scaled_rows` computes a block of its products: small
+#: on a CPU; on a GPU each block costs two kernel launches
+_ROW_BLOCK_BYTES = {"cpu": 1 << 20, "cuda": 64 << 20}
+
+
+def _add_scaled_rows(out: torch.Tensor, factors: torch.Tensor, x: torch.Tensor) -> None:
+    """``out += factors * x`` per row (``factors``: ``[N]`` or ``[N, H]``), a block of rows at a time:
+    the same product, then sum, bit for bit, with a temporary of one block instead of ``out``'s size."""
+    rows = out.shape[0]
+    row_bytes = max(1, out[:1].numel() * out.element_size())
+    step = max(1, _ROW_BLOCK_BYTES.get(out.device.type, 1 << 20) // row_bytes)
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        out[a:b] += _per_row(factors[a:b], x) * x[a:b]
+
+
 class _SpMM(torch.autograd.Function):
     """``out = diag(row) A_c diag(col) x + loop * x_own`` with edge values ``c``, fixed per-vertex
     scales ``row`` / ``col`` (the normalization) and optional self-loop factors ``loop`` (times the
@@ -227,7 +243,7 @@ class _SpMM(torch.autograd.Function):
         ctx.save_for_backward(values, x if keep_x else None, row, col, loop)
         out = kernels.spmm(_csr(g), values, x, backend, row_scale=row, col_scale=col)
         if loop is not None:  # (a product, then a sum: what ``out + loop * x_own`` computes, bit for bit)
-            out += _per_row(loop, x) * _own_rows(g, x)
+            _add_scaled_rows(out, loop, _own_rows(g, x))
         return out
 
     @staticmethod
@@ -243,7 +259,7 @@ class _SpMM(torch.autograd.Function):
             vt = None if values is None else kernels.gather_rows(values, perm)
             grad_x = kernels.spmm(csr_t, vt, grad_out, ctx.backend, row_scale=col, col_scale=row)
         if loop is not None and grad_x is not None:
-            _own_rows(g, grad_x).add_(grad_out * _per_row(loop, grad_out))
+            _add_scaled_rows(_own_rows(g, grad_x), loop, grad_out)
         if values is not None and ctx.needs_input_grad[1]:
             grad_values = _values_grad(g, values, grad_out, x, row, col, ctx.backend)
         if loop is not None and ctx.needs_input_grad[6]:

@@ -502,6 +502,12 @@ class OpCost:
     #: backward work in units of the forward's: one for the gradient of its weights (if it has
     #: trainable ones), one for the gradient of its input (if the input needs one)
     backward: int = 2
+    #: whether its backward computes the gradient of its input (the input needs one)
+    input_grad: bool = True
+    #: the values needing a gradient it reads: ops of its stage and producers of the stage's inputs
+    #: (a stage input ``v@halo`` is read as ``v``); empty where unknown (then the previous op's
+    #: output, the first op: the stage's inputs)
+    reads: tuple[str, ...] = ()
     #: random numbers the forward draws (dropout masks)
     random: Lin = field(default_factory=Lin)
     #: the layout the op runs in: ``rows`` (a block of vertices) or ``cols`` (every vertex, a slice of
@@ -522,8 +528,8 @@ class OpCost:
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "kind": self.kind, "width": self.width, "recompute": self.recompute,
-                             "count": self.count, "backward": self.backward, "layout": self.layout,
-                             "layer": self.layer}
+                             "count": self.count, "backward": self.backward, "input_grad": self.input_grad,
+                             "reads": list(self.reads), "layout": self.layout, "layer": self.layer}
         d.update({k: _lin_to_json(getattr(self, k)) for k in self._LINS})
         return d
 
@@ -532,7 +538,8 @@ class OpCost:
         if not isinstance(d, dict):
             raise VerificationError(f"malformed op cost {d!r}: expected an object")
         try:
-            return cls(**{k: _lin_from_json(v) if k in cls._LINS else v for k, v in d.items()})
+            return cls(**{k: _lin_from_json(v) if k in cls._LINS else tuple(v) if k == "reads" else v
+                          for k, v in d.items()})
         except TypeError as e:
             raise VerificationError(f"malformed op cost {d}: {e}") from None
 

@@ -202,13 +202,31 @@ def op_costs(tp: TPGraph, nodes: list[torch.fx.Node], decisions: Optional[Decisi
         # a propagation whose edge values need a gradient computes it too (an SDDMM: one more unit)
         trained = values != Lin()
         c = _op_cost(n, t, modules, recompute=t.recompute, backward=int(weights) + int(inputs) + int(trained))
-        if trained:
-            c = dataclasses.replace(c, values=values)
+        c = dataclasses.replace(c, values=values, input_grad=inputs, reads=_reads(n, here, req))
         if t.replays and all(r in here for r in t.replays):
             # the dropouts it saves run in its stage: their outputs are computed again in backward
             c = dataclasses.replace(c, saved=t.saved_bytes - t.replay_saving, replayed=t.replayed_bytes)
         out.append(dataclasses.replace(c, layout=decisions.layout_of(n.name)) if decisions is not None else c)
     return out
+
+
+def _reads(n: torch.fx.Node, here: set[str], req: set[str]) -> tuple[str, ...]:
+    """The values needing a gradient that op ``n`` reads: ops of its stage (``here``) and the
+    producers of the stage's inputs, through the stage's nodes that are no T/P/E op (views, getitem)."""
+    found: set[str] = set()
+    seen: set[str] = set()
+    stack = list(n.all_input_nodes)
+    while stack:
+        a = stack.pop()
+        if a.name in seen or a.op == "get_attr" or a.name not in req:
+            continue
+        seen.add(a.name)
+        info = a.meta.get("tp")
+        if a.name in here and (info is None or info.kind not in ("T", "P", "E")):
+            stack.extend(a.all_input_nodes)
+        else:
+            found.add(a.name)
+    return tuple(sorted(found))
 
 
 def _trained_edge_values(n: torch.fx.Node, req: set[str]) -> Lin:

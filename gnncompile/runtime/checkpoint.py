@@ -50,7 +50,7 @@ import torch
 from ..errors import RuntimeFailure
 
 __all__ = ["CheckpointOptions", "Checkpoint", "RANK_STATE", "register_rank_state", "prepare", "make_directory", "save",
-           "load_tensors", "write_best", "resume_hint", "tensor_hash", "compare_fingerprints", "latest",
+           "set_optimizer_state", "load_tensors", "write_best", "resume_hint", "tensor_hash", "compare_fingerprints", "latest",
            "SHARED_FS"]
 
 _EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
@@ -304,6 +304,15 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def set_optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, state: dict[str, torch.Tensor],
+                        device: torch.device) -> None:
+    """Install a checkpoint's Adam state (``optim/<name>/<field>`` tensors) for ``param``: the moments
+    on ``device``; the scalar step there too when the optimizer is fused (its kernel reads it on the
+    device), else on the CPU as torch keeps it."""
+    fused = bool(optimizer.defaults.get("fused"))
+    optimizer.state[param] = {f: v if v.dim() == 0 and not fused else v.to(device) for f, v in state.items()}
 
 
 def load_tensors(path: Path, wanted: Callable[[str], bool], *, process_group: Any = None,

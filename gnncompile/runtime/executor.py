@@ -55,7 +55,7 @@ from .comm import Communicator, HaloSpec, Pending, note_progress, polls_by_defau
 from .inputs import StepInputProvider, StepView
 from .launcher import Placement, RankContext, RankFailure, launch, resolve_placement, visible_gpus
 from .memory import PeakMemory
-from .trainer import History, ProgressLines, check_training_args
+from .trainer import History, ProgressLines, adam, check_training_args
 
 __all__ = ["TimelineEvent", "RankResult", "RunResult", "run_plan", "run_plan_torchrun", "execute_rank",
            "plan_placement", "describe_run", "plan_fingerprint"]
@@ -963,7 +963,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
             return logits.sum() * 0.0
         return F.cross_entropy(logits[mask], y[mask], reduction="sum") / (rank.loss_rows or n_train)
 
-    optimizer = torch.optim.Adam([p for p in params if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    optimizer = adam([p for p in params if p.requires_grad], lr, weight_decay)
     rank = _Rank(prog, ctx, provider)
     timeline: list[TimelineEvent] = []
     epoch_time: list[float] = []
@@ -1173,8 +1173,8 @@ def _restore_rank(rank: "_Rank", optimizer: torch.optim.Optimizer, path: str, me
                 p.copy_(t[f"params/{n}"])
     for n, p in zip(prog.param_names, prog.params):
         state = {k.rsplit("/", 1)[1]: v for k, v in t.items() if k.startswith(f"optim/{n}/")}
-        if p.requires_grad and state:  # Adam keeps a scalar step on the CPU, moments beside the parameter
-            optimizer.state[p] = {f: v if v.dim() == 0 else v.to(device) for f, v in state.items()}
+        if p.requires_grad and state:
+            ckpt.set_optimizer_state(optimizer, p, state, device)
     owned = {n for n in prog.param_names if prog.placement.holder(n) == ctx.rank}
     if meta.get("best_epoch") is not None:
         best.update(val=meta["best_val"], epoch=meta["best_epoch"],

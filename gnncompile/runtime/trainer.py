@@ -176,6 +176,20 @@ def evaluate(model: torch.nn.Module, graph: Graph, x: Optional[torch.Tensor] = N
     return out
 
 
+_FUSED_DEVICES = ("cpu", "cuda")
+
+
+def adam(params: Any, lr: float, weight_decay: float) -> torch.optim.Adam:
+    """The Adam optimizer every training path here runs (the single-device trainer, the ranks of a
+    plan, the test references): torch's fused implementation where every parameter is a floating
+    tensor on the CPU or a CUDA device (one pass over each parameter and its moments, no
+    parameter-sized temporaries; the cost model assumes it), else torch's default implementation.
+    Same update rule as ``torch.optim.Adam(params, lr, weight_decay=...)``, rounding apart."""
+    params = list(params)
+    fused = bool(params) and all(p.dtype.is_floating_point and p.device.type in _FUSED_DEVICES for p in params)
+    return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, fused=True if fused else None)
+
+
 def check_training_args(epochs: Any, lr: Any, weight_decay: Any, patience: Any = None, resume: bool = False,
                         checkpoint_dir: Any = None) -> None:
     """Refuse training arguments no run can use (before any work or rank starts): ``epochs`` an
@@ -226,7 +240,7 @@ def train(
     graph:
         A graph with features, labels and a non-empty ``train_mask``.
     epochs, lr, weight_decay:
-        Adam hyper-parameters (``torch.optim.Adam(model.parameters(), lr, weight_decay=...)``).
+        Adam hyper-parameters (:func:`adam`: torch's fused Adam with ``lr`` and ``weight_decay``).
     seed:
         Seeds torch's RNG before training, so dropout masks (and anything else random in the
         forward pass) are reproducible: the same model weights, graph and seed give identical
@@ -311,7 +325,7 @@ def train(
     if graph is not given and param is not None and param.dtype.is_floating_point:
         graph.cast_scales(param.dtype)  # a copy of the caller's graph: scales in the model's dtype only
     y, train_mask = graph.y, graph.train_mask
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+    optimizer = adam(model.parameters(), lr, weight_decay)
     blocks = None
     if minibatch is not None:
         blocks = BlockModel.trace(model, graph, dtype=dtype)
@@ -493,7 +507,7 @@ def _restore_train(found: ckpt.Checkpoint, model: torch.nn.Module, optimizer: to
     for n, p in model.named_parameters():
         state = {k.rsplit("/", 1)[1]: v for k, v in t.items() if k.startswith(f"optim/{n}/")}
         if state:
-            optimizer.state[p] = {f: v if v.dim() == 0 else v.to(device) for f, v in state.items()}
+            ckpt.set_optimizer_state(optimizer, p, state, device)
     saved = found.meta["history"]
     for f in ("loss", "train_acc", "val_acc", "test_acc", "epoch_time", "eval_time"):
         setattr(hist, f, list(saved[f]))
