@@ -259,3 +259,28 @@ def test_prepared_sparse_features_need_nothing_built_in_a_step() -> None:
     lin = nnf.Linear(30, 5).to(DT)
     lin(x).sum().backward()
     assert csr.cache.keys() == before.keys() and all(csr.cache[k] is v for k, v in before.items())
+
+
+@pytest.mark.skipif("native" not in BACKENDS, reason="the native kernels need a C++ compiler to build")
+def test_prepared_sparse_features_stay_prepared_while_they_live() -> None:
+    """A rank prepares the features of each of its chunks, more matrices than the structure cache
+    keeps: each stays prepared (a dropout-rescaled copy of it included) while the matrix lives, and
+    is dropped with it."""
+    import gc as pygc
+
+    from gnncompile.nn import functional as nnf
+
+    gen = torch.Generator().manual_seed(2)
+    chunks = [(torch.rand(30, 20, generator=gen) < 0.2).to(DT).to_sparse_csr()
+              for _ in range(2 * nnf._MAX_TRANSPOSES)]
+    for x in chunks:
+        nnf.prepare_sparse_features(x)
+    prepared = [nnf._native_csr(x) for x in chunks]
+    for x, csr in zip(chunks, prepared):
+        assert nnf._native_csr(nnf.feature_dropout(x, p=0.5, training=True)) is csr
+        assert "native:indices" in csr.cache
+    key = nnf._structure_key(chunks[0])
+    assert key in nnf._PREPARED
+    del x, chunks[0]
+    pygc.collect()
+    assert key not in nnf._PREPARED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import Any, Optional
 
@@ -73,6 +74,14 @@ def _csr_transpose(x: torch.Tensor) -> torch.Tensor:
 #: cached) and what the kernels derive from them (their index form, the transposed product's
 #: thread parts): made once per feature matrix instead of every product. A few entries.
 _NATIVE_CSRS: "OrderedDict[tuple, kernels.CSR]" = OrderedDict()
+#: the structures :func:`prepare_sparse_features` built, by the same key, until their matrix is gone
+#: (a rank's chunks are more matrices than the cache above keeps)
+_PREPARED: dict[tuple, kernels.CSR] = {}
+
+
+def _structure_key(x: torch.Tensor) -> tuple:
+    crow, col = x.crow_indices(), x.col_indices()
+    return crow.data_ptr(), col.data_ptr(), tuple(x.shape), int(col.numel())
 
 
 def _native_csr(x: torch.Tensor) -> Optional[kernels.CSR]:
@@ -81,7 +90,10 @@ def _native_csr(x: torch.Tensor) -> Optional[kernels.CSR]:
     if x.device.type != "cpu" or kernels.default_backend("cpu") != "native":
         return None
     crow, col = x.crow_indices(), x.col_indices()
-    key = (crow.data_ptr(), col.data_ptr(), tuple(x.shape), int(col.numel()))
+    key = _structure_key(x)
+    csr = _PREPARED.get(key)
+    if csr is not None:
+        return csr
     csr = _NATIVE_CSRS.get(key)
     if csr is None:
         csr = _NATIVE_CSRS[key] = kernels.CSR(crow.to(torch.int64), col, x.shape[0], x.shape[1])
@@ -101,6 +113,10 @@ def prepare_sparse_features(x: Any) -> None:
         csr = _native_csr(x)
         if csr is not None:
             kernels.prepare_native(csr, torch.get_num_threads())
+            key = _structure_key(x)
+            if key not in _PREPARED:  # kept while x lives, however many matrices a rank prepares
+                _PREPARED[key] = csr
+                weakref.finalize(x, _PREPARED.pop, key, None)
 
 
 def _sparse_matmul(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
