@@ -596,6 +596,13 @@ class _Rank:
                     _run_backward(pairs)
             elif pairs:
                 _run_backward(pairs)
+            # what the step keeps of the chunk's loss and outputs no longer holds their graph, whose
+            # gradient-accumulation nodes would keep the stage's input leaves alive to the step's end
+            if losses.get(ins.chunk) is not None and output in outd:
+                losses[ins.chunk] = losses[ins.chunk].detach()
+            for name, o in outd.items():
+                if isinstance(o, torch.Tensor) and o.grad_fn is not None and values.get((name, ins.chunk)) is o:
+                    values[(name, ins.chunk)] = o.detach()
             for name, (leaf, read, rows, stale_here) in leaves.items():
                 if leaf.grad is None:
                     continue
