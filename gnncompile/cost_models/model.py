@@ -98,6 +98,9 @@ from .simulate import Cost, Simulation, simulate
 __all__ = ["ELSIZE", "StaticMemory", "static_memory", "PlanCost", "predict", "Prediction", "op_time", "op_value",
            "load_seconds"]
 
+#: the input features' value name in plans (the model's ``x``)
+FEATURES = "x"
+
 ELSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4}
 
 #: bytes Adam moves per float32 parameter: torch's fused Adam (:func:`gnncompile.runtime.trainer.adam`)
@@ -571,6 +574,11 @@ class _RankWalk:
             for op in s.costs:
                 self.value_bytes[op.name] = _out_bytes(plan, op, sizes)
         self.masks = _RankMasks(plan, dp, sizes, cost.masks)
+        #: bytes of one chunk's rows of the input features, the rank's share of their columns where it
+        #: has one (a stage reading several chunks concatenates them)
+        share = sizes.col_share_ppm / 1e6 if sizes.col_share_ppm else 1.0
+        self.feature_chunk = sizes.nodes * share * plan.info.get("feature_bytes_per_row",
+                                                                 4 * int(plan.info.get("features", 0)))
         src_rows = sizes.source_rows
         for inst in dp.instructions:
             output_bytes = rule(inst).cost_rule().output_bytes
@@ -624,6 +632,8 @@ class _RankWalk:
         #: where posted sends are last waited for: the optimizer step (else the last instruction)
         self.optimizer_at = next((i for i, inst in enumerate(dp.instructions) if isinstance(inst, OptimizerStep)),
                                  len(dp.instructions) - 1)
+        #: bytes of send buffers the optimizer step releases before it changes the parameters
+        self.sends_at_optimizer = 0.0
         self.frees: dict[int, float] = {}  # instruction index -> bytes released at its end
         #: bytes of the parameters' gradients each stage's first backward makes, and those not made yet
         self.index = dp.rank if dp.rank < len(plan.ranks) and plan.ranks[dp.rank] is dp else plan.ranks.index(dp)
@@ -719,18 +729,24 @@ def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> Step
     saved = sum(kept)
     outs = sum(w.value_bytes.get(o, 0.0) for o in st.outputs)
     # the stage's ops run one after the other: op k holds what the ops before it saved, the stage
-    # outputs made so far, its input (the previous op's output), its output and its temporaries (a
-    # dropout's mask); what exceeds the stage's saved tensors and outputs is released at its end
+    # outputs made so far, the outputs of earlier ops that it or a later op reads (the previous op's
+    # at least: :attr:`OpCost.reads`), its output and its temporaries (a dropout's mask); what exceeds
+    # the stage's saved tensors and outputs is released at its end
     drawn, new = w.masks.drawn_at(st)
-    peak = held = made = prev = 0.0
-    for op, k in zip(st.costs, kept):
+    last_read = _last_reads(st)
+    peak = held = made = 0.0
+    pending: dict[int, float] = {}  # op -> bytes of its output held for later readers, not counted otherwise
+    for j, (op, k) in enumerate(zip(st.costs, kept)):
         out = w.value_bytes.get(op.name, 0.0)
         extra = w.masks.forward_extra(op, new) + _sparse_product_temporaries(w, op) + _op_temporaries(op, out, w.device)
-        peak = max(peak, held + made + prev + out + extra)
+        peak = max(peak, held + made + sum(pending.values()) + out + extra)
         held += k
         made += out if op.name in st.outputs else 0.0
-        # the next op's input: already counted where it is a stage output or what this op saved
-        prev = 0.0 if op.name in st.outputs else out - min(out, k) if _saves_result(op) else out
+        pending = {i: b for i, b in pending.items() if last_read[i] > j}
+        # this op's output for its readers: already counted where it is a stage output or what it saved
+        unsaved = 0.0 if op.name in st.outputs else out - min(out, k) if _saves_result(op) else out
+        if unsaved and last_read[j] > j:
+            pending[j] = unsaved
     transient = max(0.0, peak - saved - outs - drawn)
     alloc = saved + outs + drawn
     back = w.backward_at.get((inst.stage, inst.chunk), len(w.dp.instructions) - 1)
@@ -741,11 +757,25 @@ def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> Step
         w.release_at(max(end, back) if o in kept_outputs else end, w.value_bytes.get(o, 0.0))
     for v in dict.fromkeys(st.inputs):
         read = st.chunks_read(v, inst.chunk)
-        if v in w.value_bytes and len(read) > 1 and w.concat_span.get((v, read), (-1,))[0] == i:
-            whole = w.value_bytes[v] * len(read)
+        chunk = w.value_bytes.get(v, w.feature_chunk if v.split("@", 1)[0] == FEATURES else None)
+        if chunk is not None and len(read) > 1 and w.concat_span.get((v, read), (-1,))[0] == i:
+            whole = chunk * len(read)
             alloc += whole
             w.release_at(w.concat_span[v, read][1], whole)
     return seconds, "compute", alloc, transient
+
+
+def _last_reads(st: StageSpec) -> list[int]:
+    """For each op of ``st``, the last op (its index; its own where none) reading its output, by
+    :attr:`OpCost.reads` (where an op's are unknown: it reads the previous op's output)."""
+    index = {op.name: j for j, op in enumerate(st.costs)}
+    last = list(range(len(st.costs)))
+    for j, op in enumerate(st.costs):
+        for name in op.reads if op.reads is not None else (st.costs[j - 1].name,) if j else ():
+            i = index.get(name)
+            if i is not None and i < j:
+                last[i] = max(last[i], j)
+    return last
 
 
 def _replayed(st: StageSpec) -> list[bool]:
@@ -804,19 +834,36 @@ def _saved_per_op(w: _RankWalk, st: StageSpec, replay: bool = False) -> list[flo
     kept = [0.0 if w.masks.viewed(op) or again != replay and (again or replay) else
             _saved_bytes(op, w.sizes) for op, again in zip(st.costs, _replayed(st))]
     if kept and not replay and st.costs[0].name not in w.masks.bytes:  # (a dropout saves its mask)
-        kept[0] -= min(kept[0], max((w.value_bytes[v] for v in st.inputs if v in w.value_bytes), default=0.0))
+        for j, op in enumerate(st.costs):
+            read = _stage_inputs_read(w, st, j)
+            if read and op.name not in w.masks.bytes and not _saves_result(op):
+                kept[j] -= min(kept[j], read)
         for j, name in _outputs_saved(st).items():
             kept[j] -= min(kept[j], w.value_bytes.get(name, 0.0))
     return kept
 
 
+def _stage_inputs_read(w: _RankWalk, st: StageSpec, j: int) -> float:
+    """Bytes of the (largest) stage input that op ``j`` of ``st`` reads: by :attr:`OpCost.reads`
+    (which names the inputs needing a gradient), else, for the first op, any of them."""
+    op = st.costs[j]
+    named = [w.value_bytes[v] for v in st.inputs if v in w.value_bytes and v.split("@", 1)[0] in (op.reads or ())]
+    if named or j:
+        return max(named, default=0.0)
+    return max((w.value_bytes[v] for v in st.inputs if v in w.value_bytes), default=0.0)
+
+
 def _saves_inputs(st: StageSpec, sizes: RankSizes) -> bool:
     """Whether an op of ``st`` saves a stage input for backward: its first op saving anything (a
-    linear layer its input), or a propagation whose edge values need a gradient (which reads the
-    gathered input rows: GAT's; its ``saved`` may be none of its own, the values replayed and the
-    input counted as saved by the op that made it)."""
+    linear layer its input), an op reading one (:attr:`OpCost.reads`) that saves what it reads (no
+    dropout, which saves its mask, nor an op saving its result), or a propagation whose edge values
+    need a gradient (which reads the gathered input rows: GAT's; its ``saved`` may be none of its
+    own, the values replayed and the input counted as saved by the op that made it)."""
+    inputs = {v.split("@", 1)[0] for v in st.inputs}
     return bool(st.costs) and op_value(st.costs[0], st.costs[0].saved, sizes) > 0 or \
-        any(op.kind == "P" and op_value(op, op.values, sizes) > 0 for op in st.costs)
+        any(op.kind == "P" and op_value(op, op.values, sizes) > 0 for op in st.costs) or \
+        any(op.reads and inputs & set(op.reads) and op_value(op, op.saved, sizes) > 0 and not _saves_result(op)
+            and op.random == Lin() for op in st.costs)
 
 
 def _sparse_product_temporaries(w: _RankWalk, op: OpCost) -> float:
@@ -856,13 +903,14 @@ def _saved_bytes(op: OpCost, sizes: RankSizes) -> float:
 def _outputs_saved(st: StageSpec) -> dict[int, str]:
     """The stage outputs that an op of ``st`` saves for backward, by the op's position: its own
     output (:func:`_saves_result`), or the previous op's, which an op with weights (a linear
-    layer: a ``T`` op with size-independent bytes) saves as its input. They live until the
-    stage's backward at least (:func:`_forward_cost`)."""
+    layer: a ``T`` op with size-independent bytes) reading it saves as its input. They live until
+    the stage's backward at least (:func:`_forward_cost`)."""
     out: dict[int, str] = {}
     for j, op in enumerate(st.costs):
         if _saves_result(op) and op.name in st.outputs:
             out[j] = op.name
-        elif j and op.kind == "T" and op.bytes.c > 0 and st.costs[j - 1].name in st.outputs:
+        elif j and op.kind == "T" and op.bytes.c > 0 and st.costs[j - 1].name in st.outputs \
+                and (op.reads is None or st.costs[j - 1].name in op.reads):
             out[j] = st.costs[j - 1].name
     return out
 
@@ -913,16 +961,17 @@ def _backward_peak(w: _RankWalk, st: StageSpec, inputs: dict[str, float], receiv
     for v in inputs:
         by_base.setdefault(v.split("@", 1)[0], []).append(v)
     grads_in = [op.backward > 0 and op.input_grad for op in costs]
+    needs_grad = {op.name for op in costs if op.backward > 0} | set(inputs)  # (an op autograd skips makes none)
     for j in range(1, len(costs)):  # nothing flows back through an op autograd does not visit
-        grads_in[j] = grads_in[j] and (costs[j - 1].backward > 0 or bool(costs[j].reads))
+        grads_in[j] = grads_in[j] and (costs[j - 1].backward > 0 or costs[j].reads is not None)
     last_use: dict[str, int] = {}     # value read -> the last op (forward order) whose backward grads it
+    reads: list[list[str]] = []
     for j, op in enumerate(costs):
-        if not grads_in[j]:
-            continue
-        read = op.reads or ((costs[j - 1].name,) if j else tuple(inputs))
-        for name in read:
-            for u in by_base.get(name, [name] if name in index or name in inputs else []):
-                last_use[u] = j
+        read = op.reads if op.reads is not None else (costs[j - 1].name,) if j else tuple(inputs)
+        reads.append([u for name in read for u in by_base.get(name, [name] if name in index else [])
+                      if u in needs_grad] if grads_in[j] else [])
+        for u in reads[-1]:
+            last_use[u] = j
     kept = _saved_per_op(w, st)
     again = _saved_per_op(w, st, replay=True)
     peak = below = 0.0
@@ -936,8 +985,10 @@ def _backward_peak(w: _RankWalk, st: StageSpec, inputs: dict[str, float], receiv
                      if j <= k and u not in received and last_use.get(u, -1) >= k)
         if op.name not in received and op.name not in last_use:  # read by nobody here: a stage output
             grads += out
-        peak = max(peak, below + grads + _sparse_product_temporaries(w, op) + _op_temporaries(op, out, w.device)
-                   + _permuted_values(w, op) + op_value(op, op.replayed, w.sizes))
+        # a value read again further up already has a gradient: this op's part is added to it
+        adding = sum(inputs.get(u, w.value_bytes.get(u, 0.0)) for u in reads[k] if last_use[u] > k)
+        peak = max(peak, below + grads + adding + _sparse_product_temporaries(w, op)
+                   + _op_temporaries(op, out, w.device) + _permuted_values(w, op) + op_value(op, op.replayed, w.sizes))
     return peak
 
 
@@ -949,9 +1000,11 @@ def _optimizer_cost(w: _RankWalk, i: int, inst: OptimizerStep) -> StepCost:
     seconds = params * _ADAM_BYTES_PER_PARAM / dev.mem_bandwidth + \
         tensors * dev.runtime.get("optimizer_tensor", dev.launch_overhead) + dev.runtime.get("step", 0.0) + w.switch(i)
     # the first step creates Adam's two moments (kept); a steady step holds them from the start; the
-    # fused update makes no temporaries
+    # fused update makes no temporaries. Send buffers still held are released before it starts.
     moments = w.cost.static[w.index].optimizer if w.cost.first_step else 0.0
-    return seconds, "compute", moments, 0.0
+    early = min(moments, w.sends_at_optimizer)
+    w.release_at(i, w.sends_at_optimizer - early)
+    return seconds, "compute", moments - early, 0.0
 
 
 def _free_cost(w: _RankWalk, i: int, inst: Free) -> StepCost:
@@ -976,7 +1029,10 @@ def _send_cost(w: _RankWalk, i: int, inst: Send) -> StepCost:
         return seconds, "comm", 0.0, 0.0
     nbytes = math.prod(inst.shape) * _elsize(inst.dtype)
     end = w.free_at.get((inst.name, inst.chunk)) if not inst.grad else None
-    w.release_at(max(end if end is not None else w.optimizer_at, i), nbytes)
+    if end is None and isinstance(w.dp.instructions[w.optimizer_at], OptimizerStep) and w.optimizer_at > i:
+        w.sends_at_optimizer += nbytes  # waited for (and dropped) as the optimizer step starts
+    else:
+        w.release_at(max(end if end is not None else w.optimizer_at, i), nbytes)
     return seconds, "comm", nbytes, 0.0
 
 

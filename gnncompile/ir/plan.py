@@ -504,10 +504,10 @@ class OpCost:
     backward: int = 2
     #: whether its backward computes the gradient of its input (the input needs one)
     input_grad: bool = True
-    #: the values needing a gradient it reads: ops of its stage and producers of the stage's inputs
-    #: (a stage input ``v@halo`` is read as ``v``); empty where unknown (then the previous op's
-    #: output, the first op: the stage's inputs)
-    reads: tuple[str, ...] = ()
+    #: the values it reads: ops of its stage and the producers of the stage's inputs that need a
+    #: gradient (a stage input ``v@halo`` is read as ``v``); ``None`` where unknown (then the
+    #: previous op's output, the first op: the stage's inputs)
+    reads: Optional[tuple[str, ...]] = None
     #: random numbers the forward draws (dropout masks)
     random: Lin = field(default_factory=Lin)
     #: the layout the op runs in: ``rows`` (a block of vertices) or ``cols`` (every vertex, a slice of
@@ -529,7 +529,8 @@ class OpCost:
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "kind": self.kind, "width": self.width, "recompute": self.recompute,
                              "count": self.count, "backward": self.backward, "input_grad": self.input_grad,
-                             "reads": list(self.reads), "layout": self.layout, "layer": self.layer}
+                             "reads": None if self.reads is None else list(self.reads), "layout": self.layout,
+                             "layer": self.layer}
         d.update({k: _lin_to_json(getattr(self, k)) for k in self._LINS})
         return d
 
@@ -538,8 +539,8 @@ class OpCost:
         if not isinstance(d, dict):
             raise VerificationError(f"malformed op cost {d!r}: expected an object")
         try:
-            return cls(**{k: _lin_from_json(v) if k in cls._LINS else tuple(v) if k == "reads" else v
-                          for k, v in d.items()})
+            return cls(**{k: _lin_from_json(v) if k in cls._LINS else tuple(v) if k == "reads" and v is not None
+                          else v for k, v in d.items()})
         except TypeError as e:
             raise VerificationError(f"malformed op cost {d}: {e}") from None
 

@@ -189,8 +189,12 @@ def op_costs(tp: TPGraph, nodes: list[torch.fx.Node], decisions: Optional[Decisi
             inner = [m for m in body.graph.nodes if m.meta.get("tp") is not None
                      and m.meta["tp"].kind in ("T", "P", "E")]
             body_modules = dict(body.named_modules())
+            body_here = {m.name for m in body.graph.nodes if m.op not in ("placeholder", "get_attr", "output")}
+            placeholders = [m.name for m in body.graph.nodes if m.op == "placeholder"]
+            outer = {ph: a for ph, a in zip(placeholders, n.args) if isinstance(a, torch.fx.Node)}
             for k, m in enumerate(inner):
                 c = _op_cost(m, m.meta["tp"], body_modules, recompute=True, backward=2 if m.meta["tp"].params else 1)
+                c = dataclasses.replace(c, reads=_reads(m, body_here, req, f"{n.name}.", outer))
                 # the first op's saved: what the segment keeps; the others': what they save in the replay
                 out.append(dataclasses.replace(c, name=f"{n.name}.{m.name}", saved=t.saved_bytes if k == 0 else
                                                m.meta["tp"].saved_bytes))
@@ -206,27 +210,53 @@ def op_costs(tp: TPGraph, nodes: list[torch.fx.Node], decisions: Optional[Decisi
         if t.replays and all(r in here for r in t.replays):
             # the dropouts it saves run in its stage: their outputs are computed again in backward
             c = dataclasses.replace(c, saved=t.saved_bytes - t.replay_saving, replayed=t.replayed_bytes)
+        elif t.saved_bytes == Lin():
+            # what it saves was counted for another op of the trace; a value made in another stage
+            # reaches this one as a stage input of its own, which it keeps
+            c = dataclasses.replace(c, saved=_saved_stage_inputs(n, t, here))
         out.append(dataclasses.replace(c, layout=decisions.layout_of(n.name)) if decisions is not None else c)
     return out
 
 
-def _reads(n: torch.fx.Node, here: set[str], req: set[str]) -> tuple[str, ...]:
-    """The values needing a gradient that op ``n`` reads: ops of its stage (``here``) and the
-    producers of the stage's inputs, through the stage's nodes that are no T/P/E op (views, getitem)."""
+def _reads(n: torch.fx.Node, here: set[str], req: set[str], prefix: str = "",
+           outer: Optional[dict[str, torch.fx.Node]] = None) -> tuple[str, ...]:
+    """The values op ``n`` reads: outputs of ops of its stage (``here``) and, among the producers of
+    the stage's inputs, those needing a gradient (``req``); through the stage's nodes that are no
+    T/P/E op (views, getitem).
+    Inside a checkpointed segment: its ops are named ``prefix`` + name, and its placeholders stand
+    for the nodes ``outer`` maps them to."""
     found: set[str] = set()
     seen: set[str] = set()
     stack = list(n.all_input_nodes)
     while stack:
         a = stack.pop()
-        if a.name in seen or a.op == "get_attr" or a.name not in req:
+        if a.name in seen or a.op == "get_attr":
             continue
         seen.add(a.name)
+        if outer is not None and a.op == "placeholder":
+            if a.name in outer and outer[a.name].name in req:
+                found.add(outer[a.name].name)
+            continue
+        if a.name not in here and (outer is not None or a.name not in req):
+            continue  # a stage input that needs no gradient (the features, the graph)
         info = a.meta.get("tp")
         if a.name in here and (info is None or info.kind not in ("T", "P", "E")):
             stack.extend(a.all_input_nodes)
         else:
-            found.add(a.name)
+            found.add(prefix + a.name if a.name in here and outer is not None else a.name)
     return tuple(sorted(found))
+
+
+def _saved_stage_inputs(n: torch.fx.Node, t: TPInfo, here: set[str]) -> Lin:
+    """Bytes of the values made outside ``n``'s stage (``here``) that it saves for backward (its
+    ``saves``), the input features and parameters excepted (resident)."""
+    total = Lin()
+    for a in n.all_input_nodes:
+        info = a.meta.get("tp")
+        if a.name in t.saves and a.name not in here and a.op not in ("placeholder", "get_attr") and info is not None \
+                and info.kind in ("T", "P", "E") and info.rows is not None:
+            total = total + info.rows * (math.prod(info.dims) * _elsize(info.dtype) if info.dims else _elsize(info.dtype))
+    return total
 
 
 def _trained_edge_values(n: torch.fx.Node, req: set[str]) -> Lin:
