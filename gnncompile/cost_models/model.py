@@ -634,6 +634,10 @@ class _RankWalk:
                                  len(dp.instructions) - 1)
         #: bytes of send buffers the optimizer step releases before it changes the parameters
         self.sends_at_optimizer = 0.0
+        #: :func:`_saved_per_op` by (stage, replay), and the temporaries of each op's backward by
+        #: stage: the same for each of a stage's chunks
+        self.saved_cache: dict[tuple[int, bool], list[float]] = {}
+        self.backward_temps: dict[int, list[float]] = {}
         self.frees: dict[int, float] = {}  # instruction index -> bytes released at its end
         #: bytes of the parameters' gradients each stage's first backward makes, and those not made yet
         self.index = dp.rank if dp.rank < len(plan.ranks) and plan.ranks[dp.rank] is dp else plan.ranks.index(dp)
@@ -831,8 +835,11 @@ def _saved_per_op(w: _RankWalk, st: StageSpec, replay: bool = False) -> list[flo
     itself; a first dropout saves its mask), not a stage output that the op after it saves as its input (a linear layer's: an op
     with weights) or that the op itself saves as its result (:func:`_saves_result`). An op of a
     checkpointed segment (:func:`_replayed`) saves only in its replay (``replay``)."""
-    kept = [0.0 if w.masks.viewed(op) or again != replay and (again or replay) else
-            _saved_bytes(op, w.sizes) for op, again in zip(st.costs, _replayed(st))]
+    key = (st.index, replay)
+    if key in w.saved_cache:
+        return w.saved_cache[key]
+    kept = w.saved_cache[key] = [0.0 if w.masks.viewed(op) or again != replay and (again or replay) else
+                                 _saved_bytes(op, w.sizes) for op, again in zip(st.costs, _replayed(st))]
     if kept and not replay and st.costs[0].name not in w.masks.bytes:  # (a dropout saves its mask)
         for j, op in enumerate(st.costs):
             read = _stage_inputs_read(w, st, j)
@@ -974,6 +981,11 @@ def _backward_peak(w: _RankWalk, st: StageSpec, inputs: dict[str, float], receiv
             last_use[u] = j
     kept = _saved_per_op(w, st)
     again = _saved_per_op(w, st, replay=True)
+    temps = w.backward_temps.get(st.index)
+    if temps is None:
+        temps = w.backward_temps[st.index] = [
+            _sparse_product_temporaries(w, op) + _op_temporaries(op, w.value_bytes.get(op.name, 0.0), w.device)
+            + _permuted_values(w, op) + op_value(op, op.replayed, w.sizes) for op in costs]
     peak = below = 0.0
     for k, op in enumerate(costs):
         below += kept[k] + again[k]
@@ -987,8 +999,7 @@ def _backward_peak(w: _RankWalk, st: StageSpec, inputs: dict[str, float], receiv
             grads += out
         # a value read again further up already has a gradient: this op's part is added to it
         adding = sum(inputs.get(u, w.value_bytes.get(u, 0.0)) for u in reads[k] if last_use[u] > k)
-        peak = max(peak, below + grads + adding + _sparse_product_temporaries(w, op)
-                   + _op_temporaries(op, out, w.device) + _permuted_values(w, op) + op_value(op, op.replayed, w.sizes))
+        peak = max(peak, below + grads + adding + temps[k])
     return peak
 
 
