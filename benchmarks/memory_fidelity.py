@@ -131,7 +131,11 @@ def main() -> None:
         "the CPU (no transposition is built or kept). A linear layer (or propagation) that saves the output of a "
         "replicated dropout whose input is held anyway (relu's output, the features, a softmax's) keeps that input "
         "and the dropout's bool mask instead and computes the output again in backward "
-        "(`frontend.ops.replay_dropout_outputs`); every strategy frees a value after its last use.", ""])
+        "(`frontend.ops.replay_dropout_outputs`); every strategy frees a value after its last use. Adam is torch's "
+        "fused implementation (`runtime.trainer.adam`: no parameter-sized temporaries). Inside a stage the model "
+        "follows what each op reads (`OpCost.reads`): which outputs a forward still holds, which gradients a "
+        "backward accumulates. GAT's rows are the loosest: the edge-sized gradients and temporaries of its "
+        "attention's backward are modeled op by op, not tensor by tensor.", ""])
     print(text)
     if not args.no_write:
         update_section(HERE / "RESULTS.md", SECTION, text)
