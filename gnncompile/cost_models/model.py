@@ -56,14 +56,17 @@ value reads their concatenation, held from the first such forward to the last su
 an op saves it (:func:`_saves_inputs`), else to the last such forward (its gradient, of the same
 size, is made anew in each of those backwards); the gradient of a value (made by a backward, or
 received) until the backward (or gradient communication) that consumes it; transient buffers only
-during their instruction. Inside a stage the ops run one after the other: forward, op ``k`` holds
-what ops ``0..k-1`` saved, the stage outputs made so far, its input (unless op ``k-1`` saved it as
-its result: ``relu``...), its output and its temporaries; backward visits the ops last to first, op
-``k`` holding the saved tensors of ops ``0..k`` and the gradients of its output and input (ops
-autograd does not visit, ``backward == 0``, none); a checkpointed segment keeps only its inputs in
-forward and first replays its forward in backward, its ops saving what they save with gradients.
-What the first op saves of a held stage input is that input (no new memory), as is what an op saves
-of a stage output. An op that keeps sparse CSR input features sparse (their dropout) outputs new
+during their instruction. Inside a stage the ops run one after the other, reading what
+:attr:`~gnncompile.ir.plan.OpCost.reads` names (unknown: the previous op's output): forward, op
+``k`` holds what ops ``0..k-1`` saved, the stage outputs made so far, the outputs of earlier ops that
+it or a later op reads (unless saved as their result: ``relu``...), its output and its temporaries;
+backward visits the ops last to first, op ``k`` holding the saved tensors of ops ``0..k``, the
+gradient of its output, those of the values it and later ops read (a value read again further up
+gets this op's part added to its gradient), the gradients of the stage inputs read by it or a later
+op (ops autograd does not visit, ``backward == 0``, none); a checkpointed segment keeps only its
+inputs in forward and first replays its forward in backward, its ops saving what they save with
+gradients. What an op saves of a held stage input it reads is that input (no new memory), as is
+what an op saves of a stage output; an op saving a stage input holds it to the stage's backward. An op that keeps sparse CSR input features sparse (their dropout) outputs new
 values on their structure, not dense rows; a linear layer on them copies its weight and the rows'
 indices on a CPU. A replicated dropout computes only the bool mask of the rows it reads
 (:class:`_RankMasks`); an op of its stage that saves its output (a linear layer) holds its input
