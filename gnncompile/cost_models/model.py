@@ -905,9 +905,16 @@ def _saved_bytes(op: OpCost, sizes: RankSizes) -> float:
     """Bytes ``op`` saves for backward on a rank of ``sizes``: ``op.saved``, except that a propagation
     on a share of the columns (``cols``) saves its edge values whole: its share of them is a view of
     the replicated edge tensor (one head of GAT's), which keeps all of it."""
+    return _edge_values_bytes(op, op.saved, sizes)
+
+
+def _edge_values_bytes(op: OpCost, form: Lin, sizes: RankSizes) -> float:
+    """``form`` (what ``op`` saves or replays of its edge values) on a rank of ``sizes``: whole for a
+    propagation on a share of the columns (a view of the replicated edge tensor keeps all of it; a
+    replayed dropout output is computed whole), else the op's share."""
     if op.kind == "P" and op.layout == "cols":
-        return _eval(op.saved, _op_sizes(op, sizes)[0])
-    return op_value(op, op.saved, sizes)
+        return _eval(form, _op_sizes(op, sizes)[0])
+    return op_value(op, form, sizes)
 
 
 def _outputs_saved(st: StageSpec) -> dict[int, str]:
@@ -988,7 +995,7 @@ def _backward_peak(w: _RankWalk, st: StageSpec, inputs: dict[str, float], receiv
     if temps is None:
         temps = w.backward_temps[st.index] = [
             _sparse_product_temporaries(w, op) + _op_temporaries(op, w.value_bytes.get(op.name, 0.0), w.device)
-            + _permuted_values(w, op) + op_value(op, op.replayed, w.sizes) for op in costs]
+            + _permuted_values(w, op) + _edge_values_bytes(op, op.replayed, w.sizes) for op in costs]
     peak = below = 0.0
     for k, op in enumerate(costs):
         below += kept[k] + again[k]
