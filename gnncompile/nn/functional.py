@@ -89,14 +89,13 @@ def _native_csr(x: torch.Tensor) -> Optional[kernels.CSR]:
     they are the CPU's backend (else ``None``)."""
     if x.device.type != "cpu" or kernels.default_backend("cpu") != "native":
         return None
-    crow, col = x.crow_indices(), x.col_indices()
     key = _structure_key(x)
     csr = _PREPARED.get(key)
     if csr is not None:
         return csr
     csr = _NATIVE_CSRS.get(key)
     if csr is None:
-        csr = _NATIVE_CSRS[key] = kernels.CSR(crow.to(torch.int64), col, x.shape[0], x.shape[1])
+        csr = _NATIVE_CSRS[key] = kernels.CSR(x.crow_indices().to(torch.int64), x.col_indices(), x.shape[0], x.shape[1])
         if len(_NATIVE_CSRS) > _MAX_TRANSPOSES:
             _NATIVE_CSRS.popitem(last=False)
     else:

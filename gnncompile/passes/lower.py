@@ -43,7 +43,7 @@ from ..frontend.ops import SOURCE_ARGS, call_arguments, dropout_noise, dropout_r
 from ..ir.plan import OpCost, StageSpec, converted_name
 from ..ir.symbolic import Lin
 from ..ir.tpgraph import TPGraph, TPInfo
-from .recompute import draws_random_numbers
+from .recompute import _value_bytes, draws_random_numbers
 
 __all__ = [
     "LAYOUTS", "OUTPUT", "CONVERSIONS", "Decisions", "Conversion", "StagedModel", "split_stages",
@@ -254,8 +254,8 @@ def _saved_stage_inputs(n: torch.fx.Node, t: TPInfo, here: set[str]) -> Lin:
     for a in n.all_input_nodes:
         info = a.meta.get("tp")
         if a.name in t.saves and a.name not in here and a.op not in ("placeholder", "get_attr") and info is not None \
-                and info.kind in ("T", "P", "E") and info.rows is not None:
-            total = total + info.rows * (math.prod(info.dims) * _elsize(info.dtype) if info.dims else _elsize(info.dtype))
+                and info.kind in ("T", "P", "E"):
+            total = total + _value_bytes(info)
     return total
 
 
@@ -263,10 +263,7 @@ def _trained_edge_values(n: torch.fx.Node, req: set[str]) -> Lin:
     """Bytes of the edge values (``edge_weight``) propagation ``n`` multiplies by where they need a
     gradient, else ``Lin()``."""
     arg = call_arguments(n).get("edge_weight")
-    info = arg.meta.get("tp") if isinstance(arg, torch.fx.Node) and arg.name in req else None
-    if info is None or info.rows is None:
-        return Lin()
-    return info.rows * (math.prod(info.dims) * _elsize(info.dtype) if info.dims else _elsize(info.dtype))
+    return _value_bytes(arg.meta.get("tp") if isinstance(arg, torch.fx.Node) and arg.name in req else None)
 
 
 def _dropout_p(n: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> Optional[float]:

@@ -50,8 +50,8 @@ import torch
 from ..errors import RuntimeFailure
 
 __all__ = ["CheckpointOptions", "Checkpoint", "RANK_STATE", "register_rank_state", "prepare", "make_directory", "save",
-           "set_optimizer_state", "load_tensors", "write_best", "resume_hint", "tensor_hash", "compare_fingerprints", "latest",
-           "SHARED_FS"]
+           "set_optimizer_state", "load_tensors", "write_best", "resume_hint", "tensor_hash", "compare_fingerprints",
+           "latest", "SHARED_FS"]
 
 _EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
 FORMAT_VERSION = 1

@@ -324,30 +324,28 @@ class Communicator:
         tail = tuple(send.shape[1:])
         recv = send.new_empty((sum(recv_counts),) + tail) if out is None else out
         send = send.contiguous()
-        work, finish = None, (lambda: recv)
-        keep: Any = send
-        held = send._use_count()
-        if (self.world_size if size is None else size) > 1:
-            staged = "all_to_all" in self.stage_through_host
-            send_buf = self._host("all_to_all", send)
-            if staged:
-                keep, held = send_buf, send_buf._use_count()
-            recv_buf = torch.empty(recv.shape, dtype=recv.dtype) if staged else recv
-            work = dist.all_to_all_single(recv_buf, send_buf, output_split_sizes=list(recv_counts),
+        finish = (lambda: recv)
+        if (self.world_size if size is None else size) <= 1:
+            if recv.numel():  # one rank: what it sends to itself is what it receives
+                recv.copy_(send.reshape(recv.shape))
+            return Pending(None, finish) if async_op else recv
+        staged = "all_to_all" in self.stage_through_host
+        send_buf = self._host("all_to_all", send)
+        recv_buf = torch.empty(recv.shape, dtype=recv.dtype) if staged else recv
+        if staged:
+
+            def finish() -> torch.Tensor:
+                return recv.copy_(recv_buf)
+
+        def post() -> Any:
+            return dist.all_to_all_single(recv_buf, send_buf, output_split_sizes=list(recv_counts),
                                           input_split_sizes=list(send_counts),
                                           group=group if group is not None else self.group, async_op=True)
-            if staged:
 
-                def finish() -> torch.Tensor:
-                    return recv.copy_(recv_buf)
-        elif recv.numel():  # one rank: what it sends to itself is what it receives
-            recv.copy_(send.reshape(recv.shape))
         if async_op:
-            return Pending(work, finish, keep=keep, poll=self.poll, held=held)
-        if work is not None:
-            complete(work, self.poll)
-            work = None
-            let_go(keep, held)
+            held = send_buf._use_count()
+            return Pending(post(), finish, keep=send_buf, poll=self.poll, held=held)
+        self._run(post, send_buf)
         return finish()
 
     def _all_to_all(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
