@@ -7,6 +7,13 @@ the collectives of a backend between launched ranks, and the fixed costs of gnnc
 :class:`~gnncompile.cost_models.hardware.Cluster`, saved as JSON when given a path;
 :meth:`Cluster.parse` reads the saved profile for ``<N>xcpu`` clusters.
 
+With ``device="cuda"`` it measures a GPU instead (:func:`_calibrate_gpu`): the same rates once,
+every timing synchronized (:func:`_best_time` takes the device's ``sync``; the CPU's is a no-op),
+a tiny op's time with its launch, a synchronize's round trip, the runtime's fixed costs with the
+plans on that GPU, and NCCL between GPUs where there are ``world_size`` of them. The profile
+records the GPU's model (``calibration["model"]``), and :meth:`Cluster.parse` applies it to
+clusters of that model (``4xH100``).
+
 It launches the runtime and plans with :func:`gnncompile.plan`, so it sits above both (layers:
 ``cost_models`` < ``passes`` | ``runtime`` < ``api`` < ``calibration``); the cost models only read
 the profile.
@@ -38,6 +45,7 @@ import dataclasses
 import datetime
 import math
 import os
+import re
 import socket
 import statistics
 import time
@@ -48,9 +56,9 @@ import torch
 
 from . import datasets, nn
 from .api import plan as make_plan
-from .cost_models.hardware import Cluster, _usable_cores
+from .cost_models.hardware import Cluster, _usable_cores, gpu_model_name, gpu_preset
 from .cost_models.model import checkpointed_segments, loss_time, stage_ops_time
-from .cost_models.specs import CPU_GAMMA, DeviceSpec, LinkSpec
+from .cost_models.specs import CPU_GAMMA, DEFAULT_INTRA, DEVICES, LINKS, DeviceSpec, LinkSpec
 from .errors import PlanningError
 from .frontend.ops import propagate
 from .graph.core import Graph
@@ -73,15 +81,40 @@ def _check_arguments(path: Any, quick: Any, backend: Any, world_size: Any) -> No
         raise PlanningError(f"calibrate: path must be a file path or None, got {type(path).__name__}")
     if not isinstance(quick, bool):
         raise PlanningError(f"calibrate: quick must be True or False, got {quick!r}")
-    if backend not in BACKENDS:
+    if backend is not None and backend not in BACKENDS:
         raise PlanningError(f"calibrate: unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
         raise PlanningError(f"calibrate: world_size must be an integer >= 2 to measure a link, got {world_size!r}")
 
 
-def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False, backend: str = "gloo",
-              world_size: int = 2) -> Cluster:
-    """Measure this host's CPU and the collectives of ``backend`` between local ranks.
+def _cuda_index(device: Any, backend: Optional[str]) -> Optional[int]:
+    """The GPU :func:`calibrate` measures for ``device`` (``None``: the CPU): ``"cuda"`` is GPU 0,
+    ``"cuda:N"`` GPU ``N``. Raises :class:`PlanningError` for another device string, a GPU that is
+    not there (checked before anything is measured), or ``backend="gloo"`` on a GPU (its
+    collectives are NCCL's)."""
+    match = re.fullmatch(r"(cpu)|cuda(?::(\d+))?", device) if isinstance(device, str) else None
+    if match is None:
+        raise PlanningError(f"calibrate: device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if match.group(1):
+        return None
+    if not torch.cuda.is_available():
+        raise PlanningError(f"calibrate: no CUDA device: torch.cuda.is_available() is False (device={device!r}); "
+                            "calibrate the CPU with device='cpu', or run on a machine with a GPU")
+    index, count = int(match.group(2) or 0), torch.cuda.device_count()
+    if index >= count:
+        raise PlanningError(f"calibrate: device={device!r} but this machine has {count} GPU(s) "
+                            f"(cuda:0..cuda:{count - 1})")
+    if backend == "gloo":
+        raise PlanningError("calibrate: on a GPU the collectives measured are NCCL's between GPUs; "
+                            "use backend='nccl' (or None) with device='cuda'")
+    return index
+
+
+def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False, backend: Optional[str] = None,
+              world_size: int = 2, device: str = "cpu") -> Cluster:
+    """Measure this host's CPU (``device="cpu"``) or one of its GPUs (``"cuda"``, ``"cuda:N"``: see
+    :func:`_calibrate_gpu`) and the collectives of ``backend`` (``None``: gloo on the CPU, NCCL
+    between GPUs) between local ranks.
 
     Measures, at one thread and at all usable cores: float32/float64 GEMM FLOP/s
     (``torch.mm``, best over square sizes), STREAM-like bandwidth (copy and add of 64 MB
@@ -106,9 +139,14 @@ def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False
     raw measurements in :attr:`calibration`; saved as JSON to ``path`` when given.
     ``quick`` uses smaller problems and fewer repeats (a few seconds on 2 cores). Arguments of
     the wrong type or value (``world_size`` below 2, a ``backend`` other than ``"gloo"`` or
-    ``"nccl"``) raise :class:`PlanningError` before anything is measured.
+    ``"nccl"``, a ``device`` other than ``"cpu"``/``"cuda"``/``"cuda:N"``, a CUDA device where
+    there is none) raise :class:`PlanningError` before anything is measured.
     """
     _check_arguments(path, quick, backend, world_size)
+    index = _cuda_index(device, backend)
+    if index is not None:
+        return _calibrate_gpu(path, quick, world_size, index)
+    backend = backend or "gloo"
     cores = _usable_cores()
     host = socket.gethostname()
     local = _measure_local(cores, quick)
@@ -161,6 +199,81 @@ def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False
     return cluster
 
 
+def _calibrate_gpu(path: Union[str, os.PathLike, None], quick: bool, world_size: int, index: int) -> Cluster:
+    """:func:`calibrate` on GPU ``index``: one launched rank on ``cuda:index`` measures (every timing
+    synchronized; :func:`_gpu_rank`) float32 and float64 GEMM FLOP/s at torch's matmul settings
+    (TF32 off by default: ``calibration["gpu"]["allow_tf32"]``), device-to-device copy and add
+    bandwidth (bytes read + written), SpMM bandwidth and edge rate (default CUDA backend, the CPU
+    path's byte convention and widths 64 and 4), the linear-layer product curves, the loss rates,
+    a tiny op's time with its launch (``launch_overhead``) and a synchronize's round trip
+    (``calibration["sync"]``); then :func:`runtime_overheads` with the plans on that GPU, and NCCL's
+    collectives between ``world_size`` GPUs where there are that many (else skipped, recorded in
+    ``calibration["collectives"]["skipped"]``, and the preset's intra-node link kept).
+
+    The GPU's preset (:func:`~gnncompile.cost_models.hardware.gpu_preset`) gives the profile's
+    ``calibration["model"]`` (what :meth:`Cluster.parse` matches) and the rates not measured
+    (float16/bfloat16 FLOP/s, the host link); a GPU no preset matches calibrates under its own name
+    (:func:`~gnncompile.cost_models.hardware.gpu_model_name`). The propagation rates are measured over
+    whole kernels, so γ is 0 as on a CPU. Returns a one-rank GPU :class:`Cluster`; rates are plain
+    numbers (no thread dimension)."""
+    local = launch(_gpu_rank, 1, (quick,), device=f"cuda:{index}", backend="gloo", timeout=600)[0]
+    gpu = local["gpu"]
+    key = gpu_preset(gpu["name"], gpu["memory"])
+    model = gpu_model_name(gpu["name"], gpu["memory"])
+    preset = DEVICES[key] if key is not None else None
+    rates = local["rates"]
+    device = DeviceSpec(
+        name=gpu["name"],
+        flops={**(preset.flops if preset is not None else {}), **rates["flops"]},
+        mem_bandwidth=rates["mem_bandwidth"],
+        memory=gpu["memory"],
+        spmm_bandwidth=rates["spmm_bandwidth"],
+        edge_rate=rates["edge_rate"],
+        rng_rate=rates["rng_rate"],
+        loss_rate=rates["loss_rate"],
+        loss_grad_rate=rates["loss_grad_rate"],
+        spmm_curve=tuple((p["working_set"], p["bandwidth"], p["edge_rate"]) for p in local["spmm_curve"]),
+        gemm_curve=tuple((p["width"], p["forward"], p["weight_grad"], p["input_grad"]) for p in local["gemm_curve"]),
+        gemm_inner=float(local["linear"]["inner"]),
+        gemm_deep_curve=tuple((p["width"], p["forward"], p["weight_grad"], p["input_grad"])
+                              for p in local["gemm_deep_curve"]),
+        gemm_deep_inner=float(local["linear_deep"]["inner"]),
+        gamma=0.0,
+        push_factor=local["push"]["factor"],
+        host_bandwidth=preset.host_bandwidth if preset is not None else None,
+        launch_overhead=local["op_overhead"]["seconds"],
+        kind="gpu",
+    )
+    gpus = torch.cuda.device_count()
+    if gpus >= world_size:
+        comm: dict[str, Any] = _measure_collectives("nccl", world_size, quick)
+        link = LinkSpec("nccl", comm["bandwidth"], comm["latency"])
+    else:
+        link = LINKS[DEFAULT_INTRA[key]] if key is not None else LINKS["pcie4"]
+        comm = {"skipped": f"{gpus} CUDA device(s) visible, world_size={world_size} needs as many; "
+                           f"the {'preset' if key is not None else 'placeholder'} link {link} is kept"}
+    runtime = runtime_overheads(Cluster(1, 1, device, link, name=model), quick=quick, device=f"cuda:{index}")
+    device = dataclasses.replace(device, runtime=runtime)
+    host = socket.gethostname()
+    calibration = {
+        "model": model,
+        "preset": key,
+        "device": f"cuda:{index}",
+        "host": host,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "quick": quick,
+        **local,
+        "flops_from_datasheet": sorted(set(device.flops) - set(rates["flops"])),
+        "collectives": comm,
+        "runtime": runtime,
+    }
+    cluster = Cluster(1, 1, device, link, name=f"{model} (calibrated {host})", calibration=calibration)
+    if path is not None:
+        cluster.save(path)
+    return cluster
+
+
 def _all_cores_curve(points: list[dict[str, Any]]) -> tuple[tuple[float, float, float, float], ...]:
     """A measured GEMM curve as the device's ``(width, forward, weight gradient, input gradient)``
     FLOP/s at all cores."""
@@ -180,10 +293,12 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return a, b
 
 
-def runtime_overheads(cluster: Any, *, quick: bool = False) -> dict[str, float]:
+def runtime_overheads(cluster: Any, *, quick: bool = False, device: Optional[str] = None) -> dict[str, float]:
     """Fit the runtime's fixed costs on rank 0 of ``cluster`` (one rank with
     ``cluster.threads_per_rank`` threads, default all cores; see the module docstring): ``stage``,
     ``op_forward``, ``op_backward``, ``segment``, ``comm``, ``optimizer_tensor``, ``step``, seconds.
+    The plans run on ``device`` (``run_plan``'s): default ``"cpu"`` for a CPU cluster and ``"cuda"``
+    for a GPU one (one number per overhead; GPU ranks have no threads to interpolate in).
 
     :func:`calibrate` measures them at one thread and at all cores (``calibration["runtime"]``:
     ``[single, all_cores]`` per overhead): a rank of ``t`` threads pays them interpolated in ``t``
@@ -191,6 +306,7 @@ def runtime_overheads(cluster: Any, *, quick: bool = False) -> dict[str, float]:
     forks and joins its threads."""
     bare = dataclasses.replace(cluster.rank_device(0), launch_overhead=0.0, runtime={})
     threads = cluster.threads_per_rank
+    device = device or ("cpu" if bare.kind == "cpu" else "cuda")
     graph = datasets.synthetic("sbm", num_nodes=256, avg_degree=4, num_features=8, num_classes=4, seed=0)
     epochs = 12 if quick else 40
     samples: dict[str, list[tuple]] = defaultdict(list)  # kind -> (x, residual seconds); segment: 4-tuples
@@ -199,7 +315,7 @@ def runtime_overheads(cluster: Any, *, quick: bool = False) -> dict[str, float]:
         model = nn.GCN(graph.num_features, 8, graph.num_classes, num_layers=layers, dropout=0.5)
         p = make_plan(model, graph, cluster, strategy="data", recompute=recompute, verify=False)
         res = run_plan(p, epochs=epochs, lr=0.01, seed=0, eval_every=epochs, update_model=False, timeout=120,
-                       threads_per_rank=threads, progress=False)
+                       threads_per_rank=threads, device=device, progress=False)
         durations: dict[str, list[float]] = defaultdict(list)
         per_step: dict[int, float] = defaultdict(float)
         for e in res.ranks[0].timeline:
@@ -245,14 +361,22 @@ def runtime_overheads(cluster: Any, *, quick: bool = False) -> dict[str, float]:
     return out
 
 
-def _best_time(fn: Callable[[], Any], repeats: int, budget: float) -> float:
+def _no_sync() -> None:
+    """The CPU's synchronization: none (a CPU op has finished when it returns)."""
+
+
+def _best_time(fn: Callable[[], Any], repeats: int, budget: float, sync: Callable[[], None] = _no_sync) -> float:
     """The shortest of up to ``repeats`` timed calls of ``fn`` after one warm-up call; stops
-    early once ``budget`` seconds have been spent timing."""
+    early once ``budget`` seconds have been spent timing. ``sync`` waits for the device's queued
+    work (``torch.cuda.synchronize`` on a GPU): called after the warm-up and after each call, before
+    the clock is read, so every timed call is its work, not its launch."""
     fn()
+    sync()
     best, start = math.inf, time.perf_counter()
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t0)
         if time.perf_counter() - start > budget:
             break
@@ -279,148 +403,248 @@ def _measure_local(cores: int, quick: bool) -> dict[str, Any]:
     return launch(_local_rank, 1, (threads, quick), backend="gloo", timeout=120, threads_per_rank=cores)[0]
 
 
-def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
-    """Run in a launched rank: GEMM, STREAM and SpMM rates at each of ``threads`` (in that order),
-    and the per-op overhead at one thread."""
-    repeats, budget = (3, 0.3) if quick else (7, 1.5)
-    sizes = [256, 512] if quick else [256, 512, 1024]
-    stream_elems = (64 * 2**20) // 4
-    degree, width, narrow = 10, 64, 4
-    # working sets from one that fits in the last-level cache to one that does not
-    spmm_rows = [16_000, 50_000] if quick else [16_000, 64_000, 200_000]
+def _problems(quick: bool, device: torch.device) -> dict[str, Any]:
+    """The inputs every local rate is measured on, on ``device``: square GEMMs, STREAM arrays, SpMM
+    graphs (uniform in-degree 10, widths 64 and 4), a linear layer's products, the loss, a dropout
+    mask. A GPU gets larger problems (a product of a CPU's size is mostly its launch there)."""
+    gpu = device.type == "cuda"
     gen = torch.Generator().manual_seed(0)
+    degree, width, narrow = 10, 64, 4
+    if gpu:
+        sizes = [1024, 2048] if quick else [1024, 2048, 4096]
+        stream_elems = (256 * 2**20) // 4
+        # working sets from one in the L2 cache (50 MB on an H100) to several times it
+        spmm_rows = [64_000, 400_000] if quick else [64_000, 400_000, 2_000_000]
+        (linear_rows, linear_inner), (deep_rows, deep_inner) = (((16_384, 256), (4096, 2048)) if quick
+                                                                else ((65_536, 512), (16_384, 4096)))
+        loss_rows, mask_rows = (2**18, 2**20) if quick else (2**20, 2**20)
+    else:
+        sizes = [256, 512] if quick else [256, 512, 1024]
+        stream_elems = (64 * 2**20) // 4
+        # working sets from one that fits in the last-level cache to one that does not
+        spmm_rows = [16_000, 50_000] if quick else [16_000, 64_000, 200_000]
+        # a linear layer of a GNN: many rows, a few hundred inputs; and a deep input (a first layer
+        # on dense features), as many input elements
+        (linear_rows, linear_inner), (deep_rows, deep_inner) = (((2048, 256), (256, 2048)) if quick
+                                                                else ((4096, 512), (2048, 4096)))
+        loss_rows, mask_rows = (16_384, 65_536) if quick else (65_536, 65_536)
+    linear_widths = (4, 8, 16, 32, 64, 128) if quick else (4, 8, 16, 32, 64, 128, 256)
+
+    def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.rand(*shape, dtype=dtype, generator=gen).to(device)
+
     spmm_cases = []
     for rows in spmm_rows:
         # the propagation the models run (GCN normalization, implicit self loops), uniform random edges
-        graph = _uniform_graph(rows, degree, gen)
+        graph = _uniform_graph(rows, degree, gen).to(device)
         nnz = graph.num_edges + rows
         spmm_cases.append({
             "graph": graph, "rows": rows, "nnz": nnz, "working_set": 4 * rows * width,
-            "x": torch.randn(rows, width, generator=gen), "x_narrow": torch.randn(rows, narrow, generator=gen),
-            "bytes": 4 * (nnz * (1 + 2 * width) + rows), "narrow_bytes": 4 * (nnz * (1 + 2 * narrow) + rows),
-            "seconds": {}, "narrow_seconds": {}})
-    a, b, c = (torch.rand(stream_elems, generator=gen) for _ in range(3))
-    gemm_inputs = {(dtype, n): (torch.rand(n, n, dtype=getattr(torch, dtype), generator=gen),
-                                torch.rand(n, n, dtype=getattr(torch, dtype), generator=gen))
-                   for dtype in ("float32", "float64") for n in sizes}
+            "x": torch.randn(rows, width, generator=gen).to(device),
+            "x_narrow": torch.randn(rows, narrow, generator=gen).to(device),
+            "bytes": 4 * (nnz * (1 + 2 * width) + rows), "narrow_bytes": 4 * (nnz * (1 + 2 * narrow) + rows)})
+    loss_classes = 8
+    return {
+        "device": device, "sizes": sizes, "degree": degree, "widths": [width, narrow], "spmm_cases": spmm_cases,
+        "stream": [rand(stream_elems) for _ in range(3)],
+        "gemm": {(dtype, n): (rand(n, n, dtype=getattr(torch, dtype)), rand(n, n, dtype=getattr(torch, dtype)))
+                 for dtype in ("float32", "float64") for n in sizes},
+        # "linear"/"linear_deep" -> (rows, inner, x, {width: (W, grad)})
+        "products": {key: (rows, inner, rand(rows, inner), {w: (rand(w, inner), rand(rows, w)) for w in linear_widths})
+                     for key, rows, inner in (("linear", linear_rows, linear_inner),
+                                              ("linear_deep", deep_rows, deep_inner))},
+        # the training loss as the runtime computes it: cross-entropy of the training rows of the logits
+        "loss": (torch.randn(loss_rows, loss_classes, generator=gen).to(device).requires_grad_(True),
+                 torch.randint(0, loss_classes, (loss_rows,), generator=gen).to(device),
+                 (torch.rand(loss_rows, generator=gen) < 0.5).to(device)),
+        # a dropout's mask as a rank computes it: the rows it holds (here every other row, a hidden
+        # layer's 64 features each) of a whole tensor's mask, as bools (MaskDraw.times)
+        "mask": (mask_rows, 64, torch.arange(0, mask_rows, 2, device=device)),
+    }
 
-    # the products of a linear layer of a GNN: many rows, a few hundred inputs, a narrow output; and
-    # the same with a deep input (a first layer on dense features), as many input elements
-    linear_rows, linear_inner = (2048, 256) if quick else (4096, 512)
-    deep_rows, deep_inner = (256, 2048) if quick else (2048, 4096)
-    linear_widths = (4, 8, 16, 32, 64, 128) if quick else (4, 8, 16, 32, 64, 128, 256)
-    products_of: dict[str, tuple[int, int, torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
-    for key, rows, inner in (("linear", linear_rows, linear_inner), ("linear_deep", deep_rows, deep_inner)):
-        products_of[key] = (rows, inner, torch.rand(rows, inner, generator=gen),
-                            {w: (torch.rand(w, inner, generator=gen), torch.rand(rows, w, generator=gen))
-                             for w in linear_widths})
-    #: "linear"/"linear_deep" -> width -> product -> threads -> seconds
-    linear: dict[str, dict[str, dict[str, dict[str, float]]]] = {"linear": {}, "linear_deep": {}}
-    gemm: dict[str, dict[str, list[float]]] = {"float32": {}, "float64": {}}
-    # the training loss as the runtime computes it: cross-entropy of the training rows of the logits
-    loss_rows, loss_classes = (16_384, 8) if quick else (65_536, 8)
-    logits = torch.randn(loss_rows, loss_classes, generator=gen).requires_grad_(True)
-    labels = torch.randint(0, loss_classes, (loss_rows,), generator=gen)
-    train = torch.rand(loss_rows, generator=gen) < 0.5
+
+def _time_once(pb: dict[str, Any], repeats: int, budget: float, sync: Callable[[], None]) -> dict[str, Any]:
+    """Seconds of every measurement of :func:`_problems` ``pb`` once (at the threads set on a CPU), by
+    :func:`_best_time` with ``sync``."""
+    def best(fn: Callable[[], Any]) -> float:
+        return _best_time(fn, repeats, budget, sync)
+
+    logits, labels, train = pb["loss"]
 
     def loss_forward() -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(logits[train], labels[train], reduction="sum") / loss_rows
+        return torch.nn.functional.cross_entropy(logits[train], labels[train], reduction="sum") / logits.shape[0]
 
     def loss_both() -> None:
         loss_forward().backward()
         logits.grad = None
 
-    loss_s: dict[str, dict[str, float]] = {}
-    stream: dict[str, dict[str, float]] = {}
-    rng_s: dict[str, float] = {}
-    # a dropout's mask as a rank computes it: the rows it holds (here every other row, a hidden
-    # layer's 64 features each) of a whole tensor's mask, as bools (MaskDraw.times)
-    mask_rows, mask_width = 65_536, 64
-    held_rows = torch.arange(0, mask_rows, 2)
-    draws = held_rows.numel() * mask_width
-    for t in threads:
-        torch.set_num_threads(t)
-        for (dtype, n), (p, q) in gemm_inputs.items():
-            out = torch.empty_like(p)
-            gemm[dtype].setdefault(str(t), []).append(_best_time(lambda: torch.mm(p, q, out=out), repeats, budget))
-        stream[str(t)] = {"copy": _best_time(lambda: c.copy_(a), repeats, budget),
-                          "add": _best_time(lambda: torch.add(a, b, out=c), repeats, budget)}
-        for case in spmm_cases:
-            g = case["graph"]
-            for key, xs in (("seconds", case["x"]), ("narrow_seconds", case["x_narrow"])):
-                case[key][str(t)] = _best_time(lambda: propagate(g, xs, norm="gcn", add_self_loops=True),
-                                               repeats, budget)
-        rng_s[str(t)] = _best_time(lambda: dropout_mask(7, 0.5, mask_rows, (mask_width,), rows=held_rows,
-                                                        dtype=torch.bool), repeats, budget)
-        forward_s = _best_time(loss_forward, repeats, budget)
-        loss_s[str(t)] = {"forward": forward_s,
-                          "backward": max(_best_time(loss_both, repeats, budget) - forward_s, forward_s / 10)}
-        for key, (_, _, lx, inputs) in products_of.items():
-            for w, (weight, grad) in inputs.items():
-                products = {"forward": lambda: torch.nn.functional.linear(lx, weight),  # what autograd runs
-                            "weight_grad": lambda: grad.t().mm(lx), "input_grad": lambda: grad.mm(weight)}
-                for name, fn in products.items():
-                    linear[key].setdefault(str(w), {}).setdefault(name, {})[str(t)] = _best_time(fn, repeats, budget)
-    tiny, ops = torch.zeros(1), 200
-    op_overhead = _best_time(lambda: [tiny.add_(1.0) for _ in range(ops)], repeats, budget) / ops
-    torch.set_num_threads(max(threads))
-    push = _push_seconds(spmm_cases[-1], repeats, budget)
+    a, b, c = pb["stream"]
+    mask_rows, mask_width, held_rows = pb["mask"]
+    out: dict[str, Any] = {"gemm": {"float32": [], "float64": []}, "spmm": [], "linear": {}}
+    for (dtype, _), (p, q) in pb["gemm"].items():
+        mm_out = torch.empty_like(p)
+        out["gemm"][dtype].append(best(lambda: torch.mm(p, q, out=mm_out)))
+    out["stream"] = {"copy": best(lambda: c.copy_(a)), "add": best(lambda: torch.add(a, b, out=c))}
+    for case in pb["spmm_cases"]:
+        g = case["graph"]
+        out["spmm"].append({key: best(lambda: propagate(g, case[x], norm="gcn", add_self_loops=True))
+                            for key, x in (("seconds", "x"), ("narrow_seconds", "x_narrow"))})
+    out["rng"] = best(lambda: dropout_mask(7, 0.5, mask_rows, (mask_width,), rows=held_rows, dtype=torch.bool,
+                                           device=pb["device"]))
+    forward_s = best(loss_forward)
+    out["loss"] = {"forward": forward_s, "backward": max(best(loss_both) - forward_s, forward_s / 10)}
+    for key, (_, _, lx, inputs) in pb["products"].items():
+        for w, (weight, grad) in inputs.items():
+            products = {"forward": lambda: torch.nn.functional.linear(lx, weight),  # what autograd runs
+                        "weight_grad": lambda: grad.t().mm(lx), "input_grad": lambda: grad.mm(weight)}
+            out["linear"].setdefault(key, {})[str(w)] = {name: best(fn) for name, fn in products.items()}
+    return out
 
-    def pair(per_thread: Callable[[str], float]) -> list[float]:
-        """``[single thread, all cores]`` of a rate."""
-        return [per_thread(str(min(threads))), per_thread(str(max(threads)))]
 
-    def fit(case: dict[str, Any], t: str) -> tuple[float, float]:
-        return _spmm_fit(case["nnz"], (case["narrow_bytes"], case["narrow_seconds"][t]),
-                         (case["bytes"], case["seconds"][t]))
+def _rates_once(pb: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
+    """The rates of one :func:`_time_once` pass ``s`` over ``pb``: FLOP/s, bytes/s, edges/s, draws/s,
+    logits/s, and the GEMM and SpMM curves."""
+    def fit(i: int) -> tuple[float, float]:
+        case = pb["spmm_cases"][i]
+        return _spmm_fit(case["nnz"], (case["narrow_bytes"], s["spmm"][i]["narrow_seconds"]),
+                         (case["bytes"], s["spmm"][i]["seconds"]))
 
     def gemm_curve(key: str) -> list[dict[str, Any]]:
-        """FLOP/s ``[single thread, all cores]`` of the products measured under ``key``, by output width."""
-        rows, inner = products_of[key][:2]
-        return [{"width": int(w), **{name: pair(lambda t, x=sec, n=2 * rows * inner * int(w): n / x[t])
-                                     for name, sec in products.items()}}
-                for w, products in linear[key].items()]
+        rows, inner = pb["products"][key][:2]
+        return [{"width": int(w), **{name: 2 * rows * inner * int(w) / sec for name, sec in products.items()}}
+                for w, products in s["linear"][key].items()]
 
-    large = spmm_cases[-1]
-    array_bytes = 4 * stream_elems
+    array_bytes = pb["stream"][0].numel() * 4
+    logits = pb["loss"][0].numel()
+    mask_rows, mask_width, held_rows = pb["mask"]
+    large = len(pb["spmm_cases"]) - 1
     return {
-        "rates": {
-            "flops": {dtype: pair(lambda t, d=dtype: max(2 * n**3 / s for n, s in zip(sizes, gemm[d][t])))
-                      for dtype in gemm},
-            "mem_bandwidth": pair(lambda t: max(2 * array_bytes / stream[t]["copy"],
-                                                3 * array_bytes / stream[t]["add"])),
-            "spmm_bandwidth": pair(lambda t: fit(large, t)[1]),
-            "edge_rate": pair(lambda t: fit(large, t)[0]),
-            "rng_rate": pair(lambda t: draws / rng_s[t]),
-            "loss_rate": pair(lambda t: loss_rows * loss_classes / loss_s[t]["forward"]),
-            "loss_grad_rate": pair(lambda t: loss_rows * loss_classes / loss_s[t]["backward"]),
-        },
-        "rng": {"op": f"dropout_mask(p=0.5, bool): every other row of a {mask_rows} x {mask_width} mask (Philox4x32-10)",
-                "elements": draws, "seconds": rng_s},
-        "loss": {"op": "cross_entropy(logits[train], labels[train]), half the rows training rows",
-                 "rows": loss_rows, "classes": loss_classes, "seconds": loss_s},
-        "gemm": {"sizes": sizes, "seconds": gemm},
-        "stream": {"array_bytes": array_bytes, "bytes_moved": {"copy": 2 * array_bytes, "add": 3 * array_bytes},
-                   "seconds": stream},
-        "spmm": {"op": "ops.propagate(norm='gcn', add_self_loops=True)", "backend": default_backend("cpu"),
-                 "degree": degree, "widths": [width, narrow],
-                 "bytes_convention": "4*(nnz*(1+2*width)+rows), NeutronTask Eq. 6; nnz with self loops",
-                 "cases": [{k: v for k, v in case.items() if k not in ("graph", "x", "x_narrow")}
-                           for case in spmm_cases]},
-        "gemm_curve": gemm_curve("linear"),
-        "gemm_deep_curve": gemm_curve("linear_deep"),
-        **{key: {"rows": rows, "inner": inner, "dtype": "float32",
-                 "products": {"forward": "F.linear(x, W)", "weight_grad": "g.t() @ x", "input_grad": "g @ W"},
-                 "seconds": linear[key]}
-           for key, (rows, inner, _, _) in products_of.items()},
-        "spmm_curve": [{"working_set": case["working_set"], "bandwidth": pair(lambda t, c=case: fit(c, t)[1]),
-                        "edge_rate": pair(lambda t, c=case: fit(c, t)[0])} for case in spmm_cases],
-        "op_overhead": {"op": "add_ on a 1-element tensor, 1 thread", "seconds": op_overhead},
-        "push": push,
+        "flops": {dtype: max(2 * n**3 / t for n, t in zip(pb["sizes"], sec)) for dtype, sec in s["gemm"].items()},
+        "mem_bandwidth": max(2 * array_bytes / s["stream"]["copy"], 3 * array_bytes / s["stream"]["add"]),
+        "spmm_bandwidth": fit(large)[1], "edge_rate": fit(large)[0],
+        "rng_rate": held_rows.numel() * mask_width / s["rng"],
+        "loss_rate": logits / s["loss"]["forward"], "loss_grad_rate": logits / s["loss"]["backward"],
+        "gemm_curve": gemm_curve("linear"), "gemm_deep_curve": gemm_curve("linear_deep"),
+        "spmm_curve": [{"working_set": case["working_set"], "bandwidth": fit(i)[1], "edge_rate": fit(i)[0]}
+                       for i, case in enumerate(pb["spmm_cases"])],
     }
 
 
-def _push_seconds(case: dict[str, Any], repeats: int, budget: float) -> dict[str, Any]:
+def _report(pb: dict[str, Any], seconds: Callable[[Callable[[dict], Any]], Any],
+            rate: Callable[[Callable[[dict], Any]], Any]) -> dict[str, Any]:
+    """The local measurements as :func:`calibrate` records them. ``seconds(get)``: a raw measurement
+    ``get`` of the timed passes (``{threads: seconds}`` on a CPU, the seconds on a GPU);
+    ``rate(get)``: a rate ``get`` of their :func:`_rates_once` (``[single thread, all cores]`` on a
+    CPU, the rate on a GPU)."""
+    mask_rows, mask_width, held_rows = pb["mask"]
+    logits = pb["loss"][0]
+    array_bytes = pb["stream"][0].numel() * 4
+    kinds = ("forward", "weight_grad", "input_grad")
+
+    def curve(key: str, products: str) -> list[dict[str, Any]]:
+        """The curve ``key`` of :func:`_rates_once`: FLOP/s of the ``products`` by output width."""
+        return [{"width": int(w), **{k: rate(lambda r, i=i, k=k: r[key][i][k]) for k in kinds}}
+                for i, w in enumerate(pb["products"][products][3])]
+
+    return {
+        "rates": {
+            "flops": {dtype: rate(lambda r, d=dtype: r["flops"][d]) for dtype in ("float32", "float64")},
+            **{k: rate(lambda r, k=k: r[k]) for k in ("mem_bandwidth", "spmm_bandwidth", "edge_rate", "rng_rate",
+                                                        "loss_rate", "loss_grad_rate")},
+        },
+        "rng": {"op": f"dropout_mask(p=0.5, bool): every other row of a {mask_rows} x {mask_width} mask "
+                      "(Philox4x32-10)",
+                "elements": held_rows.numel() * mask_width, "seconds": seconds(lambda s: s["rng"])},
+        "loss": {"op": "cross_entropy(logits[train], labels[train]), half the rows training rows",
+                 "rows": logits.shape[0], "classes": logits.shape[1], "seconds": seconds(lambda s: s["loss"])},
+        "gemm": {"sizes": pb["sizes"],
+                 "seconds": {d: seconds(lambda s, d=d: s["gemm"][d]) for d in ("float32", "float64")}},
+        "stream": {"array_bytes": array_bytes, "bytes_moved": {"copy": 2 * array_bytes, "add": 3 * array_bytes},
+                   "seconds": seconds(lambda s: s["stream"])},
+        "spmm": {"op": "ops.propagate(norm='gcn', add_self_loops=True)", "backend": default_backend(pb["device"]),
+                 "degree": pb["degree"], "widths": pb["widths"],
+                 "bytes_convention": "4*(nnz*(1+2*width)+rows), NeutronTask Eq. 6; nnz with self loops",
+                 "cases": [{**{k: v for k, v in case.items() if k not in ("graph", "x", "x_narrow")},
+                            "seconds": seconds(lambda s, i=i: s["spmm"][i]["seconds"]),
+                            "narrow_seconds": seconds(lambda s, i=i: s["spmm"][i]["narrow_seconds"])}
+                           for i, case in enumerate(pb["spmm_cases"])]},
+        "gemm_curve": curve("gemm_curve", "linear"),
+        "gemm_deep_curve": curve("gemm_deep_curve", "linear_deep"),
+        **{key: {"rows": rows, "inner": inner, "dtype": "float32",
+                 "products": {"forward": "F.linear(x, W)", "weight_grad": "g.t() @ x", "input_grad": "g @ W"},
+                 "seconds": {str(w): {k: seconds(lambda s, key=key, w=w, k=k: s["linear"][key][str(w)][k])
+                                      for k in kinds} for w in inputs}}
+           for key, (rows, inner, _, inputs) in pb["products"].items()},
+        "spmm_curve": [{"working_set": case["working_set"],
+                        "bandwidth": rate(lambda r, i=i: r["spmm_curve"][i]["bandwidth"]),
+                        "edge_rate": rate(lambda r, i=i: r["spmm_curve"][i]["edge_rate"])}
+                       for i, case in enumerate(pb["spmm_cases"])],
+    }
+
+
+def _op_overhead(device: torch.device, ops: int, repeats: int, budget: float, sync: Callable[[], None]) -> float:
+    """Seconds of a tiny op (``add_`` on a 1-element tensor on ``device``) including its launch: the
+    mean over ``ops`` back-to-back ones, one ``sync`` after them all (the best of ``repeats``)."""
+    tiny = torch.zeros(1, device=device)
+    return _best_time(lambda: [tiny.add_(1.0) for _ in range(ops)], repeats, budget, sync) / ops
+
+
+def _local_rank(ctx: Any, threads: list[int], quick: bool) -> dict[str, Any]:
+    """Run in a launched rank: GEMM, STREAM and SpMM rates at each of ``threads`` (in that order),
+    and the per-op overhead at one thread."""
+    repeats, budget = (3, 0.3) if quick else (7, 1.5)
+    pb = _problems(quick, torch.device("cpu"))
+    passes: dict[str, dict[str, Any]] = {}
+    for t in threads:
+        torch.set_num_threads(t)
+        passes[str(t)] = _time_once(pb, repeats, budget, _no_sync)
+    op_overhead = _op_overhead(torch.device("cpu"), 200, repeats, budget, _no_sync)
+    torch.set_num_threads(max(threads))
+    push = _push_seconds(pb["spmm_cases"][-1], repeats, budget, _no_sync)
+    rates = {t: _rates_once(pb, s) for t, s in passes.items()}
+    low, high = str(min(threads)), str(max(threads))
+    return {**_report(pb, lambda get: {t: get(s) for t, s in passes.items()},
+                      lambda get: [get(rates[low]), get(rates[high])]),
+            "op_overhead": {"op": "add_ on a 1-element tensor, 1 thread", "seconds": op_overhead},
+            "push": push}
+
+
+def _gpu_rank(ctx: Any, quick: bool) -> dict[str, Any]:
+    """Run in a launched rank on a GPU (``ctx.device``): the rates of :func:`_local_rank` once (no
+    threads on a GPU), every timing synchronized; the per-op overhead (launch included), what a
+    host synchronize costs, and the GPU's name, memory and matmul settings."""
+    device = ctx.device
+    torch.cuda.set_device(device)
+
+    def sync() -> None:
+        torch.cuda.synchronize(device)
+
+    repeats, budget = (3, 0.3) if quick else (7, 1.5)
+    pb = _problems(quick, device)
+    s = _time_once(pb, repeats, budget, sync)
+    rates = _rates_once(pb, s)
+    ops = 1000
+    op_overhead = _op_overhead(device, ops, repeats, budget, sync)
+    sync()
+    round_trips = []
+    for _ in range(200):  # an idle device: what the host pays to learn that its queue is empty
+        t0 = time.perf_counter()
+        sync()
+        round_trips.append(time.perf_counter() - t0)
+    props = torch.cuda.get_device_properties(device)
+    return {**_report(pb, lambda get: get(s), lambda get: get(rates)),
+            "op_overhead": {"op": f"add_ on a 1-element tensor: the mean of {ops} back to back, one synchronize "
+                                  "at the end (launch included)", "seconds": op_overhead},
+            "sync": {"op": "torch.cuda.synchronize() on an idle device (median of 200)",
+                     "seconds": statistics.median(round_trips)},
+            "push": _push_seconds(pb["spmm_cases"][-1], repeats, budget, sync),
+            "gpu": {"name": torch.cuda.get_device_name(device), "memory": int(props.total_memory),
+                    "capability": f"{props.major}.{props.minor}", "multiprocessors": props.multi_processor_count,
+                    "cuda": torch.version.cuda, "allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+                    "float32_matmul_precision": torch.get_float32_matmul_precision()}}
+
+
+def _push_seconds(case: dict[str, Any], repeats: int, budget: float, sync: Callable[[], None]) -> dict[str, Any]:
     """The backward product of the largest SpMM case both ways, at the threads set: pulled
     through the transposed CSR, and scattered from the graph's own CSR (``transpose=True``); their
     ratio is the device's ``push_factor``."""
@@ -429,11 +653,11 @@ def _push_seconds(case: dict[str, Any], repeats: int, budget: float) -> dict[str
     indptr_t, indices_t = g.transpose_structure()
     csr_t = CSR(indptr_t, indices_t, g.num_src, g.num_nodes)
     x = case["x"]
-    pulled = _best_time(lambda: spmm(csr_t, None, x), repeats, budget)
-    pushed = _best_time(lambda: spmm(csr, None, x, transpose=True), repeats, budget)
-    return {"op": "A^T x, width 64: over the transposed CSR / scattered from A's CSR", "backend": default_backend("cpu"),
-            "threads": torch.get_num_threads(), "seconds": {"transposed": pulled, "push": pushed},
-            "factor": pushed / pulled}
+    pulled = _best_time(lambda: spmm(csr_t, None, x), repeats, budget, sync)
+    pushed = _best_time(lambda: spmm(csr, None, x, transpose=True), repeats, budget, sync)
+    return {"op": "A^T x, width 64: over the transposed CSR / scattered from A's CSR",
+            "backend": default_backend(x.device), "threads": torch.get_num_threads(),
+            "seconds": {"transposed": pulled, "push": pushed}, "factor": pushed / pulled}
 
 
 def _spmm_fit(edges: int, narrow: tuple[float, float], wide: tuple[float, float]) -> tuple[float, float]:

@@ -378,15 +378,33 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from .calibration import calibrate
-    from .cost_models.hardware import default_profile_path
+    from .cost_models.hardware import default_gpu_profile_path, default_profile_path
 
-    path = args.out or default_profile_path()
-    cluster = calibrate(path, quick=args.quick)
+    if args.device == "cpu":
+        path = args.out or default_profile_path()
+        cluster = calibrate(path, quick=args.quick)
+    else:  # measured first: the default path is the GPU model's
+        cluster = calibrate(args.out, quick=args.quick, device=args.device)
+        path = args.out or cluster.save(default_gpu_profile_path(cluster.calibration["model"]))
     print(cluster)
     cal = getattr(cluster, "calibration", None) or {}
     if cal:
         print(json.dumps(cal, indent=1, default=str))
-    print(f"profile written to {path}; plans for '<N>xcpu' clusters use it")
+    if args.device == "cpu":
+        print(f"profile written to {path}; plans for '<N>xcpu' clusters use it")
+        return 0
+    d, model = cluster.device, cal["model"]
+    print(f"{d.name} ({'preset ' + cal['preset'] if cal.get('preset') else 'no preset matches'}): "
+          f"float32 {d.flops['float32'] / 1e12:.3g} TFLOP/s (allow_tf32={cal['gpu']['allow_tf32']}), "
+          f"float64 {d.flops['float64'] / 1e12:.3g} TFLOP/s, memory {d.mem_bandwidth / 1e9:.4g} GB/s, "
+          f"SpMM {d.spmm_bandwidth / 1e9:.4g} GB/s and {d.edge_rate / 1e9:.3g} G edges/s, "
+          f"per op {d.launch_overhead * 1e6:.3g} us, synchronize {cal['sync']['seconds'] * 1e6:.3g} us")
+    comm = cal["collectives"]
+    print(f"collectives: {comm['skipped']}" if "skipped" in comm else
+          f"collectives (nccl, {comm['world_size']} GPUs): {cluster.intra}, "
+          f"latency {cluster.intra.latency * 1e6:.3g} us")
+    print(f"profile written to {path}; plans for '<N>x{model}' clusters use it"
+          + ("" if cal.get("preset") else f" when passed as their profile (no preset is a {model})"))
     return 0
 
 
@@ -452,10 +470,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("calibrate", help="measure this machine for the cost models",
                        description="Measure GEMM FLOP/s, memory and SpMM bandwidth, per-op overhead and the gloo "
-                                   "collectives' latency and bandwidth; save the CPU profile the cost models use.")
+                                   "collectives' latency and bandwidth; save the CPU profile the cost models use. "
+                                   "With --device cuda: the GPU's rates, launch and runtime costs and NCCL between "
+                                   "GPUs; save the profile of that GPU model.")
     c.add_argument("--quick", action="store_true", help="smaller, faster measurements (~10 s)")
+    c.add_argument("--device", type=device_name, default="cpu", metavar="DEVICE",
+                   help="what to measure: cpu (default), cuda (GPU 0) or cuda:N")
     c.add_argument("--out", default=None, metavar="PATH",
-                   help="where to save the profile (default: ~/.cache/gnncompile/cpu_profile.json, or $GNNCOMPILE_PROFILE)")
+                   help="where to save the profile (default: ~/.cache/gnncompile/cpu_profile.json, or "
+                        "$GNNCOMPILE_PROFILE; a GPU's: gpu_profile-<model>.json in that file's directory)")
     c.set_defaults(func=_cmd_calibrate)
 
     d = sub.add_parser("datasets", help="list available datasets", description="List the datasets found locally.")

@@ -1,14 +1,30 @@
-"""Test-wide settings: tests not marked ``gpu`` run their plans on the CPU.
+"""Test-wide settings: tests not marked ``gpu`` run their plans on the CPU, and no test reads or
+writes the user's saved calibration profiles.
 
 On a machine with CUDA, ``plan.run`` and ``check_plan`` would otherwise default to the GPUs, and
 tests written against CPU references (CPU dropout streams, CPU memory accounting) would compare
-across devices; the ``gpu`` tests cover the CUDA path explicitly.
+across devices; the ``gpu`` tests cover the CUDA path explicitly. ``Cluster.parse`` applies a
+profile saved by ``gnncompile calibrate`` (``~/.cache/gnncompile/``: the CPU's, and each GPU
+model's); every test gets a profile path of its own that does not exist until the test writes it.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
+
+
+@pytest.fixture(scope="session")
+def _profiles_root(tmp_path_factory: pytest.TempPathFactory):
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(autouse=True)
+def _no_saved_profiles(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, _profiles_root) -> None:
+    key = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+    monkeypatch.setenv("GNNCOMPILE_PROFILE", str(_profiles_root / key / "cpu_profile.json"))
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,9 @@ process on a CPU host), linked inside a machine by ``intra`` and between machine
     Cluster.parse("2x4xA5000-ib200")     # 2 nodes x 4 A5000, PCIe 4.0 inside, 200 Gbit/s IB across
     Cluster.parse("neutrontask")         # a paper's testbed (see CLUSTERS)
     Cluster.parse("4xcpu")               # 4 ranks on this host, from the saved CPU profile
+    Cluster.parse("4xH100")              # from the saved H100 profile if there is one, else the datasheet
     gnncompile.calibrate("profile.json") # measure this host's CPU and gloo and save a profile
+    gnncompile.calibrate(device="cuda")  # measure this machine's GPU (and NCCL between its GPUs)
 
 Grammar of :meth:`Cluster.parse`: ``[NODESx]DEVICESxMODEL[-LINK]``, a bare ``MODEL`` (one device)
 or a preset name from :data:`CLUSTERS`. ``LINK`` names the inter-node link when ``NODES > 1``
@@ -51,6 +53,9 @@ __all__ = [
     "UNCALIBRATED_LABEL",
     "DATASHEET_LABEL",
     "default_profile_path",
+    "default_gpu_profile_path",
+    "gpu_preset",
+    "gpu_model_name",
 ]
 
 DEFAULT_INTER = "ib100"    # inter-node link of a multi-node spec that names none
@@ -70,6 +75,45 @@ def default_profile_path() -> Path:
     else ``~/.cache/gnncompile/cpu_profile.json``."""
     env = os.environ.get(PROFILE_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "gnncompile" / "cpu_profile.json"
+
+
+def default_gpu_profile_path(model: str) -> Path:
+    """Where :meth:`Cluster.parse` looks for a saved profile of GPU ``model`` (a :data:`DEVICES` key
+    or alias, or a :func:`gpu_model_name`): ``gpu_profile-<model>.json`` in the directory of
+    :func:`default_profile_path` (``~/.cache/gnncompile/``, or that of ``$GNNCOMPILE_PROFILE``),
+    ``<model>`` the preset's device name (``A100`` and ``a100-80gb`` share ``gpu_profile-A100-80GB.json``)."""
+    key = _lookup(model, DEVICES)
+    name = DEVICES[key].name if key is not None else model
+    return default_profile_path().parent / f"gpu_profile-{re.sub(r'[^A-Za-z0-9.+-]+', '_', name)}.json"
+
+
+def gpu_preset(name: str, memory: Optional[int] = None) -> Optional[str]:
+    """The :data:`DEVICES` key of a GPU that CUDA names ``name`` (``torch.cuda.get_device_name``)
+    with ``memory`` bytes (``get_device_properties(...).total_memory``), or ``None``.
+
+    Rule: a preset's family is its key up to the first ``-`` (``A100-80GB``: ``A100``); it must
+    occur in ``name`` as a token, ignoring case: not preceded by a letter or digit, not followed by
+    a digit (``"NVIDIA A100-SXM4-80GB"`` and ``"NVIDIA H100 80GB HBM3"`` match ``A100`` and ``H100``;
+    ``"NVIDIA H200"`` matches ``H200``, not ``H100``; ``"RTX 4090"`` is no ``T4``). With ``memory``,
+    the most specific (longest) such key whose capacity is within 10% of it (``A100-80GB`` vs
+    ``A100-40GB``; an H100 NVL's 94 GB matches nothing); without, the family's own key (``A100``,
+    ``V100``) if there is one, else the most specific."""
+    found = sorted((k for k in DEVICES if DEVICES[k].kind == "gpu"
+                    and re.search(rf"(?<![a-z0-9]){re.escape(k.split('-')[0].lower())}(?![0-9])", name.lower())),
+                   key=lambda k: (-len(k), k))
+    if memory is not None:
+        return next((k for k in found if abs(DEVICES[k].memory - memory) <= 0.1 * DEVICES[k].memory), None)
+    return next((k for k in found if "-" not in k), found[0] if found else None)
+
+
+def gpu_model_name(name: str, memory: Optional[int] = None) -> str:
+    """The model a GPU's profile records (``calibration["model"]``): its preset's device name
+    (:func:`gpu_preset`, e.g. ``"H100"``), else ``name`` without a leading ``NVIDIA`` and with
+    spaces as ``-`` (``"NVIDIA GeForce RTX 4090"``: ``"GeForce-RTX-4090"``)."""
+    key = gpu_preset(name, memory)
+    if key is not None:
+        return DEVICES[key].name
+    return "-".join(re.sub(r"^\s*nvidia\s+", "", name, flags=re.IGNORECASE).split()) or "gpu"
 
 
 def _lookup(name: str, table: dict[str, Any]) -> Optional[str]:
@@ -368,8 +412,10 @@ class Cluster:
     @classmethod
     def local(cls, num_ranks: int, profile: Union["Cluster", str, Path, None] = None) -> "Cluster":
         """``num_ranks`` ranks on this machine: on its GPUs when CUDA is available (the model from
-        ``torch.cuda.get_device_name`` matched against :data:`DEVICES`), else CPU processes costed
-        with the calibrated profile (see :meth:`parse`; uncalibrated without one).
+        ``torch.cuda.get_device_name`` matched against :data:`DEVICES` by :func:`gpu_preset`), else
+        CPU processes costed with the calibrated profile (see :meth:`parse`; uncalibrated without
+        one). A GPU profile of that model (``profile``, else the saved one) applies as in :meth:`parse`
+        where every rank has a GPU of its own.
 
         With more ranks than GPUs the ranks share them (the runtime's shared-GPU mode: rank ``r`` on
         GPU ``r % GPUs``, gloo through host memory): each rank is costed as its share of a GPU
@@ -382,15 +428,13 @@ class Cluster:
             return cls.parse(f"{num_ranks}xcpu", profile=profile)
         name = torch.cuda.get_device_name(0)
         gpus = torch.cuda.device_count()
-        known = sorted((k for k in DEVICES if k != "cpu" and k.split("-")[0].lower() in name.lower()),
-                       key=lambda k: (-len(k), k))
         mem = torch.cuda.get_device_properties(0).total_memory
-        match = next((k for k in known if abs(DEVICES[k].memory - mem) <= 0.1 * DEVICES[k].memory), None)
+        match = gpu_preset(name, mem)
         if match is None:
             raise PlanningError(f"GPU {name!r} ({mem / 2**30:.0f} GiB) is not among the device presets "
                                 f"({', '.join(DEVICES)}); pass a cluster, e.g. gpus='{num_ranks}xA100'")
         if num_ranks <= gpus:
-            return cls.parse(f"{num_ranks}x{match}")
+            return cls.parse(f"{num_ranks}x{match}", profile=profile)
         return cls.shared_gpus(num_ranks, gpus, DEVICES[match])
 
     @classmethod
@@ -435,14 +479,24 @@ class Cluster:
         ``cpu`` models take their device, cores, intra link and calibration from ``profile`` (a
         calibrated :class:`Cluster` or the path of a saved one), else from the saved profile at
         :func:`default_profile_path` if it exists, else the uncalibrated placeholder with this
-        host's usable cores. ``profile`` is ignored for GPU models.
+        host's usable cores. GPU models take their device, intra link (unless ``LINK`` replaces it)
+        and calibration from a GPU profile of that model (:func:`gnncompile.calibrate` with
+        ``device="cuda"``; matched by ``calibration["model"]``, the preset's device name, so
+        ``A100`` and ``A100-80GB`` share one): ``profile``, else the saved one at
+        :func:`default_gpu_profile_path` if it exists and is of that model (one of another model
+        there is ignored), else the datasheet preset. An explicit GPU profile of a GPU no preset
+        matches also makes its model name (``calibration["model"]``, e.g. ``GeForce-RTX-4090``)
+        a valid ``MODEL``.
 
         Raises
         ------
         PlanningError
             Malformed text, unknown model or link (the message lists the valid ones), a
-            profile that cannot be read.
+            profile that cannot be read, an explicit profile of another model than the spec's
+            (a GPU's for ``cpu``, a CPU's or another GPU's for a GPU model).
         """
+        if profile is not None and not isinstance(profile, Cluster):
+            profile = Cluster.load(profile)
         spec = text.strip() if isinstance(text, str) else ""
         preset = _lookup(spec, CLUSTERS)
         if preset is not None:
@@ -456,10 +510,13 @@ class Cluster:
         nodes, per_node = (int(first), int(second)) if second else (1, int(first or 1))
         if nodes < 1 or per_node < 1:
             raise PlanningError(f"cluster spec {text!r}: node and device counts must be >= 1")
-        model, link = _lookup(rest, DEVICES), None
+        # an explicit profile of a GPU no preset matches names a model of its own
+        own = _profiled_model(profile) if profile is not None and profile.device.kind == "gpu" else None
+        models = {**DEVICES, own: profile.device} if own is not None and _lookup(own, DEVICES) is None else DEVICES
+        model, link = _lookup(rest, models), None
         if model is None and "-" in rest:
             head, _, tail = rest.rpartition("-")
-            model, link = _lookup(head, DEVICES), tail
+            model, link = _lookup(head, models), tail
             if model is not None and _lookup(link, LINKS) is None:
                 raise PlanningError(f"unknown link {link!r} in cluster spec {text!r}; valid: {', '.join(LINKS)}")
         if model is None:
@@ -468,20 +525,19 @@ class Cluster:
                                 f"presets: {', '.join(CLUSTERS)}; grammar: {_GRAMMAR}")
         link_key = _lookup(link, LINKS) if link is not None else None
         link_spec = LINKS[link_key] if link_key is not None else None
-        intra = LINKS[DEFAULT_INTRA[model]]
+        intra = LINKS[DEFAULT_INTRA[model]] if model in DEFAULT_INTRA else profile.intra
         inter = None
         if nodes > 1:
             inter = link_spec or LINKS[DEFAULT_INTER]
         elif link_spec is not None:
             intra = link_spec
-        device, cores, calibration = DEVICES[model], 0, {}
-        if device.kind == "cpu":
-            host = _cpu_profile(profile)
-            if host is None:
-                cores = _usable_cores()
-            else:
-                device, cores, calibration = host.device, host.cores, host.calibration
-                intra = link_spec if (link_spec is not None and nodes == 1) else host.intra
+        device, cores, calibration = models[model], 0, {}
+        measured = _cpu_profile(profile) if device.kind == "cpu" else _gpu_profile(model, models, profile)
+        if device.kind == "cpu" and measured is None:
+            cores = _usable_cores()
+        elif measured is not None:
+            device, cores, calibration = measured.device, measured.cores, measured.calibration
+            intra = link_spec if (link_spec is not None and nodes == 1) else measured.intra
         name = (f"{nodes}x" if nodes > 1 else "") + f"{per_node}x{model}" + (f"-{link_key}" if link_key else "")
         return cls(nodes, per_node, device, intra, inter, name=name, cores=cores, calibration=calibration)
 
@@ -497,6 +553,38 @@ def _cpu_profile(profile: Union[Cluster, str, Path, None]) -> Optional[Cluster]:
     if host.device.kind != "cpu":
         raise PlanningError(f"profile {host.name!r} describes a {host.device.kind.upper()} cluster, not a CPU host")
     return host
+
+
+def _profiled_model(cluster: Cluster) -> Optional[str]:
+    """The model a profile was calibrated on: ``"cpu"``, or a GPU profile's ``calibration["model"]``
+    as the preset's device name where it is a preset's (``None``: a GPU profile without one)."""
+    if cluster.device.kind == "cpu":
+        return "cpu"
+    model = cluster.calibration.get("model")
+    if not isinstance(model, str):
+        return None
+    key = _lookup(model, DEVICES)
+    return DEVICES[key].name if key is not None else model
+
+
+def _gpu_profile(model: str, models: dict[str, DeviceSpec], profile: Optional[Cluster]) -> Optional[Cluster]:
+    """The GPU profile :meth:`Cluster.parse` applies to GPU ``model`` (a key of ``models``, see
+    there), or ``None`` for the preset."""
+    wanted = models[model].name if model in DEVICES else model
+    explicit = profile is not None
+    if profile is None:
+        path = default_gpu_profile_path(wanted)
+        if not path.is_file():
+            return None
+        profile = Cluster.load(path)
+    found = _profiled_model(profile)
+    if found is not None and found.lower() == wanted.lower():
+        return profile
+    if explicit:
+        raise PlanningError(f"profile {profile.name!r} was calibrated on {found or 'an unnamed GPU model'}, not "
+                            f"{wanted}: pass a profile of {wanted} (gnncompile calibrate --device cuda on one), "
+                            f"or none for the {wanted} preset's datasheet rates")
+    return None
 
 
 def _preset(name: str, nodes: int, per_node: int, model: str, inter: Optional[str] = None) -> Cluster:
