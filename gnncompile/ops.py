@@ -12,6 +12,7 @@ from .frontend.ops import (  # noqa: F401
     backward_product,
     dropout_noise,
     dst_rows,
+    edge_attention,
     edge_softmax,
     gather_dst,
     gather_src,
@@ -23,6 +24,6 @@ from .frontend.ops import (  # noqa: F401
     set_backward_product,
 )
 
-__all__ = ["propagate", "gather_src", "gather_dst", "edge_softmax", "aggregate", "dst_rows", "masked_propagate",
+__all__ = ["propagate", "gather_src", "gather_dst", "edge_softmax", "edge_attention", "aggregate", "dst_rows", "masked_propagate",
            "dropout_noise", "plan_dropout_draws", "mask_generator", "PRIMITIVES", "NORMS", "REDUCES", "is_primitive", "BACKWARD_PRODUCTS",
            "set_backward_product", "backward_product"]

@@ -95,16 +95,21 @@ def test_relu_saves_its_result_not_its_input() -> None:
     """PyTorch's ``relu``, ``sigmoid``, ``tanh``, ``exp``, ``softmax`` and gnncompile's
     ``edge_softmax`` save their output; ``elu``, ``leaky_relu`` are counted as saving their input.
     ``edge_softmax`` also holds one temporary of its output's size each way in its torch
-    formulation (off the CPU); the CPU's native edge reductions hold none."""
+    formulation (off the CPU); the CPU's native edge reductions hold none. ``edge_attention`` saves
+    its result; its backward holds the scores' gradient (one temporary natively, two off the CPU)."""
     def op(name: str) -> OpCost:
         return OpCost(name=name, kind="T")
     assert all(_saves_result(op(n)) for n in ("relu", "relu_1", "seg.relu_12", "sigmoid", "log_softmax_3",
                                               "edge_softmax_1"))
     assert not any(_saves_result(op(n)) for n in ("elu", "leaky_relu_1", "relu6", "dropout_rows"))
     gpu, cpu = GPU.rank_device(0), Cluster.parse("1xcpu").rank_device(0)
-    assert _op_temporaries(op("seg.edge_softmax_2"), 100.0, gpu) == 100.0
-    assert _op_temporaries(op("relu"), 100.0, gpu) == 0
-    assert _op_temporaries(op("seg.edge_softmax_2"), 100.0, cpu) == 0
+    for backward in (False, True):
+        assert _op_temporaries(op("seg.edge_softmax_2"), 100.0, gpu, backward) == 100.0
+        assert _op_temporaries(op("relu"), 100.0, gpu, backward) == 0
+        assert _op_temporaries(op("seg.edge_softmax_2"), 100.0, cpu, backward) == 0
+    assert _saves_result(op("edge_attention_1"))
+    assert [_op_temporaries(op("edge_attention"), 100.0, d, b) for d in (cpu, gpu) for b in (False, True)] \
+        == [0, 100.0, 100.0, 200.0]
 
 
 def test_a_pulled_attention_backward_holds_its_values_permuted() -> None:

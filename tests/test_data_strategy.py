@@ -268,7 +268,7 @@ def test_cli_trace(tmp_path, capsys) -> None:
     assert main(["trace", "--dataset", "sbm", "--num-nodes", "200", "--num-features", "8", "--model", "gat",
                  "--hidden", "4", "--heads", "2", "--dot", str(tmp_path / "g.dot")]) == 0
     out = capsys.readouterr().out
-    assert "edge_softmax" in out and "activation memory saved for backward" in out
+    assert "edge_attention" in out and "activation memory saved for backward" in out
     assert (tmp_path / "g.dot").read_text().startswith("digraph TPGraph")
 
 

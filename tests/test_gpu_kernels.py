@@ -217,6 +217,9 @@ def test_gather_softmax_aggregate(graph: str, add_self_loops: bool) -> None:
     cpu_and_cuda(ops.edge_softmax, g, e, add_self_loops=add_self_loops)
     for reduce in ("sum", "mean", "max"):
         cpu_and_cuda(ops.aggregate, g, e, reduce=reduce, add_self_loops=add_self_loops)
+    # the fused attention: native kernels on the CPU, its torch formulation on CUDA
+    s, t = rand(g.num_nodes, 3, seed=3, grad=True), rand(g.num_nodes, 3, seed=4, grad=True)
+    cpu_and_cuda(ops.edge_attention, g, s, t, negative_slope=0.2, add_self_loops=add_self_loops)
 
 
 @pytest.mark.parametrize("add_self_loops", [False, True])

@@ -22,6 +22,7 @@ from gnncompile.ops import (
     NORMS,
     REDUCES,
     aggregate,
+    edge_attention,
     edge_softmax,
     gather_dst,
     gather_src,
@@ -360,6 +361,119 @@ def test_gat_style_pipeline_gradcheck(backend: str) -> None:
         return propagate(g, h, norm="none", edge_weight=alpha, add_self_loops=True, backend=backend)
 
     assert torch.autograd.gradcheck(gat, (h, att))
+
+
+# --------------------------------------------------------------------------- fused attention
+@st.composite
+def small_graphs_for_attention(draw: st.DrawFn) -> tuple[Graph, int]:
+    """A random multigraph (self loops, duplicates, isolated vertices) and a seed."""
+    n = draw(st.integers(1, 8))
+    edges = draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=24))
+    ei = torch.tensor(edges, dtype=torch.int64).reshape(-1, 2).t()
+    return Graph.from_edge_index(ei, n), draw(st.integers(0, 2**31 - 1))
+
+
+def unfused_attention(g: Graph, s: torch.Tensor, t: torch.Tensor, slope: float, loops: bool) -> torch.Tensor:
+    """What ``edge_attention`` fuses, written with the other primitives."""
+    e = gather_src(g, s, loops) + gather_dst(g, t, loops)
+    return edge_softmax(g, torch.nn.functional.leaky_relu(e, slope), loops)
+
+
+def _attention_both_ways(g: Graph, heads: Optional[int], loops: bool, slope: float, seed: int,
+                         dtype: torch.dtype = DT) -> None:
+    """``edge_attention`` against the unfused chain on the default backend: the same forward values
+    (bit for bit: the same operations in the same order) and gradients up to rounding."""
+    tail = () if heads is None else (heads,)
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.randn((g.num_src,) + tail, generator=gen, dtype=dtype, requires_grad=True)
+    t = torch.randn((g.num_nodes,) + tail, generator=gen, dtype=dtype, requires_grad=True)
+    rows = g.num_edges + (g.num_nodes if loops else 0)
+    w = torch.randn((rows,) + tail, generator=gen, dtype=dtype)
+    want = unfused_attention(g, s, t, slope, loops)
+    want_s, want_t = torch.autograd.grad((want * w).sum(), (s, t))
+    got = edge_attention(g, s, t, slope, loops)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert torch.equal(got, want)
+    got_s, got_t = torch.autograd.grad((got * w).sum(), (s, t))
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_s, want_s, **tol)
+    torch.testing.assert_close(got_t, want_t, **tol)
+
+
+@pytest.fixture
+def edge_backend(backend: str):
+    """``backend`` as the default for the edge ops too (``native`` runs the fused kernels; the others
+    the torch formulation)."""
+    kernels.set_default_backend(backend)
+    yield backend
+    kernels.set_default_backend(None)
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+@pytest.mark.parametrize("heads", [None, 1, 3, 8])
+@pytest.mark.parametrize("add_self_loops", [False, True])
+def test_edge_attention_equals_the_unfused_ops(edge_backend: str, graph: str, heads: Optional[int],
+                                               add_self_loops: bool) -> None:
+    _attention_both_ways(make_graph(graph), heads, add_self_loops, 0.2, seed=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_edge_attention_float32_and_slopes(edge_backend: str, dtype: torch.dtype) -> None:
+    """Slopes 0 (ReLU), between 0 and 1 and above 1, on a larger graph with hubs."""
+    g = gnncompile.datasets.synthetic("rmat", num_nodes=300, avg_degree=6, num_features=2, num_classes=2, seed=4)
+    for slope in (0.0, 0.2, 1.5):
+        _attention_both_ways(g, 4, True, slope, seed=5, dtype=dtype)
+
+
+def test_edge_attention_on_a_rank_graph_with_halo_rows(edge_backend: str) -> None:
+    """A rank's local graph: sources are halo rows with the destinations at ``own_offset``, where
+    each self loop reads its score."""
+    gen = torch.Generator().manual_seed(6)
+    n, num_src, own = 5, 14, 6
+    deg = torch.randint(0, 4, (n,), generator=gen)
+    indptr = torch.zeros(n + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(deg, 0)
+    indices = torch.randint(0, num_src, (int(indptr[-1]),), generator=gen)
+    local = gnncompile.graph.LocalGraph(indptr, indices, n, num_src, own_offset=own)
+    for loops in (False, True):
+        _attention_both_ways(local, 2, loops, 0.2, seed=7)
+
+
+def test_edge_attention_gradcheck(edge_backend: str) -> None:
+    g = make_graph("mixed")
+    s, t = rand(g.num_nodes, 2, seed=21, grad=True), rand(g.num_nodes, 2, seed=22, grad=True)
+    for loops in (False, True):
+        assert torch.autograd.gradcheck(lambda a, b: edge_attention(g, a, b, 0.2, loops), (s, t))
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=small_graphs_for_attention(), heads=st.sampled_from([None, 1, 2, 5]), loops=st.booleans(),
+       slope=st.sampled_from([0.0, 0.2, 2.0]))
+def test_edge_attention_property(case: tuple[Graph, int], heads: Optional[int], loops: bool, slope: float) -> None:
+    """Random multigraphs, every CPU backend: fused == unfused."""
+    g, seed = case
+    for name in CPU_BACKENDS:
+        if name not in kernels.available_backends("cpu"):
+            continue
+        kernels.set_default_backend(name)
+        try:
+            _attention_both_ways(g, heads, loops, slope, seed)
+        finally:
+            kernels.set_default_backend(None)
+
+
+@pytest.mark.parametrize("case", ["trailing shape", "dst rows", "dtypes", "integer"])
+def test_edge_attention_errors(case: str) -> None:
+    g = make_graph("mixed")
+    n = g.num_nodes
+    s, t = {
+        "trailing shape": (rand(n, 2), rand(n, 3)),
+        "dst rows": (rand(n, 2), rand(n + 1, 2)),
+        "dtypes": (rand(n, 2), rand(n, 2).float()),
+        "integer": (torch.ones(n, 2, dtype=torch.int64), torch.ones(n, 2, dtype=torch.int64)),
+    }[case]
+    with pytest.raises(KernelError, match="edge_attention: "):
+        edge_attention(g, s, t)
 
 
 # --------------------------------------------------------------------------- property test

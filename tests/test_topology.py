@@ -120,13 +120,24 @@ def test_a_directed_graph_holds_its_transpose_once() -> None:
     assert ix_t.dtype == torch.int32 and "transpose" not in c._cache  # no permutation without edge values
     scales = 4 * 3 * n
     assert c.structure_bytes() == topology_bytes(n, g.num_edges) + scales
-    # with edge values (attention) the permutation and destinations come too, as the model says
+    # with edge values (attention) the permutation comes too, as the model says; the destinations
+    # where an edge op indexes by them (not GAT's fused attention, native on the CPU)
     gat = g.compact()
     gc.nn.GAT(4, 2, 2, heads=2)(gat, g.x).sum().backward()
     assert gat._cache["transpose"][2].dtype == torch.int32
     # (its softmax over A + I runs in the edge layout: no loop-augmented structure)
-    assert gat.structure_bytes() == topology_bytes(n, g.num_edges, edge_values=True)
-    assert "with_loops" not in gat._cache
+    assert gat.structure_bytes() == topology_bytes(n, g.num_edges, edge_values=True, edge_dst=False)
+    assert "with_loops" not in gat._cache and "dst" not in gat._cache
+    for kernel_backend, held in (("native", False), ("torch", True)):  # the torch formulation indexes by them
+        kernels.set_default_backend(kernel_backend)
+        try:
+            other = g.compact()
+            fops.prepare_graph(other, [gc.trace(gc.nn.GAT(4, 2, 2, heads=2), other).graph], torch.float32)
+            assert ("dst" in other._cache) == held
+            gc.nn.GAT(4, 2, 2, heads=2)(other, g.x).sum().backward()
+            assert ("dst" in other._cache) == held
+        finally:
+            kernels.set_default_backend(None)
 
 
 def test_norm_scales_factor_the_coefficients() -> None:
@@ -154,6 +165,14 @@ def test_rank_topology_is_what_the_cost_model_predicts(kind: str, strategy: str)
     measured = [r.topology_bytes for r in sorted(res.ranks, key=lambda r: r.rank)]
     predicted = [static_memory(plan, dp).topology for dp in plan.ranks]
     assert measured == predicted and max(measured) > 0
+    # off the CPU GAT's attention runs its torch formulation, which indexes by each edge's destination
+    gpu = gc.Cluster.parse("1xA100").rank_device(0)
+    on_gpu = [static_memory(plan, dp, gpu).topology for dp in plan.ranks]
+    if kind == "GAT":
+        held = [sum(e for _, _, e, _ in plan.info["topology"]["graphs"][dp.rank]) for dp in plan.ranks]
+        assert [a - b for a, b in zip(on_gpu, predicted)] == [4 * e for e in held]
+    elif kind == "GCN":
+        assert on_gpu == predicted
 
 
 def test_structure_hash_ignores_the_index_width() -> None:

@@ -440,11 +440,34 @@ def test_linear_with_bias_and_functional_linear_flops() -> None:
     assert sage.value(sage.info(prop).flops) == 2 * E * 16  # mean aggregation: no self loops
 
 
+class _UnfusedGAT(torch.nn.Module):
+    """GAT's attention as users write it without ``edge_attention``: gathers, add, LeakyReLU, softmax."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.conv1 = gc.nn.GATConv(1433, 8, heads=heads, dropout=0.6)
+        self.conv2 = gc.nn.GATConv(8 * heads, 7, heads=1)
+
+    @staticmethod
+    def attend(conv: gc.nn.GATConv, g, x):
+        h = conv.lin(x).view(-1, conv.heads, conv.out_channels)
+        a_src, a_dst = (h * conv.att_src).sum(dim=-1), (h * conv.att_dst).sum(dim=-1)
+        scores = ops.gather_src(g, a_src, True) + ops.gather_dst(g, a_dst, True)
+        alpha = ops.edge_softmax(g, F.leaky_relu(scores, conv.negative_slope), True)
+        alpha = F.dropout(alpha, p=conv.dropout, training=conv.training)
+        return ops.propagate(g, h, "none", edge_weight=alpha, add_self_loops=True).flatten(1) + conv.bias
+
+    def forward(self, g, x):
+        x = F.dropout(x, p=0.6, training=self.training)
+        return self.attend(self.conv2, g, F.elu(self.attend(self.conv1, g, x)))
+
+
 def test_gat_edge_ops() -> None:
-    """GAT: gathers, the scores' add / leaky_relu / dropout and edge_softmax are E ops on E+V rows."""
+    """GAT written with the unfused primitives: gathers, the scores' add / leaky_relu / dropout and
+    edge_softmax are E ops on E+V rows."""
     torch.manual_seed(0)
     heads = 8
-    tp = verify(gc.trace(gc.nn.GAT(1433, 8, 7, heads=heads), CORA))
+    tp = verify(gc.trace(_UnfusedGAT(heads), CORA))
     layer1 = [n for n in tp.ops() if tp.info(n).layer == 1]
     kinds = {tp.info(n).op: tp.info(n).kind for n in layer1}
     for op in ("gather_src", "gather_dst", "add", "leaky_relu", "edge_softmax"):
@@ -470,6 +493,28 @@ def test_gat_edge_ops() -> None:
     # dropout on the input features is T (V rows), on the attention coefficients E (E+V rows)
     drops = [n for n in tp.ops() if "dropout" in tp.info(n).op]
     assert {tp.info(n).space: tp.info(n).kind for n in drops} == {"V": "T", "E+V": "E"}
+
+
+def test_gat_fused_attention() -> None:
+    """The zoo's GAT: one ``edge_attention`` per layer (E on E+V rows, from two V-row score inputs)
+    replaces the gathers, add, leaky_relu and edge_softmax, with its cost formula."""
+    torch.manual_seed(0)
+    heads = 8
+    tp = verify(gc.trace(gc.nn.GAT(1433, 8, 7, heads=heads), CORA))
+    layer1 = [n for n in tp.ops() if tp.info(n).layer == 1]
+    ops_of = {tp.info(n).op for n in layer1}
+    assert not ops_of & {"gather_src", "gather_dst", "leaky_relu", "edge_softmax"}
+    (att,) = by_op(tp, "edge_attention")[:1]
+    info = tp.info(att)
+    e_loops = E + V
+    assert (info.kind, info.space, info.dims, info.layer) == ("E", "E+V", (heads,), 1)
+    assert all(tp.info(a).space == "V" for a in att.all_input_nodes if a.op != "placeholder")
+    assert tp.value(info.flops) == 8 * e_loops * heads
+    assert tp.value(info.bytes_written) == 3 * e_loops * heads * 4
+    assert tp.value(info.bytes_read) == 4 * e_loops * heads * 4 + 4 * e_loops
+    # it saves its coefficients and the two [V, H] score tensors (the pre-activations are recomputed)
+    assert tp.value(info.saved_bytes) == (e_loops + 2 * V) * heads * 4
+    assert len(by_op(tp, "edge_attention")) == 2
 
 
 def test_sage_max_gather_aggregate_spaces() -> None:

@@ -28,7 +28,31 @@ def gcn() -> TPGraph:
     return gc.trace(gc.nn.GCN(7, 16, 3), STATS)
 
 
+class _UnfusedGAT(torch.nn.Module):
+    """A one-layer GAT written with the unfused primitives (gathers, add, leaky_relu, edge_softmax)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(7, 4, bias=False)
+        self.att_src = torch.nn.Parameter(torch.randn(1, 2, 2))
+        self.att_dst = torch.nn.Parameter(torch.randn(1, 2, 2))
+
+    def forward(self, g: Any, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x).view(-1, 2, 2)
+        scores = gc.ops.gather_src(g, (h * self.att_src).sum(-1), True) \
+            + gc.ops.gather_dst(g, (h * self.att_dst).sum(-1), True)
+        alpha = gc.ops.edge_softmax(g, torch.nn.functional.leaky_relu(scores, 0.2), True)
+        return gc.ops.propagate(g, h, "none", edge_weight=alpha, add_self_loops=True).reshape(-1, 4)
+
+
 def gat() -> TPGraph:
+    """GAT attention written with the unfused primitives."""
+    torch.manual_seed(0)
+    return gc.trace(_UnfusedGAT(), STATS)
+
+
+def gat_fused() -> TPGraph:
+    """The zoo's GAT (``edge_attention``)."""
     torch.manual_seed(0)
     return gc.trace(gc.nn.GAT(7, 2, 3, heads=2), STATS)
 
@@ -55,7 +79,7 @@ def expect_failure(tp: TPGraph, name: str, pattern: str) -> VerificationError:
     return info.value
 
 
-@pytest.mark.parametrize("build", [gcn, gat, sage_max])
+@pytest.mark.parametrize("build", [gcn, gat, gat_fused, sage_max])
 def test_traced_graphs_verify(build: Callable[[], TPGraph]) -> None:
     tp = build()
     assert verify(tp) is tp
@@ -148,8 +172,18 @@ def test_edge_softmax_and_aggregate_spaces() -> None:
     expect_failure(tp, "gather_src", "gather_src writes rows in space E, annotation says V")
 
 
+def test_edge_attention_spaces() -> None:
+    tp = gat_fused()
+    annotate(tp, "edge_attention", rows=E_ROWS)
+    expect_failure(tp, "edge_attention", r"edge_attention writes rows in space E\+V, annotation says E")
+    tp = gat_fused()
+    dst = node(tp, "edge_attention").args[2]
+    annotate(tp, dst.name, rows=EV_ROWS)
+    expect_failure(tp, "edge_attention", r"edge_attention reads dst_scores in space V, its input has rows E\+V")
+
+
 def test_propagate_edge_weight_rows() -> None:
-    tp = gat()
+    tp = gat_fused()
     weight = node(tp, "propagate").kwargs["edge_weight"]
     annotate(tp, weight.name, rows=E_ROWS)
     expect_failure(tp, "propagate", r"propagate edge_weight must have rows E\+V, has E")

@@ -315,19 +315,22 @@ def _history_bytes(plan: Plan, dp: DevicePlan) -> int:
     return copies * sum(dp.sizes.all_nodes * width.get(n, 0) * elsize for n in names)
 
 
-def _graph_bytes(plan: Plan, nodes: int, edges: int, src: int, symmetric: bool) -> int:
+def _graph_bytes(plan: Plan, nodes: int, edges: int, src: int, symmetric: bool, cpu: bool) -> int:
     """One graph's topology in the runtime's layout with the model's normalization scales (in the
-    model's dtype: destinations, self loops and, for ``gcn``, sources)."""
+    model's dtype: destinations, self loops and, for ``gcn``, sources), on a ``cpu`` rank or not
+    (``plan.info["topology"]["edge_dst"]``: whether each edge's destination is held there)."""
     topo = plan.info.get("topology", {})
     per_value = _elsize(plan.info.get("param_dtype", "float32"))
     scales = sum(per_value * ((2 if loops else 1) * nodes + (src if norm == "gcn" else 0))
                  for norm, loops in topo.get("norms", ()))
+    dst = topo.get("edge_dst")
     return scales + topology_bytes(nodes, edges, src, symmetric=symmetric, weighted=bool(topo.get("weighted")),
                                    edge_values=bool(topo.get("edge_values")), edge_loops=bool(topo.get("edge_loops")),
-                                   push=topo.get("backward") == "push")
+                                   push=topo.get("backward") == "push",
+                                   edge_dst=None if dst is None else dst == "always" or (dst == "off_cpu" and not cpu))
 
 
-def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
+def static_memory(plan: Plan, dp: DevicePlan, device: Optional[DeviceSpec] = None) -> StaticMemory:
     """The rank's resident data, in the runtime's layout.
 
     Topology: :func:`~gnncompile.graph.core.topology_bytes`, the compact layout the runtime holds
@@ -341,8 +344,10 @@ def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
     Parameters are replicated on every rank that runs a stage (data parallelism) with their
     gradients and Adam's two moments; a rank whose sizes name its ``params`` (the ``task``
     strategy: a rank holds its own tasks' parameters) holds that many. Relaxed stale reads keep
-    historical embeddings (:func:`_history_bytes`).
+    historical embeddings (:func:`_history_bytes`). ``device``: the rank's (default: a CPU), which
+    decides what the edge ops' kernels index by (:func:`_graph_bytes`).
     """
+    cpu = device is None or device.kind == "cpu"
     s = dp.sizes
     nodes, edges, src = s.nodes, s.edges, s.source_rows
     features = int(plan.info.get("features", 0))
@@ -353,10 +358,10 @@ def static_memory(plan: Plan, dp: DevicePlan) -> StaticMemory:
     topo = plan.info.get("topology", {})
     held = topo.get("graphs")
     if held is not None and dp.rank < len(held):  # a concrete graph: the graphs the rank holds
-        topology = sum(_graph_bytes(plan, n, e, s, bool(sym)) for n, s, e, sym in held[dp.rank])
+        topology = sum(_graph_bytes(plan, n, e, s, bool(sym), cpu) for n, s, e, sym in held[dp.rank])
     else:
         whole = nodes == src == topo.get("nodes", -1)
-        topology = _graph_bytes(plan, nodes, edges, src, bool(topo.get("symmetric")) and whole) if edges else 0
+        topology = _graph_bytes(plan, nodes, edges, src, bool(topo.get("symmetric")) and whole, cpu) if edges else 0
     return StaticMemory(topology=topology,
                         features=int(rows * per_row), labels=11 * rows, parameters=pbytes, gradients=pbytes,
                         optimizer=2 * pbytes, history=_history_bytes(plan, dp))
@@ -480,7 +485,7 @@ class PlanCost:
         self.cluster = cluster
         self.first_step = first_step
         self.devices = [cluster.rank_device(r) for r in range(plan.num_ranks)]
-        self.static = [_with_native_features(plan, dp, static_memory(plan, dp), dev)
+        self.static = [_with_native_features(plan, dp, static_memory(plan, dp, dev), dev)
                        for dp, dev in zip(plan.ranks, self.devices)]
         self.masks = _plan_masks(plan)  # the dropout masks of every rank, for the ranks' liveness walks
         self._p2p_times: dict[tuple[bool, tuple[int, ...], str], float] = {}  # (same node, shape, dtype)
@@ -745,7 +750,7 @@ def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> Step
     pending: dict[int, float] = {}  # op -> bytes of its output held for later readers, not counted otherwise
     for j, (op, k) in enumerate(zip(st.costs, kept)):
         out = w.value_bytes.get(op.name, 0.0)
-        extra = w.masks.forward_extra(op, new) + _sparse_product_temporaries(w, op) + _op_temporaries(op, out, w.device)
+        extra = w.masks.forward_extra(op, new) + _sparse_product_temporaries(w, op) + _op_temporaries(op, out, w.device, False)
         peak = max(peak, held + made + sum(pending.values()) + out + extra)
         held += k
         made += out if op.name in st.outputs else 0.0
@@ -802,13 +807,17 @@ def _replayed(st: StageSpec) -> list[bool]:
 
 #: functions whose autograd node saves their result, not their input (PyTorch's derivative
 #: formulas): an op so named (fx names a call after its function: ``relu``, ``relu_1``) holds its output
-_RESULT_SAVERS = frozenset({"relu", "sigmoid", "tanh", "exp", "softmax", "log_softmax", "edge_softmax"})
+_RESULT_SAVERS = frozenset({"relu", "sigmoid", "tanh", "exp", "softmax", "log_softmax", "edge_softmax",
+                            "edge_attention"})
 
-#: functions whose forward and backward each hold this many temporaries of their output's size
-#: beside their inputs, output and gradients off the CPU: ``edge_softmax``'s torch formulation
-#: spreads a per-destination term over the edges (:class:`~gnncompile.frontend.ops._EdgeSoftmax`);
-#: the CPU's native edge reductions make none
-_OUTPUT_SIZED_TEMPORARIES = {"edge_softmax": 1}
+#: functions whose forward or backward holds temporaries of their output's size beside their inputs,
+#: output and gradients: ``(forward, backward)`` counts on a CPU (native edge ops) and elsewhere (the
+#: torch formulations). ``edge_softmax``'s torch formulation spreads a per-destination term over the
+#: edges (:class:`~gnncompile.frontend.ops._EdgeSoftmax`); ``edge_attention``'s backward makes the
+#: scores' gradient before summing it into the vertices (:class:`~gnncompile.frontend.ops._EdgeAttention`;
+#: its torch formulation also gathers the scores or spreads a term over the edges)
+_OUTPUT_SIZED_TEMPORARIES = {"edge_softmax": {"cpu": (0, 0), "other": (1, 1)},
+                             "edge_attention": {"cpu": (0, 1), "other": (1, 2)}}
 
 
 def _function_of(op: OpCost) -> str:
@@ -824,12 +833,13 @@ def _saves_result(op: OpCost) -> bool:
     return _function_of(op) in _RESULT_SAVERS
 
 
-def _op_temporaries(op: OpCost, out: float, device: DeviceSpec) -> float:
-    """Bytes of ``op``'s own temporaries in its forward or backward on ``device``
-    (:data:`_OUTPUT_SIZED_TEMPORARIES`; none on a CPU, whose edge reductions are native)."""
-    if device.kind == "cpu":
+def _op_temporaries(op: OpCost, out: float, device: DeviceSpec, backward: bool) -> float:
+    """Bytes of ``op``'s own temporaries in its forward or ``backward`` on ``device``
+    (:data:`_OUTPUT_SIZED_TEMPORARIES`)."""
+    counts = _OUTPUT_SIZED_TEMPORARIES.get(_function_of(op))
+    if counts is None:
         return 0.0
-    return _OUTPUT_SIZED_TEMPORARIES.get(_function_of(op), 0) * out
+    return counts["cpu" if device.kind == "cpu" else "other"][int(backward)] * out
 
 
 def _saved_per_op(w: _RankWalk, st: StageSpec, replay: bool = False) -> list[float]:
@@ -994,7 +1004,7 @@ def _backward_peak(w: _RankWalk, st: StageSpec, inputs: dict[str, float], receiv
     temps = w.backward_temps.get(st.index)
     if temps is None:
         temps = w.backward_temps[st.index] = [
-            _sparse_product_temporaries(w, op) + _op_temporaries(op, w.value_bytes.get(op.name, 0.0), w.device)
+            _sparse_product_temporaries(w, op) + _op_temporaries(op, w.value_bytes.get(op.name, 0.0), w.device, True)
             + _permuted_values(w, op) + _edge_values_bytes(op, op.replayed, w.sizes) for op in costs]
     peak = below = 0.0
     for k, op in enumerate(costs):

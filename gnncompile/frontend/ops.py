@@ -6,6 +6,7 @@
 | ``gather_src(g, x)`` | E | V -> E | ``out[e] = x[src(e)]`` |
 | ``gather_dst(g, x)`` | E | V -> E | ``out[e] = x[dst(e)]`` |
 | ``edge_softmax(g, e)`` | E | E -> E | softmax of ``e`` over the in-edges of each destination |
+| ``edge_attention(g, s, t)`` | E | V -> E | ``edge_softmax(leaky_relu(s[src(e)] + t[dst(e)]))``, fused (GAT) |
 | ``aggregate(g, msg, reduce)`` | E | E -> V | ``out[v] = reduce_{e into v} msg[e]`` |
 | ``dst_rows(g, x)`` | E | V -> V | the destinations' own rows of a source-side ``x`` (a block's first rows) |
 
@@ -58,6 +59,7 @@ __all__ = [
     "gather_src",
     "gather_dst",
     "edge_softmax",
+    "edge_attention",
     "aggregate",
     "dst_rows",
     "SOURCE_ARGS",
@@ -377,9 +379,14 @@ def propagate(g: Graph, x: torch.Tensor, norm: str = "gcn", edge_weight: Optiona
     return _SpMM.apply(g, values, x, backend, row, col, loop)
 
 
+def _own_offset(g: Graph) -> int:
+    """The first row of the destinations themselves among ``g``'s sources (see :func:`_own_rows`)."""
+    return 0 if g.num_src == g.num_nodes else getattr(g, "own_offset", 0)
+
+
 def _own_rows(g: Graph, x: torch.Tensor) -> torch.Tensor:
     """The rows of source-side ``x`` that are the destinations themselves (their self loops)."""
-    off = getattr(g, "own_offset", 0)
+    off = _own_offset(g)
     return x if g.num_src == g.num_nodes else x[off: off + g.num_nodes]
 
 
@@ -436,14 +443,19 @@ class _EdgeSums(torch.autograd.Function):
     (:func:`gnncompile.kernels.native_edge_ops`), else ``segment_reduce`` / ``index_add_``."""
 
     @staticmethod
-    def forward(ctx: Any, g: Graph, t: torch.Tensor, dst: bool, rows: int) -> torch.Tensor:
-        ctx.g, ctx.dst = g, dst
+    def sums(g: Graph, t: torch.Tensor, dst: bool, rows: int) -> torch.Tensor:
+        """The forward's sums (not differentiable)."""
         if kernels.native_edge_ops(t):
             return kernels.segment_sum(_csr(g), t) if dst else kernels.scatter_sum(_csr(g), t)
         if dst:
             return torch.segment_reduce(t, "sum", offsets=g.indptr, axis=0)
         out = torch.zeros((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         return out.index_add_(0, _rows_index(g.indices), t)
+
+    @staticmethod
+    def forward(ctx: Any, g: Graph, t: torch.Tensor, dst: bool, rows: int) -> torch.Tensor:
+        ctx.g, ctx.dst = g, dst
+        return _EdgeSums.sums(g, t, dst, rows)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -645,6 +657,95 @@ def edge_softmax(g: Graph, e: torch.Tensor, add_self_loops: bool = False) -> tor
     g = _check_graph(g, "edge_softmax")
     _check_rows(e, _edge_rows(g, add_self_loops), "edge_softmax", "e", "edge", g)
     return _EdgeSoftmax.apply(g, e, bool(add_self_loops))
+
+
+class _EdgeAttention(torch.autograd.Function):
+    """GAT's attention coefficients from per-vertex scores, fused: ``edge_softmax(LeakyReLU(
+    src[src(e)] + dst[dst(e)]))`` (see :func:`edge_attention`). Saves the coefficients and the two
+    score tensors (``[V, ...]``); the pre-activations are recomputed in the backward. With the native
+    edge ops (:func:`gnncompile.kernels.native_edge_ops`) the forward allocates its result only and
+    the backward one edge tensor (the scores' gradient); the torch formulation holds one more edge
+    tensor each way. The forward's values are those of the unfused ops bit for bit, the gradients up
+    to rounding (fused multiply-adds)."""
+
+    @staticmethod
+    def _preactivation(g: Graph, src: torch.Tensor, dst: torch.Tensor, loops: bool) -> torch.Tensor:
+        x = _gather(g, src, False, loops)
+        return x.add_(_gather(g, dst, True, loops))
+
+    @staticmethod
+    def forward(ctx: Any, g: Graph, src: torch.Tensor, dst: torch.Tensor, slope: float, loops: bool) -> torch.Tensor:
+        ctx.g, ctx.slope, ctx.loops = g, slope, loops
+        with torch.no_grad():
+            if kernels.native_edge_ops(src):
+                csr = _csr(g)
+                s = kernels.attention_scores(csr, src, dst, slope, loops=loops, own_offset=_own_offset(g)).exp_()
+                if s.numel():
+                    kernels.edge_softmax_step(csr, s, "normalize", loops=loops)
+            else:
+                s = torch.nn.functional.leaky_relu_(_EdgeAttention._preactivation(g, src, dst, loops), slope)
+                if s.numel():
+                    m = _gather(g, _EdgeSoftmax._reduce(g, s, "max", loops), True, loops)
+                    torch.sub(s, m, out=m).exp_()
+                    s = m
+                    s.div_(_gather(g, _EdgeSoftmax._reduce(g, s, "sum", loops), True, loops))
+        ctx.save_for_backward(src, dst, s)
+        return s
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        src, dst, s = ctx.saved_tensors
+        g: Graph = ctx.g
+        loops, slope, e = ctx.loops, ctx.slope, g.num_edges
+        if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
+            return None, None, None, None, None
+        if s.numel() == 0:
+            return None, torch.zeros_like(src), torch.zeros_like(dst), None, None
+        if kernels.native_edge_ops(grad):
+            gs, g_dst = kernels.attention_backward(_csr(g), src, dst, s, grad.contiguous(), slope, loops=loops,
+                                                   own_offset=_own_offset(g))
+            g_src = kernels.scatter_sum(_csr(g), gs[:e])
+        else:  # at most two edge tensors at a time (and a bool one)
+            positive = _EdgeAttention._preactivation(g, src, dst, loops) > 0  # LeakyReLU's derivative, as torch's
+            gs = s * grad
+            dot = _gather(g, _EdgeSoftmax._reduce(g, gs, "sum", loops), True, loops).mul_(s)
+            gs.sub_(dot)
+            del dot
+            gs.mul_(torch.where(positive, gs.new_tensor(1.0), gs.new_tensor(slope)))
+            del positive
+            g_dst = _EdgeSums.sums(g, gs[:e], True, dst.shape[0])
+            if loops:
+                g_dst += gs[e:]
+            g_src = _EdgeSums.sums(g, gs[:e], False, src.shape[0])
+        if loops:
+            _own_rows(g, g_src).add_(gs[e:])
+        return None, g_src, g_dst, None, None
+
+
+@fx_leaf("E")
+def edge_attention(g: Graph, src_scores: torch.Tensor, dst_scores: torch.Tensor, negative_slope: float = 0.2,
+                   add_self_loops: bool = False) -> torch.Tensor:
+    """Vertex scores -> attention coefficients: GAT's ``alpha``, fused.
+
+    ``alpha = edge_softmax(g, leaky_relu(gather_src(g, src_scores) + gather_dst(g, dst_scores),
+    negative_slope))`` (``[E]`` or ``[E, H]``; ``[E + N, ...]`` with ``add_self_loops``, a vertex's
+    self loop attending to its own ``src_scores`` row): the same values (gradients up to rounding),
+    without the per-edge gathers, sum and pre-activations. It saves ``alpha`` and the two score
+    tensors; natively on the CPU the forward makes ``alpha`` alone and the backward one edge tensor
+    (the torch formulation elsewhere holds one more each way). ``src_scores`` has a row per source
+    vertex, ``dst_scores`` one per destination, with the same trailing shape.
+    """
+    g = _check_graph(g, "edge_attention")
+    _check_rows(src_scores, g.num_src, "edge_attention", "src_scores", "vertex", g)
+    _check_rows(dst_scores, g.num_nodes, "edge_attention", "dst_scores", "vertex", g)
+    if src_scores.shape[1:] != dst_scores.shape[1:] or src_scores.dtype != dst_scores.dtype \
+            or not src_scores.is_floating_point():
+        raise KernelError(f"edge_attention: src_scores and dst_scores must be floating tensors of one dtype and row "
+                          f"shape, got {src_scores.dtype} {list(src_scores.shape)} and {dst_scores.dtype} "
+                          f"{list(dst_scores.shape)}")
+    if src_scores.device != dst_scores.device:
+        raise KernelError(f"edge_attention: src_scores on {src_scores.device} and dst_scores on {dst_scores.device}")
+    return _EdgeAttention.apply(g, src_scores, dst_scores, float(negative_slope), bool(add_self_loops))
 
 
 @fx_leaf("E")
@@ -1145,7 +1246,7 @@ def masked_propagate(g: Graph, x: torch.Tensor, mask: Optional[torch.Tensor] = N
     return out + loop * _own_rows(g, x)
 
 
-SOURCE_ARGS.update({propagate: "x", masked_propagate: "x", gather_src: "x"})
+SOURCE_ARGS.update({propagate: "x", masked_propagate: "x", gather_src: "x", edge_attention: "src_scores"})
 
 
 def prepare_graph(g: Graph, graphs: Iterable[torch.fx.Graph], dtype: torch.dtype,
@@ -1162,7 +1263,7 @@ def prepare_graph(g: Graph, graphs: Iterable[torch.fx.Graph], dtype: torch.dtype
     calls = [(n, call_arguments(n)) for graph in graphs for n in graph.nodes
              if n.op == "call_function" and is_primitive(n.target)]
     props = [a for n, a in calls if n.target in (propagate, masked_propagate)]
-    edge_ops = [a for n, a in calls if n.target in (gather_src, gather_dst, edge_softmax, aggregate)]
+    edge_ops = [a for n, a in calls if n.target in (gather_src, gather_dst, edge_softmax, edge_attention, aggregate)]
     if not props and not edge_ops:
         return
     with torch.no_grad():
@@ -1173,7 +1274,11 @@ def prepare_graph(g: Graph, graphs: Iterable[torch.fx.Graph], dtype: torch.dtype
         values = g.edge_weight is not None or any(a["edge_weight"] is not None for a in props)
         if props and not _pushes(g, values):
             _csr_t(g, values)
-        if any(n.target in (gather_dst, edge_softmax, aggregate) for n, _ in calls):
+        # each edge's destination: what gather_dst and the edge reductions index by (edge_attention's
+        # native kernels walk the CSR rows instead)
+        native = kernels.native_edge_ops(torch.empty(0, dtype=dtype, device=g.device))
+        if any(n.target in (gather_dst, edge_softmax, aggregate) or (n.target is edge_attention and not native)
+               for n, _ in calls):
             _ = g.dst
         if any(n.target is aggregate and a.get("add_self_loops") for n, a in calls):
             _ = _loop_orders(g)[0].dst

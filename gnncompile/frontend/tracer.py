@@ -25,8 +25,10 @@ Cost formulas (per op, on the concrete sample shapes; ``s`` = element size in by
   NeutronTask Eq. 6 terms: ``2 * E' * d`` FLOPs and ``(E' * (1 + 2d) + V) * s`` bytes in all
   (read: ``(E' * (1 + d) + V) * s``; written: ``E' * d * s``, one accumulation per edge element).
 - E ops: ``gather_*``: ``E' * d * s`` read and written (+ 8 bytes of index per edge);
-  ``edge_softmax``: ``5`` FLOPs per element, 3 passes over the scores; ``aggregate``: one FLOP
-  per message element, the messages read and the vertex rows written.
+  ``edge_softmax``: ``5`` FLOPs per element, 3 passes over the scores; ``edge_attention``: ``8``
+  FLOPs per element (add, LeakyReLU, the softmax), the two scores gathered (``2 E' h s`` + 4 bytes
+  of index per edge) and 3 passes over the coefficients; ``aggregate``: one FLOP per message
+  element, the messages read and the vertex rows written.
 - Norms: 5 FLOPs per element; every other op: one FLOP per output element, inputs read, output
   written.
 
@@ -520,6 +522,8 @@ def _cost(node: torch.fx.Node, out: Any, ins: list[Any], modules: dict[str, torc
             return 0, written + 8 * n_e, written
         if name == "edge_softmax":
             return 5 * _numel(out), 2 * written, written
+        if name == "edge_attention":
+            return 8 * _numel(out), 4 * written + 4 * n_e, 3 * written
         if name == "aggregate":
             return _numel(ins[1]) if len(ins) > 1 else _numel(out), read, written
         return _numel(out), read, written

@@ -123,7 +123,7 @@ class NormScales:
 
 def topology_bytes(nodes: int, edges: int, sources: Optional[int] = None, *, symmetric: bool = False,
                    weighted: bool = False, edge_values: bool = False, edge_loops: bool = False,
-                   push: bool = False) -> int:
+                   push: bool = False, edge_dst: Optional[bool] = None) -> int:
     """Bytes of a training graph's topology in gnncompile's compact layout (see the module docstring).
 
     ``nodes`` destinations, ``sources`` sources (default ``nodes``), ``edges`` edges. Held: the
@@ -131,7 +131,8 @@ def topology_bytes(nodes: int, edges: int, sources: Optional[int] = None, *, sym
     transpose for backward products (offsets and indices; none when ``symmetric``: the structure
     serves both), float32 edge weights when ``weighted``, the edge permutation between the two
     orders when edge values exist (``weighted``, or ``edge_values``: the model computes them, as
-    attention does) and, with ``edge_values``, each edge's destination. ``edge_loops``: an
+    attention does) and, with ``edge_dst`` (default: ``edge_values``), each edge's destination (what
+    ``gather_dst`` and the torch formulations of the edge reductions index by). ``edge_loops``: an
     aggregation over ``A + I`` (``aggregate(..., add_self_loops=True)``) also holds the loop-augmented structure (offsets,
     indices, destinations, and the two permutations between the edge layout and its CSR order, one
     index per edge and loop each). Normalization scales are per vertex and not included. ``push``:
@@ -149,7 +150,7 @@ def topology_bytes(nodes: int, edges: int, sources: Optional[int] = None, *, sym
         total += 4 * edges
     if (weighted or edge_values) and not push:
         total += (4 if edges <= _INT32_MAX else 8) * edges
-    if edge_values:
+    if edge_values if edge_dst is None else edge_dst:
         total += ib * edges
     if edge_loops:
         aug = edges + nodes

@@ -9,8 +9,8 @@ faulty node and its neighbourhood printed):
    kind they are registered with, nothing else is ``P``);
 3. the first input is the graph, only primitives use it, and every primitive takes it as its first
    argument;
-4. row spaces: ``propagate`` (every P primitive) maps V -> V; ``gather_*`` map V -> E (E+V with
-   implicit self loops); ``edge_softmax`` maps E -> E; ``aggregate`` maps E -> V (with the same
+4. row spaces: ``propagate`` (every P primitive) maps V -> V; ``gather_*`` and ``edge_attention``
+   (both its score inputs) map V -> E (E+V with implicit self loops); ``edge_softmax`` maps E -> E; ``aggregate`` maps E -> V (with the same
    self-loop convention); edge weights have the edge space of their call;
 5. shapes: the rows of each P/E op's output match its inputs' spaces, ``Linear`` modules see
    inputs of ``in_features`` columns and produce ``out_features``, and layer indices never
@@ -180,6 +180,7 @@ def _check_primitive(tp: TPGraph, n: torch.fx.Node, t: TPInfo) -> None:
             "gather_src": (_V, espace),
             "gather_dst": (_V, espace),
             "edge_softmax": (espace, espace),
+            "edge_attention": (_V, espace),
             "aggregate": (espace, _V),
         }.get(name, (None, None))
     if want_in is None:
@@ -188,6 +189,10 @@ def _check_primitive(tp: TPGraph, n: torch.fx.Node, t: TPInfo) -> None:
         raise _fail(tp, n, f"{name} reads rows in space {want_in.space}, its input has rows {rin}")
     if t.rows != want_out:
         raise _fail(tp, n, f"{name} writes rows in space {want_out.space}, annotation says {t.rows}")
+    if name == "edge_attention":
+        rd = _rows(_flag(n, "dst_scores", None))
+        if rd is not None and rd != _V:
+            raise _fail(tp, n, f"edge_attention reads dst_scores in space {_V.space}, its input has rows {rd}")
     rw = _rows(_flag(n, "edge_weight", None))
     if rw is not None and rw != espace:
         raise _fail(tp, n, f"{name} edge_weight must have rows {espace.space}, has {rw}")

@@ -13,7 +13,8 @@ Two products cover every P op and the backward of every P op:
 Edge ops, native on the CPU (:func:`native_edge_ops`): ``gather_rows`` (rows by an index,
 prefetched), ``segment_sum`` (an edge tensor summed per row), ``scatter_sum`` (per column) and
 ``edge_softmax_step`` (a softmax over each row's edges in three steps), the E ops' forward and
-backward without index copies or spread temporaries.
+backward without index copies or spread temporaries; ``attention_scores`` / ``attention_backward``
+(GAT's LeakyReLU scores and their softmax fused: no per-edge gathers, sums or pre-activations).
 
 Backends
 --------
@@ -62,6 +63,8 @@ __all__ = [
     "segment_sum",
     "scatter_sum",
     "edge_softmax_step",
+    "attention_scores",
+    "attention_backward",
     "native_edge_ops",
     "prepare_native",
     "native_extension_name",
@@ -417,6 +420,54 @@ def edge_softmax_step(csr: CSR, t: torch.Tensor, step: str, *, loops: bool = Fal
     elif grad is not None:
         raise KernelError(f"edge_softmax_step: grad is given to the backward step only, not {step!r}")
     return _load_native().edge_softmax_step(csr.indptr, t, grad, loops, step)
+
+
+def _scores(csr: CSR, src: torch.Tensor, dst: torch.Tensor, op: str, loops: bool, own_offset: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``src``/``dst`` checked as per-vertex attention scores of ``csr``'s sources and rows."""
+    if src.dtype not in _EDGE_DTYPES or src.dtype != dst.dtype or src.dim() == 0 or src.shape[1:] != dst.shape[1:]:
+        raise KernelError(f"{op}: src and dst must be float32/float64 tensors of one dtype and row shape, got "
+                          f"{src.dtype} {list(src.shape)} and {dst.dtype} {list(dst.shape)}")
+    if src.shape[0] != csr.num_cols or dst.shape[0] != csr.num_rows:
+        raise KernelError(f"{op}: expected {csr.num_cols} source rows and {csr.num_rows} destination rows, got "
+                          f"{src.shape[0]} and {dst.shape[0]}")
+    if loops and not 0 <= own_offset <= csr.num_cols - csr.num_rows:
+        raise KernelError(f"{op}: the destinations' own rows [{own_offset}, {own_offset + csr.num_rows}) are not "
+                          f"rows of src ({csr.num_cols})")
+    _require_cpu("native", src, dst)
+    return src.contiguous(), dst.contiguous()
+
+
+def attention_scores(csr: CSR, src: torch.Tensor, dst: torch.Tensor, negative_slope: float, *,
+                     loops: bool = False, own_offset: int = 0) -> torch.Tensor:
+    """GAT's attention scores over each row's edges, shifted by their rows' maxima, natively:
+    ``y[e] = LeakyReLU(src[col[e]] + dst[r])`` minus ``max`` of row ``r``'s ``y`` (per column), a new
+    ``[E (+ num_rows), ...]`` tensor (with ``loops`` row ``E + r`` is ``r``'s self loop, whose source
+    row is ``src[own_offset + r]``). ``exp_()`` and then ``edge_softmax_step(..., "normalize")``
+    make the attention coefficients; nothing else is allocated. The same values as the unfused
+    gathers, add, ``leaky_relu`` and ``edge_softmax_step(..., "shift")``."""
+    src, dst = _scores(csr, src, dst, "attention_scores", loops, own_offset)
+    return _load_native().attention_scores(csr.indptr, _native_index(csr), src, dst, float(negative_slope),
+                                           bool(loops), int(own_offset))
+
+
+def attention_backward(csr: CSR, src: torch.Tensor, dst: torch.Tensor, alpha: torch.Tensor, grad: torch.Tensor,
+                       negative_slope: float, *, loops: bool = False, own_offset: int = 0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of :func:`attention_scores` followed by the softmax, natively: from the
+    coefficients ``alpha`` and their gradient ``grad`` (``[E (+ num_rows), ...]``), the scores'
+    gradient ``(alpha grad - alpha rowsum(alpha grad)) * LeakyReLU'(src[col] + dst[r])`` (a new edge
+    tensor; the pre-activations are recomputed, not saved) and its per-row sums (``dst``'s
+    gradient). ``src``'s gradient is the scores' gradient summed into columns (:func:`scatter_sum`)."""
+    src, dst = _scores(csr, src, dst, "attention_backward", loops, own_offset)
+    alpha = _edge_rows(csr, alpha, "attention_backward", loops)
+    grad = _edge_rows(csr, grad, "attention_backward", loops)
+    if grad.shape != alpha.shape or alpha.shape[1:] != dst.shape[1:] or grad.dtype != src.dtype or alpha.dtype != src.dtype:
+        raise KernelError(f"attention_backward: alpha and grad must have the scores' dtype and row shape, got "
+                          f"{alpha.dtype} {list(alpha.shape)} and {grad.dtype} {list(grad.shape)}")
+    out, g_dst = _load_native().attention_backward(csr.indptr, _native_index(csr), src, dst, alpha, grad,
+                                                   float(negative_slope), bool(loops), int(own_offset))
+    return out, g_dst
 
 
 # --------------------------------------------------------------------------- torch backend

@@ -231,8 +231,9 @@ class GATConv(nn.Module):
         out        = concat_h x'^h  (or mean_h x'^h)  + bias
 
     Computed without ever materializing an ``[E, H, C]`` tensor: the per-vertex scores
-    ``(h * att).sum(-1)`` are ``[N, H]``, gathered onto edges (``[E, H]``), normalized with
-    ``edge_softmax`` and used as multi-head edge weights of one ``propagate``.
+    ``(h * att).sum(-1)`` are ``[N, H]``; :func:`~gnncompile.ops.edge_attention` turns them into the
+    coefficients ``alpha`` (``[E, H]``: the scores' gathers, LeakyReLU and softmax fused, one edge
+    tensor made), the multi-head edge weights of one ``propagate``.
 
     Parameters
     ----------
@@ -294,9 +295,7 @@ class GATConv(nn.Module):
         h = self.lin(x).view(-1, heads, c)
         a_src = (h * self.att_src).sum(dim=-1)
         a_dst = (h * self.att_dst).sum(dim=-1)
-        scores = gops.gather_src(g, a_src, sl) + gops.gather_dst(g, a_dst, sl)
-        scores = F.leaky_relu(scores, self.negative_slope)
-        alpha = gops.edge_softmax(g, scores, sl)
+        alpha = gops.edge_attention(g, a_src, a_dst, self.negative_slope, sl)
         alpha = F.dropout(alpha, p=self.dropout, training=self.training)
         out = gops.propagate(g, h, "none", edge_weight=alpha, add_self_loops=sl)
         out = out.reshape(-1, heads * c) if self.concat else out.mean(dim=1)

@@ -8,10 +8,11 @@ Decisions (applied by :mod:`gnncompile.passes.lower`):
   rank its vertices; V-space values hold the rank's rows, E-space values its vertices' in-edges;
 - parameters are replicated; their gradients are summed with one all-reduce per step;
 - every P/E op that reads a vertex value on the *source* side of edges (``propagate``,
-  ``masked_propagate``, ``gather_src``) needs the value in ``halo`` layout: the rank's rows plus
-  the rows of its remote in-neighbours, fetched by a halo exchange whose backward returns those
-  rows' gradients to their owners. Destination-side ops (``gather_dst``, ``edge_softmax``,
-  ``aggregate``) and T ops are local.
+  ``masked_propagate``, ``gather_src``, ``edge_attention``'s ``src_scores``) needs the value in
+  ``halo`` layout: the rank's rows plus the rows of its remote in-neighbours, fetched by a halo
+  exchange whose backward returns those rows' gradients to their owners. Destination-side ops
+  (``gather_dst``, ``edge_softmax``, ``aggregate``, ``edge_attention``'s ``dst_scores``) and T ops
+  are local.
 
 Each rank's graph is a :class:`~gnncompile.graph.shard.LocalGraph` (own vertices, then halo
 vertices; normalization coefficients of the global graph). The loss is the sum of the

@@ -34,7 +34,8 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from ..errors import PassError, PlanningError
-from ..frontend.ops import BACKWARD_PRODUCTS, aggregate, call_arguments, is_primitive, propagation_calls
+from ..frontend.ops import (BACKWARD_PRODUCTS, aggregate, call_arguments, edge_attention, edge_softmax, gather_dst,
+                            is_primitive, propagation_calls)
 from ..graph.core import Graph, GraphStats
 from ..ir.plan import AllReduce, DevicePlan, Instruction, OptimizerStep, ParamPlacement, Plan, RankProgram, RankSizes, \
     Schedule, StageSpec, StepInputs
@@ -292,8 +293,14 @@ def _topology_info(job: Job, ranks: list[RankLowering], backward: str) -> dict[s
     edge_values = bool(edge_nodes) or any(a["edge_weight"] is not None for _, a in calls)
     # the loop-augmented structure: what an aggregation over A + I reads (edge_softmax needs none)
     edge_loops = any(n.target is aggregate and call_arguments(n).get("add_self_loops") for n in edge_nodes)
+    # each edge's destination: what gather_dst and the edge reductions index by (prepare_graph); for
+    # edge_attention only off the CPU (its native kernels walk the CSR rows); else as edge values say
+    targets = {n.target for n in edge_nodes}
+    edge_dst: Optional[str] = ("always" if targets & {gather_dst, edge_softmax, aggregate}
+                               else "off_cpu" if edge_attention in targets else None)
     info = {"nodes": stats.num_nodes, "symmetric": symmetric, "weighted": weighted, "edge_values": edge_values,
-            "edge_loops": edge_loops, "norms": [[nm, loops] for nm, loops in sorted(norms)], "backward": backward}
+            "edge_dst": edge_dst, "edge_loops": edge_loops, "norms": [[nm, loops] for nm, loops in sorted(norms)],
+            "backward": backward}
     if job.concrete:
         held = []
         for rl in sorted(ranks, key=lambda rl: rl.rank):

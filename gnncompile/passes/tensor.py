@@ -31,8 +31,8 @@ Attention (GAT). ``h = lin(x).view(-1, H, C)`` and the propagation ``propagate(g
 alpha)`` run in ``cols`` split along ``C``: every rank keeps every head, so the propagation of its
 ``C``-slice needs the whole ``alpha`` ``[E', H]`` (``E' = E + V`` with self loops). The scores
 ``a_src = (h * att_src).sum(-1)`` and ``a_dst`` (``[V, H]``) are T ops on whole rows (``rows``), each
-all-gathered to ``replicated``; then every rank runs the E ops (``gather_src + gather_dst``,
-LeakyReLU, ``edge_softmax``, dropout) on all edges and holds the same ``alpha``: a dropout of alpha
+all-gathered to ``replicated``; then every rank runs the E ops (``edge_attention``, or the gathers,
+LeakyReLU and ``edge_softmax`` it fuses, and dropout) on all edges and holds the same ``alpha``: a dropout of alpha
 uses the whole tensor's mask, drawn from the seed every rank shares (``dropout="replicated"``,
 :func:`~gnncompile.passes.data.replicate_dropout_masks`), so the masks agree across ranks and with
 single-device training. Backward: rank r's propagation sees only its ``C``-slice, so the gradient

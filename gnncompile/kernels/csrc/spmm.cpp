@@ -6,6 +6,7 @@
 // spmm_t: the transposed product (diag(rs) A diag(cs))^T x from the same CSR, by scattering
 // sddmm:  w[e, h]      = <a[row(e), h, :], b[col[e], h, :]>
 // segment_sum, scatter_sum, edge_softmax_step: reductions of edge tensors over rows / columns
+// attention_scores, attention_backward: GAT's LeakyReLU scores and softmax over each row's edges, fused
 // keep_times: x * (keep ? 1/(1-p) : 0), a dropout applied from its kept mask
 // dropout_mask: 0 or 1/(1-p) per element of chosen rows of a tensor, from Philox4x32-10 keyed by a
 //         seed and counted by the element's flat index (any rows, in parallel, thread-count independent)
@@ -841,6 +842,195 @@ torch::Tensor edge_softmax_step(torch::Tensor indptr, torch::Tensor t, c10::opti
   return out;
 }
 
+// GAT's attention over each row's edges (and loop), from per-vertex scores s_src [n_src, W] and
+// s_dst [rows, W]; x[e, c] = s_src[src(e), c] + s_dst[r, c] is edge e's pre-activation (the loop of
+// row r reads s_src[own + r]), y = LeakyReLU(x) (x > 0 ? x : x * slope, as torch):
+//   forward:  out[e, c] = y[e, c] - max_e y[e, c]   (the softmax's shift; exp and normalize follow)
+//   backward: with a = the softmax's output and g its gradient,
+//             out[e, c] = (a g - a sum_e a g)[e, c] * (x[e, c] > 0 ? 1 : slope)   (the scores' gradient)
+//             g_dst[r, c] = sum_e out[e, c]   (edges in order, then the loop)
+// Both evaluate the same expressions in the same order as the unfused ops (gathers, add,
+// leaky_relu, edge_softmax_step and segment_sum), so the results are those of the unfused chain;
+// x is recomputed in the backward (two row reads) rather than saved.
+namespace {
+
+// One edge of attention_rows_impl's forward: its LeakyReLU score into oe, the row's maxima into acc.
+template <typename scalar_t, int C>
+inline void attention_score_edge(const scalar_t* __restrict ss, const scalar_t* __restrict sd, scalar_t* __restrict oe,
+                                 scalar_t* __restrict acc, int64_t width_rt, scalar_t slope) {
+  const int64_t width = C ? C : width_rt;
+#pragma omp simd
+  for (int64_t c = 0; c < width; ++c) {
+    const scalar_t x = ss[c] + sd[c];
+    // x > 0 ? x : x * slope, without a branch on the sign (one of the two terms is exactly 0)
+    const scalar_t y = std::max(x, scalar_t(0)) + slope * std::min(x, scalar_t(0));
+    oe[c] = y;
+    acc[c] = std::max(acc[c], y);
+  }
+}
+
+// One edge of attention_rows_impl's backward: the score's gradient into oe, added to the row's sums.
+template <typename scalar_t, int C>
+inline void attention_grad_edge(const scalar_t* __restrict ss, const scalar_t* __restrict sd,
+                                const scalar_t* __restrict ae, const scalar_t* __restrict ge,
+                                const scalar_t* __restrict acc, scalar_t* __restrict oe, scalar_t* __restrict sum,
+                                int64_t width_rt, scalar_t slope) {
+  const int64_t width = C ? C : width_rt;
+#pragma omp simd
+  for (int64_t c = 0; c < width; ++c) {
+    const scalar_t d = ae[c] * ge[c] - ae[c] * acc[c];
+    const scalar_t x = ss[c] + sd[c];
+    const scalar_t f = x > scalar_t(0) ? scalar_t(1) : slope;  // a select of constants: no branch
+    const scalar_t v = d * f;
+    oe[c] = v;
+    sum[c] += v;
+  }
+}
+
+template <typename scalar_t, typename index_t, bool BACKWARD, int C>
+void attention_rows_impl(const int64_t* indptr, const index_t* col, const scalar_t* s_src, const scalar_t* s_dst,
+                         const scalar_t* a, const scalar_t* g, scalar_t* out, scalar_t* g_dst, int64_t rows,
+                         int64_t width_rt, bool loops, int64_t own, scalar_t slope) {
+  const int64_t width = C ? C : width_rt;
+  const int64_t nnz = indptr[rows];
+  const int64_t pf = prefetch_distance(width * (int64_t)sizeof(scalar_t));
+  const std::vector<int64_t> bounds = row_blocks(indptr, rows);
+  for_each_block((int64_t)bounds.size() - 1, [&](int64_t b) {
+    std::vector<scalar_t> acc_buf(C ? 0 : 2 * width);
+    scalar_t acc_fixed[C ? 2 * C : 1];
+    scalar_t* __restrict acc = C ? acc_fixed : acc_buf.data();
+    scalar_t* __restrict sum = acc + width;
+    const int64_t stop = indptr[bounds[b + 1]];
+    for (int64_t r = bounds[b]; r < bounds[b + 1]; ++r) {
+      const int64_t beg = indptr[r], end = indptr[r + 1];
+      const scalar_t* __restrict sd = s_dst + r * width;
+      const scalar_t* __restrict sl = s_src + (own + r) * width;  // the loop's source row
+      const int64_t el = nnz + r;                                  // the loop's edge row
+      if (beg == end && !loops) {
+        if constexpr (BACKWARD) std::fill(g_dst + r * width, g_dst + (r + 1) * width, scalar_t(0));
+        continue;
+      }
+      if constexpr (!BACKWARD) {
+        for (int64_t c = 0; c < width; ++c) acc[c] = -std::numeric_limits<scalar_t>::infinity();
+        for (int64_t e = beg; e < end; ++e) {
+          if (e + pf < stop) __builtin_prefetch(s_src + (int64_t)col[e + pf] * width, 0, 3);
+          attention_score_edge<scalar_t, C>(s_src + (int64_t)col[e] * width, sd, out + e * width, acc, width, slope);
+        }
+        if (loops) attention_score_edge<scalar_t, C>(sl, sd, out + el * width, acc, width, slope);
+        for (int64_t e = beg; e < end; ++e) {
+          scalar_t* __restrict oe = out + e * width;
+#pragma omp simd
+          for (int64_t c = 0; c < width; ++c) oe[c] = oe[c] - acc[c];
+        }
+        if (loops) {
+          scalar_t* __restrict oe = out + el * width;
+#pragma omp simd
+          for (int64_t c = 0; c < width; ++c) oe[c] = oe[c] - acc[c];
+        }
+      } else {
+        for (int64_t c = 0; c < width; ++c) acc[c] = scalar_t(0);
+        auto dot = [&](int64_t e) {
+          const scalar_t* __restrict ae = a + e * width;
+          const scalar_t* __restrict ge = g + e * width;
+#pragma omp simd
+          for (int64_t c = 0; c < width; ++c) acc[c] += ae[c] * ge[c];
+        };
+        for (int64_t e = beg; e < end; ++e) dot(e);
+        if (loops) dot(el);
+        for (int64_t c = 0; c < width; ++c) sum[c] = scalar_t(0);
+        for (int64_t e = beg; e < end; ++e) {
+          if (e + pf < stop) __builtin_prefetch(s_src + (int64_t)col[e + pf] * width, 0, 3);
+          attention_grad_edge<scalar_t, C>(s_src + (int64_t)col[e] * width, sd, a + e * width, g + e * width, acc,
+                                           out + e * width, sum, width, slope);
+        }
+        if (loops)
+          attention_grad_edge<scalar_t, C>(sl, sd, a + el * width, g + el * width, acc, out + el * width, sum, width,
+                                           slope);
+        scalar_t* __restrict gd = g_dst + r * width;
+        for (int64_t c = 0; c < width; ++c) gd[c] = sum[c];
+      }
+    }
+  });
+}
+
+// The width of per-vertex scores: s_src [n_src, ...] and s_dst [rows, ...] with the same trailing shape.
+int64_t check_scores(const torch::Tensor& indptr, const torch::Tensor& col, const torch::Tensor& s_src,
+                     const torch::Tensor& s_dst, bool loops, int64_t own) {
+  check_csr(indptr, col);
+  const int64_t rows = indptr.size(0) - 1;
+  TORCH_CHECK(s_src.device().is_cpu() && s_dst.device().is_cpu() && s_src.is_contiguous() && s_dst.is_contiguous() &&
+              s_src.dim() >= 1 && s_dst.dim() == s_src.dim() && s_src.scalar_type() == s_dst.scalar_type(),
+              "s_src and s_dst must be contiguous CPU tensors of one dtype and rank");
+  TORCH_CHECK(s_dst.size(0) == rows && s_dst.sizes().slice(1) == s_src.sizes().slice(1),
+              "s_dst must have one row per CSR row and the row shape of s_src");
+  TORCH_CHECK(!loops || (own >= 0 && own + rows <= s_src.size(0)), "the loop rows [own, own + rows) must be rows of s_src");
+  if (col.numel()) {
+    const auto range = torch::aminmax(col);
+    TORCH_CHECK(std::get<0>(range).item<int64_t>() >= 0 && std::get<1>(range).item<int64_t>() < s_src.size(0),
+                "column index out of range for ", s_src.size(0), " rows of s_src");
+  }
+  return s_src.size(0) ? s_src.numel() / s_src.size(0) : (s_dst.size(0) ? s_dst.numel() / s_dst.size(0) : 0);
+}
+
+template <bool BACKWARD>
+void run_attention(const torch::Tensor& indptr, const torch::Tensor& col, const torch::Tensor& s_src,
+                   const torch::Tensor& s_dst, const torch::Tensor* a, const torch::Tensor* g, torch::Tensor& out,
+                   torch::Tensor* g_dst, int64_t width, bool loops, int64_t own, double slope) {
+  const int64_t rows = indptr.size(0) - 1;
+  AT_DISPATCH_FLOATING_TYPES(s_src.scalar_type(), "gnncompile_attention", [&] {
+    const scalar_t* ap = a ? a->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* gp = g ? g->data_ptr<scalar_t>() : nullptr;
+    scalar_t* gdp = g_dst ? g_dst->data_ptr<scalar_t>() : nullptr;
+    dispatch_width(width, [&](auto c) {
+      constexpr int C = decltype(c)::value;
+      if (col.scalar_type() == torch::kInt32)
+        attention_rows_impl<scalar_t, int32_t, BACKWARD, C>(
+            indptr.data_ptr<int64_t>(), col.data_ptr<int32_t>(), s_src.data_ptr<scalar_t>(), s_dst.data_ptr<scalar_t>(),
+            ap, gp, out.data_ptr<scalar_t>(), gdp, rows, width, loops, own, static_cast<scalar_t>(slope));
+      else
+        attention_rows_impl<scalar_t, int64_t, BACKWARD, C>(
+            indptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(), s_src.data_ptr<scalar_t>(), s_dst.data_ptr<scalar_t>(),
+            ap, gp, out.data_ptr<scalar_t>(), gdp, rows, width, loops, own, static_cast<scalar_t>(slope));
+    });
+  });
+}
+
+std::vector<int64_t> edge_shape(const torch::Tensor& indptr, const torch::Tensor& s_dst, bool loops) {
+  std::vector<int64_t> shape = s_dst.sizes().vec();
+  shape[0] = indptr[-1].item<int64_t>() + (loops ? indptr.size(0) - 1 : 0);
+  return shape;
+}
+
+}  // namespace
+
+// The shifted attention scores [E (+ rows), ...] (see attention_rows_impl): exp then a
+// "normalize" edge_softmax_step make the attention coefficients.
+torch::Tensor attention_scores(torch::Tensor indptr, torch::Tensor col, torch::Tensor s_src, torch::Tensor s_dst,
+                               double slope, bool loops, int64_t own) {
+  const int64_t width = check_scores(indptr, col, s_src, s_dst, loops, own);
+  auto out = torch::empty(edge_shape(indptr, s_dst, loops), s_src.options());
+  if (out.numel() == 0) return out;
+  run_attention<false>(indptr, col, s_src, s_dst, nullptr, nullptr, out, nullptr, width, loops, own, slope);
+  return out;
+}
+
+// The attention's backward from its output `a` and gradient `grad` ([E (+ rows), ...]): returns the
+// scores' gradient [E (+ rows), ...] and its per-row sums [rows, ...] (the gradient of s_dst).
+std::vector<torch::Tensor> attention_backward(torch::Tensor indptr, torch::Tensor col, torch::Tensor s_src,
+                                              torch::Tensor s_dst, torch::Tensor a, torch::Tensor grad, double slope,
+                                              bool loops, int64_t own) {
+  const int64_t width = check_scores(indptr, col, s_src, s_dst, loops, own);
+  const auto shape = edge_shape(indptr, s_dst, loops);
+  TORCH_CHECK(a.sizes() == torch::IntArrayRef(shape) && grad.sizes() == a.sizes() && a.is_contiguous() &&
+              grad.is_contiguous() && a.scalar_type() == s_src.scalar_type() && grad.scalar_type() == a.scalar_type(),
+              "a and grad must be contiguous edge tensors of the scores' dtype and row shape");
+  auto out = torch::empty(shape, s_src.options());
+  auto g_dst = torch::zeros_like(s_dst);
+  if (out.numel() == 0) return {out, g_dst};
+  run_attention<true>(indptr, col, s_src, s_dst, &a, &grad, out, &g_dst, width, loops, own, slope);
+  return {out, g_dst};
+}
+
 namespace {
 template <typename scalar_t>
 void keep_times_span(const scalar_t* __restrict x, const uint8_t* __restrict keep, scalar_t scale,
@@ -1062,6 +1252,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("indptr"), py::arg("indices"), py::arg("t"), py::arg("cols"), py::arg("bounds"));
   m.def("edge_softmax_step", &edge_softmax_step, "one step of a softmax over each row's edges (and self loop)",
         py::arg("indptr"), py::arg("t"), py::arg("grad"), py::arg("loops"), py::arg("step"));
+  m.def("attention_scores", &attention_scores, "shifted LeakyReLU attention scores over each row's edges (and loop)",
+        py::arg("indptr"), py::arg("indices"), py::arg("s_src"), py::arg("s_dst"), py::arg("slope"), py::arg("loops"),
+        py::arg("own"));
+  m.def("attention_backward", &attention_backward, "the attention scores' gradient and its per-row sums",
+        py::arg("indptr"), py::arg("indices"), py::arg("s_src"), py::arg("s_dst"), py::arg("a"), py::arg("grad"),
+        py::arg("slope"), py::arg("loops"), py::arg("own"));
   m.def("gather_rows", &gather_rows, "rows of a tensor by an index, prefetched", py::arg("t"), py::arg("index"),
         py::arg("out") = py::none());
   m.def("keep_times", &keep_times, "x times a dropout multiplier given as a kept mask and a scale",
