@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Issue 17's checks on a GPU, as one command for a lent GPU machine (the `device` tool's `run`).
+#
+# Nothing of gnncompile has run on a GPU yet; this runs, each phase under its own time limit, what
+# only a GPU can check, and leaves the logs, the GPU profile and the updated benchmark tables in
+# $OUT (at most 8 files come back):
+#
+#   tests      pytest -m gpu: kernels and ops against the CPU, fused attention, every zoo model's
+#              step, every strategy on ranks sharing the GPU, GPU calibration end to end
+#   calibrate  gnncompile calibrate --device cuda --quick (the profile: $OUT/gpu_profile.json)
+#   spmm       benchmarks/spmm.py --device cuda on R-MAT 100k/2M, d = 64 and 256 (torch.sparse.mm,
+#              PyG and every CUDA backend in the same run)
+#   epoch      benchmarks/epoch_time.py --device cuda: one training step of GCN, SAGE and GAT on
+#              cora and R-MAT 100k/2M against PyG in the same run
+#
+# Usage: bash scripts/gpu_check.sh [PHASE...]     (default: all four, in that order)
+#
+# Before the call, on the development machine (costs no device time): the device has torch, CuPy,
+# PyG, pytest and hypothesis but no pymetis and no ../shared, so carry them:
+#
+#   printf '/.whl/\n/.gpu_data/\n' >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl pymetis==2025.2.2
+#   mkdir -p .gpu_data && cp -r ../shared/datasets/cora ../shared/datasets/coauthor_physics .gpu_data/
+#
+# then run(command="bash scripts/gpu_check.sh", carry=[".whl", ".gpu_data"], timeout_s=590).
+# Budget: about 9 minutes with every phase (the native CPU kernels, which the tests' CPU
+# references use, compile first: about a minute); pass fewer phases to rerun one.
+set -u
+OUT=${OUT:-/tmp/gpu_check_out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(tests calibrate spmm epoch)
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  python3 -c "import torch, cupy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cupy', cupy.__version__, torch.cuda.get_device_name(0))"
+  python3 -c "import gnncompile.kernels as k, torch; k._load_native(); print('native kernels built')"
+} > "$OUT/setup.log" 2>&1
+export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+[ -d .gpu_data ] && export GNNCOMPILE_DATA=$PWD/.gpu_data
+export GNNCOMPILE_PROFILE=$OUT/cpu_profile.json   # never the machine's own cache
+cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
+parallel=""
+python3 -c "import xdist" 2>/dev/null && parallel="-n 4"   # pytest-xdist, where the machine has it
+
+run_phase() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "phase $name: exit $rc after $((SECONDS - start)) s (limit $limit s)" | tee -a "$OUT/setup.log"
+}
+
+for phase in "${phases[@]}"; do
+  case $phase in
+    tests) run_phase tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider $parallel --maxfail=25 --durations=15 tests ;;
+    calibrate) run_phase calibrate 150 python3 -m gnncompile calibrate --device cuda --quick --out "$OUT/gpu_profile.json" ;;
+    spmm) run_phase spmm 90 python3 benchmarks/spmm.py --device cuda --graphs rmat --dims 64,256 --out "$OUT/RESULTS.md" ;;
+    epoch) run_phase epoch 120 python3 benchmarks/epoch_time.py --device cuda --graphs cora rmat \
+             --models gcn sage gat --out "$OUT/RESULTS.md" ;;
+    *) echo "unknown phase $phase (tests, calibrate, spmm, epoch)" | tee -a "$OUT/setup.log" ;;
+  esac
+done
