@@ -134,8 +134,10 @@ def main() -> None:
         "(`frontend.ops.replay_dropout_outputs`); every strategy frees a value after its last use. Adam is torch's "
         "fused implementation (`runtime.trainer.adam`: no parameter-sized temporaries). Inside a stage the model "
         "follows what each op reads (`OpCost.reads`): which outputs a forward still holds, which gradients a "
-        "backward accumulates. GAT's rows are the loosest: the edge-sized gradients and temporaries of its "
-        "attention's backward are modeled op by op, not tensor by tensor.", ""])
+        "backward accumulates. GAT's attention is one fused op (`ops.edge_attention`: it saves the coefficients and "
+        "the per-vertex scores, not the pre-activations); its multi-head propagation returns a tensor of its own "
+        "(no view), so `Free` releases it as a stage output, and a pulled backward frees the permuted edge values "
+        "before it makes their gradient.", ""])
     print(text)
     if not args.no_write:
         update_section(HERE / "RESULTS.md", SECTION, text)

@@ -19,11 +19,13 @@ import torch
 import gnncompile as gc
 from gnncompile import datasets
 from gnncompile.cost_models.hardware import Cluster
-from gnncompile.cost_models.model import (PlanCost, _RankWalk, _saved_per_op, _op_temporaries, _permuted_values,
+from gnncompile.cost_models.model import (PlanCost, _RankWalk, _saved_per_op, _op_temporaries,
                                           _saves_result, op_value,
                                           _sparse_product_temporaries,
                                           _stage_gradients, predict, static_memory)
+from gnncompile.frontend import ops as fops
 from gnncompile.ir.plan import AllToAll, Backward, Forward, Free, OpCost, OptimizerStep, Recv
+from gnncompile.runtime.memory import PeakMemory
 
 N, F, H = 600, 32, 16
 GPU = Cluster.parse("4xA5000")
@@ -112,17 +114,24 @@ def test_relu_saves_its_result_not_its_input() -> None:
         == [0, 100.0, 100.0, 200.0]
 
 
-def test_a_pulled_attention_backward_holds_its_values_permuted() -> None:
-    """A GAT propagation's backward through the transposed structure permutes its edge values (a
-    temporary of their size: E x heads); a push backward scatters from the values as they are."""
-    g = datasets.synthetic("sbm", num_nodes=200, avg_degree=6, num_features=8, num_classes=3, seed=2)
-    net = gc.nn.GAT(8, 4, 3, num_layers=2, heads=2, dropout=0.0)
-    for backward, expected in (("transposed", g.num_edges * 2 * 4), ("push", 0)):
-        plan = gc.plan(copy.deepcopy(net), g, Cluster.parse("1xcpu"), strategy="data", backward=backward)
-        dp = plan.ranks[0]
-        w = _RankWalk(PlanCost(plan, Cluster.parse("1xcpu")), dp)
-        first = next(op for st in dp.stages for op in st.costs if op.name == "propagate")
-        assert _permuted_values(w, first) == expected
+def test_a_pulled_attention_backward_frees_its_permuted_values_before_their_gradient() -> None:
+    """A propagation with edge values that need a gradient (GAT's) pulls its input's gradient through
+    the transposed structure with the values permuted (an edge tensor), then makes the values'
+    gradient (another): the model counts one of the two at a time, as the backward holds them."""
+    g = datasets.synthetic("rmat", num_nodes=2000, avg_degree=8, num_features=1, num_classes=2, seed=3).compact()
+    heads, width = 4, 8
+    values = torch.rand(g.num_edges, heads, requires_grad=True)
+    x = torch.randn(g.num_nodes, heads, width, requires_grad=True)
+    out = gc.ops.propagate(g, x, "none", edge_weight=values)
+    grad = torch.randn_like(out)
+    fops.prepare_graph(g, [], torch.float32)
+    _ = fops._csr_t(g, True)  # the transposed structure and permutation exist before the measurement
+    edge, vertex = values.numel() * 4, x.numel() * 4
+    with PeakMemory("cpu") as pm:
+        gv, gx = torch.autograd.grad(out, (values, x), grad)
+    assert gv.shape == values.shape and gx.shape == x.shape
+    assert edge > vertex / 2  # (an edge tensor more would show)
+    assert pm.peak_bytes <= vertex + edge + 64 * 1024, (pm.peak_bytes, vertex, edge)
 
 
 def test_edge_softmax_saves_only_its_output() -> None:

@@ -254,6 +254,22 @@ def test_native_spmm_is_deterministic() -> None:
             torch.set_num_threads(saved)
 
 
+def test_products_are_no_views(backend: str) -> None:
+    """A product's result owns its storage (no ``_base``), multi-head ``[N, H, C]`` too: a view would
+    keep a base that a plan's ``Free`` cannot release (the executor swaps a freed stage output's
+    storage, which only a tensor of its own gives back)."""
+    csr = random_csr(40, 30, 4.0, seed=9)
+    for values, x in ((None, randn(30, 5, dtype=torch.float64, seed=1)),
+                      (randn(csr.nnz, 3, dtype=torch.float64, seed=2), randn(30, 3, 4, dtype=torch.float64, seed=3))):
+        for transpose in (False, True):
+            xx = x if not transpose else randn(40, *x.shape[1:], dtype=torch.float64, seed=4)
+            out = kernels.spmm(csr, values, xx, backend=backend, transpose=transpose)
+            assert out._base is None and out.is_contiguous()
+            assert out.shape == ((30 if transpose else 40),) + tuple(x.shape[1:])
+            want = kernels.spmm(csr, values, xx, backend="torch", transpose=transpose)
+            torch.testing.assert_close(out, want)
+
+
 # --------------------------------------------------------------------------- sddmm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize(

@@ -901,16 +901,6 @@ def _sparse_product_temporaries(w: _RankWalk, op: OpCost) -> float:
     return inputs * op.width * es
 
 
-def _permuted_values(w: _RankWalk, op: OpCost) -> float:
-    """Bytes of the edge values a propagation's backward pulls through the transposed structure
-    (``frontend.ops._SpMM``): its edges' values in transposed order, a temporary of their size (the
-    ``E`` part of :attr:`OpCost.values`). 0 for a push backward,
-    which scatters from the forward structure with the values as they are, and for other ops."""
-    if op.kind != "P" or not op.values.e or w.cost.plan.info.get("topology", {}).get("backward") == "push":
-        return 0.0
-    return op_value(op, Lin.of(e=op.values.e), w.sizes)
-
-
 def _saved_bytes(op: OpCost, sizes: RankSizes) -> float:
     """Bytes ``op`` saves for backward on a rank of ``sizes``: ``op.saved``, except that a propagation
     on a share of the columns (``cols``) saves its edge values whole: its share of them is a view of
@@ -1004,8 +994,10 @@ def _backward_peak(w: _RankWalk, st: StageSpec, inputs: dict[str, float], receiv
     temps = w.backward_temps.get(st.index)
     if temps is None:
         temps = w.backward_temps[st.index] = [
+            # (a pulled propagation's edge values in transposed order are freed before their gradient,
+            # counted with the gradients, is made: frontend.ops._SpMM)
             _sparse_product_temporaries(w, op) + _op_temporaries(op, w.value_bytes.get(op.name, 0.0), w.device, True)
-            + _permuted_values(w, op) + _edge_values_bytes(op, op.replayed, w.sizes) for op in costs]
+            + _edge_values_bytes(op, op.replayed, w.sizes) for op in costs]
     peak = below = 0.0
     for k, op in enumerate(costs):
         below += kept[k] + again[k]

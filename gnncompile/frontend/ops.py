@@ -260,6 +260,7 @@ class _SpMM(torch.autograd.Function):
             csr_t, perm = _csr_t(g, values is not None)
             vt = None if values is None else kernels.gather_rows(values, perm)
             grad_x = kernels.spmm(csr_t, vt, grad_out, ctx.backend, row_scale=col, col_scale=row)
+            del vt  # the permuted values (an edge tensor) are not held while their gradient is made
         if loop is not None and grad_x is not None:
             _add_scaled_rows(_own_rows(g, grad_x), loop, grad_out)
         if values is not None and ctx.needs_input_grad[1]:

@@ -125,10 +125,15 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _shaped(out: torch.Tensor, rows: int, tail: tuple[int, ...]) -> torch.Tensor:
-    """``out`` ``[rows, heads * d]`` as ``[rows, *tail]``: itself when the shapes agree, not a view of
-    it (a view keeps its base alive: a plan's ``Free`` releases only a product that is no view)."""
+    """``out`` ``[rows, heads * d]`` (contiguous) as ``[rows, *tail]``: itself when the shapes agree,
+    else a tensor of its own over the same storage, not a view of ``out`` (a view keeps a base: a
+    plan's ``Free`` releases only a stage output that is no view, ``runtime.executor``)."""
     shape = (rows,) + tail
-    return out if tuple(out.shape) == shape else out.reshape(shape)
+    if tuple(out.shape) == shape:
+        return out
+    if not out.is_contiguous():
+        return out.reshape(shape)
+    return out.new_empty(0).set_(out.untyped_storage(), out.storage_offset(), shape)
 
 
 def _split_heads(values: Optional[torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:
