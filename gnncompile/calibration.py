@@ -504,10 +504,8 @@ def _time_once(pb: dict[str, Any], repeats: int, budget: float, sync: Callable[[
 def _rates_once(pb: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
     """The rates of one :func:`_time_once` pass ``s`` over ``pb``: FLOP/s, bytes/s, edges/s, draws/s,
     logits/s, and the GEMM and SpMM curves."""
-    def fit(i: int) -> tuple[float, float]:
-        case = pb["spmm_cases"][i]
-        return _spmm_fit(case["nnz"], (case["narrow_bytes"], s["spmm"][i]["narrow_seconds"]),
-                         (case["bytes"], s["spmm"][i]["seconds"]))
+    fits = [_spmm_fit(case["nnz"], (case["narrow_bytes"], t["narrow_seconds"]), (case["bytes"], t["seconds"]))
+            for case, t in zip(pb["spmm_cases"], s["spmm"])]  # (edges/s, bytes/s) per case
 
     def gemm_curve(key: str) -> list[dict[str, Any]]:
         rows, inner = pb["products"][key][:2]
@@ -517,16 +515,15 @@ def _rates_once(pb: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
     array_bytes = pb["stream"][0].numel() * 4
     logits = pb["loss"][0].numel()
     mask_rows, mask_width, held_rows = pb["mask"]
-    large = len(pb["spmm_cases"]) - 1
     return {
         "flops": {dtype: max(2 * n**3 / t for n, t in zip(pb["sizes"], sec)) for dtype, sec in s["gemm"].items()},
         "mem_bandwidth": max(2 * array_bytes / s["stream"]["copy"], 3 * array_bytes / s["stream"]["add"]),
-        "spmm_bandwidth": fit(large)[1], "edge_rate": fit(large)[0],
+        "spmm_bandwidth": fits[-1][1], "edge_rate": fits[-1][0],
         "rng_rate": held_rows.numel() * mask_width / s["rng"],
         "loss_rate": logits / s["loss"]["forward"], "loss_grad_rate": logits / s["loss"]["backward"],
         "gemm_curve": gemm_curve("linear"), "gemm_deep_curve": gemm_curve("linear_deep"),
-        "spmm_curve": [{"working_set": case["working_set"], "bandwidth": fit(i)[1], "edge_rate": fit(i)[0]}
-                       for i, case in enumerate(pb["spmm_cases"])],
+        "spmm_curve": [{"working_set": case["working_set"], "bandwidth": bandwidth, "edge_rate": edge_rate}
+                       for case, (edge_rate, bandwidth) in zip(pb["spmm_cases"], fits)],
     }
 
 

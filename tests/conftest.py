@@ -11,20 +11,27 @@ model's); every test gets a profile path of its own that does not exist until th
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 import torch
 
+from gnncompile.cost_models.hardware import PROFILE_ENV
+
 
 @pytest.fixture(scope="session")
-def _profiles_root(tmp_path_factory: pytest.TempPathFactory):
+def _profiles_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("profiles")
 
 
 @pytest.fixture(autouse=True)
-def _no_saved_profiles(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, _profiles_root) -> None:
+def no_saved_profile(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, _profiles_root: Path) -> Path:
+    """This test's default CPU profile path (``$GNNCOMPILE_PROFILE``; GPU profiles go beside it): a
+    file of its own that does not exist until the test writes it."""
     key = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
-    monkeypatch.setenv("GNNCOMPILE_PROFILE", str(_profiles_root / key / "cpu_profile.json"))
+    path = _profiles_root / key / "cpu_profile.json"
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    return path
 
 
 @pytest.fixture(autouse=True)

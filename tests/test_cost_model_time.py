@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gnncompile as gc
-from gnncompile.cost_models.hardware import (DATASHEET_LABEL, DEVICES, LINKS, PROFILE_ENV, UNCALIBRATED_LABEL, Cluster,
+from gnncompile.cost_models.hardware import (DATASHEET_LABEL, DEVICES, LINKS, UNCALIBRATED_LABEL, Cluster,
                                              DeviceSpec)
 from gnncompile.cost_models.model import op_time
 from gnncompile.errors import PlanningError
@@ -22,12 +22,6 @@ from gnncompile.ir.symbolic import Lin
 
 #: (width, forward, weight gradient, input gradient) FLOP/s: narrow products slower
 CURVE = ((4.0, 1e9, 2e9, 4e9), (16.0, 4e9, 8e9, 16e9), (64.0, 8e9, 16e9, 32e9))
-
-
-@pytest.fixture(autouse=True)
-def no_saved_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The user's own saved profile must not leak into the tests."""
-    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "absent" / "cpu_profile.json"))
 
 
 def _device(**kw) -> DeviceSpec:

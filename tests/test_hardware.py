@@ -17,7 +17,6 @@ from gnncompile.cost_models.hardware import (
     DEVICES,
     GiB,
     LINKS,
-    PROFILE_ENV,
     Cluster,
     DeviceSpec,
     LinkSpec,
@@ -25,15 +24,6 @@ from gnncompile.cost_models.hardware import (
 )
 from gnncompile.calibration import calibrate
 from gnncompile.errors import PlanningError
-
-
-@pytest.fixture(autouse=True)
-def no_saved_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Point the default profile path at a file that does not exist (the user's own profile must
-    not leak into the tests)."""
-    path = tmp_path / "absent" / "cpu_profile.json"
-    monkeypatch.setenv(PROFILE_ENV, str(path))
-    return path
 
 
 @pytest.fixture(scope="module")
