@@ -66,7 +66,7 @@ sys.path.insert(0, str(HERE.parent))
 from _results import command_line, machine_info, today, update_section  # noqa: E402
 
 from gnncompile import kernels  # noqa: E402
-from gnncompile.kernels import CSR  # noqa: E402
+from gnncompile.kernels import CSR, cuda  # noqa: E402
 
 GRAPHS = ("cora", "coauthor_physics", "rmat", "rmat-2m")
 DEFAULT_GRAPHS = ("cora", "coauthor_physics", "rmat")
@@ -218,6 +218,17 @@ def products(g: BenchGraph, x: torch.Tensor) -> dict[str, Callable[[], torch.Ten
                                                       dim_size=g.num_nodes, reduce="sum")
     except ImportError:
         pass
+    if dev.type == "cuda" and "cupy" in available:
+        # each config of gnncompile's own CUDA kernels, beside the one the cupy backend chooses
+        dcsr = kernels._device_csr(g.csr, dev)
+        run = kernels._raw_runner()
+        configs = cuda.spmm_configs(x.shape[1], x.shape[1], x.data_ptr() % 16 == 0, dcsr.max_degree,
+                                    g.num_edges / g.num_nodes)
+        for cfg in configs:
+            fns[f"own kernel {cfg}"] = lambda c=cfg: cuda.run_spmm(dcsr, values, x, None, None, False, c, run)
+        for cfg in configs:
+            fns[f"own kernel {cfg}, A^T scattered (push)"] = \
+                lambda c=cfg: cuda.run_spmm(dcsr, values, x, None, None, True, c, run)
     values_t = g.values_t.to(dev)
     for backend in ("native", "cupy", "torch"):
         if backend in available:
@@ -406,7 +417,11 @@ def markdown_cuda(rows: list[Row], copy: float, repeat: int, warmup: int) -> str
         "(`transpose=True`, cuSPARSE op(A) = A^T for `cupy`). max abs err = largest deviation from the torch "
         "backend's result.",
     ]
-    return "\n".join(lines + ["", *table_lines(COLUMNS_CUDA, rows)])
+    chosen = [f"- {c}" for c in cuda.choices()]
+    if chosen:
+        chosen = ["", "Choices of the `cupy` backend in this run (`kernels.cuda.choose`, per shape, best of 3 "
+                  "after a warm-up, by CUDA events; ms):", "", *chosen]
+    return "\n".join(lines + ["", *table_lines(COLUMNS_CUDA, rows)] + chosen)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

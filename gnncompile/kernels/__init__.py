@@ -24,7 +24,11 @@ Backends
             float32/float64; deterministic whatever the thread count.
 ``torch``   ``torch.sparse.mm`` on a CSR tensor (MKL on CPU, cuSPARSE on CUDA).
 ``scipy``   ``scipy.sparse.csr_matrix @ ndarray`` (single-threaded; CPU).
-``cupy``    cuSPARSE's generic SpMM through CuPy's bindings on CUDA tensors: row-major dense
+``cupy``    CUDA tensors, through CuPy. float32: per structure and shape, the fastest correct one
+            (measured on the first call, :func:`cuda.choose`) of cuSPARSE's SpMM and gnncompile's
+            own kernels (``csrc/spmm.cu``: a group of lanes per row, vector loads, all heads in one
+            pass, scales inside, hub rows split into chunks; SDDMM likewise against the gathering
+            reference). float64: cuSPARSE's generic SpMM through CuPy's bindings, row-major dense
             operands read and written in place (no copies, outputs allocated by torch), on torch's
             current stream; the CSR descriptor is built once per structure, device and dtype.
 
@@ -38,6 +42,7 @@ transposed CSR that :class:`~gnncompile.graph.Graph` caches.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import math
 import os
@@ -50,6 +55,7 @@ import numpy as np
 import torch
 
 from ..errors import KernelError
+from . import cuda
 
 __all__ = [
     "CSR",
@@ -699,12 +705,114 @@ def _spmm_cupy(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, transp
     return _shaped(out, rows, tail)
 
 
+# --------------------------------------------------------------------------- cupy backend: own kernels
+_cupy_runner: Optional[cuda.CupyRunner] = None
+
+
+def _raw_runner() -> cuda.CupyRunner:
+    global _cupy_runner
+    if _cupy_runner is None:
+        _cupy_runner = cuda.CupyRunner()
+    return _cupy_runner
+
+
+def _device_csr(csr: CSR, device: torch.device) -> cuda.DeviceCSR:
+    return csr.cached(f"raw:{device}", lambda: cuda.DeviceCSR.build(*csr.on(device), csr.num_rows, csr.num_cols))
+
+
+def _shape_label(csr: CSR, width: int, heads: int) -> str:
+    return f"{csr.num_rows}x{csr.num_cols}, {csr.nnz} edges, width {width}" + (f", {heads} heads" if heads > 1 else "")
+
+
+def _spmm_chosen(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, row_scale: Optional[torch.Tensor],
+                 col_scale: Optional[torch.Tensor], transpose: bool, *, baseline: Callable[..., torch.Tensor],
+                 run: cuda.Runner, timer: Callable[[Callable[[], Any]], float]) -> torch.Tensor:
+    """A float32 product by the fastest correct one of ``baseline`` (a backend's scaled SpMM) and
+    the configs of the own kernels (:func:`cuda.spmm_configs`), chosen once per structure, device
+    and shape (:func:`cuda.choose`, cached on ``csr``); ``run`` executes launches, ``timer`` times."""
+    x2, heads, tail = _split_heads(values, x.detach())
+    vals = None if values is None else values.detach().reshape(csr.nnz, heads) if heads > 1 else values.detach().reshape(-1)
+    dcsr = _device_csr(csr, x.device)
+    width = x2.shape[1]
+    rows = csr.num_cols if transpose else csr.num_rows
+
+    def own(cfg: cuda.KernelConfig) -> torch.Tensor:
+        xa = _aligned(x2) if cfg.vec == 4 else x2
+        return cuda.run_spmm(dcsr, vals, xa, row_scale, col_scale, transpose, cfg, run)
+
+    def decide() -> Optional[cuda.KernelConfig]:
+        configs = {str(c): c for c in cuda.spmm_configs(width, width // heads, x2.data_ptr() % 16 == 0,
+                                                        dcsr.max_degree, csr.nnz / max(1, csr.num_rows))}
+        candidates: dict[str, Callable[[], torch.Tensor]] = {
+            "cuSPARSE": lambda: _as_rows(baseline(csr, values, x, row_scale, col_scale, transpose))}
+        candidates.update({name: functools.partial(own, c) for name, c in configs.items()})
+        chosen = cuda.choose("spmm^T" if transpose else "spmm", _shape_label(csr, width, heads), candidates,
+                             "cuSPARSE", timer)
+        return configs.get(chosen)
+
+    key = (f"choice:spmm:{x.device}:{int(transpose)}:{width}:{heads}:{values is None}:{row_scale is None}:"
+           f"{col_scale is None}")
+    cfg = csr.cached(key, decide)
+    if cfg is None:
+        return baseline(csr, values, x, row_scale, col_scale, transpose)
+    return _shaped(own(cfg), rows, tail)
+
+
+def _sddmm_chosen(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int, *, baseline: Callable[..., torch.Tensor],
+                  run: cuda.Runner, timer: Callable[[Callable[[], Any]], float]) -> torch.Tensor:
+    """A float32 SDDMM by the fastest correct one of ``baseline`` and the own kernels' configs
+    (chosen once per structure, device and shape, as :func:`_spmm_chosen`)."""
+    a2, b2 = _as_rows(a.detach()).contiguous(), _as_rows(b.detach()).contiguous()
+    dcsr = _device_csr(csr, a.device)
+    width = a2.shape[1]
+
+    def own(cfg: cuda.KernelConfig) -> torch.Tensor:
+        if cfg.vec == 4:
+            return cuda.run_sddmm(dcsr, _aligned(a2), _aligned(b2), heads, cfg, run)
+        return cuda.run_sddmm(dcsr, a2, b2, heads, cfg, run)
+
+    def decide() -> Optional[cuda.KernelConfig]:
+        aligned = a2.data_ptr() % 16 == 0 and b2.data_ptr() % 16 == 0
+        configs = {str(c): c for c in cuda.sddmm_configs(width, width // heads, aligned, dcsr.max_degree,
+                                                         csr.nnz / max(1, csr.num_rows))}
+        candidates: dict[str, Callable[[], torch.Tensor]] = {"gather": lambda: baseline(csr, a, b, heads)}
+        candidates.update({name: functools.partial(own, c) for name, c in configs.items()})
+        return configs.get(cuda.choose("sddmm", _shape_label(csr, width, heads), candidates, "gather", timer))
+
+    cfg = csr.cached(f"choice:sddmm:{a.device}:{width}:{heads}", decide)
+    return baseline(csr, a, b, heads) if cfg is None else own(cfg)
+
+
+def _spmm_cupy_backend(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor,
+                       row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None,
+                       transpose: bool = False) -> torch.Tensor:
+    """The ``cupy`` backend's SpMM: float32 by the fastest correct of cuSPARSE and the own
+    kernels (per shape), float64 by cuSPARSE."""
+    baseline = _scaled_around(_spmm_cupy)
+    if x.dtype != torch.float32 or x.device.type != "cuda" or csr.nnz == 0 or x.numel() == 0:
+        return baseline(csr, values, x, row_scale, col_scale, transpose)
+    _import_cupy()
+    with torch.cuda.device(x.device):  # the runner launches on the current device's current stream
+        return _spmm_chosen(csr, values, x, row_scale, col_scale, transpose, baseline=baseline, run=_raw_runner(),
+                            timer=cuda.cuda_timer)
+
+
+def _sddmm_cupy_backend(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> torch.Tensor:
+    """The ``cupy`` backend's SDDMM: float32 by the fastest correct of the gathering reference and
+    the own kernels (per shape), otherwise the reference."""
+    if a.dtype != torch.float32 or a.device.type != "cuda" or csr.nnz == 0 or a.numel() == 0:
+        return _sddmm_gather(csr, a, b, heads)
+    _import_cupy()
+    with torch.cuda.device(a.device):
+        return _sddmm_chosen(csr, a, b, heads, baseline=_sddmm_gather, run=_raw_runner(), timer=cuda.cuda_timer)
+
+
 # --------------------------------------------------------------------------- dispatch
 BACKENDS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {
     "native": (_spmm_native, _sddmm_native),  # applies the scales inside the product
     "torch": (_scaled_around(_spmm_torch), _sddmm_gather),
     "scipy": (_scaled_around(_spmm_scipy), _sddmm_gather),
-    "cupy": (_scaled_around(_spmm_cupy), _sddmm_gather),
+    "cupy": (_spmm_cupy_backend, _sddmm_cupy_backend),
 }
 _default_override: Optional[str] = os.environ.get("GNNCOMPILE_BACKEND") or None
 _warned_fallback = False

@@ -1,0 +1,212 @@
+// gnncompile's CUDA sparse kernels: SpMM (pull and push) and SDDMM over a CSR structure.
+//
+// Compiled at run time by NVRTC through CuPy (gnncompile/kernels/cuda.py), one template
+// instantiation per module, so the source includes no header. float32 values; column indices
+// int32 or int64 (I); row offsets int64. Dense operands are row-major [rows, width] and 16-byte
+// aligned when VEC = 4 (the launcher checks).
+//
+// Thread mapping: a group of GROUP lanes (a power of two, at most a warp) owns one CSR row, or one
+// chunk of a hub row; each lane owns VEC consecutive columns of a tile of GROUP * VEC columns
+// (blockIdx.y picks the tile in the products; SDDMM loops over the tiles, its output being per
+// edge). Lanes of a group share the row's column indices through shuffles: lane j loads edge
+// base + j, then every lane reads them in turn (coalesced index loads, one per edge per group).
+// All control flow that reaches a shuffle is uniform over the group; lanes past the last column
+// take part in the shuffles and skip the loads and stores.
+//
+// Hub rows: with split > 0 the row kernels skip rows of more than `split` edges, and the chunk
+// kernels take them, one chunk of at most `split` edges per group (`chunks` holds each chunk's
+// (row, first edge)); chunk results are added atomically into an output zeroed beforehand.
+
+typedef long long i64;
+typedef unsigned int u32;
+
+template <int VEC> struct Pack;
+template <> struct Pack<1> {
+  static __device__ __forceinline__ void load(const float* p, float* v) { v[0] = __ldg(p); }
+  static __device__ __forceinline__ void store(float* p, const float* v) { p[0] = v[0]; }
+};
+template <> struct Pack<2> {
+  static __device__ __forceinline__ void load(const float* p, float* v) {
+    const float2 t = __ldg(reinterpret_cast<const float2*>(p));
+    v[0] = t.x; v[1] = t.y;
+  }
+  static __device__ __forceinline__ void store(float* p, const float* v) {
+    *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
+  }
+};
+template <> struct Pack<4> {
+  static __device__ __forceinline__ void load(const float* p, float* v) {
+    const float4 t = __ldg(reinterpret_cast<const float4*>(p));
+    v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+  }
+  static __device__ __forceinline__ void store(float* p, const float* v) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  }
+};
+
+// The shuffle mask of the calling lane's group: GROUP consecutive lanes of its warp.
+template <int GROUP>
+__device__ __forceinline__ u32 group_mask() {
+  const u32 bits = GROUP == 32 ? 0xffffffffu : (1u << (GROUP % 32)) - 1u;
+  const u32 lane = threadIdx.x & 31u;
+  return bits << (lane & ~(u32)(GROUP - 1));
+}
+
+// Edges [begin, end) of `row`, pull (PUSH = false): out[row] (+)= rs[row] * sum_e w_e cs[c_e] x[c_e];
+// push: out[c_e] += cs[c_e] * w_e * rs[row] * x[row] for every edge (atomically).
+template <typename I, int VEC, int GROUP, bool PUSH>
+__device__ __forceinline__ void product_range(
+    i64 row, i64 begin, i64 end, bool atomic, const I* __restrict__ indices,
+    const float* __restrict__ values, int heads, const float* __restrict__ x, float* __restrict__ out,
+    const float* __restrict__ row_scale, const float* __restrict__ col_scale, int width,
+    int head_width) {
+  const u32 mask = group_mask<GROUP>();
+  const int lane = (int)(threadIdx.x % GROUP);
+  const int col = (int)blockIdx.y * GROUP * VEC + lane * VEC;
+  const bool active = col < width;
+  const int head = active ? col / head_width : 0;
+  const float rs = row_scale ? row_scale[row] : 1.0f;
+  float acc[VEC];
+  float own[VEC];
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
+  if (PUSH) {
+    if (active) {
+      Pack<VEC>::load(x + row * (i64)width + col, own);
+    } else {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) own[v] = 0.0f;
+    }
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) own[v] *= rs;
+  }
+  for (i64 base = begin; base < end; base += GROUP) {
+    const i64 e_lane = base + lane;
+    I c_lane = 0;
+    float s_lane = 1.0f;
+    if (e_lane < end) {
+      c_lane = indices[e_lane];
+      if (col_scale) s_lane = col_scale[c_lane];
+    }
+    const int n = (int)(end - base < GROUP ? end - base : GROUP);
+#pragma unroll 4
+    for (int j = 0; j < n; ++j) {
+      const I c = __shfl_sync(mask, c_lane, j, GROUP);
+      const float s = __shfl_sync(mask, s_lane, j, GROUP);
+      if (!active) continue;
+      const float w = (values ? __ldg(values + (base + j) * heads + head) : 1.0f) * s;
+      if (PUSH) {
+        float* o = out + (i64)c * width + col;
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) atomicAdd(o + v, w * own[v]);
+      } else {
+        float xv[VEC];
+        Pack<VEC>::load(x + (i64)c * width + col, xv);
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[v] = fmaf(w, xv[v], acc[v]);
+      }
+    }
+  }
+  if (PUSH || !active) return;
+  float* o = out + row * (i64)width + col;
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) acc[v] *= rs;
+  if (atomic) {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) atomicAdd(o + v, acc[v]);
+  } else {
+    Pack<VEC>::store(o, acc);
+  }
+}
+
+// One group per row (rows of more than `split` edges skipped when split > 0).
+template <typename I, int VEC, int GROUP, bool PUSH>
+__global__ void spmm_rows(const i64* __restrict__ indptr, const I* __restrict__ indices,
+                          const float* __restrict__ values, int heads, const float* __restrict__ x,
+                          float* __restrict__ out, const float* __restrict__ row_scale,
+                          const float* __restrict__ col_scale, i64 rows, int width, int head_width,
+                          i64 split) {
+  const i64 row = (i64)blockIdx.x * (blockDim.x / GROUP) + threadIdx.x / GROUP;
+  if (row >= rows) return;
+  const i64 begin = indptr[row], end = indptr[row + 1];
+  if (split > 0 && end - begin > split) return;
+  product_range<I, VEC, GROUP, PUSH>(row, begin, end, PUSH, indices, values, heads, x, out,
+                                     row_scale, col_scale, width, head_width);
+}
+
+// One group per chunk of a hub row: chunks[2k] = row, chunks[2k + 1] = first edge.
+template <typename I, int VEC, int GROUP, bool PUSH>
+__global__ void spmm_chunks(const i64* __restrict__ indptr, const I* __restrict__ indices,
+                            const float* __restrict__ values, int heads, const float* __restrict__ x,
+                            float* __restrict__ out, const float* __restrict__ row_scale,
+                            const float* __restrict__ col_scale, const i64* __restrict__ chunks,
+                            i64 num_chunks, int width, int head_width, i64 split) {
+  const i64 k = (i64)blockIdx.x * (blockDim.x / GROUP) + threadIdx.x / GROUP;
+  if (k >= num_chunks) return;
+  const i64 row = chunks[2 * k], begin = chunks[2 * k + 1];
+  const i64 stop = indptr[row + 1];
+  const i64 end = begin + split < stop ? begin + split : stop;
+  product_range<I, VEC, GROUP, PUSH>(row, begin, end, true, indices, values, heads, x, out,
+                                     row_scale, col_scale, width, head_width);
+}
+
+// w[e, h] = <a[row, h], b[c_e, h]> for the edges [begin, end) of `row`. A head's columns are
+// reduced over `reduce` lanes (a power of two: min(head_width / VEC, GROUP)); a head wider than a
+// tile accumulates over its tiles first. The group's first lane of each head writes.
+template <typename I, int VEC, int GROUP>
+__device__ __forceinline__ void sddmm_range(i64 row, i64 begin, i64 end, const I* __restrict__ indices,
+                                            const float* __restrict__ a, const float* __restrict__ b,
+                                            float* __restrict__ out, int heads, int width,
+                                            int head_width, int reduce) {
+  const u32 mask = group_mask<GROUP>();
+  const int lane = (int)(threadIdx.x % GROUP);
+  const int tile = GROUP * VEC;
+  const int tiles = (width + tile - 1) / tile;
+  const float* ar = a + row * (i64)width;
+  for (i64 e = begin; e < end; ++e) {
+    const i64 c = (i64)indices[e];
+    const float* br = b + c * (i64)width;
+    float acc = 0.0f;
+    for (int t = 0; t < tiles; ++t) {
+      const int col = t * tile + lane * VEC;
+      if (col < width) {
+        float av[VEC], bv[VEC];
+        Pack<VEC>::load(ar + col, av);
+        Pack<VEC>::load(br + col, bv);
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc = fmaf(av[v], bv[v], acc);
+      }
+      const int done = (t + 1) * tile;  // columns of the row covered so far
+      if (done % head_width == 0 || t == tiles - 1) {
+        for (int off = reduce / 2; off > 0; off /= 2) acc += __shfl_xor_sync(mask, acc, off, GROUP);
+        if (col < width && lane % reduce == 0) out[e * heads + col / head_width] = acc;
+        acc = 0.0f;
+      }
+    }
+  }
+}
+
+template <typename I, int VEC, int GROUP>
+__global__ void sddmm_rows(const i64* __restrict__ indptr, const I* __restrict__ indices,
+                           const float* __restrict__ a, const float* __restrict__ b,
+                           float* __restrict__ out, i64 rows, int heads, int width, int head_width,
+                           int reduce, i64 split) {
+  const i64 row = (i64)blockIdx.x * (blockDim.x / GROUP) + threadIdx.x / GROUP;
+  if (row >= rows) return;
+  const i64 begin = indptr[row], end = indptr[row + 1];
+  if (split > 0 && end - begin > split) return;
+  sddmm_range<I, VEC, GROUP>(row, begin, end, indices, a, b, out, heads, width, head_width, reduce);
+}
+
+template <typename I, int VEC, int GROUP>
+__global__ void sddmm_chunks(const i64* __restrict__ indptr, const I* __restrict__ indices,
+                             const float* __restrict__ a, const float* __restrict__ b,
+                             float* __restrict__ out, const i64* __restrict__ chunks, i64 num_chunks,
+                             int heads, int width, int head_width, int reduce, i64 split) {
+  const i64 k = (i64)blockIdx.x * (blockDim.x / GROUP) + threadIdx.x / GROUP;
+  if (k >= num_chunks) return;
+  const i64 row = chunks[2 * k], begin = chunks[2 * k + 1];
+  const i64 stop = indptr[row + 1];
+  const i64 end = begin + split < stop ? begin + split : stop;
+  sddmm_range<I, VEC, GROUP>(row, begin, end, indices, a, b, out, heads, width, head_width, reduce);
+}

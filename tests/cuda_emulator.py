@@ -1,0 +1,102 @@
+"""Runs gnncompile's CUDA kernels (``kernels/csrc/spmm.cu``) on the CPU, for tests on machines without a GPU.
+
+:func:`emulator` compiles the kernel source with g++ against ``tests/cuda_emu.h`` (every CUDA
+thread an OS thread, shuffles real exchanges; see there), once per source and header (cached in
+the temporary directory under a file lock), and returns a runner that executes
+:class:`gnncompile.kernels.cuda.Launch` records on CPU tensors: the same launch plans, kernel
+instances and argument packing that :class:`~gnncompile.kernels.cuda.CupyRunner` sends to a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import itertools
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from gnncompile.kernels import cuda
+
+HEADER = Path(__file__).with_name("cuda_emu.h")
+_INDEX = ("int", "long long")
+_GROUPS = (1, 2, 4, 8, 16, 32)
+_CTYPES = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int64,
+           np.dtype(np.int32): ctypes.c_int32, np.dtype(np.float32): ctypes.c_float}
+
+
+def kernel_names() -> list[str]:
+    """Every kernel instance the launch plans can name."""
+    names = []
+    for it, vec, group in itertools.product(_INDEX, (1, 2, 4), _GROUPS):
+        for push in ("false", "true"):
+            names += [f"spmm_rows<{it}, {vec}, {group}, {push}>", f"spmm_chunks<{it}, {vec}, {group}, {push}>"]
+        names += [f"sddmm_rows<{it}, {vec}, {group}>", f"sddmm_chunks<{it}, {vec}, {group}>"]
+    return names
+
+
+class Emulator:
+    """A runner for :class:`~gnncompile.kernels.cuda.Launch` records over CPU tensors."""
+
+    def __init__(self, library: Path) -> None:
+        self._lib = ctypes.CDLL(str(library))
+        self._lib.emu_launch.restype = ctypes.c_int
+        self.launches: list[cuda.Launch] = []
+
+    def __call__(self, launch: cuda.Launch) -> None:
+        self.launches.append(launch)
+        cargs = []
+        for a in launch.args:
+            kind = _CTYPES.get(np.asarray(a).dtype)
+            if kind is None:
+                raise TypeError(f"{launch.kernel}: argument {a!r} of type {type(a).__name__} is not a NumPy "
+                                "uint64/int64/int32/float32 scalar (CuPy would pack it with another size)")
+            cargs.append(kind(a))
+        params = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
+        error = ctypes.create_string_buffer(512)
+        rc = self._lib.emu_launch(launch.kernel.encode(), *[ctypes.c_uint(v) for v in launch.grid + launch.block],
+                                  params, error, ctypes.c_int(len(error)))
+        if rc:
+            raise RuntimeError(f"{launch}: {error.value.decode()}")
+
+
+def _build(out: Path) -> None:
+    reg = out.with_suffix(".cpp")
+    lines = [f'#include "{cuda.SOURCE}"']
+    lines += [f'EMU_REGISTER("{n}", {n})' for n in kernel_names()]
+    reg.write_text("\n".join(lines) + "\n")
+    tmp = out.with_suffix(".tmp.so")
+    cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-include", str(HEADER), str(reg), "-o", str(tmp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"building the CUDA emulation failed:\n{proc.stderr[-4000:]}")
+    tmp.rename(out)
+
+
+_emulator: Optional[Emulator] = None
+
+
+def emulator() -> Emulator:
+    """The emulation runner (built on first use; raises when g++ is missing)."""
+    global _emulator
+    if _emulator is None:
+        if shutil.which("g++") is None:
+            raise RuntimeError("the CUDA emulation needs g++")
+        h = hashlib.sha256()
+        for p in (Path(cuda.SOURCE), HEADER, Path(__file__)):
+            h.update(p.read_bytes())
+        folder = Path(tempfile.gettempdir()) / "gnncompile_cuda_emu"
+        folder.mkdir(exist_ok=True)
+        lib = folder / f"emu_{h.hexdigest()[:16]}.so"
+        with open(folder / "build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not lib.exists():
+                _build(lib)
+        _emulator = Emulator(lib)
+    return _emulator

@@ -1,0 +1,290 @@
+"""gnncompile's own CUDA kernels (``kernels/csrc/spmm.cu``), checked without a GPU.
+
+The launch plans of :mod:`gnncompile.kernels.cuda` run in a CPU emulation of the kernels
+(``tests/cuda_emu.h``: every CUDA thread an OS thread, warp shuffles real exchanges that fail
+when a group's lanes diverge) and are compared with the CPU backends: every config the planner
+offers, forced hub splits, pushes, heads, scales and index types; the per-shape choice among
+kernels; and the source compiled by ``nvcc`` for the GPUs it targets. Timing and the CuPy launch
+path itself need a GPU (``tests/test_gpu_kernels.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+import time
+from typing import Optional
+
+import numpy as np
+import pytest
+import torch
+
+from gnncompile import kernels
+from gnncompile.errors import KernelError
+from gnncompile.kernels import CSR, cuda
+from test_kernels import random_csr, randn
+
+emu_mod = pytest.importorskip("cuda_emulator")
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA emulation needs g++")
+
+
+@pytest.fixture(scope="module")
+def emulator() -> "emu_mod.Emulator":
+    return emu_mod.emulator()
+
+
+def device_csr(csr: CSR, int64: bool = False) -> cuda.DeviceCSR:
+    indices = csr.indices.to(torch.int64 if int64 else torch.int32)
+    return cuda.DeviceCSR.build(csr.indptr, indices, csr.num_rows, csr.num_cols)
+
+
+def reference_spmm(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, row: Optional[torch.Tensor],
+                   col: Optional[torch.Tensor], transpose: bool) -> torch.Tensor:
+    """The product in float64 on the ``torch`` backend, as ``[rows, width]`` float32."""
+    heads = 1 if values is None or values.dim() == 1 else values.shape[1]
+    x64 = x.double().reshape(x.shape[0], heads, -1) if heads > 1 else x.double()
+    f64 = (lambda t: None if t is None else t.double())
+    out = kernels.spmm(csr, f64(values), x64, "torch", row_scale=f64(row), col_scale=f64(col), transpose=transpose)
+    return out.reshape(out.shape[0], -1).float()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * max(1.0, float(ref.abs().max())))
+
+
+# rows, cols, average degree, width, heads, hub row
+GRAPHS = {
+    "small_w16": (40, 30, 3.0, 16, 1, False),
+    "odd_w5": (37, 23, 3.0, 5, 1, False),
+    "w1": (30, 30, 4.0, 1, 1, False),
+    "w64": (60, 50, 4.0, 64, 1, False),
+    "w200": (30, 40, 3.0, 200, 1, False),
+    "heads_4x16": (40, 30, 4.0, 64, 4, False),
+    "heads_2x6": (25, 20, 3.0, 12, 2, False),
+    "heads_4x64": (20, 20, 3.0, 256, 4, False),
+    "hub_w32": (120, 80, 3.0, 32, 1, True),
+}
+
+
+def configs_for(csr: CSR, width: int, heads: int, sddmm: bool = False) -> list[cuda.KernelConfig]:
+    """The planner's configs plus forced ones: every group for the widest vec, and a small split."""
+    dcsr = device_csr(csr)
+    make = cuda.sddmm_configs if sddmm else cuda.spmm_configs
+    cfgs = make(width, width // heads, True, dcsr.max_degree, csr.nnz / csr.num_rows)
+    vec = cfgs[0].vec if cfgs else 1
+    extra = [cuda.KernelConfig(vec, g, s) for g in (1, 4, 32) for s in (0, 3)]
+    if sddmm:
+        extra = [c for c in extra if _sddmm_ok(c, width, heads)]
+    return list(dict.fromkeys(cfgs + extra))
+
+
+def _sddmm_ok(cfg: cuda.KernelConfig, width: int, heads: int) -> bool:
+    return cuda._sddmm_reduce(cfg, width, width // heads) is not None
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["pull", "push"])
+@pytest.mark.parametrize("graph", list(GRAPHS))
+def test_spmm_configs_match_cpu(emulator, graph: str, transpose: bool) -> None:
+    rows, cols, deg, width, heads, hub = GRAPHS[graph]
+    csr = random_csr(rows, cols, deg, seed=len(graph), hub=hub)
+    x = randn(rows if transpose else cols, width, dtype=torch.float32, seed=1)
+    values = randn(csr.nnz, heads, dtype=torch.float32, seed=2) if heads > 1 else randn(csr.nnz, dtype=torch.float32, seed=2)
+    row = torch.rand(rows, generator=torch.Generator().manual_seed(3)) + 0.5
+    col = torch.rand(cols, generator=torch.Generator().manual_seed(4)) + 0.5
+    ref = reference_spmm(csr, values, x, row, col, transpose)
+    for cfg in configs_for(csr, width, heads):
+        if width % cfg.vec or (width // heads) % cfg.vec:
+            continue
+        out = cuda.run_spmm(device_csr(csr), values, x, row, col, transpose, cfg, emulator)
+        assert_close(out, ref)
+
+
+@pytest.mark.parametrize("int64", [False, True], ids=["int32", "int64"])
+@pytest.mark.parametrize("weights", ["none", "values"])
+def test_spmm_unweighted_unscaled_and_index_types(emulator, weights: str, int64: bool) -> None:
+    csr = random_csr(50, 70, 4.0, seed=5, hub=True)
+    x = randn(70, 24, dtype=torch.float32, seed=6)
+    values = None if weights == "none" else randn(csr.nnz, dtype=torch.float32, seed=7)
+    ref = reference_spmm(csr, values, x, None, None, False)
+    for cfg in (cuda.KernelConfig(4, 8), cuda.KernelConfig(2, 4, split=5), cuda.KernelConfig(1, 32, split=2)):
+        assert_close(cuda.run_spmm(device_csr(csr, int64), values, x, None, None, False, cfg, emulator), ref)
+
+
+def test_hub_split_launches_chunk_kernel(emulator) -> None:
+    """A split smaller than the hub row's degree adds the chunk kernel; its chunks cover the hub exactly."""
+    csr = random_csr(60, 60, 3.0, seed=8, hub=True)
+    dcsr = device_csr(csr)
+    deg = (csr.indptr[1:] - csr.indptr[:-1])
+    split = 4
+    chunks = dcsr.chunks(split)
+    expect = int(((deg[deg > split] + split - 1) // split).sum())
+    assert chunks.shape == (expect, 2)
+    for r in torch.nonzero(deg > split).flatten().tolist():
+        starts = chunks[chunks[:, 0] == r, 1].tolist()
+        assert starts == list(range(int(csr.indptr[r]), int(csr.indptr[r + 1]), split))
+    x = randn(60, 8, dtype=torch.float32, seed=9)
+    emulator.launches.clear()
+    out = cuda.run_spmm(dcsr, None, x, None, None, False, cuda.KernelConfig(4, 2, split), emulator)
+    assert [launch.kernel.split("<")[0] for launch in emulator.launches] == ["spmm_rows", "spmm_chunks"]
+    assert_close(out, reference_spmm(csr, None, x, None, None, False))
+
+
+def test_empty_rows_and_zero_edges(emulator) -> None:
+    indptr = torch.zeros(6, dtype=torch.int64)
+    csr = CSR(indptr, torch.zeros(0, dtype=torch.int32), 5, 4)
+    x = randn(4, 8, dtype=torch.float32, seed=1)
+    out = cuda.run_spmm(device_csr(csr), None, x, None, None, False, cuda.KernelConfig(4, 2), emulator)
+    assert torch.equal(out, torch.zeros(5, 8))  # rows without edges are written (the output is not zeroed)
+
+
+@pytest.mark.parametrize("graph", ["small_w16", "w64", "w200", "heads_4x16", "heads_4x64", "hub_w32", "w1"])
+def test_sddmm_configs_match_cpu(emulator, graph: str) -> None:
+    rows, cols, deg, width, heads, hub = GRAPHS[graph]
+    csr = random_csr(rows, cols, deg, seed=len(graph), hub=hub)
+    a = randn(rows, width, dtype=torch.float32, seed=10)
+    b = randn(cols, width, dtype=torch.float32, seed=11)
+    ref = kernels.sddmm(csr, a.double(), b.double(), heads, "torch").float()
+    cfgs = configs_for(csr, width, heads, sddmm=True)
+    assert cfgs, "no SDDMM config for this shape"
+    for cfg in cfgs:
+        assert_close(cuda.run_sddmm(device_csr(csr), a, b, heads, cfg, emulator), ref)
+
+
+def test_sddmm_rejects_heads_that_do_not_reduce() -> None:
+    csr = random_csr(10, 10, 2.0, seed=1)
+    a = torch.zeros(10, 12)
+    out = torch.empty(csr.nnz, 2)
+    with pytest.raises(KernelError, match="power of two"):
+        cuda.sddmm_launches(device_csr(csr), a, a, 2, out, cuda.KernelConfig(2, 4))  # 6 columns a head: 3 lanes
+    assert cuda.sddmm_configs(12, 6, True, 5, 2.0) == [c for c in cuda.sddmm_configs(12, 6, True, 5, 2.0)
+                                                       if _sddmm_ok(c, 12, 2)]
+
+
+def test_configs_cover_shapes() -> None:
+    assert {c.vec for c in cuda.spmm_configs(64, 64, True, 10, 3.0)} == {4, 2}
+    assert {c.vec for c in cuda.spmm_configs(64, 64, False, 10, 3.0)} == {2, 1}  # float4 needs alignment
+    assert {c.vec for c in cuda.spmm_configs(6, 3, True, 10, 3.0)} == {1}
+    assert all(c.split == 0 for c in cuda.spmm_configs(64, 64, True, 100, 3.0))  # no hub: no split
+    assert {c.split for c in cuda.spmm_configs(64, 64, True, 10_000, 3.0)} == {0, 256}
+    assert max(c.group for c in cuda.spmm_configs(1024, 1024, True, 10, 3.0)) == 32
+    with pytest.raises(KernelError):
+        cuda.KernelConfig(3, 8)
+    with pytest.raises(KernelError, match="aligned"):
+        x = torch.zeros(65)[1:].reshape(16, 4)
+        csr = random_csr(16, 16, 2.0, seed=1)
+        cuda.spmm_launches(device_csr(csr), None, 1, x, torch.zeros(16, 4), None, None, False, cuda.KernelConfig(4, 1))
+
+
+def test_launch_arguments_are_sized_numpy_scalars() -> None:
+    """CuPy packs a Python int as 8 bytes and a float as a double: every argument is a NumPy scalar
+    whose size is the kernel parameter's."""
+    csr = random_csr(20, 20, 3.0, seed=2, hub=True)
+    x = torch.zeros(20, 8)
+    launches = cuda.spmm_launches(device_csr(csr), torch.zeros(csr.nnz), 1, x, torch.zeros(20, 8), None, None, False,
+                                  cuda.KernelConfig(4, 2, split=3))
+    for launch in launches:
+        assert all(isinstance(a, (np.uint64, np.int64, np.int32, np.float32)) for a in launch.args), launch.args
+        assert len(launch.args) == (12 if launch.kernel.startswith("spmm_rows") else 13)
+
+
+# --------------------------------------------------------------------------- choosing
+def test_choose_takes_fastest_correct_and_records() -> None:
+    ref = torch.arange(6.0)
+
+    def slow() -> torch.Tensor:
+        time.sleep(0.004)
+        return ref.clone()
+
+    def wrong() -> torch.Tensor:
+        return ref + 1
+
+    def broken() -> torch.Tensor:
+        raise KernelError("no such kernel")
+
+    before = len(cuda.choices())
+    chosen = cuda.choose("spmm", "test shape", {"ref": slow, "fast": lambda: ref.clone(), "wrong": wrong,
+                                                "broken": broken}, "ref", cuda.wall_timer)
+    assert chosen == "fast"
+    record = cuda.choices()[before]
+    assert record.chosen == "fast" and set(record.times_ms) == {"ref", "fast"}
+    assert "deviation" in record.rejected["wrong"] and "no such kernel" in record.rejected["broken"]
+    assert "fast" in str(record)
+    with pytest.raises(KernelError, match="no such kernel"):  # the reference's failure is the caller's
+        cuda.choose("spmm", "s", {"ref": broken, "fast": lambda: ref.clone()}, "ref", cuda.wall_timer)
+
+
+def test_chosen_product_through_backend_glue(emulator) -> None:
+    """The cupy backend's choice (baseline cuSPARSE vs own kernels), here with the torch CPU
+    backend as the baseline and the emulator as the runner: correct whatever is chosen, chosen
+    once per shape, and the own kernel really runs when it wins."""
+    csr = random_csr(50, 40, 3.0, seed=12)
+    values = randn(csr.nnz, 2, dtype=torch.float32, seed=13)
+    x = randn(40, 2, 8, dtype=torch.float32, seed=14)
+    baseline = kernels.BACKENDS["torch"][0]
+    slow_baseline = lambda *a: (time.sleep(0.05), baseline(*a))[1]  # noqa: E731: the own kernels must win
+    glue = functools.partial(kernels._spmm_chosen, baseline=slow_baseline, run=emulator, timer=cuda.wall_timer)
+    n = len(cuda.choices())
+    out = glue(csr, values, x, None, None, False)
+    assert out.shape == (50, 2, 8)
+    assert_close(out.reshape(50, 16), reference_spmm(csr, values, x.reshape(40, 16), None, None, False))
+    assert len(cuda.choices()) == n + 1 and cuda.choices()[-1].chosen.startswith("raw")
+    emulator.launches.clear()
+    glue(csr, values, x, None, None, False)
+    assert len(cuda.choices()) == n + 1 and emulator.launches  # cached choice, own kernel ran
+    a, b = randn(50, 16, dtype=torch.float32, seed=15), randn(40, 16, dtype=torch.float32, seed=16)
+    slow_gather = lambda *args: (time.sleep(0.05), kernels._sddmm_gather(*args))[1]  # noqa: E731
+    w = kernels._sddmm_chosen(csr, a, b, 2, baseline=slow_gather, run=emulator, timer=cuda.wall_timer)
+    assert_close(w, kernels._sddmm_gather(csr, a, b, 2))
+    assert cuda.choices()[-1].op == "sddmm" and cuda.choices()[-1].chosen.startswith("raw")
+
+
+# --------------------------------------------------------------------------- compiled for a GPU
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to compile for a GPU")
+def test_source_compiles_for_gpus(tmp_path) -> None:
+    """Every kernel instance compiles for Hopper (sm_90) with no warning and no register spill."""
+    src = tmp_path / "all.cu"
+    src.write_text(f'#include "{cuda.SOURCE}"\nvoid* all_kernels[] = {{\n'
+                   + "".join(f"  (void*)&{n},\n" for n in emu_mod.kernel_names()) + "};\n")
+    proc = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v,-warn-spills",
+                           "-Werror", "all-warnings", "-o", str(tmp_path / "all.cubin"), str(src)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "bytes spill" in proc.stderr
+    assert all(" 0 bytes spill stores, 0 bytes spill loads" in line
+               for line in proc.stderr.splitlines() if "spill stores" in line)
+
+
+# --------------------------------------------------------------------------- on a GPU
+def _cuda_runner() -> cuda.CupyRunner:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
+    pytest.importorskip("cupy", reason="the own CUDA kernels run through CuPy")
+    return kernels._raw_runner()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose", [False, True], ids=["pull", "push"])
+@pytest.mark.parametrize("graph", list(GRAPHS))
+def test_configs_on_gpu_match_cpu(graph: str, transpose: bool) -> None:
+    """The emulated tests' products, every config, compiled by NVRTC and run on the GPU."""
+    run = _cuda_runner()
+    rows, cols, deg, width, heads, hub = GRAPHS[graph]
+    csr = random_csr(rows, cols, deg, seed=len(graph), hub=hub)
+    x = randn(rows if transpose else cols, width, dtype=torch.float32, seed=1)
+    values = randn(csr.nnz, heads, dtype=torch.float32, seed=2) if heads > 1 else randn(csr.nnz, dtype=torch.float32, seed=2)
+    row = torch.rand(rows, generator=torch.Generator().manual_seed(3)) + 0.5
+    col = torch.rand(cols, generator=torch.Generator().manual_seed(4)) + 0.5
+    ref = reference_spmm(csr, values, x, row, col, transpose)
+    dcsr = cuda.DeviceCSR.build(csr.indptr.cuda(), csr.indices.to(torch.int32).cuda(), rows, cols)
+    for cfg in configs_for(csr, width, heads):
+        if width % cfg.vec or (width // heads) % cfg.vec:
+            continue
+        out = cuda.run_spmm(dcsr, values.cuda(), x.cuda(), row.cuda(), col.cuda(), transpose, cfg, run)
+        assert_close(out.cpu(), ref)
+    if _sddmm_ok(cuda.KernelConfig(1, 32), width, heads):
+        a, b = randn(rows, width, dtype=torch.float32, seed=10), randn(cols, width, dtype=torch.float32, seed=11)
+        ref_w = kernels.sddmm(csr, a.double(), b.double(), heads, "torch").float()
+        for cfg in configs_for(csr, width, heads, sddmm=True):
+            assert_close(cuda.run_sddmm(dcsr, a.cuda(), b.cuda(), heads, cfg, run).cpu(), ref_w)
