@@ -5,7 +5,9 @@ Models: 2-layer GCN (hidden 256), 2-layer GraphSAGE-mean (hidden 256), 2-layer G
 Graphs: Cora, coauthor_physics (sparse bag-of-words features, fed to every system as the same
 torch sparse CSR tensor), and an R-MAT graph with 100k vertices / ~2M edges (128 random features).
 Systems: gnncompile (default kernel backend), PyG with ``edge_index``, PyG with a CSR ``adj_t``
-(``torch.sparse_csr_tensor``; PyG's fastest path without torch_sparse).
+(``torch.sparse_csr_tensor``; PyG's fastest path without torch_sparse); on CUDA also
+``gnncompile-cupy``: gnncompile with the ``cupy`` backend (``GNNCOMPILE_BACKEND=cupy``: per-shape
+choice of cuSPARSE or the own kernels, the fused CUDA attention).
 
 Every (system, model, graph) cell runs in its own subprocess so allocator state does not leak
 between cells; each cell is run twice: with the default allocator and with the glibc settings
@@ -48,7 +50,8 @@ from _results import command_line, gpu_info, machine_info, today, update_section
 GRAPHS = ("cora", "coauthor_physics", "rmat", "rmat-2m")
 DEFAULT_GRAPHS = ("cora", "coauthor_physics", "rmat")
 MODELS = ("gcn", "sage", "gat")
-SYSTEMS = ("gnncompile", "pyg-edge_index", "pyg-csr")
+SYSTEMS = ("gnncompile", "gnncompile-cupy", "pyg-edge_index", "pyg-csr")
+CPU_SYSTEMS = ("gnncompile", "pyg-edge_index", "pyg-csr")
 ALLOC_ENV = {
     "default": {},
     "tuned": {"MALLOC_MMAP_THRESHOLD_": "17179869184", "MALLOC_TRIM_THRESHOLD_": "17179869184",
@@ -112,14 +115,14 @@ def _run_cell(system: str, model: str, graph: str, epochs: int, warmup: int, thr
     torch.manual_seed(0)
     g = _load(graph)
     cuda = device.type == "cuda"
-    if cuda and system == "gnncompile":
+    if cuda and system.startswith("gnncompile"):
         g = g.compact()
         g.cast_scales(torch.float32)  # what gc.train holds
     if cuda:
         g = g.to(device)
     x, y, mask = g.x, g.y, g.train_mask
     note = ""
-    if system == "gnncompile":
+    if system.startswith("gnncompile"):
         import gnncompile as gc
 
         if model == "gat":
@@ -173,6 +176,8 @@ def _run_cell(system: str, model: str, graph: str, epochs: int, warmup: int, thr
 # --------------------------------------------------------------------------- driver
 def _spawn(system: str, model: str, graph: str, alloc: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, **ALLOC_ENV[alloc])
+    if system == "gnncompile-cupy":
+        env["GNNCOMPILE_BACKEND"] = "cupy"
     cmd = [sys.executable, __file__, "--cell", system, model, graph, "--epochs", str(args.epochs),
            "--warmup", str(args.warmup), "--threads", str(args.threads), "--device", args.device]
     try:
@@ -190,7 +195,8 @@ def main() -> None:
     p.add_argument("--graphs", nargs="+", default=list(DEFAULT_GRAPHS), choices=GRAPHS)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every cell trains")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS,
+                   help="default: all on CUDA; all but gnncompile-cupy on the CPU")
     p.add_argument("--alloc", nargs="+", default=list(ALLOC_ENV), choices=list(ALLOC_ENV))
     p.add_argument("--epochs", type=int, default=5, help="timed epochs per cell")
     p.add_argument("--warmup", type=int, default=2, help="untimed epochs per cell")
@@ -209,6 +215,8 @@ def main() -> None:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device here: nothing measured, nothing written")
         args.alloc = ["default"]  # glibc's allocator settings do not touch GPU memory
+    if args.systems is None:
+        args.systems = list(SYSTEMS if cuda else CPU_SYSTEMS)
 
     rows = []
     load0 = f"{os.getloadavg()[0]:.2f}"
@@ -217,7 +225,7 @@ def main() -> None:
             for alloc in args.alloc:
                 res = {s: _spawn(s, model, graph, alloc, args) for s in args.systems}
                 ours = res.get("gnncompile", {}).get("median_s")
-                pyg = [r["median_s"] for s, r in res.items() if s != "gnncompile" and "median_s" in r]
+                pyg = [r["median_s"] for s, r in res.items() if s.startswith("pyg") and "median_s" in r]
                 ratio = ours / min(pyg) if ours and pyg else float("nan")
                 row = (graph, model, alloc, res, ratio)
                 rows.append(row)

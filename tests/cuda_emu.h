@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -42,6 +44,13 @@ template <typename T>
 inline T __ldg(const T* p) { return *p; }
 inline float fmaf(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+inline float __int_as_float(int v) {
+  float f;
+  std::memcpy(&f, &v, sizeof f);
+  return f;
+}
+inline float expf(float v) { return std::exp(v); }
+inline float fmaxf(float a, float b) { return std::fmax(a, b); }
 
 namespace emu {
 

@@ -38,6 +38,8 @@ def kernel_names() -> list[str]:
         for push in ("false", "true"):
             names += [f"spmm_rows<{it}, {vec}, {group}, {push}>", f"spmm_chunks<{it}, {vec}, {group}, {push}>"]
         names += [f"sddmm_rows<{it}, {vec}, {group}>", f"sddmm_chunks<{it}, {vec}, {group}>"]
+    for it, group in itertools.product(_INDEX, _GROUPS):
+        names += [f"attention_forward<{it}, {group}>", f"attention_backward<{it}, {group}>"]
     return names
 
 
@@ -100,3 +102,46 @@ def emulator() -> Emulator:
                 _build(lib)
         _emulator = Emulator(lib)
     return _emulator
+
+
+def nvrtc_library() -> Optional[Path]:
+    """NVRTC's shared library (the ``nvidia-cuda-nvrtc`` wheel of the dev extras, or a CUDA toolkit's), or None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted(Path(root).glob("cu*/lib/libnvrtc.so*")) + sorted(Path(root).glob("cuda_nvrtc/lib/libnvrtc.so*"))
+        if found:
+            return found[0]
+    import ctypes.util
+
+    name = ctypes.util.find_library("nvrtc")
+    return Path(name) if name else None
+
+
+def nvrtc_compile(source: str, names: list[str], options: list[str]) -> tuple[int, str, dict[str, str]]:
+    """Compile ``source`` with NVRTC as CuPy's ``RawModule`` does (no headers, ``names`` as name
+    expressions): ``(result code, log, lowered name of each expression)``; 0 is success."""
+    lib = ctypes.CDLL(str(nvrtc_library()))
+    prog = ctypes.c_void_p()
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"spmm.cu", 0, None, None)
+    if rc:
+        return rc, "nvrtcCreateProgram failed", {}
+    try:
+        for n in names:
+            lib.nvrtcAddNameExpression(prog, n.encode())
+        opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        rc = lib.nvrtcCompileProgram(prog, len(options), opts)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        lowered = {}
+        if rc == 0:
+            for n in names:
+                ptr = ctypes.c_char_p()
+                lib.nvrtcGetLoweredName(prog, n.encode(), ctypes.byref(ptr))
+                lowered[n] = ptr.value.decode() if ptr.value else ""
+        return rc, log.value.decode(errors="replace"), lowered
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))

@@ -23,7 +23,7 @@ import torch
 from gnncompile import kernels
 from gnncompile.errors import KernelError
 from gnncompile.kernels import CSR, cuda
-from test_kernels import random_csr, randn
+from test_kernels import random_csr, randn, require_native
 
 emu_mod = pytest.importorskip("cuda_emulator")
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA emulation needs g++")
@@ -189,6 +189,38 @@ def test_launch_arguments_are_sized_numpy_scalars() -> None:
         assert len(launch.args) == (12 if launch.kernel.startswith("spmm_rows") else 13)
 
 
+# --------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("loops", [False, True], ids=["edges", "loops"])
+@pytest.mark.parametrize("heads,deg,int64", [(1, 3.0, False), (4, 5.0, False), (8, 2.0, True), (2, 40.0, False)])
+def test_attention_matches_native(emulator, heads: int, deg: float, int64: bool, loops: bool) -> None:
+    """Forward coefficients and both score gradients against the native CPU kernels (with a hub row)."""
+    require_native()
+    rows, extra = 40, 7  # sources: the rows' own vertices at offset `extra`
+    csr = random_csr(rows, rows + extra, deg, seed=heads, hub=True)
+    shape = (heads,) if heads > 1 else ()
+    src = randn(rows + extra, *shape, dtype=torch.float32, seed=20)
+    dst = randn(rows, *shape, dtype=torch.float32, seed=21)
+    dcsr = device_csr(csr, int64)
+    alpha = cuda.run_attention(dcsr, src, dst, 0.2, loops, extra, emulator)
+    ref = kernels.attention_scores(csr, src, dst, 0.2, loops=loops, own_offset=extra).exp_()
+    kernels.edge_softmax_step(csr, ref, "normalize", loops=loops)
+    torch.testing.assert_close(alpha, ref, rtol=1e-5, atol=1e-6)
+    grad = randn(*alpha.shape, dtype=torch.float32, seed=22)
+    gs, g_dst = cuda.run_attention_backward(dcsr, src, dst, ref, grad, 0.2, loops, extra, emulator)
+    ref_gs, ref_dst = kernels.attention_backward(csr, src, dst, ref, grad, 0.2, loops=loops, own_offset=extra)
+    torch.testing.assert_close(gs, ref_gs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_dst, ref_dst, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_groups() -> None:
+    assert cuda.attention_group(1, 3.0) == 4 and cuda.attention_group(4, 3.0) == 16
+    assert cuda.attention_group(8, 40.0) == 32 and cuda.attention_group(32, 1.0) == 32
+    assert cuda.attention_group(3, 3.0) is None and cuda.attention_group(64, 1.0) is None
+    csr = random_csr(10, 10, 2.0, seed=1)
+    with pytest.raises(KernelError, match="power of two"):
+        cuda.run_attention(device_csr(csr), torch.zeros(10, 3), torch.zeros(10, 3), 0.2, False, 0, lambda launch: None)
+
+
 # --------------------------------------------------------------------------- choosing
 def test_choose_takes_fastest_correct_and_records() -> None:
     ref = torch.arange(6.0)
@@ -254,6 +286,19 @@ def test_source_compiles_for_gpus(tmp_path) -> None:
     assert "bytes spill" in proc.stderr
     assert all(" 0 bytes spill stores, 0 bytes spill loads" in line
                for line in proc.stderr.splitlines() if "spill stores" in line)
+
+
+@pytest.mark.skipif(emu_mod.nvrtc_library() is None, reason="needs NVRTC (the nvidia-cuda-nvrtc wheel of the dev "
+                    "extras, Linux x86_64)")
+def test_source_compiles_with_nvrtc_as_cupy_does() -> None:
+    """CuPy compiles with NVRTC, which includes no header: every kernel instance compiles so, without warnings."""
+    with open(cuda.SOURCE) as f:
+        source = f.read()
+    names = emu_mod.kernel_names()
+    rc, log, lowered = emu_mod.nvrtc_compile(source, names, ["-std=c++17", "--gpu-architecture=compute_90"])
+    assert rc == 0, log[-3000:]
+    assert "warning" not in log.lower(), log[-3000:]
+    assert all(lowered[n].startswith("_Z") for n in names)
 
 
 # --------------------------------------------------------------------------- on a GPU

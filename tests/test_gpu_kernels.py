@@ -223,6 +223,27 @@ def test_gather_softmax_aggregate(graph: str, add_self_loops: bool) -> None:
 
 
 @pytest.mark.parametrize("add_self_loops", [False, True])
+@pytest.mark.parametrize("heads", [1, 4])
+def test_edge_attention_float32(default_backend: str, heads: int, add_self_loops: bool) -> None:
+    """float32 attention on CUDA (``cupy``: gnncompile's fused kernels; ``torch``: the torch
+    formulation) against the CPU's native kernels: coefficients and both score gradients."""
+    g = make_graph(GRAPHS[0])
+    shape = (heads,) if heads > 1 else ()
+    s = randn(g.num_src, *shape, dtype=torch.float32, seed=3).requires_grad_()
+    t = randn(g.num_nodes, *shape, dtype=torch.float32, seed=4).requires_grad_()
+    assert kernels.fused_attention(s.detach().cuda()) == (default_backend == "cupy")
+    out = ops.edge_attention(g, s, t, 0.2, add_self_loops)
+    sc, tc = cuda(s), cuda(t)
+    out_cuda = ops.edge_attention(g.to("cuda"), sc, tc, 0.2, add_self_loops)
+    assert_close_to_cpu(out_cuda, out, rtol=1e-5, atol=1e-6)
+    grad = randn(*out.shape, dtype=torch.float32, seed=5)
+    ref = torch.autograd.grad(out, (s, t), grad)
+    got = torch.autograd.grad(out_cuda, (sc, tc), grad.cuda())
+    for r, c in zip(ref, got):
+        assert_close_to_cpu(c, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("add_self_loops", [False, True])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_masked_propagate(backend: str, weighted: bool, add_self_loops: bool) -> None:
     g = make_graph("mixed")

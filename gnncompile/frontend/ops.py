@@ -663,10 +663,10 @@ def edge_softmax(g: Graph, e: torch.Tensor, add_self_loops: bool = False) -> tor
 class _EdgeAttention(torch.autograd.Function):
     """GAT's attention coefficients from per-vertex scores, fused: ``edge_softmax(LeakyReLU(
     src[src(e)] + dst[dst(e)]))`` (see :func:`edge_attention`). Saves the coefficients and the two
-    score tensors (``[V, ...]``); the pre-activations are recomputed in the backward. With the native
-    edge ops (:func:`gnncompile.kernels.native_edge_ops`) the forward allocates its result only and
-    the backward one edge tensor (the scores' gradient); the torch formulation holds one more edge
-    tensor each way. The forward's values are those of the unfused ops bit for bit, the gradients up
+    score tensors (``[V, ...]``); the pre-activations are recomputed in the backward. Fused
+    (:func:`gnncompile.kernels.fused_attention`: the native CPU kernels, or the own CUDA kernels
+    with the ``cupy`` backend) the forward allocates its result only and the backward one edge
+    tensor (the scores' gradient); the torch formulation holds one more edge tensor each way. The forward's values are those of the unfused ops bit for bit, the gradients up
     to rounding (fused multiply-adds)."""
 
     @staticmethod
@@ -678,11 +678,8 @@ class _EdgeAttention(torch.autograd.Function):
     def forward(ctx: Any, g: Graph, src: torch.Tensor, dst: torch.Tensor, slope: float, loops: bool) -> torch.Tensor:
         ctx.g, ctx.slope, ctx.loops = g, slope, loops
         with torch.no_grad():
-            if kernels.native_edge_ops(src):
-                csr = _csr(g)
-                s = kernels.attention_scores(csr, src, dst, slope, loops=loops, own_offset=_own_offset(g)).exp_()
-                if s.numel():
-                    kernels.edge_softmax_step(csr, s, "normalize", loops=loops)
+            if kernels.fused_attention(src):
+                s = kernels.attention_coefficients(_csr(g), src, dst, slope, loops=loops, own_offset=_own_offset(g))
             else:
                 s = torch.nn.functional.leaky_relu_(_EdgeAttention._preactivation(g, src, dst, loops), slope)
                 if s.numel():
@@ -702,10 +699,11 @@ class _EdgeAttention(torch.autograd.Function):
             return None, None, None, None, None
         if s.numel() == 0:
             return None, torch.zeros_like(src), torch.zeros_like(dst), None, None
-        if kernels.native_edge_ops(grad):
+        if kernels.fused_attention(src):
             gs, g_dst = kernels.attention_backward(_csr(g), src, dst, s, grad.contiguous(), slope, loops=loops,
                                                    own_offset=_own_offset(g))
-            g_src = kernels.scatter_sum(_csr(g), gs[:e])
+            g_src = (kernels.scatter_sum(_csr(g), gs[:e]) if kernels.native_edge_ops(gs)
+                     else _EdgeSums.sums(g, gs[:e], False, src.shape[0]))
         else:  # at most two edge tensors at a time (and a bool one)
             positive = _EdgeAttention._preactivation(g, src, dst, loops) > 0  # LeakyReLU's derivative, as torch's
             gs = s * grad

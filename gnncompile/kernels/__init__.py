@@ -14,7 +14,9 @@ Edge ops, native on the CPU (:func:`native_edge_ops`): ``gather_rows`` (rows by 
 prefetched), ``segment_sum`` (an edge tensor summed per row), ``scatter_sum`` (per column) and
 ``edge_softmax_step`` (a softmax over each row's edges in three steps), the E ops' forward and
 backward without index copies or spread temporaries; ``attention_scores`` / ``attention_backward``
-(GAT's LeakyReLU scores and their softmax fused: no per-edge gathers, sums or pre-activations).
+(GAT's LeakyReLU scores and their softmax fused: no per-edge gathers, sums or pre-activations);
+on CUDA, with the ``cupy`` backend, ``attention_coefficients`` / ``attention_backward`` by
+gnncompile's own kernels (:func:`fused_attention`).
 
 Backends
 --------
@@ -71,6 +73,8 @@ __all__ = [
     "edge_softmax_step",
     "attention_scores",
     "attention_backward",
+    "attention_coefficients",
+    "fused_attention",
     "native_edge_ops",
     "prepare_native",
     "native_extension_name",
@@ -433,9 +437,10 @@ def edge_softmax_step(csr: CSR, t: torch.Tensor, step: str, *, loops: bool = Fal
     return _load_native().edge_softmax_step(csr.indptr, t, grad, loops, step)
 
 
-def _scores(csr: CSR, src: torch.Tensor, dst: torch.Tensor, op: str, loops: bool, own_offset: int
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``src``/``dst`` checked as per-vertex attention scores of ``csr``'s sources and rows."""
+def _scores(csr: CSR, src: torch.Tensor, dst: torch.Tensor, op: str, loops: bool, own_offset: int,
+            on_cuda: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``src``/``dst`` checked as per-vertex attention scores of ``csr``'s sources and rows (on the
+    CPU; with ``on_cuda``, float32 CUDA tensors for the own CUDA kernels where they are on CUDA)."""
     if src.dtype not in _EDGE_DTYPES or src.dtype != dst.dtype or src.dim() == 0 or src.shape[1:] != dst.shape[1:]:
         raise KernelError(f"{op}: src and dst must be float32/float64 tensors of one dtype and row shape, got "
                           f"{src.dtype} {list(src.shape)} and {dst.dtype} {list(dst.shape)}")
@@ -445,8 +450,43 @@ def _scores(csr: CSR, src: torch.Tensor, dst: torch.Tensor, op: str, loops: bool
     if loops and not 0 <= own_offset <= csr.num_cols - csr.num_rows:
         raise KernelError(f"{op}: the destinations' own rows [{own_offset}, {own_offset + csr.num_rows}) are not "
                           f"rows of src ({csr.num_cols})")
-    _require_cpu("native", src, dst)
+    if on_cuda and src.device.type == "cuda":
+        if src.dtype != torch.float32 or dst.device != src.device:
+            raise KernelError(f"{op}: the CUDA kernels take float32 scores on one device, got {src.dtype} on "
+                              f"{src.device} and {dst.dtype} on {dst.device}")
+    else:
+        _require_cpu("native", src, dst)
     return src.contiguous(), dst.contiguous()
+
+
+def fused_attention(t: torch.Tensor) -> bool:
+    """Whether GAT's attention over score tensors like ``t`` (``[V, *heads]``) runs fused
+    (:func:`attention_coefficients`, :func:`attention_backward`): natively on the CPU where
+    :func:`native_edge_ops` holds, by gnncompile's CUDA kernels where the default backend of
+    ``t``'s CUDA device is ``cupy``, ``t`` is float32 and its heads a power of two up to 32."""
+    if native_edge_ops(t):
+        return True
+    return (t.device.type == "cuda" and t.dtype == torch.float32 and default_backend(t.device) == "cupy"
+            and cuda.attention_group(math.prod(t.shape[1:]), 1.0) is not None)
+
+
+def attention_coefficients(csr: CSR, src: torch.Tensor, dst: torch.Tensor, negative_slope: float, *,
+                           loops: bool = False, own_offset: int = 0) -> torch.Tensor:
+    """GAT's attention coefficients ``softmax_r(LeakyReLU(src[col[e]] + dst[r]))`` over each row's
+    edges (and self loop), a new ``[E (+ num_rows), ...]`` tensor, fused: on the CPU
+    :func:`attention_scores`, ``exp_`` and the softmax's normalize step (nothing else allocated);
+    on CUDA (float32, see :func:`fused_attention`) one kernel launch that recomputes the
+    pre-activations in each of its passes and writes only the result."""
+    if src.device.type != "cuda":
+        out = attention_scores(csr, src, dst, negative_slope, loops=loops, own_offset=own_offset).exp_()
+        if out.numel():
+            edge_softmax_step(csr, out, "normalize", loops=loops)
+        return out
+    src, dst = _scores(csr, src, dst, "attention_coefficients", loops, own_offset, on_cuda=True)
+    _import_cupy()
+    with torch.cuda.device(src.device):
+        return cuda.run_attention(_device_csr(csr, src.device), src, dst, float(negative_slope), bool(loops),
+                                  int(own_offset), _raw_runner())
 
 
 def attention_scores(csr: CSR, src: torch.Tensor, dst: torch.Tensor, negative_slope: float, *,
@@ -470,7 +510,17 @@ def attention_backward(csr: CSR, src: torch.Tensor, dst: torch.Tensor, alpha: to
     gradient ``(alpha grad - alpha rowsum(alpha grad)) * LeakyReLU'(src[col] + dst[r])`` (a new edge
     tensor; the pre-activations are recomputed, not saved) and its per-row sums (``dst``'s
     gradient). ``src``'s gradient is the scores' gradient summed into columns (:func:`scatter_sum`)."""
-    src, dst = _scores(csr, src, dst, "attention_backward", loops, own_offset)
+    src, dst = _scores(csr, src, dst, "attention_backward", loops, own_offset, on_cuda=True)
+    if src.device.type == "cuda":
+        rows = csr.nnz + (csr.num_rows if loops else 0)
+        if alpha.shape != (rows,) + src.shape[1:] or grad.shape != alpha.shape or grad.dtype != src.dtype \
+                or alpha.dtype != src.dtype:
+            raise KernelError(f"attention_backward: alpha and grad must be {src.dtype} {[rows, *src.shape[1:]]}, got "
+                              f"{alpha.dtype} {list(alpha.shape)} and {grad.dtype} {list(grad.shape)}")
+        _import_cupy()
+        with torch.cuda.device(src.device):
+            return cuda.run_attention_backward(_device_csr(csr, src.device), src, dst, alpha, grad,
+                                               float(negative_slope), bool(loops), int(own_offset), _raw_runner())
     alpha = _edge_rows(csr, alpha, "attention_backward", loops)
     grad = _edge_rows(csr, grad, "attention_backward", loops)
     if grad.shape != alpha.shape or alpha.shape[1:] != dst.shape[1:] or grad.dtype != src.dtype or alpha.dtype != src.dtype:

@@ -42,6 +42,11 @@ __all__ = [
     "sddmm_launches",
     "run_spmm",
     "run_sddmm",
+    "attention_group",
+    "attention_launches",
+    "attention_backward_launches",
+    "run_attention",
+    "run_attention_backward",
     "choose",
     "choices",
     "cuda_timer",
@@ -420,3 +425,81 @@ def choose(op: str, shape: str, candidates: dict[str, Callable[[], torch.Tensor]
     with _choices_lock:
         _choices.append(Choice(op, shape, times, rejected, chosen))
     return chosen
+
+
+def attention_group(heads: int, avg_degree: float) -> Optional[int]:
+    """Lanes per row of the attention kernels: enough for a row's (edge, head) pairs at the average
+    degree, at least ``heads`` and at most 32 (None when ``heads`` is not a power of two up to 32)."""
+    if heads < 1 or heads > 32 or heads & (heads - 1):
+        return None
+    return min(32, max(heads, _pow2_at_least(math.ceil(max(avg_degree, 1.0) * heads))))
+
+
+def _attention_common(csr: DeviceCSR, src: torch.Tensor, dst: torch.Tensor, heads: int, group: int) -> None:
+    _check_float32(src, dst)
+    if attention_group(heads, 1.0) is None or group < heads or group not in _GROUPS:
+        raise KernelError(f"CUDA attention: {heads} heads need a power of two up to 32 and a group of at least as "
+                          f"many lanes, got a group of {group}")
+
+
+def attention_launches(csr: DeviceCSR, src: torch.Tensor, dst: torch.Tensor, alpha: torch.Tensor, heads: int,
+                       slope: float, loops: bool, own_offset: int, group: int) -> list[Launch]:
+    """The launch of GAT's fused attention: ``alpha`` ``[E (+ rows), heads]`` from the scores
+    ``src`` ``[cols, heads]`` and ``dst`` ``[rows, heads]`` (see ``attention_forward`` in the source)."""
+    _attention_common(csr, src, dst, heads, group)
+    _check_float32(alpha)
+    if not csr.num_rows:
+        return []
+    return [Launch(f"attention_forward<{_index_type(csr.indices)}, {group}>",
+                   (-(-csr.num_rows // (BLOCK // group)), 1, 1), (BLOCK, 1, 1),
+                   (_ptr(csr.indptr), _ptr(csr.indices), _ptr(src), _ptr(dst), _ptr(alpha), np.int64(csr.num_rows),
+                    np.int64(csr.nnz), np.int32(heads), np.int32(heads.bit_length() - 1), np.float32(slope),
+                    np.int32(loops), np.int64(own_offset)))]
+
+
+def attention_backward_launches(csr: DeviceCSR, src: torch.Tensor, dst: torch.Tensor, alpha: torch.Tensor,
+                                grad: torch.Tensor, gs: torch.Tensor, g_dst: torch.Tensor, heads: int, slope: float,
+                                loops: bool, own_offset: int, group: int) -> list[Launch]:
+    """The launch of the fused attention's backward: the scores' gradient ``gs`` (shaped as
+    ``alpha``) and its row sums ``g_dst`` ``[rows, heads]`` from ``alpha`` and its gradient ``grad``."""
+    _attention_common(csr, src, dst, heads, group)
+    _check_float32(alpha, grad, gs, g_dst)
+    if not csr.num_rows:
+        return []
+    return [Launch(f"attention_backward<{_index_type(csr.indices)}, {group}>",
+                   (-(-csr.num_rows // (BLOCK // group)), 1, 1), (BLOCK, 1, 1),
+                   (_ptr(csr.indptr), _ptr(csr.indices), _ptr(src), _ptr(dst), _ptr(alpha), _ptr(grad), _ptr(gs),
+                    _ptr(g_dst), np.int64(csr.num_rows), np.int64(csr.nnz), np.int32(heads),
+                    np.int32(heads.bit_length() - 1), np.float32(slope), np.int32(loops), np.int64(own_offset)))]
+
+
+def run_attention(csr: DeviceCSR, src: torch.Tensor, dst: torch.Tensor, slope: float, loops: bool, own_offset: int,
+                  run: Runner) -> torch.Tensor:
+    """GAT's attention coefficients ``[E (+ rows), *head_shape]`` by the fused kernel (scores
+    ``[cols, *head_shape]`` / ``[rows, *head_shape]``, float32)."""
+    heads = math.prod(src.shape[1:])
+    group = attention_group(heads, csr.nnz / max(1, csr.num_rows))
+    if group is None:
+        raise KernelError(f"CUDA attention: {heads} heads is not a power of two up to 32")
+    alpha = torch.empty((csr.nnz + (csr.num_rows if loops else 0),) + tuple(src.shape[1:]), dtype=src.dtype,
+                        device=src.device)
+    for launch in attention_launches(csr, src.contiguous(), dst.contiguous(), alpha, heads, slope, loops, own_offset,
+                                     group):
+        run(launch)
+    return alpha
+
+
+def run_attention_backward(csr: DeviceCSR, src: torch.Tensor, dst: torch.Tensor, alpha: torch.Tensor,
+                           grad: torch.Tensor, slope: float, loops: bool, own_offset: int, run: Runner
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gs, g_dst)`` of :func:`attention_backward_launches` in new tensors."""
+    heads = math.prod(src.shape[1:])
+    group = attention_group(heads, csr.nnz / max(1, csr.num_rows))
+    if group is None:
+        raise KernelError(f"CUDA attention: {heads} heads is not a power of two up to 32")
+    gs = torch.empty_like(alpha)
+    g_dst = torch.empty((csr.num_rows,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
+    for launch in attention_backward_launches(csr, src.contiguous(), dst.contiguous(), alpha.contiguous(),
+                                              grad.contiguous(), gs, g_dst, heads, slope, loops, own_offset, group):
+        run(launch)
+    return gs, g_dst

@@ -210,3 +210,109 @@ __global__ void sddmm_chunks(const i64* __restrict__ indptr, const I* __restrict
   const i64 end = begin + split < stop ? begin + split : stop;
   sddmm_range<I, VEC, GROUP>(row, begin, end, indices, a, b, out, heads, width, head_width, reduce);
 }
+
+// ---------------------------------------------------------------------------- GAT attention
+// Per-vertex scores -> attention coefficients, fused: alpha[e, h] = softmax over row r's edges of
+// LeakyReLU(src[c_e, h] + dst[r, h]) (with loops, row E + r is r's self loop, whose source row is
+// src[own + r]). A group of GROUP lanes owns a row; lane i takes the (edge, head) pairs k = i,
+// i + GROUP, ... of the row (k = (e - begin) * heads + h: coalesced over the row's [deg, heads]
+// block), so with heads a power of two dividing GROUP a lane always sees head i % heads and a
+// head's lanes reduce by shuffles at distances GROUP / 2 ... heads. The pre-activations are
+// recomputed in each pass, never stored. log_heads = log2(heads).
+
+__device__ __forceinline__ float leaky(float v, float slope) { return v > 0.0f ? v : v * slope; }
+
+template <int GROUP>
+__device__ __forceinline__ float head_max(u32 mask, float v, int heads) {
+  for (int off = GROUP / 2; off >= heads; off /= 2) v = fmaxf(v, __shfl_xor_sync(mask, v, off, GROUP));
+  return v;
+}
+
+template <int GROUP>
+__device__ __forceinline__ float head_sum(u32 mask, float v, int heads) {
+  for (int off = GROUP / 2; off >= heads; off /= 2) v += __shfl_xor_sync(mask, v, off, GROUP);
+  return v;
+}
+
+template <typename I, int GROUP>
+__global__ void attention_forward(const i64* __restrict__ indptr, const I* __restrict__ indices,
+                                  const float* __restrict__ src, const float* __restrict__ dst,
+                                  float* __restrict__ alpha, i64 rows, i64 edges, int heads, int log_heads,
+                                  float slope, int loops, i64 own) {
+  const i64 row = (i64)blockIdx.x * (blockDim.x / GROUP) + threadIdx.x / GROUP;
+  if (row >= rows) return;
+  const u32 mask = group_mask<GROUP>();
+  const int lane = (int)(threadIdx.x % GROUP);
+  const int h = lane & (heads - 1);
+  const i64 begin = indptr[row];
+  const i64 n = (indptr[row + 1] - begin) << log_heads;  // (edge, head) pairs of the row
+  const float d = dst[row * heads + h];
+  const bool loop_lane = loops && lane < heads;
+  const float y_loop = loop_lane ? leaky(src[(own + row) * heads + h] + d, slope) : 0.0f;
+  float* a = alpha + begin * heads;
+  float* a_loop = alpha + (edges + row) * heads + h;
+
+  float m = loop_lane ? y_loop : __int_as_float(0xff800000);  // -inf
+  for (i64 k = lane; k < n; k += GROUP) {
+    const i64 c = (i64)indices[begin + (k >> log_heads)];
+    m = fmaxf(m, leaky(src[c * heads + h] + d, slope));
+  }
+  m = head_max<GROUP>(mask, m, heads);
+  float s = 0.0f;
+  for (i64 k = lane; k < n; k += GROUP) {
+    const i64 c = (i64)indices[begin + (k >> log_heads)];
+    const float p = expf(leaky(src[c * heads + h] + d, slope) - m);
+    a[k] = p;
+    s += p;
+  }
+  float p_loop = 0.0f;
+  if (loop_lane) {
+    p_loop = expf(y_loop - m);
+    s += p_loop;
+  }
+  s = head_sum<GROUP>(mask, s, heads);
+  const float inv = 1.0f / s;
+  for (i64 k = lane; k < n; k += GROUP) a[k] *= inv;
+  if (loop_lane) *a_loop = p_loop * inv;
+}
+
+// Backward of attention_forward: from alpha and its gradient g, the scores' gradient
+// gs = (alpha g - alpha rowsum(alpha g)) * LeakyReLU'(src[c] + dst[r]) and its per-row sums
+// (dst's gradient, g_dst [rows, heads]).
+template <typename I, int GROUP>
+__global__ void attention_backward(const i64* __restrict__ indptr, const I* __restrict__ indices,
+                                   const float* __restrict__ src, const float* __restrict__ dst,
+                                   const float* __restrict__ alpha, const float* __restrict__ grad,
+                                   float* __restrict__ gs, float* __restrict__ g_dst, i64 rows, i64 edges,
+                                   int heads, int log_heads, float slope, int loops, i64 own) {
+  const i64 row = (i64)blockIdx.x * (blockDim.x / GROUP) + threadIdx.x / GROUP;
+  if (row >= rows) return;
+  const u32 mask = group_mask<GROUP>();
+  const int lane = (int)(threadIdx.x % GROUP);
+  const int h = lane & (heads - 1);
+  const i64 begin = indptr[row];
+  const i64 n = (indptr[row + 1] - begin) << log_heads;
+  const bool loop_lane = loops && lane < heads;
+  const i64 base = begin * heads, loop_at = (edges + row) * heads + h;
+
+  float dot = loop_lane ? alpha[loop_at] * grad[loop_at] : 0.0f;
+  for (i64 k = lane; k < n; k += GROUP) dot = fmaf(alpha[base + k], grad[base + k], dot);
+  dot = head_sum<GROUP>(mask, dot, heads);
+  const float d = dst[row * heads + h];
+  float sum = 0.0f;
+  for (i64 k = lane; k < n; k += GROUP) {
+    const i64 c = (i64)indices[begin + (k >> log_heads)];
+    const float a = alpha[base + k];
+    const float v = (a * grad[base + k] - a * dot) * (src[c * heads + h] + d > 0.0f ? 1.0f : slope);
+    gs[base + k] = v;
+    sum += v;
+  }
+  if (loop_lane) {
+    const float a = alpha[loop_at];
+    const float v = (a * grad[loop_at] - a * dot) * (src[(own + row) * heads + h] + d > 0.0f ? 1.0f : slope);
+    gs[loop_at] = v;
+    sum += v;
+  }
+  sum = head_sum<GROUP>(mask, sum, heads);
+  if (lane < heads) g_dst[row * heads + h] = sum;
+}
