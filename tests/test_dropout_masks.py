@@ -14,6 +14,7 @@ from gnncompile.errors import KernelError
 from gnncompile.frontend import ops as fops
 from gnncompile.kernels import available_backends
 from gnncompile.kernels.dropout import dropout_mask, keep_threshold, philox4x32
+from gnncompile.testing import count_host_syncs
 
 NATIVE = "native" in available_backends("cpu")
 needs_native = pytest.mark.skipif(not NATIVE, reason="the native CPU extension did not build here")
@@ -291,3 +292,18 @@ def test_views_of_a_replayed_output_replay_once(monkeypatch: pytest.MonkeyPatch)
     h_rep, e_rep, n_rep = run(True)
     assert torch.equal(h_kept, h_rep) and torch.equal(e_kept, e_rep)
     assert n_rep == n_kept + 1  # (forward and the dropout's backward) and one replay for both slices
+
+
+def test_rows_bounds_are_checked_once_per_tensor_version() -> None:
+    """A row tensor is checked the first time (reading its bounds: a host synchronization on a GPU),
+    not again while unchanged, and again after an in-place change."""
+    rows = torch.tensor([0, 3, 5])
+    dropout_mask(7, 0.5, 6, (4,), rows=rows)
+    with count_host_syncs() as syncs:
+        dropout_mask(7, 0.5, 6, (4,), rows=rows, native=False)
+    assert not [s for s in syncs if "scalar" in s.op or "tolist" in s.op], syncs.report()
+    with pytest.raises(KernelError, match=r"rows must be in \[0, 5\)"):
+        dropout_mask(7, 0.5, 5, (4,), rows=rows)  # another row count: checked again
+    rows[1] = 9
+    with pytest.raises(KernelError, match=r"rows must be in \[0, 6\)"):
+        dropout_mask(7, 0.5, 6, (4,), rows=rows)

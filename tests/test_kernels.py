@@ -530,6 +530,12 @@ def test_environment_variable_sets_the_default() -> None:
         from gnncompile import KernelError
         from gnncompile import kernels
         assert kernels.default_backend("cpu") == "scipy", kernels.default_backend("cpu")
+        os.environ["GNNCOMPILE_BACKEND"] = "torch"  # read at each call, not once at import
+        assert kernels.default_backend("cpu") == "torch", kernels.default_backend("cpu")
+        kernels.set_default_backend("scipy")  # forcing wins over the variable, and None returns to it
+        assert kernels.default_backend("cpu") == "scipy"
+        kernels.set_default_backend(None)
+        assert kernels.default_backend("cpu") == "torch"
         os.environ["GNNCOMPILE_BACKEND"] = "bogus"
         importlib.reload(kernels)
         try:

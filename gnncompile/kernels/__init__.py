@@ -864,7 +864,8 @@ BACKENDS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tenso
     "scipy": (_scaled_around(_spmm_scipy), _sddmm_gather),
     "cupy": (_spmm_cupy_backend, _sddmm_cupy_backend),
 }
-_default_override: Optional[str] = os.environ.get("GNNCOMPILE_BACKEND") or None
+#: the backend :func:`set_default_backend` forces (``None``: none)
+_default_override: Optional[str] = None
 _warned_fallback = False
 
 
@@ -875,7 +876,8 @@ def _validate_name(name: str) -> str:
 
 
 def set_default_backend(name: Optional[str]) -> None:
-    """Force a backend for every call that does not name one (``None`` restores the automatic choice)."""
+    """Force a backend for every call that does not name one (``None``: back to the environment
+    variable ``GNNCOMPILE_BACKEND`` where it is set, else the choice by device)."""
     global _default_override
     _default_override = None if name is None else _validate_name(name)
 
@@ -901,10 +903,13 @@ def available_backends(device: str | torch.device = "cpu") -> list[str]:
 
 
 def default_backend(device: str | torch.device = "cpu") -> str:
-    """The backend used for tensors on ``device`` when a call names none."""
+    """The backend used for tensors on ``device`` when a call names none: the one
+    :func:`set_default_backend` forces, else ``GNNCOMPILE_BACKEND`` as it is now (read at each call:
+    a rank forked from a server started before the variable was set sees it too), else by device."""
     global _warned_fallback
-    if _default_override is not None:
-        return _validate_name(_default_override)
+    forced = _default_override or os.environ.get("GNNCOMPILE_BACKEND")
+    if forced:
+        return _validate_name(forced)
     dev = torch.device(device)
     if dev.type == "cuda":
         # torch's cuSPARSE call: the fastest backend measured on CUDA (benchmarks/RESULTS.md,

@@ -15,6 +15,7 @@ extension builds, else the same arithmetic in torch operations (any device; much
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -89,8 +90,30 @@ def _mask_torch(seed: int, p: float, num_rows: int, width: int, rows: Optional[t
     keep = word >= keep_threshold(p)
     if dtype == torch.bool:
         return keep.reshape(r.numel(), width)
+    # the multiplier in the mask's dtype, a host scalar (a 0-dim CPU tensor: no copy to the device)
     scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float64).to(dtype)
-    return keep.to(dtype).mul_(scale.to(device)).reshape(r.numel(), width)  # where(keep, scale, 0), faster
+    return keep.to(dtype).mul_(scale).reshape(r.numel(), width)  # where(keep, scale, 0), faster
+
+
+#: the row tensors whose bounds :func:`dropout_mask` checked, by ``id``: (a weak reference to the
+#: tensor, the row count, the tensor's version); an entry leaves with its tensor
+_checked: dict[int, tuple["weakref.ref[torch.Tensor]", int, int]] = {}
+
+
+def _check_rows(rows: torch.Tensor, num_rows: int) -> None:
+    """Raise unless every entry of ``rows`` is in ``[0, num_rows)``; a tensor already checked for
+    ``num_rows`` and unchanged since (its version) is not read again: reading its bounds is a host
+    synchronization on a GPU, and a plan draws masks for the same rows every step."""
+    if not rows.numel():
+        return
+    seen = _checked.get(id(rows))
+    if seen is not None and seen[0]() is rows and seen[1:] == (num_rows, rows._version):
+        return
+    low, high = torch.stack(torch.aminmax(rows)).tolist()  # one read
+    if low < 0 or high >= num_rows:
+        raise KernelError(f"dropout_mask: rows must be in [0, {num_rows})")
+    key = id(rows)
+    _checked[key] = (weakref.ref(rows, lambda _, k=key: _checked.pop(k, None)), num_rows, rows._version)
 
 
 def dropout_mask(seed: int, p: float, num_rows: int, row_shape: Sequence[int] = (), *,
@@ -117,8 +140,7 @@ def dropout_mask(seed: int, p: float, num_rows: int, row_shape: Sequence[int] = 
     if rows is not None:
         if rows.dim() != 1 or rows.dtype.is_floating_point or rows.dtype == torch.bool:
             raise KernelError(f"dropout_mask: rows must be a 1-d integer tensor, got {rows.dtype} {list(rows.shape)}")
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
-            raise KernelError(f"dropout_mask: rows must be in [0, {num_rows})")
+        _check_rows(rows, num_rows)
     n = num_rows if rows is None else rows.numel()
     use_native = native if native is not None else (device.type == "cpu" and dtype in _NATIVE_DTYPES)
     if use_native:
@@ -150,5 +172,5 @@ def keep_times(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tenso
                           f"{keep.dtype} {list(keep.shape)}")
     if native_edge_ops(x):
         return _load_native().keep_times(x.contiguous(), keep.contiguous(), float(scale))
-    value = torch.tensor(scale, dtype=torch.float64).to(device=x.device, dtype=x.dtype)
+    value = torch.tensor(scale, dtype=torch.float64).to(x.dtype)  # a host scalar: no copy to the device
     return keep.to(x.dtype).mul_(value).mul_(x)

@@ -55,6 +55,7 @@ from .comm import Communicator, HaloSpec, Pending, note_progress, polls_by_defau
 from .inputs import StepInputProvider, StepView
 from .launcher import Placement, RankContext, RankFailure, launch, resolve_placement, visible_gpus
 from .memory import PeakMemory
+from .probe import probe
 from .trainer import History, ProgressLines, adam, check_training_args
 
 __all__ = ["TimelineEvent", "RankResult", "RunResult", "run_plan", "run_plan_torchrun", "execute_rank",
@@ -268,6 +269,10 @@ class _Rank:
         self.history_grads: dict[str, torch.Tensor] = {}
         rows = provider.step.chunk_rows
         self._row_starts = [sum(rows[:k]) for k in range(len(rows) + 1)]
+        #: per chunk, the indices of its training rows in the view in use (:meth:`train_rows`)
+        self._train_rows: dict[int, torch.Tensor] = {}
+        self.train_mask: Any = None
+        self.offsets: tuple = ()
         self.use(provider.evaluation())
 
     def _group(self, members: tuple[int, ...]) -> Any:
@@ -315,6 +320,10 @@ class _Rank:
     def use(self, view: StepView) -> None:
         """Take chunk inputs, scored rows' offsets, labels and training mask from ``view`` (the
         step-input provider's, for a training step or an evaluation)."""
+        if view.train_rows is not None:
+            self._train_rows = {0: view.train_rows}
+        elif view.train_mask is not self.train_mask or tuple(view.offsets) != tuple(self.offsets):
+            self._train_rows = {}  # another mask: its rows are found again at their first use
         self.chunk_inputs, self.offsets = view.chunk_inputs, view.offsets
         self.labels, self.train_mask = view.labels, view.train_mask
         self.sizes = view.sizes
@@ -373,6 +382,17 @@ class _Rank:
         if t is None or not self.offsets:
             return t
         return t[self.offsets[chunk]:self.offsets[chunk + 1]]
+
+    def train_rows(self, chunk: int) -> torch.Tensor:
+        """The indices of chunk ``chunk``'s training rows among its scored rows, in the view in use:
+        found once per training mask (``nonzero``, a host synchronization on a GPU; a sampled step's
+        view gives them) and kept, so that a step's loss selects its rows without one."""
+        rows = self._train_rows.get(chunk)
+        if rows is None:
+            mask = self._rows(self.train_mask, chunk)
+            rows = self._train_rows[chunk] = torch.zeros(0, dtype=torch.long, device=self.ctx.device) \
+                if mask is None else torch.nonzero(mask).flatten()
+        return rows
 
     def step(self, modules: dict, stages: tuple, instructions: tuple, output: str, loss_fn: Any,
              epoch: int, timeline: Optional[list], optimizer: Optional[torch.optim.Optimizer],
@@ -926,7 +946,7 @@ def _sampled_epoch(rank: "_Rank", prog: RankProgram, provider: StepInputProvider
     """The steps of one epoch of a sampled plan; returns this rank's share of the epoch's mean loss
     (each step's loss weighted by its seeds; the ranks' shares add up to it)."""
     steps = provider.steps_per_epoch
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=rank.ctx.device)  # summed on the device: no host sync
     for i in range(steps):
         view = provider.sampled_step(epoch, i)
         rank.use(view)
@@ -938,7 +958,7 @@ def _sampled_epoch(rank: "_Rank", prog: RankProgram, provider: StepInputProvider
         loss, _ = rank.step(prog.modules, prog.stages, prog.instructions, prog.output, loss_fn, epoch * steps + i,
                             timeline, optimizer, captured if first else None)
         if loss is not None:
-            total += float(loss.detach()) * rows
+            total += loss.detach().double() * rows  # float(loss) * rows, in the same float64 arithmetic
     return total / max(n_train, 1)
 
 
@@ -965,10 +985,14 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     n_train = max(counts["train"], 1)
 
     def loss_fn(logits: torch.Tensor, chunk: int = 0) -> torch.Tensor:
-        mask, y = rank._rows(rank.train_mask, chunk), rank._rows(rank.labels, chunk)
-        if mask is None or not bool(mask.any()):
+        # the training rows by index, found once (:meth:`_Rank.train_rows`): a boolean mask would
+        # find them (a host synchronization on a GPU) in every step's forward and backward
+        rows = rank.train_rows(chunk)
+        if rows.numel() == 0:
             return logits.sum() * 0.0
-        return F.cross_entropy(logits[mask], y[mask], reduction="sum") / (rank.loss_rows or n_train)
+        y = rank._rows(rank.labels, chunk)
+        return F.cross_entropy(logits.index_select(0, rows), y.index_select(0, rows), reduction="sum") / \
+            (rank.loss_rows or n_train)
 
     optimizer = adam([p for p in params if p.requires_grad], lr, weight_decay)
     rank = _Rank(prog, ctx, provider)
@@ -1010,7 +1034,8 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
             m.train()
         rank.comm.phase = "train"
         t0 = time.perf_counter()
-        with PeakMemory(device) if epoch == start else contextlib.nullcontext() as pm:
+        # the training step makes no host synchronization (tests/test_host_sync.py)
+        with PeakMemory(device) if epoch == start else contextlib.nullcontext() as pm, probe("step", epoch):
             if provider.sampled:  # several steps, each on its own sampled mini-batch
                 loss = _sampled_epoch(rank, prog, provider, loss_fn, epoch, timeline, optimizer, captured, n_train)
                 train_steps += provider.steps_per_epoch
@@ -1031,47 +1056,51 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         epoch_time.append(time.perf_counter() - t0)
-        t1 = time.perf_counter()
-        do_eval = (epoch + 1) % eval_every == 0 or epoch == epochs - 1
-        stats = torch.zeros(4, dtype=torch.float64, device=device)
-        stats[0] = float(loss.detach()) if loss is not None else 0.0
-        if do_eval:
-            rank.comm.phase = "eval"
-            for m in prog.eval_modules.values():
-                m.eval()
-            with torch.no_grad():
-                _, logits = rank.step(prog.eval_modules, prog.eval_stages, prog.eval_instructions, prog.eval_output,
-                                      lambda z, c=0: None, epoch, None, None)
-            if logits is not None:  # ranks that compute no output rows contribute nothing
-                pred = logits.argmax(dim=-1)
-                for i, m in enumerate(("train", "val", "test")):
-                    if masks[m] is not None:
-                        stats[1 + i] = float((pred[masks[m]] == labels[masks[m]]).sum())
-        rank.comm.phase = "metrics"
-        if ctx.world_size > 1:
-            flat = stats.clone()
-            rank.comm.sum_(flat)
-            rank.comm.stats.add("metrics", (ctx.rank + 1) % ctx.world_size, sent=flat.numel() * 8)
-            stats = flat
-        stats = stats.cpu()
-        history["loss"].append(float(stats[0]))
-        for i, m in enumerate(("train", "val", "test")):
-            history[f"{m}_acc"].append(float(stats[1 + i]) / counts[m] if do_eval and counts[m] else math.nan)
-        history["eval_time"].append(time.perf_counter() - t1)
-        if lines is not None:
-            lines.update(epoch, history["loss"][-1], history["val_acc"][-1])
-        val = history["val_acc"][-1]
-        if do_eval and not math.isnan(val) and val > best["val"]:  # the first epoch of the best accuracy
-            best.update(val=val, epoch=epoch, params={n: p.detach().cpu().clone()
-                                                      for n, p in zip(prog.param_names, params) if n in owned})
-        if patience is not None and do_eval and epoch - (-1 if best["epoch"] is None else best["epoch"]) >= patience:
-            stopped_at = epoch  # every rank sees the same (reduced) accuracies, so all stop here
-        if checkpoint is not None and ((epoch + 1) % checkpoint.every == 0 or epoch == epochs - 1
-                                       or stopped_at is not None):
-            t_save = time.perf_counter()
-            _save_rank(rank, optimizer, checkpoint, epoch + 1, owned, best, history, epoch_time, stopped_at, opts,
-                       ck_group)
-            checkpoint_time.append(time.perf_counter() - t_save)
+        with probe("metrics", epoch):
+            t1 = time.perf_counter()
+            do_eval = (epoch + 1) % eval_every == 0 or epoch == epochs - 1
+            # the epoch's loss and correct predictions stay on the device until the one read below
+            stats = torch.zeros(4, dtype=torch.float64, device=device)
+            if loss is not None:
+                stats[0] = loss.detach()
+            if do_eval:
+                rank.comm.phase = "eval"
+                for m in prog.eval_modules.values():
+                    m.eval()
+                with torch.no_grad():
+                    _, logits = rank.step(prog.eval_modules, prog.eval_stages, prog.eval_instructions,
+                                          prog.eval_output, lambda z, c=0: None, epoch, None, None)
+                if logits is not None and labels is not None:  # ranks that compute no output rows: nothing
+                    right = logits.argmax(dim=-1) == labels
+                    for i, m in enumerate(("train", "val", "test")):
+                        if masks[m] is not None:
+                            stats[1 + i] = (right & masks[m]).sum()
+            rank.comm.phase = "metrics"
+            if ctx.world_size > 1:
+                flat = stats.clone()
+                rank.comm.sum_(flat)
+                rank.comm.stats.add("metrics", (ctx.rank + 1) % ctx.world_size, sent=flat.numel() * 8)
+                stats = flat
+            read = stats.tolist()  # the epoch's one host synchronization: history, patience, progress
+            history["loss"].append(read[0])
+            for i, m in enumerate(("train", "val", "test")):
+                history[f"{m}_acc"].append(read[1 + i] / counts[m] if do_eval and counts[m] else math.nan)
+            history["eval_time"].append(time.perf_counter() - t1)
+            if lines is not None:
+                lines.update(epoch, history["loss"][-1], history["val_acc"][-1])
+            val = history["val_acc"][-1]
+            if do_eval and not math.isnan(val) and val > best["val"]:  # the first epoch of the best accuracy
+                best.update(val=val, epoch=epoch, params={n: p.detach().cpu().clone()
+                                                          for n, p in zip(prog.param_names, params) if n in owned})
+            if patience is not None and do_eval and \
+                    epoch - (-1 if best["epoch"] is None else best["epoch"]) >= patience:
+                stopped_at = epoch  # every rank sees the same (reduced) accuracies, so all stop here
+            if checkpoint is not None and ((epoch + 1) % checkpoint.every == 0 or epoch == epochs - 1
+                                           or stopped_at is not None):
+                t_save = time.perf_counter()
+                _save_rank(rank, optimizer, checkpoint, epoch + 1, owned, best, history, epoch_time, stopped_at,
+                           opts, ck_group)
+                checkpoint_time.append(time.perf_counter() - t_save)
         if stopped_at is not None:
             break
     if lines is not None:

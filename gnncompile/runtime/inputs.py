@@ -40,6 +40,9 @@ class StepView:
     halos: Mapping[str, tuple[tuple[torch.Tensor, ...], tuple[int, ...]]] = field(default_factory=dict)
     #: the step's global number of scored rows, the loss's denominator (``None``: the plan's training count)
     loss_rows: Optional[int] = None
+    #: the indices of the training rows among the scored rows, for a view without chunks (``None``:
+    #: the executor finds them from ``train_mask``, once per mask)
+    train_rows: Optional[torch.Tensor] = None
 
 
 class StepInputProvider:
@@ -102,9 +105,11 @@ class StepInputProvider:
             x = x.to(self.dtype)
         inputs = {f"g_{k}": b for k, b in enumerate(st.blocks)}
         inputs["x"] = x
-        train = torch.ones(st.seeds.numel(), dtype=torch.bool, device=self.device)
+        n = st.seeds.numel()
+        train = torch.ones(n, dtype=torch.bool, device=self.device)
         return StepView({0: inputs}, (), st.labels, train, st.seeds, {},
-                        halos={f"g_{k}": h for k, h in enumerate(st.halos)}, loss_rows=st.batch_size)
+                        halos={f"g_{k}": h for k, h in enumerate(st.halos)}, loss_rows=st.batch_size,
+                        train_rows=torch.arange(n, device=self.device))  # every seed is scored
 
     def training(self, epoch: int) -> StepView:
         """The inputs of training step ``epoch`` (a regrouped epoch's subgraphs, made now: part of

@@ -28,6 +28,7 @@ from ..graph.minibatch import batch_generator, batch_seeds, epoch_order, num_bat
 from ..graph.sampling import sample_blocks
 from ..graph.shard import slice_rows
 from .minibatch import MiniBatch, sampled_logits
+from .probe import probe
 
 __all__ = ["History", "ProgressLines", "train", "evaluate", "masked_accuracy"]
 
@@ -157,9 +158,33 @@ def _check_trainable(graph: Graph) -> None:
         raise GraphError(f"train_mask: graph {graph.name!r} has no training vertices")
 
 
+_SPLITS = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class _Scored:
+    """What evaluating on a graph reads of its masks, found once (each a host synchronization on a
+    GPU) so that an evaluation needs none: the training rows as indices, their labels, and the
+    size of each split (``None``: the graph has no such mask)."""
+
+    train_rows: torch.Tensor
+    train_labels: torch.Tensor
+    sizes: tuple[Optional[int], ...]
+
+    @staticmethod
+    def of(graph: Graph) -> "_Scored":
+        mask = graph.train_mask
+        rows = (torch.nonzero(mask).flatten() if mask is not None
+                else torch.zeros(0, dtype=torch.long, device=graph.y.device))
+        sizes = tuple(None if m is None else int(m.sum()) for m in (getattr(graph, f"{k}_mask") for k in _SPLITS))
+        return _Scored(rows, graph.y.index_select(0, rows), sizes)
+
+
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, graph: Graph, x: Optional[torch.Tensor] = None) -> dict[str, float]:
-    """Loss and accuracies of ``model`` on ``graph`` in eval mode."""
+def _evaluation(model: torch.nn.Module, graph: Graph, x: Optional[torch.Tensor], scored: _Scored) -> torch.Tensor:
+    """``model``'s evaluation on ``graph`` in eval mode, on the device, without a host
+    synchronization: float64 ``[loss over the training rows, correct predictions on the train, val
+    and test rows]`` (0 for a missing mask); :func:`_accuracies` reads it."""
     was_training = model.training
     model.eval()
     try:
@@ -167,13 +192,31 @@ def evaluate(model: torch.nn.Module, graph: Graph, x: Optional[torch.Tensor] = N
     finally:
         model.train(was_training)
     y = graph.y
-    out = {
-        "train_acc": masked_accuracy(logits, y, graph.train_mask),
-        "val_acc": masked_accuracy(logits, y, graph.val_mask),
-        "test_acc": masked_accuracy(logits, y, graph.test_mask),
-    }
-    out["loss"] = float(F.cross_entropy(logits[graph.train_mask], y[graph.train_mask]))
+    out = torch.zeros(4, dtype=torch.float64, device=logits.device)
+    if scored.train_rows.numel():
+        out[0] = F.cross_entropy(logits.index_select(0, scored.train_rows), scored.train_labels)
+    else:
+        out[0] = math.nan
+    right = logits.argmax(dim=-1) == y
+    for i, k in enumerate(_SPLITS):
+        mask = getattr(graph, f"{k}_mask")
+        if mask is not None:
+            out[1 + i] = (right & mask).sum()
     return out
+
+
+def _accuracies(stats: Sequence[float], scored: _Scored) -> dict[str, float]:
+    """:func:`evaluate`'s result from the values of :func:`_evaluation` (read on the host)."""
+    out = {f"{k}_acc": stats[1 + i] / n if n else math.nan for i, (k, n) in enumerate(zip(_SPLITS, scored.sizes))}
+    out["loss"] = stats[0]
+    return out
+
+
+def evaluate(model: torch.nn.Module, graph: Graph, x: Optional[torch.Tensor] = None) -> dict[str, float]:
+    """Loss (cross-entropy over the training rows) and accuracies (train, val, test; NaN for a
+    missing or empty mask) of ``model`` on ``graph`` in eval mode."""
+    scored = _Scored.of(graph)
+    return _accuracies(_evaluation(model, graph, x, scored).tolist(), scored)
 
 
 _FUSED_DEVICES = ("cpu", "cuda")
@@ -324,7 +367,7 @@ def train(
     param = next(iter(model.parameters()), None)
     if graph is not given and param is not None and param.dtype.is_floating_point:
         graph.cast_scales(param.dtype)  # a copy of the caller's graph: scales in the model's dtype only
-    y, train_mask = graph.y, graph.train_mask
+    y = graph.y
     optimizer = adam(model.parameters(), lr, weight_decay)
     blocks = None
     if minibatch is not None:
@@ -356,53 +399,60 @@ def train(
                                      f"pass epochs >= {found.epoch} to continue it")
             start = _restore_train(found, model, optimizer, hist, best, device)
     sample_seed = 0 if seed is None else int(seed)
+    # what the steps and evaluations read of the masks, found once: a boolean mask finds its rows
+    # (nonzero: a host synchronization on a GPU) at every use, in the forward and in the backward
+    scored = _Scored.of(graph)
     if minibatch is not None:
         targets = torch.nonzero(host.train_mask).flatten()
     for epoch in range(start, epochs):
         model.train()
         t0 = time.perf_counter()
-        if minibatch is None:
-            optimizer.zero_grad(set_to_none=True)
-            with draws:
-                logits = model(graph, x)
-            loss = F.cross_entropy(logits[train_mask], y[train_mask])
-            loss.backward()
-            optimizer.step()
-            epoch_loss = float(loss.detach())
-        else:
-            epoch_loss = _minibatch_epoch(blocks, host, x, y, targets, minibatch, optimizer, sample_seed, epoch, draws)
+        with probe("step", epoch):  # no host synchronization (tests/test_host_sync.py)
+            if minibatch is None:
+                optimizer.zero_grad(set_to_none=True)
+                with draws:
+                    logits = model(graph, x)
+                loss = F.cross_entropy(logits.index_select(0, scored.train_rows), scored.train_labels)
+                loss.backward()
+                optimizer.step()
+                epoch_loss = loss.detach()  # read with the epoch's metrics
+            else:
+                epoch_loss = _minibatch_epoch(blocks, host, x, y, targets, minibatch, optimizer, sample_seed, epoch,
+                                              draws)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         hist.epoch_time.append(time.perf_counter() - t0)
-        hist.loss.append(epoch_loss)
 
-        t1 = time.perf_counter()
-        if (epoch + 1) % eval_every == 0 or epoch == epochs - 1:
-            if minibatch is not None and minibatch.eval_fanouts is not None:
-                acc = _sampled_evaluation(blocks, host, x, minibatch, sample_seed, epoch)
+        with probe("metrics", epoch):
+            t1 = time.perf_counter()
+            evaluated = (epoch + 1) % eval_every == 0 or epoch == epochs - 1
+            if evaluated and (minibatch is None or minibatch.eval_fanouts is None):
+                # the epoch's one host synchronization: its loss and its evaluation, read together
+                stats = torch.cat([epoch_loss.to(torch.float64).reshape(1),
+                                   _evaluation(model, graph, x, scored)]).tolist()
+                hist.loss.append(stats[0])
+                acc = _accuracies(stats[1:], scored)
             else:
-                acc = evaluate(model, graph, x)
-            hist.train_acc.append(acc["train_acc"])
-            hist.val_acc.append(acc["val_acc"])
-            hist.test_acc.append(acc["test_acc"])
-        else:
-            for lst in (hist.train_acc, hist.val_acc, hist.test_acc):
-                lst.append(math.nan)
-        hist.eval_time.append(time.perf_counter() - t1)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(loss=f"{hist.loss[-1]:.4f}", val=f"{hist.val_acc[-1]:.3f}")
-        if lines is not None:
-            lines.update(epoch, hist.loss[-1], hist.val_acc[-1])
-        val = hist.val_acc[-1]
-        if not math.isnan(val) and val > best["val"]:
-            best.update(val=val, epoch=epoch, state={k: v.detach().clone() for k, v in model.state_dict().items()})
-        if patience is not None and not math.isnan(val) and \
-                epoch - (-1 if best["epoch"] is None else best["epoch"]) >= patience:
-            hist.stopped_at = epoch
-        if options is not None and ((epoch + 1) % options.every == 0 or epoch == epochs - 1
-                                    or hist.stopped_at is not None):
-            _save_train(options, epoch + 1, model, optimizer, hist, best, fingerprint, device)
+                hist.loss.append(epoch_loss.item())
+                acc = _sampled_evaluation(blocks, host, x, minibatch, sample_seed, epoch) if evaluated else None
+            for k in ("train_acc", "val_acc", "test_acc"):
+                getattr(hist, k).append(math.nan if acc is None else acc[k])
+            hist.eval_time.append(time.perf_counter() - t1)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{hist.loss[-1]:.4f}", val=f"{hist.val_acc[-1]:.3f}")
+            if lines is not None:
+                lines.update(epoch, hist.loss[-1], hist.val_acc[-1])
+            val = hist.val_acc[-1]
+            if not math.isnan(val) and val > best["val"]:
+                best.update(val=val, epoch=epoch,
+                            state={k: v.detach().clone() for k, v in model.state_dict().items()})
+            if patience is not None and not math.isnan(val) and \
+                    epoch - (-1 if best["epoch"] is None else best["epoch"]) >= patience:
+                hist.stopped_at = epoch
+            if options is not None and ((epoch + 1) % options.every == 0 or epoch == epochs - 1
+                                        or hist.stopped_at is not None):
+                _save_train(options, epoch + 1, model, optimizer, hist, best, fingerprint, device)
         if hist.stopped_at is not None:
             break
     if progress is not None:
@@ -417,10 +467,12 @@ def train(
 
 
 def _minibatch_epoch(model: BlockModel, host: Graph, x: torch.Tensor, y: torch.Tensor, targets: torch.Tensor,
-                     mb: MiniBatch, optimizer: torch.optim.Optimizer, seed: int, epoch: int, draws: Any) -> float:
+                     mb: MiniBatch, optimizer: torch.optim.Optimizer, seed: int, epoch: int, draws: Any
+                     ) -> torch.Tensor:
     """One epoch of sampled mini-batch steps (sampled from ``host``, the graph on the CPU, with the
-    batches and streams of :mod:`gnncompile.graph.minibatch`); returns the mean loss over its seeds."""
-    total, seen = 0.0, 0
+    batches and streams of :mod:`gnncompile.graph.minibatch`); returns the mean loss over its seeds,
+    a float64 scalar on the device (summed there, not read after each step: no host synchronization)."""
+    total, seen = torch.zeros((), dtype=torch.float64, device=x.device), 0
     norms = model.norms
     order = epoch_order(targets, seed, epoch)
     for step in range(num_batches(targets.numel(), mb.batch_size)):
@@ -433,7 +485,7 @@ def _minibatch_epoch(model: BlockModel, host: Graph, x: torch.Tensor, y: torch.T
         loss = F.cross_entropy(logits, y.index_select(0, seeds.to(y.device)))
         loss.backward()
         optimizer.step()
-        total += float(loss.detach()) * seeds.numel()
+        total += loss.detach().double() * seeds.numel()  # float(loss) * n, in the same float64 arithmetic
         seen += seeds.numel()
     return total / seen
 
