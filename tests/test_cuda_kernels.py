@@ -68,6 +68,18 @@ GRAPHS = {
 }
 
 
+def spmm_case(graph: str, transpose: bool) -> tuple[CSR, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                     torch.Tensor]:
+    """``(csr, values, x, row_scale, col_scale, reference product)`` of a :data:`GRAPHS` entry."""
+    rows, cols, deg, width, heads, hub = GRAPHS[graph]
+    csr = random_csr(rows, cols, deg, seed=len(graph), hub=hub)
+    x = randn(rows if transpose else cols, width, dtype=torch.float32, seed=1)
+    values = randn(csr.nnz, *((heads,) if heads > 1 else ()), dtype=torch.float32, seed=2)
+    row = torch.rand(rows, generator=torch.Generator().manual_seed(3)) + 0.5
+    col = torch.rand(cols, generator=torch.Generator().manual_seed(4)) + 0.5
+    return csr, values, x, row, col, reference_spmm(csr, values, x, row, col, transpose)
+
+
 def configs_for(csr: CSR, width: int, heads: int, sddmm: bool = False) -> list[cuda.KernelConfig]:
     """The planner's configs plus forced ones: every group for the widest vec, and a small split."""
     dcsr = device_csr(csr)
@@ -87,13 +99,8 @@ def _sddmm_ok(cfg: cuda.KernelConfig, width: int, heads: int) -> bool:
 @pytest.mark.parametrize("transpose", [False, True], ids=["pull", "push"])
 @pytest.mark.parametrize("graph", list(GRAPHS))
 def test_spmm_configs_match_cpu(emulator, graph: str, transpose: bool) -> None:
-    rows, cols, deg, width, heads, hub = GRAPHS[graph]
-    csr = random_csr(rows, cols, deg, seed=len(graph), hub=hub)
-    x = randn(rows if transpose else cols, width, dtype=torch.float32, seed=1)
-    values = randn(csr.nnz, heads, dtype=torch.float32, seed=2) if heads > 1 else randn(csr.nnz, dtype=torch.float32, seed=2)
-    row = torch.rand(rows, generator=torch.Generator().manual_seed(3)) + 0.5
-    col = torch.rand(cols, generator=torch.Generator().manual_seed(4)) + 0.5
-    ref = reference_spmm(csr, values, x, row, col, transpose)
+    csr, values, x, row, col, ref = spmm_case(graph, transpose)
+    width, heads = GRAPHS[graph][3:5]
     for cfg in configs_for(csr, width, heads):
         if width % cfg.vec or (width // heads) % cfg.vec:
             continue
@@ -315,21 +322,15 @@ def _cuda_runner() -> cuda.CupyRunner:
 def test_configs_on_gpu_match_cpu(graph: str, transpose: bool) -> None:
     """The emulated tests' products, every config, compiled by NVRTC and run on the GPU."""
     run = _cuda_runner()
-    rows, cols, deg, width, heads, hub = GRAPHS[graph]
-    csr = random_csr(rows, cols, deg, seed=len(graph), hub=hub)
-    x = randn(rows if transpose else cols, width, dtype=torch.float32, seed=1)
-    values = randn(csr.nnz, heads, dtype=torch.float32, seed=2) if heads > 1 else randn(csr.nnz, dtype=torch.float32, seed=2)
-    row = torch.rand(rows, generator=torch.Generator().manual_seed(3)) + 0.5
-    col = torch.rand(cols, generator=torch.Generator().manual_seed(4)) + 0.5
-    ref = reference_spmm(csr, values, x, row, col, transpose)
+    csr, values, x, row, col, ref = spmm_case(graph, transpose)
+    rows, cols, _, width, heads, _ = GRAPHS[graph]
     dcsr = cuda.DeviceCSR.build(csr.indptr.cuda(), csr.indices.to(torch.int32).cuda(), rows, cols)
     for cfg in configs_for(csr, width, heads):
         if width % cfg.vec or (width // heads) % cfg.vec:
             continue
         out = cuda.run_spmm(dcsr, values.cuda(), x.cuda(), row.cuda(), col.cuda(), transpose, cfg, run)
         assert_close(out.cpu(), ref)
-    if _sddmm_ok(cuda.KernelConfig(1, 32), width, heads):
-        a, b = randn(rows, width, dtype=torch.float32, seed=10), randn(cols, width, dtype=torch.float32, seed=11)
-        ref_w = kernels.sddmm(csr, a.double(), b.double(), heads, "torch").float()
-        for cfg in configs_for(csr, width, heads, sddmm=True):
-            assert_close(cuda.run_sddmm(dcsr, a.cuda(), b.cuda(), heads, cfg, run).cpu(), ref_w)
+    a, b = randn(rows, width, dtype=torch.float32, seed=10), randn(cols, width, dtype=torch.float32, seed=11)
+    ref_w = kernels.sddmm(csr, a.double(), b.double(), heads, "torch").float()
+    for cfg in configs_for(csr, width, heads, sddmm=True):  # (none where a head's lanes are no power of two)
+        assert_close(cuda.run_sddmm(dcsr, a.cuda(), b.cuda(), heads, cfg, run).cpu(), ref_w)

@@ -234,20 +234,38 @@ __device__ __forceinline__ float head_sum(u32 mask, float v, int heads) {
   return v;
 }
 
+// The calling lane's place in the attention kernels: its group's row, the row's first edge and
+// number of (edge, head) pairs, its lane, head and shuffle mask, and whether it holds a self loop.
+// Groups past the last row (row >= rows) return before load() reads the row's offsets.
+template <int GROUP>
+struct RowPairs {
+  i64 row, begin, n;
+  int lane, h;
+  u32 mask;
+  bool loop_lane;
+  __device__ __forceinline__ RowPairs(int heads, int loops)
+      : row((i64)blockIdx.x * (blockDim.x / GROUP) + threadIdx.x / GROUP), begin(0), n(0),
+        lane((int)(threadIdx.x % GROUP)), h(lane & (heads - 1)), mask(group_mask<GROUP>()),
+        loop_lane(loops && lane < heads) {}
+  __device__ __forceinline__ void load(const i64* __restrict__ indptr, int log_heads) {
+    begin = indptr[row];
+    n = (indptr[row + 1] - begin) << log_heads;
+  }
+};
+
 template <typename I, int GROUP>
 __global__ void attention_forward(const i64* __restrict__ indptr, const I* __restrict__ indices,
                                   const float* __restrict__ src, const float* __restrict__ dst,
                                   float* __restrict__ alpha, i64 rows, i64 edges, int heads, int log_heads,
                                   float slope, int loops, i64 own) {
-  const i64 row = (i64)blockIdx.x * (blockDim.x / GROUP) + threadIdx.x / GROUP;
-  if (row >= rows) return;
-  const u32 mask = group_mask<GROUP>();
-  const int lane = (int)(threadIdx.x % GROUP);
-  const int h = lane & (heads - 1);
-  const i64 begin = indptr[row];
-  const i64 n = (indptr[row + 1] - begin) << log_heads;  // (edge, head) pairs of the row
+  RowPairs<GROUP> rp(heads, loops);
+  if (rp.row >= rows) return;
+  rp.load(indptr, log_heads);
+  const i64 row = rp.row, begin = rp.begin, n = rp.n;
+  const int lane = rp.lane, h = rp.h;
+  const u32 mask = rp.mask;
+  const bool loop_lane = rp.loop_lane;
   const float d = dst[row * heads + h];
-  const bool loop_lane = loops && lane < heads;
   const float y_loop = loop_lane ? leaky(src[(own + row) * heads + h] + d, slope) : 0.0f;
   float* a = alpha + begin * heads;
   float* a_loop = alpha + (edges + row) * heads + h;
@@ -285,14 +303,13 @@ __global__ void attention_backward(const i64* __restrict__ indptr, const I* __re
                                    const float* __restrict__ alpha, const float* __restrict__ grad,
                                    float* __restrict__ gs, float* __restrict__ g_dst, i64 rows, i64 edges,
                                    int heads, int log_heads, float slope, int loops, i64 own) {
-  const i64 row = (i64)blockIdx.x * (blockDim.x / GROUP) + threadIdx.x / GROUP;
-  if (row >= rows) return;
-  const u32 mask = group_mask<GROUP>();
-  const int lane = (int)(threadIdx.x % GROUP);
-  const int h = lane & (heads - 1);
-  const i64 begin = indptr[row];
-  const i64 n = (indptr[row + 1] - begin) << log_heads;
-  const bool loop_lane = loops && lane < heads;
+  RowPairs<GROUP> rp(heads, loops);
+  if (rp.row >= rows) return;
+  rp.load(indptr, log_heads);
+  const i64 row = rp.row, begin = rp.begin, n = rp.n;
+  const int lane = rp.lane, h = rp.h;
+  const u32 mask = rp.mask;
+  const bool loop_lane = rp.loop_lane;
   const i64 base = begin * heads, loop_at = (edges + row) * heads + h;
 
   float dot = loop_lane ? alpha[loop_at] * grad[loop_at] : 0.0f;
