@@ -583,3 +583,31 @@ def test_cupy_backend_matches_torch_backend(heads: int) -> None:
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(kernels.spmm(gpu_csr, None, x, backend="cupy").cpu(),
                                kernels.spmm(csr, None, x.cpu(), backend="torch"), rtol=1e-4, atol=1e-4)
+
+
+def test_scales_fold_into_edge_values_without_a_copy_of_x() -> None:
+    """Backends without scales (torch, scipy) multiply by edge values with the scales folded in:
+    the scaled product holds no more than the unscaled one plus one edge tensor (no temporary of
+    x's size), and the cached per-edge factors follow in-place changes of the scales."""
+    from gnncompile.runtime.memory import PeakMemory
+
+    csr = random_csr(300, 300, 2.0, seed=3)
+    x = randn(300, 512, dtype=torch.float32, seed=4)
+    row = torch.rand(300, generator=torch.Generator().manual_seed(5)) + 0.5
+    col = torch.rand(300, generator=torch.Generator().manual_seed(6)) + 0.5
+    values = randn(csr.nnz, dtype=torch.float32, seed=7)
+    for backend in ("torch", "scipy"):
+        for v in (None, values):
+            expected = kernels.spmm(csr, v, x * col[:, None], backend) * row[:, None]
+            kernels.spmm(csr, v, x, backend, row_scale=row, col_scale=col)  # caches the factors
+            with PeakMemory("cpu") as plain:
+                kernels.spmm(csr, v, x, backend)
+            with PeakMemory("cpu") as pm:
+                out = kernels.spmm(csr, v, x, backend, row_scale=row, col_scale=col)
+            torch.testing.assert_close(out, expected, **TOL[torch.float32])
+            assert pm.peak_bytes <= plain.peak_bytes + 4 * csr.nnz, (backend, v is None, pm.peak_bytes, plain.peak_bytes)
+            assert x.nbytes > 100 * 4 * csr.nnz  # (a copy of x would show)
+    row.mul_(2.0)  # in place: the cached factors are rebuilt
+    out = kernels.spmm(csr, None, x, "torch", row_scale=row, col_scale=col)
+    torch.testing.assert_close(out, kernels.spmm(csr, None, x * col[:, None], "torch") * row[:, None],
+                               **TOL[torch.float32])

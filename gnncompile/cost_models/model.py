@@ -323,10 +323,21 @@ def _graph_bytes(plan: Plan, nodes: int, edges: int, src: int, symmetric: bool, 
     per_value = _elsize(plan.info.get("param_dtype", "float32"))
     scales = sum(per_value * ((2 if loops else 1) * nodes + (src if norm == "gcn" else 0))
                  for norm, loops in topo.get("norms", ()))
+    push = topo.get("backward") == "push"
+    # off the CPU the products are cuSPARSE's through torch: a normalization's scales folded into
+    # edge values (kernels._edge_factors) and the offsets as int32 beside the int64 ones
+    # (torch's CSR takes one index dtype), of the in-edge CSR and of a transpose where one is held;
+    # with edge values (attention), their gradient's SDDMM holds each edge's row (kernels._sddmm_gather)
+    torch_csr = 0
+    if not cpu and edges:
+        torch_csr = sum(per_value * edges for norm, _ in topo.get("norms", ()) if norm in ("gcn", "mean"))
+        torch_csr += 4 * (nodes + 1) + (0 if symmetric or push else 4 * (src + 1))
+        if topo.get("edge_values"):
+            torch_csr += (4 if max(src, nodes) <= 2**31 - 1 else 8) * edges
     dst = topo.get("edge_dst")
-    return scales + topology_bytes(nodes, edges, src, symmetric=symmetric, weighted=bool(topo.get("weighted")),
+    return scales + torch_csr + topology_bytes(nodes, edges, src, symmetric=symmetric, weighted=bool(topo.get("weighted")),
                                    edge_values=bool(topo.get("edge_values")), edge_loops=bool(topo.get("edge_loops")),
-                                   push=topo.get("backward") == "push",
+                                   push=push,
                                    edge_dst=None if dst is None else dst == "always" or (dst == "off_cpu" and not cpu))
 
 
@@ -338,7 +349,9 @@ def static_memory(plan: Plan, dp: DevicePlan, device: Optional[DeviceSpec] = Non
     graph or its backward products scatter, edge weights and an edge permutation only when edge
     values exist and a transpose is held), plus the
     normalizations' per-vertex scales (in the model's dtype, destinations and sources) from
-    ``plan.info["topology"]``. Features: ``float32`` rows of the input features
+    ``plan.info["topology"]``, and off the CPU what torch's CSR products add: those scales folded
+    into edge values (an edge tensor per normalization, :func:`gnncompile.kernels._edge_factors`)
+    and int32 copies of the offsets. Features: ``float32`` rows of the input features
     (sparse CSR features: their stored bytes per row, ``plan.info["feature_bytes_per_row"]``);
     labels int64 plus three bool masks.
     Parameters are replicated on every rank that runs a stage (data parallelism) with their

@@ -50,6 +50,7 @@ import math
 import os
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -542,20 +543,55 @@ def _torch_csr(csr: CSR, values: Optional[torch.Tensor], dtype: torch.dtype, dev
                                        device=device, check_invariants=False)
 
 
-def _scaled_around(fn: Callable[[CSR, Optional[torch.Tensor], torch.Tensor, bool], torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """A backend's SpMM with the per-vertex scales applied around it: ``x``'s rows scaled before the
-    product (a temporary of ``x``'s size), the result's rows after (for backends that take no scales).
-    Transposed, the row scale multiplies ``x`` and the column scale the result."""
+def _cached_for(csr: CSR, key: str, tensors: tuple[Optional[torch.Tensor], ...], build: Callable[[], Any]) -> Any:
+    """``build()`` of ``tensors``, cached on ``csr`` while they are the same objects, unchanged
+    (their versions); the entry leaves the cache when one of them is freed."""
+    key = f"{key}:" + ":".join(str(id(t)) for t in tensors)
+    stamp = tuple(None if t is None else t._version for t in tensors)
+    hit = csr.cache.get(key)
+    if hit is not None and hit[0] == stamp and all(r is None or r() is t for r, t in zip(hit[1], tensors)):
+        return hit[2]
+    value = build()
+    refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+    if hit is None:
+        for t in tensors:
+            if t is not None:
+                weakref.finalize(t, csr.cache.pop, key, None)
+    csr.cache[key] = (stamp, refs, value)
+    return value
+
+
+def _edge_factors(csr: CSR, row_scale: Optional[torch.Tensor], col_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``row_scale[r] * col_scale[col[e]]`` for every edge ``e`` of row ``r`` (a missing scale is 1),
+    ``[E]``; cached on ``csr`` per pair of scale tensors (a graph's normalization scales are fixed:
+    one edge tensor per normalization and direction, ``cost_models.model.static_memory`` counts it
+    off the CPU)."""
+    like = row_scale if row_scale is not None else col_scale
+    dev = like.device
+
+    def build() -> torch.Tensor:
+        indptr, indices = csr.on(dev)
+        if row_scale is None:
+            return col_scale.index_select(0, indices)
+        f = torch.repeat_interleave(row_scale, indptr[1:] - indptr[:-1], output_size=csr.nnz)
+        return f.mul_(col_scale.index_select(0, indices)) if col_scale is not None else f
+
+    return _cached_for(csr, f"edge_factors:{dev}:{like.dtype}", (row_scale, col_scale), build)
+
+
+def _scales_folded(fn: Callable[[CSR, Optional[torch.Tensor], torch.Tensor, bool], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A backend's SpMM (one that takes no scales) with the per-vertex scales folded into the edge
+    values: ``values[e] * row_scale[r] * col_scale[col[e]]``, an edge tensor (without edge values,
+    the cached :func:`_edge_factors` themselves), instead of scaling ``x`` before the product and
+    the result after (two passes over vertex tensors and a temporary of ``x``'s size). The same
+    values transposed give the transposed product."""
     def spmm_scaled(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor,
                     row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None,
                     transpose: bool = False) -> torch.Tensor:
-        before, after = (row_scale, col_scale) if transpose else (col_scale, row_scale)
-        if before is not None:
-            x = x * before.reshape((-1,) + (1,) * (x.dim() - 1))
-        out = fn(csr, values, x, transpose)
-        if after is not None:
-            out = out.mul_(after.reshape((-1,) + (1,) * (out.dim() - 1)))
-        return out
+        if row_scale is not None or col_scale is not None:
+            f = _edge_factors(csr, row_scale, col_scale)
+            values = f if values is None else values * f.reshape((-1,) + (1,) * (values.dim() - 1))
+        return fn(csr, values, x, transpose)
     return spmm_scaled
 
 
@@ -583,8 +619,9 @@ def _sddmm_gather(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> tor
     b3 = b.reshape(b.shape[0], heads, width)
     dev = a.device
     indptr, indices = csr.on(dev)
+    # each edge's row, in the indices' dtype (int32 when they fit): an edge tensor held with the structure
     rows = csr.cached(f"rows:{dev}", lambda: torch.repeat_interleave(
-        torch.arange(csr.num_rows, device=dev), indptr[1:] - indptr[:-1], output_size=csr.nnz))
+        torch.arange(csr.num_rows, device=dev, dtype=indices.dtype), indptr[1:] - indptr[:-1], output_size=csr.nnz))
     out = torch.empty(csr.nnz, heads, dtype=a.dtype, device=dev)
     block = max(1, (1 << 24) // max(1, a3.shape[1] * a3.shape[2]))
     for s in range(0, csr.nnz, block):
@@ -838,7 +875,7 @@ def _spmm_cupy_backend(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor
                        transpose: bool = False) -> torch.Tensor:
     """The ``cupy`` backend's SpMM: float32 by the fastest correct of cuSPARSE and the own
     kernels (per shape), float64 by cuSPARSE."""
-    baseline = _scaled_around(_spmm_cupy)
+    baseline = _scales_folded(_spmm_cupy)
     if x.dtype != torch.float32 or x.device.type != "cuda" or csr.nnz == 0 or x.numel() == 0:
         return baseline(csr, values, x, row_scale, col_scale, transpose)
     _import_cupy()
@@ -860,8 +897,8 @@ def _sddmm_cupy_backend(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) 
 # --------------------------------------------------------------------------- dispatch
 BACKENDS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {
     "native": (_spmm_native, _sddmm_native),  # applies the scales inside the product
-    "torch": (_scaled_around(_spmm_torch), _sddmm_gather),
-    "scipy": (_scaled_around(_spmm_scipy), _sddmm_gather),
+    "torch": (_scales_folded(_spmm_torch), _sddmm_gather),
+    "scipy": (_scales_folded(_spmm_scipy), _sddmm_gather),
     "cupy": (_spmm_cupy_backend, _sddmm_cupy_backend),
 }
 #: the backend :func:`set_default_backend` forces (``None``: none)
@@ -933,9 +970,9 @@ def spmm(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, backend: Opt
 
     ``x`` is ``[num_cols, ...]``; with ``values`` of shape ``[E, H]`` (H > 1) ``x`` must be
     ``[num_cols, H, C]`` and head ``h`` is weighted by ``values[:, h]``. The scales are 1-d, of
-    ``x``'s dtype and device. Returns ``[num_rows, ...]``. The ``native`` backend applies the
-    scales inside the product; the others scale ``x``'s rows before it (a temporary of ``x``'s
-    size) and the result's rows after.
+    ``x``'s dtype and device. Returns ``[num_rows, ...]``. The ``native`` backend and the own CUDA
+    kernels of ``cupy`` apply the scales inside the product; the others fold them into the edge
+    values (an edge tensor; without edge values, one cached per graph and pair of scales).
 
     ``transpose=True`` computes the transposed product ``(diag(row_scale) A diag(col_scale))^T x``
     from the same structure, without a transposed copy: ``x`` is ``[num_rows, ...]`` and the result
