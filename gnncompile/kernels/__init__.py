@@ -864,7 +864,11 @@ def _sddmm_chosen(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int, *, bas
                                                          csr.nnz / max(1, csr.num_rows))}
         candidates: dict[str, Callable[[], torch.Tensor]] = {"gather": lambda: baseline(csr, a, b, heads)}
         candidates.update({name: functools.partial(own, c) for name, c in configs.items()})
-        return configs.get(cuda.choose("sddmm", _shape_label(csr, width, heads), candidates, "gather", timer))
+        had_rows = f"rows:{a.device}" in csr.cache
+        cfg = configs.get(cuda.choose("sddmm", _shape_label(csr, width, heads), candidates, "gather", timer))
+        if cfg is not None and not had_rows:
+            csr.cache.pop(f"rows:{a.device}", None)  # the reference's per-edge rows, made only to compare
+        return cfg
 
     cfg = csr.cached(f"choice:sddmm:{a.device}:{width}:{heads}", decide)
     return baseline(csr, a, b, heads) if cfg is None else own(cfg)
