@@ -147,6 +147,8 @@ class BenchGraph:
     values: torch.Tensor        # float32 [E], GCN normalization 1/sqrt(deg_in(dst) deg_out(src))
     csr_t: CSR                  # rows = sources (the backward product)
     values_t: torch.Tensor
+    row_scale: torch.Tensor     # float32 [V], deg_in^-1/2 (0 without in-edges): the same product as vertex scales
+    col_scale: torch.Tensor     # float32 [V], deg_out^-1/2 (0 without out-edges)
 
     @property
     def num_edges(self) -> int:
@@ -169,7 +171,10 @@ def build_graph(name: str, edge_index: np.ndarray, num_nodes: int) -> BenchGraph
 
     fwd, values = csr(dst, src, value)
     bwd, values_t = csr(src, dst, value)
-    return BenchGraph(name, num_nodes, fwd, values, bwd, values_t)
+
+    def inv_sqrt(deg: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.where(deg > 0, 1.0 / np.sqrt(np.maximum(deg, 1.0)), 0.0).astype(np.float32))
+    return BenchGraph(name, num_nodes, fwd, values, bwd, values_t, inv_sqrt(deg_in), inv_sqrt(deg_out))
 
 
 def load_graph(name: str) -> BenchGraph:
@@ -200,6 +205,11 @@ def products(g: BenchGraph, x: torch.Tensor) -> dict[str, Callable[[], torch.Ten
     for backend in ("native", "cupy", "torch", "scipy"):
         if backend in available:
             fns[f"gnncompile {backend}"] = lambda b=backend: kernels.spmm(g.csr, values, x, backend=b)
+    rs, cs = g.row_scale.to(dev), g.col_scale.to(dev)
+    for backend in ("native", "cupy", "torch"):
+        if backend in available:  # GCN's normalization as per-vertex scales, as gnncompile's layers pass it
+            fns[f"gnncompile {backend}, vertex scales"] = \
+                lambda b=backend: kernels.spmm(g.csr, None, x, backend=b, row_scale=rs, col_scale=cs)
     fns["torch.sparse.mm (CSR)"] = lambda: torch.sparse.mm(adj_t, x)
     try:
         from torch_geometric import EdgeIndex
