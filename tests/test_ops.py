@@ -789,3 +789,29 @@ def test_functional_linear_takes_sparse_features_without_a_transposed_copy() -> 
     node = next(n for n in tp.graph.nodes if n.target is linear)  # the first layer's, on the features
     t = node.meta["tp"]
     assert t.kind == "T" and t.flops.v > 0 and t.bytes_read.c >= 12 * 4 * 4  # reads the weight: a GEMM
+
+
+def test_self_loop_term_is_one_product_and_one_add_per_block() -> None:
+    """``_add_scaled_rows`` (the self-loop term of every propagation over ``A + I``) launches a
+    product and an in-place add per block of rows: no copy of the block onto itself (what
+    ``out[a:b] += ...`` also does), which on a GPU is one more kernel and pass per block."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    out, x, f = torch.zeros(3000, 128), torch.randn(3000, 128), torch.rand(3000)
+    expected = out + f[:, None] * x
+    with Ops() as mode:
+        fops._add_scaled_rows(out, f, x)
+    assert torch.equal(out, expected)
+    computing = [n for n in mode.names if n not in ("aten.slice", "aten.view", "aten.unsqueeze", "aten.reshape",
+                                                    "aten.expand", "aten.as_strided")]
+    blocks = -(-3000 * 128 * 4 // fops._ROW_BLOCK_BYTES["cpu"])
+    assert computing == ["aten.mul", "aten.add_"] * blocks, mode.names

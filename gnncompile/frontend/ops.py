@@ -224,7 +224,7 @@ def _add_scaled_rows(out: torch.Tensor, factors: torch.Tensor, x: torch.Tensor) 
     step = max(1, _ROW_BLOCK_BYTES.get(out.device.type, 1 << 20) // row_bytes)
     for a in range(0, rows, step):
         b = min(rows, a + step)
-        out[a:b] += _per_row(factors[a:b], x) * x[a:b]
+        out[a:b].add_(_per_row(factors[a:b], x) * x[a:b])  # (not ``out[a:b] +=``: that also copies the block onto itself)
 
 
 class _SpMM(torch.autograd.Function):
