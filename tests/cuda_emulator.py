@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
-import itertools
 import os
 import shutil
 import subprocess
@@ -25,22 +24,13 @@ import numpy as np
 from gnncompile.kernels import cuda
 
 HEADER = Path(__file__).with_name("cuda_emu.h")
-_INDEX = ("int", "long long")
-_GROUPS = (1, 2, 4, 8, 16, 32)
 _CTYPES = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int64,
            np.dtype(np.int32): ctypes.c_int32, np.dtype(np.float32): ctypes.c_float}
 
 
 def kernel_names() -> list[str]:
-    """Every kernel instance the launch plans can name."""
-    names = []
-    for it, vec, group in itertools.product(_INDEX, (1, 2, 4), _GROUPS):
-        for push in ("false", "true"):
-            names += [f"spmm_rows<{it}, {vec}, {group}, {push}>", f"spmm_chunks<{it}, {vec}, {group}, {push}>"]
-        names += [f"sddmm_rows<{it}, {vec}, {group}>", f"sddmm_chunks<{it}, {vec}, {group}>"]
-    for it, group in itertools.product(_INDEX, _GROUPS):
-        names += [f"attention_forward<{it}, {group}>", f"attention_backward<{it}, {group}>"]
-    return names
+    """Every kernel instance the launch plans can name (what the GPU module holds)."""
+    return list(cuda.kernel_instances())
 
 
 class Emulator:

@@ -35,6 +35,7 @@ __all__ = [
     "Launch",
     "DeviceCSR",
     "CupyRunner",
+    "kernel_instances",
     "Choice",
     "spmm_configs",
     "sddmm_configs",
@@ -299,26 +300,44 @@ def run_sddmm(csr: DeviceCSR, a: torch.Tensor, b: torch.Tensor, heads: int, cfg:
     return out
 
 
+def kernel_instances() -> tuple[str, ...]:
+    """The name expression of every kernel instance a launch plan can name (the module's contents)."""
+    names: list[str] = []
+    for it in ("int", "long long"):
+        for vec in (1, 2, 4):
+            for group in _GROUPS:
+                for push in ("false", "true"):
+                    names += [f"spmm_rows<{it}, {vec}, {group}, {push}>", f"spmm_chunks<{it}, {vec}, {group}, {push}>"]
+                names += [f"sddmm_rows<{it}, {vec}, {group}>", f"sddmm_chunks<{it}, {vec}, {group}>"]
+        for group in _GROUPS:
+            names += [f"attention_forward<{it}, {group}>", f"attention_backward<{it}, {group}>"]
+    return tuple(names)
+
+
 class CupyRunner:
-    """Runs :class:`Launch` records on CUDA through CuPy: each kernel instance compiled once per
-    device (NVRTC, ``-std=c++17``; CuPy caches the binary on disk), launched on torch's current stream."""
+    """Runs :class:`Launch` records on CUDA through CuPy, on torch's current stream. Every kernel
+    instance (:func:`kernel_instances`) is compiled in one NVRTC module (``-std=c++17``) on a
+    device's first launch; CuPy keeps the binary in its on-disk cache, so later processes load it."""
 
     def __init__(self) -> None:
         with open(SOURCE) as f:
             self.source = f.read()
+        self._modules: dict[int, Any] = {}
         self._functions: dict[tuple[int, str], Any] = {}
         self._lock = threading.Lock()
 
     def function(self, device: int, kernel: str) -> Any:
-        """The compiled kernel ``kernel`` (a name expression) on CUDA device ``device``."""
+        """The compiled kernel ``kernel`` (a name expression of :func:`kernel_instances`) on CUDA device ``device``."""
         key = (device, kernel)
         with self._lock:
             if key not in self._functions:
                 import cupy
 
                 with cupy.cuda.Device(device):
-                    module = cupy.RawModule(code=self.source, options=("-std=c++17",), name_expressions=(kernel,))
-                    self._functions[key] = module.get_function(kernel)
+                    if device not in self._modules:
+                        self._modules[device] = cupy.RawModule(code=self.source, options=("-std=c++17",),
+                                                               name_expressions=kernel_instances())
+                    self._functions[key] = self._modules[device].get_function(kernel)
             return self._functions[key]
 
     def __call__(self, launch: Launch, device: Optional[torch.device] = None) -> None:
