@@ -7,7 +7,9 @@ torch sparse CSR tensor), and an R-MAT graph with 100k vertices / ~2M edges (128
 Systems: gnncompile (default kernel backend), PyG with ``edge_index``, PyG with a CSR ``adj_t``
 (``torch.sparse_csr_tensor``; PyG's fastest path without torch_sparse); on CUDA also
 ``gnncompile-cupy``: gnncompile with the ``cupy`` backend (``GNNCOMPILE_BACKEND=cupy``: per-shape
-choice of cuSPARSE or the own kernels, the fused CUDA attention).
+choice of cuSPARSE or the own kernels, the fused CUDA attention); ``gnncompile-train``: the steps
+of ``gc.train`` itself (its Philox dropout masks and fused Adam), timed by its history; the other
+gnncompile cells time the module in the loop PyG's cells use (torch's dropout, ``torch.optim.Adam``).
 
 Every (system, model, graph) cell runs in its own subprocess so allocator state does not leak
 between cells; each cell is run twice: with the default allocator and with the glibc settings
@@ -50,8 +52,8 @@ from _results import command_line, gpu_info, machine_info, today, update_section
 GRAPHS = ("cora", "coauthor_physics", "rmat", "rmat-2m")
 DEFAULT_GRAPHS = ("cora", "coauthor_physics", "rmat")
 MODELS = ("gcn", "sage", "gat")
-SYSTEMS = ("gnncompile", "gnncompile-cupy", "pyg-edge_index", "pyg-csr")
-CPU_SYSTEMS = ("gnncompile", "pyg-edge_index", "pyg-csr")
+SYSTEMS = ("gnncompile", "gnncompile-train", "gnncompile-cupy", "pyg-edge_index", "pyg-csr")
+CPU_SYSTEMS = ("gnncompile", "gnncompile-train", "pyg-edge_index", "pyg-csr")
 ALLOC_ENV = {
     "default": {},
     "tuned": {"MALLOC_MMAP_THRESHOLD_": "17179869184", "MALLOC_TRIM_THRESHOLD_": "17179869184",
@@ -131,6 +133,8 @@ def _run_cell(system: str, model: str, graph: str, epochs: int, warmup: int, thr
             net = gc.nn.build_model(model, g.num_features, 256, g.num_classes, num_layers=2, dropout=0.5)
         net = net.to(device)
         fwd = lambda: net(g, x)  # noqa: E731
+        if system == "gnncompile-train":
+            return _train_cell(gc, net, g, epochs, warmup, device)
     else:
         net = _pyg_model(model, g.num_features, g.num_classes).to(device)
         ei = torch.stack([g.indices, g.dst])
@@ -170,6 +174,26 @@ def _run_cell(system: str, model: str, graph: str, epochs: int, warmup: int, thr
     out = {"median_s": times[len(times) // 2], "min_s": times[0], "epochs": epochs, "note": note}
     if cuda:
         out["peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return out
+
+
+def _train_cell(gc, net, g, epochs: int, warmup: int, device) -> dict:
+    """``gnncompile-train``: the steps of :func:`gnncompile.train` itself (its dropout masks, its
+    fused Adam, no host synchronization in the step), timed by its history (``epoch_time``: the
+    step alone, ended by a CUDA synchronization on a GPU; evaluation is timed apart)."""
+    import torch
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    hist = gc.train(net, g, epochs=warmup + epochs, lr=0.01, weight_decay=5e-4, device=device,
+                    eval_every=10**9, verbose=False)
+    times = sorted(hist.epoch_time[warmup:])
+    out = {"median_s": times[len(times) // 2], "min_s": times[0], "epochs": epochs,
+           "note": "gc.train's step"}
+    if cuda:
+        out["peak_bytes"] = int(torch.cuda.max_memory_allocated(device))  # (with its one final evaluation)
     return out
 
 

@@ -12,7 +12,7 @@
 #              every config of the own kernels and the cupy backend's choices,
 #              PyG and every CUDA backend in the same run)
 #   epoch      benchmarks/epoch_time.py --device cuda: one training step of GCN, SAGE and GAT on
-#              cora and R-MAT 100k/2M, gnncompile's torch and cupy backends against PyG (edge_index)
+#              cora and R-MAT 100k/2M, gnncompile (torch and cupy backends, and gc.train) against PyG (edge_index)
 #              in the same run
 #
 # Usage: bash scripts/gpu_check.sh [PHASE...]     (default: all four, in that order)
@@ -68,7 +68,7 @@ for phase in "${phases[@]}"; do
     calibrate) run_phase calibrate 150 python3 -m gnncompile calibrate --device cuda --quick --out "$OUT/gpu_profile.json" ;;
     spmm) run_phase spmm 90 python3 benchmarks/spmm.py --device cuda --graphs rmat --dims 64,256 --out "$OUT/RESULTS.md" ;;
     epoch) run_phase epoch 120 python3 benchmarks/epoch_time.py --device cuda --graphs cora rmat \
-             --models gcn sage gat --systems gnncompile gnncompile-cupy pyg-edge_index --out "$OUT/RESULTS.md" ;;
+             --models gcn sage gat --systems gnncompile gnncompile-train gnncompile-cupy pyg-edge_index --out "$OUT/RESULTS.md" ;;
     *) echo "unknown phase $phase (tests, calibrate, spmm, epoch)" | tee -a "$OUT/setup.log" ;;
   esac
 done
