@@ -174,6 +174,10 @@ def _run_cell(system: str, model: str, graph: str, epochs: int, warmup: int, thr
     out = {"median_s": times[len(times) // 2], "min_s": times[0], "epochs": epochs, "note": note}
     if cuda:
         out["peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    if system == "gnncompile-cupy":
+        from gnncompile.kernels import cuda as own_kernels
+
+        out["choices"] = [str(c) for c in own_kernels.choices()]  # what the cupy backend chose per shape
     return out
 
 
@@ -287,6 +291,11 @@ def main() -> None:
     if cuda:
         body += ("\nOn CUDA each epoch is timed between two `torch.cuda.synchronize()` calls; peak GPU memory is "
                  "`torch.cuda.max_memory_allocated` over the timed and warm-up epochs.\n")
+        chosen = [f"- {graph} {model}: {c}" for graph, model, _, res, _ in rows
+                  for c in res.get("gnncompile-cupy", {}).get("choices", ())]
+        if chosen:
+            body += ("\nKernels the `cupy` backend chose in the gnncompile-cupy cells (`kernels.cuda.choices()`, "
+                     "times in ms):\n\n" + "\n".join(chosen) + "\n")
     update_section(Path(args.out), "Epoch time vs PyG on CUDA" if cuda else "Epoch time vs PyG", body)
     print(f"wrote {args.out}")
 
