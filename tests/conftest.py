@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -47,3 +49,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """A function ``(name, count, memory, **properties)`` that makes ``torch.cuda`` report ``count``
+    GPUs called ``name`` with ``memory`` bytes (and ``properties``) for the test: what the planner
+    and calibration read of CUDA, on any machine."""
+    def fake(name: str, count: int, memory: int, **properties: Any) -> None:
+        props = SimpleNamespace(total_memory=memory, **properties)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    return fake

@@ -215,17 +215,10 @@ def test_an_unknown_gpu_is_usable_through_its_profile(tmp_path: Path) -> None:
         Cluster.parse("2xGeForce-RTX-4090")                             # without its profile
 
 
-def test_local_gpu_cluster_uses_the_saved_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_gpu_cluster_uses_the_saved_profile(monkeypatch: pytest.MonkeyPatch, fake_gpus: Any) -> None:
     h100 = _gpu_profile()
     h100.save(default_gpu_profile_path("H100"))
-
-    class Props:
-        total_memory = int(79.6 * GiB)
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: Props())
+    fake_gpus("NVIDIA H100 80GB HBM3", 4, int(79.6 * GiB))
     monkeypatch.delenv("GNNCOMPILE_DEVICE", raising=False)
     c = Cluster.local(2)
     assert c.device == h100.device and c.calibrated and c.name == "2xH100"
@@ -288,21 +281,16 @@ def test_gpu_calibration_end_to_end(gpu_calibrated: tuple[Cluster, Path]) -> Non
         assert Cluster.parse(f"4x{cal['model']}", profile=path).device == d
 
 
-def test_gpu_calibration_assembles_a_profile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_gpu_calibration_assembles_a_profile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fake_gpus: Any) -> None:
     """``calibrate(device="cuda")``'s own logic on the CPU: the GPU rank runs in this process on CPU
     tensors with CUDA's queries stubbed (an H100 with one GPU: collectives skipped), the runtime's
     fixed costs stubbed; the profile it saves is an H100 one that ``Cluster.parse`` applies."""
     from types import SimpleNamespace
 
-    class Props:
-        total_memory, major, minor, multi_processor_count = int(79.6 * GiB), 9, 0, 132
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    memory = int(79.6 * GiB)
+    fake_gpus("NVIDIA H100 80GB HBM3", 1, memory, major=9, minor=0, multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: Props())
     launched = []
 
     def launch(fn: Any, world_size: int, args: tuple, **kw: Any) -> list:
@@ -320,7 +308,7 @@ def test_gpu_calibration_assembles_a_profile(monkeypatch: pytest.MonkeyPatch, tm
     assert [(fn, n, kw["device"]) for fn, n, kw in launched] == [(calibration._gpu_rank, 1, "cuda:0")]
     d, cal = c.device, c.calibration
     assert (cal["model"], cal["preset"], cal["device"]) == ("H100", "H100", "cuda:0")
-    assert d.kind == "gpu" and d.name == "NVIDIA H100 80GB HBM3" and d.memory == Props.total_memory and d.gamma == 0
+    assert d.kind == "gpu" and d.name == "NVIDIA H100 80GB HBM3" and d.memory == memory and d.gamma == 0
     assert d.flops["float32"] == cal["rates"]["flops"]["float32"] > 0                # measured
     assert d.flops["bfloat16"] == DEVICES["H100"].flops["bfloat16"]                    # the preset's
     assert cal["flops_from_datasheet"] == ["bfloat16", "float16"]

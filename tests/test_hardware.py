@@ -362,17 +362,10 @@ def test_cpu_cluster_label_says_the_host_memory_is_shared() -> None:
     assert c.rank_device(0).memory * 4 == pytest.approx(c.device.memory, rel=1e-6)
 
 
-def test_local_cluster_with_more_ranks_than_gpus_shares_them(monkeypatch) -> None:
+def test_local_cluster_with_more_ranks_than_gpus_shares_them(monkeypatch, fake_gpus) -> None:
     """A one-GPU machine plans 4 ranks as 4 shares of its GPU (the runtime's shared-GPU mode)."""
     a100 = DEVICES["A100-80GB"]
-
-    class Props:
-        total_memory = a100.memory
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA A100-SXM4-80GB")
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: Props())
+    fake_gpus("NVIDIA A100-SXM4-80GB", 1, a100.memory)
     monkeypatch.delenv("GNNCOMPILE_DEVICE", raising=False)
     one = Cluster.local(1)
     assert one.num_devices == 1 and one.device.name == "A100-80GB"

@@ -543,12 +543,12 @@ def _torch_csr(csr: CSR, values: Optional[torch.Tensor], dtype: torch.dtype, dev
                                        device=device, check_invariants=False)
 
 
-def _cached_for(csr: CSR, key: str, tensors: tuple[Optional[torch.Tensor], ...], build: Callable[[], Any]) -> Any:
-    """``build()`` of ``tensors``, cached on ``csr`` while they are the same objects, unchanged
-    (their versions); the entry leaves the cache when one of them is freed."""
+def _memo_for(cache: dict, key: str, tensors: tuple[Optional[torch.Tensor], ...], build: Callable[[], Any]) -> Any:
+    """``build()`` of ``tensors``, kept in ``cache`` while they are the same objects, unchanged (their
+    versions), as when it was built; the entry leaves ``cache`` when one of them is freed."""
     key = f"{key}:" + ":".join(str(id(t)) for t in tensors)
     stamp = tuple(None if t is None else t._version for t in tensors)
-    hit = csr.cache.get(key)
+    hit = cache.get(key)
     if hit is not None and hit[0] == stamp and all(r is None or r() is t for r, t in zip(hit[1], tensors)):
         return hit[2]
     value = build()
@@ -556,8 +556,8 @@ def _cached_for(csr: CSR, key: str, tensors: tuple[Optional[torch.Tensor], ...],
     if hit is None:
         for t in tensors:
             if t is not None:
-                weakref.finalize(t, csr.cache.pop, key, None)
-    csr.cache[key] = (stamp, refs, value)
+                weakref.finalize(t, cache.pop, key, None)
+    cache[key] = (stamp, refs, value)
     return value
 
 
@@ -576,7 +576,7 @@ def _edge_factors(csr: CSR, row_scale: Optional[torch.Tensor], col_scale: Option
         f = torch.repeat_interleave(row_scale, indptr[1:] - indptr[:-1], output_size=csr.nnz)
         return f.mul_(col_scale.index_select(0, indices)) if col_scale is not None else f
 
-    return _cached_for(csr, f"edge_factors:{dev}:{like.dtype}", (row_scale, col_scale), build)
+    return _memo_for(csr.cache, f"edge_factors:{dev}:{like.dtype}", (row_scale, col_scale), build)
 
 
 def _scales_folded(fn: Callable[[CSR, Optional[torch.Tensor], torch.Tensor, bool], torch.Tensor]) -> Callable[..., torch.Tensor]:

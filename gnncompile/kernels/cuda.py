@@ -340,10 +340,11 @@ class CupyRunner:
                     self._functions[key] = self._modules[device].get_function(kernel)
             return self._functions[key]
 
-    def __call__(self, launch: Launch, device: Optional[torch.device] = None) -> None:
+    def __call__(self, launch: Launch) -> None:
+        """Launch on the current CUDA device (callers enter ``torch.cuda.device(tensor.device)``)."""
         import cupy
 
-        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+        dev = torch.device("cuda", torch.cuda.current_device())
         fn = self.function(dev.index, launch.kernel)
         stream = torch.cuda.current_stream(dev)
         with cupy.cuda.Device(dev.index), cupy.cuda.ExternalStream(stream.cuda_stream, dev.index):
@@ -377,29 +378,31 @@ def choices() -> list[Choice]:
         return list(_choices)
 
 
+def _best_ms(fn: Callable[[], Any], repeats: int, timed: Callable[[Callable[[], Any]], float]) -> float:
+    """Best of ``repeats`` times (ms, by ``timed``) of ``fn`` after one warm-up call."""
+    fn()
+    return min(timed(fn) for _ in range(repeats))
+
+
 def cuda_timer(fn: Callable[[], Any], repeats: int = 3) -> float:
     """Best time of ``fn`` in ms over ``repeats`` calls after one warm-up, by CUDA events on the current stream."""
-    fn()
-    best = math.inf
-    for _ in range(repeats):
+    def timed(f: Callable[[], Any]) -> float:
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        f()
         stop.record()
         stop.synchronize()
-        best = min(best, start.elapsed_time(stop))
-    return best
+        return start.elapsed_time(stop)
+    return _best_ms(fn, repeats, timed)
 
 
 def wall_timer(fn: Callable[[], Any], repeats: int = 3) -> float:
     """Best wall time of ``fn`` in ms over ``repeats`` calls after one warm-up (host-side work)."""
-    fn()
-    best = math.inf
-    for _ in range(repeats):
+    def timed(f: Callable[[], Any]) -> float:
         t = time.perf_counter()
-        fn()
-        best = min(best, (time.perf_counter() - t) * 1e3)
-    return best
+        f()
+        return (time.perf_counter() - t) * 1e3
+    return _best_ms(fn, repeats, timed)
 
 
 def _mismatch(out: Any, ref: torch.Tensor) -> Optional[str]:

@@ -15,13 +15,12 @@ extension builds, else the same arithmetic in torch operations (any device; much
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Optional, Sequence
 
 import torch
 
 from ..errors import KernelError
-from . import _load_native, native_edge_ops
+from . import _load_native, _memo_for, native_edge_ops
 
 __all__ = ["dropout_mask", "philox4x32", "keep_threshold", "keep_times"]
 
@@ -95,25 +94,22 @@ def _mask_torch(seed: int, p: float, num_rows: int, width: int, rows: Optional[t
     return keep.to(dtype).mul_(scale).reshape(r.numel(), width)  # where(keep, scale, 0), faster
 
 
-#: the row tensors whose bounds :func:`dropout_mask` checked, by ``id``: (a weak reference to the
-#: tensor, the row count, the tensor's version); an entry leaves with its tensor
-_checked: dict[int, tuple["weakref.ref[torch.Tensor]", int, int]] = {}
+#: the row tensors whose bounds :func:`dropout_mask` checked, per row count (:func:`_memo_for`)
+_checked: dict = {}
 
 
 def _check_rows(rows: torch.Tensor, num_rows: int) -> None:
     """Raise unless every entry of ``rows`` is in ``[0, num_rows)``; a tensor already checked for
     ``num_rows`` and unchanged since (its version) is not read again: reading its bounds is a host
     synchronization on a GPU, and a plan draws masks for the same rows every step."""
-    if not rows.numel():
-        return
-    seen = _checked.get(id(rows))
-    if seen is not None and seen[0]() is rows and seen[1:] == (num_rows, rows._version):
-        return
-    low, high = torch.stack(torch.aminmax(rows)).tolist()  # one read
-    if low < 0 or high >= num_rows:
-        raise KernelError(f"dropout_mask: rows must be in [0, {num_rows})")
-    key = id(rows)
-    _checked[key] = (weakref.ref(rows, lambda _, k=key: _checked.pop(k, None)), num_rows, rows._version)
+    def check() -> bool:
+        low, high = torch.stack(torch.aminmax(rows)).tolist()  # one read
+        if low < 0 or high >= num_rows:
+            raise KernelError(f"dropout_mask: rows must be in [0, {num_rows})")
+        return True
+
+    if rows.numel():
+        _memo_for(_checked, f"rows<{num_rows}", (rows,), check)
 
 
 def dropout_mask(seed: int, p: float, num_rows: int, row_shape: Sequence[int] = (), *,

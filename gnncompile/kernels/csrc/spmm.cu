@@ -261,10 +261,7 @@ __global__ void attention_forward(const i64* __restrict__ indptr, const I* __res
   RowPairs<GROUP> rp(heads, loops);
   if (rp.row >= rows) return;
   rp.load(indptr, log_heads);
-  const i64 row = rp.row, begin = rp.begin, n = rp.n;
-  const int lane = rp.lane, h = rp.h;
-  const u32 mask = rp.mask;
-  const bool loop_lane = rp.loop_lane;
+  const auto [row, begin, n, lane, h, mask, loop_lane] = rp;
   const float d = dst[row * heads + h];
   const float y_loop = loop_lane ? leaky(src[(own + row) * heads + h] + d, slope) : 0.0f;
   float* a = alpha + begin * heads;
@@ -306,10 +303,7 @@ __global__ void attention_backward(const i64* __restrict__ indptr, const I* __re
   RowPairs<GROUP> rp(heads, loops);
   if (rp.row >= rows) return;
   rp.load(indptr, log_heads);
-  const i64 row = rp.row, begin = rp.begin, n = rp.n;
-  const int lane = rp.lane, h = rp.h;
-  const u32 mask = rp.mask;
-  const bool loop_lane = rp.loop_lane;
+  const auto [row, begin, n, lane, h, mask, loop_lane] = rp;
   const i64 base = begin * heads, loop_at = (edges + row) * heads + h;
 
   float dot = loop_lane ? alpha[loop_at] * grad[loop_at] : 0.0f;
