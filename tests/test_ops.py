@@ -8,6 +8,7 @@ vertex, a self loop, a duplicated edge, a hub (many in- and out-edges), plus a s
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import pytest
@@ -762,6 +763,57 @@ def test_plan_dropout_draws_redirects_dropout(monkeypatch) -> None:
     torch.manual_seed(0)
     assert torch.equal(a, cpu * real(cpu, 0.3))
     assert calls == [("meta", 0.25), ("meta", 0.5), ("cpu", 0.3)]
+
+
+def test_primitives_run_outside_the_dropout_redirection() -> None:
+    """Under plan_dropout_draws the graph primitives run with the redirection suspended: the mode sees
+    the model's own torch calls (its dropouts, redirected), none made inside propagate or
+    edge_attention (a torch function mode sees every call and attribute read: ~230 in a small GAT
+    forward, most of them in the primitives, which doubled its host time). Under another torch
+    function mode entered inside it nothing is suspended, and the outputs agree."""
+    import sys as _sys
+
+    from gnncompile.frontend import ops as ops_module
+
+    g = gnncompile.datasets.synthetic("sbm", num_nodes=40, avg_degree=4, num_features=6, num_classes=3, seed=0)
+    model = gnncompile.nn.GAT(6, 4, 3, heads=2, dropout=0.5).train()
+    real = ops_module.plan_dropout_draws.__torch_function__
+
+    def callers(inner: bool) -> tuple[list[str], torch.Tensor]:
+        seen: list[str] = []
+
+        def spy(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            frame = _sys._getframe(1)
+            while frame is not None and (f"{os.sep}torch{os.sep}" in frame.f_code.co_filename
+                                         or frame.f_code.co_name == "__torch_function__"):  # (Passing's)
+                frame = frame.f_back
+            seen.append("" if frame is None else frame.f_code.co_filename)
+            return real(self, func, types, args, kwargs)
+
+        class Passing(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                return func(*args, **(kwargs or {}))
+
+        ops_module.plan_dropout_draws.__torch_function__ = spy
+        try:
+            torch.manual_seed(0)
+            with ops_module.plan_dropout_draws():
+                if inner:
+                    with Passing():
+                        out = model(g, g.x)
+                else:
+                    out = model(g, g.x)
+        finally:
+            ops_module.plan_dropout_draws.__torch_function__ = real
+        return seen, out
+
+    inside = (os.path.join("gnncompile", "frontend", "ops.py"), os.path.join("gnncompile", "kernels", ""))
+    seen, out = callers(inner=False)
+    assert seen and not [f for f in seen if any(part in f for part in inside)]
+    assert any(os.path.join("gnncompile", "nn", "") in f for f in seen)  # the model's own calls
+    seen_nested, out_nested = callers(inner=True)
+    assert [f for f in seen_nested if any(part in f for part in inside)]  # nothing suspended
+    assert torch.equal(out, out_nested)  # (the same dropout masks: the same seeds drawn)
 
 
 def test_functional_linear_takes_sparse_features_without_a_transposed_copy() -> None:

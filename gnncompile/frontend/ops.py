@@ -100,6 +100,9 @@ def fx_leaf(kind: str) -> Callable[[F], F]:
             proxy = _has_proxy(args, kwargs)
             if proxy is not None:
                 return proxy.tracer.create_proxy("call_function", wrapper, args, kwargs)
+            if plan_dropout_draws.innermost():
+                with torch.overrides._pop_mode_temporarily():  # (no dropout inside a primitive)
+                    return fn(*args, **kwargs)
             return fn(*args, **kwargs)
 
         wrapper.__gnncompile_kind__ = kind  # type: ignore[attr-defined]
@@ -826,7 +829,10 @@ class plan_dropout_draws(torch.overrides.TorchFunctionMode):
     ``F.dropout``'s own RNG calls; the single-device reference (:func:`gnncompile.train`, the
     reference step of :mod:`gnncompile.testing`) runs its forward in this context, so for the same
     seed a plan's masks equal the reference's on every device. Only active dropout (``training``,
-    ``0 < p < 1``, dense ``x``) is redirected.
+    ``0 < p < 1``, dense ``x``) is redirected. The graph primitives (:func:`fx_leaf`), which draw
+    no dropout, run with this context suspended when it is the innermost torch function mode: a
+    mode sees every torch call and attribute read (~230 in a GAT forward, most of them inside the
+    primitives), which doubled a small graph's forward on the host.
     """
 
     _depth = threading.local()
@@ -837,6 +843,11 @@ class plan_dropout_draws(torch.overrides.TorchFunctionMode):
         """Context for the forward of a checkpoint that re-enters this redirection for its replay
         (:class:`~gnncompile.passes.recompute.Recompute`): its dropouts are not refused."""
         return _Counting(cls._handled)
+
+    @classmethod
+    def innermost(cls) -> bool:
+        """Whether this thread's innermost torch function mode is a ``plan_dropout_draws`` context."""
+        return getattr(cls._depth, "n", 0) > 0 and isinstance(torch.overrides._get_current_function_mode(), cls)
 
     @classmethod
     def active(cls) -> bool:
