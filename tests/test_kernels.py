@@ -611,3 +611,65 @@ def test_scales_fold_into_edge_values_without_a_copy_of_x() -> None:
     out = kernels.spmm(csr, None, x, "torch", row_scale=row, col_scale=col)
     torch.testing.assert_close(out, kernels.spmm(csr, None, x * col[:, None], "torch") * row[:, None],
                                **TOL[torch.float32])
+
+
+# --------------------------------------------------------------------------- self loops
+# (shape, weights, scaled): products whose matrix also has self-loop entries
+LOOP_CASES = [("square", "weighted", True), ("rect_odd_width", "unweighted", False), ("wide", "column", True),
+              ("width_1", "weighted", False), ("vector_heads_1d", "unweighted", True), ("heads_3x5", "weighted", True),
+              ("heads_4x16", "weighted", False), ("heads_2x300", "weighted", True), ("empty_rows", "unweighted", True),
+              ("hub", "weighted", False)]
+
+
+def dense_with_loops(csr: CSR, values: Optional[torch.Tensor], heads: int, row: Optional[torch.Tensor],
+                     col: Optional[torch.Tensor], loop: torch.Tensor, at: tuple[int, int]) -> torch.Tensor:
+    """``diag(row) A diag(col) + L`` as a dense ``[rows, cols, heads]`` matrix, ``L``'s entries
+    ``loop[i]`` (per head where it has heads) at ``(at[0] + i, at[1] + i)``."""
+    v = torch.ones(csr.nnz, dtype=loop.dtype) if values is None else values
+    m = dense(csr, v.reshape(csr.nnz, -1)).expand(csr.num_rows, csr.num_cols, heads).clone()
+    if row is not None:
+        m *= row[:, None, None]
+    if col is not None:
+        m *= col[None, :, None]
+    i = torch.arange(loop.shape[0])
+    m[at[0] + i, at[1] + i] += loop.reshape(loop.shape[0], -1)
+    return m
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["pull", "push"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["row_factor", "head_factors"])
+@pytest.mark.parametrize("shape,weights,scaled", LOOP_CASES)
+def test_spmm_self_loops_match_the_dense_product(backend: str, shape: str, weights: str, scaled: bool,
+                                                 per_head: bool, transpose: bool) -> None:
+    """``loop=`` adds the self-loop entries of ``A + L`` (unscaled, anywhere in a rectangular matrix:
+    ``loop_at``) in the same call, per row or per head, pulled and pushed."""
+    rows, cols, nnz, feat, heads = SHAPES[shape]
+    dtype = torch.float64
+    csr = random_csr(rows, cols, nnz, seed=len(shape), hub=shape == "hub")
+    x = randn(rows if transpose else cols, *feat, dtype=dtype, seed=1)
+    values = values_for(csr, weights, heads, dtype, seed=2)
+    row = torch.rand(rows, dtype=dtype, generator=torch.Generator().manual_seed(3)) + 0.5 if scaled else None
+    col = torch.rand(cols, dtype=dtype, generator=torch.Generator().manual_seed(4)) + 0.5 if scaled else None
+    at = (rows // 5, 0) if rows >= cols else (0, cols // 4)
+    n = min(rows - at[0], cols - at[1]) - 1
+    lh = feat[0] if per_head and len(feat) == 2 else 1
+    loop = randn(n, *((lh,) if per_head else ()), dtype=dtype, seed=5)
+    out = kernels.spmm(csr, values, x, backend, row_scale=row, col_scale=col, transpose=transpose, loop=loop,
+                       loop_at=at)
+    lh_all = feat[0] if len(feat) == 2 else 1
+    m = dense_with_loops(csr, values, lh_all if (heads > 1 or lh > 1) else 1, row, col, loop, at)
+    x3 = x.reshape(x.shape[0], m.shape[2], -1)
+    expected = torch.einsum("rch,chd->rhd", m, x3) if not transpose else torch.einsum("rch,rhd->chd", m, x3)
+    assert out.shape == expected.reshape(out.shape).shape
+    torch.testing.assert_close(out, expected.reshape(out.shape), **TOL[dtype])
+
+
+def test_spmm_rejects_misplaced_self_loops() -> None:
+    csr = random_csr(10, 8, 3.0, seed=51)
+    x = torch.randn(8, 4)
+    with pytest.raises(KernelError, match=r"8 self loops from \(3, 0\) do not fit the 10 x 8 matrix"):
+        kernels.spmm(csr, None, x, loop=torch.ones(8), loop_at=(3, 0))
+    with pytest.raises(KernelError, match=r"loop must be a torch.float32 tensor .* got torch.float64"):
+        kernels.spmm(csr, None, x, loop=torch.ones(8, dtype=torch.float64))
+    with pytest.raises(KernelError, match=r"shape \[n\] or \[n, H\]"):
+        kernels.spmm(csr, None, x, loop=torch.ones(8, 4))

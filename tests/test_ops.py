@@ -861,9 +861,9 @@ def test_self_loop_term_is_one_product_and_one_add_per_block() -> None:
     out, x, f = torch.zeros(3000, 128), torch.randn(3000, 128), torch.rand(3000)
     expected = out + f[:, None] * x
     with Ops() as mode:
-        fops._add_scaled_rows(out, f, x)
+        kernels._add_scaled_rows(out, f, x)
     assert torch.equal(out, expected)
     computing = [n for n in mode.names if n not in ("aten.slice", "aten.view", "aten.unsqueeze", "aten.reshape",
                                                     "aten.expand", "aten.as_strided")]
-    blocks = -(-3000 * 128 * 4 // fops._ROW_BLOCK_BYTES["cpu"])
+    blocks = -(-3000 * 128 * 4 // kernels._ROW_BLOCK_BYTES["cpu"])
     assert computing == ["aten.mul", "aten.add_"] * blocks, mode.names

@@ -209,33 +209,12 @@ def _values_grad(g: Graph, values: torch.Tensor, grad_out: torch.Tensor, x: torc
     return gv.reshape(values.shape)
 
 
-def _per_row(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Per-vertex factors ``t`` (``[N]`` or ``[N, H]``) shaped to multiply ``like``'s rows."""
-    return t.reshape(t.shape + (1,) * (like.dim() - t.dim()))
-
-
-#: bytes of the temporary in which :func:`_add_scaled_rows` computes a block of its products: small
-#: on a CPU; on a GPU each block costs two kernel launches
-_ROW_BLOCK_BYTES = {"cpu": 1 << 20, "cuda": 64 << 20}
-
-
-def _add_scaled_rows(out: torch.Tensor, factors: torch.Tensor, x: torch.Tensor) -> None:
-    """``out += factors * x`` per row (``factors``: ``[N]`` or ``[N, H]``), a block of rows at a time:
-    the same product, then sum, bit for bit, with a temporary of one block instead of ``out``'s size."""
-    rows = out.shape[0]
-    row_bytes = max(1, out[:1].numel() * out.element_size())
-    step = max(1, _ROW_BLOCK_BYTES.get(out.device.type, 1 << 20) // row_bytes)
-    for a in range(0, rows, step):
-        b = min(rows, a + step)
-        out[a:b].add_(_per_row(factors[a:b], x) * x[a:b])  # (not ``out[a:b] +=``: that also copies the block onto itself)
-
-
 class _SpMM(torch.autograd.Function):
     """``out = diag(row) A_c diag(col) x + loop * x_own`` with edge values ``c``, fixed per-vertex
     scales ``row`` / ``col`` (the normalization) and optional self-loop factors ``loop`` (times the
-    destinations' own rows of ``x``, added into the output); gradients for ``x``, ``c`` and ``loop``
-    (the self-loop term's into the own rows of ``x``'s gradient, in place: no tensor of ``x``'s
-    size beside it)."""
+    destinations' own rows of ``x``, added into the output); gradients for ``x``, ``c`` and ``loop``.
+    The self-loop terms go to :func:`gnncompile.kernels.spmm` with the product (``loop=``), forward
+    and into the own rows of ``x``'s gradient: the native kernels add them as they store each row."""
 
     @staticmethod
     def forward(ctx: Any, g: Graph, values: Optional[torch.Tensor], x: torch.Tensor, backend: Optional[str],
@@ -246,10 +225,8 @@ class _SpMM(torch.autograd.Function):
         # propagation with fixed coefficients keeps nothing of its input for backward
         keep_x = values is not None and ctx.needs_input_grad[1] or loop is not None and ctx.needs_input_grad[6]
         ctx.save_for_backward(values, x if keep_x else None, row, col, loop)
-        out = kernels.spmm(_csr(g), values, x, backend, row_scale=row, col_scale=col)
-        if loop is not None:  # (a product, then a sum: what ``out + loop * x_own`` computes, bit for bit)
-            _add_scaled_rows(out, loop, _own_rows(g, x))
-        return out
+        return kernels.spmm(_csr(g), values, x, backend, row_scale=row, col_scale=col, loop=loop,
+                            loop_at=(0, _own_offset(g)))
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
@@ -257,15 +234,16 @@ class _SpMM(torch.autograd.Function):
         g: Graph = ctx.g
         grad_values = grad_x = grad_loop = None
         grad_out = grad_out.contiguous()
+        off = _own_offset(g)  # (the self loops' term into the own rows of x's gradient, in the same product)
         if ctx.needs_input_grad[2] and _pushes(g, values is not None):
-            grad_x = kernels.spmm(_csr(g), values, grad_out, ctx.backend, row_scale=row, col_scale=col, transpose=True)
+            grad_x = kernels.spmm(_csr(g), values, grad_out, ctx.backend, row_scale=row, col_scale=col, transpose=True,
+                                  loop=loop, loop_at=(0, off))
         elif ctx.needs_input_grad[2]:
             csr_t, perm = _csr_t(g, values is not None)
             vt = None if values is None else kernels.gather_rows(values, perm)
-            grad_x = kernels.spmm(csr_t, vt, grad_out, ctx.backend, row_scale=col, col_scale=row)
+            grad_x = kernels.spmm(csr_t, vt, grad_out, ctx.backend, row_scale=col, col_scale=row, loop=loop,
+                                  loop_at=(off, 0))
             del vt  # the permuted values (an edge tensor) are not held while their gradient is made
-        if loop is not None and grad_x is not None:
-            _add_scaled_rows(_own_rows(g, grad_x), loop, grad_out)
         if values is not None and ctx.needs_input_grad[1]:
             grad_values = _values_grad(g, values, grad_out, x, row, col, ctx.backend)
         if loop is not None and ctx.needs_input_grad[6]:

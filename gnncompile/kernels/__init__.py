@@ -7,6 +7,9 @@ Two products cover every P op and the backward of every P op:
   when ``values`` is ``[E, H]`` and ``x`` is ``[N, H, C]``; a missing factor is 1). The per-vertex
   scales carry degree normalizations (GCN's ``D^-1/2 A D^-1/2``, mean's ``D^-1 A``), so a
   normalized product needs no per-edge array.
+- with ``loop=`` factors, self-loop terms in the same call: ``out[r] += loop[r] * x[r]`` for the
+  own rows (``loop_at`` places them in a rectangular matrix): ``A + diag(loop)`` without a second
+  pass (native) or a materialized identity.
 - ``sddmm(csr, a, b)``: ``w[e] = <a[row(e)], b[col[e]]>`` (per head), the gradient of SpMM
   with respect to its edge values.
 
@@ -162,7 +165,8 @@ def _split_heads(values: Optional[torch.Tensor], x: torch.Tensor) -> tuple[torch
 
 
 def _check(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, row_scale: Optional[torch.Tensor],
-           col_scale: Optional[torch.Tensor], transpose: bool = False) -> None:
+           col_scale: Optional[torch.Tensor], transpose: bool = False, loop: Optional[torch.Tensor] = None,
+           loop_at: tuple[int, int] = (0, 0)) -> None:
     for name, t, n in (("row_scale", row_scale, csr.num_rows), ("col_scale", col_scale, csr.num_cols)):
         if t is not None and (t.dim() != 1 or t.shape[0] != n or t.dtype != x.dtype or t.device != x.device):
             raise KernelError(f"spmm: {name} must be a 1-d {x.dtype} tensor of {n} entries on {x.device}; got "
@@ -179,6 +183,18 @@ def _check(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, row_scale:
             raise KernelError(f"spmm: values dtype {values.dtype} differs from x dtype {x.dtype}")
         if values.device != x.device:
             raise KernelError(f"spmm: edge values are on {values.device} but x is on {x.device}")
+    if loop is not None:
+        row0, col0 = loop_at
+        n = loop.shape[0] if loop.dim() else -1
+        heads = x.shape[1] if x.dim() == 3 else 1
+        if (loop.dim() not in (1, 2) or loop.dim() == 2 and loop.shape[1] not in (1, heads)
+                or loop.dtype != x.dtype or loop.device != x.device):
+            raise KernelError(f"spmm: loop must be a {x.dtype} tensor on {x.device} of shape [n] or [n, H] with x "
+                              f"[N, H, C] (one factor per row or per head); got {loop.dtype} {list(loop.shape)} on "
+                              f"{loop.device} for x {list(x.shape)}")
+        if min(row0, col0) < 0 or row0 + n > csr.num_rows or col0 + n > csr.num_cols:
+            raise KernelError(f"spmm: {n} self loops from {tuple(loop_at)} do not fit the "
+                              f"{csr.num_rows} x {csr.num_cols} matrix")
 
 
 # --------------------------------------------------------------------------- native backend
@@ -188,7 +204,7 @@ _NATIVE_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "spmm.cpp")
 # -fopenmp: without it ATen's parallel_for (inlined from its headers) and the kernels' simd pragmas
 # compile to serial code. The extension then links against the libgomp that torch has already
 # loaded (same soname), so torch.set_num_threads governs both.
-_NATIVE_CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
+_NATIVE_CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp")
 _NATIVE_LDFLAGS = ("-fopenmp",)
 
 
@@ -271,22 +287,29 @@ def _require_cpu(backend: str, *tensors: torch.Tensor) -> None:
 
 def _spmm_native(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor,
                  row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None,
-                 transpose: bool = False) -> torch.Tensor:
+                 transpose: bool = False, loop: Optional[torch.Tensor] = None,
+                 loop_at: tuple[int, int] = (0, 0)) -> torch.Tensor:
     _require_cpu("native", x, csr.indptr)
     mod = _load_native()
     x2, heads, tail = _split_heads(values, x)
+    if loop is not None and loop.numel() not in (loop.shape[0], loop.shape[0] * heads):
+        # per-head factors of a single-head product ([N, H] over x [N, H, C]): applied apart
+        out = _spmm_native(csr, values, x, row_scale, col_scale, transpose)
+        _add_loop_terms(out, loop, x, loop_at, transpose)
+        return out
     vals = None if values is None else values.contiguous()
     rs = None if row_scale is None else row_scale.contiguous()
     cs = None if col_scale is None else col_scale.contiguous()
+    lp = None if loop is None else loop.contiguous()
     width = x2.shape[1]
     padded = _padded_width(csr, width, transpose) if heads == 1 else None
     if padded is not None:
         x2 = torch.nn.functional.pad(x2, (0, padded - width))
     if transpose:
         out = mod.spmm_t(csr.indptr, _native_index(csr), vals, x2, heads, csr.num_cols,
-                         _push_parts(csr, torch.get_num_threads()), rs, cs)
+                         _push_parts(csr, torch.get_num_threads()), rs, cs, lp, *loop_at)
     else:
-        out = mod.spmm(csr.indptr, _native_index(csr), vals, x2, heads, 0, rs, cs)
+        out = mod.spmm(csr.indptr, _native_index(csr), vals, x2, heads, 0, rs, cs, lp, *loop_at)
     if padded is not None:
         out = out[:, :width].contiguous()
     return _shaped(out, out.shape[0], tail)
@@ -579,19 +602,51 @@ def _edge_factors(csr: CSR, row_scale: Optional[torch.Tensor], col_scale: Option
     return _memo_for(csr.cache, f"edge_factors:{dev}:{like.dtype}", (row_scale, col_scale), build)
 
 
+#: bytes of the temporary in which :func:`_add_scaled_rows` computes a block of its products: small
+#: on a CPU; on a GPU each block costs two kernel launches
+_ROW_BLOCK_BYTES = {"cpu": 1 << 20, "cuda": 64 << 20}
+
+
+def _add_scaled_rows(out: torch.Tensor, factors: torch.Tensor, x: torch.Tensor) -> None:
+    """``out += factors * x`` per row (``factors``: ``[N]`` or ``[N, H]``), a block of rows at a time:
+    the same product, then sum, bit for bit, with a temporary of one block instead of ``out``'s size."""
+    rows = out.shape[0]
+    row_bytes = max(1, out[:1].numel() * out.element_size())
+    step = max(1, _ROW_BLOCK_BYTES.get(out.device.type, 1 << 20) // row_bytes)
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        f = factors[a:b]
+        f = f.reshape(f.shape + (1,) * (x.dim() - f.dim()))
+        out[a:b].add_(f * x[a:b])  # (not ``out[a:b] +=``: that also copies the block onto itself)
+
+
+def _add_loop_terms(out: torch.Tensor, loop: torch.Tensor, x: torch.Tensor, loop_at: tuple[int, int],
+                    transpose: bool) -> None:
+    """A product's self-loop terms added into its output ``out`` (in place): ``loop[i] * x[c0 + i]``
+    into ``out[r0 + i]``, transposed ``loop[i] * x[r0 + i]`` into ``out[c0 + i]`` (``(r0, c0) = loop_at``)."""
+    r0, c0 = loop_at
+    n = loop.shape[0]
+    src, dst = (r0, c0) if transpose else (c0, r0)
+    _add_scaled_rows(out[dst: dst + n], loop, x[src: src + n])
+
+
 def _scales_folded(fn: Callable[[CSR, Optional[torch.Tensor], torch.Tensor, bool], torch.Tensor]) -> Callable[..., torch.Tensor]:
     """A backend's SpMM (one that takes no scales) with the per-vertex scales folded into the edge
     values: ``values[e] * row_scale[r] * col_scale[col[e]]``, an edge tensor (without edge values,
     the cached :func:`_edge_factors` themselves), instead of scaling ``x`` before the product and
     the result after (two passes over vertex tensors and a temporary of ``x``'s size). The same
-    values transposed give the transposed product."""
+    values transposed give the transposed product. Self-loop terms are added after the product."""
     def spmm_scaled(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor,
                     row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None,
-                    transpose: bool = False) -> torch.Tensor:
+                    transpose: bool = False, loop: Optional[torch.Tensor] = None,
+                    loop_at: tuple[int, int] = (0, 0)) -> torch.Tensor:
         if row_scale is not None or col_scale is not None:
             f = _edge_factors(csr, row_scale, col_scale)
             values = f if values is None else values * f.reshape((-1,) + (1,) * (values.dim() - 1))
-        return fn(csr, values, x, transpose)
+        out = fn(csr, values, x, transpose)
+        if loop is not None:
+            _add_loop_terms(out, loop, x, loop_at, transpose)
+        return out
     return spmm_scaled
 
 
@@ -876,16 +931,21 @@ def _sddmm_chosen(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int, *, bas
 
 def _spmm_cupy_backend(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor,
                        row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None,
-                       transpose: bool = False) -> torch.Tensor:
+                       transpose: bool = False, loop: Optional[torch.Tensor] = None,
+                       loop_at: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """The ``cupy`` backend's SpMM: float32 by the fastest correct of cuSPARSE and the own
-    kernels (per shape), float64 by cuSPARSE."""
+    kernels (per shape), float64 by cuSPARSE; self-loop terms added after the product."""
     baseline = _scales_folded(_spmm_cupy)
     if x.dtype != torch.float32 or x.device.type != "cuda" or csr.nnz == 0 or x.numel() == 0:
-        return baseline(csr, values, x, row_scale, col_scale, transpose)
-    _import_cupy()
-    with torch.cuda.device(x.device):  # the runner launches on the current device's current stream
-        return _spmm_chosen(csr, values, x, row_scale, col_scale, transpose, baseline=baseline, run=_raw_runner(),
-                            timer=cuda.cuda_timer)
+        out = baseline(csr, values, x, row_scale, col_scale, transpose)
+    else:
+        _import_cupy()
+        with torch.cuda.device(x.device):  # the runner launches on the current device's current stream
+            out = _spmm_chosen(csr, values, x, row_scale, col_scale, transpose, baseline=baseline,
+                               run=_raw_runner(), timer=cuda.cuda_timer)
+    if loop is not None:
+        _add_loop_terms(out, loop, x, loop_at, transpose)
+    return out
 
 
 def _sddmm_cupy_backend(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> torch.Tensor:
@@ -968,7 +1028,8 @@ def default_backend(device: str | torch.device = "cpu") -> str:
 
 def spmm(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, backend: Optional[str] = None, *,
          row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None,
-         transpose: bool = False) -> torch.Tensor:
+         transpose: bool = False, loop: Optional[torch.Tensor] = None,
+         loop_at: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """``out[r] = row_scale[r] * sum_{e in row r} values[e] * col_scale[col[e]] * x[col[e]]``;
     ``values=None`` means all ones, a missing scale means 1.
 
@@ -984,12 +1045,18 @@ def spmm(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, backend: Opt
     (deterministic, the summation order of a pull over the stably transposed CSR); ``scipy`` and
     ``torch`` multiply by a CSC view of the arrays (torch converts it per call on CPU); ``cupy``
     asks cuSPARSE for ``op(A) = A^T``. Not differentiable by itself: :mod:`gnncompile.ops` wraps it.
+
+    ``loop`` (``[n]``, or ``[n, H]`` with ``x`` ``[N, H, C]``; x's dtype and device): self-loop
+    factors, the matrix's entries at ``(r0 + i, c0 + i)`` (``loop_at = (r0, c0)``) beside its edges,
+    not scaled by the scales: ``out[r0 + i] += loop[i] * x[c0 + i]`` (transposed:
+    ``out[c0 + i] += loop[i] * x[r0 + i]``). ``native`` adds them as it stores each output row;
+    the others after the product.
     """
-    _check(csr, values, x, row_scale, col_scale, transpose)
+    _check(csr, values, x, row_scale, col_scale, transpose, loop, loop_at)
     name = _validate_name(backend) if backend else default_backend(x.device)
-    if row_scale is None and col_scale is None and not transpose:
+    if row_scale is None and col_scale is None and not transpose and loop is None:
         return BACKENDS[name][0](csr, values, x)
-    return BACKENDS[name][0](csr, values, x, row_scale, col_scale, transpose)
+    return BACKENDS[name][0](csr, values, x, row_scale, col_scale, transpose, loop, loop_at)
 
 
 def sddmm(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int = 1, backend: Optional[str] = None) -> torch.Tensor:

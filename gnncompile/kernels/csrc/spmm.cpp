@@ -4,6 +4,9 @@
 //         (CSR by destination; the optional per-vertex scales rs, cs carry degree normalizations,
 //         so a normalized product needs no per-edge array)
 // spmm_t: the transposed product (diag(rs) A diag(cs))^T x from the same CSR, by scattering
+//         (both optionally plus self-loop terms: entry i of the factors `loop` sits at (row0 + i,
+//         col0 + i), adding loop[i] * x[col0 + i] into out[row0 + i], or, transposed,
+//         loop[i] * x[row0 + i] into out[col0 + i]; unscaled; one pass instead of two more)
 // sddmm:  w[e, h]      = <a[row(e), h, :], b[col[e], h, :]>
 // segment_sum, scatter_sum, edge_softmax_step: reductions of edge tensors over rows / columns
 // attention_scores, attention_backward: GAT's LeakyReLU scores and softmax over each row's edges, fused
@@ -27,6 +30,8 @@
 //   * outputs of 32 MiB and more are advised to use transparent huge pages before their first
 //     write: their 4 KiB first-touch page faults otherwise cost ~40% of a d = 256 product;
 //   * SDDMM reduces short heads with a pairwise tree instead of one serial FMA chain.
+// Built with -ffp-contract=off: a multiply-add is fused where the source says std::fma and nowhere
+// else, so a product's self-loop term (loop * x, then added) rounds as torch's separate ops do.
 // Every output element of spmm is written exactly once (no atomics, no zero-fill pass) and the summation
 // order per output element is fixed (edge order), so results are deterministic and independent
 // of the thread count. Build with -fopenmp (kernels/__init__.py does): without it ATen's
@@ -122,7 +127,9 @@ enum Mode { kUnweighted = 0, kScalar = 1, kHeads = 2 };
 // Accumulate one window of one row. `x` and `out` point at the window's first column; `w` at the
 // weight of (edge 0, head h0), `wstride` apart per edge. kHeads: `groups` heads of width C.
 // `cs` (may be null): a per-column (source) scale multiplying every edge's weight; `rs`: the row's
-// (destination's) scale, applied once to the finished sums (1 leaves them as they are).
+// (destination's) scale, applied once to the finished sums (1 leaves them as they are). `lf` (may be
+// null): the row's self-loop factor of the window's first head (group g's at lf[g * lstep]), times
+// `xl` (the loop's row of x at the window's first column), added to the scaled sums.
 // MASKED (single-head modes): the window is `width_rt` < C columns wide; the accumulator keeps the
 // compile-time width C (in registers) and stores only the first `width_rt` columns. Source rows
 // below `safe_rows` are read C wide (the extra lanes read the next columns of x, whatever they
@@ -133,7 +140,8 @@ inline void spmm_window_row(const index_t* __restrict col, const scalar_t* __res
                             const scalar_t* __restrict cs, scalar_t rs,
                             const scalar_t* __restrict x, int64_t ld, scalar_t* __restrict out,
                             int64_t beg, int64_t end, int64_t nnz, int64_t pf, int64_t width_rt, int64_t groups_rt,
-                            int64_t safe_rows) {
+                            int64_t safe_rows, const scalar_t* __restrict lf, int64_t lstep,
+                            const scalar_t* __restrict xl) {
   static_assert(!MASKED || (C > 0 && MODE != kHeads), "masked windows are single-head, compile-time width");
   constexpr int64_t kMax = kMaxWindowBytes / sizeof(scalar_t);
   const int64_t width = C ? C : width_rt;  // per head
@@ -183,9 +191,30 @@ inline void spmm_window_row(const index_t* __restrict col, const scalar_t* __res
     }
   }
   const int64_t stored = MASKED ? width_rt : total;
+  if (lf == nullptr) {
 #pragma omp simd
-  for (int64_t c = 0; c < stored; ++c) out[c] = acc[c] * rs;
+    for (int64_t c = 0; c < stored; ++c) out[c] = acc[c] * rs;
+  } else if constexpr (MODE == kHeads) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const scalar_t f = lf[g * lstep];
+      const int64_t o = g * width;
+#pragma omp simd
+      for (int64_t c = 0; c < width; ++c) out[o + c] = acc[o + c] * rs + f * xl[o + c];
+    }
+  } else {
+    const scalar_t f = lf[0];
+#pragma omp simd
+    for (int64_t c = 0; c < stored; ++c) out[c] = acc[c] * rs + f * xl[c];
+  }
 }
+
+// Self-loop factors of a product: entry i (of `n`, `per_row` factors each: 1, or one per head) at
+// (row0 + i, col0 + i); `f` null: none.
+template <typename scalar_t>
+struct Loops {
+  const scalar_t* f = nullptr;
+  int64_t per_row = 1, row0 = 0, col0 = 0, n = 0;
+};
 
 // The compile-time accumulator width of a single-head window `width` columns wide: the smallest
 // dispatched power of two that holds it (`width` itself when it is one).
@@ -246,14 +275,16 @@ void single_windows(std::vector<Window>& out, int64_t c0, int64_t cols, int64_t 
 template <typename scalar_t, typename index_t>
 void spmm_impl(const int64_t* indptr, const index_t* col, const scalar_t* w, int64_t heads,
                const scalar_t* rscale, const scalar_t* cscale,
-               const scalar_t* x, int64_t src_rows, scalar_t* out, int64_t rows, int64_t head_dim, int64_t tile) {
+               const scalar_t* x, int64_t src_rows, scalar_t* out, int64_t rows, int64_t head_dim, int64_t tile,
+               Loops<scalar_t> loops) {
   const int64_t ld = heads * head_dim;
   const int64_t nnz = indptr[rows];
   const int64_t max_cols = kMaxWindowBytes / (int64_t)sizeof(scalar_t);
   const std::vector<int64_t> bounds = row_blocks(indptr, rows);
   const int64_t nblocks = (int64_t)bounds.size() - 1;
   // Feature tiles (phases): each is one parallel pass over all rows; within a tile the windows.
-  const bool multi = w != nullptr && heads > 1;
+  // (per-head loop factors of a product without edges, whose weights may have no storage, keep the head windows)
+  const bool multi = heads > 1 && (w != nullptr || loops.per_row > 1);
   const int64_t unit = multi ? head_dim : 1;  // tiles never split a head of multi-head weights
   const int64_t tile_cols = tile > 0 ? std::max(unit, (tile + unit - 1) / unit * unit) : ld;
   for (int64_t t0 = 0; t0 < ld; t0 += tile_cols) {
@@ -284,11 +315,16 @@ void spmm_impl(const int64_t* indptr, const index_t* col, const scalar_t* w, int
             // the source rows whose C-wide read from column c0 stays inside x (masked windows)
             const int64_t span = win.c0 + (K ? C : 0);
             const int64_t safe = src_rows * ld >= span ? (src_rows * ld - span) / ld + 1 : 0;
-            for (int64_t r = r0; r < r1; ++r)
-              spmm_window_row<scalar_t, index_t, C, M, G, K>(col, wh, heads, cscale, rscale ? rscale[r] : scalar_t(1),
-                                                             x + win.c0, ld, out + r * ld + win.c0,
-                                                             indptr[r], indptr[r + 1], nnz, pf, win.width, win.groups,
-                                                             safe);
+            const int64_t lstep = loops.per_row > 1 ? 1 : 0;
+            for (int64_t r = r0; r < r1; ++r) {
+              const int64_t i = r - loops.row0;
+              const bool looped = loops.f != nullptr && i >= 0 && i < loops.n;
+              spmm_window_row<scalar_t, index_t, C, M, G, K>(
+                  col, wh, heads, cscale, rscale ? rscale[r] : scalar_t(1), x + win.c0, ld, out + r * ld + win.c0,
+                  indptr[r], indptr[r + 1], nnz, pf, win.width, win.groups, safe,
+                  looped ? loops.f + i * loops.per_row + lstep * win.h0 : nullptr, lstep,
+                  looped ? x + (loops.col0 + i) * ld + win.c0 : nullptr);
+            }
           };
           // a single-head window of any width runs at the compile-time width that holds it
           auto single = [&](auto mode_c) {
@@ -303,12 +339,12 @@ void spmm_impl(const int64_t* indptr, const index_t* col, const scalar_t* w, int
                 run(c, mode_c, Int<1>{}, std::true_type{});
             });
           };
-          if (w == nullptr && cscale == nullptr)
-            single(Int<kUnweighted>{});
-          else if (win.groups == 1)
-            single(Int<kScalar>{});
-          else
+          if (win.groups > 1)
             dispatch_heads(win.width, win.groups, [&](auto c, auto g) { run(c, Int<kHeads>{}, g, std::false_type{}); });
+          else if (w == nullptr && cscale == nullptr)
+            single(Int<kUnweighted>{});
+          else
+            single(Int<kScalar>{});
         }
       }
     });
@@ -359,7 +395,7 @@ inline void push_row(const index_t* __restrict col, const scalar_t* __restrict w
 template <typename scalar_t, typename index_t>
 void spmm_t_impl(const int64_t* indptr, const index_t* col, const scalar_t* w, int64_t heads,
                  const scalar_t* rscale, const scalar_t* cscale, const scalar_t* x, scalar_t* out,
-                 int64_t rows, int64_t head_dim, const int64_t* bounds, int64_t nparts) {
+                 int64_t rows, int64_t head_dim, const int64_t* bounds, int64_t nparts, Loops<scalar_t> loops) {
   const int64_t ld = heads * head_dim;
   const int64_t nnz = indptr[rows];
   const int64_t pf = prefetch_distance(ld * (int64_t)sizeof(scalar_t));
@@ -391,6 +427,20 @@ void spmm_t_impl(const int64_t* indptr, const index_t* col, const scalar_t* w, i
         for (int64_t c = 0; c < ld; ++c) o[c] *= s;
       }
     }
+    if (loops.f != nullptr) {  // the self loops of this part's columns: out[col0 + i] += loop[i] * x[row0 + i]
+      const int64_t u0 = std::max(lo, loops.col0), u1 = std::min(hi, loops.col0 + loops.n);
+      const int64_t hd = loops.per_row > 1 ? head_dim : ld;
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t i = u - loops.col0;
+        const scalar_t* xr = x + (loops.row0 + i) * ld;
+        scalar_t* o = out + u * ld;
+        for (int64_t h = 0; h < loops.per_row; ++h) {
+          const scalar_t f = loops.f[i * loops.per_row + h];
+#pragma omp simd
+          for (int64_t c = h * hd; c < (h + 1) * hd; ++c) o[c] += f * xr[c];
+        }
+      }
+    }
   });
 }
 
@@ -410,7 +460,7 @@ inline scalar_t dot(const scalar_t* __restrict a, const scalar_t* __restrict b, 
     const int64_t n = C ? C : width;
     scalar_t s = 0;
 #pragma omp simd reduction(+ : s)
-    for (int64_t c = 0; c < n; ++c) s += a[c] * b[c];
+    for (int64_t c = 0; c < n; ++c) s = std::fma(a[c], b[c], s);
     return s;
   }
 }
@@ -498,6 +548,26 @@ void advise_huge_pages(const torch::Tensor& t) {
 #endif
 }
 
+// The self-loop factors `loop` (or none): contiguous, of x's dtype, `n` rows of 1 or `heads` factors,
+// their entries at (row0 + i, col0 + i) inside the rows x cols matrix.
+template <typename scalar_t>
+Loops<scalar_t> check_loops(const torch::optional<torch::Tensor>& loop, const torch::Tensor& x, int64_t heads,
+                            int64_t row0, int64_t col0, int64_t rows, int64_t cols) {
+  Loops<scalar_t> l;
+  if (!loop.has_value() || !loop->defined()) return l;
+  TORCH_CHECK(loop->is_contiguous() && loop->scalar_type() == x.scalar_type() && loop->dim() >= 1,
+              "loop must be a contiguous tensor with the dtype of x");
+  l.n = loop->size(0);
+  l.per_row = l.n ? loop->numel() / l.n : 1;
+  TORCH_CHECK(l.per_row == 1 || l.per_row == heads, "loop needs 1 or heads factors per row, got ", l.per_row);
+  TORCH_CHECK(row0 >= 0 && col0 >= 0 && row0 + l.n <= rows && col0 + l.n <= cols,
+              "loop entries (", l.n, " from (", row0, ", ", col0, ")) must lie inside the ", rows, " x ", cols, " matrix");
+  l.f = loop->data_ptr<scalar_t>();
+  l.row0 = row0;
+  l.col0 = col0;
+  return l;
+}
+
 }  // namespace
 
 // x: [n_src, heads * head_dim] contiguous; weights: [E] (heads == 1) or [E, heads] or None.
@@ -505,7 +575,8 @@ void advise_huge_pages(const torch::Tensor& t) {
 // |V| x tile slab of x in the last-level cache); tile <= 0 makes one pass over all columns.
 torch::Tensor spmm(torch::Tensor indptr, torch::Tensor col, torch::optional<torch::Tensor> weights,
                    torch::Tensor x, int64_t heads, int64_t tile, torch::optional<torch::Tensor> row_scale,
-                   torch::optional<torch::Tensor> col_scale) {
+                   torch::optional<torch::Tensor> col_scale, torch::optional<torch::Tensor> loop, int64_t loop_row0,
+                   int64_t loop_col0) {
   check_csr(indptr, col);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-d tensor");
   TORCH_CHECK(heads >= 1 && x.size(1) % heads == 0, "feature dim must be divisible by heads");
@@ -521,12 +592,15 @@ torch::Tensor spmm(torch::Tensor indptr, torch::Tensor col, torch::optional<torc
     const scalar_t* wp = has_w ? weights->data_ptr<scalar_t>() : nullptr;
     const scalar_t* rp = has_rs ? row_scale->data_ptr<scalar_t>() : nullptr;
     const scalar_t* cp = has_cs ? col_scale->data_ptr<scalar_t>() : nullptr;
+    const auto loops = check_loops<scalar_t>(loop, x, has_w ? heads : 1, loop_row0, loop_col0, rows, x.size(0));
     if (col.scalar_type() == torch::kInt32)
       spmm_impl<scalar_t, int32_t>(indptr.data_ptr<int64_t>(), col.data_ptr<int32_t>(), wp, heads, rp, cp,
-                                   x.data_ptr<scalar_t>(), x.size(0), out.data_ptr<scalar_t>(), rows, head_dim, tile);
+                                   x.data_ptr<scalar_t>(), x.size(0), out.data_ptr<scalar_t>(), rows, head_dim, tile,
+                                   loops);
     else
       spmm_impl<scalar_t, int64_t>(indptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(), wp, heads, rp, cp,
-                                   x.data_ptr<scalar_t>(), x.size(0), out.data_ptr<scalar_t>(), rows, head_dim, tile);
+                                   x.data_ptr<scalar_t>(), x.size(0), out.data_ptr<scalar_t>(), rows, head_dim, tile,
+                                   loops);
   });
   return out;
 }
@@ -536,7 +610,8 @@ torch::Tensor spmm(torch::Tensor indptr, torch::Tensor col, torch::optional<torc
 // (int64, nparts + 1 entries from 0 to cols) cuts the output rows into the parts the threads own.
 torch::Tensor spmm_t(torch::Tensor indptr, torch::Tensor col, torch::optional<torch::Tensor> weights,
                      torch::Tensor x, int64_t heads, int64_t cols, torch::Tensor bounds,
-                     torch::optional<torch::Tensor> row_scale, torch::optional<torch::Tensor> col_scale) {
+                     torch::optional<torch::Tensor> row_scale, torch::optional<torch::Tensor> col_scale,
+                     torch::optional<torch::Tensor> loop, int64_t loop_row0, int64_t loop_col0) {
   check_csr(indptr, col);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-d tensor");
   TORCH_CHECK(heads >= 1 && x.size(1) % heads == 0, "feature dim must be divisible by heads");
@@ -556,14 +631,15 @@ torch::Tensor spmm_t(torch::Tensor indptr, torch::Tensor col, torch::optional<to
     const scalar_t* wp = has_w ? weights->data_ptr<scalar_t>() : nullptr;
     const scalar_t* rp = has_rs ? row_scale->data_ptr<scalar_t>() : nullptr;
     const scalar_t* cp = has_cs ? col_scale->data_ptr<scalar_t>() : nullptr;
+    const auto loops = check_loops<scalar_t>(loop, x, has_w ? heads : 1, loop_row0, loop_col0, rows, cols);
     if (col.scalar_type() == torch::kInt32)
       spmm_t_impl<scalar_t, int32_t>(indptr.data_ptr<int64_t>(), col.data_ptr<int32_t>(), wp, heads, rp, cp,
                                      x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, head_dim,
-                                     bounds.data_ptr<int64_t>(), bounds.numel() - 1);
+                                     bounds.data_ptr<int64_t>(), bounds.numel() - 1, loops);
     else
       spmm_t_impl<scalar_t, int64_t>(indptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(), wp, heads, rp, cp,
                                      x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, head_dim,
-                                     bounds.data_ptr<int64_t>(), bounds.numel() - 1);
+                                     bounds.data_ptr<int64_t>(), bounds.numel() - 1, loops);
   });
   return out;
 }
@@ -662,7 +738,7 @@ void softmax_rows_impl(const int64_t* indptr, const scalar_t* a, const scalar_t*
       } else {
         const scalar_t* __restrict ge = g + e * width;
 #pragma omp simd
-        for (int64_t c = 0; c < width; ++c) acc[c] += ae[c] * ge[c];
+        for (int64_t c = 0; c < width; ++c) acc[c] = std::fma(ae[c], ge[c], acc[c]);
       }
     };
     auto apply = [&](int64_t e) {
@@ -863,7 +939,7 @@ inline void attention_score_edge(const scalar_t* __restrict ss, const scalar_t* 
   for (int64_t c = 0; c < width; ++c) {
     const scalar_t x = ss[c] + sd[c];
     // x > 0 ? x : x * slope, without a branch on the sign (one of the two terms is exactly 0)
-    const scalar_t y = std::max(x, scalar_t(0)) + slope * std::min(x, scalar_t(0));
+    const scalar_t y = std::fma(slope, std::min(x, scalar_t(0)), std::max(x, scalar_t(0)));
     oe[c] = y;
     acc[c] = std::max(acc[c], y);
   }
@@ -933,7 +1009,7 @@ void attention_rows_impl(const int64_t* indptr, const index_t* col, const scalar
           const scalar_t* __restrict ae = a + e * width;
           const scalar_t* __restrict ge = g + e * width;
 #pragma omp simd
-          for (int64_t c = 0; c < width; ++c) acc[c] += ae[c] * ge[c];
+          for (int64_t c = 0; c < width; ++c) acc[c] = std::fma(ae[c], ge[c], acc[c]);
         };
         for (int64_t e = beg; e < end; ++e) dot(e);
         if (loops) dot(el);
@@ -1238,10 +1314,12 @@ std::vector<int64_t> philox4x32(std::vector<int64_t> counter, std::vector<int64_
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("spmm", &spmm, "CSR SpMM with optional (multi-head) edge weights and optional feature tiling",
         py::arg("indptr"), py::arg("indices"), py::arg("weights"), py::arg("x"), py::arg("heads"), py::arg("tile"),
-        py::arg("row_scale") = py::none(), py::arg("col_scale") = py::none());
+        py::arg("row_scale") = py::none(), py::arg("col_scale") = py::none(), py::arg("loop") = py::none(),
+        py::arg("loop_row0") = 0, py::arg("loop_col0") = 0);
   m.def("spmm_t", &spmm_t, "transposed CSR SpMM by scattering into thread-owned output parts",
         py::arg("indptr"), py::arg("indices"), py::arg("weights"), py::arg("x"), py::arg("heads"), py::arg("cols"),
-        py::arg("bounds"), py::arg("row_scale") = py::none(), py::arg("col_scale") = py::none());
+        py::arg("bounds"), py::arg("row_scale") = py::none(), py::arg("col_scale") = py::none(),
+        py::arg("loop") = py::none(), py::arg("loop_row0") = 0, py::arg("loop_col0") = 0);
   m.def("sddmm", &sddmm, "per-edge (multi-head) dot products over CSR", py::arg("indptr"), py::arg("indices"),
         py::arg("a"), py::arg("b"), py::arg("heads"));
   m.def("dropout_mask", &dropout_mask, "dropout multipliers of chosen rows from Philox4x32-10", py::arg("seed"),
