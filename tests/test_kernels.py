@@ -673,3 +673,29 @@ def test_spmm_rejects_misplaced_self_loops() -> None:
         kernels.spmm(csr, None, x, loop=torch.ones(8, dtype=torch.float64))
     with pytest.raises(KernelError, match=r"shape \[n\] or \[n, H\]"):
         kernels.spmm(csr, None, x, loop=torch.ones(8, 4))
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["pull", "push"])
+def test_self_loops_join_unsorted_rows(backend: str, transpose: bool) -> None:
+    """Rows whose columns are not sorted (a rank's graph: halo sources renumbered) take their loop
+    entries too: the loop-augmented structure of the torch and scipy backends
+    (``kernels._looped_csr``) is a permutation of the edges and the loops whatever the order, and
+    keeps a sorted row sorted."""
+    csr = random_csr(60, 80, 4.0, seed=9)
+    rng = np.random.default_rng(10)
+    shuffled = csr.indices.clone()
+    for r in range(csr.num_rows):
+        a, b = int(csr.indptr[r]), int(csr.indptr[r + 1])
+        shuffled[a:b] = shuffled[a:b][torch.from_numpy(rng.permutation(b - a))]
+    dtype = torch.float64
+    at = (0, 15)
+    loop = torch.rand(60, dtype=dtype, generator=torch.Generator().manual_seed(11)) + 0.5
+    for c in (csr, CSR(csr.indptr, shuffled, 60, 80)):
+        x = randn(60 if transpose else 80, 7, dtype=dtype, seed=12)
+        out = kernels.spmm(c, None, x, backend, transpose=transpose, loop=loop, loop_at=at)
+        m = dense_with_loops(c, None, 1, None, None, loop, at)[:, :, 0]
+        torch.testing.assert_close(out, (m.t() if transpose else m) @ x, **TOL[dtype])
+    looped = kernels._looped_csr(csr, at, 60, torch.device("cpu"))
+    for r in range(60):
+        row = looped.indices[int(looped.indptr[r]): int(looped.indptr[r + 1])]
+        assert torch.equal(row, row.sort().values) and (row == 15 + r).sum() >= 1

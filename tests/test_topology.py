@@ -153,14 +153,15 @@ def test_norm_scales_factor_the_coefficients() -> None:
         g.norm_scales("none", True)
 
 
-@pytest.mark.parametrize("kind", ["GCN", "GAT"])
+@pytest.mark.parametrize("kind", ["GCN", "GAT", "SAGE"])
 @pytest.mark.parametrize("strategy", ["data", "tensor", "task"])
 def test_rank_topology_is_what_the_cost_model_predicts(kind: str, strategy: str, monkeypatch: pytest.MonkeyPatch
                                                        ) -> None:
     """What each rank's graph inputs hold after a training step equals ``static_memory``'s topology."""
     g = gc.datasets.synthetic("rmat", num_nodes=600, avg_degree=6, num_features=8, num_classes=3, seed=2)
     torch.manual_seed(0)
-    model = gc.nn.GCN(8, 8, 3) if kind == "GCN" else gc.nn.GAT(8, 4, 3, heads=2)
+    model = {"GCN": lambda: gc.nn.GCN(8, 8, 3), "GAT": lambda: gc.nn.GAT(8, 4, 3, heads=2),
+             "SAGE": lambda: gc.nn.GraphSAGE(8, 8, 3)}[kind]()
     plan = gc.plan(copy.deepcopy(model), g, 2, strategy=strategy)
     res = plan.run(epochs=1, timeout=300)
     measured = [r.topology_bytes for r in sorted(res.ranks, key=lambda r: r.rank)]
@@ -168,7 +169,8 @@ def test_rank_topology_is_what_the_cost_model_predicts(kind: str, strategy: str,
     assert measured == predicted and max(measured) > 0
     # off the CPU the products are torch's (cuSPARSE) and GAT's attention runs its torch
     # formulation: what the ranks hold then is measured here with the torch backend on the CPU
-    # (the same structures), against the prediction for a GPU rank
+    # (the same structures: GCN's A + I with its entries, SAGE's scales folded into edge values
+    # per direction), against the prediction for a GPU rank
     gpu = gc.Cluster.parse("1xA100").rank_device(0)
     on_gpu = [static_memory(plan, dp, gpu).topology for dp in plan.ranks]
     monkeypatch.setenv("GNNCOMPILE_BACKEND", "torch")

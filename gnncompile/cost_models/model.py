@@ -328,10 +328,23 @@ def _graph_bytes(plan: Plan, nodes: int, edges: int, src: int, symmetric: bool, 
     # edge values (kernels._edge_factors) and the offsets as int32 beside the int64 ones
     # (torch's CSR takes one index dtype), of the in-edge CSR and of a transpose where one is held;
     # with edge values (attention), their gradient's SDDMM holds each edge's row (kernels._sddmm_gather)
+    # propagations over A + L with fixed terms (``looped_norms``) join the loops to the matrix instead:
+    # A + L with int32 offsets and indices per direction (the forward one scattered backward when
+    # pushing, a symmetric graph's own), its entries per normalization and direction (kernels._looped_csr)
     torch_csr = 0
     if not cpu and edges:
-        torch_csr = sum(per_value * edges for norm, _ in topo.get("norms", ()) if norm in ("gcn", "mean"))
-        torch_csr += 4 * (nodes + 1) + (0 if symmetric or push else 4 * (src + 1))
+        folded = set(topo.get("looped_norms", ()))
+        # one edge tensor per normalization and direction (a pull through a transpose reads the scales
+        # swapped; a push reads the forward's), cached per scale tensors
+        directions = 1 if push and not symmetric else 2
+        torch_csr = sum(per_value * edges * directions for norm, loops in topo.get("norms", ())
+                        if norm in ("gcn", "mean") and not (loops and norm in folded))
+        if topo.get("plain_products", True):
+            torch_csr += 4 * (nodes + 1) + (0 if symmetric or push else 4 * (src + 1))
+        if folded:
+            entries = edges + nodes
+            torch_csr += 4 * entries + 4 * (nodes + 1) + (0 if symmetric or push else 4 * entries + 4 * (src + 1))
+            torch_csr += len(folded) * per_value * entries * directions
         if topo.get("edge_values"):
             torch_csr += (4 if max(src, nodes) <= 2**31 - 1 else 8) * edges
     dst = topo.get("edge_dst")

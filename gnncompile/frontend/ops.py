@@ -224,13 +224,19 @@ class _SpMM(torch.autograd.Function):
         # x only serves the gradients of trainable edge values or self-loop factors (GAT): a
         # propagation with fixed coefficients keeps nothing of its input for backward
         keep_x = values is not None and ctx.needs_input_grad[1] or loop is not None and ctx.needs_input_grad[6]
-        ctx.save_for_backward(values, x if keep_x else None, row, col, loop)
+        # fixed terms (the normalization's scales, fixed loops) are kept as themselves: the kernels
+        # cache what they derive from them per tensor identity (unpacked saved tensors are new objects)
+        ctx.row, ctx.col = row, col
+        ctx.loop = loop if loop is not None and not loop.requires_grad else None
+        ctx.save_for_backward(values, x if keep_x else None, loop if ctx.loop is None else None)
         return kernels.spmm(_csr(g), values, x, backend, row_scale=row, col_scale=col, loop=loop,
                             loop_at=(0, _own_offset(g)))
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
-        values, x, row, col, loop = ctx.saved_tensors
+        values, x, loop = ctx.saved_tensors
+        row, col = ctx.row, ctx.col
+        loop = ctx.loop if ctx.loop is not None else loop
         g: Graph = ctx.g
         grad_values = grad_x = grad_loop = None
         grad_out = grad_out.contiguous()

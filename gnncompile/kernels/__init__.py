@@ -584,22 +584,95 @@ def _memo_for(cache: dict, key: str, tensors: tuple[Optional[torch.Tensor], ...]
     return value
 
 
-def _edge_factors(csr: CSR, row_scale: Optional[torch.Tensor], col_scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """``row_scale[r] * col_scale[col[e]]`` for every edge ``e`` of row ``r`` (a missing scale is 1),
-    ``[E]``; cached on ``csr`` per pair of scale tensors (a graph's normalization scales are fixed:
-    one edge tensor per normalization and direction, ``cost_models.model.static_memory`` counts it
-    off the CPU)."""
+def _scale_products(csr: CSR, row_scale: Optional[torch.Tensor], col_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``row_scale[r] * col_scale[col[e]]`` for every edge ``e`` of row ``r`` (a missing scale is 1), ``[E]``."""
     like = row_scale if row_scale is not None else col_scale
-    dev = like.device
+    indptr, indices = csr.on(like.device)
+    if row_scale is None:
+        return col_scale.index_select(0, indices)
+    f = torch.repeat_interleave(row_scale, indptr[1:] - indptr[:-1], output_size=csr.nnz)
+    return f.mul_(col_scale.index_select(0, indices)) if col_scale is not None else f
+
+
+def _edge_factors(csr: CSR, row_scale: Optional[torch.Tensor], col_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """:func:`_scale_products`, cached on ``csr`` per pair of scale tensors (a graph's normalization
+    scales are fixed: one edge tensor per normalization and direction,
+    ``cost_models.model.static_memory`` counts it off the CPU)."""
+    like = row_scale if row_scale is not None else col_scale
+    return _memo_for(csr.cache, f"edge_factors:{like.device}:{like.dtype}", (row_scale, col_scale),
+                     lambda: _scale_products(csr, row_scale, col_scale))
+
+
+def _loop_positions(csr: CSR, loop_at: tuple[int, int], n: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(indptr, edge_pos, loop_pos)`` of ``csr`` with ``n`` self-loop entries inserted at
+    ``(r0 + i, c0 + i)``: the new offsets (int64) and the new positions of the edges and of the
+    loops. A loop takes the slot after as many of its row's edges as have smaller columns (its
+    column-ordered place when the row is sorted); the edges keep their order around it."""
+    indptr, indices = csr.on(device)
+    r0, c0 = loop_at
+    deg = indptr[1:] - indptr[:-1]
+    rows = torch.arange(csr.num_rows + 1, device=device)
+    before = (rows - r0).clamp_(0, n)  # loops in the rows above each row
+    row = torch.repeat_interleave(rows[:-1], deg, output_size=csr.nnz)
+    i = row - r0
+    looped_edge = (i >= 0) & (i < n)
+    slot = torch.zeros(csr.num_rows, dtype=torch.int64, device=device).index_add_(
+        0, row, (looped_edge & (indices < i + c0)).long())  # each loop's place among its row's edges
+    edge = torch.arange(csr.nnz, device=device)
+    after = looped_edge & (edge - indptr[row] >= slot[row])  # the edge comes after its row's loop
+    edge_pos = edge.add_(before[row]).add_(after.long())
+    new_indptr = indptr + before
+    looped = torch.arange(r0, r0 + n, device=device)
+    return new_indptr, edge_pos, new_indptr[looped] + slot[looped]
+
+
+def _looped_csr(csr: CSR, loop_at: tuple[int, int], n: int, device: torch.device) -> CSR:
+    """``csr`` with ``n`` self-loop entries at ``(r0 + i, c0 + i)`` (:func:`_loop_positions`), cached
+    on ``csr`` per placement and device: a handle of one index dtype (int32 offsets beside int32
+    indices where they fit), for the backends that read :meth:`CSR.matched`."""
+    def build() -> CSR:
+        new_indptr, edge_pos, loop_pos = _loop_positions(csr, loop_at, n, device)
+        _, indices = csr.on(device)
+        idx = torch.empty(csr.nnz + n, dtype=indices.dtype, device=device)
+        idx[edge_pos] = indices
+        idx[loop_pos] = torch.arange(loop_at[1], loop_at[1] + n, dtype=indices.dtype, device=device)
+        if idx.dtype == torch.int32 and csr.nnz + n <= _INT32_MAX:
+            new_indptr = new_indptr.to(torch.int32)
+        else:
+            idx = idx.to(torch.int64)
+        return CSR(new_indptr, idx, csr.num_rows, csr.num_cols)
+    return csr.cached(f"looped:{device}:{loop_at[0]}:{loop_at[1]}:{n}", build)
+
+
+def _loop_folded_values(csr: CSR, values: Optional[torch.Tensor], row_scale: Optional[torch.Tensor],
+                        col_scale: Optional[torch.Tensor], loop: torch.Tensor, loop_at: tuple[int, int]) -> torch.Tensor:
+    """The entries of :func:`_looped_csr`: every edge's ``values[e] * row_scale[r] * col_scale[col[e]]``
+    and every loop's factor, ``[E + n]``; cached on ``csr`` per tensors (fixed ones: a graph's
+    normalization and self-loop terms), like :func:`_edge_factors`."""
+    n = loop.shape[0]
 
     def build() -> torch.Tensor:
-        indptr, indices = csr.on(dev)
-        if row_scale is None:
-            return col_scale.index_select(0, indices)
-        f = torch.repeat_interleave(row_scale, indptr[1:] - indptr[:-1], output_size=csr.nnz)
-        return f.mul_(col_scale.index_select(0, indices)) if col_scale is not None else f
+        _, edge_pos, loop_pos = _loop_positions(csr, loop_at, n, loop.device)
+        ev = None if values is None else values.reshape(-1)
+        if row_scale is not None or col_scale is not None:
+            f = _scale_products(csr, row_scale, col_scale)
+            ev = f if ev is None else f.mul_(ev)
+        out = torch.empty(csr.nnz + n, dtype=loop.dtype, device=loop.device)
+        out[edge_pos] = 1 if ev is None else ev
+        out[loop_pos] = loop.reshape(-1)
+        return out
 
-    return _memo_for(csr.cache, f"edge_factors:{dev}:{like.dtype}", (row_scale, col_scale), build)
+    return _memo_for(csr.cache, f"looped_values:{loop.device}:{loop_at[0]}:{loop_at[1]}",
+                     (values, row_scale, col_scale, loop), build)
+
+
+def _foldable_loops(values: Optional[torch.Tensor], loop: Optional[torch.Tensor]) -> bool:
+    """Whether a product's self loops join its matrix (:func:`_looped_csr`): fixed terms (no
+    gradient flows to them: a graph's normalization, GCN's and GIN's loops) of a single-head
+    product, one factor per loop."""
+    return (loop is not None and not loop.requires_grad and loop.numel() == loop.shape[0]
+            and (values is None or not values.requires_grad and values.numel() == values.shape[0]))
 
 
 #: bytes of the temporary in which :func:`_add_scaled_rows` computes a block of its products: small
@@ -635,11 +708,17 @@ def _scales_folded(fn: Callable[[CSR, Optional[torch.Tensor], torch.Tensor, bool
     values: ``values[e] * row_scale[r] * col_scale[col[e]]``, an edge tensor (without edge values,
     the cached :func:`_edge_factors` themselves), instead of scaling ``x`` before the product and
     the result after (two passes over vertex tensors and a temporary of ``x``'s size). The same
-    values transposed give the transposed product. Self-loop terms are added after the product."""
+    values transposed give the transposed product. Fixed self-loop terms (:func:`_foldable_loops`)
+    join the matrix, ``A + L`` with its entries folded the same way (:func:`_looped_csr`, one
+    product instead of a product and two passes over vertex tensors); others are added after the
+    product."""
     def spmm_scaled(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor,
                     row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None,
                     transpose: bool = False, loop: Optional[torch.Tensor] = None,
                     loop_at: tuple[int, int] = (0, 0)) -> torch.Tensor:
+        if _foldable_loops(values, loop):
+            folded = _loop_folded_values(csr, values, row_scale, col_scale, loop, loop_at)
+            return fn(_looped_csr(csr, loop_at, loop.shape[0], x.device), folded, x, transpose)
         if row_scale is not None or col_scale is not None:
             f = _edge_factors(csr, row_scale, col_scale)
             values = f if values is None else values * f.reshape((-1,) + (1,) * (values.dim() - 1))

@@ -35,7 +35,7 @@ import torch
 
 from ..errors import PassError, PlanningError
 from ..frontend.ops import (BACKWARD_PRODUCTS, aggregate, call_arguments, edge_attention, edge_softmax, gather_dst,
-                            is_primitive, propagation_calls)
+                            is_primitive, propagate, propagation_calls)
 from ..graph.core import Graph, GraphStats
 from ..ir.plan import AllReduce, DevicePlan, Instruction, OptimizerStep, ParamPlacement, Plan, RankProgram, RankSizes, \
     Schedule, StageSpec, StepInputs
@@ -289,6 +289,10 @@ def _topology_info(job: Job, ranks: list[RankLowering], backward: str) -> dict[s
     calls = list(propagation_calls(*(tp.graph for tp in (job.tp, job.tp_eval))))
     norms = {(a["norm"], bool(a["add_self_loops"])) for _, a in calls
              if a["edge_weight"] is None and a["norm"] in ("gcn", "mean")}
+    # propagations over A + L with fixed terms (the graph's own normalization and loops): off the CPU
+    # their loops join the matrix (kernels._looped_csr); every other product reads the plain structure
+    folded = {a["norm"] for n, a in calls if n.target is propagate and a["edge_weight"] is None and a["add_self_loops"]}
+    plain = any(not (n.target is propagate and a["edge_weight"] is None and a["add_self_loops"]) for n, a in calls)
     edge_nodes = [n for n in job.tp.ops(("E",)) if n.op == "call_function" and is_primitive(n.target)]
     edge_values = bool(edge_nodes) or any(a["edge_weight"] is not None for _, a in calls)
     # the loop-augmented structure: what an aggregation over A + I reads (edge_softmax needs none)
@@ -300,7 +304,7 @@ def _topology_info(job: Job, ranks: list[RankLowering], backward: str) -> dict[s
                                else "off_cpu" if edge_attention in targets else None)
     info = {"nodes": stats.num_nodes, "symmetric": symmetric, "weighted": weighted, "edge_values": edge_values,
             "edge_dst": edge_dst, "edge_loops": edge_loops, "norms": [[nm, loops] for nm, loops in sorted(norms)],
-            "backward": backward}
+            "looped_norms": sorted(folded), "plain_products": plain, "backward": backward}
     if job.concrete:
         held = []
         for rl in sorted(ranks, key=lambda rl: rl.rank):
