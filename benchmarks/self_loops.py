@@ -7,12 +7,15 @@ GCN's normalization (per-vertex scales) and its self-loop factors, as gnncompile
 them, on each graph and width; pulled (forward) and pushed (the transposed product a backward
 scatters). Backends: ``native`` adds the term as it stores each output row; ``torch`` (CUDA's
 default; MKL on this CPU) multiplies by ``A + L`` with its entries folded once per graph
-(``kernels._looped_csr``). Median of ``--repeat`` calls, the two formulations alternated.
+(``kernels._looped_csr``); on CUDA (``--device cuda``) ``torch`` (cuSPARSE) and ``cupy`` (the loop
+term after the product). Median of ``--repeat`` calls, the two formulations alternated (each call
+ended by a CUDA synchronization on a GPU).
 
 Usage::
 
     python benchmarks/self_loops.py                        # cora, coauthor_physics, R-MAT 100k/2M
     python benchmarks/self_loops.py --graphs cora --dims 16 --no-write
+    python benchmarks/self_loops.py --device cuda --graphs rmat --dims 64,256 --backends torch cupy
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
 
-from _results import command_line, machine_info, today, update_section  # noqa: E402
+from _results import command_line, gpu_info, machine_info, today, update_section  # noqa: E402
 
 SECTION = "Self loops in the product (A + I)"
 
@@ -44,14 +47,20 @@ def _load(name: str):
     return gc.datasets.load(name)
 
 
-def _median_ms(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+def _median_ms(fns: dict[str, Callable[[], object]], repeat: int, device: torch.device) -> dict[str, float]:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     times: dict[str, list[float]] = {k: [] for k in fns}
     for f in fns.values():
         f()
     for _ in range(repeat):
         for k, f in fns.items():
+            sync()
             t0 = time.perf_counter()
             f()
+            sync()
             times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
@@ -63,9 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", nargs="+", default=["native", "torch"])
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the products run")
+    p.add_argument("--out", default=str(HERE / "RESULTS.md"), help="markdown file whose section is updated")
     p.add_argument("--no-write", action="store_true", help="print the table only")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this machine has no CUDA device")
 
     from gnncompile import kernels
     from gnncompile.frontend import ops
@@ -74,11 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.graphs:
         g = _load(name).compact()
         g.cast_scales(torch.float32)
+        g = g.to(device)
         csr = ops._csr(g)
         values, row, col, loop = ops._stored_terms(g, "gcn", True, torch.float32)
         for d in (int(v) for v in args.dims.split(",")):
-            x = torch.randn(g.num_nodes, d, generator=torch.Generator().manual_seed(0))
+            x = torch.randn(g.num_nodes, d, generator=torch.Generator().manual_seed(0)).to(device)
             for backend in args.backends:
+                if backend not in kernels.available_backends(device):
+                    continue
                 for transpose in (False, True):
                     def separate() -> torch.Tensor:
                         out = kernels.spmm(csr, values, x, backend, row_scale=row, col_scale=col, transpose=transpose)
@@ -90,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                                             transpose=transpose, loop=loop)
 
                     err = float((separate() - joined()).abs().max())
-                    t = _median_ms({"separate": separate, "joined": joined}, args.repeat)
+                    t = _median_ms({"separate": separate, "joined": joined}, args.repeat, device)
                     rows.append((name, g.num_nodes, g.num_edges, d, backend, "push" if transpose else "pull",
                                  t["separate"], t["joined"], err))
                     r = rows[-1]
@@ -99,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
     header = ("| graph | V | E | d | backend | product | loop term apart (ms) | in the product (ms) | speed-up "
               "| max abs diff |")
-    lines = [f"{today()} · {machine_info(args.threads)} · `{command_line()}`", "",
+    where = gpu_info() if device.type == "cuda" else machine_info(args.threads)
+    lines = [f"{today()} · {where} · `{command_line()}`", "",
              "GCN-normalized propagation over A + I (float32, median of "
              f"{args.repeat} alternated calls): the loop term as two more passes over vertex tensors (before) "
              "against the loop term in the same call (`kernels.spmm(loop=)`: native adds it as it stores a row, "
@@ -108,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, v, e, d, backend, kind, a, b, err in rows:
         lines.append(f"| {name} | {v} | {e} | {d} | {backend} | {kind} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {err:.1e} |")
     if not args.no_write:
-        update_section(HERE / "RESULTS.md", SECTION, "\n".join(lines) + "\n")
+        update_section(args.out, SECTION + (" on CUDA" if device.type == "cuda" else ""), "\n".join(lines) + "\n")
     return 0
 
 

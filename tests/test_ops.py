@@ -724,7 +724,7 @@ def test_backward_passes_create_tensors_on_their_inputs_device() -> None:
 
     def ctx(*saved: torch.Tensor, grads: tuple[bool, ...] = (False, True, True, False, False)) -> SimpleNamespace:
         return SimpleNamespace(g=g, backend=None, saved_tensors=saved, needs_input_grad=grads, all_kept=False,
-                               x=x, has_bias=True, loops=True)
+                               x=x, has_bias=True, loops=True, row=None, col=None, loop=None)
 
     with torch.device("meta"):
         results = [
@@ -732,7 +732,7 @@ def test_backward_passes_create_tensors_on_their_inputs_device() -> None:
             kernels.sddmm(fops._csr(g), a, b, backend="torch"),
             fops._SegmentMax.backward(ctx(e, smax), torch.ones_like(smax))[1],
             fops._EdgeSoftmax.backward(ctx(soft), torch.ones_like(soft))[1],
-            *fops._SpMM.backward(ctx(w, a, None, None, None), gv)[1:3],
+            *fops._SpMM.backward(ctx(w, a, None), gv)[1:3],
             *fops._MaskedSpMM.backward(ctx(w, a, keep, None, None), gv)[1:3],
             *_SparseLinear.backward(ctx(), glin)[1:],
         ]

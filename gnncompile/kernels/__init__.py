@@ -8,8 +8,9 @@ Two products cover every P op and the backward of every P op:
   scales carry degree normalizations (GCN's ``D^-1/2 A D^-1/2``, mean's ``D^-1 A``), so a
   normalized product needs no per-edge array.
 - with ``loop=`` factors, self-loop terms in the same call: ``out[r] += loop[r] * x[r]`` for the
-  own rows (``loop_at`` places them in a rectangular matrix): ``A + diag(loop)`` without a second
-  pass (native) or a materialized identity.
+  own rows (``loop_at`` places them in a rectangular matrix): ``A + diag(loop)`` without two more
+  passes over vertex tensors (native: added as each row is stored; torch, scipy: fixed loops folded
+  into the matrix once).
 - ``sddmm(csr, a, b)``: ``w[e] = <a[row(e)], b[col[e]]>`` (per head), the gradient of SpMM
   with respect to its edge values.
 
@@ -1129,7 +1130,8 @@ def spmm(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, backend: Opt
     factors, the matrix's entries at ``(r0 + i, c0 + i)`` (``loop_at = (r0, c0)``) beside its edges,
     not scaled by the scales: ``out[r0 + i] += loop[i] * x[c0 + i]`` (transposed:
     ``out[c0 + i] += loop[i] * x[r0 + i]``). ``native`` adds them as it stores each output row;
-    the others after the product.
+    ``torch`` and ``scipy`` multiply by ``A + L`` when the terms are fixed (no gradient: folded once,
+    :func:`_looped_csr`), else, like ``cupy``, add them after the product.
     """
     _check(csr, values, x, row_scale, col_scale, transpose, loop, loop_at)
     name = _validate_name(backend) if backend else default_backend(x.device)
