@@ -404,8 +404,10 @@ def train(
     scored = _Scored.of(graph)
     if minibatch is not None:
         targets = torch.nonzero(host.train_mask).flatten()
+    model.train()
     for epoch in range(start, epochs):
-        model.train()
+        if not model.training:  # (evaluations restore the mode; a recursive train() per step costs host time)
+            model.train()
         t0 = time.perf_counter()
         with probe("step", epoch):  # no host synchronization (tests/test_host_sync.py)
             if minibatch is None:
