@@ -24,7 +24,7 @@ from gnncompile.frontend import ops
 from gnncompile.nn.functional import Linear, feature_dropout
 from gnncompile import kernels
 from gnncompile.kernels import CSR
-from test_kernels import SHAPES, SPMM_CASES, TOL, random_csr, randn, values_for
+from test_kernels import LOOP_CASES, SHAPES, SPMM_CASES, TOL, random_csr, randn, values_for
 from test_ops import DT, GRAPHS, edge_weight_for, make_graph, norm_weight_pairs, rand, x_for
 
 pytestmark = [
@@ -78,6 +78,32 @@ def test_spmm_matches_cpu(backend: str, shape: str, weights: str, dtype: torch.d
     # a CPU structure with CUDA operands: its indices move to the device once and are cached
     out_cpu_csr = kernels.spmm(csr, cuda(values), x.cuda(), backend=backend)
     assert_close_to_cpu(out_cpu_csr, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["pull", "push"])
+@pytest.mark.parametrize("shape,weights,scaled", LOOP_CASES)
+def test_self_loop_products_match_cpu(backend: str, shape: str, weights: str, scaled: bool, transpose: bool) -> None:
+    """``kernels.spmm(loop=)`` on the GPU (torch: fixed loops folded into ``A + L`` for cuSPARSE;
+    cupy: the loop term after the product) equals the CPU's product with its loop term, also in a
+    rectangular matrix and on rows whose columns are not sorted."""
+    rows, cols, nnz, feat, heads = SHAPES[shape]
+    dtype = torch.float64
+    csr = random_csr(rows, cols, nnz, seed=len(shape), hub=shape == "hub")
+    if shape == "hub":  # rows whose columns are not sorted
+        csr = CSR(csr.indptr, torch.cat([csr.indices[int(csr.indptr[r]):int(csr.indptr[r + 1])].flip(0)
+                                         for r in range(rows)] + [csr.indices[:0]]), rows, cols)
+    x = randn(rows if transpose else cols, *feat, dtype=dtype, seed=1)
+    values = values_for(csr, weights, heads, dtype, seed=2)
+    row = torch.rand(rows, dtype=dtype, generator=torch.Generator().manual_seed(3)) + 0.5 if scaled else None
+    col = torch.rand(cols, dtype=dtype, generator=torch.Generator().manual_seed(4)) + 0.5 if scaled else None
+    at = (rows // 5, 0) if rows >= cols else (0, cols // 4)
+    loop = randn(min(rows - at[0], cols - at[1]) - 1, dtype=dtype, seed=5)
+    expected = kernels.spmm(csr, values, x, "torch", row_scale=row, col_scale=col, transpose=transpose, loop=loop,
+                            loop_at=at)
+    gpu_csr = CSR(csr.indptr.cuda(), csr.indices.cuda(), rows, cols)
+    out = kernels.spmm(gpu_csr, cuda(values), x.cuda(), backend, row_scale=cuda(row), col_scale=cuda(col),
+                       transpose=transpose, loop=loop.cuda(), loop_at=at)
+    assert_close_to_cpu(out, expected, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
