@@ -91,6 +91,12 @@ def _has_proxy(args: tuple, kwargs: dict) -> Optional[torch.fx.Proxy]:
     return None
 
 
+#: torch's context that suspends the innermost torch function mode (private API; without it the
+#: primitives simply run under :class:`plan_dropout_draws`, slower on the host)
+_pop_function_mode = getattr(torch.overrides, "_pop_mode_temporarily", None)
+_current_function_mode = getattr(torch.overrides, "_get_current_function_mode", lambda: None)
+
+
 def fx_leaf(kind: str) -> Callable[[F], F]:
     """Register ``fn`` as a primitive of ``kind`` ("P" or "E") and make it an fx leaf."""
 
@@ -100,8 +106,8 @@ def fx_leaf(kind: str) -> Callable[[F], F]:
             proxy = _has_proxy(args, kwargs)
             if proxy is not None:
                 return proxy.tracer.create_proxy("call_function", wrapper, args, kwargs)
-            if plan_dropout_draws.innermost():
-                with torch.overrides._pop_mode_temporarily():  # (no dropout inside a primitive)
+            if _pop_function_mode is not None and plan_dropout_draws.innermost():
+                with _pop_function_mode():  # (no dropout inside a primitive)
                     return fn(*args, **kwargs)
             return fn(*args, **kwargs)
 
@@ -831,7 +837,7 @@ class plan_dropout_draws(torch.overrides.TorchFunctionMode):
     @classmethod
     def innermost(cls) -> bool:
         """Whether this thread's innermost torch function mode is a ``plan_dropout_draws`` context."""
-        return getattr(cls._depth, "n", 0) > 0 and isinstance(torch.overrides._get_current_function_mode(), cls)
+        return getattr(cls._depth, "n", 0) > 0 and isinstance(_current_function_mode(), cls)
 
     @classmethod
     def active(cls) -> bool:

@@ -704,7 +704,7 @@ def _add_loop_terms(out: torch.Tensor, loop: torch.Tensor, x: torch.Tensor, loop
     _add_scaled_rows(out[dst: dst + n], loop, x[src: src + n])
 
 
-def _scales_folded(fn: Callable[[CSR, Optional[torch.Tensor], torch.Tensor, bool], torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _folded(fn: Callable[[CSR, Optional[torch.Tensor], torch.Tensor, bool], torch.Tensor]) -> Callable[..., torch.Tensor]:
     """A backend's SpMM (one that takes no scales) with the per-vertex scales folded into the edge
     values: ``values[e] * row_scale[r] * col_scale[col[e]]``, an edge tensor (without edge values,
     the cached :func:`_edge_factors` themselves), instead of scaling ``x`` before the product and
@@ -1015,7 +1015,7 @@ def _spmm_cupy_backend(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor
                        loop_at: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """The ``cupy`` backend's SpMM: float32 by the fastest correct of cuSPARSE and the own
     kernels (per shape), float64 by cuSPARSE; self-loop terms added after the product."""
-    baseline = _scales_folded(_spmm_cupy)
+    baseline = _folded(_spmm_cupy)
     if x.dtype != torch.float32 or x.device.type != "cuda" or csr.nnz == 0 or x.numel() == 0:
         out = baseline(csr, values, x, row_scale, col_scale, transpose)
     else:
@@ -1041,8 +1041,8 @@ def _sddmm_cupy_backend(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) 
 # --------------------------------------------------------------------------- dispatch
 BACKENDS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {
     "native": (_spmm_native, _sddmm_native),  # applies the scales inside the product
-    "torch": (_scales_folded(_spmm_torch), _sddmm_gather),
-    "scipy": (_scales_folded(_spmm_scipy), _sddmm_gather),
+    "torch": (_folded(_spmm_torch), _sddmm_gather),
+    "scipy": (_folded(_spmm_scipy), _sddmm_gather),
     "cupy": (_spmm_cupy_backend, _sddmm_cupy_backend),
 }
 #: the backend :func:`set_default_backend` forces (``None``: none)

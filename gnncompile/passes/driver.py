@@ -291,8 +291,9 @@ def _topology_info(job: Job, ranks: list[RankLowering], backward: str) -> dict[s
              if a["edge_weight"] is None and a["norm"] in ("gcn", "mean")}
     # propagations over A + L with fixed terms (the graph's own normalization and loops): off the CPU
     # their loops join the matrix (kernels._looped_csr); every other product reads the plain structure
-    folded = {a["norm"] for n, a in calls if n.target is propagate and a["edge_weight"] is None and a["add_self_loops"]}
-    plain = any(not (n.target is propagate and a["edge_weight"] is None and a["add_self_loops"]) for n, a in calls)
+    joined = [n.target is propagate and a["edge_weight"] is None and bool(a["add_self_loops"]) for n, a in calls]
+    folded = {a["norm"] for (_, a), j in zip(calls, joined) if j}
+    plain = not all(joined)
     edge_nodes = [n for n in job.tp.ops(("E",)) if n.op == "call_function" and is_primitive(n.target)]
     edge_values = bool(edge_nodes) or any(a["edge_weight"] is not None for _, a in calls)
     # the loop-augmented structure: what an aggregation over A + I reads (edge_softmax needs none)
