@@ -288,3 +288,60 @@ def test_list_schedule_is_the_linear_scan_one(seed):
     for priority in (gpipe, one_f_one_b):
         got = list_schedule(deps, resource, cost, delay, priority)
         assert got == _reference_list_schedule(deps, resource, cost, delay, priority)
+
+
+def test_search_collects_only_new_objects_and_restores_the_collector(monkeypatch, sbm):
+    """During a search the objects that existed before are frozen (full collections skip them);
+    afterwards nothing is frozen, also when a candidate raised; a caller's own freeze is left alone."""
+    import gc as pygc
+
+    frozen_during = []
+    real = search_mod._evaluate
+
+    def watching(*args, **kwargs):
+        frozen_during.append(pygc.get_freeze_count())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(search_mod, "_evaluate", watching)
+    model = gcn(sbm.num_features, sbm.num_classes)
+    assert pygc.get_freeze_count() == 0
+    search(model, sbm, Cluster.local(2))
+    assert frozen_during and min(frozen_during) > 0 and pygc.get_freeze_count() == 0
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("candidate failed")
+
+    monkeypatch.setattr(search_mod, "_evaluate", failing)
+    with pytest.raises(RuntimeError, match="candidate failed"):
+        search(model, sbm, Cluster.local(2))
+    assert pygc.get_freeze_count() == 0
+
+    pygc.freeze()  # the caller's freeze: kept as it is
+    try:
+        before = pygc.get_freeze_count()
+        with search_mod.collecting_only_new_objects():
+            assert pygc.get_freeze_count() == before
+        assert pygc.get_freeze_count() == before
+    finally:
+        pygc.unfreeze()
+
+
+def test_stage_modules_generate_their_code_when_first_needed(sbm):
+    """The search lowers every candidate into stage modules it only costs: their Python code is
+    generated when a module is first called or shown, and then runs like an eager GraphModule's."""
+    import torch.fx
+
+    from gnncompile.ir.tpgraph import graph_module
+
+    model = gcn(sbm.num_features, sbm.num_classes)
+    tp = gc.trace(model, sbm)
+    pytest.importorskip("torch.fx._lazy_graph_module", reason="this torch has no deferred fx code generation")
+    lazy = graph_module(tp, tp.graph, "Check")
+    assert "_code" not in lazy.__dict__
+    eager = torch.fx.GraphModule(tp, tp.graph, "Check")
+    outs = []
+    for gm in (lazy, eager):
+        torch.manual_seed(1)  # the same dropout masks
+        outs.append(gm(sbm, sbm.x))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert lazy.code == eager.code

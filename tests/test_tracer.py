@@ -563,6 +563,22 @@ def test_solve_lin_recovers_linear_forms(coefs: tuple, noise: int) -> None:
             solve_lin([*head, (n, e, y + noise)])
 
 
+@settings(max_examples=300, deadline=None)
+@given(coefs=st.tuples(*[st.fractions(min_value=-1000, max_value=1000, max_denominator=7)] * 3),
+       size=st.one_of(st.tuples(st.integers(0, 10**12), st.integers(0, 10**13)),
+                      st.tuples(st.floats(0, 1e9, allow_nan=False), st.floats(0, 1e10, allow_nan=False))))
+def test_lin_evaluates_as_its_rational_form(coefs: tuple, size: tuple) -> None:
+    """A form evaluates to its rational value rounded, integer coefficients (the int fast path) or
+    not, at integer sizes (graphs) and float ones (per-rank expectations), every time it is called."""
+    lin = Lin(*coefs)
+    n, e = size
+    expected = round(lin.v * n + lin.e * e + lin.c)
+    for _ in range(2):  # the first call picks the arithmetic, the second uses it
+        got = lin(n, e)
+        assert got == expected and type(got) is int
+    assert Lin(*coefs) == lin and hash(Lin(*coefs)) == hash(lin)  # the cached choice is no field
+
+
 # --------------------------------------------------------------------------- saved-for-backward bytes
 def _tensor_storages(obj: Any, out: set[int], visited: set[int]) -> None:
     """data_ptrs of every strided tensor reachable from ``obj`` (a graph and its caches)."""

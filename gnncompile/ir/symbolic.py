@@ -14,6 +14,7 @@ from fractions import Fraction
 from typing import Union
 
 Number = Union[int, float, Fraction]
+_UNSET = object()
 
 __all__ = ["Lin", "solve_lin"]
 
@@ -59,6 +60,16 @@ class Lin:
 
     def __call__(self, num_nodes: int, num_edges: int) -> int:
         """Evaluate for a graph of ``num_nodes`` vertices and ``num_edges`` edges (rounded)."""
+        ints = self.__dict__.get("_ints", _UNSET)
+        if ints is _UNSET:
+            # almost every form (rows, FLOPs, bytes) has integer coefficients: those evaluate in
+            # int arithmetic, to the rational evaluation's value without a Fraction per call
+            v, e, c = self.v, self.e, self.c
+            ints = (int(v), int(e), int(c)) if all(getattr(x, "denominator", 0) == 1 for x in (v, e, c)) else None
+            object.__setattr__(self, "_ints", ints)
+        if ints is not None:
+            out = ints[0] * num_nodes + ints[1] * num_edges + ints[2]
+            return out if type(out) is int else round(out)
         return round(self.v * num_nodes + self.e * num_edges + self.c)
 
     @property

@@ -67,7 +67,20 @@ from ..errors import TraceError
 from ..graph.core import GraphStats
 from .symbolic import Lin
 
-__all__ = ["TPInfo", "TPGraph", "TraceSummary", "KINDS", "ends_layer"]
+__all__ = ["TPInfo", "TPGraph", "TraceSummary", "KINDS", "ends_layer", "graph_module"]
+
+try:  # fx's deferred code generation, as torch.compile's passes use it
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _DeferredGraphModule
+except ImportError:  # pragma: no cover - a torch without it generates the code at once
+    _DeferredGraphModule = torch.fx.GraphModule
+
+
+def graph_module(root: torch.nn.Module | dict, graph: torch.fx.Graph, class_name: str = "GraphModule"
+                 ) -> torch.fx.GraphModule:
+    """``torch.fx.GraphModule(root, graph, class_name)`` whose Python code is generated when first
+    needed (called, printed, pickled), not when built: the search lowers every candidate into
+    stage modules it only costs, and generating their code was a fifth of planning time."""
+    return _DeferredGraphModule(root, graph, class_name)
 
 KINDS = ("T", "P", "E", "input", "param", "output")
 
@@ -153,7 +166,7 @@ class TraceSummary:
         return "\n".join(lines)
 
 
-class TPGraph(torch.fx.GraphModule):
+class TPGraph(_DeferredGraphModule):
     """An fx ``GraphModule`` whose nodes carry :class:`TPInfo` in ``node.meta["tp"]``.
 
     Construct it with :func:`gnncompile.trace`. ``stats`` is the :class:`GraphStats` its numbers are

@@ -42,7 +42,7 @@ from ..errors import PlanningError
 from ..frontend.ops import SOURCE_ARGS, call_arguments, dropout_noise, dropout_rows, propagation_calls
 from ..ir.plan import OpCost, StageSpec, converted_name
 from ..ir.symbolic import Lin
-from ..ir.tpgraph import TPGraph, TPInfo
+from ..ir.tpgraph import TPGraph, TPInfo, graph_module
 from .recompute import _value_bytes, draws_random_numbers
 
 __all__ = [
@@ -412,7 +412,7 @@ def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
             if used_outside:
                 outputs.append(n.name)
         sg.output(tuple(env[o] for o in outputs))
-        gm = torch.fx.GraphModule(tp, sg, class_name=f"Stage{k}")
+        gm = graph_module(tp, sg, class_name=f"Stage{k}")
         kinds = Counter(n.meta["tp"].kind for n in members if "tp" in n.meta)
         layers = sorted({n.meta["tp"].layer for n in members if "tp" in n.meta and n.meta["tp"].layer > 0})
         stages.append(StageSpec(index=k, inputs=tuple(inputs), outputs=tuple(outputs),

@@ -36,16 +36,22 @@ mini-batch comparison). Point-to-point lowerings whose step would post more than
 :data:`~gnncompile.passes.schedule.MAX_MESSAGES` messages are refused from the count, before they
 are scheduled.
 
+**Garbage collection.** The objects that exist when a search starts are frozen (``gc.freeze``)
+until it returns, so the full collections the search's fx graphs trigger scan only what it made
+(:func:`collecting_only_new_objects`; benchmarks/RESULTS.md "Planning time").
+
 The result is a :class:`SearchResult`; ``plan.explain()`` prints it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -310,12 +316,36 @@ def candidates(cluster: Cluster, *, semantics: str = "exact", strategies: Option
     return out
 
 
+@contextlib.contextmanager
+def collecting_only_new_objects() -> Iterator[None]:
+    """Within the block, full garbage collections skip the objects that existed when it was entered
+    (frozen, and unfrozen on exit: they are collectable again afterwards). Does nothing when the
+    caller has frozen objects itself (unfreezing would release theirs) or disabled collection."""
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def search(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Cluster, *,
            tp: Optional[TPGraph] = None, tp_eval: Optional[TPGraph] = None, semantics: str = "exact",
            strategies: Optional[Iterable[str]] = None, fixed: Optional[dict[str, Any]] = None,
            ranks: Optional[Sequence[int]] = None, overlap: bool = False, features: str = "auto") -> SearchResult:
     """Lower, predict, filter and rank every candidate (see the module docstring); ``features``: how
     ranks hold the input features (:func:`~gnncompile.passes.features.choose_feature_layout`)."""
+    with collecting_only_new_objects():
+        return _search(model, graph, cluster, tp=tp, tp_eval=tp_eval, semantics=semantics, strategies=strategies,
+                       fixed=fixed, ranks=ranks, overlap=overlap, features=features)
+
+
+def _search(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Cluster, *,
+            tp: Optional[TPGraph], tp_eval: Optional[TPGraph], semantics: str, strategies: Optional[Iterable[str]],
+            fixed: Optional[dict[str, Any]], ranks: Optional[Sequence[int]], overlap: bool,
+            features: str) -> SearchResult:
     t0 = time.perf_counter()
     if tp is None or tp_eval is None:
         tp, tp_eval = trace_both(model, graph)
