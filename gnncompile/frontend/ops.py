@@ -123,9 +123,14 @@ def fx_leaf(kind: str) -> Callable[[F], F]:
 SOURCE_ARGS: dict[Callable[..., Any], str] = {}
 
 
+@functools.lru_cache(maxsize=512)
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
 def call_arguments(node: torch.fx.Node) -> dict[str, Any]:
     """The arguments of a ``call_function`` node by parameter name, defaults applied."""
-    bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    bound = _signature(node.target).bind(*node.args, **node.kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
 

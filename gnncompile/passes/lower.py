@@ -28,6 +28,7 @@ the identity, computes exactly the traced graph (tested for every model of the z
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections import Counter
@@ -159,6 +160,7 @@ def _get_attr(root: torch.nn.Module, target: str) -> Any:
     return obj
 
 
+@functools.cache
 def _elsize(dtype: Optional[str]) -> int:
     return torch.empty(0, dtype=getattr(torch, dtype or "float32")).element_size()
 
