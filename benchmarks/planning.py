@@ -135,7 +135,9 @@ def main() -> None:
     print(table)
     if args.no_write:
         return
-    text = (f"`{command_line()}` on {machine_info()}, {today()}: median over {args.rounds} rounds (fresh processes"
+    import torch
+
+    text = (f"`{command_line()}` on {machine_info(torch.get_num_threads())}, {today()}: median over {args.rounds} rounds (fresh processes"
             f"{', alternated with the baseline' if args.baseline else ''}) of each round's median of {args.repeat} "
             f"plans after one warm-up.\n\n{table}\n")
     update_section(HERE / "RESULTS.md", SECTION, text)
