@@ -78,8 +78,8 @@ except ImportError:  # pragma: no cover - a torch without it generates the code 
 def graph_module(root: torch.nn.Module | dict, graph: torch.fx.Graph, class_name: str = "GraphModule"
                  ) -> torch.fx.GraphModule:
     """``torch.fx.GraphModule(root, graph, class_name)`` whose Python code is generated when first
-    needed (called, printed, pickled), not when built: the search lowers every candidate into
-    stage modules it only costs, and generating their code was a fifth of planning time."""
+    needed (called, printed, pickled), not when built (as :class:`TPGraph`'s): the search builds
+    stage modules for every candidate and runs only the winner's."""
     return _DeferredGraphModule(root, graph, class_name)
 
 KINDS = ("T", "P", "E", "input", "param", "output")

@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import PassError
 from ..frontend import ops
 from ..ir.symbolic import Lin
-from ..ir.tpgraph import TPGraph, TPInfo
+from ..ir.tpgraph import TPGraph, TPInfo, graph_module
 from ..nn.functional import feature_dropout
 from .infra import graph_pass
 
@@ -345,7 +345,7 @@ def _extract(tp: TPGraph, nodes: list[torch.fx.Node]) -> None:
     for n in nodes:
         env[n] = body_graph.node_copy(n, lambda a: env[a])
     body_graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
-    body = torch.fx.GraphModule(tp, body_graph, class_name="TSegment")
+    body = graph_module(tp, body_graph, class_name="TSegment")
 
     name = _free_name(tp, "recompute")
     tp.add_submodule(name, Recompute(body))
