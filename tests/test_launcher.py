@@ -271,13 +271,26 @@ def test_unpicklable_argument_is_refused_in_the_caller() -> None:
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                     reason="KeyboardInterrupt is delivered to the main thread")
 def test_keyboard_interrupt_in_caller_stops_the_ranks() -> None:
-    timer = threading.Timer(2.0, _thread.interrupt_main)
-    timer.start()
+    import signal
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, \
+        f"SIGINT is handled by {signal.getsignal(signal.SIGINT)!r} in this process, not Python's default"
+    # Ctrl-C until the launch returns: an interrupt that lands while the main thread runs a
+    # finalizer (a garbage collection inside the supervisor's loop) is reported there and lost
+    done = threading.Event()
+
+    def press() -> None:
+        while not done.wait(2.0):
+            _thread.interrupt_main()
+
+    presser = threading.Thread(target=press, daemon=True)
+    presser.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             launch(_block_forever, 2, timeout=60)
     finally:
-        timer.cancel()
+        done.set()
+        presser.join()
 
 
 def test_inline_runs_repeatedly_and_cleans_up() -> None:
