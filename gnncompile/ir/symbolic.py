@@ -9,12 +9,12 @@ the same as tracing it for Cora.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Union
+from typing import Optional, Union
 
 Number = Union[int, float, Fraction]
-_UNSET = object()
 
 __all__ = ["Lin", "solve_lin"]
 
@@ -60,17 +60,18 @@ class Lin:
 
     def __call__(self, num_nodes: int, num_edges: int) -> int:
         """Evaluate for a graph of ``num_nodes`` vertices and ``num_edges`` edges (rounded)."""
-        ints = self.__dict__.get("_ints", _UNSET)
-        if ints is _UNSET:
-            # almost every form (rows, FLOPs, bytes) has integer coefficients: those evaluate in
-            # int arithmetic, to the rational evaluation's value without a Fraction per call
-            v, e, c = self.v, self.e, self.c
-            ints = (int(v), int(e), int(c)) if all(getattr(x, "denominator", 0) == 1 for x in (v, e, c)) else None
-            object.__setattr__(self, "_ints", ints)
+        ints = self._ints
         if ints is not None:
             out = ints[0] * num_nodes + ints[1] * num_edges + ints[2]
             return out if type(out) is int else round(out)
         return round(self.v * num_nodes + self.e * num_edges + self.c)
+
+    @functools.cached_property
+    def _ints(self) -> Optional[tuple[int, int, int]]:
+        """The coefficients as ints when all are integers (nearly every form: rows, FLOPs, bytes),
+        else ``None``: :meth:`__call__` then evaluates without a Fraction per call."""
+        v, e, c = self.v, self.e, self.c
+        return (int(v), int(e), int(c)) if all(getattr(x, "denominator", 0) == 1 for x in (v, e, c)) else None
 
     @property
     def is_const(self) -> bool:
