@@ -273,24 +273,61 @@ def test_unpicklable_argument_is_refused_in_the_caller() -> None:
 def test_keyboard_interrupt_in_caller_stops_the_ranks() -> None:
     import signal
 
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, \
-        f"SIGINT is handled by {signal.getsignal(signal.SIGINT)!r} in this process, not Python's default"
-    # Ctrl-C until the launch returns: an interrupt that lands while the main thread runs a
-    # finalizer (a garbage collection inside the supervisor's loop) is reported there and lost
-    done = threading.Event()
-
-    def press() -> None:
-        while not done.wait(2.0):
-            _thread.interrupt_main()
-
-    presser = threading.Thread(target=press, daemon=True)
-    presser.start()
+    # an interactive caller's SIGINT disposition: Python's handler. A process started in the
+    # background by a shell without job control (as CI runners may start pytest) inherits SIGINT
+    # ignored, and then neither Ctrl-C nor interrupt_main reaches it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(2.0, _thread.interrupt_main)
+    timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             launch(_block_forever, 2, timeout=60)
     finally:
-        done.set()
-        presser.join()
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_keyboard_interrupt_while_a_rank_starts_loses_no_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C that lands after the forkserver was asked for a rank, before start() returned it
+    (the server may still be importing torch), is taken once the launcher knows that rank."""
+    import signal
+    from multiprocessing import popen_forkserver
+
+    real = popen_forkserver.Popen._launch
+    started = []
+
+    def launch_then_interrupt(self, process_obj):  # type: ignore[no-untyped-def]
+        real(self, process_obj)
+        started.append(self.pid)
+        _thread.interrupt_main()
+        time.sleep(0.5)      # the interrupt is due here, before start() has returned
+
+    monkeypatch.setattr(popen_forkserver.Popen, "_launch", launch_then_interrupt)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(_block_forever, 2, timeout=60)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert len(started) == 1     # the first start was interrupted; the fixture checks it was stopped
+
+
+def test_interrupts_deferred_takes_a_ctrl_c_after_the_block() -> None:
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        reached = False
+        with pytest.raises(KeyboardInterrupt):
+            with launcher._interrupts_deferred():
+                _thread.interrupt_main()
+                time.sleep(0.1)
+                reached = True
+        assert reached and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with launcher._interrupts_deferred():   # nothing pending, nothing raised
+            pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_inline_runs_repeatedly_and_cleans_up() -> None:

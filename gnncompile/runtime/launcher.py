@@ -42,7 +42,8 @@ Failure handling (every path leaves no child process behind):
   ``/dev/null`` first: the pipe it wrote to is gone). The first to notice also kills the
   forkserver (which would wait for its last client, then take most of a second to tear torch
   down), and the other ranks with it: they die with the forkserver (Linux ``PR_SET_PDEATHSIG``).
-  Ranks ignore SIGINT, so a Ctrl-C is handled once, by the caller, which stops them.
+  Ranks ignore SIGINT, so a Ctrl-C is handled once, by the caller, which stops them; one that
+  comes while a rank starts, or while the ranks are being stopped, is taken when that is done.
 
 The ranks do not run the launching program's main script (multiprocessing would re-run it in
 every child, see :func:`_main_module_hidden`): ``fn`` and ``args`` are pickled once, in the
@@ -235,20 +236,44 @@ def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: 
                 p = mpc.Process(target=_child_main, name=f"gnncompile-rank{rank}",
                                 args=(rank, world_size, placement, store.port, timeout, threads, os.getpid(),
                                       payload, writer, err_writer, board, temp_paths, _settings()))
-                try:
-                    p.start()
-                finally:
-                    writer.close()
-                    err_writer.close()
-                procs.append(p)
+                # a Ctrl-C inside start() would lose a rank the forkserver forks anyway (it may
+                # still be importing torch): the interrupt is taken once the rank is on the list
+                with _interrupts_deferred():
+                    try:
+                        p.start()
+                        procs.append(p)
+                    finally:
+                        writer.close()
+                        err_writer.close()
         results = _Supervisor(procs, conns, timeout, tee, board).run()
         finished = True
         return results
     finally:
-        _shutdown(procs, polite=finished, tee=tee)
-        tee.close()
-        for c in conns + err_readers:
-            c.close()
+        with _interrupts_deferred():    # a second Ctrl-C does not leave the ranks running
+            _shutdown(procs, polite=finished, tee=tee)
+            tee.close()
+            for c in conns + err_readers:
+                c.close()
+
+
+@contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Within the block a SIGINT (Ctrl-C) is recorded, not acted on; Python's handler for it (or the
+    caller's own) runs on exit, so the ``KeyboardInterrupt`` is raised after the block. Does nothing
+    outside the main thread (SIGINT reaches only the main thread) or where SIGINT is not handled in
+    Python (ignored, or the default action)."""
+    handler = signal.getsignal(signal.SIGINT)
+    if not callable(handler) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[tuple[int, Any]] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pending.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    if pending:
+        handler(*pending[0])
 
 
 def _launch_placement(ranks: int, device: Any, backend: Optional[str], placement: Optional["Placement"],
