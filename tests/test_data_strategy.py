@@ -15,11 +15,12 @@ from typing import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gnncompile as gc
-from gnncompile import PlanningError, RuntimeFailure
+from gnncompile import PlanningError, RuntimeFailure, ops
 from gnncompile.graph.partition import PARTITIONERS
 from gnncompile.graph.shard import build_shards
 from gnncompile.ir.plan import HaloExchange, Plan
@@ -176,6 +177,37 @@ def test_row_mixing_op_refused_under_exact(sbm: gc.Graph) -> None:
     plan = gc.plan(model, sbm, gpus=2, semantics="relaxed")
     assert plan.semantics == "relaxed" and plan.relaxations
     assert "per-rank statistics" in str(plan)
+
+
+class _MixesRows(torch.nn.Module):
+    def __init__(self, fin: int, fout: int, mix: str) -> None:
+        super().__init__()
+        self.l1, self.l2, self.mix = torch.nn.Linear(fin, 8), torch.nn.Linear(8, fout), mix
+
+    def forward(self, g, x):
+        h = ops.propagate(g, self.l1(x), norm="gcn")
+        if self.mix == "batch_norm":
+            h = F.batch_norm(h, None, None, training=True)
+        elif self.mix == "softmax":
+            h = torch.softmax(h, 0)
+        else:
+            h = torch.cumsum(h, 0)
+        return self.l2(h)
+
+
+@pytest.mark.parametrize("mix", ["batch_norm", "softmax", "cumsum"])
+def test_functional_row_mixing_refused_by_every_strategy_under_exact(sbm: gc.Graph, mix: str) -> None:
+    """Ops over dim 0 that keep the rows' shape (the tracer's row probe finds them): each strategy
+    refuses them under exact semantics, naming the op; relaxed plans record the relaxation."""
+    model = _MixesRows(sbm.num_features, sbm.num_classes, mix).to(DT)
+    with pytest.raises(PlanningError, match=rf"no candidate plan.*{mix}: mixes vertices"):
+        gc.plan(model, sbm, gpus=2)
+    for strategy in ("data", "tensor", "task", "mop", "layer"):
+        with pytest.raises(PlanningError, match=rf"strategy {strategy!r} is not exact for this model: {mix}: "
+                                                rf"mixes vertices"):
+            gc.plan(model, sbm, gpus=2, strategy=strategy)
+    plan = gc.plan(model, sbm, gpus=2, semantics="relaxed", strategy="data")
+    assert plan.semantics == "relaxed" and any(mix in r for r in plan.relaxations)
 
 
 def test_planning_errors(sbm: gc.Graph) -> None:

@@ -843,6 +843,103 @@ def test_trace_leaves_the_model_and_rng_alone() -> None:
     assert all(p.grad is not None for p in model.parameters())
 
 
+class _RowOp(nn.Module):
+    """Linear, propagation, ``fn`` (on the propagated rows), linear: ``fn`` is the op under test."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.fn, self.l1, self.l2 = fn, nn.Linear(F_IN, hidden), nn.Linear(hidden, F_OUT)
+
+    def forward(self, g, x):
+        return self.l2(self.fn(ops.propagate(g, self.l1(x), norm="gcn")))
+
+
+#: ops whose output rows depend on other rows of the same shape: the tracer must find each
+ROW_MIXING = {
+    "F.batch_norm": lambda h: F.batch_norm(h, None, None, training=True),
+    "softmax(dim=0)": lambda h: torch.softmax(h, 0),
+    "F.normalize(dim=0)": lambda h: F.normalize(h, dim=0),
+    "cumsum(dim=0)": lambda h: torch.cumsum(h, 0),
+    "roll(2, dim=0)": lambda h: torch.roll(h, 2, 0),
+    "flip(0)": lambda h: h.flip(0),
+    "sort(dim=0)": lambda h: torch.sort(h, 0).values,
+    "h - h.mean(0)": lambda h: h - h.mean(0),
+    "h + arange(|V|)": lambda h: h + torch.arange(h.shape[0]).unsqueeze(1).to(h.dtype),
+}
+#: row-local ops, some with the vertex count among their sizes: none may be flagged
+ROW_LOCAL = {
+    "relu + dropout": lambda h: F.dropout(F.relu(h), 0.5, training=True),
+    "softmax(dim=1)": lambda h: torch.softmax(h, 1),
+    "F.normalize(dim=1)": lambda h: F.normalize(h, dim=1),
+    "layer_norm": lambda h: F.layer_norm(h, h.shape[1:]),
+    "cat(dim=1) of heads": lambda h: torch.cat([h.view(-1, 1, h.shape[1]).sum(1), h * 2], 1)[:, :h.shape[1]],
+    "cumsum(dim=1)": lambda h: torch.cumsum(h, 1),
+    "in-place relu_": lambda h: h.clone().relu_(),
+    "h * ones(|V|, 1)": lambda h: h * torch.ones(h.shape[0], 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROW_MIXING))
+def test_row_mixing_ops_are_found(name: str) -> None:
+    from gnncompile.passes.lower import row_mixing_ops
+
+    torch.manual_seed(0)
+    tp = verify(gc.trace(_RowOp(ROW_MIXING[name]), gc.GraphStats(100, 300, F_IN, F_OUT)))
+    found = row_mixing_ops(tp)
+    assert found, f"{name} was not found mixing rows"
+    nodes = {n.name: n for n in tp.graph.nodes}
+    assert all(tp.info(nodes[op]).kind == "T" for op, _ in found)
+    assert any("mixes vertices" in why or "output rows" in why for _, why in found), found
+
+
+@pytest.mark.parametrize("hidden", [HIDDEN, 23, 71])  # 23, 71: the first sample graph's |V| and |E|
+@pytest.mark.parametrize("name", sorted(ROW_LOCAL))
+def test_row_local_ops_are_not_flagged(name: str, hidden: int) -> None:
+    """Also where a weight has as many rows as the sample graph has vertices or edges: only
+    inputs on the vertices' (edges') rows are changed by the probe, never parameters."""
+    from gnncompile.passes.lower import row_mixing_ops
+
+    class WithWeight(_RowOp):
+        def __init__(self) -> None:
+            super().__init__(ROW_LOCAL[name], hidden)
+            self.w = nn.Parameter(torch.randn(hidden, hidden))
+
+        def forward(self, g, x):
+            h = ops.propagate(g, self.l1(x), norm="gcn")
+            return self.l2(self.fn(h @ self.w))
+
+    torch.manual_seed(0)
+    tp = verify(gc.trace(WithWeight(), gc.GraphStats(100, 300, F_IN, F_OUT)))
+    assert row_mixing_ops(tp) == []
+    assert all(tp.info(n).mixes_rows == "" for n in tp.graph.nodes if "tp" in n.meta)
+
+
+def test_row_mixing_probe_leaves_rng_and_edge_ops_alone() -> None:
+    """GAT's edge-wise ops (scores, LeakyReLU on edges, dropout of coefficients) are edge-local;
+    a softmax over all edges is not; the probe draws nothing from the caller's generator."""
+    from gnncompile.passes.lower import row_mixing_ops
+
+    torch.manual_seed(0)
+    gat = gc.nn.GAT(F_IN, 4, F_OUT, heads=2, dropout=0.5)
+    rng = torch.get_rng_state()
+    assert row_mixing_ops(gc.trace(gat, gc.GraphStats(100, 300, F_IN, F_OUT))) == []
+    assert torch.equal(torch.get_rng_state(), rng)
+
+    class GlobalEdgeSoftmax(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(F_IN, F_OUT)
+
+        def forward(self, g, x):
+            h = self.lin(x)
+            score = (ops.gather_src(g, h) * ops.gather_dst(g, h)).sum(-1)
+            return ops.propagate(g, h, edge_weight=torch.softmax(score, 0), norm="none")
+
+    found = row_mixing_ops(gc.trace(GlobalEdgeSoftmax(), gc.GraphStats(100, 300, F_IN, F_OUT)))
+    assert [(op, why) for op, why in found] == [("softmax", "mixes edges: changing some edges' input rows changed "
+                                                 "other edges' output rows")]
+
+
 def test_dtype_follows_the_model() -> None:
     model = gc.nn.GCN(F_IN, HIDDEN, F_OUT).double()
     tp = gc.trace(model, gc.GraphStats(100, 300, F_IN, F_OUT))

@@ -337,7 +337,7 @@ DATA_REFUSED = {  # model -> what the data strategy's refusal must say
     "prenorm_batchnorm": r"norms_0: BatchNorm1d normalizes with statistics over all vertices; norms_1: BatchNorm1d "
                          r"normalizes with statistics over all vertices\. " + _NOT_EXACT,
     # conservative: the LSTM returns (out [N, L, 2H], (h, c) [2, N, H]), not one vertex-rowed tensor
-    "jk_lstm": r"lstm: reduces over vertices.*" + _NOT_EXACT,
+    "jk_lstm": r"lstm: takes its output rows from the vertices as a whole.*" + _NOT_EXACT,
 }
 TENSOR_MODELS = ["edge_weighted_gcn", "gatv2", "jk_cat", "jk_max", "mixhop", "teleport_appnp", "two_tower",
                  "branch_dropout", "mode_dependent_rate", "layer_spec_loop"]

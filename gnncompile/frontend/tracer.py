@@ -422,6 +422,102 @@ def _graph_tensors(g: Graph) -> set[int]:
     return out
 
 
+def _leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors of a node's value (itself, or those of a tuple or list of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _leaves(v)]
+    return []
+
+
+def _row_mixing(node: torch.fx.Node, rows: Optional[Lin], samples: list, probe: torch.fx.Interpreter,
+                values: dict[str, Any]) -> str:
+    """Why the output rows of the (non-primitive) op ``node`` depend on other rows of an input on the
+    vertices' or edges' rows, or ``""`` (the :attr:`~gnncompile.ir.tpgraph.TPInfo.mixes_rows` of
+    the trace): its output is not on those rows (a reduction, slice or index over dim 0), it reads
+    how many there are (a value that differs between the sample graphs), or it was found mixing
+    rows on the first sample (:func:`_mixes_rows`). Reading other sizes (``h.shape[1:]``) is not."""
+    space = rows.space if rows is not None else "-"
+    out = values[node.name]
+    if not _leaves(out):    # sizes, dtypes...: judged where a tensor is made of them
+        return ""
+    spaces = {a.meta["tp"].space for a in node.all_input_nodes if "tp" in a.meta} & _SAMPLE_ROWS.keys()
+    if not spaces:
+        sized = any(not _leaves(values[a.name]) and not all(_same(rec[a.name]["out"], values[a.name])
+                                                            for _, _, rec in samples[1:])
+                    for a in node.all_input_nodes)
+        if space in _SAMPLE_ROWS and sized and not all(torch.equal(t, t[:1].expand_as(t)) for t in _leaves(out)):
+            name = "vertices" if space == "V" else "edges"
+            return (f"makes values that differ between the {name} from their number (as torch.arange over the "
+                    f"{name}): a rank holds only its own {name}, numbered from 0")
+        return ""
+    name = "vertices" if "V" in spaces else "edges"
+    if space not in _SAMPLE_ROWS:
+        return f"takes its output rows from the {name} as a whole (output rows {space}: a reduction, slice or " \
+               f"index over dim 0)"
+    row_inputs = {a.name for a in node.all_input_nodes if "tp" in a.meta and a.meta["tp"].space == space}
+    if not row_inputs:
+        return ""
+    n0, e0, _ = samples[0]
+    return _mixes_rows(probe, node, values, _SAMPLE_ROWS[space](n0, e0), row_inputs,
+                       "vertices" if space == "V" else "edges")
+
+
+#: row counts of a sample graph with ``n`` vertices and ``e`` edges, by row space
+_SAMPLE_ROWS: dict[str, Callable[[int, int], int]] = {"V": lambda n, e: n, "E": lambda n, e: e, "E+V": lambda n, e: n + e}
+
+
+def _mixes_rows(interp: torch.fx.Interpreter, n: torch.fx.Node, values: dict[str, Any], rows: int,
+                row_inputs: set[str], name: str) -> str:
+    """Why call node ``n``'s output rows depend on other rows of its input, or ``""``.
+
+    ``values``: every node's value on a sample graph; ``rows``: the row count of ``n``'s output
+    there; ``row_inputs``: the inputs of ``n`` on the same rows (vertices or edges: ``name``). About
+    half of those rows (a fixed random half) get other values in every such input, and the node runs
+    on copies of its inputs as it does on unchanged copies, drawing the same random numbers: a
+    row-local op (linear layers, activations, dropout, a softmax over features) then changes only
+    those rows of its output; a normalization over the vertices, a sort, roll or cumulative sum
+    over dim 0 changes the others too."""
+    changed = torch.rand(rows, generator=torch.Generator().manual_seed(rows)) < 0.5
+    changed[0], changed[-1] = True, False   # (neither no row nor every row)
+
+    def copies(perturb: bool) -> tuple[Any, Any]:
+        def one(a: torch.fx.Node) -> Any:
+            v = torch.fx.node.map_aggregate(values[a.name], lambda t: t.detach().clone() if isinstance(
+                t, torch.Tensor) and t.layout == torch.strided else t)   # (in-place ops change their copy)
+            if perturb and a.name in row_inputs and isinstance(v, torch.Tensor) and v.is_floating_point():
+                v[changed] = v[changed] * -3.0 + 1.5
+            return v
+        return torch.fx.node.map_arg((n.args, n.kwargs), one)
+
+    runs = []
+    state = torch.get_rng_state()   # both runs draw the same random numbers (restored after)
+    try:
+        for perturb in (False, True):
+            args, kwargs = copies(perturb)
+            torch.set_rng_state(state)
+            with torch.no_grad():
+                runs.append([t for t in _leaves(getattr(interp, n.op)(n.target, args, kwargs))
+                             if t.layout == torch.strided and t.dim() > 0 and t.shape[0] == rows])
+    except Exception:   # (an op that rejects the changed values: not probed)
+        return ""
+    finally:
+        torch.set_rng_state(state)
+    for before, after in zip(*runs):
+        if before.shape != after.shape:
+            return f"mixes {name}: changing some {name}' input rows changed its output's shape"
+        b, a = before[~changed], after[~changed]
+        if b.is_floating_point():
+            scale = 1.0 + (float(b.abs().nan_to_num(0.0, 0.0, 0.0).max()) if b.numel() else 0.0)
+            same = torch.allclose(b, a, rtol=1e-4, atol=1e-5 * scale, equal_nan=True)
+        else:
+            same = torch.equal(b, a)
+        if not same:
+            return f"mixes {name}: changing some {name}' input rows changed other {name}' output rows"
+    return ""
+
+
 class _Measure(torch.fx.Interpreter):
     """Runs the module node by node, recording shapes, costs and saved-for-backward bytes."""
 
@@ -862,6 +958,19 @@ def _annotate(model: torch.nn.Module, gm: torch.fx.GraphModule, stats: GraphStat
             raise TraceError(f"node {name!r}: a size annotation is not linear in |V| and |E| ({exc})") from exc
 
     layers = _layers(gm)
+    probe = torch.fx.Interpreter(gm)   # reruns single nodes on the first sample (:func:`_mixes_rows`)
+    values = {k: r["out"] for k, r in samples[0][2].items()}
+    with torch.random.fork_rng(devices=[]), _one_thread():
+        _annotate_nodes(gm, samples, modules, lin, layers, probe, values)
+    tp = TPGraph(gm, gm.graph, stats, class_name=f"TP{type(model).__name__}")
+    tp.train(training)  # sets the views' modes, not the model's
+    return tp
+
+
+def _annotate_nodes(gm: torch.fx.GraphModule, samples: list, modules: dict[str, torch.nn.Module],
+                    lin: Callable[..., Optional[Lin]], layers: dict[str, int], probe: torch.fx.Interpreter,
+                    values: dict[str, Any]) -> None:
+    """Attach a :class:`TPInfo` to every node of ``gm`` from the sample runs' ``samples``."""
     for node in gm.graph.nodes:
         rec = samples[0][2][node.name]
         out = rec["out"]
@@ -885,6 +994,9 @@ def _annotate(model: torch.nn.Module, gm: torch.fx.GraphModule, stats: GraphStat
             kind = "E" if space in ("E", "E+V") else "T"
             if node.op == "call_module":
                 params = sum(p.numel() for p in modules[node.target].parameters(recurse=True))
+        why = ""
+        if kind in ("T", "E") and not (node.op == "call_function" and is_primitive(node.target)):
+            why = _row_mixing(node, rows, samples, probe, values)
         node.meta["tp"] = TPInfo(
             kind=kind,
             layer=layers[node.name] if kind in ("T", "P", "E") else 0,
@@ -898,7 +1010,5 @@ def _annotate(model: torch.nn.Module, gm: torch.fx.GraphModule, stats: GraphStat
             params=params,
             op=_op_label(node, modules),
             saves=rec["saves"],
+            mixes_rows=why,
         )
-    tp = TPGraph(gm, gm.graph, stats, class_name=f"TP{type(model).__name__}")
-    tp.train(training)  # sets the views' modes, not the model's
-    return tp

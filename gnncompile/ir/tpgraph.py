@@ -24,6 +24,9 @@ replays            the replicated dropouts whose output the op saves and the run
                    op's backward); ``replay_saving``: what of ``saved_bytes`` the op then does not
                    hold (the outputs, where their inputs are held anyway)
 params             number of parameters owned by the op (module parameters, or a get_attr)
+mixes_rows         for a T op (or a non-primitive op on edge rows): why some output row depends
+                   on other rows of its input (found on a sample graph: changing some vertices'
+                   or edges' rows changed the others'); ``""`` for a row-local op
 =================  =====================================================================
 
 Size-dependent fields are linear forms in ``|V|`` and ``|E|``; :meth:`TPGraph.value` evaluates
@@ -105,6 +108,7 @@ class TPInfo:
     replays: tuple[str, ...] = ()
     replayed_bytes: Lin = field(default_factory=Lin)
     replay_saving: Lin = field(default_factory=Lin)
+    mixes_rows: str = ""
 
     @property
     def space(self) -> str:

@@ -447,21 +447,22 @@ _ROW_MIXING_MODULES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.Inst
 
 
 def row_mixing_ops(tp: TPGraph) -> list[tuple[str, str]]:
-    """T ops whose output rows depend on other rows of a V-space input: ``(op, why)`` pairs."""
+    """Ops other than the graph primitives whose output rows depend on other rows of a vertex- or
+    edge-space input: ``(op, why)`` pairs. A BatchNorm-like module that normalizes with the batch's
+    statistics, and the ops the tracer found (:attr:`~gnncompile.ir.tpgraph.TPInfo.mixes_rows`:
+    reductions, slices and indexes over the vertices, reads of their number, and ops such as a
+    normalization, sort, roll or cumulative sum over dim 0)."""
     found = []
     for n in tp.graph.nodes:
         info = n.meta.get("tp")
-        if info is None or info.kind != "T":
+        if info is None or info.kind not in ("T", "E"):
             continue
         if n.op == "call_module" and isinstance(tp.get_submodule(n.target), _ROW_MIXING_MODULES):
             mod = tp.get_submodule(n.target)
             if mod.training or not getattr(mod, "track_running_stats", False):
                 found.append((n.name, f"{type(mod).__name__} normalizes with statistics over all vertices"))
-            continue
-        in_spaces = {a.meta["tp"].space for a in n.all_input_nodes if "tp" in a.meta}
-        if ("V" in in_spaces or "E" in in_spaces) and info.space not in ("V", "E", "E+V"):
-            found.append((n.name, f"reduces over {'vertices' if 'V' in in_spaces else 'edges'} "
-                                  f"(output rows {info.space})"))
+        elif info.mixes_rows:
+            found.append((n.name, info.mixes_rows))
     return found
 
 
