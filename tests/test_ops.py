@@ -440,6 +440,30 @@ def test_edge_attention_on_a_rank_graph_with_halo_rows(edge_backend: str) -> Non
         _attention_both_ways(local, 2, loops, 0.2, seed=7)
 
 
+def test_destination_side_ops_take_the_own_rows_of_source_rows() -> None:
+    """gather_dst's x and edge_attention's dst_scores may have a row per source of a rank's (or
+    chunk's) graph, as its propagations' inputs do: the destinations' own rows are used, and only
+    they get gradients (a task or layer chunk reads one value on both sides of its edges)."""
+    gen = torch.Generator().manual_seed(8)
+    n, num_src, own = 5, 14, 6
+    indptr = torch.zeros(n + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(torch.randint(1, 4, (n,), generator=gen), 0)
+    indices = torch.randint(0, num_src, (int(indptr[-1]),), generator=gen)
+    local = gnncompile.graph.LocalGraph(indptr, indices, n, num_src, own_offset=own)
+    x = rand(num_src, 3, seed=9, grad=True)
+    for loops in (False, True):
+        x.grad = None
+        out = gather_dst(local, x, loops)
+        assert torch.equal(out, gather_dst(local, x.detach()[own:own + n], loops))
+        out.sum().backward()
+        assert x.grad[own:own + n].abs().sum() > 0
+        assert not x.grad[:own].any() and not x.grad[own + n:].any()
+    s, t = rand(num_src, 2, seed=10), rand(num_src, 2, seed=11)
+    torch.testing.assert_close(edge_attention(local, s, t, 0.2, True), edge_attention(local, s, t[own:own + n], 0.2, True))
+    with pytest.raises(KernelError, match=r"gather_dst: x must have 5 rows"):
+        gather_dst(local, rand(num_src - 1, 3))
+
+
 def test_edge_attention_gradcheck(edge_backend: str) -> None:
     g = make_graph("mixed")
     s, t = rand(g.num_nodes, 2, seed=21, grad=True), rand(g.num_nodes, 2, seed=22, grad=True)

@@ -376,6 +376,28 @@ def test_tensor_refusals_say_what(sbm: gc.Graph, name: str) -> None:
         gc.plan(make(name), sbm, gpus=2, strategy="tensor")
 
 
+class DotAttention(nn.Module):
+    """Dot-product attention from one value on both ends of each edge (``gather_src`` and
+    ``gather_dst`` of ``z``), normalized per destination."""
+
+    def __init__(self, d_in: int, hidden: int, d_out: int) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(d_in, hidden), nn.Linear(hidden, d_out)
+
+    def forward(self, g, x):
+        z = self.lin(x)
+        alpha = ops.edge_softmax(g, (ops.gather_src(g, z) * ops.gather_dst(g, z)).sum(-1))
+        return self.out(F.relu(ops.propagate(g, z, norm="none", edge_weight=alpha)))
+
+
+@pytest.mark.parametrize("strategy", ["data", "task", "layer"])
+def test_one_value_on_both_ends_of_the_edges(sbm: gc.Graph, strategy: str) -> None:
+    """A chunk's propagation stage reads the chunks of the sources: its destination-side op gets the
+    chunk's own rows of them (every rank failed in gather_dst before, after a verified plan)."""
+    torch.manual_seed(0)
+    check_plan(DotAttention(F_IN, HID, C).to(DT), sbm, 2, strategy=strategy, rtol=1e-9, atol=1e-11, timeout=60)
+
+
 # =========================================================================== what cannot be traced
 class DropEdgeByCount(nn.Module):
     """DropEdge written with the graph's size: ``torch.rand(g.num_edges) > p`` inside forward."""

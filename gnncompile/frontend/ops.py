@@ -383,6 +383,14 @@ def _own_offset(g: Graph) -> int:
     return 0 if g.num_src == g.num_nodes else getattr(g, "own_offset", 0)
 
 
+def _destination_rows(g: Graph, x: Any) -> Any:
+    """``x``'s destination rows where it has one row per source of a graph with more sources than
+    destinations (a view of the destinations' own rows), else ``x`` itself (checked by the caller)."""
+    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == g.num_src != g.num_nodes:
+        return _own_rows(g, x)
+    return x
+
+
 def _own_rows(g: Graph, x: torch.Tensor) -> torch.Tensor:
     """The rows of source-side ``x`` that are the destinations themselves (their self loops)."""
     off = _own_offset(g)
@@ -495,8 +503,14 @@ def gather_src(g: Graph, x: torch.Tensor, add_self_loops: bool = False) -> torch
 
 @fx_leaf("E")
 def gather_dst(g: Graph, x: torch.Tensor, add_self_loops: bool = False) -> torch.Tensor:
-    """Vertex -> edge: ``out[e] = x[dst(e)]`` (``[E, ...]``, or ``[E + N, ...]`` with self loops)."""
+    """Vertex -> edge: ``out[e] = x[dst(e)]`` (``[E, ...]``, or ``[E + N, ...]`` with self loops).
+
+    ``x`` has a row per destination or, where ``g`` is a rank's or chunk's graph whose sources
+    include its destinations (:class:`~gnncompile.graph.shard.LocalGraph`), a row per source: the
+    destinations' own rows are then taken from it (as :func:`dst_rows` does).
+    """
     g = _check_graph(g, "gather_dst")
+    x = _destination_rows(g, x)
     _check_rows(x, g.num_nodes, "gather_dst", "x", "vertex", g)
     return _GatherRows.apply(g, x, True, add_self_loops)
 
@@ -730,9 +744,11 @@ def edge_attention(g: Graph, src_scores: torch.Tensor, dst_scores: torch.Tensor,
     without the per-edge gathers, sum and pre-activations. It saves ``alpha`` and the two score
     tensors; natively on the CPU the forward makes ``alpha`` alone and the backward one edge tensor
     (the torch formulation elsewhere holds one more each way). ``src_scores`` has a row per source
-    vertex, ``dst_scores`` one per destination, with the same trailing shape.
+    vertex, ``dst_scores`` one per destination (or per source, as for :func:`gather_dst`), with
+    the same trailing shape.
     """
     g = _check_graph(g, "edge_attention")
+    dst_scores = _destination_rows(g, dst_scores)
     _check_rows(src_scores, g.num_src, "edge_attention", "src_scores", "vertex", g)
     _check_rows(dst_scores, g.num_nodes, "edge_attention", "dst_scores", "vertex", g)
     if src_scores.shape[1:] != dst_scores.shape[1:] or src_scores.dtype != dst_scores.dtype \
