@@ -21,6 +21,7 @@ _warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta
 
 from . import datasets, nn, ops  # noqa: E402
 from .errors import (
+    ArgumentError,
     DatasetError,
     GnnCompileError,
     GraphError,
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Cluster",
+    "ArgumentError",
     "DatasetError",
     "GnnCompileError",
     "Graph",

@@ -252,8 +252,9 @@ class Plan(PlanData):
         for. Checkpoints and early stopping: ``checkpoint_dir=``, ``checkpoint_every=``,
         ``resume=``, ``patience=`` (passed on to ``run_plan``); ``result.best_state_dict()``."""
         if self.program is None:
-            raise PlanningError("this plan holds no model (it was loaded from a file without one); "
-                                "use gnncompile.load_plan(path, model, graph) to run it")
+            raise PlanningError("this plan holds no program to run: it was planned from graph statistics "
+                                "(GraphStats), or loaded from a file without a model; plan with a Graph, or "
+                                "rebuild it with gnncompile.load_plan(path, model, graph)")
         from .runtime.executor import run_plan
 
         self.last_run = run_plan(self, epochs=epochs, lr=lr, device=device, backend=backend, **kwargs)
@@ -296,7 +297,9 @@ def load_plan(path: Union[str, Path], model: Optional[torch.nn.Module] = None,
         return runnable(saved)
     options = dict(saved.options)
     options.setdefault("features", "dense")  # plans saved before the layout was a decision held x as given
-    rebuilt = runnable(plan(model, graph, gpus=saved.num_ranks, **options))
+    # the devices it was planned for (plans saved before they were recorded: as many local ranks)
+    gpus = Cluster.from_dict(saved.info["cluster"]) if "cluster" in saved.info else saved.num_ranks
+    rebuilt = runnable(plan(model, graph, gpus=gpus, **options))
     diffs = plan_differences(saved, rebuilt)
     if diffs:
         shown = diffs[:8] + ([f"... {len(diffs) - 8} more"] if len(diffs) > 8 else [])

@@ -19,6 +19,7 @@ import json
 import math
 import re
 import sys
+from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from .errors import GnnCompileError
@@ -391,7 +392,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if cal:
         print(json.dumps(cal, indent=1, default=str))
     if args.device == "cpu":
-        print(f"profile written to {path}; plans for '<N>xcpu' clusters use it")
+        if Path(path).expanduser().resolve() == default_profile_path().expanduser().resolve():
+            print(f"profile written to {path}; plans for '<N>xcpu' clusters use it")
+        else:
+            print(f"profile written to {path}; plans use it with GNNCOMPILE_PROFILE={path} (they read "
+                  f"{default_profile_path()} otherwise)")
         return 0
     d, model = cluster.device, cal["model"]
     print(f"{d.name} ({'preset ' + cal['preset'] if cal.get('preset') else 'no preset matches'}): "

@@ -12,6 +12,11 @@ class GnnCompileError(Exception):
     """Base class of every error raised by gnncompile."""
 
 
+class ArgumentError(GnnCompileError, ValueError):
+    """An argument is outside its domain (a number of epochs, a learning rate, fanouts, a model or
+    layer option): the message names the argument and what is valid."""
+
+
 class GraphError(GnnCompileError, ValueError):
     """A graph (or graph statistics) is malformed: bad ids, shapes, dtypes, non-finite values."""
 

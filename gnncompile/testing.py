@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .errors import ArgumentError
 from .frontend.blocks import BlockModel
 from .frontend.ops import plan_dropout_draws
 from .graph.core import Graph
@@ -129,7 +130,7 @@ def check_plan(model: torch.nn.Module, graph: Graph, gpus: int, *, rtol: float =
     seeds = None
     if plan_options.get("batch_size") is not None:  # sampled: the first mini-batch, on the CPU
         if device != "cpu":
-            raise ValueError("check_plan of a sampled plan compares on the CPU (device='cpu')")
+            raise ArgumentError("check_plan of a sampled plan compares on the CPU (device='cpu')")
         ref, seeds = sampled_reference_step(ref_model, graph, plan_options["batch_size"], plan_options["fanouts"],
                                             ranks=gpus, micro=plan_options.get("strategy") == "data", lr=lr,
                                             weight_decay=weight_decay, seed=plan_options.get("seed", 0))
@@ -593,7 +594,7 @@ def train_host_syncs(model: torch.nn.Module, graph: Graph, *, epochs: int = 2, f
     from .runtime.trainer import train
 
     if not 0 <= first < epochs:
-        raise ValueError(f"first must be in [0, epochs), got first={first}, epochs={epochs}")
+        raise ArgumentError(f"first must be in [0, epochs), got first={first}, epochs={epochs}")
     records, recorder = _phase_recorder(first)
     with probing(recorder):
         train(model, graph, epochs=epochs, verbose=False, **train_options)
@@ -616,7 +617,7 @@ def plan_host_syncs(plan: Any, *, epochs: int = 2, first: int = 1, lr: float = 0
     from .runtime.launcher import launch
 
     if not 0 <= first < epochs:
-        raise ValueError(f"first must be in [0, epochs), got first={first}, epochs={epochs}")
+        raise ArgumentError(f"first must be in [0, epochs), got first={first}, epochs={epochs}")
     placement = plan_placement(plan, device)
     with tempfile.TemporaryDirectory(prefix="gnncompile-syncs-", ignore_cleanup_errors=True) as tmp:
         for prog in plan.program:

@@ -170,6 +170,7 @@ def test_list_schedule_prefers_finishing_a_chunk() -> None:
 @pytest.mark.parametrize("model, match", [
     (lambda: gc.nn.GAT(6, 4, 3, heads=2, num_layers=2, dropout=0.0), "edge-wise"),
     (lambda: gc.nn.SGC(6, 3, K=2), "chained propagations"),
+    (lambda: gc.nn.GraphSAGE(6, 4, 3, aggr="max"), r"strategy 'mop' does not support edge-wise op 'aggregate'"),
 ])
 def test_unsupported_models_are_refused(sbm: gc.Graph, model: Callable, match: str) -> None:
     with pytest.raises(PlanningError, match=match):

@@ -667,3 +667,7 @@ def test_load_plan_rebuilds_a_runnable_plan_and_plan_load_is_its_deprecated_alia
     assert isinstance(alias, gc.Plan) and alias == rebuilt and alias.program is not None
     with pytest.warns(DeprecationWarning):
         assert gc.Plan.load(path) == plan
+    # rebuilt for the devices it was planned for, not as many local ranks
+    gpu = gc.plan(model, graph, gpus="2x2xA100-ib200", strategy="data", partitioner="random")
+    again = gc.load_plan(gpu.save(tmp_path / "gpu.json"), model, graph)
+    assert again.cluster == gpu.cluster and "A100" in again.cluster and str(again) == str(gpu)

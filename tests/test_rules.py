@@ -97,6 +97,8 @@ def test_volume_and_channel() -> None:
     assert rule(ag).volume(ag, 0) == (2 * 30 * 4 * 2 // 3,) * 2
     ar = AllReduce("grads", (0, 1), numel=100)
     assert rule(ar).volume(ar, 1) == (100 * F32, 100 * F32)
+    ar3 = AllReduce("grads", (0, 1, 2), numel=101)   # whole bytes, as the runtime's counter: 2 (n-1) s numel // n
+    assert rule(ar3).volume(ar3, 0) == (2 * 2 * 101 * F32 // 3,) * 2
     assert channel(Send("h", 0, 2), 0) == (0, 2) and channel(Recv("h", 0, 0), 2) == (0, 2)
 
 

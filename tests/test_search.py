@@ -262,7 +262,7 @@ def test_planning_from_statistics_alone():
     part = p.info["partition"]
     assert part["estimated"] and part["replication_factor"] == pytest.approx(stats.replication[p.num_ranks])
     assert "Search over" in p.explanation()
-    with pytest.raises(PlanningError, match="holds no model"):
+    with pytest.raises(PlanningError, match="holds no program to run: it was planned from graph statistics"):
         p.run(epochs=1)
 
 

@@ -127,7 +127,7 @@ def test_cli_help_and_datasets_via_module() -> None:
 def test_bad_training_arguments_are_refused_before_any_work(kwargs: dict, what: str, monkeypatch) -> None:
     g = _small_graph()
     model = gc.nn.GCN(g.num_features, 8, g.num_classes)
-    with pytest.raises(ValueError, match=what):
+    with pytest.raises(gc.ArgumentError, match=what):   # (a ValueError too)
         gc.train(model, g, **{"epochs": 1, **kwargs})
     plan = gc.plan(model, g, gpus=2, strategy="data", partitioner="contiguous")
     from gnncompile.runtime import executor
@@ -136,5 +136,35 @@ def test_bad_training_arguments_are_refused_before_any_work(kwargs: dict, what: 
         raise AssertionError("ranks were started")
 
     monkeypatch.setattr(executor, "launch", no_launch)
-    with pytest.raises(ValueError, match=what):
+    with pytest.raises(gc.ArgumentError, match=what):
         plan.run(**{"epochs": 1, **kwargs})
+
+
+@pytest.mark.parametrize("field", ["y", "train_mask"])
+def test_plan_run_needs_labels_and_training_vertices(field: str, monkeypatch) -> None:
+    """As gc.train does, before any rank starts (a plan's loss was 0 on a graph without them)."""
+    g = _small_graph()
+    bad = g.replace(y=None) if field == "y" else g.replace(train_mask=torch.zeros(g.num_nodes, dtype=torch.bool))
+    plan = gc.plan(gc.nn.GCN(g.num_features, 8, 3), bad, gpus=2, strategy="data", partitioner="contiguous")
+    from gnncompile.runtime import executor
+
+    def no_launch(*args, **kw):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(executor, "launch", no_launch)
+    with pytest.raises(gc.GraphError, match=rf"^{field}: the graph this plan was made for has no"):
+        plan.run(epochs=1)
+
+
+def test_a_model_with_fewer_outputs_than_classes_is_refused() -> None:
+    g = _small_graph()  # 3 classes
+    narrow = gc.nn.GCN(g.num_features, 8, 2)
+    with pytest.raises(gc.ArgumentError, match=r"GCN returned \[300, 2\] on 'sbm-300'; training needs logits "
+                                               r"\[300, >= 3\]"):
+        gc.train(narrow, g, epochs=1, verbose=False)
+    with pytest.raises(gc.ArgumentError, match=r"GCN's output has 2 column\(s\), one logit per class, but 'sbm-300' "
+                                               r"has 3 classes"):
+        gc.plan(narrow, g, gpus=2)
+    wide = gc.nn.GCN(g.num_features, 8, 5)   # extra logits are allowed (never the argmax of a trained model)
+    assert len(gc.train(wide, g, epochs=1, verbose=False).loss) == 1
+    assert gc.plan(wide, g, gpus=2, strategy="data").program is not None

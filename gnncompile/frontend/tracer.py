@@ -928,7 +928,9 @@ def _annotate(model: torch.nn.Module, gm: torch.fx.GraphModule, stats: GraphStat
             x = _sample_input(x_like, n, stats.num_features, seed=i, dtype=dtype)
             try:
                 with torch.no_grad():
-                    gm(g, x)  # warm the graph's caches so they are not counted as activations
+                    # warm the graph's caches so they are not counted as activations (forward itself:
+                    # the module's __call__ prints fx's own traceback of a failure to stderr)
+                    gm.forward(g, x)
                 exclude = _graph_tensors(g) | {p.untyped_storage().data_ptr() for p in gm.parameters()}
                 exclude |= {b.untyped_storage().data_ptr() for b in gm.buffers()}
                 exclude.add(_storage_key(x)[0])
@@ -939,7 +941,14 @@ def _annotate(model: torch.nn.Module, gm: torch.fx.GraphModule, stats: GraphStat
                 raise
             except Exception as exc:
                 hint = ""
-                if stats.num_features == 0:
+                per_vertex = [f"{name}: {list(t.shape)}" for name, t in itertools.chain(
+                    model.named_parameters(), model.named_buffers()) if t.dim() and t.shape[0] == stats.num_nodes > n]
+                if per_vertex:
+                    hint = (f"; the model holds a row per vertex of the graph ({', '.join(per_vertex)}): per-vertex "
+                            "parameters and buffers are not supported (a plan gives each rank its own vertices, and "
+                            "the tracer runs the model on small sample graphs); feed such values as input features, "
+                            "or compute them from the features")
+                elif stats.num_features == 0:
                     hint = ("; the graph has no node features (num_features=0): trace with a Graph that has "
                             "x, or with GraphStats(num_features=...)")
                 raise TraceError(

@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..errors import GraphError
+from ..errors import ArgumentError, GraphError
 from .core import Graph
 
 METHODS = ("none", "rcm")
@@ -126,9 +126,9 @@ def reorder(graph: Graph, method: str = "rcm") -> tuple[Graph, torch.Tensor]:
 def min_granularity(n: int, b: int) -> float:
     """MixGCN's minimum pipeline granularity ``(n - b) / 2n`` (Proposition 3.5)."""
     if n <= 0:
-        raise ValueError(f"min_granularity: n must be positive, got {n}")
+        raise ArgumentError(f"min_granularity: n must be positive, got {n}")
     if not 0 <= b <= n:
-        raise ValueError(f"min_granularity: bandwidth {b} must lie in [0, {n}]")
+        raise ArgumentError(f"min_granularity: bandwidth {b} must lie in [0, {n}]")
     return (n - b) / (2 * n)
 
 

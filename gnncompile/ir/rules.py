@@ -272,7 +272,7 @@ def _ring_volume(inst: Union[AllGather, ReduceScatter], rank: int) -> tuple[floa
 
 def _all_reduce_volume(inst: AllReduce, rank: int) -> tuple[float, float]:
     n = len(inst.group)
-    v = 2 * (n - 1) / n * inst.numel * elsize(inst.dtype)
+    v = float(2 * (n - 1) * inst.numel * elsize(inst.dtype) // n)   # whole bytes, as the runtime counts them
     return v, v
 
 

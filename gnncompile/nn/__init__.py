@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from ..errors import ArgumentError
 from .layers import APPNPConv, GATConv, GCN2Conv, GCNConv, GINConv, SAGEConv, SGConv, check_positive_int
 from .models import APPNP, GAT, GCN, GCNII, GIN, SGC, GraphSAGE, ResGCN
 
@@ -73,17 +74,17 @@ def build_model(name: str, in_dim: int, hidden: int, out_dim: int, **kwargs: Any
     """
     key = name.lower() if isinstance(name, str) else name
     if key not in MODELS:
-        raise ValueError(f"model: unknown name {name!r}; valid: {', '.join(sorted(MODELS))}")
+        raise ArgumentError(f"model: unknown name {name!r}; valid: {', '.join(sorted(MODELS))}")
     cls = MODELS[key]
     params = inspect.signature(cls.__init__).parameters
     if "num_layers" in kwargs and "num_layers" not in params and "K" in params:
         if "K" in kwargs:
-            raise ValueError(f"{key}: give K or num_layers (an alias of K for this model), not both")
+            raise ArgumentError(f"{key}: give K or num_layers (an alias of K for this model), not both")
         kwargs["K"] = check_positive_int(kwargs.pop("num_layers"), "num_layers")
     accepted = [p for p in params if p not in ("self", "in_channels", "hidden_channels", "out_channels")]
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
-        raise ValueError(
+        raise ArgumentError(
             f"{key}: unexpected argument(s) {', '.join(unknown)}; valid: {', '.join(accepted) or 'none'}"
         )
     if "hidden_channels" in params:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops as gops
+from ..errors import ArgumentError
 from .functional import Linear, linear
 from ..graph.core import Graph
 
@@ -58,9 +59,9 @@ def glorot_(t: Tensor) -> Tensor:
 def check_positive_int(value: int, name: str, minimum: int = 1) -> int:
     """Return ``value`` if it is an int ``>= minimum``; raise a ``ValueError`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r} ({type(value).__name__})")
+        raise ArgumentError(f"{name}: expected an int >= {minimum}, got {value!r} ({type(value).__name__})")
     if value < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+        raise ArgumentError(f"{name}: must be >= {minimum}, got {value}")
     return value
 
 
@@ -70,7 +71,7 @@ def check_probability(value: float, name: str, upper_inclusive: bool = False) ->
     ok = 0.0 <= v <= 1.0 if upper_inclusive else 0.0 <= v < 1.0
     if not ok:
         interval = "[0, 1]" if upper_inclusive else "[0, 1)"
-        raise ValueError(f"{name}: must be in {interval}, got {value!r}")
+        raise ArgumentError(f"{name}: must be in {interval}, got {value!r}")
     return v
 
 
@@ -181,7 +182,7 @@ class SAGEConv(nn.Module):
                  bias: bool = True, normalize: bool = False) -> None:
         super().__init__()
         if aggr not in self.AGGRS:
-            raise ValueError(f"aggr: unknown aggregation {aggr!r}; valid: {', '.join(map(repr, self.AGGRS))}")
+            raise ArgumentError(f"aggr: unknown aggregation {aggr!r}; valid: {', '.join(map(repr, self.AGGRS))}")
         self.in_channels = check_positive_int(in_channels, "in_channels")
         self.out_channels = check_positive_int(out_channels, "out_channels")
         self.aggr = "sum" if aggr == "add" else aggr

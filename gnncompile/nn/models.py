@@ -23,6 +23,7 @@ from typing import Optional
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import ArgumentError
 from ..graph.core import Graph
 from .functional import Linear, feature_dropout
 from .layers import (
@@ -403,9 +404,9 @@ class ResGCN(nn.Module):
         super().__init__()
         _dims(in_channels, hidden_channels, out_channels, num_layers)
         if conv not in self.CONVS:
-            raise ValueError(f"conv: unknown convolution {conv!r}; valid: {', '.join(map(repr, self.CONVS))}")
+            raise ArgumentError(f"conv: unknown convolution {conv!r}; valid: {', '.join(map(repr, self.CONVS))}")
         if norm not in self.NORMS:
-            raise ValueError(f"norm: unknown normalization {norm!r}; valid: {', '.join(map(repr, self.NORMS))}")
+            raise ArgumentError(f"norm: unknown normalization {norm!r}; valid: {', '.join(map(repr, self.NORMS))}")
         self.dropout = check_probability(dropout, "dropout")
         self.num_layers = num_layers
         self.conv_kind, self.norm_kind = conv, norm

@@ -54,9 +54,12 @@ __all__ = ["Job", "RankLowering", "Lowered", "lower", "mask_counts", "with_backw
 
 def mask_counts(graph: Graph) -> dict[str, int]:
     """The global number of vertices in each of ``graph``'s train/val/test masks (0 when absent):
-    the loss divides each rank's sum by these."""
-    return {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
-            for m in ("train", "val", "test")}
+    the loss divides each rank's sum by these; and ``labels``, its number of label rows (0 without
+    labels: the runtime refuses to train then)."""
+    counts = {m: int(getattr(graph, f"{m}_mask").sum()) if getattr(graph, f"{m}_mask") is not None else 0
+              for m in ("train", "val", "test")}
+    counts["labels"] = 0 if graph.y is None else int(graph.y.shape[0])
+    return counts
 
 
 @dataclass

@@ -177,7 +177,7 @@ def lower_mop(job: Job, options: MopOptions) -> Lowered:
     graph, stats, num_ranks = job.graph, job.stats, job.num_ranks
 
     def split(t: TPGraph) -> tuple[StagedModel, dict[int, str], dict[int, set[str]]]:
-        d = replace(tensor_decisions(t), pure_stages=True)
+        d = replace(tensor_decisions(t, "mop"), pure_stages=True)
         st = split_stages(t, d)
         groups = stage_groups(st, d.layout_of)
         return st, groups, _check_model(t, st, groups)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ import torch
 from ..cost_models import formulas
 from ..cost_models.hardware import Cluster
 from ..cost_models.model import ELSIZE, Prediction, load_seconds, predict, stage_ops_time
-from ..errors import GnnCompileError, PlanningError
+from ..errors import ArgumentError, GnnCompileError, PlanningError
 from ..graph.core import Graph, GraphStats
 from ..ir.plan import AllGather, AllReduce, AllToAll, Backward, DevicePlan, Forward, HaloExchange, Plan, RankSizes, \
     ReduceScatter, Send, StageSpec, human_bytes
@@ -349,6 +350,7 @@ def _search(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Cl
     t0 = time.perf_counter()
     if tp is None or tp_eval is None:
         tp, tp_eval = trace_both(model, graph)
+    _check_output_width(type(model).__name__, tp, graph)
     layout = choose_feature_layout(model, graph, cluster, tp, tp_eval, features)
     graph, tp, tp_eval = layout.graph, layout.tp, layout.tp_eval
     ok: list[Evaluated] = []
@@ -386,6 +388,19 @@ def _search(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Cl
     if not ok:
         raise PlanningError(_nothing_fits(result))
     return result
+
+
+def _check_output_width(model: str, tp: TPGraph, graph: Union[Graph, GraphStats]) -> None:
+    """Raise :class:`ArgumentError` where the output of ``tp`` (the trace of ``model``: one row of
+    logits per vertex) has fewer columns than ``graph`` has classes: the loss would read past it."""
+    classes = graph.num_classes
+    out = next(n for n in tp.graph.nodes if n.op == "output").args[0]
+    info = out.meta.get("tp") if isinstance(out, torch.fx.Node) else None
+    if not classes or info is None or info.space != "V" or len(info.dims) != 1 or info.dims[0] >= classes:
+        return
+    raise ArgumentError(f"model: {model}'s output has {info.dims[0]} column(s), one "
+                        f"logit per class, but {graph.name!r} has {classes} classes (labels 0..{classes - 1}); "
+                        f"make its last layer's output width {classes}")
 
 
 #: The fewest instructions (over all ranks) a candidate's step must have for the search to prune it
@@ -665,6 +680,8 @@ def _evaluate(cand: Candidate, model: torch.nn.Module, graph: Union[Graph, Graph
     # the devices planned for, as data (the run header compares them with where the ranks run)
     ev.plan.info["devices"] = {"nodes": used.nodes, "per_node": used.devices_per_node, "kind": used.device.kind,
                                "name": used.device.name}
+    # what gnncompile.load_plan plans again for, as JSON holds it (a saved plan reads back equal)
+    ev.plan.info["cluster"] = json.loads(json.dumps(used.to_dict()))
     ev.prediction = predict(ev.plan, used, overlap=overlap)
     if not ev.prediction.fits and "backward" not in cand.options and _holds_transposes(ev.plan):
         # exact either way: without the transposed graphs a candidate may fit, for slower backward products

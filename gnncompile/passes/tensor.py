@@ -197,18 +197,19 @@ def _edge_weight_input(node: torch.fx.Node) -> Optional[torch.fx.Node]:
     return arg if isinstance(arg, torch.fx.Node) else None
 
 
-def tensor_decisions(tp: TPGraph) -> Decisions:
+def tensor_decisions(tp: TPGraph, strategy: str = "tensor") -> Decisions:
     """P outputs in ``cols``, E outputs ``replicated``, everything else in ``rows``; conversions where
     they meet.
 
-    Raises :class:`PlanningError` for what the strategy does not support (module docstring).
+    Raises :class:`PlanningError` for what the strategy does not support (module docstring),
+    naming ``strategy`` (``mop`` lowers with these decisions too).
     """
     layout: dict[str, str] = {}
     needs: dict[tuple[str, str], str] = {}
     graph_inputs = {n.name for n in tp.graph.nodes if n.op == "placeholder" and n.name == "g"}
 
     def edge_value_refused(p: torch.fx.Node, n: torch.fx.Node) -> PlanningError:
-        return PlanningError(f"strategy 'tensor' does not support edge-wise op {p.name!r} feeding {n.name!r}: "
+        return PlanningError(f"strategy {strategy!r} does not support edge-wise op {p.name!r} feeding {n.name!r}: "
                              "edge-wise results are replicated on every rank and may only feed other edge-wise "
                              "ops or a propagation's edge weights (GAT attention); use strategy='data'")
 
@@ -230,17 +231,17 @@ def tensor_decisions(tp: TPGraph) -> Decisions:
                     continue
                 have = layout.get(p.name, "rows")
                 if have == "cols":
-                    raise PlanningError(f"strategy 'tensor': edge-wise op {n.name!r} reads {p.name!r}, the output of a "
+                    raise PlanningError(f"strategy {strategy!r}: edge-wise op {n.name!r} reads {p.name!r}, the output of a "
                                         "propagation (feature columns cannot be replicated); use strategy='data'")
                 space = p.meta["tp"].space if isinstance(p.meta.get("tp"), TPInfo) else "?"
                 if have == "rows" and space != "V":
-                    raise PlanningError(f"strategy 'tensor': edge-wise op {n.name!r} reads {p.name!r}, whose rows are "
+                    raise PlanningError(f"strategy {strategy!r}: edge-wise op {n.name!r} reads {p.name!r}, whose rows are "
                                         f"{space!r}, not vertices; use strategy='data'")
                 if have != "replicated":
                     needs[(n.name, p.name)] = "replicated"
         elif t.kind == "P":
             if not t.dims:
-                raise PlanningError(f"strategy 'tensor': propagation {n.name!r} has per-vertex shape {t.dims}; "
+                raise PlanningError(f"strategy {strategy!r}: propagation {n.name!r} has per-vertex shape {t.dims}; "
                                     "only values with a feature dimension are split by columns")
             layout[n.name] = "cols"
             src = source_input(n)
@@ -253,7 +254,7 @@ def tensor_decisions(tp: TPGraph) -> Decisions:
                 if layout.get(p.name) == "replicated":
                     raise edge_value_refused(p, n)
                 if p is not src:
-                    raise PlanningError(f"strategy 'tensor': propagation {n.name!r} reads {p.name!r} besides its "
+                    raise PlanningError(f"strategy {strategy!r}: propagation {n.name!r} reads {p.name!r} besides its "
                                         "features (only edge weights computed by edge-wise ops are supported)")
                 if layout.get(p.name, "rows") != "cols":
                     needs[(n.name, p.name)] = "cols"

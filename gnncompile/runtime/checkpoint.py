@@ -47,7 +47,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..errors import RuntimeFailure
+from ..errors import ArgumentError, RuntimeFailure
 
 __all__ = ["CheckpointOptions", "Checkpoint", "RANK_STATE", "register_rank_state", "prepare", "make_directory", "save",
            "set_optimizer_state", "load_tensors", "write_best", "resume_hint", "tensor_hash", "compare_fingerprints",
@@ -73,9 +73,9 @@ class CheckpointOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"checkpoint_every must be an int >= 1, got {self.every!r}")
+            raise ArgumentError(f"checkpoint_every must be an int >= 1, got {self.every!r}")
         if self.keep < 1:
-            raise ValueError(f"keep must be >= 1, got {self.keep!r}")
+            raise ArgumentError(f"keep must be >= 1, got {self.keep!r}")
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def register_rank_state(name: str, get: StateGetter, set_: StateSetter) -> None:
     a run on another number of ranks is refused while any such state is non-empty). ``rank`` is the
     executor's per-rank object (``_Rank``: ``prog``, ``ctx``, ``stale``, ...)."""
     if "/" in name:
-        raise ValueError(f"rank state name {name!r} must not contain '/'")
+        raise ArgumentError(f"rank state name {name!r} must not contain '/'")
     RANK_STATE[name] = (get, set_)
 
 

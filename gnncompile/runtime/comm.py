@@ -46,6 +46,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..errors import ArgumentError
+
 __all__ = ["CommStats", "Communicator", "Pending", "complete", "polls_by_default", "HaloSpec", "halo_exchange",
            "rows_to_cols", "cols_to_rows", "all_gather_rows", "reduce_scatter_rows", "offsets", "STAGEABLE_OPS",
            "host_staged_ops", "ProgressRecorder", "set_progress_recorder", "note_progress"]
@@ -300,7 +302,7 @@ class Communicator:
                  stage_through_host: frozenset[str] | set[str] = frozenset(), poll: bool = False) -> None:
         unknown = sorted(set(stage_through_host) - STAGEABLE_OPS)
         if unknown:
-            raise ValueError(f"stage_through_host: unknown operation(s) {unknown}; valid: {sorted(STAGEABLE_OPS)}")
+            raise ArgumentError(f"stage_through_host: unknown operation(s) {unknown}; valid: {sorted(STAGEABLE_OPS)}")
         self.rank = rank
         self.world_size = world_size
         self.group = group

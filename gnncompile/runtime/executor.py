@@ -42,7 +42,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.graph import _engine_run_backward
 
-from ..errors import RuntimeFailure, VerificationError
+from ..errors import ArgumentError, GraphError, RuntimeFailure, VerificationError
+from .. import kernels
 from ..graph.core import Graph
 from ..frontend.ops import MaskCache, MaskDraw, drop_replay, prepare_graph, replay_pack, replay_unpack
 from ..nn.functional import prepare_sparse_features
@@ -1357,14 +1358,19 @@ def _prepare_run(plan: Plan, epochs: int, lr: float, weight_decay: float, *, cap
     ``run_options`` of :func:`execute_rank`."""
     check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir)
     programs: list[RankProgram] = plan.program
+    counts = programs[0].counts
+    if not counts.get("labels", 1):
+        raise GraphError("y: the graph this plan was made for has no labels; training needs them")
+    if not counts.get("train"):
+        raise GraphError("train_mask: the graph this plan was made for has no training vertices")
     if patience is not None and not programs[0].counts.get("val"):
-        raise ValueError("patience needs validation vertices (the graph's val_mask is empty)")
+        raise ArgumentError("patience needs validation vertices (the graph's val_mask is empty)")
     options: Optional[ckpt.CheckpointOptions] = None
     run_options: dict[str, Any] = {"patience": patience}
     if checkpoint_dir is not None:
         options = ckpt.CheckpointOptions(str(checkpoint_dir), checkpoint_every, resume)
         if capture and resume:
-            raise ValueError("capture=True records the first step, which a resumed run does not take; drop one")
+            raise ArgumentError("capture=True records the first step, which a resumed run does not take; drop one")
         fingerprint = plan_fingerprint(plan)
         found = ckpt.prepare(options, fingerprint, reshard=_reshard_refusal, create=create, missing_note=missing_note)
         if found is not None and found.epoch > epochs:
@@ -1402,6 +1408,10 @@ def _run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: flo
     check_training_args(epochs, lr, weight_decay)
     placement = plan_placement(plan, device, backend, stage_through_host)
     programs: list[RankProgram] = plan.program
+    if placement.device_type == "cpu":
+        # the native CPU kernels are built (a first build: ~30 s, more on a busy host) or loaded here,
+        # once, not in every rank, each waiting for the one building within its collective timeout
+        kernels.default_backend("cpu")
     # each rank deletes its program once loaded and the last one the directory (_rank_main); if this
     # process dies, the ranks delete it (launch's temp_paths)
     with tempfile.TemporaryDirectory(prefix="gnncompile-plan-", ignore_cleanup_errors=True) as tmp:

@@ -104,7 +104,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..errors import RuntimeFailure
+from ..errors import ArgumentError, RuntimeFailure
 from .comm import set_progress_recorder
 
 __all__ = ["Placement", "RankContext", "RankFailure", "keep_heap", "launch", "resolve_placement", "torchrun_main",
@@ -200,19 +200,19 @@ def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: 
     Raises :class:`RankFailure` if a rank raises, dies or the run hangs; no child outlives the call.
     """
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+        raise ArgumentError(f"world_size must be >= 1, got {world_size}")
     if timeout <= 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
     if threads_per_rank is not None and threads_per_rank < 1:
-        raise ValueError(f"threads_per_rank must be >= 1, got {threads_per_rank}")
+        raise ArgumentError(f"threads_per_rank must be >= 1, got {threads_per_rank}")
     if inline:
         if world_size != 1 or backend not in (None, "gloo") or device not in (None, "cpu") or placement is not None:
-            raise ValueError("inline=True runs one rank with gloo on the CPU: use world_size=1, backend None or "
+            raise ArgumentError("inline=True runs one rank with gloo on the CPU: use world_size=1, backend None or "
                              "'gloo', device None or 'cpu' and no placement")
         return [_run_inline(fn, args, timeout)]
     placement = _launch_placement(world_size, device, backend, placement, "launch")
     if placement.num_ranks != world_size:
-        raise ValueError(f"launch: the placement has {placement.num_ranks} ranks, world_size is {world_size}")
+        raise ArgumentError(f"launch: the placement has {placement.num_ranks} ranks, world_size is {world_size}")
     threads = threads_per_rank or max(1, _usable_cores() // world_size)
     payload = _pickle_payload(fn, args)
     mpc = _context()
@@ -283,7 +283,7 @@ def _launch_placement(ranks: int, device: Any, backend: Optional[str], placement
     backend's (the CPU under gloo; under NCCL, chosen automatically, the GPUs)."""
     if placement is not None:
         if backend is not None or device is not None:
-            raise ValueError(f"{caller}: pass either placement or backend/device, not both")
+            raise ArgumentError(f"{caller}: pass either placement or backend/device, not both")
         return placement
     gpus = visible_gpus()
     if device is None and not (backend == "nccl" or (backend is None and 0 < ranks <= gpus)):

@@ -67,7 +67,7 @@ from typing import Iterator, Optional
 import torch
 from torch._C._profiler import _EventType
 
-from ..errors import RuntimeFailure
+from ..errors import ArgumentError, RuntimeFailure
 
 __all__ = ["PeakMemory"]
 
@@ -86,7 +86,7 @@ class PeakMemory:
     def __init__(self, device: torch.device | str) -> None:
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"PeakMemory supports cpu and cuda devices, got {device}")
+            raise ArgumentError(f"PeakMemory supports cpu and cuda devices, got {device}")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device

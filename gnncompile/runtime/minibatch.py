@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from ..errors import GraphError
+from ..errors import ArgumentError, GraphError
 from ..frontend.blocks import BlockModel
 from ..graph.core import Graph
 from ..graph.minibatch import batch_generator
@@ -40,9 +40,9 @@ class MiniBatch:
     def of(cls, batch_size: Any, fanouts: Any, eval_fanouts: Any = None) -> "MiniBatch":
         """Validated options; raises ``ValueError`` naming the bad argument."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+            raise ArgumentError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if fanouts is None:
-            raise ValueError("batch_size needs fanouts: one number of sampled in-edges per GNN layer, input layer "
+            raise ArgumentError("batch_size needs fanouts: one number of sampled in-edges per GNN layer, input layer "
                              "first (-1: all), e.g. fanouts=[15, 10, 5]")
         return cls(int(batch_size), _fanouts(fanouts, "fanouts"),
                    None if eval_fanouts is None else _fanouts(eval_fanouts, "eval_fanouts"))
@@ -51,7 +51,7 @@ class MiniBatch:
         """Refuse fanouts whose count is not the model's number of GNN layers."""
         for what, f in (("fanouts", self.fanouts), ("eval_fanouts", self.eval_fanouts)):
             if f is not None and len(f) != num_layers:
-                raise ValueError(f"{what} has {len(f)} entries but {model_name} has {num_layers} GNN layers "
+                raise ArgumentError(f"{what} has {len(f)} entries but {model_name} has {num_layers} GNN layers "
                                  "(propagations on the longest path); give one fanout per layer, input layer first")
 
 
@@ -61,9 +61,9 @@ def _fanouts(v: Any, what: str) -> tuple[int, ...]:
     try:
         out = tuple(int(f) for f in v)
     except (TypeError, ValueError):
-        raise ValueError(f"{what} must be a sequence of ints (one per GNN layer), got {v!r}") from None
+        raise ArgumentError(f"{what} must be a sequence of ints (one per GNN layer), got {v!r}") from None
     if not out or any(f == 0 or f < -1 for f in out):
-        raise ValueError(f"{what} = {list(out)}: each fanout is a number of in-edges >= 1, or -1 for all of them")
+        raise ArgumentError(f"{what} = {list(out)}: each fanout is a number of in-edges >= 1, or -1 for all of them")
     return out
 
 

@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..errors import GraphError, RuntimeFailure
+from ..errors import ArgumentError, GraphError, RuntimeFailure
 from ..frontend.blocks import BlockModel
 from ..frontend.ops import plan_dropout_draws
 from ..graph.core import Graph
@@ -158,6 +158,16 @@ def _check_trainable(graph: Graph) -> None:
         raise GraphError(f"train_mask: graph {graph.name!r} has no training vertices")
 
 
+def _check_logits(logits: Any, model: torch.nn.Module, graph: Graph) -> None:
+    """Raise :class:`ArgumentError` unless ``logits`` has a row per vertex of ``graph`` and a column
+    per class at least (shapes only: no host synchronization)."""
+    shape = list(logits.shape) if isinstance(logits, torch.Tensor) else None
+    if shape is None or len(shape) != 2 or shape[0] != graph.num_nodes or shape[1] < graph.num_classes:
+        raise ArgumentError(f"model: {type(model).__name__} returned {shape if shape is not None else type(logits).__name__}"
+                            f" on {graph.name!r}; training needs logits [{graph.num_nodes}, >= {graph.num_classes}] "
+                            f"(a row per vertex, a column per class: labels 0..{graph.num_classes - 1})")
+
+
 _SPLITS = ("train", "val", "test")
 
 
@@ -239,16 +249,16 @@ def check_training_args(epochs: Any, lr: Any, weight_decay: Any, patience: Any =
     int >= 0, ``lr`` finite and > 0, ``weight_decay`` finite and >= 0, ``patience`` ``None`` or an
     int >= 1, ``resume`` only with a ``checkpoint_dir``; raises ``ValueError``."""
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-        raise ValueError(f"epochs must be an int >= 0, got {epochs!r}")
+        raise ArgumentError(f"epochs must be an int >= 0, got {epochs!r}")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+        raise ArgumentError(f"lr must be a finite number > 0, got {lr!r}")
     if (isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))
             or not math.isfinite(weight_decay) or weight_decay < 0):
-        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+        raise ArgumentError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
     if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
-        raise ValueError(f"patience must be an int >= 1 or None, got {patience!r}")
+        raise ArgumentError(f"patience must be an int >= 1 or None, got {patience!r}")
     if resume and checkpoint_dir is None:
-        raise ValueError("resume=True needs checkpoint_dir (the directory of the run's checkpoints)")
+        raise ArgumentError("resume=True needs checkpoint_dir (the directory of the run's checkpoints)")
 
 
 def train(
@@ -334,13 +344,13 @@ def train(
     minibatch = None
     if batch_size is not None or fanouts is not None or eval_fanouts is not None:
         if batch_size is None:
-            raise ValueError("fanouts / eval_fanouts need batch_size (sampled mini-batch training)")
+            raise ArgumentError("fanouts / eval_fanouts need batch_size (sampled mini-batch training)")
         minibatch = MiniBatch.of(batch_size, fanouts, eval_fanouts)
     if eval_every < 1:
-        raise ValueError(f"eval_every must be >= 1, got {eval_every}")
+        raise ArgumentError(f"eval_every must be >= 1, got {eval_every}")
     _check_trainable(graph)
     if patience is not None and (graph.val_mask is None or int(graph.val_mask.sum()) == 0):
-        raise ValueError("patience needs validation vertices (the graph's val_mask is empty)")
+        raise ArgumentError("patience needs validation vertices (the graph's val_mask is empty)")
     options = None if checkpoint_dir is None else ckpt.CheckpointOptions(str(checkpoint_dir), checkpoint_every,
                                                                            resume)
     if seed is not None:
@@ -414,6 +424,8 @@ def train(
                 optimizer.zero_grad(set_to_none=True)
                 with draws:
                     logits = model(graph, x)
+                if epoch == start:
+                    _check_logits(logits, model, graph)
                 loss = F.cross_entropy(logits.index_select(0, scored.train_rows), scored.train_labels)
                 loss.backward()
                 optimizer.step()
