@@ -457,11 +457,38 @@ def _row_mixing(node: torch.fx.Node, rows: Optional[Lin], samples: list, probe: 
         return f"takes its output rows from the {name} as a whole (output rows {space}: a reduction, slice or " \
                f"index over dim 0)"
     row_inputs = {a.name for a in node.all_input_nodes if "tp" in a.meta and a.meta["tp"].space == space}
-    if not row_inputs:
+    if not row_inputs or _elementwise(node, probe):
         return ""
     n0, e0, _ = samples[0]
     return _mixes_rows(probe, node, values, _SAMPLE_ROWS[space](n0, e0), row_inputs,
                        "vertices" if space == "V" else "edges")
+
+
+#: functions, tensor methods and modules whose output elements each depend on the inputs' elements
+#: at the same position (after broadcasting) alone: row-local whatever their inputs, so
+#: :func:`_row_mixing` does not run them again (dropout's mask is drawn by position too)
+_ELEMENTWISE_FUNCTIONS = frozenset({
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow, operator.iadd,
+    operator.isub, operator.imul, operator.itruediv, torch.add, torch.sub, torch.mul, torch.div, torch.neg,
+    torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.abs, torch.relu, torch.sigmoid, torch.tanh, torch.clamp,
+    torch.pow, F.relu, F.elu, F.leaky_relu, F.gelu, F.silu, F.sigmoid, F.tanh, F.softplus, F.dropout})
+_ELEMENTWISE_METHODS = frozenset({
+    "add", "sub", "mul", "div", "neg", "exp", "log", "sqrt", "rsqrt", "abs", "relu", "sigmoid", "tanh", "clamp",
+    "pow", "add_", "sub_", "mul_", "div_", "relu_", "clamp_", "float", "double", "to", "type_as", "contiguous",
+    "clone", "detach"})
+_ELEMENTWISE_MODULES = (torch.nn.ReLU, torch.nn.ELU, torch.nn.LeakyReLU, torch.nn.GELU, torch.nn.SiLU, torch.nn.Sigmoid,
+                        torch.nn.Tanh, torch.nn.Dropout, torch.nn.Identity)
+
+
+def _elementwise(node: torch.fx.Node, probe: torch.fx.Interpreter) -> bool:
+    """Whether ``node`` calls an elementwise function, method or module of ``probe``'s module (an
+    input on other rows than the output's could only broadcast along a feature dimension as long
+    as the vertex count, which differs between the sample graphs: it does not trace)."""
+    if node.op == "call_function":
+        return node.target in _ELEMENTWISE_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in _ELEMENTWISE_METHODS
+    return node.op == "call_module" and type(probe.module.get_submodule(node.target)) in _ELEMENTWISE_MODULES
 
 
 #: row counts of a sample graph with ``n`` vertices and ``e`` edges, by row space
