@@ -325,3 +325,16 @@ def test_errors():
         partition_stats(g, [0, 1, 0, 9, 0, 0, 0], 2)
     with pytest.raises(GraphError, match=r"expected shape \[7\]"):
         partition_stats(g, [0, 1], 2)
+
+
+@pytest.mark.parametrize("method", PARTITIONERS)
+def test_compact_graphs_past_int32_keys(method: str) -> None:
+    """A compact graph's int32 indices: keys ``dst * n + src`` pass 2**31 once n > 46341 (METIS's
+    adjacency and the halo statistics form them in int64)."""
+    n = 50_000
+    ei = torch.tensor([[5, n - 1, 1, 49_000], [n - 1, 5, 49_000, 2]])
+    g = Graph.from_edge_index(ei, n)
+    c = g.compact()
+    assert c.indices.dtype == torch.int32
+    a, b = partition(g, 2, method, seed=0), partition(c, 2, method, seed=0)
+    assert torch.equal(a.parts, b.parts) and repr(a) == repr(b)   # (alpha, edge cut)

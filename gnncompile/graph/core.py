@@ -794,8 +794,8 @@ class Graph:
         """
         if reduce not in ("max", "sum", "mean"):
             raise GraphError(f"reduce: unknown {reduce!r}; valid: 'max', 'sum', 'mean'")
-        src = torch.cat([self.indices, self.dst])
-        dst = torch.cat([self.dst, self.indices])
+        src = torch.cat([self.indices, self.dst]).long()   # int64: dst * n overflows a compact graph's int32
+        dst = torch.cat([self.dst, self.indices]).long()
         w = None if self.edge_weight is None else torch.cat([self.edge_weight, self.edge_weight])
         n = max(self.num_nodes, 1)
         key = dst * n + src
@@ -947,6 +947,15 @@ class GraphStats:
                 raise GraphError(f"GraphStats.{field}: expected an int, got {type(v).__name__}")
             if v < 0:
                 raise GraphError(f"GraphStats.{field}: must be >= 0, got {v}")
+        if not (math.isnan(self.degree_mean) or 0 <= self.degree_mean < math.inf):
+            raise GraphError(f"GraphStats.degree_mean: must be a finite number >= 0, got {self.degree_mean}")
+        if not (self.degree_max == -1 or isinstance(self.degree_max, (int, np.integer)) and self.degree_max >= 0):
+            raise GraphError(f"GraphStats.degree_max: must be an int >= 0 (or -1: unknown), got {self.degree_max!r}")
+        if math.isinf(self.degree_skew):
+            raise GraphError(f"GraphStats.degree_skew: must be finite (or NaN: unknown), got {self.degree_skew}")
+        if self.replication is not None and any(not 1 <= float(a) < math.inf for a in self.replication.values()):
+            raise GraphError(f"GraphStats.replication: every replication factor is >= 1 (each vertex is held once at "
+                             f"least), got {self.replication}")
         if math.isnan(self.degree_mean) and self.num_nodes > 0:
             object.__setattr__(self, "degree_mean", self.num_edges / self.num_nodes)
 

@@ -768,7 +768,7 @@ def from_planetoid(
             i = _first(bad)
             raise GraphError(f"{fname('graph')}: {field} {i} is node {int(ids[i])}, outside [0, {n})")
     keep = src != nbrs
-    a, b = src[keep], nbrs[keep]
+    a, b = src[keep].astype(np.int64), nbrs[keep].astype(np.int64)   # int64 keys a * n + b
     pair = np.unique(np.concatenate([a * n + b, b * n + a]))
     edge_index = np.stack([pair // n, pair % n]) if n else np.zeros((2, 0), dtype=np.int64)
 

@@ -218,7 +218,7 @@ def partition_stats(graph: Graph, parts: Any, num_parts: int) -> PartitionStats:
     num_edges = torch.zeros(p, dtype=torch.int64).index_add_(0, parts, graph.in_degree().detach().cpu())
     dst_part = parts[dst]
     remote = dst_part != parts[src]
-    needer, remote_src = dst_part[remote], src[remote]
+    needer, remote_src = dst_part[remote].long(), src[remote].long()   # int64 keys (a compact graph's are int32)
     edge_cut = torch.bincount(needer, minlength=p)
     pairs = torch.unique(needer * n + remote_src)  # distinct (needing part, remote source) pairs
     fetched = pairs % n
@@ -434,7 +434,8 @@ def _metis_adjacency(graph: Graph, edge_weights: Optional[Tensor] = None
     weighted cut it minimizes.
     """
     n = graph.num_nodes
-    src, dst = graph.indices.detach().cpu(), graph.dst.detach().cpu()
+    # int64 keys dst * n + src (a compact graph's indices are int32)
+    src, dst = graph.indices.detach().cpu().long(), graph.dst.detach().cpu().long()
     keep = src != dst
     src, dst = src[keep], dst[keep]
     both = torch.cat([dst * n + src, src * n + dst])

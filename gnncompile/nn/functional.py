@@ -55,7 +55,7 @@ def _csr_transpose(x: torch.Tensor) -> torch.Tensor:
         dev = col.device
         rows = torch.repeat_interleave(torch.arange(n, dtype=col.dtype, device=dev), crow[1:] - crow[:-1],
                                        output_size=col.numel())
-        perm = torch.argsort(col * n + rows, stable=True)
+        perm = torch.argsort(col.long() * n + rows, stable=True)   # int64 keys (int32 indices overflow)
         crow_t = torch.zeros(f + 1, dtype=crow.dtype, device=dev)
         crow_t[1:] = torch.cumsum(torch.bincount(col, minlength=f), 0)
         plan = (crow, col, perm, crow_t, rows[perm])
