@@ -214,15 +214,24 @@ def test_damaged_checkpoint_refused(sbm: gc.Graph, tmp_path: Path) -> None:
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # truncated
     with pytest.raises(RuntimeFailure, match=rf"epoch-2 is damaged: {data.name} has .* bytes.*delete"):
         plan.run(4, checkpoint_dir=tmp_path, resume=True, progress=False)
-    # deleting it, as the message says, resumes from the one before
+    # deleting it, as the message says, resumes from the one before ...
     shutil.rmtree(tmp_path / "epoch-2")
+    # ... unless one of its bits flipped: same size, other contents (the digests recorded at saving)
+    data = sorted((tmp_path / "epoch-1").glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    with pytest.raises(RuntimeFailure, match=rf"epoch-1 is damaged: the contents of {data.name} changed"):
+        plan.run(4, checkpoint_dir=tmp_path, resume=True, progress=False)
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
     res = plan.run(3, checkpoint_dir=tmp_path, resume=True, progress=False, timeout=60)
     assert res.history.epochs == 3
     # damaged inside a file of the right size: torch.distributed.checkpoint's error, named
     meta_file = tmp_path / "epoch-3" / ".metadata"
     meta_file.write_bytes(b"\0" * meta_file.stat().st_size)
     (tmp_path / "epoch-3" / "meta.json").write_text(json.dumps(
-        {**json.loads((tmp_path / "epoch-3" / "meta.json").read_text()), "files": {}}))
+        {**json.loads((tmp_path / "epoch-3" / "meta.json").read_text()), "files": {}, "digests": {}}))
     with pytest.raises(RuntimeFailure, match="epoch-3"):
         plan.run(4, checkpoint_dir=tmp_path, resume=True, progress=False, timeout=60)
 
@@ -311,6 +320,11 @@ def test_patience_stops_and_best_state_is_the_best_epochs(sbm: gc.Graph, tmp_pat
     assert h.stopped_at - h.best_epoch == 2
     assert all(v <= h.best_val_acc for v in h.val_acc)
     assert (tmp_path / f"epoch-{h.epochs}").is_dir()  # the stopping epoch is checkpointed
+    # resuming a run that stopped trains nothing more (it trained one more epoch before)
+    again = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data").run(40, patience=2, checkpoint_dir=tmp_path,
+                                                                 resume=True, progress=False, timeout=60)
+    assert again.history.loss == h.loss and again.history.stopped_at == h.stopped_at
+    assert not (tmp_path / f"epoch-{h.epochs + 1}").exists()
     # the best parameters are those a run of best_epoch + 1 epochs ends with
     short = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data")
     short.run(h.best_epoch + 1, progress=False, timeout=60)
@@ -330,8 +344,10 @@ def test_train_resume_best_and_patience(sbm: gc.Graph, tmp_path: Path) -> None:
     _assert_same(resumed.best_state_dict(), straight.best_state_dict())
     with pytest.raises(RuntimeFailure, match=r"model\.params"):
         gc.train(_gcn(sbm, hidden=5), sbm, 6, verbose=False, checkpoint_dir=tmp_path, resume=True)
-    stopped = gc.train(_gcn(sbm), sbm, 100, verbose=False, patience=3)
+    stopped = gc.train(_gcn(sbm), sbm, 100, verbose=False, patience=3, checkpoint_dir=tmp_path / "p")
     assert stopped.stopped_at is not None and stopped.epochs == stopped.stopped_at + 1
+    again = gc.train(_gcn(sbm), sbm, 100, verbose=False, patience=3, checkpoint_dir=tmp_path / "p", resume=True)
+    assert again.loss == stopped.loss and again.stopped_at == stopped.stopped_at   # nothing more trained
     best_model = _gcn(sbm)
     gc.train(best_model, sbm, stopped.best_epoch + 1, verbose=False)
     _assert_same(stopped.best_state_dict(), best_model.state_dict())
@@ -421,3 +437,25 @@ def test_torchrun_decision_reads_only(tmp_path: Path) -> None:
     assert not d.exists()
     with pytest.raises(RuntimeFailure, match="not there as this process sees.*filesystem every machine shares"):
         ckpt.load_tensors(d / "epoch-2", lambda k: True, distributed=False)
+
+
+def test_unreadable_checkpoint_is_a_runtime_failure_in_train(sbm: gc.Graph, tmp_path: Path) -> None:
+    """torch.distributed.checkpoint's CheckpointException is a BaseException: gc.train (one process,
+    no rank to report it) turns it into the project's error too."""
+    gc.train(_gcn(sbm), sbm, 2, verbose=False, checkpoint_dir=tmp_path)
+    meta_file = tmp_path / "epoch-2" / ".metadata"
+    meta_file.write_bytes(b"\0" * meta_file.stat().st_size)
+    (tmp_path / "epoch-2" / "meta.json").write_text(json.dumps(
+        {**json.loads((tmp_path / "epoch-2" / "meta.json").read_text()), "files": {}, "digests": {}}))
+    with pytest.raises(RuntimeFailure, match=r"checkpoint .*epoch-2 cannot be read"):
+        gc.train(_gcn(sbm), sbm, 4, verbose=False, checkpoint_dir=tmp_path, resume=True)
+
+
+def test_checkpoint_dir_that_cannot_be_made_or_resumed_is_refused_without_side_effects(sbm: gc.Graph,
+                                                                                        tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RuntimeFailure, match=r"checkpoint_dir .*file/sub' cannot be created"):
+        gc.train(_gcn(sbm), sbm, 1, verbose=False, checkpoint_dir=tmp_path / "file" / "sub")
+    with pytest.raises(RuntimeFailure, match=r"resume=True but checkpoint_dir .*absent' holds no complete checkpoint \(it does not exist\)"):
+        gc.train(_gcn(sbm), sbm, 1, verbose=False, checkpoint_dir=tmp_path / "absent", resume=True)
+    assert not (tmp_path / "absent").exists()

@@ -175,8 +175,19 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+def _digest(f: Path) -> str:
+    """BLAKE2b digest of file ``f`` (hex), read in 8 MiB blocks."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(f, "rb") as fh:
+        for block in iter(lambda: fh.read(8 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _check_files(path: Path, meta: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose files are missing or have another size than when they were written."""
+    """Refuse a checkpoint whose files are missing, have another size than when they were written,
+    or other contents (their digests; checkpoints written before digests were recorded: sizes only)."""
+    digests = meta.get("digests", {})
     for name, size in meta.get("files", {}).items():
         f = path / name
         if not f.is_file():
@@ -186,13 +197,19 @@ def _check_files(path: Path, meta: dict[str, Any]) -> None:
         if actual != size:
             raise RuntimeFailure(f"checkpoint {path} is damaged: {name} has {actual:,} bytes, {size:,} were written "
                                  f"(truncated or overwritten); delete {path} to resume from the checkpoint before it")
+        if name in digests and _digest(f) != digests[name]:
+            raise RuntimeFailure(f"checkpoint {path} is damaged: the contents of {name} changed since they were "
+                                 f"written (its digest differs); delete {path} to resume from the checkpoint before it")
 
 
 def make_directory(options: CheckpointOptions) -> None:
     """Create ``options.directory`` and remove the staging directories a crashed run left there
     (the one process that writes: the launcher, or rank 0 under torchrun)."""
     d = Path(options.directory)
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RuntimeFailure(f"checkpoint_dir {str(d)!r} cannot be created: {e.strerror or e}") from None
     for stale in [*d.glob(".staging-epoch*"), *d.glob(".replaced-epoch*")]:
         shutil.rmtree(stale, ignore_errors=True)
 
@@ -214,6 +231,10 @@ def prepare(options: CheckpointOptions, fingerprint: dict[str, Any], *,
     d = Path(options.directory)
     if d.exists() and not d.is_dir():
         raise RuntimeFailure(f"checkpoint_dir {str(d)!r} exists and is not a directory")
+    if options.resume and not d.is_dir():   # refused before anything is created
+        raise RuntimeFailure(f"resume=True but checkpoint_dir {str(d)!r} holds no complete checkpoint (it does not "
+                             "exist); run without resume to start from scratch"
+                             + (f" ({missing_note})" if missing_note else ""))
     if create:
         make_directory(options)
     found = latest(d)
@@ -274,7 +295,9 @@ def save(options: CheckpointOptions, epoch: int, tensors: dict[str, torch.Tensor
     info = dict(meta())
     info["format"] = FORMAT_VERSION
     info["epoch"] = epoch
-    info["files"] = {f.name: f.stat().st_size for f in sorted(staging.iterdir()) if f.is_file()}
+    files = [f for f in sorted(staging.iterdir()) if f.is_file()]
+    info["files"] = {f.name: f.stat().st_size for f in files}
+    info["digests"] = {f.name: _digest(f) for f in files}   # checked before a resume reads them
     _write_atomic(staging / "meta.json", json.dumps(info, indent=1, default=_json_default))
     replaced = None
     if final.exists():  # a checkpoint of the same epoch (a resumed run that stopped where it began)
@@ -321,6 +344,7 @@ def load_tensors(path: Path, wanted: Callable[[str], bool], *, process_group: An
     ``distributed``: every rank calls it), on the CPU. A file that cannot be read raises
     :class:`~gnncompile.RuntimeFailure` naming the checkpoint."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if not path.is_dir():
@@ -337,7 +361,7 @@ def load_tensors(path: Path, wanted: Callable[[str], bool], *, process_group: An
                      no_dist=not distributed)
     except RuntimeFailure:
         raise
-    except Exception as e:  # torch raises CheckpointException, pickle, OSError ... for damaged files
+    except (Exception, CheckpointException) as e:  # (CheckpointException is a BaseException) pickle, OSError ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RuntimeFailure(f"checkpoint {path} cannot be read ({type(e).__name__}: {first[:300]}); delete it to "
                              "resume from the checkpoint before it") from None

@@ -1022,13 +1022,15 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
         for k in history:
             history[k] = list(saved[k])
         epoch_time = list(saved["epoch_time"])
+        # a run that early stopping ended stays ended: resuming it trains no further epoch
+        stopped_at = opts["resume_meta"].get("stopped_at")
         restore_time = time.perf_counter() - t_restore
     if ctx.world_size > 1:
         dist.barrier()  # a common time origin, so the ranks' timelines line up
     rank.clock.start()
     lines = ProgressLines(epochs, f"run {prog.world_size} ranks") if progress and ctx.rank == 0 else None
     train_steps = 0
-    for epoch in range(start, epochs):
+    for epoch in range(start, epochs if stopped_at is None else start):
         if fail_at is not None and fail_at == (ctx.rank, epoch):
             raise RuntimeError(f"injected failure on rank {ctx.rank} in epoch {epoch}")
         for m in prog.modules.values():
@@ -1501,8 +1503,12 @@ def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_de
 
     check_training_args(epochs, lr, weight_decay)
     world = int(os.environ.get("WORLD_SIZE", "0"))
+    if not world:
+        raise RuntimeFailure(f"not started by torchrun (WORLD_SIZE is unset): launch this under torchrun with "
+                             f"{plan.num_ranks} processes in all (--nproc-per-node x --nnodes = {plan.num_ranks}), "
+                             f"or run the plan without torchrun (plan.run; the CLI without --torchrun)")
     if world != plan.num_ranks:
-        raise RuntimeFailure(f"torchrun started {world or 'no'} processes (WORLD_SIZE) but the plan has "
+        raise RuntimeFailure(f"torchrun started {world} processes (WORLD_SIZE) but the plan has "
                              f"{plan.num_ranks} ranks; pass --gpus {world} or --nproc-per-node x --nnodes = "
                              f"{plan.num_ranks}")
     options, run_options = _prepare_run(plan, epochs, lr, weight_decay, capture=False, checkpoint_dir=checkpoint_dir,

@@ -415,7 +415,7 @@ def train(
     if minibatch is not None:
         targets = torch.nonzero(host.train_mask).flatten()
     model.train()
-    for epoch in range(start, epochs):
+    for epoch in range(start, epochs if hist.stopped_at is None else start):
         if not model.training:  # (evaluations restore the mode; a recursive train() per step costs host time)
             model.train()
         t0 = time.perf_counter()
@@ -577,6 +577,7 @@ def _restore_train(found: ckpt.Checkpoint, model: torch.nn.Module, optimizer: to
     saved = found.meta["history"]
     for f in ("loss", "train_acc", "val_acc", "test_acc", "epoch_time", "eval_time"):
         setattr(hist, f, list(saved[f]))
+    hist.stopped_at = saved.get("stopped_at")   # a run early stopping ended stays ended
     if found.meta.get("best_epoch") is not None:
         best.update(val=found.meta["best_val"], epoch=found.meta["best_epoch"],
                     state={k[len("best/"):]: v.to(device) for k, v in t.items() if k.startswith("best/")})
