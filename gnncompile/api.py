@@ -146,7 +146,7 @@ def _fixed_options(options: dict[str, Any], named: Any) -> dict[str, Any]:
             mine = {s.name: s for s in named.options.specs()}
             if name in mine:
                 spec = mine[name]
-            elif neutral[name] is not _ANY and value != neutral[name]:
+            elif neutral[name] is _ANY or value != neutral[name]:   # (given for this strategy: not ignored)
                 raise PlanningError(f"strategy {named.name!r} has no option {name} (its options: "
                                     f"{', '.join(named.options.names())})")
         spec.check(value, searched=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -156,8 +157,9 @@ def _build_model(args: argparse.Namespace, graph):
                           num_layers=args.layers, dropout=args.dropout, **extra)
 
 
-def _make_plan(args: argparse.Namespace):
-    """The graph (or its statistics), the model and the plan the arguments describe."""
+def _make_plan(args: argparse.Namespace, runnable: bool = False):
+    """The graph (or its statistics), the model and the plan the arguments describe; ``runnable``:
+    refuse, before planning, a dataset known here by its statistics only."""
     from . import datasets, nn
     from .api import plan
 
@@ -166,7 +168,10 @@ def _make_plan(args: argparse.Namespace):
     if args.dataset.lower() in known:
         try:
             graph = datasets.load(args.dataset)
-        except GnnCompileError:  # not stored here: plan from its statistics
+        except GnnCompileError as exc:  # not stored here: plan from its statistics
+            if runnable:
+                raise GnnCompileError(f"--dataset {args.dataset}: only its statistics are known here ({exc}); "
+                                      f"`gnncompile plan` plans from them, training needs the graph") from None
             graph = datasets.KNOWN_STATS[known[args.dataset.lower()]]
     if graph is None:
         graph = _load_graph(args)
@@ -183,6 +188,25 @@ def _make_plan(args: argparse.Namespace):
     p = plan(model, graph, gpus=_gpus(args.gpus), strategy=strategy, semantics=args.semantics, seed=args.seed,
              features=args.features, **_strategy_options(args))
     return graph, model, p
+
+
+def _console() -> Any:
+    """A rich console for tables: the terminal's width (100 columns at least), or 200 columns when
+    the output is not a terminal (a pipe or a file), where rich would shorten numbers to fit 80."""
+    from rich.console import Console
+
+    if sys.stdout.isatty():
+        console = Console()
+        console.width = max(console.width, 100)
+        return console
+    return Console(width=200)
+
+
+def _epochs_run(hist: Any, args: argparse.Namespace) -> str:
+    """``"N epochs"``, or how many of them ran before early stopping ended the run."""
+    if hist.stopped_at is None:
+        return f"{args.epochs} epochs"
+    return f"{len(hist.loss)} of {args.epochs} epochs (early stop: no better validation accuracy for {args.patience} epoch(s))"
 
 
 def _gpus(value: Union[int, str]) -> Union[int, str]:
@@ -226,7 +250,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     _check_device(args.device)
@@ -238,7 +261,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.torchrun:
         from .runtime.executor import run_plan_torchrun
 
-        graph, model, p = _make_plan(args)
+        graph, model, p = _make_plan(args, runnable=True)
         res = run_plan_torchrun(p, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                                 timeout=args.timeout, **placement, **_checkpointing(args))
         if res is None:  # not rank 0
@@ -246,7 +269,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         from .runtime.executor import describe_run, plan_placement
 
-        graph, model, p = _make_plan(args)
+        graph, model, p = _make_plan(args, runnable=True)
         if not args.quiet:
             print(p)
             print()
@@ -255,10 +278,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(describe_run(p, plan_placement(p, **placement)))
         res = p.run(epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                     timeout=args.timeout, **placement, **_checkpointing(args))
-    console = Console()
-    console.width = max(console.width, 100)
+    console = _console()
     hist = res.history
-    table = Table(title=f"{args.model} on {graph.name}: strategy {p.strategy}, {p.num_ranks} ranks, {args.epochs} epochs")
+    table = Table(title=f"{args.model} on {graph.name}: strategy {p.strategy}, {p.num_ranks} ranks, "
+                        f"{_epochs_run(hist, args)}")
     for col in ("final loss", "best val acc", "test acc @ best val", "final test acc", "epoch time (median)"):
         table.add_column(col, justify="right")
     table.add_row(f"{hist.loss[-1]:.4f}" if hist.loss else "-", f"{hist.best_val_acc:.4f}",
@@ -298,7 +321,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     import torch
-    from rich.console import Console
     from rich.table import Table
 
     from . import kernels
@@ -309,8 +331,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.backend:
         kernels.set_default_backend(args.backend)
-    console = Console()
-    console.width = max(console.width, 100)
+    console = _console()
     graph = _load_graph(args)
     model = _build_model(args, graph)
     n_params = sum(p.numel() for p in model.parameters())
@@ -327,7 +348,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     hist = train(model, graph, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
                  seed=args.seed, device=args.device, verbose=None if not args.quiet else False, **_checkpointing(args),
                  **sampled)
-    table = Table(title=f"{args.model} on {graph.name}, {args.epochs} epochs on {args.device}")
+    table = Table(title=f"{args.model} on {graph.name}, {_epochs_run(hist, args)} on {args.device}")
     for col in ("final loss", "best val acc", "test acc @ best val", "final test acc",
                 "epoch time (median)", "total train time"):
         table.add_column(col, justify="right")
@@ -348,7 +369,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_datasets(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from . import datasets
@@ -365,8 +385,7 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
         feats = "-" if not i.num_features else f"{i.num_features:,}" + (" (sparse)" if i.sparse_features else "")
         table.add_row(i.name, f"{i.num_nodes:,}", f"{i.num_edges:,}", "yes" if i.symmetric else "no", feats,
                       str(i.num_classes or "-"), "yes" if i.trainable else f"no: no {' or '.join(i.missing)}")
-    console = Console()
-    console.width = max(console.width, 100)
+    console = _console()
     console.print(table)
     for folder in sorted({str(i.path.parent.parent if i.path.parent.name == i.name else i.path.parent) for i in infos}):
         print(f"found in: {folder}")
@@ -623,6 +642,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("gnncompile: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`gnncompile datasets | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (nothing more to flush at exit)
+        return 141
 
 
 if __name__ == "__main__":  # pragma: no cover

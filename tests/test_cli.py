@@ -200,3 +200,24 @@ def test_plan_load_for_another_model_shows_what_differs(tmp_path: Path) -> None:
     for line in details:
         m = re.match(r"\s+.*: saved (.*), rebuilt (.*)$", line)
         assert m is None or m.group(1) != m.group(2), line
+
+
+def test_run_of_a_dataset_known_by_its_statistics_only_is_refused_before_planning(nothing_runs: None,
+                                                                                   capsys: Any) -> None:
+    assert cli.main(["run", "--dataset", "ogbn-products", "--gpus", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "--dataset ogbn-products: only its statistics are known here" in err and "gnncompile plan" in err
+
+
+@needs_shared
+def test_datasets_table_keeps_whole_numbers_in_a_pipe(capsys: Any) -> None:
+    """(stdout is not a terminal here, as in a pipe: rich shortened 13,752 to '13,…' at 80 columns)"""
+    assert cli.main(["datasets"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and "13,752" in out
+
+
+def test_early_stop_is_in_the_title(capsys: Any) -> None:
+    assert cli.main(["train", *SMALL, "--epochs", "60", "--patience", "1", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\d+ of 60 epochs \(early stop: no better validation accuracy for 1 epoch\(s\)\)", out), out

@@ -370,3 +370,20 @@ def test_prop_to_undirected_symmetric(case) -> None:
     assert torch.equal(u.y, y) and u.name == "p" and u.num_nodes == n
     assert edge_list(u.to_undirected()) == edge_list(u)
     assert Counter(edge_list(u.remove_self_loops())) == Counter(e for e in expected if e[0] != e[1])
+
+
+def test_to_undirected_of_a_compact_graph_past_int32_keys() -> None:
+    """``dst * n + src`` in int32 (a compact graph's indices) wrapped once n > 46341."""
+    n = 100_000
+    g = Graph.from_edge_index(torch.tensor([[5, 7], [90_000, 99_999]]), n)
+    want = g.to_undirected()
+    got = g.compact().to_undirected()
+    assert torch.equal(got.edge_index().long(), want.edge_index().long())
+    assert sorted(map(tuple, want.edge_index().t().tolist())) == [(5, 90_000), (7, 99_999), (90_000, 5), (99_999, 7)]
+
+
+@pytest.mark.parametrize("field, value", [("degree_mean", -1.0), ("degree_mean", math.inf), ("degree_max", -5),
+                                          ("degree_skew", math.inf), ("replication", {2: 0.5})])
+def test_graph_stats_refuse_impossible_degrees(field: str, value: object) -> None:
+    with pytest.raises(GraphError, match=rf"GraphStats\.{field}"):
+        GraphStats(num_nodes=100, num_edges=500, num_features=8, num_classes=2, **{field: value})

@@ -210,6 +210,8 @@ def test_minibatch_sampled_evaluation_and_argument_errors():
         gc.train(model, g, epochs=1, batch_size=8, fanouts=[2, 0])
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         gc.train(model, g, epochs=1, batch_size=0, fanouts=[2, 2])
+    with pytest.raises(gc.ArgumentError, match=r"fanouts must be a sequence of ints .* got \[3\.9, 2\.5\]"):
+        gc.train(model, g, epochs=1, batch_size=8, fanouts=[3.9, 2.5])   # (was trained with [3, 2])
 
 
 def test_minibatch_training_resumes_from_a_checkpoint_bit_identically(tmp_path):

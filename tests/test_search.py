@@ -307,3 +307,13 @@ def test_cli_plans_a_graph_known_by_its_statistics(capsys):
                  "--gpus", "8x8xA100-ib200", "--explain"]) == 0
     out = capsys.readouterr().out
     assert "Search over" in out and "ranks=64" in out and "ogbn-papers100M" in out
+
+
+def test_an_option_the_named_strategy_lacks_is_refused() -> None:
+    """partitioner is data's; given to split or tensor by name it was dropped without a word."""
+    g = gc.datasets.synthetic("sbm", num_nodes=100, avg_degree=4, num_features=4, num_classes=2, seed=0)
+    model = gc.nn.GCN(4, 4, 2)
+    for strategy, extra in (("tensor", {}), ("split", dict(batch_size=16, fanouts=[2, 2]))):
+        with pytest.raises(PlanningError, match=rf"strategy {strategy!r} has no option partitioner \(its options: "):
+            gc.plan(model, g, gpus=2, strategy=strategy, partitioner="random", **extra)
+    assert gc.plan(model, g, gpus=2, partitioner="random").program is not None   # the search: data's only

@@ -877,7 +877,10 @@ class Plan:
         if self.options.get("backward") == "push":
             lines.append("  backward products: push (scattered from the forward CSR; no transposed graph is held)")
         part = self.info.get("partition")
-        if part and part.get("estimated"):
+        if part and part.get("estimated") and "cut_fraction" in part:   # a split plan's sampled edges
+            lines.append(f"  partition (estimated from statistics): {part.get('method')} into {part.get('num_parts')} "
+                         f"parts, {part['cut_fraction']:.3f} of the sampled edges cross splits ({part.get('source', '')})")
+        elif part and part.get("estimated"):
             lines.append(f"  partition (estimated from statistics): {part.get('method')} into {part.get('num_parts')} "
                          f"parts, replication factor alpha={part.get('replication_factor', float('nan')):.3f} "
                          f"({part.get('source', '')})")

@@ -95,8 +95,8 @@ def expected_cut(stats: Any, num_ranks: int, partitioner: str) -> tuple[float, s
         return random_cut, "random assignment: 1 - 1/n of the sampled edges cross splits"
     est, rand = expected_replication(stats, num_ranks, "metis"), expected_replication(stats, num_ranks, "random")
     ratio = (est.alpha - 1.0) / (rand.alpha - 1.0) if rand.alpha > 1.0 else 1.0
-    return random_cut * min(1.0, ratio), (f"random cut x (alpha - 1) / (alpha_random - 1) = {ratio:.2f} "
-                                          f"(alpha {est})")
+    return random_cut * min(1.0, ratio), (f"random cut x (alpha - 1) / (alpha_random - 1) = {ratio:.2f}; alpha "
+                                          f"{est.alpha:.3f}: {est.source}")
 
 
 def lower_split(job: Job, options: SplitOptions) -> Lowered:

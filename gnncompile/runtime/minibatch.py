@@ -60,8 +60,11 @@ def _fanouts(v: Any, what: str) -> tuple[int, ...]:
         v = [s for s in v.replace(" ", "").split(",") if s]
     try:
         out = tuple(int(f) for f in v)
+        exact = all(isinstance(f, str) or float(f) == int(f) and not isinstance(f, bool) for f in v)
     except (TypeError, ValueError):
-        raise ArgumentError(f"{what} must be a sequence of ints (one per GNN layer), got {v!r}") from None
+        exact, out = False, ()
+    if not exact:   # (3.9 is not silently 3)
+        raise ArgumentError(f"{what} must be a sequence of ints (one per GNN layer), got {v!r}")
     if not out or any(f == 0 or f < -1 for f in out):
         raise ArgumentError(f"{what} = {list(out)}: each fanout is a number of in-edges >= 1, or -1 for all of them")
     return out
