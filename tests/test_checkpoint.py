@@ -451,6 +451,23 @@ def test_unreadable_checkpoint_is_a_runtime_failure_in_train(sbm: gc.Graph, tmp_
         gc.train(_gcn(sbm), sbm, 4, verbose=False, checkpoint_dir=tmp_path, resume=True)
 
 
+def test_checkpoint_exception_is_a_runtime_failure(sbm: gc.Graph, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """What torch.distributed.checkpoint raises for a load that failed in a reader: a BaseException,
+    which ``except Exception`` misses."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    gc.train(_gcn(sbm), sbm, 2, verbose=False, checkpoint_dir=tmp_path)
+
+    def failing_load(*args, **kwargs):
+        raise CheckpointException("load failed on rank 0", {})
+
+    monkeypatch.setattr(dcp, "load", failing_load)
+    with pytest.raises(RuntimeFailure, match=r"epoch-2 cannot be read \(CheckpointException"):
+        gc.train(_gcn(sbm), sbm, 4, verbose=False, checkpoint_dir=tmp_path, resume=True)
+
+
 def test_checkpoint_dir_that_cannot_be_made_or_resumed_is_refused_without_side_effects(sbm: gc.Graph,
                                                                                         tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
