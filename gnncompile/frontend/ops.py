@@ -531,10 +531,8 @@ def dst_rows(g: Graph, x: torch.Tensor) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
         raise KernelError(f"dst_rows: x must be a tensor with a row dimension, got {type(x).__name__}")
     rows, n, off = x.shape[0], g.num_nodes, getattr(g, "own_offset", 0)
-    if rows == n:
-        return x
-    if rows == g.num_src:
-        return x[off: off + n]
+    if rows == n or rows == g.num_src:
+        return _destination_rows(g, x)
     if off == 0 and rows > n:
         return x[:n]
     raise KernelError(f"dst_rows: x has {rows} rows; expected {n} (the destinations), {g.num_src} (the sources)"

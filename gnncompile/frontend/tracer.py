@@ -76,6 +76,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves
 
 from ..errors import TraceError
 from ..graph.core import Graph, GraphStats
@@ -423,12 +424,8 @@ def _graph_tensors(g: Graph) -> set[int]:
 
 
 def _leaves(value: Any) -> list[torch.Tensor]:
-    """The tensors of a node's value (itself, or those of a tuple or list of them)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _leaves(v)]
-    return []
+    """The tensors of a node's value (itself, or those in its containers)."""
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _row_mixing(node: torch.fx.Node, rows: Optional[Lin], samples: list, probe: torch.fx.Interpreter,
@@ -448,11 +445,11 @@ def _row_mixing(node: torch.fx.Node, rows: Optional[Lin], samples: list, probe: 
                                                             for _, _, rec in samples[1:])
                     for a in node.all_input_nodes)
         if space in _SAMPLE_ROWS and sized and not all(torch.equal(t, t[:1].expand_as(t)) for t in _leaves(out)):
-            name = "vertices" if space == "V" else "edges"
+            name = _ROW_NAMES[space]
             return (f"makes values that differ between the {name} from their number (as torch.arange over the "
                     f"{name}): a rank holds only its own {name}, numbered from 0")
         return ""
-    name = "vertices" if "V" in spaces else "edges"
+    name = _ROW_NAMES["V" if "V" in spaces else "E"]
     if space not in _SAMPLE_ROWS:
         return f"takes its output rows from the {name} as a whole (output rows {space}: a reduction, slice or " \
                f"index over dim 0)"
@@ -460,8 +457,7 @@ def _row_mixing(node: torch.fx.Node, rows: Optional[Lin], samples: list, probe: 
     if not row_inputs or _elementwise(node, probe):
         return ""
     n0, e0, _ = samples[0]
-    return _mixes_rows(probe, node, values, _SAMPLE_ROWS[space](n0, e0), row_inputs,
-                       "vertices" if space == "V" else "edges")
+    return _mixes_rows(probe, node, values, _SAMPLE_ROWS[space](n0, e0), row_inputs, _ROW_NAMES[space])
 
 
 #: functions, tensor methods and modules whose output elements each depend on the inputs' elements
@@ -493,6 +489,8 @@ def _elementwise(node: torch.fx.Node, probe: torch.fx.Interpreter) -> bool:
 
 #: row counts of a sample graph with ``n`` vertices and ``e`` edges, by row space
 _SAMPLE_ROWS: dict[str, Callable[[int, int], int]] = {"V": lambda n, e: n, "E": lambda n, e: e, "E+V": lambda n, e: n + e}
+#: what the rows of each row space are, in messages
+_ROW_NAMES = {"V": "vertices", "E": "edges", "E+V": "edges"}
 
 
 def _mixes_rows(interp: torch.fx.Interpreter, n: torch.fx.Node, values: dict[str, Any], rows: int,

@@ -394,7 +394,7 @@ def _check_output_width(model: str, tp: TPGraph, graph: Union[Graph, GraphStats]
     """Raise :class:`ArgumentError` where the output of ``tp`` (the trace of ``model``: one row of
     logits per vertex) has fewer columns than ``graph`` has classes: the loss would read past it."""
     classes = graph.num_classes
-    out = next(n for n in tp.graph.nodes if n.op == "output").args[0]
+    out = tp.graph.output_node().args[0]
     info = out.meta.get("tp") if isinstance(out, torch.fx.Node) else None
     if not classes or info is None or info.space != "V" or len(info.dims) != 1 or info.dims[0] >= classes:
         return
