@@ -168,3 +168,28 @@ def test_a_model_with_fewer_outputs_than_classes_is_refused() -> None:
     wide = gc.nn.GCN(g.num_features, 8, 5)   # extra logits are allowed (never the argmax of a trained model)
     assert len(gc.train(wide, g, epochs=1, verbose=False).loss) == 1
     assert gc.plan(wide, g, gpus=2, strategy="data").program is not None
+
+
+def test_a_model_built_for_another_input_width_is_refused_naming_both_widths() -> None:
+    """gc.train's first forward names the model, the graph and the widths (it was torch's bare
+    "mat1 and mat2 shapes cannot be multiplied"); the model's own exception is the cause."""
+    g = _small_graph()
+    model = gc.nn.GCN(g.num_features + 3, 8, 3)
+    with pytest.raises(gc.ArgumentError, match=rf"^model: GCN\(g, x\) failed on 'sbm-300' \(300 vertices, .*x "
+                                               rf"\[300, {g.num_features}\].*mat1 and mat2.*the graph has "
+                                               rf"{g.num_features} features but the model's linear layers take "
+                                               rf"\[8, {g.num_features + 3}\]") as info:
+        gc.train(model, g, epochs=1, verbose=False)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+    class Broken(torch.nn.Module):  # any other failure of the first forward: named, no width hint
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(g.num_features, 3)
+
+        def forward(self, g, x):
+            raise ZeroDivisionError("the model's own bug")
+
+    with pytest.raises(gc.ArgumentError, match=r"Broken\(g, x\) failed on 'sbm-300' .*ZeroDivisionError: the "
+                                               r"model's own bug$"):
+        gc.train(Broken(), g, epochs=1, verbose=False)

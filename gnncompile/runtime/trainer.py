@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..errors import ArgumentError, GraphError, RuntimeFailure
+from ..errors import ArgumentError, GnnCompileError, GraphError, RuntimeFailure
 from ..frontend.blocks import BlockModel
 from ..frontend.ops import plan_dropout_draws
 from ..graph.core import Graph
@@ -166,6 +166,32 @@ def _check_logits(logits: Any, model: torch.nn.Module, graph: Graph) -> None:
         raise ArgumentError(f"model: {type(model).__name__} returned {shape if shape is not None else type(logits).__name__}"
                             f" on {graph.name!r}; training needs logits [{graph.num_nodes}, >= {graph.num_classes}] "
                             f"(a row per vertex, a column per class: labels 0..{graph.num_classes - 1})")
+
+
+def _first_forward(model: torch.nn.Module, graph: Graph, x: torch.Tensor) -> torch.Tensor:
+    """``model(graph, x)``, the first step's forward: a failure raises :class:`ArgumentError`
+    naming the model and what it was given (chained to the model's own exception), and the logits
+    are checked by :func:`_check_logits`."""
+    try:
+        logits = model(graph, x)
+    except GnnCompileError:
+        raise
+    except Exception as exc:
+        raise ArgumentError(f"model: {type(model).__name__}(g, x) failed on {graph.name!r} ({graph.num_nodes} vertices, "
+                            f"{graph.num_edges} edges, x {list(x.shape)} {x.dtype}): {type(exc).__name__}: {exc}"
+                            f"{_width_hint(model, x)}") from exc
+    _check_logits(logits, model, graph)
+    return logits
+
+
+def _width_hint(model: torch.nn.Module, x: torch.Tensor) -> str:
+    """A hint when no linear layer of ``model`` takes ``x``'s width (the usual cause of a first
+    forward's shape error: a model built for another graph's features), else ``""``."""
+    widths = sorted({m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    if x.dim() != 2 or not widths or x.shape[1] in widths:
+        return ""
+    return (f"; the graph has {x.shape[1]} features but the model's linear layers take {widths}: "
+            f"build the model with the graph's width (graph.num_features)")
 
 
 _SPLITS = ("train", "val", "test")
@@ -423,9 +449,7 @@ def train(
             if minibatch is None:
                 optimizer.zero_grad(set_to_none=True)
                 with draws:
-                    logits = model(graph, x)
-                if epoch == start:
-                    _check_logits(logits, model, graph)
+                    logits = model(graph, x) if epoch != start else _first_forward(model, graph, x)
                 loss = F.cross_entropy(logits.index_select(0, scored.train_rows), scored.train_labels)
                 loss.backward()
                 optimizer.step()
