@@ -177,6 +177,30 @@ def test_row_mixing_op_refused_under_exact(sbm: gc.Graph) -> None:
     plan = gc.plan(model, sbm, gpus=2, semantics="relaxed")
     assert plan.semantics == "relaxed" and plan.relaxations
     assert "per-rank statistics" in str(plan)
+    assert "(evaluation)" not in str(plan.relaxations)  # evaluation normalizes with the running statistics
+
+
+class _CentersInEvaluation(torch.nn.Module):
+    def __init__(self, fin: int, fout: int) -> None:
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(fin, 8), torch.nn.Linear(8, fout)
+
+    def forward(self, g, x):
+        h = ops.propagate(g, self.l1(x), norm="gcn")
+        if not self.training:
+            h = h - h.mean(0)
+        return self.l2(h)
+
+
+def test_row_mixing_in_evaluation_only_refused_under_exact(sbm: gc.Graph) -> None:
+    """The evaluation trace is checked as the training trace is: a plan would evaluate each rank
+    with its own rows' mean (accuracies unlike gc.train's) under an "exact" label."""
+    model = _CentersInEvaluation(sbm.num_features, sbm.num_classes).to(DT)
+    with pytest.raises(PlanningError, match=r"strategy 'data' is not exact for this model: mean \(evaluation\): "
+                                            r"takes its output rows from the vertices as a whole"):
+        gc.plan(model, sbm, gpus=2, strategy="data")
+    plan = gc.plan(model, sbm, gpus=2, semantics="relaxed", strategy="data")
+    assert any("mean (evaluation)" in r for r in plan.relaxations)
 
 
 class _MixesRows(torch.nn.Module):

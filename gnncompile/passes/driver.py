@@ -219,13 +219,17 @@ def _run(passes: list[GraphPass], tp: TPGraph, semantics: str, instruments: Iter
 
 
 def row_mixing_relaxations(tp: TPGraph, strategy: str, semantics: str, each: str = "rank",
-                           unit: str = "rank") -> list[str]:
-    """The relaxation a strategy records for row-mixing T ops (``[]`` when there are none).
+                           unit: str = "rank", tp_eval: Optional[TPGraph] = None) -> list[str]:
+    """The relaxation a strategy records for row-mixing T ops of the training trace ``tp`` and the
+    evaluation trace ``tp_eval`` (``[]`` when there are none).
 
     Under ``semantics="exact"`` raises :class:`PlanningError` naming the ops: each ``each`` (a
     rank, a chunk...) would normalize with its own rows' statistics (``per-{unit} statistics``).
     """
     mixing = row_mixing_ops(tp)
+    if tp_eval is not None:
+        mixing += [(f"{op} (evaluation)", why) for op, why in row_mixing_ops(tp_eval, training=False)
+                   if (op, why) not in mixing]
     if not mixing:
         return []
     if semantics == "exact":
@@ -251,7 +255,7 @@ def lower(strategy: Strategy, tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Mod
     semantics = options.semantics
     if num_ranks > 1 or strategy.row_mixing_single:
         each, unit = strategy.row_mixing
-        job.relaxations += row_mixing_relaxations(tp, strategy.name, semantics, each, unit)
+        job.relaxations += row_mixing_relaxations(tp, strategy.name, semantics, each, unit, tp_eval)
     if getattr(options, "decouple", False):
         step = _decoupling_pass(job, strategy, semantics)
         try:

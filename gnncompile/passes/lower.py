@@ -446,12 +446,13 @@ def split_stages(tp: TPGraph, decisions: Decisions) -> StagedModel:
 _ROW_MIXING_MODULES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.InstanceNorm1d)
 
 
-def row_mixing_ops(tp: TPGraph) -> list[tuple[str, str]]:
+def row_mixing_ops(tp: TPGraph, training: bool = True) -> list[tuple[str, str]]:
     """Ops other than the graph primitives whose output rows depend on other rows of a vertex- or
     edge-space input: ``(op, why)`` pairs. A BatchNorm-like module that normalizes with the batch's
     statistics, and the ops the tracer found (:attr:`~gnncompile.ir.tpgraph.TPInfo.mixes_rows`:
     reductions, slices and indexes over the vertices, reads of their number, and ops such as a
-    normalization, sort, roll or cumulative sum over dim 0)."""
+    normalization, sort, roll or cumulative sum over dim 0). ``training=False``: ``tp`` is an
+    evaluation trace, whose BatchNorm modules use their running statistics where they track them."""
     found = []
     for n in tp.graph.nodes:
         info = n.meta.get("tp")
@@ -459,7 +460,7 @@ def row_mixing_ops(tp: TPGraph) -> list[tuple[str, str]]:
             continue
         if n.op == "call_module" and isinstance(tp.get_submodule(n.target), _ROW_MIXING_MODULES):
             mod = tp.get_submodule(n.target)
-            if mod.training or not getattr(mod, "track_running_stats", False):
+            if (training and mod.training) or not getattr(mod, "track_running_stats", False):
                 found.append((n.name, f"{type(mod).__name__} normalizes with statistics over all vertices"))
         elif info.mixes_rows:
             found.append((n.name, info.mixes_rows))
