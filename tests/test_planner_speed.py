@@ -330,6 +330,43 @@ def test_search_collects_only_new_objects_and_restores_the_collector(monkeypatch
         pygc.unfreeze()
 
 
+def test_planning_uses_a_thread_per_million_edges_and_restores_the_count(monkeypatch, sbm):
+    """Planning's index work runs on one torch thread per EDGES_PER_THREAD edges (at least one, at
+    most the caller's count), also when a candidate raises; the caller's count is restored after."""
+    threads_during = []
+    real = search_mod._evaluate
+
+    def watching(*args, **kwargs):
+        threads_during.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(search_mod, "_evaluate", watching)
+    model = gcn(sbm.num_features, sbm.num_classes)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        search(model, sbm, Cluster.local(2))
+        assert set(threads_during) == {1} and torch.get_num_threads() == 2
+        monkeypatch.setattr(search_mod, "EDGES_PER_THREAD", max(1, sbm.num_edges // 5))  # 5 threads' worth
+        threads_during.clear()
+        search(model, sbm, Cluster.local(2))
+        assert set(threads_during) == {2} and torch.get_num_threads() == 2  # never more than the caller's
+
+        def failing(*args, **kwargs):
+            raise RuntimeError("candidate failed")
+
+        monkeypatch.setattr(search_mod, "EDGES_PER_THREAD", 1 << 40)
+        monkeypatch.setattr(search_mod, "_evaluate", failing)
+        with pytest.raises(RuntimeError, match="candidate failed"):
+            search(model, sbm, Cluster.local(2))
+        assert torch.get_num_threads() == 2
+        stats = sbm.stats()  # no index work on a graph: the caller's count
+        with search_mod.planning_threads(stats):
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_stage_modules_generate_their_code_when_first_needed(sbm):
     """The search lowers every candidate into stage modules it only costs: their Python code is
     generated when a module is first called or shown, and then runs like an eager GraphModule's."""

@@ -59,7 +59,6 @@ form layer ``L + 1``.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
@@ -71,7 +70,7 @@ import re
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.fx
@@ -82,6 +81,7 @@ from ..errors import TraceError
 from ..graph.core import Graph, GraphStats
 from ..ir.symbolic import Lin, solve_lin
 from ..ir.tpgraph import TPGraph, TPInfo, ends_layer
+from ..kernels import torch_threads
 from .ops import PRIMITIVES, is_primitive
 
 __all__ = ["trace", "GNNTracer", "SAMPLE_SIZES", "ModeDifference", "mode_difference", "bound_arguments"]
@@ -918,16 +918,6 @@ def _module_view(module: torch.nn.Module) -> torch.nn.Module:
     return view
 
 
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _default_dtype(model: torch.nn.Module, x_like: Optional[torch.Tensor]) -> torch.dtype:
     for t in list(model.parameters()) + list(model.buffers()):
         if t.is_floating_point():
@@ -946,7 +936,7 @@ def _annotate(model: torch.nn.Module, gm: torch.fx.GraphModule, stats: GraphStat
     # tiny, and on a busy machine every parallel region of every op waits for a descheduled
     # worker (a 64-layer model went from 0.5 s to 3-12 s with two threads and a neighbour).
     samples: list[tuple[int, int, dict[str, dict[str, Any]]]] = []
-    with torch.random.fork_rng(devices=[]), _one_thread():
+    with torch.random.fork_rng(devices=[]), torch_threads(1):
         torch.manual_seed(0)
         for i, (n, e) in enumerate(SAMPLE_SIZES):
             g = _sample_graph(n, e, seed=i)
@@ -994,7 +984,7 @@ def _annotate(model: torch.nn.Module, gm: torch.fx.GraphModule, stats: GraphStat
     layers = _layers(gm)
     probe = torch.fx.Interpreter(gm)   # reruns single nodes on the first sample (:func:`_mixes_rows`)
     values = {k: r["out"] for k, r in samples[0][2].items()}
-    with torch.random.fork_rng(devices=[]), _one_thread():
+    with torch.random.fork_rng(devices=[]), torch_threads(1):
         _annotate_nodes(gm, samples, modules, lin, layers, probe, values)
     tp = TPGraph(gm, gm.graph, stats, class_name=f"TP{type(model).__name__}")
     tp.train(training)  # sets the views' modes, not the model's

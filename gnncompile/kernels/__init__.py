@@ -47,6 +47,7 @@ transposed CSR that :class:`~gnncompile.graph.Graph` caches.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -56,7 +57,7 @@ import sys
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -196,6 +197,19 @@ def _check(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, row_scale:
         if min(row0, col0) < 0 or row0 + n > csr.num_rows or col0 + n > csr.num_cols:
             raise KernelError(f"spmm: {n} self loops from {tuple(loop_at)} do not fit the "
                               f"{csr.num_rows} x {csr.num_cols} matrix")
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Within the block torch's CPU ops (and the native kernels) use ``n`` threads; the caller's
+    count is restored on exit. For work made of many small ops: each parallel region of an op
+    waits for its slowest thread, and on a busy host that is one descheduled for a time slice."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------- native backend

@@ -66,6 +66,7 @@ from ..ir.plan import AllGather, AllReduce, AllToAll, Backward, DevicePlan, Forw
 from ..ir.replay import dependencies
 from ..ir.rules import rule
 from ..ir.tpgraph import TPGraph
+from ..kernels import torch_threads
 from .features import choose_feature_layout, trace_both
 from .driver import lower, with_backward
 from .registry import STRATEGIES, get, neutral_values
@@ -332,13 +333,28 @@ def collecting_only_new_objects() -> Iterator[None]:
         gc.unfreeze()
 
 
+#: edges of index work per torch thread while planning (partitions, shards, chunks: many ops of
+#: O(|E|) each): with less, an op's parallel region costs more than it saves, and far more on a busy
+#: host, where it waits for a descheduled thread (RESULTS.md "Planning time")
+EDGES_PER_THREAD = 1 << 20
+
+
+def planning_threads(graph: Union[Graph, GraphStats]) -> contextlib.AbstractContextManager[None]:
+    """Within the block, torch uses one thread per :data:`EDGES_PER_THREAD` edges of ``graph``, at
+    least one and at most the caller's count (a :class:`GraphStats` plan does no index work on a
+    graph: the caller's count)."""
+    if not isinstance(graph, Graph):
+        return contextlib.nullcontext()
+    return torch_threads(max(1, min(torch.get_num_threads(), graph.num_edges // EDGES_PER_THREAD)))
+
+
 def search(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: Cluster, *,
            tp: Optional[TPGraph] = None, tp_eval: Optional[TPGraph] = None, semantics: str = "exact",
            strategies: Optional[Iterable[str]] = None, fixed: Optional[dict[str, Any]] = None,
            ranks: Optional[Sequence[int]] = None, overlap: bool = False, features: str = "auto") -> SearchResult:
     """Lower, predict, filter and rank every candidate (see the module docstring); ``features``: how
     ranks hold the input features (:func:`~gnncompile.passes.features.choose_feature_layout`)."""
-    with collecting_only_new_objects():
+    with collecting_only_new_objects(), planning_threads(graph):
         return _search(model, graph, cluster, tp=tp, tp_eval=tp_eval, semantics=semantics, strategies=strategies,
                        fixed=fixed, ranks=ranks, overlap=overlap, features=features)
 
