@@ -234,6 +234,35 @@ def test_functional_row_mixing_refused_by_every_strategy_under_exact(sbm: gc.Gra
     assert plan.semantics == "relaxed" and any(mix in r for r in plan.relaxations)
 
 
+class _ScalesByVertexCount(torch.nn.Module):
+    def __init__(self, fin: int, fout: int, how: str) -> None:
+        super().__init__()
+        self.l1, self.l2, self.how = torch.nn.Linear(fin, 8), torch.nn.Linear(8, fout), how
+
+    def forward(self, g, x):
+        h = ops.propagate(g, self.l1(x), norm="gcn")
+        if self.how == "scale":
+            h = h * (100.0 / x.size(0))
+        elif self.how == "divide":
+            h = h / h.shape[0]
+        else:  # the count as a shape: row-local
+            h = h.view(x.size(0), 2, -1).flatten(1)
+        return self.l2(h)
+
+
+@pytest.mark.parametrize("how", ["scale", "divide"])
+def test_a_scalar_made_from_the_vertex_count_is_refused_under_exact(sbm: gc.Graph, how: str) -> None:
+    """Each rank would divide by its own number of rows (the loss was off by 2-30% under an exact
+    label); the count used as a shape stays exact."""
+    model = _ScalesByVertexCount(sbm.num_features, sbm.num_classes, how).to(DT)
+    for strategy in ("data", "tensor", "task", "layer"):
+        with pytest.raises(PlanningError, match=rf"strategy {strategy!r} is not exact for this model: \w+: reads the "
+                                                rf"number of vertices"):
+            gc.plan(model, sbm, gpus=2, strategy=strategy)
+    shaped = _ScalesByVertexCount(sbm.num_features, sbm.num_classes, "view").to(DT)
+    assert gc.plan(shaped, sbm, gpus=2, strategy="data").relaxations == ()
+
+
 def test_planning_errors(sbm: gc.Graph) -> None:
     model = model_for("gcn", sbm)
     with pytest.raises(PlanningError, match="unknown strategy"):

@@ -440,10 +440,11 @@ def _row_mixing(node: torch.fx.Node, rows: Optional[Lin], samples: list, probe: 
     if not _leaves(out):    # sizes, dtypes...: judged where a tensor is made of them
         return ""
     spaces = {a.meta["tp"].space for a in node.all_input_nodes if "tp" in a.meta} & _SAMPLE_ROWS.keys()
+    # inputs other than tensors (sizes, scalars) whose values differ between the sample graphs: made
+    # from the number of vertices or edges
+    sized = [values[a.name] for a in node.all_input_nodes if not _leaves(values[a.name])
+             and not all(_same(rec[a.name]["out"], values[a.name]) for _, _, rec in samples[1:])]
     if not spaces:
-        sized = any(not _leaves(values[a.name]) and not all(_same(rec[a.name]["out"], values[a.name])
-                                                            for _, _, rec in samples[1:])
-                    for a in node.all_input_nodes)
         if space in _SAMPLE_ROWS and sized and not all(torch.equal(t, t[:1].expand_as(t)) for t in _leaves(out)):
             name = _ROW_NAMES[space]
             return (f"makes values that differ between the {name} from their number (as torch.arange over the "
@@ -453,10 +454,17 @@ def _row_mixing(node: torch.fx.Node, rows: Optional[Lin], samples: list, probe: 
     if space not in _SAMPLE_ROWS:
         return f"takes its output rows from the {name} as a whole (output rows {space}: a reduction, slice or " \
                f"index over dim 0)"
+    n0, e0, _ = samples[0]
+    counts = {rows(n0, e0) for rows in _SAMPLE_ROWS.values()}
+    # a number made from the row count enters the values (h / x.size(0)); as a row count it is
+    # a shape (h.view(x.size(0), -1)), except in an elementwise op
+    scalars = [v for v in sized if _elementwise(node, probe) or not (isinstance(v, int) and v in counts)]
+    if scalars:
+        return (f"reads the number of {name} ({scalars[0]!r} on one sample graph, another on graphs of other "
+                f"sizes): a rank holds only its own {name}")
     row_inputs = {a.name for a in node.all_input_nodes if "tp" in a.meta and a.meta["tp"].space == space}
     if not row_inputs or _elementwise(node, probe):
         return ""
-    n0, e0, _ = samples[0]
     return _mixes_rows(probe, node, values, _SAMPLE_ROWS[space](n0, e0), row_inputs, _ROW_NAMES[space])
 
 
