@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .errors import PlanningError, VerificationError
+from .errors import ArgumentError, PlanningError, VerificationError
 from .graph.core import Graph, GraphStats
 from .cost_models.hardware import Cluster
 from .ir.plan import Plan as PlanData
@@ -111,6 +111,10 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         raise PlanningError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(graph, (Graph, GraphStats)):
         raise PlanningError(f"graph: expected a gnncompile Graph or GraphStats, got {type(graph).__name__}")
+    if options.get("batch_size") is not None and options.get("dropout") == "replicated":
+        raise ArgumentError("dropout='replicated' draws the whole graph's masks, for full-graph plans; a sampled "
+                            "mini-batch plan (batch_size) draws each rank's masks from its own stream "
+                            "(dropout='local', the default there)")
     fixed = _fixed_options(options, named)
     if devices not in ("all", "any"):
         raise PlanningError(f"devices: expected 'all' or 'any', got {devices!r}")

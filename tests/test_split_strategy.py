@@ -120,6 +120,12 @@ def test_sampled_plans_refuse_what_they_cannot_do(sbm: gc.Graph) -> None:
         gc.plan(model, sbm, gpus=2, strategy="split", batch_size=16, fanouts=[0, 2])
     with pytest.raises(PlanningError):
         gc.plan(model, sbm, gpus=2, strategy="tensor", batch_size=16, fanouts=[2, 2])
+    for strategy in ("split", "data", None):  # was accepted and ignored (plan.options["dropout"] == "local")
+        with pytest.raises(gc.ArgumentError, match="dropout='replicated' draws the whole graph's masks, for "
+                                                   "full-graph plans; a sampled mini-batch plan"):
+            gc.plan(model, sbm, gpus=2, strategy=strategy, batch_size=16, fanouts=[2, 2], dropout="replicated")
+    assert gc.plan(model, sbm, gpus=2, strategy="split", batch_size=16, fanouts=[2, 2],
+                   dropout="local").options["dropout"] == "local"
 
     class Weighted(torch.nn.Module):  # gcn-normalized attention-like weights: needs whole-block out-degrees
         def __init__(self) -> None:
