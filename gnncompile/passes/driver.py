@@ -42,7 +42,7 @@ from ..ir.plan import AllReduce, DevicePlan, Instruction, OptimizerStep, ParamPl
 from ..ir.tpgraph import TPGraph
 from ..ir.verify_plan import plan_bytes
 from .decouple import decouple, decouple_exact, plan_decoupling
-from .dropout import dropout_draws, dropout_inputs, replicate_dropout_masks
+from .dropout import dropout_draws, dropout_inputs, replicate_dropout_masks, unreplicated_draws
 from .free import insert_frees
 from .infra import GraphPass, PassInstrument, PassManager
 from .lower import StagedModel, row_mixing_ops
@@ -239,6 +239,22 @@ def row_mixing_relaxations(tp: TPGraph, strategy: str, semantics: str, each: str
     return [f"per-{unit} statistics ({', '.join(op for op, _ in mixing)})"]
 
 
+def _unreplicated_draws(tp: TPGraph, strategy: str, semantics: str) -> list[str]:
+    """The relaxation recorded for random ops whose draws ``dropout="replicated"`` does not
+    replicate (``[]`` when there are none); under ``semantics="exact"`` a :class:`PlanningError`
+    naming them."""
+    ops = unreplicated_draws(tp)
+    if not ops:
+        return []
+    if semantics == "exact":
+        raise PlanningError(f"strategy {strategy!r} is not exact for this model: {', '.join(ops)} draw(s) random "
+                            "numbers that dropout='replicated' does not replicate (it replicates F.dropout and "
+                            "nn.Dropout masks), so ranks seeded alike would draw the same numbers for different "
+                            "rows; use F.dropout, or pass dropout='local' (each rank its own stream) or "
+                            "semantics='relaxed'")
+    return [f"unreplicated random draws ({', '.join(ops)}): ranks seeded alike draw the same numbers"]
+
+
 def lower(strategy: Strategy, tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module,
           graph: Union[Graph, GraphStats], num_ranks: int, options: StrategyOptions, *, device: Any = None,
           instruments: Iterable[PassInstrument] = ()) -> Plan:
@@ -272,6 +288,8 @@ def lower(strategy: Strategy, tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Mod
         job.tp = _run([replicate_dropout_masks.bind(graph=graph, strategy=strategy.name, allowed=allowed,
                                                     share_parameters=True)], job.tp, semantics, instruments)
         job.dropout_inputs = dropout_inputs(job.tp)
+        if num_ranks > 1 or strategy.row_mixing_single:
+            job.relaxations += _unreplicated_draws(job.tp, strategy.name, semantics)
     job.tp_unrecomputed = job.tp
     if getattr(options, "recompute", False):
         job.tp = _run([insert_recomputation.bind(share_parameters=True)], job.tp, semantics, instruments)

@@ -23,9 +23,9 @@ from ..ir.tpgraph import TPGraph
 from ..nn.functional import feature_dropout
 from .infra import graph_pass
 from .lower import StagedModel, _elsize, call_arguments
-from .recompute import Recompute
+from .recompute import Recompute, draws_random_numbers
 
-__all__ = ["replicate_dropout_masks", "dropout_inputs", "dropout_draws", "INDEX_INPUTS"]
+__all__ = ["replicate_dropout_masks", "dropout_inputs", "dropout_draws", "unreplicated_draws", "INDEX_INPUTS"]
 
 #: row space -> the model input holding a rank's global rows of that space
 INDEX_INPUTS = {"V": "dropout_index_v", "E": "dropout_index_e", "E+V": "dropout_index_ev",
@@ -44,6 +44,38 @@ def _dropout_of(tp: TPGraph, n: torch.fx.Node) -> Optional[tuple[torch.fx.Node, 
         if isinstance(mod, torch.nn.Dropout) and mod.training and mod.p > 0 and n.args:
             return n.args[0], float(mod.p)
     return None
+
+
+#: leaf modules that draw random numbers in training mode (nn.Dropout's masks are replicated)
+_RANDOM_MODULES = (torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout, torch.nn.Dropout1d, torch.nn.Dropout2d,
+                   torch.nn.Dropout3d, torch.nn.RReLU)
+
+
+def unreplicated_draws(tp: TPGraph) -> list[str]:
+    """The ops of ``tp`` that draw random numbers other than the masks :func:`replicate_dropout_masks`
+    replicates (``torch.randn_like`` noise, ``F.alpha_dropout``, ``nn.Dropout1d``, a mask drawn by
+    hand with ``torch.rand_like``...): ranks seeded alike would draw the same numbers for their
+    different rows. Ops that draw nothing as called (``training=False``, ``p=0``) are not listed."""
+    modules = dict(tp.named_modules())
+    found = []
+    for n in tp.graph.nodes:
+        if n.op == "call_module":
+            if isinstance(modules[n.target], _RANDOM_MODULES) and modules[n.target].training:
+                found.append(n.name)
+            continue
+        if n.op not in ("call_function", "call_method") or n.target is dropout_rows \
+                or not draws_random_numbers(n, modules):
+            continue
+        if n.op == "call_function" and n.target in (F.dropout, feature_dropout) and _dropout_of(tp, n) is None:
+            continue
+        try:
+            args = call_arguments(n) if n.op == "call_function" else {}
+        except (TypeError, ValueError):  # (no signature to bind: counted as drawing)
+            args = {}
+        if args.get("training", True) is False or args.get("p", 1) == 0:
+            continue
+        found.append(n.name)
+    return found
 
 
 def _mark_replays(g: torch.fx.Graph, old: torch.fx.Node, new: torch.fx.Node, inp: torch.fx.Node) -> None:
