@@ -266,6 +266,20 @@ class LayerSpecLoop(nn.Module):
         return self.out(x)
 
 
+class DGLNames(nn.Module):
+    """DGL's names for forward's inputs, ``forward(self, graph, feat)``, and a submodule called ``x``
+    (its call would take the features' name in the traced graph)."""
+
+    def __init__(self, d_in: int, hidden: int, d_out: int, dropout: float = 0.5) -> None:
+        super().__init__()
+        self.x, self.out, self.dropout = nn.Linear(d_in, hidden), nn.Linear(hidden, d_out), dropout
+
+    def forward(self, graph, feat):
+        h = self.x(feat)
+        h = F.dropout(F.relu(ops.propagate(graph, h, "gcn", add_self_loops=True)) + h, self.dropout, self.training)
+        return ops.propagate(graph, self.out(h), "mean")
+
+
 HID = 4
 MODELS = {
     "edge_weighted_gcn": lambda: EdgeWeightedGCN(F_IN, HID, C),
@@ -281,6 +295,7 @@ MODELS = {
     "mode_dependent_rate": lambda: ModeDependentRate(F_IN, HID, C),
     "submodule_training": lambda: SubmoduleTraining(F_IN, HID, C),
     "layer_spec_loop": lambda: LayerSpecLoop(F_IN, HID, C),
+    "dgl_names": lambda: DGLNames(F_IN, HID, C),
 }
 
 
@@ -340,7 +355,7 @@ DATA_REFUSED = {  # model -> what the data strategy's refusal must say
     "jk_lstm": r"lstm: takes its output rows from the vertices as a whole.*" + _NOT_EXACT,
 }
 TENSOR_MODELS = ["edge_weighted_gcn", "gatv2", "jk_cat", "jk_max", "mixhop", "teleport_appnp", "two_tower",
-                 "branch_dropout", "mode_dependent_rate", "layer_spec_loop"]
+                 "branch_dropout", "mode_dependent_rate", "layer_spec_loop", "dgl_names"]
 TENSOR_REFUSED = {
     "prenorm_batchnorm": DATA_REFUSED["prenorm_batchnorm"],
     "jk_lstm": DATA_REFUSED["jk_lstm"],
@@ -431,6 +446,26 @@ def _line_of(cls: type, text: str) -> str:
 
     lines, start = inspect.getsourcelines(cls)
     return re.escape(f"{os.path.basename(__file__)}:{start + next(i for i, ln in enumerate(lines) if text in ln)}")
+
+
+def test_inputs_are_named_g_and_x_whatever_the_model_calls_them(sbm: gc.Graph) -> None:
+    """Plans name their inputs g and x (a DGL-style model crashed every rank under task and layer,
+    and was refused by tensor and mop); messages keep the model's own names."""
+    tp = gc.trace(make("dgl_names"), sbm)
+    assert [n.name for n in tp.graph.nodes if n.op == "placeholder"] == ["g", "x"]
+    for strategy in ("task", "layer"):
+        check_plan(make("dgl_names"), sbm, 2, strategy=strategy, rtol=1e-9, atol=1e-11, timeout=60)
+
+    class ReadsTheGraph(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(F_IN, C)
+
+        def forward(self, graph, feat):
+            return self.lin(feat) * graph.num_nodes
+
+    with pytest.raises(gc.TraceError, match=r"graph\.num_nodes"):
+        gc.trace(ReadsTheGraph(), sbm)
 
 
 def test_what_cannot_be_traced_names_the_line_and_the_fix(sbm: gc.Graph) -> None:

@@ -250,19 +250,19 @@ def _graph_misuse(node: torch.fx.Node, g_node: torch.fx.Node) -> Optional[str]:
     if node.op == "call_function" and is_primitive(node.target):
         if node.args and node.args[0] is g_node:
             if any(a is g_node for a in list(node.args[1:]) + list(node.kwargs.values())):
-                return f"passes the graph input {g_node.name!r} as a tensor argument of {_target_name(node)}"
+                return f"passes the graph input {_user_name(g_node)!r} as a tensor argument of {_target_name(node)}"
             return None
         first = node.args[0] if node.args else None
         shown = first.name if isinstance(first, torch.fx.Node) else repr(first)
         return (f"calls the primitive {_target_name(node)} with {shown!r} instead of the graph input "
-                f"{g_node.name!r} as its first argument")
+                f"{_user_name(g_node)!r} as its first argument")
     if g_node not in node.all_input_nodes:
         return None
     if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
-        return f"reads the graph attribute {g_node.name}.{node.args[1]} inside forward"
+        return f"reads the graph attribute {_user_name(g_node)}.{node.args[1]} inside forward"
     if node.op == "call_method" and node.args and node.args[0] is g_node:
-        return f"calls {g_node.name}.{node.target}() inside forward"
-    return (f"uses the graph input {g_node.name!r} (forward's first argument) outside a graph primitive "
+        return f"calls {_user_name(g_node)}.{node.target}() inside forward"
+    return (f"uses the graph input {_user_name(g_node)!r} (forward's first argument) outside a graph primitive "
             f"({node.op} {_target_name(node)})")
 
 
@@ -297,8 +297,38 @@ def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
             hint = ""
         raise TraceError(f"cannot trace {type(model).__name__}: {msg}" + (f" at {where}" if where else "") + hint) from exc
     name = type(model).__name__
-    gm = torch.fx.GraphModule(tracer.root, graph, name)
+    gm = torch.fx.GraphModule(tracer.root, _canonical_inputs(graph), name)
     return gm
+
+
+#: the names of forward's inputs in a traced graph, whatever the model calls them
+INPUT_NAMES = ("g", "x")
+
+
+def _canonical_inputs(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """``graph`` with its two inputs named :data:`INPUT_NAMES` (``forward(self, graph, feat)``,
+    DGL's names, traces to the graph of ``forward(self, g, x)``; plans name their inputs so), the
+    model's own names kept in their ``meta["user_name"]`` for messages. A graph with another
+    number of inputs is returned as it is (:func:`_check` refuses it)."""
+    holders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(holders) != len(INPUT_NAMES) or [p.name for p in holders] == list(INPUT_NAMES):
+        return graph
+    out = torch.fx.Graph(tracer_cls=getattr(graph, "_tracer_cls", None),
+                         tracer_extras=getattr(graph, "_tracer_extras", None))
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for p, name in zip(holders, INPUT_NAMES):  # first: the names are theirs (a submodule x's call becomes x_1)
+        env[p] = out.placeholder(name, default_value=p.args[0] if p.args else inspect.Signature.empty)
+        env[p].meta = {**p.meta, "user_name": p.target}
+    for n in graph.nodes:
+        if n.op != "placeholder":
+            env[n] = out.node_copy(n, lambda a: env[a])
+    out._codegen = graph._codegen
+    return out
+
+
+def _user_name(node: torch.fx.Node) -> str:
+    """The model's own name of the input ``node`` (:func:`_canonical_inputs`)."""
+    return node.meta.get("user_name", node.name)
 
 
 def _check(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
