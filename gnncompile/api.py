@@ -162,6 +162,17 @@ def _fixed_options(options: dict[str, Any], named: Any) -> dict[str, Any]:
     return fixed
 
 
+def _check_picture(path: Union[str, Path]) -> None:
+    """Raise :class:`ArgumentError` unless a picture can be written to ``path`` (a file type
+    matplotlib writes, by its suffix: :func:`gnncompile.viz.image_path`)."""
+    from .viz.timeline import image_path
+
+    try:
+        image_path(path)
+    except ValueError as exc:
+        raise ArgumentError(f"path: {exc}") from None
+
+
 # --------------------------------------------------------------------------- runnable plans
 class Plan(PlanData):
     """What :func:`plan` and :func:`load_plan` return: the plan's data (:class:`gnncompile.ir.plan.Plan`,
@@ -204,6 +215,7 @@ class Plan(PlanData):
         step of ``measured`` (a ``RunResult``; default: the last :meth:`run`, if any)."""
         from .viz.timeline import draw_timelines
 
+        _check_picture(path)
         pred = self._require_prediction("timeline")
         sim = pred.simulation
         panels = [(f"predicted: {sim.step_time * 1e3:.3f} ms per step{pred.cluster.prediction_label} on {self.cluster}",
@@ -221,6 +233,7 @@ class Plan(PlanData):
         """Predicted memory per rank over one step, with the device capacity (see the cost models)."""
         from .viz.timeline import draw_memory
 
+        _check_picture(path)
         return draw_memory(path=path, **self.memory_plot_data())
 
     def memory_plot_data(self) -> dict[str, Any]:

@@ -9,12 +9,15 @@
 ``gnncompile calibrate`` measure this machine (GEMM, memory, SpMM, collectives) for the cost models
 ``gnncompile datasets``  list the datasets found locally, with their sizes
 
-Errors print one line (``gnncompile: error: ...``) and exit with status 1; usage errors exit 2.
+Errors print one line (``gnncompile: error: ...``) and exit with status 1; usage errors (bad values,
+flags that do not go together, output paths that cannot be written) exit 2 before anything is loaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import json
 import math
 import os
@@ -218,9 +221,11 @@ def _report_plan(p, args: argparse.Namespace) -> None:
         print()
         p.explain()
     if getattr(args, "timeline", None):
-        print(f"timeline written to {p.timeline(args.timeline)}")
+        with _writing(args.timeline):
+            print(f"timeline written to {p.timeline(args.timeline)}")
     if getattr(args, "memory_plot", None):
-        print(f"memory plot written to {p.memory_plot(args.memory_plot)}")
+        with _writing(args.memory_plot):
+            print(f"memory plot written to {p.memory_plot(args.memory_plot)}")
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
@@ -233,7 +238,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     print()
     print(tp.summary())
     if args.dot:
-        with open(args.dot, "w") as f:
+        with _writing(args.dot), open(args.dot, "w") as f:
             f.write(tp.to_dot())
         print(f"DOT written to {args.dot}")
     return 0
@@ -244,7 +249,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(p)
     _report_plan(p, args)
     if args.save:
-        p.save(args.save)
+        with _writing(args.save):
+            p.save(args.save)
         print(f"plan written to {args.save}")
     return 0
 
@@ -310,13 +316,37 @@ def _cmd_run(args: argparse.Namespace) -> int:
               f"MiB per rank (measured: the peak tensor memory column)")
     _report_plan(p, args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"dataset": graph.name, "model": args.model, "strategy": p.strategy, "ranks": p.num_ranks,
-                       **hist.to_dict(), "test_acc_at_best_val": hist.test_acc_at_best_val,
-                       "bytes_sent": [r.bytes_sent for r in res.ranks],
-                       "bytes_received": [r.bytes_received for r in res.ranks],
-                       "peak_memory": [r.peak_memory for r in res.ranks]}, f, indent=1)
+        _write_json(args.json, {"dataset": graph.name, "model": args.model, "strategy": p.strategy,
+                                "ranks": p.num_ranks, **hist.to_dict(),
+                                "test_acc_at_best_val": hist.test_acc_at_best_val,
+                                "bytes_sent": [r.bytes_sent for r in res.ranks],
+                                "bytes_received": [r.bytes_received for r in res.ranks],
+                                "peak_memory": [r.peak_memory for r in res.ranks]})
     return 0
+
+
+@contextlib.contextmanager
+def _writing(path: Union[str, Path]) -> Any:
+    """Writing the output file ``path``: an operating-system error (``/proc/version``: Input/output
+    error, a full disk) becomes one line naming the file."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise GnnCompileError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
+def _write_json(target: Any, data: dict) -> None:
+    """``--json``: ``data`` written to the file ``target``, or to ``target`` itself when it is a stream
+    (``--json -``: :func:`main` passes the standard output, the other output going to standard error)."""
+    if isinstance(target, str):
+        with _writing(target), open(target, "w") as f:
+            json.dump(data, f, indent=1)
+        return
+    json.dump(data, target, indent=1)
+    target.write("\n")
+    target.flush()
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -362,9 +392,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     )
     console.print(table)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"dataset": graph.name, "model": args.model, "params": n_params, **hist.to_dict(),
-                       "test_acc_at_best_val": hist.test_acc_at_best_val}, f, indent=1)
+        _write_json(args.json, {"dataset": graph.name, "model": args.model, "params": n_params, **hist.to_dict(),
+                                "test_acc_at_best_val": hist.test_acc_at_best_val})
     return 0
 
 
@@ -433,9 +462,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .kernels import BACKENDS
     from .nn import MODELS
 
     parser = argparse.ArgumentParser(prog="gnncompile", description="Plan and run parallel GNN training.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -446,14 +477,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
                    help="sampled mini-batch training: B seeds per step (needs --fanouts)")
     t.add_argument("--fanouts", type=fanout_list, default=None, metavar="F1,F2,...",
-                   help="sampled in-edges per GNN layer, input layer first (-1: all), e.g. 10,5")
+                   help="sampled in-edges per GNN layer, input layer first (-1: all), e.g. 10,5 (needs --batch-size)")
     t.add_argument("--eval-fanouts", type=fanout_list, default=None, metavar="F1,F2,...",
-                   help="evaluate on blocks sampled with these fanouts (default: the whole graph)")
+                   help="evaluate on blocks sampled with these fanouts (default: the whole graph; needs --batch-size)")
     t.add_argument("--device", type=device_name, default="cpu", metavar="DEVICE",
                    help="where to train: cpu (default), cuda or cuda:N")
-    t.add_argument("--backend", default=None, help="sparse kernel backend (native, torch, scipy, cupy)")
+    t.add_argument("--backend", default=None, choices=tuple(BACKENDS),
+                   help=f"sparse kernel backend ({', '.join(BACKENDS)}; default: $GNNCOMPILE_BACKEND, else chosen by "
+                        "device)")
     t.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
-    t.add_argument("--json", default=None, metavar="PATH", help="also write the history as JSON to PATH")
+    t.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the history as JSON to PATH (-: to standard output, the rest of the output "
+                        "then going to standard error)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_checkpoint_args(t)
     t.set_defaults(func=_cmd_train)
@@ -487,7 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "sharing a GPU use with host-staged send/recv)")
     r.add_argument("--torchrun", action="store_true",
                    help="this process is one rank launched by torchrun (reads RANK, WORLD_SIZE, MASTER_ADDR...)")
-    r.add_argument("--json", default=None, metavar="PATH", help="also write the history and traffic as JSON")
+    r.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the history and traffic as JSON to PATH (-: to standard output, the rest of the "
+                        "output then going to standard error)")
     r.add_argument("--quiet", action="store_true", help="do not print the plan")
     _add_checkpoint_args(r)
     r.set_defaults(func=_cmd_run)
@@ -583,8 +620,11 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                         "CSR when only linear layers read them and the cost models predict it faster")
     _add_strategy_options(p)
     p.add_argument("--explain", action="store_true", help="print the planner's candidates and why it chose the plan")
-    p.add_argument("--timeline", default=None, metavar="PATH", help="draw the predicted (and measured) timeline")
-    p.add_argument("--memory-plot", default=None, metavar="PATH", help="draw the predicted memory per rank")
+    p.add_argument("--timeline", default=None, metavar="PATH",
+                   help="draw the predicted (and measured) timeline; the file type follows the suffix (.png, .svg, "
+                        ".pdf, ...; none: .png is added)")
+    p.add_argument("--memory-plot", default=None, metavar="PATH",
+                   help="draw the predicted memory per rank (file type as for --timeline)")
 
 
 def _add_model_args(t: argparse.ArgumentParser, MODELS: dict) -> None:
@@ -594,15 +634,20 @@ def _add_model_args(t: argparse.ArgumentParser, MODELS: dict) -> None:
     t.add_argument("--epochs", type=positive_int, default=200, help="training epochs (default: 200)")
     t.add_argument("--hidden", type=positive_int, default=64, help="hidden width (per head for gat; default: 64)")
     t.add_argument("--layers", type=positive_int, default=2, help="number of layers (default: 2)")
-    t.add_argument("--heads", type=positive_int, default=None, help="attention heads (gat only)")
+    t.add_argument("--heads", type=positive_int, default=None,
+                   help=f"attention heads ({', '.join(_models_taking('heads', MODELS))} only)")
     t.add_argument("--dropout", type=probability, default=0.5, help="dropout probability (default: 0.5)")
     t.add_argument("--lr", type=positive_float, default=0.01, help="Adam learning rate (default: 0.01)")
     t.add_argument("--weight-decay", type=non_negative_float, default=5e-4, help="Adam weight decay (default: 5e-4)")
     t.add_argument("--seed", type=non_negative_int, default=0, help="seed for weights, dropout, partitioning and synthetic graphs")
-    t.add_argument("--num-nodes", type=positive_int, default=None, help="synthetic graphs: number of vertices")
-    t.add_argument("--avg-degree", type=positive_float, default=None, help="synthetic graphs: average degree")
-    t.add_argument("--num-features", type=positive_int, default=None, help="synthetic graphs: feature dimension")
-    t.add_argument("--num-classes", type=positive_int, default=None, help="synthetic graphs: number of classes")
+    t.add_argument("--num-nodes", type=positive_int, default=None,
+                   help="synthetic graphs (sbm, rmat, er) only: number of vertices")
+    t.add_argument("--avg-degree", type=positive_float, default=None,
+                   help="synthetic graphs (sbm, rmat, er) only: average degree")
+    t.add_argument("--num-features", type=positive_int, default=None,
+                   help="synthetic graphs (sbm, rmat, er) only: feature dimension")
+    t.add_argument("--num-classes", type=positive_int, default=None,
+                   help="synthetic graphs (sbm, rmat, er) only: number of classes")
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -625,15 +670,142 @@ def _checkpointing(args: argparse.Namespace) -> dict:
     return out
 
 
+def _error_text(exc: BaseException) -> str:
+    """What an error says: an operating-system error names its file first (``/tmp: Is a directory``,
+    ``/proc/version: Input/output error``), the project's errors say what they say."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        names = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+        return f"{names}: {exc.strerror}"
+    return str(exc)
+
+
+def _version() -> str:
+    """The installed package's version (the source tree's ``__version__`` when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gnncompile")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        from . import __version__
+
+        return __version__
+
+
+def _models_taking(option: str, MODELS: dict) -> list[str]:
+    """The models whose constructor takes ``option`` (``heads``: gat)."""
+    return [name for name, cls in sorted(MODELS.items()) if option in inspect.signature(cls).parameters]
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The sub-command's parser, whose usage line its errors print."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    return parser  # pragma: no cover
+
+
+#: output-file flags (argparse dest -> flag) checked before anything is loaded
+_OUTPUTS = {"json": "--json", "save": "--save", "dot": "--dot", "timeline": "--timeline",
+            "memory_plot": "--memory-plot", "out": "--out"}
+#: pictures: the file type follows the suffix
+_PICTURES = ("timeline", "memory_plot")
+#: outputs whose missing parent directories are created (``calibrate --out``)
+_PARENTS_MADE = ("out",)
+
+
+def _output_problem(path: str, *, parents_made: bool = False) -> Optional[str]:
+    """Why the file ``path`` cannot be written (a directory; in a directory that is missing or not
+    writable), or ``None``. Cheap: nothing is created. (Where the write fails anyway, ``/proc/version``
+    as root, :func:`main` reports the OSError in one line.)"""
+    p = Path(path).expanduser() if parents_made else Path(path)
+    if p.is_dir():
+        return f"{path} is a directory (give a file name)"
+    if parents_made:
+        return None
+    parent = p.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory" if parent.exists() else f"directory {parent} does not exist"
+    if p.exists() and not os.access(p, os.W_OK):
+        return f"{path} is not writable"
+    if not p.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        return f"directory {parent} is not writable"
+    return None
+
+
+def _check_outputs(error: Any, args: argparse.Namespace) -> None:
+    """Refuse an output path that cannot be written, or a picture of an unknown file type, before
+    anything is loaded (a run was wasted to fail on ``--json /tmp`` at the end)."""
+    from .viz.timeline import image_path
+
+    for dest, flag in _OUTPUTS.items():
+        path = getattr(args, dest, None)
+        if not isinstance(path, str) or (dest == "json" and path == "-"):  # (`datasets --json` is a switch)
+            continue
+        problem = _output_problem(path, parents_made=dest in _PARENTS_MADE)
+        if problem is None and dest in _PICTURES:
+            try:
+                problem = _output_problem(str(image_path(path)))
+            except ValueError as exc:
+                problem = str(exc)
+        if problem is not None:
+            error(f"argument {flag}: {problem}")
+
+
+def _check_combinations(error: Any, args: argparse.Namespace) -> None:
+    """Refuse flags that do not go together, before anything is loaded (they used to fail, exit 1,
+    after the dataset was loaded, or be ignored)."""
+    from . import datasets
+    from .nn import MODELS
+
+    if hasattr(args, "dataset") and args.dataset not in datasets.SYNTHETIC_KINDS:
+        given = [f"--{k.replace('_', '-')}" for k in SYNTHETIC_DEFAULTS if getattr(args, k, None) is not None]
+        if given:
+            error(f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} to synthetic graphs only (--dataset "
+                  f"{', '.join(datasets.SYNTHETIC_KINDS)}), not to --dataset {args.dataset}")
+    if getattr(args, "heads", None) is not None and args.model not in _models_taking("heads", MODELS):
+        error(f"--heads: --model {args.model} has no attention heads (models with heads: "
+              f"{', '.join(_models_taking('heads', MODELS))})")
+    if args.command == "train":
+        batch, fanouts = args.batch_size, args.fanouts
+        eval_fanouts = args.eval_fanouts
+    elif args.command in ("plan", "run"):
+        batch, fanouts = args.strategy_batch_size, args.strategy_fanouts
+        eval_fanouts = None
+        if args.strategy == "split" and batch is None and fanouts is None:
+            error("--strategy split needs --batch-size B and --fanouts F1,F2,... (sampled mini-batch training), "
+                  "e.g. --batch-size 1024 --fanouts 10,5")
+    else:
+        return
+    if batch is None and (fanouts is not None or eval_fanouts is not None):
+        flag = "--fanouts" if fanouts is not None else "--eval-fanouts"
+        error(f"{flag} needs --batch-size B (sampled mini-batch training: B seeds per step)")
+    if batch is not None and fanouts is None:
+        error("--batch-size needs --fanouts F1,F2,... (sampled in-edges per GNN layer, input layer first, e.g. 10,5)")
+
+
+def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse cannot check flag by flag: combinations and output paths (usage errors, exit 2)."""
+    _check_combinations(parser.error, args)
+    _check_outputs(parser.error, args)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "resume", False) and args.checkpoint_dir is None:
         parser.error("--resume needs --checkpoint-dir DIR (the directory of the run's checkpoints)")
+    _check_arguments(_command_parser(parser, args.command), args)
+    to_stdout = getattr(args, "json", None) == "-"
+    if to_stdout:  # `--json -`: the JSON alone on standard output, the tables and messages on standard error
+        args.json = sys.stdout
     try:
-        return int(args.func(args) or 0)
-    except (GnnCompileError, ValueError, FileNotFoundError) as exc:
-        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+        with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
+            return int(args.func(args) or 0)
+    except BrokenPipeError:  # the reader of stdout went away (`gnncompile datasets | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (nothing more to flush at exit)
+        return 141
+    except (GnnCompileError, ValueError, OSError) as exc:
+        lines = [ln.strip() for ln in _error_text(exc).strip().splitlines() if ln.strip()]
         msg = lines[0] if lines else type(exc).__name__
         for ln in lines[1:]:
             msg += (" " if msg.endswith(":") else "; ") + ln
@@ -642,9 +814,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("gnncompile: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # the reader of stdout went away (`gnncompile datasets | head`): stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (nothing more to flush at exit)
-        return 141
 
 
 if __name__ == "__main__":  # pragma: no cover

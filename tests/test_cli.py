@@ -221,3 +221,142 @@ def test_early_stop_is_in_the_title(capsys: Any) -> None:
     assert cli.main(["train", *SMALL, "--epochs", "60", "--patience", "1", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"\d+ of 60 epochs \(early stop: no better validation accuracy for 1 epoch\(s\)\)", out), out
+
+
+# --------------------------------------------------------------------------- flags that do not go together, outputs
+@pytest.fixture
+def nothing_loads(monkeypatch: pytest.MonkeyPatch, nothing_runs: None) -> None:
+    """As ``nothing_runs``, and fail the test if a dataset is loaded or a synthetic graph built."""
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a dataset was loaded although the arguments were invalid")
+
+    monkeypatch.setattr("gnncompile.datasets.load", refuse)
+    monkeypatch.setattr("gnncompile.datasets.synthetic", refuse)
+
+
+COMBOS = [
+    (["train", "--dataset", "cora", "--fanouts", "5,5"], "--fanouts needs --batch-size"),
+    (["train", "--dataset", "cora", "--eval-fanouts", "5,5"], "--eval-fanouts needs --batch-size"),
+    (["train", "--dataset", "cora", "--batch-size", "64"], "--batch-size needs --fanouts"),
+    (["run", "--dataset", "cora", "--gpus", "2", "--fanouts", "5,5"], "--fanouts needs --batch-size"),
+    (["run", "--dataset", "cora", "--gpus", "2", "--strategy", "split", "--batch-size", "64"],
+     "--batch-size needs --fanouts"),
+    (["plan", "--dataset", "cora", "--gpus", "2", "--strategy", "split"], "--strategy split needs --batch-size"),
+    (["train", "--dataset", "cora", "--heads", "4"], "--model gcn has no attention heads (models with heads: gat)"),
+    (["trace", "--model", "sage", "--heads", "2"], "--model sage has no attention heads"),
+    (["train", "--dataset", "cora", "--backend", "nope"], "argument --backend: invalid choice: 'nope'"),
+    (["train", "--dataset", "cora", "--num-nodes", "100", "--num-features", "3"],
+     "--num-nodes, --num-features apply to synthetic graphs only (--dataset sbm, rmat, er), not to --dataset cora"),
+    (["plan", "--dataset", "ogbn-products", "--avg-degree", "3"], "--avg-degree applies to synthetic graphs only"),
+]
+
+
+@pytest.mark.parametrize("argv, says", COMBOS, ids=[" ".join(a) for a, _ in COMBOS])
+def test_flags_that_do_not_go_together_are_usage_errors_before_loading(argv: list[str], says: str,
+                                                                        nothing_loads: None, capsys: Any) -> None:
+    """``--fanouts`` without ``--batch-size``, ``--heads`` with gcn, ``--backend nope``... loaded the
+    dataset first and failed with status 1; ``--num-nodes`` on cora was silently ignored."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"gnncompile {argv[0]}: error: ") and says in last, last
+
+
+def test_synthetic_flags_are_still_taken_on_synthetic_graphs() -> None:
+    args = cli.build_parser().parse_args(["train", *SMALL, "--batch-size", "8", "--fanouts", "2,2"])
+    cli._check_arguments(cli.build_parser(), args)  # no SystemExit
+    assert cli._load_graph(args).num_nodes == 300
+
+
+def _outputs(tmp: Path) -> list[tuple[list[str], str]]:
+    return [
+        (["train", *SMALL, "--json", str(tmp)], f"argument --json: {tmp} is a directory"),
+        (["run", *SMALL, "--json", str(tmp / "no" / "r.json")], f"argument --json: directory {tmp / 'no'} does not"),
+        (["plan", *SMALL, "--save", str(tmp)], f"argument --save: {tmp} is a directory"),
+        (["plan", *SMALL, "--save", str(tmp / "f.txt" / "p.json")], f"argument --save: {tmp / 'f.txt'} is not a dir"),
+        (["trace", *SMALL, "--dot", str(tmp)], f"argument --dot: {tmp} is a directory"),
+        (["plan", *SMALL, "--timeline", str(tmp / "t.xyz")], "argument --timeline: "),
+        (["run", *SMALL, "--memory-plot", str(tmp / "no" / "m.png")], "argument --memory-plot: directory"),
+        (["calibrate", "--quick", "--out", str(tmp)], f"argument --out: {tmp} is a directory"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_unwritable_outputs_are_usage_errors_before_anything_runs(case: int, tmp_path: Path, nothing_loads: None,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: Any) -> None:
+    """``--json /tmp`` trained for the whole run, then ended in an IsADirectoryError traceback."""
+    monkeypatch.setattr("gnncompile.calibration.calibrate", lambda *a, **k: pytest.fail("calibrated"))
+    (tmp_path / "f.txt").write_text("a file")
+    argv, says = _outputs(tmp_path)[case]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]
+    assert out == "" and says in last, last
+    if "--timeline" in argv:
+        assert "unsupported picture file type '.xyz'" in last and ".png" in last and ".svg" in last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.txt"]
+
+
+@pytest.mark.parametrize("error", [OSError(5, "Input/output error"), IsADirectoryError(21, "Is a directory", "x")])
+def test_an_os_error_when_writing_is_one_line_naming_the_file(error: OSError, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """(``--save /proc/version`` as root passes every check and fails in the write: a traceback)"""
+    def fail(self: Plan, path: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(Plan, "save", fail)
+    path = tmp_path / "p.json"
+    assert cli.main(["plan", *SMALL, "--gpus", "2", "--strategy", "data", "--partitioner", "random",
+                     "--save", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"gnncompile: error: cannot write {path}: {error.strerror}\n"
+
+
+def test_other_os_errors_are_one_line(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError(13, "Permission denied", "/data/cora.npz")
+
+    monkeypatch.setattr("gnncompile.datasets.load", fail)
+    assert cli.main(["train", "--dataset", "cora", "--epochs", "1"]) == 1
+    assert capsys.readouterr().err == "gnncompile: error: /data/cora.npz: Permission denied\n"
+
+
+def test_timeline_without_a_suffix_says_the_file_written(tmp_path: Path, capsys: Any) -> None:
+    """It said "timeline written to tl" while matplotlib wrote tl.png."""
+    assert cli.main(["plan", *SMALL, "--gpus", "2", "--strategy", "data", "--partitioner", "random",
+                     "--timeline", str(tmp_path / "tl"), "--memory-plot", str(tmp_path / "mem.SVG")]) == 0
+    out = capsys.readouterr().out
+    assert f"timeline written to {tmp_path / 'tl.png'}\n" in out
+    assert f"memory plot written to {tmp_path / 'mem.SVG'}\n" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mem.SVG", "tl.png"]
+    assert (tmp_path / "mem.SVG").read_text().lstrip().startswith("<?xml")
+
+
+def test_json_dash_is_standard_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """``--json -`` wrote a file named ``-``; now the JSON alone goes to standard output."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", *SMALL, "--epochs", "2", "--quiet", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert data["model"] == "gcn" and len(data["loss"]) == 2
+    assert "final test acc" in err  # the table, out of the JSON's way
+    assert list(tmp_path.iterdir()) == []
+    for command in ("train", "run"):
+        help_text = " ".join(cli._command_parser(cli.build_parser(), command).format_help().split())
+        assert "(-: to standard output" in help_text
+
+
+def test_version(capsys: Any) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"gnncompile {version('gnncompile')}\n"
+    assert version("gnncompile") == gc.__version__

@@ -4,6 +4,7 @@ cluster, and titles are not cut off."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -101,3 +102,35 @@ def test_timeline_titles_fit_and_x_covers_the_step() -> None:
         assert _inside_figure(fig, ax.title)
     finally:
         plt.close(fig)
+
+
+def test_draw_returns_the_file_written_and_refuses_unknown_types(tmp_path: Any) -> None:
+    """``draw_memory(path="mem")`` returned ``mem`` while matplotlib wrote ``mem.png``; ``.xyz``
+    failed inside matplotlib after the figure was drawn."""
+    from gnncompile.viz import draw_memory, draw_timeline, image_path
+
+    ev = lambda s, e, text: SimpleNamespace(step=0, instruction=text, start=s, end=e)  # noqa: E731
+    ranks = [[ev(0.0, 1e-3, "F0c0")], [ev(0.0, 2e-3, "AR grads")]]
+    curves = [[(0.0, 3 * MiB), (1e-3, 5 * MiB)]]
+    assert draw_timeline(ranks, tmp_path / "tl") == tmp_path / "tl.png"
+    assert draw_memory(curves, str(tmp_path / "mem.")) == tmp_path / "mem.png"
+    assert draw_timeline(ranks, tmp_path / "t.PDF") == tmp_path / "t.PDF"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mem.png", "t.PDF", "tl.png"]
+    assert (tmp_path / "tl.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "t.PDF").read_bytes()[:4] == b"%PDF"
+    assert image_path("a/b.svg") == Path("a/b.svg") and image_path("a/b") == Path("a/b.png")
+    figures = plt.get_fignums()
+    for draw, args in ((draw_timeline, (ranks,)), (draw_memory, (curves,))):
+        with pytest.raises(ValueError, match=r"unsupported picture file type '\.xyz'; use one of .*\.png.*\.svg"):
+            draw(*args, tmp_path / "x.xyz")
+    assert not (tmp_path / "x.xyz").exists() and plt.get_fignums() == figures
+
+
+def test_plan_pictures_return_the_file_written(tmp_path: Any) -> None:
+    g = gc.datasets.synthetic("sbm", num_nodes=300, avg_degree=4, num_features=8, num_classes=3, seed=0)
+    torch.manual_seed(0)
+    plan = gc.plan(gc.nn.GCN(8, 8, 3, num_layers=2), g, gpus=2, strategy="data", partitioner="random")
+    for draw in (plan.timeline, plan.memory_plot):
+        out = draw(tmp_path / draw.__name__)
+        assert out == tmp_path / f"{draw.__name__}.png" and out.stat().st_size > 0
+    with pytest.raises(ValueError, match="unsupported picture file type"):
+        plan.timeline(tmp_path / "t.xyz")

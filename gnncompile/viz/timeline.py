@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 __all__ = ["instruction_kind", "KIND_COLORS", "draw_timeline", "draw_timelines", "draw_memory", "timelines_figure",
-           "memory_figure", "byte_unit"]
+           "memory_figure", "byte_unit", "image_path", "image_formats"]
 
 KIND_COLORS = {
     "forward": "#4c72b0",
@@ -73,7 +73,8 @@ def draw_timeline(ranks: Sequence[Sequence[Any]], path: Union[str, Path], *, ste
     """Draw the events of ``step`` (default: the last step recorded) for every rank into ``path``.
 
     ``ranks[r]`` is rank ``r``'s event list. Times are shown in milliseconds from the step's first
-    event on any rank. The file type follows the suffix (``.png``, ``.svg``, ``.pdf``).
+    event on any rank. The file type follows the suffix (``.png``, ``.svg``, ``.pdf``; see
+    :func:`image_path`); returns the path written.
     """
     return draw_timelines([(title, ranks, step)], path)
 
@@ -103,8 +104,10 @@ def timelines_figure(panels: Sequence[tuple[str, Sequence[Sequence[Any]], Option
 
 def draw_timelines(panels: Sequence[tuple[str, Sequence[Sequence[Any]], Optional[int]]],
                    path: Union[str, Path]) -> Path:
-    """:func:`timelines_figure` written to ``path`` (the file type follows the suffix)."""
-    return _save(timelines_figure(panels), path)
+    """:func:`timelines_figure` written to ``path`` (the file type follows the suffix, see
+    :func:`image_path`); returns the path written."""
+    out = image_path(path)  # refused before anything is drawn
+    return _save(timelines_figure(panels), out)
 
 
 def _pyplot() -> Any:
@@ -116,10 +119,40 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, path: Union[str, Path]) -> Path:
+#: the file type of a picture whose path has no suffix (matplotlib's default, made explicit)
+DEFAULT_IMAGE_SUFFIX = ".png"
+
+
+def image_formats() -> list[str]:
+    """The file types matplotlib writes, by suffix without the dot (``png``, ``svg``, ``pdf``, ...)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return sorted(FigureCanvasBase.get_supported_filetypes())
+
+
+def image_path(path: Union[str, Path]) -> Path:
+    """The file a picture for ``path`` is written to: ``path`` itself when its suffix names a file
+    type matplotlib writes (case-insensitive), ``path`` + ``.png`` when it has no suffix (as
+    matplotlib would write it, so the path returned is the one written).
+
+    Raises ``ValueError`` naming the supported suffixes for any other suffix, before anything is drawn.
+    """
     out = Path(path)
-    fig.savefig(out, dpi=120)
-    _pyplot().close(fig)
+    if not out.suffix:
+        return out.with_name(out.name.rstrip(".") + DEFAULT_IMAGE_SUFFIX)
+    formats = image_formats()
+    if out.suffix[1:].lower() not in formats:
+        raise ValueError(f"{str(path)!r}: unsupported picture file type {out.suffix!r}; use one of "
+                         f"{', '.join('.' + f for f in formats)} (no suffix: {DEFAULT_IMAGE_SUFFIX})")
+    return out
+
+
+def _save(fig: Any, path: Union[str, Path]) -> Path:
+    try:
+        out = image_path(path)
+        fig.savefig(out, dpi=120, format=out.suffix[1:].lower())
+    finally:
+        _pyplot().close(fig)
     return out
 
 
@@ -193,6 +226,8 @@ def memory_figure(curves: Sequence[Sequence[tuple[float, float]]], *, capacity: 
 def draw_memory(curves: Sequence[Sequence[tuple[float, float]]], path: Union[str, Path], *,
                 capacity: Optional[float] = None, step_time: Optional[float] = None, title: str = "",
                 capacity_label: str = "device memory") -> Path:
-    """:func:`memory_figure` written to ``path`` (the file type follows the suffix)."""
+    """:func:`memory_figure` written to ``path`` (the file type follows the suffix, see
+    :func:`image_path`); returns the path written."""
+    out = image_path(path)  # refused before anything is drawn
     return _save(memory_figure(curves, capacity=capacity, step_time=step_time, title=title,
-                               capacity_label=capacity_label), path)
+                               capacity_label=capacity_label), out)
