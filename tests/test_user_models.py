@@ -280,6 +280,24 @@ class DGLNames(nn.Module):
         return ops.propagate(graph, self.out(h), "mean")
 
 
+class InPlace(nn.Module):
+    """PyG-style in-place ops on computed values: ``conv(x).relu_()``, ``h += r``, a discarded
+    ``h.relu_()`` whose change later readers of ``h`` see, and ``nn.ReLU(inplace=True)``."""
+
+    def __init__(self, d_in: int, hidden: int, d_out: int, dropout: float = 0.5) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(d_in, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, d_out)
+        self.act, self.dropout = nn.ReLU(inplace=True), dropout
+
+    def forward(self, g, x):
+        h = ops.propagate(g, self.l1(x), "gcn", add_self_loops=True).relu_()
+        a = ops.propagate(g, h, "mean")
+        a += h
+        a.relu_()
+        a = F.dropout(self.act(self.l2(a) + ops.propagate(g, a, "sum")), self.dropout, self.training)
+        return self.l3(a)
+
+
 HID = 4
 MODELS = {
     "edge_weighted_gcn": lambda: EdgeWeightedGCN(F_IN, HID, C),
@@ -296,6 +314,7 @@ MODELS = {
     "submodule_training": lambda: SubmoduleTraining(F_IN, HID, C),
     "layer_spec_loop": lambda: LayerSpecLoop(F_IN, HID, C),
     "dgl_names": lambda: DGLNames(F_IN, HID, C),
+    "in_place": lambda: InPlace(F_IN, HID, C),
 }
 
 
@@ -355,7 +374,7 @@ DATA_REFUSED = {  # model -> what the data strategy's refusal must say
     "jk_lstm": r"lstm: takes its output rows from the vertices as a whole.*" + _NOT_EXACT,
 }
 TENSOR_MODELS = ["edge_weighted_gcn", "gatv2", "jk_cat", "jk_max", "mixhop", "teleport_appnp", "two_tower",
-                 "branch_dropout", "mode_dependent_rate", "layer_spec_loop", "dgl_names"]
+                 "branch_dropout", "mode_dependent_rate", "layer_spec_loop", "dgl_names", "in_place"]
 TENSOR_REFUSED = {
     "prenorm_batchnorm": DATA_REFUSED["prenorm_batchnorm"],
     "jk_lstm": DATA_REFUSED["jk_lstm"],
@@ -466,6 +485,19 @@ def test_inputs_are_named_g_and_x_whatever_the_model_calls_them(sbm: gc.Graph) -
 
     with pytest.raises(gc.TraceError, match=r"graph\.num_nodes"):
         gc.trace(ReadsTheGraph(), sbm)
+
+
+def test_in_place_ops_on_computed_values_become_out_of_place(sbm: gc.Graph) -> None:
+    """A stage's input is a leaf of autograd, which refuses in-place changes: every rank of a tensor,
+    mop, task or layer plan crashed on conv(x).relu_(); the traced graph has no in-place op left,
+    and each reader after a change reads the changed value."""
+    tp = gc.trace(make("in_place"), sbm)
+    calls = [n for n in tp.graph.nodes if n.op in ("call_method", "call_function", "call_module")]
+    assert not [n for n in calls if str(n.target).endswith("_") or n.kwargs.get("inplace")]
+    assert not [m for m in tp.modules() if getattr(m, "inplace", False)]
+    assert make("in_place").act.inplace  # (the model's own module is left as it is)
+    for strategy in ("task", "layer"):
+        check_plan(make("in_place"), sbm, 2, strategy=strategy, rtol=1e-9, atol=1e-11, timeout=60)
 
 
 def test_what_cannot_be_traced_names_the_line_and_the_fix(sbm: gc.Graph) -> None:

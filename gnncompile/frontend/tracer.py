@@ -297,7 +297,9 @@ def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
             hint = ""
         raise TraceError(f"cannot trace {type(model).__name__}: {msg}" + (f" at {where}" if where else "") + hint) from exc
     name = type(model).__name__
-    gm = torch.fx.GraphModule(tracer.root, _canonical_inputs(graph), name)
+    graph = _canonical_inputs(graph)
+    _out_of_place(graph, tracer.root)
+    gm = torch.fx.GraphModule(tracer.root, graph, name)
     return gm
 
 
@@ -324,6 +326,73 @@ def _canonical_inputs(graph: torch.fx.Graph) -> torch.fx.Graph:
             env[n] = out.node_copy(n, lambda a: env[a])
     out._codegen = graph._codegen
     return out
+
+
+#: ops whose result shares its input's storage (a view): an in-place change of either changes both
+_VIEW_METHODS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "__getitem__", "narrow", "select", "transpose", "t", "permute",
+    "squeeze", "unsqueeze", "expand", "expand_as", "flatten", "unflatten", "split", "chunk", "unbind", "diagonal",
+    "as_strided", "detach", "contiguous", "movedim", "swapaxes", "T", "mT", "real", "imag"})
+_VIEW_FUNCTIONS = frozenset({
+    operator.getitem, torch.reshape, torch.flatten, torch.transpose, torch.narrow, torch.select, torch.squeeze,
+    torch.unsqueeze, torch.split, torch.chunk, torch.unbind, torch.t, torch.permute, torch.movedim, torch.swapaxes,
+    torch.detach, torch.diagonal})
+#: Python's augmented assignments (in place for tensors) and their out-of-place operators
+_AUGMENTED = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+              operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv, operator.ipow: operator.pow}
+#: in-place tensor methods whose namesake without ``_`` is not their out-of-place form
+#: (``x.bernoulli_(p)`` draws with probability ``p``, ``x.bernoulli()`` with probabilities ``x``) or
+#: that are not computations (``x.requires_grad_()``)
+_NO_OUT_OF_PLACE = frozenset({"requires_grad_", "share_memory_", "retain_grad_", "bernoulli_", "resize_",
+                              "as_strided_", "set_"})
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    return (node.op == "call_method" and node.target in _VIEW_METHODS) or \
+        (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
+
+
+def _out_of_place(graph: torch.fx.Graph, root: torch.nn.Module) -> None:
+    """Rewrite in-place ops on computed values into their out-of-place forms (``h.relu_()`` ->
+    ``relu(h)``, ``h += r`` -> ``h + r``, ``F.relu(h, inplace=True)``), every later reader of the
+    changed value reading the new one: the function is the same, and a value no longer changes
+    after it is made, so a plan may cut the graph between the change and a reader (a stage's input
+    is a leaf of autograd, which refuses in-place changes). Changes through views, of views, of a
+    value a view was taken of, of the model's inputs, parameters and buffers stay as written."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    modules = dict(root.named_modules())
+    for n in list(graph.nodes):
+        target: Any = None
+        kwargs = dict(n.kwargs)
+        if n.op == "call_method" and isinstance(n.target, str) and n.target.endswith("_") \
+                and not n.target.startswith("_") and n.target not in _NO_OUT_OF_PLACE \
+                and hasattr(torch.Tensor, n.target[:-1]):
+            op, target = "call_method", n.target[:-1]
+        elif n.op == "call_function" and n.target in _AUGMENTED:
+            op, target = "call_function", _AUGMENTED[n.target]
+        elif n.op == "call_function" and getattr(n.target, "__name__", "").endswith("_") \
+                and getattr(n.target, "__module__", None) in ("torch", "torch._C._VariableFunctions") \
+                and callable(getattr(torch, n.target.__name__[:-1], None)):
+            op, target = "call_function", getattr(torch, n.target.__name__[:-1])
+        elif n.op == "call_function" and kwargs.get("inplace") is True:
+            op, target = "call_function", n.target
+            kwargs["inplace"] = False
+        elif n.op == "call_module" and getattr(modules.get(n.target), "inplace", False) is True:
+            op = "call_module"
+        else:
+            continue
+        changed = n.args[0] if n.args else None
+        if not isinstance(changed, torch.fx.Node) or changed.op in ("placeholder", "get_attr") \
+                or _is_view(changed) or any(_is_view(u) for u in changed.users):
+            continue
+        if op == "call_module":  # the traced graph's modules are its own copies (_module_view)
+            modules[n.target].inplace = False
+        else:
+            n.target, n.kwargs = target, kwargs
+        for u in list(changed.users):
+            if u is not n and order[u] > order[n]:
+                u.replace_input_with(changed, n)
+    graph.lint()
 
 
 def _user_name(node: torch.fx.Node) -> str:
