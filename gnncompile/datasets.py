@@ -25,6 +25,7 @@ from __future__ import annotations
 import builtins
 import math
 import os
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from .errors import DatasetError, GraphError
+from .errors import ArgumentError, DatasetError, GraphError
 from .graph.core import Graph, GraphStats
 from .graph.io import from_npz, from_planetoid
 
@@ -172,10 +173,15 @@ def load(
 
     Raises
     ------
+    ArgumentError
+        When ``name_or_path`` is neither a string nor a path.
     DatasetError
         When the name is found nowhere; the message lists the available names and every directory
         searched.
     """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ArgumentError(f"name_or_path: expected a dataset name or a path, got {type(name_or_path).__name__} "
+                            f"{name_or_path!r}")
     text = os.fspath(name_or_path)
     path = Path(text)
     looks_like_path = isinstance(name_or_path, os.PathLike) or os.sep in text or text.endswith(".npz")
@@ -236,9 +242,9 @@ class DatasetInfo:
         )
 
 
-def _npy_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Shapes of the arrays in an npz archive, read from the .npy headers only."""
-    shapes: dict[str, tuple[int, ...]] = {}
+def _npy_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Shapes and dtypes of the arrays in an npz archive, read from the .npy headers only."""
+    headers: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
     with zipfile.ZipFile(path) as zf:
         for member in zf.namelist():
             if not member.endswith(".npy"):
@@ -246,52 +252,89 @@ def _npy_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             with zf.open(member) as f:
                 version = np.lib.format.read_magic(f)
                 if version == (1, 0):
-                    shape = np.lib.format.read_array_header_1_0(f)[0]
+                    shape, _, dtype = np.lib.format.read_array_header_1_0(f)
                 elif version == (2, 0):
-                    shape = np.lib.format.read_array_header_2_0(f)[0]
+                    shape, _, dtype = np.lib.format.read_array_header_2_0(f)
                 else:
                     continue
-            shapes[member[: -len(".npy")]] = tuple(int(s) for s in shape)
-    return shapes
+            headers[member[: -len(".npy")]] = (tuple(int(s) for s in shape), np.dtype(dtype))
+    return headers
+
+
+def _scalar(z: "np.lib.npyio.NpzFile", key: str, kinds: str) -> int:
+    """The one value of array ``key`` (numpy dtype kind in ``kinds``); else a DatasetError."""
+    arr = z[key]
+    if arr.size != 1 or arr.dtype.kind not in kinds:
+        raise DatasetError(f"{key}: expected one {'bool' if 'b' in kinds else 'int'}, got {arr.tolist()!r} "
+                           f"(dtype {arr.dtype})")
+    return int(arr.reshape(()))
 
 
 def _describe(name: str, path: Path) -> DatasetInfo:
+    """What :func:`list_datasets` reports about ``path``; a :class:`DatasetError` with the reason when
+    the file is not a graph :func:`load` can read (not an npz archive, no or a malformed
+    ``edge_index``, malformed scalars, corrupt members)."""
     try:
-        shapes = _npy_shapes(path)
-        with np.load(path, allow_pickle=False) as z:
-            files = set(z.files)
-            missing = files - set(shapes)
-            for key in missing:  # headers of unusual versions: read the array itself
-                shapes[key] = tuple(z[key].shape)
-            num_nodes = int(z["num_nodes"]) if "num_nodes" in files else -1
-            symmetric = bool(z["is_symmetric"]) if "is_symmetric" in files else None
-            if "x_shape" in files:
-                num_features = int(z["x_shape"][1])
-            else:
-                num_features = shapes["x"][1] if "x" in shapes and len(shapes["x"]) == 2 else 0
-            if "num_classes" in files:
-                num_classes = int(z["num_classes"])
-            elif "class_names" in files:
-                num_classes = int(shapes["class_names"][0])
-            elif "y" in files:
-                y = z["y"]
-                num_classes = int(y.max()) + 1 if y.size else 0
-            else:
-                num_classes = 0
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
-        raise DatasetError(f"{path}: cannot read dataset header: {exc}") from exc
-    edges = shapes.get("edge_index", (2, 0))
+        return _read_header(name, path)
+    except DatasetError as exc:
+        raise DatasetError(f"{path}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - an untrusted file fails in any reader (zip, zlib, npy headers)
+        kind = type(exc).__name__
+        if type(exc).__module__ != "builtins":
+            kind = f"{type(exc).__module__}.{kind}"
+        raise DatasetError(f"{path}: cannot read dataset header: {kind}: {exc}") from exc
+
+
+def _read_header(name: str, path: Path) -> DatasetInfo:
+    headers = _npy_headers(path)
+    shapes = {k: shape for k, (shape, _) in headers.items()}
+    with np.load(path, allow_pickle=False) as z:
+        files = set(z.files)
+        for key in files - set(shapes):  # headers of unusual versions: read the array itself
+            arr = z[key]
+            headers[key] = (tuple(arr.shape), arr.dtype)
+            shapes[key] = tuple(arr.shape)
+        if "edge_index" not in files:
+            raise DatasetError(f"required array 'edge_index' is missing (arrays: {sorted(files)})")
+        edges, edge_dtype = headers["edge_index"]
+        if len(edges) != 2 or edges[0] != 2 or edge_dtype.kind not in "iu":
+            raise DatasetError(f"edge_index: expected an int array of shape [2, E], got dtype {edge_dtype} "
+                               f"shape {[*edges]}")
+        num_nodes = _scalar(z, "num_nodes", "iu") if "num_nodes" in files else -1
+        if "num_nodes" in files and num_nodes < 0:
+            raise DatasetError(f"num_nodes: must be >= 0, got {num_nodes}")
+        symmetric = bool(_scalar(z, "is_symmetric", "biu")) if "is_symmetric" in files else None
+        if "x_shape" in files:
+            x_shape = z["x_shape"]
+            if x_shape.shape != (2,) or x_shape.dtype.kind not in "iu":
+                raise DatasetError(f"x_shape: expected two ints, got {x_shape.tolist()!r}")
+            num_features = int(x_shape[1])
+        else:
+            num_features = shapes["x"][1] if "x" in shapes and len(shapes["x"]) == 2 else 0
+        if "num_classes" in files:
+            num_classes = _scalar(z, "num_classes", "iu")
+        elif "class_names" in files:
+            num_classes = int(shapes["class_names"][0]) if shapes["class_names"] else 0
+        elif "y" in files:
+            y = z["y"]
+            if y.dtype.kind not in "iu":
+                raise DatasetError(f"y: expected integer class ids, got dtype {y.dtype}")
+            num_classes = int(y.max()) + 1 if y.size else 0
+        else:
+            num_classes = 0
     if num_nodes < 0:
-        num_nodes = shapes["x"][0] if "x" in shapes else -1
+        num_nodes = shapes["x"][0] if "x" in shapes and shapes["x"] else -1
     return DatasetInfo(
-        name=name, path=path, num_nodes=num_nodes, num_edges=int(edges[1]) if len(edges) == 2 else 0,
-        symmetric=symmetric, num_features=int(num_features), num_classes=num_classes,
-        sparse_features="x_data" in files,
+        name=name, path=path, num_nodes=num_nodes, num_edges=int(edges[1]), symmetric=symmetric,
+        num_features=int(num_features), num_classes=num_classes, sparse_features="x_data" in files,
     )
 
 
 def locate(name_or_path: PathLike, *, root: Optional[PathLike] = None) -> Optional[Path]:
     """The file or folder :func:`load` would read for ``name_or_path``, or ``None`` if there is none."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ArgumentError(f"name_or_path: expected a dataset name or a path, got {type(name_or_path).__name__} "
+                            f"{name_or_path!r}")
     text = os.fspath(name_or_path)
     path = Path(text)
     if isinstance(name_or_path, os.PathLike) or os.sep in text or text.endswith(".npz"):
@@ -307,13 +350,27 @@ def list_datasets(root: Optional[PathLike] = None) -> builtins.list[DatasetInfo]
     """Describe every npz dataset in the search path (see :func:`search_paths`), sorted by name.
 
     A name found in several directories is reported once, from the first directory that has it
-    (the one :func:`load` would read). Only array headers, the scalars and ``y`` are read.
+    (the one :func:`load` would read). Only array headers, the scalars and ``y`` are read. A file
+    that is not a readable graph (not an npz archive, no ``edge_index``, a malformed scalar, a
+    corrupt member) and a directory that cannot be listed are left out with a ``UserWarning``
+    giving the path and the reason; listing never fails because of one bad entry.
     """
     chosen: dict[str, Path] = {}
     for directory in search_paths(root):
-        for name, path in _names_in(directory).items():
+        try:
+            names = _names_in(directory)
+        except OSError as exc:
+            warnings.warn(f"datasets: skipped directory {directory}: cannot list it: {exc}", UserWarning, stacklevel=2)
+            continue
+        for name, path in names.items():
             chosen.setdefault(name, path)
-    return [_describe(name, chosen[name]) for name in sorted(chosen)]
+    infos: builtins.list[DatasetInfo] = []
+    for name in sorted(chosen):
+        try:
+            infos.append(_describe(name, chosen[name]))
+        except DatasetError as exc:
+            warnings.warn(f"datasets: skipped {name!r}, not a readable graph: {exc}", UserWarning, stacklevel=2)
+    return infos
 
 
 # ---------------------------------------------------------------------------------------- synthetic
@@ -353,6 +410,18 @@ def _unique_pairs(
         # Two sorted runs: the stable sort (timsort for int64) merges them in linear time.
         seen = np.sort(np.concatenate([seen, uniq]), kind="stable")
     return keys[:m]
+
+
+def _drawn_enough(keys: np.ndarray, pairs: int, kind: str) -> np.ndarray:
+    """``keys`` when :func:`_unique_pairs` found all ``pairs`` requested; otherwise an
+    :class:`ArgumentError` (the sampler gives up only when the request is too close to the number
+    of pairs the model can produce; a shorter graph than asked would change every size downstream)."""
+    if keys.shape[0] < pairs:
+        raise ArgumentError(
+            f"avg_degree / num_edges: {kind!r} drew only {keys.shape[0]:,} distinct pairs of the {pairs:,} requested "
+            f"({2 * pairs:,} directed edges): the request is too close to the number of pairs this model can produce; "
+            f"ask for fewer edges")
+    return keys
 
 
 def _symmetric_csr(keys: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -479,6 +548,11 @@ def synthetic(
         For an unknown ``kind`` (the message lists the valid kinds).
     GraphError
         For invalid sizes or parameters, or parameters of another kind.
+    ArgumentError
+        For a negative ``seed``, an ``"sbm"`` with fewer vertices than classes, and a request for
+        more distinct pairs than the model can draw: ``"sbm"`` with ``homophily`` 1 (0) draws only
+        intra- (inter-) class pairs, and the samplers give up near the number of pairs a model can
+        produce. The result always has exactly the requested number of edges.
     """
     if kind not in SYNTHETIC_KINDS:
         raise DatasetError(f"synthetic: unknown kind {kind!r}; valid kinds: {', '.join(SYNTHETIC_KINDS)}")
@@ -488,6 +562,8 @@ def synthetic(
     _check(isinstance(num_nodes, (int, np.integer)) and num_nodes >= 1, f"num_nodes: must be an int >= 1, got {num_nodes!r}")
     _check(num_features >= 0, f"num_features: must be >= 0, got {num_features}")
     _check(num_classes >= 1, f"num_classes: must be >= 1, got {num_classes}")
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ArgumentError(f"seed: expected an int >= 0, got {seed!r}")
     _check(
         0 <= train_fraction and 0 <= val_fraction and train_fraction + val_fraction <= 1,
         f"train_fraction, val_fraction: need 0 <= train, 0 <= val, train + val <= 1; got {train_fraction}, {val_fraction}",
@@ -509,12 +585,22 @@ def synthetic(
 
     if kind == "sbm":
         c = int(num_classes)
-        y = rng.permutation(np.arange(n, dtype=np.int64) % c)
-        members = np.argsort(y, kind="stable")
-        sizes = np.bincount(y, minlength=c)
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        if n < c:
+            raise ArgumentError(f"num_nodes: the sbm needs at least one vertex per class (block), got num_nodes={n} "
+                                f"< num_classes={c}")
+        sizes = np.bincount(np.arange(n, dtype=np.int64) % c, minlength=c)
         if c == 1:
             h = 1.0
+        intra_pairs = int((sizes * (sizes - 1) // 2).sum())
+        drawable = {1.0: intra_pairs, 0.0: n * (n - 1) // 2 - intra_pairs}.get(h, n * (n - 1) // 2)
+        if pairs > drawable:
+            which = "intra-class" if h == 1.0 else "inter-class"
+            raise ArgumentError(f"avg_degree / num_edges: {2 * pairs:,} directed edges requested but homophily={h} "
+                                f"draws only {which} pairs, and {c} classes of {n} vertices hold {drawable:,} of "
+                                f"them ({2 * drawable:,} directed edges)")
+        y = rng.permutation(np.arange(n, dtype=np.int64) % c)
+        members = np.argsort(y, kind="stable")
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
 
         def draw(k: int) -> tuple[np.ndarray, np.ndarray]:
             u = rng.integers(0, n, k)
@@ -525,7 +611,7 @@ def synthetic(
             v = members[starts[target] + (rng.random(k) * sizes[target]).astype(np.int64)]
             return u, v
 
-        keys = _unique_pairs(draw, n, pairs)
+        keys = _drawn_enough(_unique_pairs(draw, n, pairs), pairs, kind)
         means = rng_feat.standard_normal((c, num_features), dtype=np.float32) / np.float32(math.sqrt(max(num_features, 1)))
         x = rng_feat.standard_normal((n, num_features), dtype=np.float32)
         x *= np.float32(noise)
@@ -549,7 +635,7 @@ def synthetic(
             def draw(k: int) -> tuple[np.ndarray, np.ndarray]:
                 return rng.integers(0, n, k), rng.integers(0, n, k)
 
-        keys = _unique_pairs(draw, n, pairs)
+        keys = _drawn_enough(_unique_pairs(draw, n, pairs), pairs, kind)
         if kind == "rmat":
             perm = rng.permutation(n).astype(np.int64)
             lo, hi = np.divmod(keys, n)

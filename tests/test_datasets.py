@@ -171,7 +171,8 @@ def test_planetoid_raw_equals_npz(name: str) -> None:
 def test_planetoid_pubmed_without_features() -> None:
     with pytest.raises(DatasetError, match="ind.pubmed.allx"):
         from_planetoid(SHARED / "pubmed" / "raw", "pubmed")
-    raw = from_planetoid(SHARED / "pubmed" / "raw", "pubmed", allow_missing_features=True)
+    with pytest.warns(UserWarning, match="ind.pubmed.allx is missing.*ind.pubmed.tx, which is present, is not read"):
+        raw = from_planetoid(SHARED / "pubmed" / "raw", "pubmed", allow_missing_features=True)
     assert raw.x is None
     assert_same_graph(raw, from_npz(SHARED / "pubmed" / "pubmed.npz"))
 
@@ -242,7 +243,9 @@ def test_npz_symmetrize_modes(tmp_path: Path) -> None:
     no_flag = write_npz(tmp_path / "n.npz", **tiny_arrays(is_symmetric=None))
     assert from_npz(no_flag).num_edges == 8  # flag absent: symmetry is computed
     lying = write_npz(tmp_path / "l.npz", **tiny_arrays(is_symmetric=np.bool_(True)))
-    assert from_npz(lying).num_edges == 4 and from_npz(lying, symmetrize=True).num_edges == 8
+    # a wrong flag is refused where it would be trusted (it used to keep the graph directed silently)
+    gerr("l.npz|is_symmetric|says True|column 0 (0 -> 1)|no reverse edge 1 -> 0", from_npz, lying)
+    assert from_npz(lying, symmetrize=False).num_edges == 4 and from_npz(lying, symmetrize=True).num_edges == 8
     assert default.name == "tiny" and default.y.tolist() == [0, 1, -1, 1]
     assert default.x.dtype == torch.float32 and default.num_classes == 2
 
@@ -596,3 +599,142 @@ def test_dataset_info_says_what_training_needs(tmp_path: Path) -> None:
 def test_pubmed_is_listed_as_not_trainable() -> None:
     info = next(i for i in gc.datasets.list() if i.name == "pubmed")
     assert not info.trainable and info.missing == ("features",)
+
+
+# ------------------------------------------------------------------------------------ input checks (hunt 4)
+def test_sbm_refuses_impossible_requests_instead_of_crashing_or_shrinking() -> None:
+    """Fewer vertices than classes raised a raw IndexError; a request the block model cannot draw
+    (singleton classes with homophily 1) silently returned far fewer edges (here none)."""
+    from gnncompile import ArgumentError
+
+    for kw in (dict(num_nodes=6), dict(num_nodes=5, num_classes=10)):
+        with pytest.raises(ArgumentError, match=r"num_nodes: the sbm needs at least one vertex per class.*num_classes"):
+            datasets.synthetic("sbm", avg_degree=1, **kw)
+    with pytest.raises(ArgumentError, match=r"400 directed edges requested but homophily=1.0 draws only intra-class "
+                                            r"pairs.*100 classes of 100 vertices hold 0"):
+        datasets.synthetic("sbm", num_nodes=100, num_classes=100, homophily=1.0, avg_degree=4)
+    with pytest.raises(ArgumentError, match="homophily=0.0 draws only inter-class pairs.*hold 4 of them"):
+        datasets.synthetic("sbm", num_nodes=4, num_classes=2, homophily=0.0, num_edges=10, num_features=1)
+    at_most = datasets.synthetic("sbm", num_nodes=4, num_classes=2, homophily=0.0, num_edges=8, num_features=1)
+    assert at_most.num_edges == 8 and bool((at_most.y[at_most.src] != at_most.y[at_most.dst]).all())
+    exact = datasets.synthetic("sbm", num_nodes=8, num_classes=8, num_edges=56, num_features=1)
+    assert exact.num_edges == 56  # every pair: singleton classes are fine when inter-class pairs are drawn
+
+
+def test_synthetic_reports_a_sampler_shortfall(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the rejection sampler gives up (near the number of pairs a model can produce), the
+    graph used to come back smaller than asked without a word."""
+    from gnncompile import ArgumentError
+
+    real = datasets._unique_pairs
+    monkeypatch.setattr(datasets, "_unique_pairs", lambda draw, n, m, max_rounds=64: real(draw, n, m)[: m - 3])
+    for kind in datasets.SYNTHETIC_KINDS:
+        with pytest.raises(ArgumentError, match=rf"'{kind}' drew only 97 distinct pairs of the 100 requested"):
+            datasets.synthetic(kind, num_nodes=100, num_edges=200, num_features=1)
+
+
+def test_seed_and_name_arguments_are_checked() -> None:
+    from gnncompile import ArgumentError
+
+    with pytest.raises(ArgumentError, match="seed: expected an int >= 0, got -1"):
+        datasets.synthetic("er", num_nodes=10, avg_degree=2, seed=-1)
+    with pytest.raises(ArgumentError, match="seed: expected an int >= 0, got 1.5"):
+        datasets.synthetic("er", num_nodes=10, avg_degree=2, seed=1.5)
+    with pytest.raises(ArgumentError, match="name_or_path: expected a dataset name or a path, got NoneType"):
+        datasets.load(None)
+    with pytest.raises(ArgumentError, match="name_or_path"):
+        datasets.locate(3)
+
+
+def _corrupt_member(path: Path, member: str) -> Path:
+    """``path`` (a compressed npz) with the first bytes of ``member``'s compressed data flipped."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo(member)
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = (int.from_bytes(data[info.header_offset + k : info.header_offset + k + 2], "little")
+                           for k in (26, 28))
+    start = info.header_offset + 30 + name_len + extra_len
+    data[start : start + 16] = bytes(b ^ 0xFF for b in data[start : start + 16])
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_listing_skips_unreadable_files_with_the_reason(tmp_path: Path) -> None:
+    """One unreadable or malformed npz on the search path made list_datasets (and ``gnncompile
+    datasets``) fail entirely; a file without edge_index was listed as trainable."""
+    (tmp_path / "broken.npz").write_bytes(b"hello\n")
+    write_npz(tmp_path / "bad_nn.npz", edge_index=np.array([[0], [1]]), num_nodes=np.array([2, 3]))
+    write_npz(tmp_path / "noei.npz", x=np.ones((3, 2), np.float32), y=np.array([0, 1, 0]))
+    write_npz(tmp_path / "badsym.npz", **tiny_arrays(is_symmetric=np.array([True, False])))
+    write_npz(tmp_path / "float_ei.npz", **tiny_arrays(edge_index=np.zeros((2, 3), np.float32)))
+    random_edges = np.random.default_rng(0).integers(0, 4, (2, 50_000))
+    _corrupt_member(write_npz(tmp_path / "corrupt.npz", **tiny_arrays(edge_index=random_edges)), "edge_index.npy")
+    good = write_npz(tmp_path / "good.npz", **tiny_arrays())
+    with pytest.warns(UserWarning) as caught:
+        infos = {i.name: i for i in datasets.list_datasets(root=tmp_path) if i.path.parent == tmp_path}
+    assert set(infos) == {"good"} and infos["good"].path == good and infos["good"].trainable
+    messages = "\n".join(str(w.message) for w in caught)
+    for name, reason in (("broken", "not a zip file"), ("bad_nn", "num_nodes: expected one int, got [2, 3]"),
+                         ("noei", "required array 'edge_index' is missing"),
+                         ("badsym", "is_symmetric: expected one bool"), ("float_ei", "edge_index: expected an int"),
+                         ("corrupt", "cannot read dataset header: zlib.error")):
+        assert f"skipped {name!r}, not a readable graph: {tmp_path / name}.npz" in messages, name
+        assert reason in messages, reason
+    with pytest.raises(DatasetError, match="broken.npz"):
+        datasets.load(tmp_path / "broken.npz")
+    with pytest.raises(DatasetError, match="corrupt.npz: array 'edge_index' is corrupt"):  # was a raw zlib.error
+        datasets.load(tmp_path / "corrupt.npz")
+    for name in ("bad_nn", "noei", "badsym", "float_ei"):
+        gerr(f"{name}.npz", datasets.load, tmp_path / f"{name}.npz")
+
+
+def test_npz_symmetry_flag_must_be_one_true_bool(tmp_path: Path) -> None:
+    """A non-scalar is_symmetric raised a raw ValueError; a wrong True was trusted (directed graph kept)."""
+    gerr("a.npz|is_symmetric|expected one bool|[True, False]", from_npz,
+         write_npz(tmp_path / "a.npz", **tiny_arrays(is_symmetric=np.array([True, False]))))
+    two = write_npz(tmp_path / "i.npz", **tiny_arrays(is_symmetric=np.int64(2)))
+    gerr("i.npz|is_symmetric|expected one bool|2", from_npz, two)
+    lie = write_npz(tmp_path / "lie.npz", edge_index=np.array([[0, 1, 2], [1, 2, 0]]), num_nodes=3, is_symmetric=True)
+    gerr("lie.npz|is_symmetric|says True|column 0 (0 -> 1)|no reverse edge 1 -> 0", from_npz, lie)
+    twice = write_npz(tmp_path / "twice.npz", edge_index=np.array([[0, 0, 1], [1, 1, 0]]), num_nodes=2,
+                      is_symmetric=True)
+    gerr("twice.npz|column 0 (0 -> 1)|as many times", from_npz, twice)  # multiplicities differ
+    sym = write_npz(tmp_path / "sym.npz", edge_index=np.array([[0, 1, 1, 2], [1, 0, 2, 1]]), num_nodes=3,
+                    is_symmetric=np.int64(1))
+    g = from_npz(sym)
+    assert g.num_edges == 4 and g.is_symmetric()
+
+
+def test_from_pyg_uses_only_floating_edge_attr_as_weights() -> None:
+    """Integer edge_attr (edge types, categories) became float edge weights: type 0 a zero weight."""
+    ei = torch.tensor([[0, 1, 2], [1, 2, 0]])
+    with pytest.warns(UserWarning, match=r"edge_attr holds torch.int64 values \(edge types.*edge_weight = "
+                                         r"data.edge_attr.float\(\)"):
+        g = from_pyg(SimpleNamespace(edge_index=ei, num_nodes=3, edge_attr=torch.tensor([0, 5, 3])))
+    assert g.edge_weight is None and g.num_edges == 3
+    with pytest.warns(UserWarning, match=r"edge_attr has shape \[3, 2\] \(edge features"):
+        assert from_pyg(SimpleNamespace(edge_index=ei, num_nodes=3, edge_attr=torch.ones(3, 2))).edge_weight is None
+    with pytest.warns(UserWarning, match="torch.bool"):
+        Graph.from_pyg(SimpleNamespace(edge_index=ei, num_nodes=3, edge_attr=torch.ones(3, 1, dtype=torch.bool)))
+    w = from_pyg(SimpleNamespace(edge_index=ei, num_nodes=3, edge_attr=torch.tensor([[0.5], [1.5], [2.5]])))
+    assert sorted(w.edge_weight.tolist()) == [0.5, 1.5, 2.5]
+
+
+def test_planetoid_refuses_fractional_ids_and_says_which_features_it_drops(tmp_path: Path) -> None:
+    """A neighbour id 1.5 was truncated to 1; with tx missing, allow_missing_features dropped allx too
+    without a word."""
+    for key, graph, where in (("n", {0: [1.5], 1: [0]}, "neighbour 0 of key 0 is 1.5"),
+                              ("k", {0: [1], 1.5: [0]}, "key 1 is 1.5"),
+                              ("f", {0: [1], 1: [2.0]}, "neighbour 0 of key 1 is 2.0")):
+        write_planetoid(tmp_path / key)
+        with open(tmp_path / key / "ind.toy.graph", "wb") as f:
+            pickle.dump(graph, f, protocol=2)
+        gerr(f"ind.toy.graph|{where}|integers", from_planetoid, tmp_path / key, "toy")
+    write_planetoid(tmp_path / "t", skip=("tx",))
+    with pytest.raises(DatasetError, match="ind.toy.tx"):
+        from_planetoid(tmp_path / "t", "toy")
+    with pytest.warns(UserWarning, match="ind.toy.tx is missing.*without x and ind.toy.allx, which is present"):
+        g = from_planetoid(tmp_path / "t", "toy", allow_missing_features=True)
+    assert g.x is None and g.num_nodes == 7

@@ -387,3 +387,156 @@ def test_to_undirected_of_a_compact_graph_past_int32_keys() -> None:
 def test_graph_stats_refuse_impossible_degrees(field: str, value: object) -> None:
     with pytest.raises(GraphError, match=rf"GraphStats\.{field}"):
         GraphStats(num_nodes=100, num_edges=500, num_features=8, num_classes=2, **{field: value})
+
+
+# ------------------------------------------------------------------------------------ input checks (hunt 4)
+def _csr(crow: list[int], col: list[int], shape: tuple[int, int]) -> torch.Tensor:
+    """A torch sparse CSR tensor built without torch's invariant checks (what a caller can hand in)."""
+    return torch.sparse_csr_tensor(torch.tensor(crow), torch.tensor(col), torch.ones(len(col)), size=shape,
+                                   check_invariants=False)
+
+
+def test_sparse_feature_structure_is_validated() -> None:
+    """A torch CSR ``x`` with a column outside the matrix or a broken ``crow_indices`` used to be
+    accepted (only its values were checked) and trained on, reading out of bounds."""
+    ei = [[0, 1, 2], [1, 2, 0]]
+    raises("x|entry 1 (row 1)|column 7|[0, 3)", Graph.from_edge_index, ei, x=_csr([0, 1, 2, 3], [0, 7, 1], (3, 3)))
+    raises("x|entry 2 (row 2)|column -1", Graph.from_edge_index, ei, x=_csr([0, 1, 2, 3], [0, 1, -1], (3, 3)))
+    raises("x|crow_indices decreasing at row 1|crow_indices[1]=2 > crow_indices[2]=1",
+           Graph.from_edge_index, ei, x=_csr([0, 2, 1, 3], [0, 1, 1], (3, 3)))
+    raises("x|crow_indices[0] must be 0|got 1", Graph.from_edge_index, ei, x=_csr([1, 1, 2, 3], [0, 1, 1], (3, 3)))
+    raises("x|crow_indices[-1]=2|len(col_indices)=3", Graph.from_edge_index, ei,
+           x=_csr([0, 1, 2, 2], [0, 1, 1], (3, 3)))
+    raises("x|crow_indices|[4] (rows + 1)|[3]", Graph.from_edge_index, ei, x=_csr([0, 1, 3], [0, 1, 1], (3, 3)))
+    coo = torch.sparse_coo_tensor(torch.tensor([[0, 1, 3], [0, 1, 1]]), torch.ones(3), size=(3, 2))
+    raises("x|COO entry 2|(3, 1)|[3, 2]", Graph.from_edge_index, ei, x=coo)
+    raises("x|sparse_csc|to_sparse_csr", Graph.from_edge_index, ei, x=torch.eye(3).to_sparse_csc())
+    ok = Graph.from_edge_index(ei, x=_csr([0, 1, 1, 3], [2, 0, 1], (3, 3)))  # a valid one still passes
+    assert ok.dense_features().tolist() == [[0, 0, 1], [0, 0, 0], [1, 1, 0]]
+
+
+def _sparse_case() -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    n = 40
+    ei = torch.randint(0, n, (2, 160), generator=gen)
+    y, tm = torch.arange(n) % 3, torch.rand(n, generator=gen) < 0.5
+    return ei, n, y, tm, (torch.rand(n, 8, generator=gen) < 0.3).double()
+
+
+def test_sparse_features_follow_the_dense_dtype_policy() -> None:
+    """Sparse integer features were refused ("expected a floating dtype") while dense ones became
+    float32; now every layout has one policy: integer and bool -> float32, floating kept."""
+    import gnncompile as gc
+
+    ei, n, y, tm, dense = _sparse_case()
+    for x in (dense.int(), dense.int().to_sparse_csr(), dense.int().to_sparse(), dense.bool().to_sparse_csr()):
+        g = Graph.from_edge_index(ei, n, x=x, y=y, train_mask=tm)
+        assert g.x.dtype == torch.float32 and torch.equal(g.dense_features(), dense.float()), (x.layout, x.dtype)
+    for x in (dense, dense.to_sparse_csr(), dense.to_sparse()):
+        g = Graph.from_edge_index(ei, n, x=x, y=y, train_mask=tm)
+        assert g.x.dtype == torch.float64 and torch.equal(g.dense_features(), dense), x.layout
+    g = Graph.from_edge_index(ei, n, x=dense.to_sparse_csr(), y=y, train_mask=tm)
+    h = gc.train(gc.nn.GCN(8, 8, 3), g, epochs=1, verbose=False, dtype=torch.float64)
+    assert math.isfinite(h.loss[0])
+    g32 = Graph.from_edge_index(ei, n, x=dense.float().to_sparse_csr(), y=y, train_mask=tm)
+    assert math.isfinite(gc.train(gc.nn.GCN(8, 8, 3), g32, epochs=1, verbose=False).loss[0])
+
+
+def test_train_casts_sparse_float64_features_to_a_float32_model() -> None:
+    import gnncompile as gc
+
+    ei, n, y, tm, dense = _sparse_case()
+    g = Graph.from_edge_index(ei, n, x=dense.to_sparse_csr(), y=y, train_mask=tm)
+    assert math.isfinite(gc.train(gc.nn.GCN(8, 8, 3), g, epochs=1, verbose=False).loss[0])
+    plan = gc.plan(gc.nn.GCN(8, 8, 3), g, gpus=2, strategy="data", partitioner="contiguous")
+    assert math.isfinite(plan.run(epochs=1, timeout=60).history.loss[0])  # the ranks cast it too
+
+
+def test_complex_features_and_weights_are_refused() -> None:
+    """Complex ``x`` was cast to float32 with the imaginary part dropped (a warning at most)."""
+    ei = [[0, 1], [1, 0]]
+    raises("x|complex64|imaginary", Graph.from_edge_index, ei, x=torch.ones(2, 2, dtype=torch.complex64))
+    raises("x|complex", Graph.from_edge_index, ei, x=torch.eye(2, dtype=torch.complex64).to_sparse_csr())
+    raises("x|real|complex", Graph.from_edge_index, ei, x=sp.csr_matrix(np.eye(2, dtype=np.complex64)))
+    raises("edge_weight|real|complex", Graph.from_edge_index, ei, edge_weight=torch.ones(2, dtype=torch.complex64))
+
+
+def test_bad_edge_weight_is_named_by_the_callers_index() -> None:
+    """The index used to be the position after the internal (dst, src) sort: edge 2 for the
+    caller's edge 1 below."""
+    ei = [[0, 1, 2, 3], [3, 2, 1, 0]]
+    raises("edge_weight|non-finite|nan|edge 1 (1 -> 2)", Graph.from_edge_index, ei,
+           edge_weight=[1.0, math.nan, 1.0, 1.0])
+    raises("edge_weight|inf|edge 3 (3 -> 0)", Graph.from_edge_index, ei, edge_weight=[1.0, 1.0, 1.0, math.inf])
+    a = sp.csr_matrix(np.array([[0, 1, 0], [np.nan, 0, 0], [0, np.inf, 0]]))  # CSC order would name [2, 1] first
+    raises("edge_weight|non-finite|nan|matrix[1, 0]|edge 1 -> 0", Graph.from_scipy, a)
+
+
+def test_to_scipy_and_from_scipy_are_transposes() -> None:
+    """``to_scipy`` is the propagation matrix ``A[dst, src]``, ``from_scipy`` reads the adjacency
+    ``matrix[u, v] = u -> v``: ``from_scipy(to_scipy())`` reversed every edge of a directed graph;
+    the round trip is ``from_scipy(to_scipy().T)``."""
+    g = mixed_graph(weighted=True).remove_self_loops()
+    back = Graph.from_scipy(g.to_scipy().T)
+    merged = Counter()
+    for s, d, w in zip(g.src.tolist(), g.dst.tolist(), g.edge_weight.tolist()):
+        merged[(s, d)] += w  # to_scipy sums parallel edges
+    assert sorted(zip(back.src.tolist(), back.dst.tolist(), back.edge_weight.tolist())) == sorted(
+        (s, d, w) for (s, d), w in merged.items())
+    plain = Graph.from_edge_index([[0, 1], [1, 2]])
+    assert edge_list(Graph.from_scipy(plain.to_scipy().T)) == edge_list(plain) == [(0, 1), (1, 2)]
+    assert edge_list(Graph.from_scipy(plain.to_scipy())) == [(1, 0), (2, 1)]  # the documented transpose
+    x = torch.eye(3)
+    np.testing.assert_allclose(plain.to_scipy() @ x.numpy(), [[0, 0, 0], [1, 0, 0], [0, 1, 0]])  # out[v] = sum x[u]
+
+
+def test_num_nodes_and_num_classes_must_be_ints() -> None:
+    ei = [[0, 1], [1, 0]]
+    raises("num_nodes|expected an int|float 2.5", Graph.from_edge_index, ei, num_nodes=2.5)
+    raises("num_nodes|expected an int|str '3'", Graph.from_edge_index, ei, num_nodes="3")
+    raises("num_nodes|float", Graph, [0, 1, 2], [1, 0], 2.0)  # the constructor used to truncate silently
+    raises("num_nodes|bool", Graph.from_edge_index, ei, num_nodes=True)
+    raises("num_classes|expected an int|2.5", Graph.from_edge_index, ei, num_classes=2.5)
+    for n in (3, np.int64(3), torch.tensor(3)):
+        assert Graph.from_edge_index(ei, num_nodes=n).num_nodes == 3
+
+
+def test_absurd_vertex_counts_are_refused_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vertex id of 2**40 made the constructor try to allocate terabytes (a raw RuntimeError)."""
+    from gnncompile.graph import core
+
+    raises("edge_index|vertex id 1,099,511,627,776|max id + 1|more than gnncompile can index|renumber",
+           Graph.from_edge_index, torch.tensor([[0, 2**40], [1, 0]]))
+    raises("num_nodes|1,099,511,627,776 vertices|at most 3,037,000,499", Graph.from_edge_index, [[0], [1]],
+           num_nodes=2**40)
+    monkeypatch.setattr(core, "_memory_bytes", lambda device: 2**20)  # a machine with 1 MiB
+    raises("edge_index|vertex id 100,000|need 1.5 MiB|16 bytes per vertex|cpu memory is 1.0 MiB",
+           Graph.from_edge_index, torch.tensor([[0, 100_000], [1, 0]]))
+    assert Graph.from_edge_index([[0, 9_999], [1, 0]]).num_nodes == 10_000  # 160 kB: fits
+
+
+def test_graph_to_cuda_without_a_gpu_is_a_gnncompile_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Graph.to("cuda")`` raised torch's AssertionError ("Torch not compiled with CUDA enabled")."""
+    from gnncompile import ArgumentError, RuntimeFailure
+
+    g = mixed_graph()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeFailure, match=r"Graph.to\('cuda'\): no CUDA GPU is visible"):
+        g.to("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeFailure, match=r"cuda:3.*no such GPU \(1 visible\)"):
+        g.to("cuda:3")
+    with pytest.raises(ArgumentError, match="'gpu' is not a device"):
+        g.to("gpu")
+    assert g.to("cpu") is g
+
+
+def test_float_masks_are_refused_for_their_dtype() -> None:
+    """A float 0./1. mask was refused with "non-0/1 values", which it does not have."""
+    ip, ix = [0, 1, 2, 2], [1, 0]
+    msg = raises("train_mask|bool|got dtype torch.float32|mask.bool()", Graph, ip, ix,
+                 train_mask=torch.tensor([0.0, 1.0, 1.0]))
+    assert "non-0/1" not in msg
+    raises("val_mask|non-0/1|2 at vertex 1", Graph, ip, ix, val_mask=[0, 2, 1])
+    assert Graph(ip, ix, test_mask=[0, 1, 1]).test_mask.tolist() == [False, True, True]

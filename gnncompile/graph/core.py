@@ -27,13 +27,15 @@ layout's size, which the cost models charge; :meth:`Graph.structure_bytes` measu
 from __future__ import annotations
 
 import math
+import operator
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
-from ..errors import GraphError
+from ..errors import ArgumentError, GraphError, RuntimeFailure
 
 __all__ = ["Graph", "GraphStats", "NormScales", "topology_bytes"]
 
@@ -67,6 +69,60 @@ def _check_index_dtype(t: torch.Tensor, field: str, keep_int32: bool = False) ->
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise GraphError(f"{field}: expected an integer dtype, got {t.dtype}")
     return t if keep_int32 and t.dtype == torch.int32 else t.to(torch.int64)
+
+
+def _as_count(value: Any, field: str) -> int:
+    """``value`` as a Python int: ints, numpy integers and one-element integer tensors; anything
+    else (floats, even integral ones, strings, bools) raises :class:`GraphError` naming ``field``."""
+    if isinstance(value, (bool, np.bool_)):
+        raise GraphError(f"{field}: expected an int, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise GraphError(f"{field}: expected an int, got {type(value).__name__} {value!r}") from None
+
+
+#: The most vertices :meth:`Graph.from_edge_index` and :meth:`Graph.to_undirected` index: they sort
+#: edges by the int64 key ``dst * num_nodes + src``, which must not overflow.
+MAX_NODES = math.isqrt(2**63 - 1)
+
+
+def _memory_bytes(device: torch.device) -> Optional[int]:
+    """Total memory of ``device`` (physical RAM for the CPU), or ``None`` when it cannot be read."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        if device.type == "cpu":
+            return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError, RuntimeError, AssertionError):
+        pass
+    return None
+
+
+def _check_node_count(n: int, device: torch.device, what: str) -> None:
+    """Refuse a vertex count the in-edge CSR cannot hold, before allocating anything for it.
+
+    Two limits, both independent of the number of edges: the sort key ``dst * n + src`` must fit in
+    int64 (:data:`MAX_NODES`), and the per-vertex arrays building the CSR takes (int64 offsets and
+    in-degree counts, 16 bytes per vertex) must fit in the device's total memory. ``what`` starts
+    the message (the field and where ``n`` came from, with its separator).
+    """
+    hint = "renumber the vertex ids to 0..N-1 (e.g. np.unique(edge_index, return_inverse=True))"
+    if n > MAX_NODES:
+        raise GraphError(f"{what}{n:,} vertices are more than gnncompile can index (at most {MAX_NODES:,}: "
+                         f"edges are sorted by the int64 key dst * num_nodes + src); {hint}")
+    need, have = 16 * (n + 1), _memory_bytes(device)
+    if have is not None and need > have:
+        raise GraphError(f"{what}{n:,} vertices need {_size(need)} for the CSR offsets alone (16 bytes per "
+                         f"vertex) but the {device.type} memory is {_size(have)}; {hint}")
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit that keeps it >= 1 (``"1.5 MiB"``)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes} B"
 
 
 def _compact_index(t: torch.Tensor, bound: int) -> torch.Tensor:
@@ -162,6 +218,37 @@ def _first_true(mask: torch.Tensor) -> int:
     return int(torch.nonzero(mask.reshape(-1), as_tuple=False)[0, 0])
 
 
+def _check_sparse_csr(x: torch.Tensor, field: str) -> None:
+    """Check a torch sparse CSR tensor's structure (what ``check_invariants=False`` lets through):
+    ``crow_indices`` of length rows + 1, starting at 0, non-decreasing, ending at the number of
+    stored entries; 1-d ``col_indices`` and ``values`` of that length; columns in ``[0, cols)``.
+    Raises :class:`GraphError` naming ``field`` and the first bad row or entry. Columns need not be
+    sorted within a row, and repeated ones are summed by the products."""
+    rows, cols = int(x.shape[0]), int(x.shape[1])
+    crow, col, vals = x.crow_indices(), x.col_indices(), x.values()
+    if crow.dim() != 1 or crow.numel() != rows + 1:
+        raise GraphError(f"{field}: sparse CSR crow_indices: expected shape [{rows + 1}] (rows + 1), "
+                         f"got {list(crow.shape)}")
+    if col.dim() != 1 or vals.dim() != 1 or col.numel() != vals.numel():
+        raise GraphError(f"{field}: sparse CSR col_indices and values: expected two 1-d tensors of one length, got "
+                         f"shapes {list(col.shape)} and {list(vals.shape)}")
+    if int(crow[0]) != 0:
+        raise GraphError(f"{field}: sparse CSR crow_indices[0] must be 0, got {int(crow[0])}")
+    dec = crow[1:] < crow[:-1]
+    if bool(dec.any()):
+        i = _first_true(dec)
+        raise GraphError(f"{field}: sparse CSR crow_indices decreasing at row {i} (crow_indices[{i}]={int(crow[i])} > "
+                         f"crow_indices[{i + 1}]={int(crow[i + 1])})")
+    if int(crow[-1]) != col.numel():
+        raise GraphError(f"{field}: sparse CSR crow_indices[-1]={int(crow[-1])} must equal the number of stored "
+                         f"entries len(col_indices)={col.numel()}")
+    bad = (col < 0) | (col >= cols)
+    if bool(bad.any()):
+        k = _first_true(bad)
+        row = int(torch.searchsorted(crow, torch.tensor(k, dtype=crow.dtype, device=crow.device), right=True)) - 1
+        raise GraphError(f"{field}: sparse CSR entry {k} (row {row}) has column {int(col[k])} outside [0, {cols})")
+
+
 class Graph:
     """A graph for full-graph GNN training: in-edge CSR structure plus node data.
 
@@ -172,16 +259,18 @@ class Graph:
     indices:
         int64 ``[num_edges]``: the source vertex of each in-edge, grouped by destination.
     num_nodes:
-        Defaults to ``len(indptr) - 1``.
+        An int (a float or a string is refused); defaults to ``len(indptr) - 1``.
     edge_weight:
         Optional float ``[num_edges]`` aligned with ``indices``.
     x:
         Optional node features, float ``[num_nodes, num_features]``; dense, or a torch sparse CSR
         tensor for bag-of-words style features (the first layer then multiplies sparse by dense).
+        Integer features become float32 in every layout, floating ones keep their dtype (scipy
+        matrices are stored float32); complex ones are refused (see :meth:`_convert_features`).
     y:
         Optional int64 labels ``[num_nodes]``; ``-1`` marks an unlabeled vertex.
     train_mask, val_mask, test_mask:
-        Optional bool ``[num_nodes]``.
+        Optional bool ``[num_nodes]`` (0/1 integers are converted; a floating mask is refused).
     num_classes:
         Defaults to ``y.max() + 1`` when ``y`` is given.
     name:
@@ -214,8 +303,12 @@ class Graph:
         self.indices = _check_index_dtype(_as_tensor(indices, "indices"), "indices", keep_int32=compact_indices)
         if num_nodes is None:
             num_nodes = self.indptr.numel() - 1
-        self.num_nodes = int(num_nodes)
+        self.num_nodes = _as_count(num_nodes, "num_nodes")
+        if num_classes is not None:
+            num_classes = _as_count(num_classes, "num_classes")
         self.edge_weight = None if edge_weight is None else _as_tensor(edge_weight, "edge_weight")
+        if self.edge_weight is not None and self.edge_weight.is_complex():
+            raise GraphError(f"edge_weight: expected real values, got {self.edge_weight.dtype}")
         if self.edge_weight is not None and not self.edge_weight.is_floating_point():
             self.edge_weight = self.edge_weight.to(torch.float32)
         self.x = None if x is None else self._convert_features(x)
@@ -232,11 +325,22 @@ class Graph:
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
     def _convert_features(x: ArrayLike) -> torch.Tensor:
+        """``x`` as a dense tensor or a torch sparse CSR tensor, with one dtype policy for every layout.
+
+        Integer and bool features become float32 (dense, torch CSR or COO alike); floating
+        features keep their dtype (``gc.train`` casts dense ones to the model's). scipy matrices
+        are stored with float32 values, as before. Complex features are refused (the imaginary
+        part would be lost). Torch COO features are checked for out-of-range indices, then
+        coalesced into CSR; other sparse layouts are refused.
+        """
         try:
             import scipy.sparse as sp
         except ImportError:  # pragma: no cover - scipy is a hard dependency
             sp = None
         if sp is not None and sp.issparse(x):
+            kind = np.dtype(x.dtype).kind
+            if kind not in "biuf":
+                raise GraphError(f"x: expected real features, got dtype {x.dtype}")
             csr = sp.csr_matrix(x, copy=True)
             csr.sort_indices()
             return torch.sparse_csr_tensor(
@@ -248,9 +352,26 @@ class Graph:
                 check_invariants=False,  # scipy built it; sorted above
             )
         t = _as_tensor(x, "x")
+        if t.is_complex():
+            raise GraphError(f"x: expected real features, got dtype {t.dtype} (the imaginary part would be lost)")
         if t.layout == torch.sparse_coo:
+            idx = t._indices()
+            if t.dim() == 2 and idx.numel():
+                bound = torch.tensor(t.shape[:2], device=idx.device).unsqueeze(1)
+                bad = ((idx < 0) | (idx >= bound)).any(dim=0)
+                if bool(bad.any()):
+                    k = _first_true(bad)
+                    raise GraphError(f"x: sparse COO entry {k} at ({int(idx[0, k])}, {int(idx[1, k])}) is outside "
+                                     f"the shape {list(t.shape)}")
             t = t.coalesce().to_sparse_csr()
-        if t.layout == torch.strided and not t.is_floating_point():
+        if t.layout == torch.sparse_csr:
+            if not t.values().is_floating_point():
+                t = torch.sparse_csr_tensor(t.crow_indices(), t.col_indices(), t.values().to(torch.float32),
+                                            size=t.shape, device=t.device, check_invariants=False)
+        elif t.layout != torch.strided:
+            raise GraphError(f"x: sparse layout {t.layout} is not supported; pass a CSR (x.to_sparse_csr()) or COO "
+                             f"tensor, a scipy sparse matrix or a dense tensor")
+        elif not t.is_floating_point():
             t = t.to(torch.float32)
         return t
 
@@ -278,8 +399,13 @@ class Graph:
                 num_nodes = int(x.shape[0]) if hasattr(x, "shape") else len(x)
             else:
                 num_nodes = int(ei.max()) + 1 if ei.numel() else 0
+                if num_nodes > 0:
+                    _check_node_count(num_nodes, ei.device, f"edge_index: vertex id {num_nodes - 1:,} implies "
+                                                            f"num_nodes = max id + 1, and ")
+        num_nodes = _as_count(num_nodes, "num_nodes")
         if num_nodes < 0:
             raise GraphError(f"num_nodes: must be >= 0, got {num_nodes}")
+        _check_node_count(num_nodes, ei.device, "num_nodes: ")
         if ei.numel():
             bad = (ei < 0) | (ei >= num_nodes)
             if bool(bad.any()):
@@ -296,6 +422,12 @@ class Graph:
                 raise GraphError(
                     f"edge_weight: expected shape [{src.shape[0]}] (one per edge), got {list(ew.shape)}"
                 )
+            if ew.is_floating_point():  # checked here, where the index is the caller's (not the sorted one)
+                nf = ~torch.isfinite(ew)
+                if bool(nf.any()):
+                    e = _first_true(nf)
+                    raise GraphError(f"edge_weight: non-finite value {float(ew[e])} at edge {e} "
+                                     f"({int(src[e])} -> {int(dst[e])})")
         # Sort by (dst, src); the stable sort keeps parallel edges in input order.
         key = dst * max(num_nodes, 1) + src
         order = torch.argsort(key, stable=True)
@@ -313,6 +445,8 @@ class Graph:
         """Build from a scipy sparse adjacency where ``matrix[u, v] != 0`` is an edge ``u -> v``.
 
         Stored values become edge weights unless all are 1. See :func:`gnncompile.graph.io.from_scipy`.
+        This is the transpose of :meth:`to_scipy`'s propagation matrix ``A[dst, src]``: the round
+        trip is ``Graph.from_scipy(g.to_scipy().T)`` (parallel edges come back merged, weights summed).
         """
         from .io import from_scipy
 
@@ -416,6 +550,12 @@ class Graph:
                 raise GraphError(f"x: expected shape [num_nodes, num_features], got {list(x.shape)}")
             if x.shape[0] != n:
                 raise GraphError(f"x: has {x.shape[0]} rows but the graph has num_nodes={n}")
+            if x.layout == torch.sparse_csr:
+                _check_sparse_csr(x, "x")
+            elif x.layout != torch.strided:
+                raise GraphError(f"x: expected a dense or sparse CSR tensor, got layout {x.layout}")
+            if x.is_complex():
+                raise GraphError(f"x: expected real features, got dtype {x.dtype}")
             vals = x.values() if x.layout == torch.sparse_csr else x
             if not vals.is_floating_point():
                 raise GraphError(f"x: expected a floating dtype, got {vals.dtype}")
@@ -449,8 +589,14 @@ class Graph:
             if m.dim() != 1 or m.numel() != n:
                 raise GraphError(f"{field}: expected shape [{n}] (one entry per vertex), got {list(m.shape)}")
             if m.dtype != torch.bool:
-                if m.is_floating_point() or bool(((m != 0) & (m != 1)).any()):
-                    raise GraphError(f"{field}: expected a bool mask, got dtype {m.dtype} with non-0/1 values")
+                if m.is_floating_point() or m.is_complex():
+                    raise GraphError(f"{field}: expected a bool mask (or 0/1 integers), got dtype {m.dtype}: a "
+                                     f"floating mask is refused whatever its values; pass mask.bool() or mask != 0")
+                bad = (m != 0) & (m != 1)
+                if bool(bad.any()):
+                    i = _first_true(bad)
+                    raise GraphError(f"{field}: expected a bool mask, got dtype {m.dtype} with non-0/1 values "
+                                     f"({int(m[i])} at vertex {i})")
                 setattr(self, field, m.to(torch.bool))
             if self.y is not None:
                 unl = getattr(self, field) & (self.y < 0)
@@ -763,7 +909,12 @@ class Graph:
         return torch.stack([self.indices, self.dst])
 
     def to_scipy(self, weighted: bool = True):
-        """scipy CSR matrix ``A`` with ``A[dst, src] = w`` (the in-edge CSR itself; duplicates summed)."""
+        """scipy CSR matrix ``A`` with ``A[dst, src] = w`` (the in-edge CSR itself; duplicates summed).
+
+        ``A`` is the propagation matrix (``A @ x`` sums every vertex's in-neighbours), the transpose
+        of the adjacency :meth:`from_scipy` reads (``matrix[u, v]`` is the edge ``u -> v``): the
+        round trip is ``Graph.from_scipy(g.to_scipy().T)``. ``weighted=False`` gives 1 per edge.
+        """
         import scipy.sparse as sp
 
         data = (
@@ -832,11 +983,22 @@ class Graph:
         Every cached tensor moves with it (degrees, destinations, the transposed CSR and its edge
         permutation, normalization coefficients, the self-loop-augmented graph; see
         :func:`_move_cached`), each once, so no later step reads a structure left on the old
-        device. A graph already on ``device`` is returned as is.
+        device. A graph already on ``device`` is returned as is. A CUDA device without a visible GPU
+        (or a GPU index that does not exist) raises :class:`~gnncompile.errors.RuntimeFailure`.
         """
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ArgumentError(f"Graph.to: {device!r} is not a device ('cpu', 'cuda', 'cuda:N'): {exc}") from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeFailure(f"Graph.to({str(device)!r}): no CUDA GPU is visible (torch.cuda.is_available() "
+                                     "is False); keep the graph on the CPU")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            elif not 0 <= device.index < torch.cuda.device_count():
+                raise RuntimeFailure(f"Graph.to({str(device)!r}): there is no such GPU ({torch.cuda.device_count()} "
+                                     "visible)")
         if device == self.device:
             return self
 

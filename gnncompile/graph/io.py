@@ -17,10 +17,13 @@ Conventions
 
 from __future__ import annotations
 
+import operator
 import os
 import pickle
+import sys
 import warnings
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -90,6 +93,17 @@ def _csr_from_parts(
     return sp.csr_matrix((data, indices, indptr), shape=(rows, cols))
 
 
+def _warn(message: str) -> None:
+    """``warnings.warn(message)`` (a ``UserWarning``) attributed to the first caller outside this
+    package's graph modules (``Graph.from_pyg`` calls :func:`from_pyg`, ``datasets.load`` calls
+    :func:`from_planetoid`)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 2
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)
+
+
 def _prefix_errors(prefix: str, exc: GraphError) -> GraphError:
     return GraphError(f"{prefix}: {exc}")
 
@@ -97,6 +111,9 @@ def _prefix_errors(prefix: str, exc: GraphError) -> GraphError:
 # ---------------------------------------------------------------------------------------- scipy
 def from_scipy(matrix: Any, **node_data: Any) -> Graph:
     """Build a graph from a square adjacency matrix where ``matrix[u, v] != 0`` is an edge ``u -> v``.
+
+    This is the transpose of :meth:`Graph.to_scipy`, which returns the propagation matrix
+    ``A[dst, src]``: the round trip is ``from_scipy(g.to_scipy().T)``.
 
     Parameters
     ----------
@@ -117,7 +134,8 @@ def from_scipy(matrix: Any, **node_data: Any) -> Graph:
     Raises
     ------
     GraphError
-        For a non-square or non-2-d matrix, a complex dtype, or any invalid ``node_data``.
+        For a non-square or non-2-d matrix, a complex dtype, a non-finite value (named by its
+        position ``matrix[u, v]``) or any invalid ``node_data``.
     """
     if sp.issparse(matrix):
         mat = matrix
@@ -138,6 +156,14 @@ def from_scipy(matrix: Any, **node_data: Any) -> Graph:
     csc.eliminate_zeros()
     csc.sort_indices()
     values = csc.data
+    if np.issubdtype(values.dtype, np.floating):
+        bad = ~np.isfinite(values)
+        if bad.any():  # the first in the caller's row-major order, named by its matrix position
+            cols = np.repeat(np.arange(n, dtype=np.int64), np.diff(csc.indptr))
+            k = np.flatnonzero(bad)
+            k = k[np.lexsort((cols[k], csc.indices[k]))[0]]
+            u, v = int(csc.indices[k]), int(cols[k])
+            raise GraphError(f"edge_weight: non-finite value {values[k]} at matrix[{u}, {v}] (edge {u} -> {v})")
     weight: Optional[np.ndarray] = None
     if values.size and not np.all(values == 1):
         weight = values.astype(np.float64 if values.dtype == np.float64 else np.float32, copy=False)
@@ -264,7 +290,8 @@ def from_pyg(data: Any, split: int = 0) -> Graph:
     """Build a graph from a PyTorch Geometric ``Data`` object (``torch_geometric`` is not imported).
 
     Reads ``edge_index`` (required), ``num_nodes``, ``x``, ``y`` (``[N]`` or ``[N, 1]``),
-    ``edge_weight`` or else a 1-d (or ``[E, 1]``) ``edge_attr`` as weights, and
+    ``edge_weight`` or else a floating 1-d (or ``[E, 1]``) ``edge_attr`` as weights (any other
+    ``edge_attr``, integer edge types or ``[E, F]`` features, is not used, with a warning), and
     ``train_mask``/``val_mask``/``test_mask``. Masks of shape ``[N, K]`` (PyG's way of storing
     several splits, e.g. ``WikipediaNetwork``) are reduced to column ``split``.
 
@@ -299,8 +326,14 @@ def from_pyg(data: Any, split: int = 0) -> Graph:
         attr = _pyg_get(data, "edge_attr")
         if attr is not None:
             attr = torch.as_tensor(attr)
-            if attr.dim() == 1 or (attr.dim() == 2 and attr.shape[1] == 1):
+            scalar = attr.dim() == 1 or (attr.dim() == 2 and attr.shape[1] == 1)
+            if scalar and attr.is_floating_point():
                 weight = attr.reshape(-1)
+            else:
+                what = (f"holds {attr.dtype} values (edge types or categories, not weights)" if scalar
+                        else f"has shape {list(attr.shape)} (edge features, not one weight per edge)")
+                _warn(f"from_pyg: data.edge_attr {what}; the graph is built unweighted and edge_attr is not used. "
+                      f"To use it as weights, set data.edge_weight = data.edge_attr.float()")
     masks: dict[str, Any] = {}
     num_splits = 1
     for field in ("train_mask", "val_mask", "test_mask"):
@@ -375,7 +408,9 @@ def from_npz(path: PathLike, split: int = 0, symmetrize: Optional[bool] = None) 
     symmetrize:
         ``None`` (default): use the file's ``is_symmetric`` flag and symmetrize one-directional
         graphs (what node classification expects; the edge counts then equal the README's
-        "symmetrized" column). ``False``: keep the edges in the stored direction. ``True``: always
+        "symmetrized" column). A ``True`` flag is checked against the edges (one transpose, which
+        training would build anyway); a wrong one is a :class:`GraphError` naming an edge without
+        its reverse. ``False``: keep the edges in the stored direction. ``True``: always
         symmetrize with :meth:`Graph.to_undirected`.
 
     Returns
@@ -417,7 +452,7 @@ def from_npz(path: PathLike, split: int = 0, symmetrize: Optional[bool] = None) 
                 raise GraphError(f"{where}: array {key!r} holds Python objects (pickled data), which gnncompile never "
                                  f"loads: this file is not a graph in the npz format (plain arrays: {_NPZ_ARRAYS})"
                                  ) from exc
-            except (OSError, zipfile.BadZipFile, EOFError) as exc:
+            except (OSError, zipfile.BadZipFile, EOFError, zlib.error) as exc:
                 raise DatasetError(f"{where}: array {key!r} is corrupt: {exc}") from exc
 
         if "edge_index" not in files:
@@ -493,22 +528,44 @@ def from_npz(path: PathLike, split: int = 0, symmetrize: Optional[bool] = None) 
 
         flag: Optional[bool] = None
         if "is_symmetric" in files:
-            flag = bool(get("is_symmetric").reshape(()))
+            sym = get("is_symmetric")
+            if sym.size != 1 or not (sym.dtype == np.bool_ or np.issubdtype(sym.dtype, np.integer)
+                                     and int(sym.reshape(())) in (0, 1)):
+                raise GraphError(f"{where}: is_symmetric: expected one bool, got {sym.tolist()!r} (dtype {sym.dtype})")
+            flag = bool(sym.reshape(()))
         name = p.stem
         if "name" in files:
             arr = get("name")
             if arr.size == 1:
                 name = str(arr.reshape(()))
-    if symmetrize is None and flag is not None:
-        symmetrize = not flag
     try:
         # Structure first (symmetrizing rebuilds it), then the node data, validated once.
         g = Graph.from_edge_index(edge_index, num_nodes, name=name)
+        if symmetrize is None and flag is True and not g.is_symmetric():
+            raise GraphError(f"is_symmetric: the file says True but {_edge_without_reverse(edge_index, g.num_nodes)}; "
+                             f"fix the flag, or pass symmetrize=True (store both directions) or False (keep the "
+                             f"stored direction)")
         if symmetrize or (symmetrize is None and not g.is_symmetric()):
             g = g.to_undirected()
         return g.replace(**node_data)
     except GraphError as exc:
         raise _prefix_errors(where, exc) from exc
+
+
+def _edge_without_reverse(edge_index: np.ndarray, n: int) -> str:
+    """Names the first column ``u -> v`` of ``edge_index`` whose reverse ``v -> u`` is missing or
+    stored a different number of times: what makes the graph not symmetric."""
+    src, dst = edge_index[0].astype(np.int64), edge_index[1].astype(np.int64)
+    n = max(n, 1)
+    key, rev = src * n + dst, dst * n + src
+    uniq, counts = np.unique(key, return_counts=True)
+    pos = np.minimum(np.searchsorted(uniq, rev), uniq.shape[0] - 1)
+    bad = (uniq[pos] != rev) | (counts[pos] != counts[np.searchsorted(uniq, key)])
+    if not bad.any():  # pragma: no cover - only called on asymmetric graphs
+        return "the edges are not symmetric"
+    e = _first(bad)
+    u, v = int(src[e]), int(dst[e])
+    return f"edge_index column {e} ({u} -> {v}) has no reverse edge {v} -> {u} (as many times)"
 
 
 # ---------------------------------------------------------------------------------------- Planetoid
@@ -628,6 +685,25 @@ def _one_hot_labels(obj: Any, where: str) -> tuple[np.ndarray, int]:
     return labels, int(arr.shape[1])
 
 
+def _first_non_integer(graph: dict) -> str:
+    """Names the first key or neighbour of a Planetoid adjacency dict that is not an integer."""
+    for k, (key, nbrs) in enumerate(graph.items()):
+        try:
+            operator.index(key)
+        except TypeError:
+            return f"key {k} is {key!r}"
+        try:
+            items = list(nbrs)
+        except TypeError:
+            return f"key {key!r} has a neighbour list of type {type(nbrs).__name__}"
+        for i, u in enumerate(items):
+            try:
+                operator.index(u)
+            except TypeError:
+                return f"neighbour {i} of key {key!r} is {u!r}"
+    return "an id is out of the int64 range"
+
+
 def from_planetoid(
     folder: PathLike,
     name: str,
@@ -656,8 +732,10 @@ def from_planetoid(
         Dataset prefix (``"cora"``, ``"citeseer"``, ``"pubmed"``); matched exactly first, then
         lower-cased.
     allow_missing_features:
-        Build a graph without ``x`` when ``allx``/``tx`` are absent (the PubMed copy in
-        ``shared/datasets`` lacks ``ind.pubmed.allx``) instead of raising.
+        Build a graph without ``x`` when ``allx`` or ``tx`` is absent (the PubMed copy in
+        ``shared/datasets`` lacks ``ind.pubmed.allx``) instead of raising. When only one of them
+        is absent, the other is not read and a warning says so (features of some vertices would be
+        unknown).
     sparse_features:
         ``True``: ``x`` is a sparse CSR tensor; ``False``: dense; ``None`` (default): dense unless
         the dense float32 matrix would exceed 200 MiB (the npz files' rule).
@@ -686,6 +764,10 @@ def from_planetoid(
             + (" (pass allow_missing_features=True to load without features)" if set(missing) <= feature_parts else "")
         )
     has_features = not (set(missing) & {"tx", "allx"})
+    if not has_features and len(set(missing) & {"tx", "allx"}) == 1:
+        absent, present = ("tx", "allx") if "tx" in missing else ("allx", "tx")
+        _warn(f"{root}: {paths[absent].name} is missing, so some vertices have no features: the graph is built "
+              f"without x and {paths[present].name}, which is present, is not read")
 
     def fname(key: str) -> str:
         return paths[key].name
@@ -756,11 +838,13 @@ def from_planetoid(
     if not isinstance(graph, dict):
         raise GraphError(f"{fname('graph')}: expected an adjacency dict, got {type(graph).__name__}")
     try:
-        keys = np.fromiter(graph.keys(), dtype=np.int64, count=len(graph))
+        keys = np.fromiter(map(operator.index, graph.keys()), dtype=np.int64, count=len(graph))
         lengths = np.fromiter((len(v) for v in graph.values()), dtype=np.int64, count=len(graph))
-        nbrs = np.fromiter((int(u) for v in graph.values() for u in v), dtype=np.int64, count=int(lengths.sum()))
-    except (TypeError, ValueError) as exc:
-        raise GraphError(f"{fname('graph')}: keys and neighbour lists must be integers: {exc}") from exc
+        nbrs = np.fromiter((operator.index(u) for v in graph.values() for u in v), dtype=np.int64,
+                           count=int(lengths.sum()))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise GraphError(f"{fname('graph')}: {_first_non_integer(graph)}: keys and neighbour lists must be "
+                         f"integers (ids are never rounded)") from exc
     src = np.repeat(keys, lengths)
     for field, ids in (("key", keys), ("neighbour", nbrs)):
         bad = (ids < 0) | (ids >= n)

@@ -55,12 +55,11 @@ class StepInputProvider:
         self._cast([self.step.inputs, *self.step.chunk_inputs.values()])
 
     def _cast(self, stores: Any) -> None:
-        """Dense features and the graphs' normalization scales in the parameters' dtype (the model
-        computes in it)."""
+        """Features (dense or sparse CSR) and the graphs' normalization scales in the parameters'
+        dtype (the model computes in it)."""
         for store in stores:
             x = store.get("x")
-            if isinstance(x, torch.Tensor) and x.layout == torch.strided and self.dtype is not None \
-                    and x.dtype != self.dtype:
+            if isinstance(x, torch.Tensor) and self.dtype is not None and x.dtype != self.dtype:
                 store["x"] = x.to(self.dtype)
             for k, v in list(store.items()):
                 if isinstance(v, Graph):
@@ -101,7 +100,7 @@ class StepInputProvider:
         if self.device.type != "cpu":
             st = st.to(self.device)
         x = st.x
-        if x.layout == torch.strided and self.dtype is not None and x.dtype != self.dtype:
+        if self.dtype is not None and x.dtype != self.dtype:
             x = x.to(self.dtype)
         inputs = {f"g_{k}": b for k, b in enumerate(st.blocks)}
         inputs["x"] = x

@@ -398,7 +398,7 @@ def train(
     if dtype is not None:
         model = model.to(dtype)
         x = x.to(dtype)
-    elif x.layout == torch.strided and x.dtype != next(iter(model.parameters()), x).dtype:
+    elif x.dtype != next(iter(model.parameters()), x).dtype:  # dense or sparse CSR features alike
         x = x.to(next(iter(model.parameters())).dtype)
     param = next(iter(model.parameters()), None)
     if graph is not given and param is not None and param.dtype.is_floating_point:
