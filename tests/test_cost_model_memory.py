@@ -175,7 +175,8 @@ def test_a_concatenation_no_op_saves_is_dropped_after_its_last_forward(sbm: gc.G
     plan = gc.plan(model("GCN", sbm, dropout=0.0), sbm, 4, strategy="layer", chunks=4)
     for dp in plan.ranks:
         w = _RankWalk(PlanCost(plan, GPU), dp)
-        for (v, read), (first, last) in w.concat_span.items():
+        for (v, read, stale), (first, last) in w.concat_span.items():
+            assert stale == ()  # (exact: no chunk is read from a previous step)
             assert isinstance(dp.instructions[last], Forward)
             assert last == max(i for i, inst in enumerate(dp.instructions) if isinstance(inst, Forward)
                                and st_reads(w, inst, v, read))

@@ -73,9 +73,16 @@ indices on a CPU. A replicated dropout computes only the bool mask of the rows i
 instead, computing the output again in backward (``OpCost.replayed``: a temporary of that backward,
 and one more pass over it). A send of a slice of columns copies
 it, held until the send is known complete (the value's ``Free``, else the optimizer step). Adam's
-update holds three temporaries of the largest parameter tensor. That is a steady step's; the first
-step (``first_step``: what the runtime measures) has no Adam state before its optimizer step, which
-allocates the two moments.
+update holds three temporaries of the largest parameter tensor. After the last instruction the
+step concatenates the logits of its chunks, and a sampled epoch of several steps samples the next
+step's inputs while this step's are held. A chunk's sizes are the rank's over the chunks it runs
+(:func:`_chunk_sizes`); a stale read concatenates every chunk it reads, fresh or from the history;
+a dropout drawing nothing is its input. That is a steady step's; the first step (``first_step``:
+what the runtime measures) has no Adam state before its optimizer step, which allocates the two
+moments, and makes the history tables at its first stale reads. What a step makes for itself when
+it starts (a sampled step's blocks, feature rows and labels; a regrouped epoch's inputs) is held
+through it and counted above what is live before the first step
+(:attr:`StaticMemory.before_first_step`).
 """
 
 from __future__ import annotations
@@ -275,31 +282,58 @@ class StaticMemory:
     optimizer: int
     #: historical embeddings of relaxed stale reads (GNNPipe, NeutronTask's cache), and their gradients
     history: int = 0
+    #: of ``topology``, ``features`` and ``labels``: the bytes each step makes for itself when it
+    #: starts and holds to its end (a sampled mini-batch's blocks, feature rows and labels: sampled and
+    #: gathered in the step), not before it
+    loaded: int = 0
+    #: inputs each step makes when it starts, beside the resident ones, and holds to its end (a
+    #: regrouped epoch's graph slices, feature rows, labels and vertex ids: the program's own inputs
+    #: stay for evaluation)
+    step_inputs: int = 0
 
     @property
     def total(self) -> int:
         return self.topology + self.features + self.labels + self.parameters + self.gradients + self.optimizer \
-            + self.history
+            + self.history + self.step_inputs
 
     @property
     def resident(self) -> int:
-        """Bytes live before a steady step starts: :attr:`total` without the gradients."""
+        """Bytes live before a steady step starts, or made as it starts and held: :attr:`total`
+        without the gradients."""
         return self.total - self.gradients
+
+    @property
+    def before_first_step(self) -> int:
+        """Bytes live before the first step starts (what the runtime's ``PeakMemory`` does not count
+        of it): :attr:`total` without what that step makes, the gradients, Adam's moments, the
+        history tables (:func:`_history_tables`) and the step's own inputs (:attr:`loaded`,
+        :attr:`step_inputs`)."""
+        return self.total - self.gradients - self.optimizer - self.history - self.loaded - self.step_inputs
 
     def as_dict(self) -> dict[str, int]:
         out = {"topology": self.topology, "features": self.features, "labels": self.labels,
                "parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer}
         if self.history:
             out["history"] = self.history
+        if self.step_inputs:
+            out["step inputs"] = self.step_inputs
         return out
 
 
 def _history_bytes(plan: Plan, dp: DevicePlan) -> int:
     """Bytes of the rank's historical-embedding tables: one row per vertex of the chunk order for
     every value its stages read stale (twice with historical gradients)."""
+    copies = 2 if plan.options.get("historical_gradients") else 1
+    return int(copies * sum(_history_tables(plan, dp).values()))
+
+
+def _history_tables(plan: Plan, dp: DevicePlan) -> dict[str, float]:
+    """Bytes of one historical-embedding table per value the rank's stages read stale (by the
+    stage input's name): one row per vertex of the chunk order (the runtime's
+    ``_Rank.stale_store``)."""
     names = {name for st in dp.stages for name, per_chunk in st.stale if any(per_chunk)}
     if not names:
-        return 0
+        return {}
     # a stale-read value is computed by one of the rank's stages or received by it
     width: dict[str, int] = {}
     for st in dp.stages:
@@ -311,8 +345,7 @@ def _history_bytes(plan: Plan, dp: DevicePlan) -> int:
         if name in names and getattr(ins, "shape", None):
             width.setdefault(name, math.prod(ins.shape[1:]))
     elsize = _elsize(plan.info.get("param_dtype", "float32"))
-    copies = 2 if plan.options.get("historical_gradients") else 1
-    return copies * sum(dp.sizes.all_nodes * width.get(n, 0) * elsize for n in names)
+    return {n: float(dp.sizes.all_nodes * width.get(n, 0) * elsize) for n in sorted(names)}
 
 
 def _graph_bytes(plan: Plan, nodes: int, edges: int, src: int, symmetric: bool, cpu: bool) -> int:
@@ -405,6 +438,40 @@ def _with_native_features(plan: Plan, dp: DevicePlan, static: StaticMemory, devi
     return dataclasses.replace(static, features=static.features + int(4 * entries))
 
 
+def _with_step_inputs(plan: Plan, dp: DevicePlan, static: StaticMemory) -> StaticMemory:
+    """``static`` with the inputs each step makes for itself when it starts (inside the step the
+    runtime measures, held to its end). A sampled plan (``plan.info["steps_per_epoch"]``) samples
+    its blocks and gathers its feature rows and labels every step: its ``topology``, ``features``
+    and ``labels`` are all :attr:`StaticMemory.loaded`. A regrouped ``task`` plan
+    (``dependencies="regrouped"``) builds every epoch's graph slices, feature rows (with the native
+    kernels' int32 column indices of sparse ones, made at their first product) and scored rows'
+    labels and mask beside the program's own inputs, which evaluation keeps, and the vertex order
+    (int64 ids: every subgraph's, and the scored rows'): as much again as the resident ones, in
+    :attr:`StaticMemory.step_inputs`."""
+    if "steps_per_epoch" in plan.info:
+        return dataclasses.replace(static, loaded=static.topology + static.features + static.labels)
+    if plan.options.get("dependencies") == "regrouped":
+        s = dp.sizes
+        vertices = int(plan.info.get("topology", {}).get("nodes") or s.all_nodes or s.nodes)
+        ids = 8 * vertices + (8 * s.nodes if s.trains else 0)
+        return dataclasses.replace(static, step_inputs=static.topology + static.features + static.labels + ids)
+    return static
+
+
+def _chunk_sizes(dp: DevicePlan) -> RankSizes:
+    """The sizes of one chunk a rank works on: :meth:`RankSizes.per_chunk`, except where the rank's
+    stages run only some of the plan's chunks (:attr:`StageSpec.runs`: a ``layer`` hybrid's group
+    member runs its partition's) while its sizes count all of them (``chunks``): its rows and edges
+    are then those of the chunks it runs, each one of them (``all_nodes``, the whole graph's rows,
+    stays divided by every chunk)."""
+    s = dp.sizes
+    at = s.per_chunk()
+    runs = max((len(st.runs) for st in dp.stages if st.runs), default=0)
+    if runs and runs < max(int(s.chunks or 1), 1):
+        at = dataclasses.replace(at, nodes=-(-s.nodes // runs), edges=-(-s.edges // runs))
+    return at
+
+
 def _sparse_row_value_bytes(plan: Plan) -> Optional[float]:
     """Bytes per row of the stored values of the plan's sparse CSR input features, or ``None`` when
     the features are dense. ``plan.info["feature_bytes_per_row"]`` counts a stored entry as its value
@@ -424,9 +491,29 @@ def _sparse_op(plan: Plan, op: OpCost) -> bool:
         and _sparse_row_value_bytes(plan) is not None
 
 
+#: functions of the dropouts :func:`gnncompile.passes.dropout.replicate_dropout_masks` rewrites into
+#: ``dropout_rows`` when they draw a mask
+_DROPOUTS = frozenset({"dropout", "feature_dropout"})
+
+
+def _identity_dropout(plan: Plan, op: OpCost) -> bool:
+    """Whether ``op`` is a dropout that draws nothing and returns its input itself (``p == 0``, as
+    SGC's default input dropout): a plan that replicates masks (``dropout="replicated"``, not
+    sampled) rewrote every dropout that draws into ``dropout_rows``, so one still named ``dropout``
+    or ``feature_dropout`` draws nothing; elsewhere one that the lowering annotates with no draws
+    (:attr:`OpCost.random`)."""
+    if op.kind != "T" or _function_of(op) not in _DROPOUTS:
+        return False
+    replicated = plan.options.get("dropout", "replicated") == "replicated" and "steps_per_epoch" not in plan.info
+    return replicated or op.random == Lin()
+
+
 def _out_bytes(plan: Plan, op: OpCost, sizes: RankSizes) -> float:
     """Bytes of ``op``'s output on a rank of ``sizes``: ``op.out`` (dense rows), except for an op that
-    keeps the sparse input features sparse, whose output is new values on the input's structure."""
+    keeps the sparse input features sparse, whose output is new values on the input's structure,
+    and a dropout that draws nothing (:func:`_identity_dropout`), whose output is its input."""
+    if _identity_dropout(plan, op):
+        return 0.0
     dense = op_value(op, op.out, sizes)
     if not _sparse_op(plan, op):
         return dense
@@ -444,10 +531,10 @@ def _plan_masks(plan: Plan) -> dict[str, float]:
     """Mask bytes of every dropout of the plan, by op name, at the size of the rank that runs it."""
     every: dict[str, float] = {}
     for r in plan.ranks:
-        at = r.sizes.per_chunk()
+        at = _chunk_sizes(r)
         for st in r.stages:
             for op in st.costs:
-                if _eval(op.random, at) > 0:
+                if _eval(op.random, at) > 0 and not _identity_dropout(plan, op):
                     every.setdefault(op.name, _mask_bytes(plan, op, at))
     return every
 
@@ -511,7 +598,7 @@ class PlanCost:
         self.cluster = cluster
         self.first_step = first_step
         self.devices = [cluster.rank_device(r) for r in range(plan.num_ranks)]
-        self.static = [_with_native_features(plan, dp, static_memory(plan, dp, dev), dev)
+        self.static = [_with_step_inputs(plan, dp, _with_native_features(plan, dp, static_memory(plan, dp, dev), dev))
                        for dp, dev in zip(plan.ranks, self.devices)]
         self.masks = _plan_masks(plan)  # the dropout masks of every rank, for the ranks' liveness walks
         self._p2p_times: dict[tuple[bool, tuple[int, ...], str], float] = {}  # (same node, shape, dtype)
@@ -526,19 +613,18 @@ class PlanCost:
 
     def base_memory(self) -> list[int]:
         """Bytes each rank holds before the step: its resident data (:attr:`StaticMemory.resident`),
-        without Adam's moments in the first step."""
-        return [s.resident - (s.optimizer if self.first_step else 0) for s in self.static]
+        without Adam's moments and the history tables in the first step (which makes them)."""
+        return [s.resident - (s.optimizer + s.history if self.first_step else 0) for s in self.static]
 
     # ------------------------------------------------------------------ compute
     def stage_time(self, rank: int, stage: StageSpec, backward: bool) -> float:
         """Seconds of one Forward/Backward of ``stage`` (one chunk's share on a chunked rank);
         computed once per (device, sizes, stage, direction): ranks alike share it."""
         dev = self.devices[rank]
-        sizes = self.plan.ranks[rank].sizes
-        key = (id(dev), sizes, id(stage), backward)
+        at = _chunk_sizes(self.plan.ranks[rank])
+        key = (id(dev), at, id(stage), backward)
         t = self._stage_times.get(key)
         if t is None:
-            at = sizes.per_chunk()
             push = backward and self.plan.info.get("topology", {}).get("backward") == "push"
             t = stage_ops_time(stage, at, dev, backward, push) + \
                 loss_time(stage, at, dev, backward, self.plan.info.get("output"))
@@ -591,7 +677,40 @@ class PlanCost:
             inst = dp.instructions[i]
             c = costs[inst]
             costs[inst] = Cost(seconds=c.seconds, stream=c.stream, alloc=c.alloc, free=c.free + int(nbytes))
+        if dp.instructions:
+            # after the last instruction (the optimizer step, which released the gradients) the step
+            # concatenates the logits of its chunks (:meth:`_Rank.step`) while every value it held is
+            # still alive; then a sampled epoch's next step samples and gathers its inputs while this
+            # step's are still held (``_sampled_epoch``), everything else of the step released
+            last = dp.instructions[-1]
+            c = costs[last]
+            logits = _step_logits(walk) - (walk.param_grads if isinstance(last, OptimizerStep) else 0.0)
+            steps = int(self.plan.info.get("steps_per_epoch") or 1)
+            nxt = self.static[walk.index].loaded - c.free if steps > 1 else 0.0
+            extra = max(0.0, logits, nxt)
+            if extra:
+                costs[last] = Cost(seconds=c.seconds, stream=c.stream, alloc=c.alloc + int(extra),
+                                   free=c.free + int(extra))
         return costs
+
+
+def _step_logits(w: "_RankWalk") -> float:
+    """Bytes of the concatenation of the model output's chunks a rank computes in a training step
+    (every chunk a Forward of the output's stage makes, or a communication delivers as the output),
+    which the runtime makes when the step ends; 0 on ranks that compute no output rows."""
+    output = w.cost.plan.info.get("output")
+    if not output:
+        return 0.0
+    total = 0.0
+    for inst in w.dp.instructions:
+        r = rule(inst)
+        if r.runs == "forward" and isinstance(inst, Forward):
+            st = w.stages[inst.stage]
+            if output in st.outputs and any(op.name == output for op in st.costs):
+                total += w.value_bytes.get(output, 0.0)
+        elif r.communicates and getattr(inst, "output", None) == output and not getattr(inst, "grad", False):
+            total += w.value_bytes.get(output, 0.0)
+    return total
 
 
 class _RankWalk:
@@ -601,7 +720,7 @@ class _RankWalk:
     def __init__(self, cost: PlanCost, dp: DevicePlan) -> None:
         self.cost, self.dp = cost, dp
         self.stages = stages = {s.index: s for s in dp.stages}
-        self.sizes = sizes = dp.sizes.per_chunk()
+        self.sizes = sizes = _chunk_sizes(dp)
         plan = cost.plan
         self.value_bytes: dict[str, float] = {}
         for s in dp.stages:
@@ -636,21 +755,31 @@ class _RankWalk:
         # until that backward at least), several chunks read are one concatenation per (value,
         # chunks), kept to the last such backward, else dropped after the last forward that reads it
         self.held: dict[tuple[str, int], int] = {}
-        self.concat_span: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}  # -> (first, last use)
+        #: (value, chunks read, chunks read stale) -> (first, last use) of its concatenation
+        self.concat_span: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[int, int]] = {}
         for i, inst in enumerate(dp.instructions):
             if rule(inst).runs == "forward" and (inst.stage, inst.chunk) in self.backward_at:
                 st = stages[inst.stage]
                 back = self.backward_at[inst.stage, inst.chunk]
                 saves_input = _saves_inputs(st, sizes)
                 for v in dict.fromkeys(st.inputs):
-                    read = st.chunks_read(v, inst.chunk)
+                    read, stale = _read_chunks(st, v, inst.chunk)
                     if len(read) == 1:
                         if saves_input:
                             self.held[v, read[0]] = max(self.held.get((v, read[0]), back), back)
                     else:
                         end = back if saves_input else i
-                        first, last = self.concat_span.get((v, read), (i, end))
-                        self.concat_span[v, read] = (min(first, i), max(last, end))
+                        first, last = self.concat_span.get((v, read, stale), (i, end))
+                        self.concat_span[v, read, stale] = (min(first, i), max(last, end))
+        # historical embeddings (relaxed stale reads): the first step makes each value's table at the
+        # first forward reading it stale, where that step keeps copies (``history_refresh`` 1: every
+        # step; a longer refresh makes none in it); with historical gradients every step makes a
+        # gradient table in its first backward reaching a stale chunk (the previous step's is
+        # dropped at the step's end)
+        refreshed = int(plan.options.get("history_refresh") or 1) == 1
+        tables = _history_tables(plan, dp)
+        self.history_tables = dict(tables) if cost.first_step and refreshed else {}
+        self.history_grad_tables = dict(tables) if plan.options.get("historical_gradients") else {}
         #: compute instructions that follow a wait for peers (nothing but FREEs between): each pays the
         #: device's ``runtime["switch"]`` (its thread blocked while others ran)
         self.after_wait: set[int] = set()
@@ -794,13 +923,24 @@ def _forward_cost(w: _RankWalk, i: int, inst: Union[Forward, Recompute]) -> Step
         end = w.gone((o, inst.chunk), i)
         w.release_at(max(end, back) if o in kept_outputs else end, w.value_bytes.get(o, 0.0))
     for v in dict.fromkeys(st.inputs):
-        read = st.chunks_read(v, inst.chunk)
+        read, stale = _read_chunks(st, v, inst.chunk)
+        if stale and v in w.history_tables:  # the first step's table of v, made by its first stale read
+            alloc += w.history_tables.pop(v)
         chunk = w.value_bytes.get(v, w.feature_chunk if v.split("@", 1)[0] == FEATURES else None)
-        if chunk is not None and len(read) > 1 and w.concat_span.get((v, read), (-1,))[0] == i:
+        if chunk is not None and len(read) > 1 and w.concat_span.get((v, read, stale), (-1,))[0] == i:
             whole = chunk * len(read)
             alloc += whole
-            w.release_at(w.concat_span[v, read][1], whole)
+            w.release_at(w.concat_span[v, read, stale][1], whole)
     return seconds, "compute", alloc, transient
+
+
+def _read_chunks(st: StageSpec, v: str, chunk: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The chunks of input ``v`` that ``Forward(st, chunk)`` reads, fresh or from the previous step
+    (relaxed stale reads: their copies in the history), and those read stale. Several chunks are
+    read as one concatenation of all of them (the runtime's ``_concat_key``)."""
+    fresh = tuple(st.chunks_read(v, chunk))
+    stale = tuple(sorted(st.chunks_stale(v, chunk))) if st.stale else ()
+    return (tuple(sorted(set(fresh) | set(stale))), stale) if stale else (fresh, ())
 
 
 def _last_reads(st: StageSpec) -> list[int]:
@@ -967,10 +1107,15 @@ def _backward_cost(w: _RankWalk, i: int, inst: Backward) -> StepCost:
     # before is summed with the new one (no growth).
     made = split = wholes = 0.0
     inputs: dict[str, float] = {}  # stage input -> bytes of its gradient here (a concatenation's whole)
+    tables = 0.0
     for v in dict.fromkeys(st.inputs):
         if v in w.value_bytes:
-            read = st.chunks_read(v, inst.chunk)
-            for key in [(v, k) for k in read] if len(read) > 1 else [(v, inst.chunk)]:
+            read, stale = _read_chunks(st, v, inst.chunk)
+            if stale and v in w.history_grad_tables:  # this step's table of historical gradients
+                tables += w.history_grad_tables.pop(v)
+            # a stale chunk's part of the concatenation's gradient goes to no chunk's
+            fresh = [k for k in read if k not in stale]
+            for key in [(v, k) for k in fresh] if len(read) > 1 else [(v, inst.chunk)]:
                 if key not in w.grad_made:
                     w.grad_made[key] = w.value_bytes[v]
                     made += w.value_bytes[v]
@@ -983,7 +1128,8 @@ def _backward_cost(w: _RankWalk, i: int, inst: Backward) -> StepCost:
         peak = max(peak, sum(inputs.values()) + split)
     transient = max(0.0, peak - sum(_saved_per_op(w, st)) - made)
     # the weights' gradients of the stage, at its first backward (later chunks accumulate into them)
-    alloc = _make_gradients(w, w.stage_grads.pop(inst.stage, 0.0)) + made
+    alloc = _make_gradients(w, w.stage_grads.pop(inst.stage, 0.0)) + made + tables
+    w.release_at(len(w.dp.instructions) - 1, tables)
     # the gradients of the outputs were consumed here
     for o in st.outputs:
         w.release_at(i, w.grad_made.pop((o, inst.chunk), 0.0))
@@ -1307,9 +1453,10 @@ class Prediction:
 
     def first_step_above_resident(self) -> list[int]:
         """Peak bytes per rank of the first step above what is resident before it (graph, features,
-        labels, parameters): what the runtime's ``PeakMemory`` measures of that step, gradients and
-        Adam's moments included (they are made during it)."""
-        return [p - (s.total - s.gradients - s.optimizer) for p, s in zip(self.first_step_peak_memory(), self.static)]
+        labels, parameters): what the runtime's ``PeakMemory`` measures of that step, what the step
+        makes included: gradients, Adam's moments, history tables, a sampled step's blocks, feature
+        rows and labels, a regrouped epoch's inputs (:attr:`StaticMemory.before_first_step`)."""
+        return [p - s.before_first_step for p, s in zip(self.first_step_peak_memory(), self.static)]
 
 
 def predict(plan: Plan, cluster: Cluster, *, overlap: bool = False, first_step: bool = False) -> Prediction:
