@@ -352,3 +352,27 @@ def test_random_draws_that_are_not_replicated_are_refused_under_exact(how: str) 
 def test_ops_that_draw_nothing_as_called_are_not_refused() -> None:
     g = gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=6, num_features=8, num_classes=3, seed=0)
     assert gc.plan(_Noisy(8, 3, "none"), g, gpus=2, strategy="data").relaxations == ()
+
+
+class _DropsOutInEvaluation(torch.nn.Module):
+    """F.dropout without training=: it drops out in eval mode too (a common slip)."""
+
+    def __init__(self, fin: int, fout: int) -> None:
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(fin, 8), torch.nn.Linear(8, fout)
+
+    def forward(self, g, x):
+        return self.l2(F.dropout(F.relu(gc.ops.propagate(g, self.l1(x), norm="gcn")), 0.5))
+
+
+def test_dropout_in_evaluation_is_refused_under_exact() -> None:
+    """Ranks evaluated with their own streams (validation accuracies unlike gc.train's, and the
+    training masks after the first evaluation too) under an exact label."""
+    g = gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=6, num_features=8, num_classes=3, seed=0)
+    model = _DropsOutInEvaluation(8, 3)
+    for strategy in ("data", "tensor", "task", "layer"):
+        with pytest.raises(gc.PlanningError, match=rf"strategy {strategy!r} is not exact for this model: dropout "
+                                                   r"draw\(s\) random numbers in eval mode too.*training=self\.training"):
+            gc.plan(model, g, gpus=2, strategy=strategy)
+    relaxed = gc.plan(model, g, gpus=2, strategy="data", semantics="relaxed")
+    assert any(r.startswith("random draws in evaluation (dropout)") for r in relaxed.relaxations)

@@ -42,7 +42,7 @@ from ..ir.plan import AllReduce, DevicePlan, Instruction, OptimizerStep, ParamPl
 from ..ir.tpgraph import TPGraph
 from ..ir.verify_plan import plan_bytes
 from .decouple import decouple, decouple_exact, plan_decoupling
-from .dropout import dropout_draws, dropout_inputs, replicate_dropout_masks, unreplicated_draws
+from .dropout import drawing_ops, dropout_draws, dropout_inputs, replicate_dropout_masks, unreplicated_draws
 from .free import insert_frees
 from .infra import GraphPass, PassInstrument, PassManager
 from .lower import StagedModel, row_mixing_ops
@@ -255,6 +255,24 @@ def _unreplicated_draws(tp: TPGraph, strategy: str, semantics: str) -> list[str]
     return [f"unreplicated random draws ({', '.join(ops)}): ranks seeded alike draw the same numbers"]
 
 
+def _evaluation_draws(tp_eval: TPGraph, strategy: str, semantics: str) -> list[str]:
+    """The relaxation recorded for random draws in the evaluation trace (``[]`` when there are
+    none): ranks evaluate with their own streams, unlike single-device evaluation, whose draws also
+    move the next training steps' masks. Under ``semantics="exact"`` a :class:`PlanningError`."""
+    ops = drawing_ops(tp_eval)
+    if not ops:
+        return []
+    if semantics == "exact":
+        dropout = any("dropout" in op for op in ops)
+        raise PlanningError(f"strategy {strategy!r} is not exact for this model: {', '.join(ops)} draw(s) random "
+                            "numbers in eval mode too" + (" (F.dropout(x, p) drops out unless given "
+                                                          "training=self.training)" if dropout else "")
+                            + ", and the ranks would evaluate with their own random streams; "
+                            + ("use training=self.training (nn.Dropout does), or " if dropout else "")
+                            + "pass dropout='local' (each rank its own stream) or semantics='relaxed'")
+    return [f"random draws in evaluation ({', '.join(ops)}): each rank draws its own"]
+
+
 def lower(strategy: Strategy, tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module,
           graph: Union[Graph, GraphStats], num_ranks: int, options: StrategyOptions, *, device: Any = None,
           instruments: Iterable[PassInstrument] = ()) -> Plan:
@@ -290,6 +308,7 @@ def lower(strategy: Strategy, tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Mod
         job.dropout_inputs = dropout_inputs(job.tp)
         if num_ranks > 1 or strategy.row_mixing_single:
             job.relaxations += _unreplicated_draws(job.tp, strategy.name, semantics)
+            job.relaxations += _evaluation_draws(job.tp_eval, strategy.name, semantics)
     job.tp_unrecomputed = job.tp
     if getattr(options, "recompute", False):
         job.tp = _run([insert_recomputation.bind(share_parameters=True)], job.tp, semantics, instruments)

@@ -25,7 +25,7 @@ from .infra import graph_pass
 from .lower import StagedModel, _elsize, call_arguments
 from .recompute import Recompute, draws_random_numbers
 
-__all__ = ["replicate_dropout_masks", "dropout_inputs", "dropout_draws", "unreplicated_draws", "INDEX_INPUTS"]
+__all__ = ["replicate_dropout_masks", "dropout_inputs", "dropout_draws", "unreplicated_draws", "drawing_ops", "INDEX_INPUTS"]
 
 #: row space -> the model input holding a rank's global rows of that space
 INDEX_INPUTS = {"V": "dropout_index_v", "E": "dropout_index_e", "E+V": "dropout_index_ev",
@@ -76,6 +76,14 @@ def unreplicated_draws(tp: TPGraph) -> list[str]:
             continue
         found.append(n.name)
     return found
+
+
+def drawing_ops(tp: TPGraph) -> list[str]:
+    """Every op of ``tp`` that draws random numbers as called: its dropouts that draw a mask and
+    :func:`unreplicated_draws` (for an evaluation trace: ``F.dropout(x, p)`` without
+    ``training=self.training`` drops out in eval mode too)."""
+    masks = [n.name for n in tp.graph.nodes if _dropout_of(tp, n) is not None]
+    return masks + [n for n in unreplicated_draws(tp) if n not in masks]
 
 
 def _mark_replays(g: torch.fx.Graph, old: torch.fx.Node, new: torch.fx.Node, inp: torch.fx.Node) -> None:
