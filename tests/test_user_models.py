@@ -500,6 +500,24 @@ def test_in_place_ops_on_computed_values_become_out_of_place(sbm: gc.Graph) -> N
         check_plan(make("in_place"), sbm, 2, strategy=strategy, rtol=1e-9, atol=1e-11, timeout=60)
 
 
+class UnusedHead(nn.Module):
+    """A head the forward never calls, and one whose output is detached: neither gets a gradient."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.l1, self.spare, self.frozen = nn.Linear(d_in, d_out), nn.Linear(d_in, d_out), nn.Linear(d_in, d_out)
+
+    def forward(self, g, x):
+        return ops.propagate(g, self.l1(x), "gcn") + self.frozen(x).detach()
+
+
+@pytest.mark.parametrize("strategy", ["data", "tensor"])
+def test_parameters_without_a_gradient_get_none_and_stay_put(sbm: gc.Graph, strategy: str) -> None:
+    """The gradient all-reduce gave them zeros, and Adam's weight decay moved them (gc.train leaves
+    them alone); check_plan now requires None where the reference has none."""
+    check_plan(UnusedHead(F_IN, C).to(DT), sbm, 2, strategy=strategy, rtol=1e-9, atol=1e-11, timeout=60)
+
+
 def test_what_cannot_be_traced_names_the_line_and_the_fix(sbm: gc.Graph) -> None:
     with pytest.raises(gc.TraceError, match=rf"num_edges.*{_line_of(DropEdgeByCount, 'w = (torch.rand')}.*primitives"):
         gc.trace(DropEdgeByCount(F_IN, C), sbm)

@@ -865,10 +865,16 @@ def _execute_all_reduce(st: _StepState, ins: AllReduce) -> None:
     rk = st.rank
     placement = rk.prog.placement
     params = [p for n, p in zip(rk.prog.param_names, rk.prog.params) if p.requires_grad and placement.reduces(n)]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    # a parameter the step gave no gradient (unused by the forward, or only through detached values)
+    # takes part with zeros and gets none back, as single-device training leaves it (Adam then
+    # skips it, weight decay included): whether a parameter gets a gradient follows from the
+    # stages' graphs, the same on every rank of a group that reduces it
+    gradless = [p for p in params if p.grad is None]
+    for p in gradless:
+        p.grad = torch.zeros_like(p)
     rk.comm.all_reduce_([p.grad for p in params], group=rk._group(ins.group), members=ins.group)
+    for p in gradless:
+        p.grad = None
 
 
 for _cls, _fn in {
