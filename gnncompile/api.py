@@ -316,7 +316,13 @@ def load_plan(path: Union[str, Path], model: Optional[torch.nn.Module] = None,
     options.setdefault("features", "dense")  # plans saved before the layout was a decision held x as given
     # the devices it was planned for (plans saved before they were recorded: as many local ranks)
     gpus = Cluster.from_dict(saved.info["cluster"]) if "cluster" in saved.info else saved.num_ranks
-    rebuilt = runnable(plan(model, graph, gpus=gpus, **options))
+    try:
+        rebuilt = runnable(plan(model, graph, gpus=gpus, **options))
+    except PlanningError as exc:  # the saved decisions do not apply to this model or graph
+        raise VerificationError(
+            f"plan file {str(path)!r} does not match this model and graph: its decisions ("
+            f"{', '.join(f'{k}={v!r}' for k, v in sorted(options.items()) if v is not None)}) cannot be planned for "
+            f"them ({exc}); plan the model again or pass the model and graph it was made for") from exc
     diffs = plan_differences(saved, rebuilt)
     if diffs:
         shown = diffs[:8] + ([f"... {len(diffs) - 8} more"] if len(diffs) > 8 else [])

@@ -476,3 +476,14 @@ def test_checkpoint_dir_that_cannot_be_made_or_resumed_is_refused_without_side_e
     with pytest.raises(RuntimeFailure, match=r"resume=True but checkpoint_dir .*absent' holds no complete checkpoint \(it does not exist\)"):
         gc.train(_gcn(sbm), sbm, 1, verbose=False, checkpoint_dir=tmp_path / "absent", resume=True)
     assert not (tmp_path / "absent").exists()
+
+
+def test_a_fingerprint_difference_names_the_key_inside_a_long_dict() -> None:
+    """The plan options (a long dict) were cut at 160 characters, before the key that differed."""
+    options = {f"option_{i:02d}": "a fairly long value" for i in range(12)}
+    saved = {"plan": {"options": {**options, "stages": 2}, "ranks": 2}, "model": {"params": 10}}
+    current = {"plan": {"options": {**options, "stages": 3}, "ranks": 3}, "model": {"params": 10}}
+    assert ckpt.compare_fingerprints(saved, current) == ["plan.options.stages: checkpoint 2, this run 3",
+                                                         "plan.ranks: checkpoint 2, this run 3"]
+    assert ckpt.compare_fingerprints(saved, current, ignore=("plan.ranks",)) == [
+        "plan.options.stages: checkpoint 2, this run 3"]

@@ -202,6 +202,18 @@ def test_plan_load_for_another_model_shows_what_differs(tmp_path: Path) -> None:
         assert m is None or m.group(1) != m.group(2), line
 
 
+def test_plan_load_whose_decisions_do_not_apply_to_the_model_says_the_file_does_not_match(tmp_path: Path) -> None:
+    """A decision of the file (features='csr', chosen by the planner for a GCN) that the other model
+    cannot take: it was a PlanningError about an option the user never passed."""
+    g = gc.datasets.synthetic("sbm", num_nodes=300, avg_degree=4, num_features=8, num_classes=3, seed=0)
+    plan = gc.plan(gc.nn.GCN(8, 16, 3), g, gpus=2, strategy="data", partitioner="random", features="csr")
+    path = plan.save(tmp_path / "plan.json")
+    with pytest.raises(gc.VerificationError, match=r"plan file .* does not match this model and graph: its decisions "
+                                                   r"\(.*features='csr'.*\) cannot be planned for them \(features="
+                                                   r"'csr': the model reads x"):
+        gc.load_plan(path, gc.nn.GraphSAGE(8, 16, 3), g)
+
+
 def test_run_of_a_dataset_known_by_its_statistics_only_is_refused_before_planning(nothing_runs: None,
                                                                                    capsys: Any) -> None:
     assert cli.main(["run", "--dataset", "ogbn-products", "--gpus", "2"]) == 1

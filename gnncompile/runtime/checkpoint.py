@@ -135,10 +135,19 @@ def compare_fingerprints(saved: dict[str, Any], current: dict[str, Any], *, igno
         for key in sorted(set(a) | set(b)):
             if f"{section}.{key}" in ignore:
                 continue
-            va, vb = a.get(key), b.get(key)
-            if va != vb:
-                out.append(f"{section}.{key}: checkpoint {_short(va)}, this run {_short(vb)}")
+            out += _differences(f"{section}.{key}", a.get(key), b.get(key))
     return out
+
+
+def _differences(where: str, a: Any, b: Any) -> list[str]:
+    """``where: checkpoint a, this run b`` where they differ; two dicts by their differing keys
+    (``plan.options.stages: ...``: a long dict cut short would hide the key that differs)."""
+    if a == b:
+        return []
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for key in sorted(set(a) | set(b), key=str) for d in _differences(f"{where}.{key}", a.get(key),
+                                                                                     b.get(key))]
+    return [f"{where}: checkpoint {_short(a)}, this run {_short(b)}"]
 
 
 def _short(v: Any, limit: int = 160) -> str:
