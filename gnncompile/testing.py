@@ -51,6 +51,15 @@ class ReferenceStep:
     params_after: dict[str, torch.Tensor]
 
 
+def _features_for(model: torch.nn.Module, graph: Graph) -> torch.Tensor:
+    """``graph.x`` in the dtype of ``model``'s first parameter, as :func:`gnncompile.train` feeds it."""
+    x = graph.x
+    first = next(iter(model.parameters()), None)
+    if first is not None and first.dtype.is_floating_point and x.dtype != first.dtype:
+        x = x.to(first.dtype)
+    return x
+
+
 def reference_step(model: torch.nn.Module, graph: Graph, lr: float = 0.01, weight_decay: float = 5e-4,
                    seed: int = 0) -> ReferenceStep:
     """One step of the single-device reference on ``model`` (which it updates), on the device of
@@ -58,14 +67,14 @@ def reference_step(model: torch.nn.Module, graph: Graph, lr: float = 0.01, weigh
     torch.manual_seed(seed)
     model.train()
     params = dict(model.named_parameters())
-    x = graph.x
-    first = next(iter(params.values()), None)
-    if first is not None and x.layout == torch.strided and x.dtype != first.dtype:
-        x = x.to(first.dtype)
+    x = _features_for(model, graph)
     opt = adam(model.parameters(), lr, weight_decay)
     opt.zero_grad(set_to_none=True)
     with plan_dropout_draws():
         logits = model(graph, x)
+    if not isinstance(logits, torch.Tensor):
+        raise ArgumentError(f"model: {type(model).__name__} returned {type(logits).__name__}; the reference step "
+                            "needs one tensor of logits (as gc.train and gc.plan do)")
     loss = F.cross_entropy(logits[graph.train_mask], graph.y[graph.train_mask])
     loss.backward()
     grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in params.items()}
@@ -131,6 +140,11 @@ def check_plan(model: torch.nn.Module, graph: Graph, gpus: int, *, rtol: float =
     if plan_options.get("batch_size") is not None:  # sampled: the first mini-batch, on the CPU
         if device != "cpu":
             raise ArgumentError("check_plan of a sampled plan compares on the CPU (device='cpu')")
+        train = int(graph.train_mask.sum()) if graph.train_mask is not None else 0
+        if plan_options["batch_size"] < train:
+            raise ArgumentError(f"check_plan compares one step: a sampled plan's epoch must be one mini-batch "
+                                f"(batch_size >= the {train} training vertices), got batch_size="
+                                f"{plan_options['batch_size']} (its history is the mean over the epoch's steps)")
         ref, seeds = sampled_reference_step(ref_model, graph, plan_options["batch_size"], plan_options["fanouts"],
                                             ranks=gpus, micro=plan_options.get("strategy") == "data", lr=lr,
                                             weight_decay=weight_decay, seed=plan_options.get("seed", 0))
@@ -217,7 +231,7 @@ def check_trace(model: torch.nn.Module, graph: Graph, *, seed: int = 0, rtol: fl
     assert now == modes, f"tracing changed the model's modes: {sorted(k for k in modes if modes[k] != now[k])}"
     mine = {name: m.training for name, m in tp.named_modules()}
     assert all(mine[k] == v for k, v in modes.items() if k in mine), "the trace does not start in the model's modes"
-    x = graph.x
+    x = _features_for(model, graph)
     for step, training in enumerate((False, True, False)):
         tp.train(training)
         model.train(training)

@@ -523,3 +523,27 @@ def test_what_cannot_be_traced_names_the_line_and_the_fix(sbm: gc.Graph) -> None
         gc.trace(DropEdgeByCount(F_IN, C), sbm)
     with pytest.raises(gc.TraceError, match=rf"{_line_of(ClipByValue, 'if h.abs')}.*data-dependent control flow"):
         gc.trace(ClipByValue(F_IN, C).eval(), sbm)
+
+
+def test_the_checking_helpers_refuse_what_they_cannot_compare_and_cast_features(sbm: gc.Graph) -> None:
+    """check_plan compared a sampled epoch's mean loss with one mini-batch's (a false failure),
+    and a tuple output died in a raw TypeError; check_trace fed float32 features to a float64
+    model (gc.train and gc.plan cast them)."""
+    g = gc.datasets.synthetic("sbm", num_nodes=60, avg_degree=4, num_features=F_IN, num_classes=C, seed=0)
+    train = int(g.train_mask.sum())
+    with pytest.raises(gc.ArgumentError, match=rf"check_plan compares one step.*the {train} training vertices"):
+        check_plan(gc.nn.GraphSAGE(F_IN, HID, C, dropout=0.0), g, 2, strategy="split", batch_size=train - 1,
+                   fanouts=[2, 2])
+
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(F_IN, C)
+
+        def forward(self, g, x):
+            h = ops.propagate(g, self.lin(x), "gcn")
+            return h, h
+
+    with pytest.raises(gc.ArgumentError, match="returned tuple; the reference step needs one tensor"):
+        check_plan(Pair(), g, 2, strategy="data")
+    check_trace(make("in_place").to(torch.float64), g.replace(x=g.x.float()))

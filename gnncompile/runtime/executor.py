@@ -84,7 +84,9 @@ class RankResult:
     """What one rank measured.
 
     ``bytes_sent`` / ``bytes_received``: bytes of one training step (halo exchanges, gradient
-    all-reduce), identical in every step; ``sent_to`` / ``received_from``: the same per peer.
+    all-reduce), identical in every step of a full-graph plan; a sampled plan's steps differ (each
+    its own sample), and these are the mean over the run's steps; ``sent_to`` / ``received_from``:
+    the same per peer.
     ``comm``: all traffic of the run by phase (``train``, ``eval``, ``metrics``) and peer.
     ``peak_memory``: peak bytes of live tensors during the first training step (CUDA allocator on
     GPU; profiler allocation accounting on CPU), above what was live before it.
