@@ -3,6 +3,7 @@ pipelined; one step equals single-device training."""
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable
 
@@ -48,6 +49,64 @@ def test_four_ranks_one_step_matches_single_device(sbm: gc.Graph, name: str) -> 
     runs = [sorted(s.index for s in dp.stages) for dp in plan.ranks]
     assert [s for run in runs for s in run] == list(range(len(plan.program[0].modules)))
     assert all(run == list(range(run[0], run[-1] + 1)) for run in runs)
+
+
+#: models whose recomputed segments have several outputs (a tuple, read by getitem), one of them
+#: read by a later task than the other
+RECOMPUTED: dict[str, Callable[[int, int], torch.nn.Module]] = {
+    "sage": lambda f, c: gc.nn.GraphSAGE(f, 5, c, num_layers=2, dropout=0.5),
+    "gcnii": lambda f, c: gc.nn.GCNII(f, 6, c, num_layers=4, dropout=0.5),
+    "resgcn": MODELS["resgcn"],
+}
+
+
+@pytest.mark.parametrize("ranks, chunks", [(2, 1), (2, 4), (4, None)])
+@pytest.mark.parametrize("name", sorted(RECOMPUTED))
+def test_recompute_one_step_matches_single_device(sbm: gc.Graph, name: str, ranks: int, chunks: int) -> None:
+    """``recompute=True``: a segment's tuple of outputs stays in the task computing it (its elements
+    cross), so the option the strategy declares plans and one step is exact."""
+    res = check_plan(seeded_model(RECOMPUTED[name], sbm), sbm, ranks, strategy="layer", recompute=True,
+                     chunks=chunks, rtol=1e-9, atol=1e-11, timeout=120, device="cpu")
+    plan = res.plan
+    ops = [o for dp in plan.ranks for s in dp.stages for o in s.ops]
+    assert any(o.startswith("recompute_") for o in ops)
+    assert [r.bytes_sent for r in res.ranks] == plan.predictions["bytes_sent"]
+    assert [r.bytes_received for r in res.ranks] == plan.predictions["bytes_received"]
+
+
+def test_recompute_trains_and_evaluates_as_single_device(sbm: gc.Graph) -> None:
+    """Several epochs of GraphSAGE with ``recompute=True`` on 4 ranks: the losses and the accuracies
+    (the evaluation model's ops run on the ranks holding their parameters) are ``gc.train``'s."""
+    model = seeded_model(RECOMPUTED["sage"], sbm)
+    ref = gc.train(copy.deepcopy(model), sbm, epochs=3, seed=0, lr=0.05, verbose=False)
+    plan = gc.plan(copy.deepcopy(model), sbm, 4, strategy="layer", recompute=True, chunks=4)
+    got = plan.run(epochs=3, seed=0, lr=0.05, timeout=60, device="cpu").history
+    assert got.loss == pytest.approx(ref.loss, rel=1e-9)
+    assert (got.train_acc, got.val_acc, got.test_acc) == (ref.train_acc, ref.val_acc, ref.test_acc)
+
+
+def test_recompute_without_tuples_keeps_the_sunk_ops(sbm: gc.Graph) -> None:
+    """GCN's recomputed segments have one output each: the same values cross as without recomputation."""
+    gcn = gc.plan(seeded_model(MODELS["gcn"], sbm), sbm, 2, strategy="layer", chunks=4, recompute=True)
+    assert any(o.startswith("recompute_") for dp in gcn.ranks for s in dp.stages for o in s.ops)
+    plain = gc.plan(seeded_model(MODELS["gcn"], sbm), sbm, 2, strategy="layer", chunks=4)
+    assert gcn.predictions["bytes_sent"] == plain.predictions["bytes_sent"]
+
+
+def test_a_tuple_crossing_tasks_is_named_as_such(sbm: gc.Graph) -> None:
+    """Split with sinking, GraphSAGE's recomputed segment would cross tasks as a tuple: the refusal
+    says so (not "one value per edge")."""
+    from gnncompile.passes.chunked import pipeline_sources
+    from gnncompile.passes.layer import layer_decisions
+    from gnncompile.passes.lower import split_stages
+    from gnncompile.passes.recompute import insert_recomputation
+
+    tp = insert_recomputation(gc.trace(seeded_model(RECOMPUTED["sage"], sbm), sbm, training=True))
+    staged = split_stages(tp, layer_decisions(tp))
+    labels = {s.index: ("cols" if "P" in s.kinds else "rows") for s in staged.stages}
+    with pytest.raises(PlanningError, match=r"'recompute_0' .* is a tuple of several values") as err:
+        pipeline_sources(tp, staged, labels, "layer")
+    assert "per edge" not in str(err.value)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])

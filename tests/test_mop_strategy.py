@@ -33,7 +33,27 @@ MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {
     "gcn_dropout": lambda f, c: gc.nn.GCN(f, 5, c, num_layers=2, dropout=0.5),
     "gcn3": lambda f, c: gc.nn.GCN(f, 4, c, num_layers=3, dropout=0.5),
     "appnp": lambda f, c: gc.nn.APPNP(f, 5, c, K=3, dropout=0.0),  # each step's mix runs on the dense group
+    "mygcn": lambda f, c: MyGCN(f, 5, c),  # README's example: the output is a propagation
 }
+
+
+class MyGCN(torch.nn.Module):
+    """README's ``MyGCN`` (section "Use"), verbatim: its forward ends in ``ops.propagate``."""
+
+    def __init__(self, d_in: int, d_hidden: int, d_out: int) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = torch.nn.Linear(d_in, d_hidden), torch.nn.Linear(d_hidden, d_out)
+
+    def forward(self, g: gc.Graph, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(gc.ops.propagate(g, self.lin1(x), norm="gcn", add_self_loops=True))
+        return gc.ops.propagate(g, self.lin2(x), norm="gcn", add_self_loops=True)
+
+
+class MyGCNPlusZero(MyGCN):
+    """``MyGCN`` with a dense op after its output propagation (what ``gather_output`` adds)."""
+
+    def forward(self, g: gc.Graph, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(g, x) + 0.0
 
 
 def model_for(name: str, g: gc.Graph) -> torch.nn.Module:
@@ -164,6 +184,43 @@ def test_list_schedule_prefers_finishing_a_chunk() -> None:
                                                (2.0, "F0c2"), (3.0, "F1c2")]
     with pytest.raises(PlanningError, match="cycle"):
         list_schedule({Forward(0, 0): {Forward(1, 0)}, Forward(1, 0): {Forward(0, 0)}}, {0: "rows", 1: "cols"})
+
+
+@pytest.mark.parametrize("ranks, chunks", [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)])
+def test_output_propagation_is_gathered_to_the_dense_group(sbm: gc.Graph, ranks: int, chunks: int) -> None:
+    """README's MyGCN ends in a propagation: the dense group receives its rows in a stage of its own
+    (an identity), so one step is exact, the measured bytes are the plan's, and the plan predicts
+    what it predicts for the model with an explicit dense op after the propagation."""
+    res = check_plan(seeded_model(lambda f, c: MyGCN(f, 5, c), sbm), sbm, ranks, strategy="mop", chunks=chunks,
+                     rtol=1e-9, atol=1e-11, timeout=60, device="cpu")
+    plan = res.plan
+    assert [r.bytes_sent for r in res.ranks] == plan.predictions["bytes_sent"]
+    assert [r.bytes_received for r in res.ranks] == plan.predictions["bytes_received"]
+    dense = set(plan.info["dense_ranks"])
+    last = max((s for dp in plan.ranks for s in dp.stages), key=lambda s: s.index)
+    assert last.ops == (plan.info["output"],) and last.inputs == ("propagate_1@rows",)
+    assert all(any(s.index == last.index for s in dp.stages) == (dp.rank in dense) for dp in plan.ranks)
+    explicit = gc.plan(seeded_model(lambda f, c: MyGCNPlusZero(f, 5, c), sbm), sbm, ranks, strategy="mop",
+                       chunks=chunks)
+    assert plan.predictions == explicit.predictions
+    assert plan.prediction.step_time == pytest.approx(explicit.prediction.step_time, rel=1e-12)
+    assert plan.prediction.peak_memory == explicit.prediction.peak_memory
+
+
+def test_gather_output_is_an_identity_after_an_output_propagation(sbm: gc.Graph) -> None:
+    from gnncompile.ir.verify import verify
+    from gnncompile.passes.mop import gather_output
+
+    m = seeded_model(lambda f, c: MyGCN(f, 5, c), sbm)
+    tp = gc.trace(m, sbm)
+    out = verify(gather_output(tp, share_parameters=True))
+    last = next(n for n in out.graph.nodes if n.op == "output").args[0]
+    assert (last.op, last.target, last.args[0].name) == ("call_method", "clone", "propagate_1")
+    assert last.meta["tp"].kind == "T" and last.meta["tp"].dims == (3,)
+    with torch.no_grad():
+        assert torch.equal(out(sbm, sbm.x), m(sbm, sbm.x))
+    gcn = gc.trace(model_for("gcn", sbm), sbm)  # ends in a dense op (the bias): unchanged
+    assert len(gather_output(gcn).graph.nodes) == len(gcn.graph.nodes)
 
 
 # --------------------------------------------------------------------------- refusals

@@ -37,7 +37,7 @@ split, ``cols`` split, or whole ``chunks`` dealt round robin) and the chunking; 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -57,7 +57,7 @@ from .lower import Decisions, StagedModel, propagation_norms, source_input, spli
 __all__ = ["Chunking", "chunk_bounds", "chunk_reads", "chunk_graph", "chunk_edge_ids", "propagation_scales",
            "GROUP_LAYOUTS", "Group", "Placement", "Block", "held_block", "needed_block", "intersect", "slab",
            "stage_groups", "stage_reads", "with_reads", "historical_reads", "contiguous_runs", "stage_times",
-           "pipeline_sources", "PipelineSplit", "split_pipeline", "group_parameters", "ChunkInputs"]
+           "pipeline_sources", "crossing_values", "PipelineSplit", "split_pipeline", "group_parameters", "ChunkInputs"]
 
 
 def chunk_bounds(num_nodes: int, num_chunks: int) -> tuple[int, ...]:
@@ -350,9 +350,10 @@ def pipeline_sources(tp: TPGraph, staged: StagedModel, labels: dict[int, str], s
                      unit: str = "stage") -> dict[int, set[str]]:
     """Each propagation stage's (``cols`` label) inputs read on the source side (every chunk their
     in-edges reach), after the refusals of a stage pipeline: a propagation reading its source from
-    inside its own stage (its other chunks would not be computed yet), and an edge value (E-space)
-    crossing stages (per-chunk edge sets differ), both :class:`PlanningError` naming ``strategy``
-    (and calling a stage ``unit``)."""
+    inside its own stage (its other chunks would not be computed yet), an edge value (E-space)
+    crossing stages (per-chunk edge sets differ) and a tuple crossing stages (only per-vertex
+    tensors move in chunks), all :class:`PlanningError` naming ``strategy`` (and calling a stage
+    ``unit``)."""
     nodes = {n.name: n for n in tp.graph.nodes}
     sources: dict[int, set[str]] = {}
     conv = {c.output for c in staged.conversions}
@@ -368,17 +369,40 @@ def pipeline_sources(tp: TPGraph, staged: StagedModel, labels: dict[int, str], s
                 raise PlanningError(f"strategy {strategy!r}: {op!r} reads {src.name!r} on the source side from inside "
                                     f"its own {unit}; its other chunks would not be computed yet")
             sources.setdefault(st.index, set()).add(name)
+    for u, made, read in crossing_values(tp, staged):
+        info = nodes[u].meta["tp"]
+        if info.space == "-":  # no per-vertex or per-edge rows: a tuple of several values (one op's outputs)
+            raise PlanningError(f"strategy {strategy!r}: {u!r} ({info.op or 'an op'}) is a tuple of several values, "
+                                f"computed in {unit} {made} and read in {unit} {read}; only tensors with one row "
+                                f"per vertex can cross {unit}s (index the tuple where it is computed)")
+        raise PlanningError(f"strategy {strategy!r}: {u!r} ({info.space}-space: one value per edge) is "
+                            f"computed in {unit} {made} and read in {unit} {read}; edge values "
+                            f"cannot cross {unit}s (per-chunk edge sets differ) — e.g. a decoupled GAT; use "
+                            "strategy='data'")
+    return sources
+
+
+def crossing_values(tp: TPGraph, staged: StagedModel) -> list[tuple[str, int, int]]:
+    """The values that are no per-vertex tensor (``V``-space) but cross stages: ``(value, producing
+    stage, reading stage)`` — edge values, and tuples (``-``: a recomputed segment's outputs before
+    their ``getitem``)."""
+    nodes = {n.name: n for n in tp.graph.nodes}
     producer = {o: s.index for s in staged.stages for o in s.outputs}
+    out = []
     for st in staged.stages:
         for u in st.inputs:
             node = nodes.get(u)
             info = node.meta.get("tp") if node is not None else None
             if u in producer and info is not None and getattr(info, "space", "V") != "V":
-                raise PlanningError(f"strategy {strategy!r}: {u!r} ({info.space}-space: one value per edge) is "
-                                    f"computed in {unit} {producer[u]} and read in {unit} {st.index}; edge values "
-                                    f"cannot cross {unit}s (per-chunk edge sets differ) — e.g. a decoupled GAT; use "
-                                    "strategy='data'")
-    return sources
+                out.append((u, producer[u], st.index))
+    return out
+
+
+def tp_space(tp: TPGraph, value: str) -> str:
+    """The row space of ``value`` in ``tp`` (``V``, ``E``..., ``-`` for none: a tuple or the graph)."""
+    node = next((n for n in tp.graph.nodes if n.name == value), None)
+    info = node.meta.get("tp") if node is not None else None
+    return getattr(info, "space", "V") if info is not None else "V"
 
 
 #: a stage pipeline's split of one model: the staged model, each stage's label (``rows``: T ops,
@@ -389,16 +413,31 @@ PipelineSplit = tuple[StagedModel, dict[int, str], dict[int, set[str]]]
 def split_pipeline(job: Job, decide: Callable[[TPGraph], Decisions], strategy: str,
                    unit: str = "stage") -> tuple[PipelineSplit, PipelineSplit]:
     """The training and evaluation models of ``job`` cut into a stage pipeline's stages by
-    ``decide``'s decisions (``pure_stages``): ``(training, evaluation)`` splits. Raises
-    :class:`PlanningError` when the two split into different stages, or through
+    ``decide``'s decisions (``pure_stages``): ``(training, evaluation)`` splits. Where the decisions
+    sink dense ops (``layer``) and that would leave a tuple crossing stages (a ``getitem`` of a
+    recomputed segment's outputs moved to its user's stage), the model is cut without sinking.
+    Raises :class:`PlanningError` when the two split into different stages, or through
     :func:`pipeline_sources` and the job's refusal of sparse features a stage cannot take."""
-    def split(tp: TPGraph) -> PipelineSplit:
+    def cut(tp: TPGraph, sink: bool) -> tuple[Decisions, StagedModel]:
         d = decide(tp)
-        st = split_stages(tp, d)
+        d = d if sink else replace(d, sink=False)
+        return d, split_stages(tp, d)
+
+    def tuple_crosses(tp: TPGraph, st: StagedModel) -> bool:
+        return any(tp_space(tp, u) == "-" for u, _, _ in crossing_values(tp, st))
+
+    def split(tp: TPGraph, d: Decisions, st: StagedModel) -> PipelineSplit:
         labels = {s: ("rows" if lab == "rows" else "cols") for s, lab in stage_groups(st, d.layout_of).items()}
         return st, labels, pipeline_sources(tp, st, labels, strategy, unit)
 
-    train, evaluation = split(job.tp), split(job.tp_eval)
+    cuts = [cut(job.tp, True), cut(job.tp_eval, True)]
+    if any(d.sink for d, _ in cuts) and any(tuple_crosses(tp, st) for tp, (_, st) in zip((job.tp, job.tp_eval), cuts)):
+        # sinking moved a getitem of a tuple (a recomputed segment's several outputs,
+        # insert_recomputation) to its user's later stage, so the tuple itself would cross stages:
+        # keep every op where it is computed instead, in both models (the evaluation model's ops
+        # then run where the training model's do, on the ranks holding their parameters)
+        cuts = [cut(job.tp, False), cut(job.tp_eval, False)]
+    train, evaluation = split(job.tp, *cuts[0]), split(job.tp_eval, *cuts[1])
     if evaluation[1] != train[1]:
         raise PlanningError(f"strategy {strategy!r}: the evaluation model splits into other tasks ({evaluation[1]}) "
                             f"than the training model ({train[1]})")

@@ -24,6 +24,13 @@ Refused with :class:`~gnncompile.errors.PlanningError`: more ranks than tasks, e
 stages, a propagation reading its source from its own task, row-mixing T ops under
 ``semantics="exact"``. Sparse input features stay sparse (each rank slices its chunks' rows).
 
+``recompute=True`` checkpoints the T segments (:func:`~gnncompile.passes.recompute.insert_recomputation`).
+A segment with several outputs (GraphSAGE's hidden state feeding both of the next layer's linear
+maps, GCNII, ResGCN) returns a tuple read by ``getitem``; a tuple never crosses stages, so where
+sinking a dense op would move such a ``getitem`` away from its segment, the tasks are cut without
+sinking (:func:`~gnncompile.passes.chunked.split_pipeline`): every element then crosses as the value
+it is (e.g. GraphSAGE's root term ``lin_r(h)`` instead of ``h`` read again by a later task).
+
 Relaxed (``history=True``, ``semantics="relaxed"``, recorded in ``plan.relaxations``): GNNPipe's
 historical embeddings (§3.3): a chunk's propagation reads the chunks computed this step fresh and
 the later ones from the copy the reading rank kept of an earlier step (zeros before the first; the

@@ -25,10 +25,13 @@ point-to-point messages per chunk (:func:`gnncompile.passes.schedule.insert_mess
 live on the dense group (one gradient all-reduce over it); the sparse group holds no parameters.
 
 Supported: models whose propagations aggregate element-wise and read a value the dense group
-computes (GCN, GraphSAGE, GIN, GCNII). Refused with :class:`~gnncompile.errors.PlanningError`:
+computes (GCN, GraphSAGE, GIN, GCNII, APPNP: its mix after every step is a dense op). A model whose
+output is a propagation (README's ``MyGCN``) ends in an identity stage on the dense group
+(:func:`gather_output`): the loss is computed there, from the rows the sparse group sends, as it
+sends every other propagation's. Refused with :class:`~gnncompile.errors.PlanningError`:
 edge-wise ops (attention: MixGCN §5 names it a limitation of MoP), chained propagations without a
-T op between them (APPNP, SGC, decoupled models: a propagation reading another's output), a model
-whose output is a propagation, recomputation, sparse input features read by a propagation.
+T op between them (SGC, decoupled models: a propagation reading another's output), recomputation,
+sparse input features read by a propagation.
 
 Communication per step: every conversion moves each vertex's row once between the groups per
 direction, ``|V| x D`` elements (MixGCN Proposition 3.4: ``O(|V|)``, independent of the number of
@@ -37,6 +40,7 @@ devices), forward and backward when the value needs a gradient.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
@@ -47,16 +51,18 @@ from ..graph.core import Graph, GraphStats
 from ..graph.reorder import bandwidth, permute, rcm_order
 from ..graph.shard import dropout_positions, slice_rows
 from ..ir.plan import RankSizes, Schedule, converted_name
-from ..ir.tpgraph import TPGraph
+from ..ir.symbolic import Lin
+from ..ir.tpgraph import TPGraph, TPInfo
 from .chunked import Chunking, Group, Placement, chunk_bounds, chunk_graph, chunk_reads, propagation_scales, \
     stage_groups, stage_reads, with_reads
 from .driver import Job, Lowered, RankLowering
+from .infra import graph_pass
 from .lower import StagedModel, propagation_norms, requires_grad_values, source_input, split_stages, value_dims
 from .schedule import compute_deps, count_messages, insert_messages, list_schedule
 from .strategy import Strategy, StrategyOptions, option
 from .tensor import tensor_decisions
 
-__all__ = ["MopOptions", "lower_mop", "REORDERINGS", "STRATEGY"]
+__all__ = ["MopOptions", "lower_mop", "gather_output", "REORDERINGS", "STRATEGY"]
 
 REORDERINGS = ("none", "rcm")
 
@@ -143,9 +149,56 @@ def _check_model(tp: TPGraph, staged: StagedModel, groups: dict[int, str]) -> di
                                     "models) — not supported yet; use strategy='tensor'")
             sources.setdefault(st.index, set()).add(conv)
     out = staged.output
-    if out in staged.stage_of and groups[staged.stage_of[out]] != "rows":
-        raise PlanningError("strategy 'mop': the model's output is a propagation; not supported yet (use 'tensor')")
+    if out not in staged.stage_of or groups[staged.stage_of[out]] != "rows":
+        # lower_mop runs gather_output first, so the output is a dense stage's: a graph reaching here
+        # was split without it
+        raise PlanningError("strategy 'mop': the model's output is a propagation, which the dense group must "
+                            "receive in a stage of its own (gather_output); use strategy='tensor'")
     return sources
+
+
+def _ends_in_propagation(tp: TPGraph) -> bool:
+    """Whether ``tp`` returns the result of a P op."""
+    value = next(n for n in tp.graph.nodes if n.op == "output").args[0]
+    info = value.meta.get("tp") if isinstance(value, torch.fx.Node) else None
+    return isinstance(info, TPInfo) and info.kind == "P"
+
+
+@graph_pass(exact=True)
+def gather_output(tp: TPGraph) -> TPGraph:
+    """End a model whose output is a propagation (README's ``MyGCN``) in an identity T op.
+
+    ``mop`` computes the loss on the dense group, from a dense stage's output: a propagation's
+    result lives on the sparse group (its feature columns), so its rows must reach the dense group
+    as the input of a stage, as every other propagation's result does. A copy (``clone``) of the
+    output is that stage: the sparse group sends the output's chunks to the dense ranks like any
+    aggregation's result (the bytes of the last propagation's ``cols -> rows`` messages; the copy
+    costs one read and one write of the output on the dense rank).
+
+    Requires:
+        A verified TPGraph returning one tensor.
+    Ensures:
+        When the returned value is computed by a P op: the graph returns ``<output>_rows``, a
+        ``clone`` of it annotated T (the next layer, the output's rows, dims and dtype, no FLOPs, a
+        read and a write of the value, nothing saved). Otherwise the graph is unchanged.
+    Preserves:
+        The function and every gradient, bit for bit (a copy; its backward passes the gradient on).
+    """
+    graph = tp.graph
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    value = out_node.args[0]
+    if not _ends_in_propagation(tp):
+        return tp
+    info = value.meta["tp"]
+    with graph.inserting_before(out_node):
+        gathered = graph.create_node("call_method", "clone", (value,), name=f"{value.name}_rows")
+    size = info.rows * (math.prod(info.dims) * torch.empty(0, dtype=getattr(torch, info.dtype or "float32"))
+                        .element_size()) if info.rows is not None else Lin()
+    gathered.meta["tp"] = TPInfo(kind="T", layer=info.layer + 1, rows=info.rows, dims=info.dims, dtype=info.dtype,
+                                 bytes_read=size, bytes_written=size, op="clone (the output, gathered to rows)")
+    out_node.args = (gathered,)
+    tp.recompile()
+    return tp
 
 
 def _chunking(graph: Union[Graph, GraphStats], options: MopOptions) -> tuple[Chunking, Optional[Graph], dict]:
@@ -175,6 +228,10 @@ def lower_mop(job: Job, options: MopOptions) -> Lowered:
     """The ``mop`` lowering of ``job`` (module docstring)."""
     two = _groups(job.num_ranks, options)
     graph, stats, num_ranks = job.graph, job.stats, job.num_ranks
+    # a model ending in a propagation: its rows reach the dense group as a stage's input
+    if _ends_in_propagation(job.tp) or _ends_in_propagation(job.tp_eval):
+        job.tp = gather_output(job.tp, share_parameters=True)
+        job.tp_eval = gather_output(job.tp_eval, share_parameters=True)
 
     def split(t: TPGraph) -> tuple[StagedModel, dict[int, str], dict[int, set[str]]]:
         d = replace(tensor_decisions(t, "mop"), pure_stages=True)

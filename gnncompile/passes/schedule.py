@@ -395,7 +395,10 @@ class _CrossGroup:
         conv_out = {c.output: c for c in staged.conversions}
         self.producer = producer = {o: st.index for st in staged.stages for o in st.outputs}
         if staged.output not in producer:
-            raise PlanningError("the chunked lowering needs the model's output computed by a stage")
+            raise PlanningError(f"the chunked lowering needs the model's output computed by a stage, but "
+                                f"{staged.output!r} is a conversion's output (a lowering whose loss runs on "
+                                "another group than the output's producer ends the model in a stage there, as "
+                                "mop's gather_output does)")
         # every cross-group read
         edges: dict[tuple[str, int], _Edge] = {}
         for st in staged.stages:
