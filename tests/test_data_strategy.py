@@ -333,8 +333,10 @@ def test_cli_plan_and_run(tmp_path, capsys) -> None:
     import json
     rec = json.loads((tmp_path / "r.json").read_text())
     assert rec["ranks"] == 2 and len(rec["loss"]) == 2 and len(rec["bytes_sent"]) == 2
-    assert main(["plan", *small, "--gpus", "2", "--strategy", "split"]) == 1
-    assert "split: needs batch_size and fanouts" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # a usage error, before anything is loaded
+        main(["plan", *small, "--gpus", "2", "--strategy", "split"])
+    assert exit_.value.code == 2
+    assert "--strategy split needs --batch-size B and --fanouts" in capsys.readouterr().err
 
 
 def test_time_by_kind_groups_instructions() -> None:

@@ -956,6 +956,22 @@ def test_per_vertex_parameters_are_named_and_fx_prints_nothing(capfd: pytest.Cap
     assert capfd.readouterr().err == ""
 
 
+def test_per_edge_parameters_are_named() -> None:
+    """("edge_weight must have 71 rows, got [1800]" from a sample graph the user never made.)"""
+    class PerEdge(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(300))
+            self.lin = nn.Linear(F_IN, F_OUT)
+
+        def forward(self, g, x):
+            return ops.propagate(g, self.lin(x), edge_weight=self.w, norm="none")
+
+    with pytest.raises(TraceError, match=r"a row per edge of the graph \(w: \[300\]\): per-edge parameters "
+                                         r"and buffers are not supported.*gather_src"):
+        gc.trace(PerEdge(), gc.GraphStats(100, 300, F_IN, F_OUT))
+
+
 def test_dtype_follows_the_model() -> None:
     model = gc.nn.GCN(F_IN, HIDDEN, F_OUT).double()
     tp = gc.trace(model, gc.GraphStats(100, 300, F_IN, F_OUT))

@@ -1063,13 +1063,20 @@ def _annotate(model: torch.nn.Module, gm: torch.fx.GraphModule, stats: GraphStat
                 raise
             except Exception as exc:
                 hint = ""
-                per_vertex = [f"{name}: {list(t.shape)}" for name, t in itertools.chain(
-                    model.named_parameters(), model.named_buffers()) if t.dim() and t.shape[0] == stats.num_nodes > n]
+                held = list(itertools.chain(model.named_parameters(), model.named_buffers()))
+                per_vertex = [f"{name}: {list(t.shape)}" for name, t in held if t.dim() and t.shape[0] == stats.num_nodes > n]
+                per_edge = [f"{name}: {list(t.shape)}" for name, t in held if t.dim() and t.shape[0] == stats.num_edges > e]
                 if per_vertex:
                     hint = (f"; the model holds a row per vertex of the graph ({', '.join(per_vertex)}): per-vertex "
                             "parameters and buffers are not supported (a plan gives each rank its own vertices, and "
                             "the tracer runs the model on small sample graphs); feed such values as input features, "
                             "or compute them from the features")
+                elif per_edge:
+                    hint = (f"; the model holds a row per edge of the graph ({', '.join(per_edge)}): per-edge "
+                            "parameters and buffers are not supported (a plan gives each rank its own edges, and "
+                            "the tracer runs the model on small sample graphs); compute edge values from the "
+                            "endpoints' features (ops.gather_src / gather_dst), or pass fixed ones as the graph's "
+                            "edge_weight")
                 elif stats.num_features == 0:
                     hint = ("; the graph has no node features (num_features=0): trace with a Graph that has "
                             "x, or with GraphStats(num_features=...)")
