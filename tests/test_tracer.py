@@ -956,6 +956,47 @@ def test_per_vertex_parameters_are_named_and_fx_prints_nothing(capfd: pytest.Cap
     assert capfd.readouterr().err == ""
 
 
+def _ones_by_size(h, x):
+    return h * torch.ones(x.shape[0], 1, dtype=x.dtype)
+
+
+def _assigns_items(h, x):
+    h = h.clone()
+    h[:, :1] = 0.0
+    return h
+
+
+def _compares_a_size(h, x):
+    return h if x.size(1) > 2 else 2 * h
+
+
+@pytest.mark.parametrize("body, says", [
+    (_ones_by_size, r"a torch factory .* was given a size read from a tensor"),
+    (_assigns_items, r"item assignment .* compute the new value instead"),
+    (_compares_a_size, r"compares a size in Python: the features' width is a constant"),
+])
+def test_untraceable_lines_get_the_hint_for_what_they_do(body: Any, says: str) -> None:
+    """(They all got the data-dependent control flow hint, or none.)"""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(F_IN, F_OUT)
+
+        def forward(self, g, x):
+            return body(ops.propagate(g, self.lin(x), norm="gcn"), x)
+
+    with pytest.raises(TraceError, match=says):
+        gc.trace(Net(), gc.GraphStats(100, 300, F_IN, F_OUT))
+
+    class Fixed(Net):
+        def forward(self, g, x):
+            h = ops.propagate(g, self.lin(x), norm="gcn")
+            return h * h.new_ones(h.shape[0], 1)
+
+    assert gc.plan(Fixed(), gc.datasets.synthetic("sbm", num_nodes=60, avg_degree=4, num_features=F_IN,
+                                                  num_classes=F_OUT, seed=0), gpus=2, strategy="data").relaxations == ()
+
+
 def test_per_edge_parameters_are_named() -> None:
     """("edge_weight must have 71 rows, got [1800]" from a sample graph the user never made.)"""
     class PerEdge(nn.Module):

@@ -215,6 +215,10 @@ def _target_name(node: torch.fx.Node) -> str:
 # --------------------------------------------------------------------------- symbolic trace + checks
 _GRAPH_FIX = ("pass the graph only to gnncompile.ops primitives (propagate, gather_src, gather_dst, "
               "edge_softmax, aggregate); precompute graph-derived tensors outside the model")
+#: a torch tensor factory called on the line of a failed trace
+_FACTORY_CALL = re.compile(r"\btorch\.(ones|zeros|empty|full|rand|randn|randint|arange|linspace|eye)\(")
+#: a size read on the line of a failed trace
+_SIZE_READ = re.compile(r"\.size\(|\.shape\b|\.dim\(|\.numel\(")
 _DATA_DEPENDENT_FIX = ("data-dependent control flow: the model uses tensor values in Python (if, for, bool, "
                        "int), which a static operator graph cannot express; make control flow depend only on "
                        "constructor arguments, and use tensor ops such as torch.where for data-dependent choices")
@@ -291,6 +295,16 @@ def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
         g_name = next(iter(inspect.signature(model.forward).parameters), "g")
         if f"{g_name}." in code:
             hint = f"; the line reads an attribute of the graph input {g_name!r}: {_GRAPH_FIX}"
+        elif "item assignment" in lowered:
+            hint = ("; item assignment (h[...] = v) changes a traced value in place, which the operator graph "
+                    "cannot express: compute the new value instead (torch.where, masked_fill, torch.cat of slices)")
+        elif _FACTORY_CALL.search(code) and ("got (proxy" in lowered or "positional argument" in lowered):
+            hint = ("; a torch factory (torch.ones, zeros, rand...) was given a size read from a tensor: make the "
+                    "tensor from one instead (h.new_ones(h.shape[0], 1), torch.ones_like(h[:, :1]))")
+        elif "control flow" in lowered and _SIZE_READ.search(code):
+            hint = ("; the line compares a size in Python: the features' width is a constant of the model, so take "
+                    "it from the constructor (in_channels), and make per-vertex choices with tensor ops "
+                    "(torch.where)")
         elif any(k in lowered for k in ("control flow", "iterate", "bool", "proxy", "interpreted as an integer")):
             hint = f"; {_DATA_DEPENDENT_FIX}"
         else:
