@@ -1179,3 +1179,11 @@ def test_bad_arguments_raise_trace_error() -> None:
     featureless = gc.Graph.from_edge_index(torch.tensor([[0, 1], [1, 0]]), 2)
     with pytest.raises(TraceError, match=r"no node features \(num_features=0\)"):
         gc.trace(gc.nn.GCN(F_IN, HIDDEN, F_OUT), featureless)
+
+
+def test_from_pyg_of_a_graph_points_to_graph_from_pyg() -> None:
+    from types import SimpleNamespace
+
+    with pytest.raises(TraceError, match=r"got SimpleNamespace; a PyG graph \(it has edge_index\) converts with "
+                                         r"gnncompile\.Graph\.from_pyg\(data\)"):
+        gc.from_pyg(SimpleNamespace(edge_index=torch.zeros(2, 0, dtype=torch.long)))

@@ -591,7 +591,9 @@ def from_pyg(model: nn.Module, *, share_parameters: bool = False) -> PygConverte
     """
     pyg_nn, message_passing = _import_pyg()
     if not isinstance(model, nn.Module):
-        raise TraceError(f"from_pyg expects a torch.nn.Module, got {type(model).__name__}")
+        hint = ("; a PyG graph (it has edge_index) converts with gnncompile.Graph.from_pyg(data)"
+                if hasattr(model, "edge_index") else "")
+        raise TraceError(f"from_pyg converts a PyG model: expects a torch.nn.Module, got {type(model).__name__}{hint}")
     name = type(model).__name__
     if isinstance(model, message_passing):
         raise TraceError(f"from_pyg converts models, not a single {name}: wrap it in a module whose forward "
