@@ -238,9 +238,8 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     print()
     print(tp.summary())
     if args.dot:
-        with _writing(args.dot), open(args.dot, "w") as f:
-            f.write(tp.to_dot())
-        print(f"DOT written to {args.dot}")
+        _write_text(args.dot, tp.to_dot())
+        print(f"DOT written to {_shown(args.dot)}")
     return 0
 
 
@@ -249,9 +248,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(p)
     _report_plan(p, args)
     if args.save:
-        with _writing(args.save):
-            p.save(args.save)
-        print(f"plan written to {args.save}")
+        if isinstance(args.save, str):
+            with _writing(args.save):
+                p.save(args.save)
+        else:
+            _write_text(args.save, p.to_json())
+        print(f"plan written to {_shown(args.save)}")
     return 0
 
 
@@ -335,6 +337,22 @@ def _writing(path: Union[str, Path]) -> Any:
         raise
     except OSError as exc:
         raise GnnCompileError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
+def _write_text(target: Any, text: str) -> None:
+    """``--save``/``--dot``: ``text`` written to the file ``target``, or to ``target`` itself when it
+    is a stream (``-``: :func:`main` passes the standard output)."""
+    if isinstance(target, str):
+        with _writing(target), open(target, "w") as f:
+            f.write(text)
+        return
+    target.write(text if text.endswith("\n") else text + "\n")
+    target.flush()
+
+
+def _shown(target: Any) -> str:
+    """How an output is named in messages: its path, or ``standard output``."""
+    return target if isinstance(target, str) else "standard output"
 
 
 def _write_json(target: Any, data: dict) -> None:
@@ -497,14 +515,18 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Trace the model with torch.fx into the annotated T/P/E operator graph; "
                                     "print the per-op table and the per-layer summary.")
     _add_model_args(tr, MODELS)
-    tr.add_argument("--dot", default=None, metavar="PATH", help="also write Graphviz DOT to PATH")
+    tr.add_argument("--dot", default=None, metavar="PATH",
+                    help="also write Graphviz DOT to PATH (-: to standard output, the rest of the output then going "
+                         "to standard error)")
     tr.set_defaults(func=_cmd_trace)
 
     pl = sub.add_parser("plan", help="plan parallel training and print the plan",
                         description="Trace the model, lower it with a strategy over N ranks, print the per-rank plan.")
     _add_model_args(pl, MODELS)
     _add_plan_args(pl)
-    pl.add_argument("--save", default=None, metavar="PATH", help="also write the plan as JSON to PATH")
+    pl.add_argument("--save", default=None, metavar="PATH",
+                    help="also write the plan as JSON to PATH (-: to standard output, the rest of the output then "
+                         "going to standard error)")
     pl.set_defaults(func=_cmd_plan)
 
     r = sub.add_parser("run", help="plan, then train across ranks",
@@ -707,6 +729,8 @@ def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.A
 #: output-file flags (argparse dest -> flag) checked before anything is loaded
 _OUTPUTS = {"json": "--json", "save": "--save", "dot": "--dot", "timeline": "--timeline",
             "memory_plot": "--memory-plot", "out": "--out"}
+#: outputs that ``-`` sends to standard output
+_TO_STDOUT = ("json", "save", "dot")
 #: pictures: the file type follows the suffix
 _PICTURES = ("timeline", "memory_plot")
 #: outputs whose missing parent directories are created (``calibrate --out``)
@@ -739,7 +763,7 @@ def _check_outputs(error: Any, args: argparse.Namespace) -> None:
 
     for dest, flag in _OUTPUTS.items():
         path = getattr(args, dest, None)
-        if not isinstance(path, str) or (dest == "json" and path == "-"):  # (`datasets --json` is a switch)
+        if not isinstance(path, str) or (dest in _TO_STDOUT and path == "-"):  # (`datasets --json` is a switch)
             continue
         problem = _output_problem(path, parents_made=dest in _PARENTS_MADE)
         if problem is None and dest in _PICTURES:
@@ -795,9 +819,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if getattr(args, "resume", False) and args.checkpoint_dir is None:
         parser.error("--resume needs --checkpoint-dir DIR (the directory of the run's checkpoints)")
     _check_arguments(_command_parser(parser, args.command), args)
-    to_stdout = getattr(args, "json", None) == "-"
-    if to_stdout:  # `--json -`: the JSON alone on standard output, the tables and messages on standard error
-        args.json = sys.stdout
+    # `--json -` (`--save -`, `--dot -`; a command has one of them): that output alone on standard
+    # output, the rest on standard error
+    dashes = [dest for dest in _TO_STDOUT if getattr(args, dest, None) == "-"]
+    to_stdout = bool(dashes)
+    for dest in dashes:
+        setattr(args, dest, sys.stdout)
     try:
         with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
             return int(args.func(args) or 0)

@@ -364,6 +364,20 @@ def test_json_dash_is_standard_output(tmp_path: Path, monkeypatch: pytest.Monkey
         assert "(-: to standard output" in help_text
 
 
+def test_save_and_dot_dash_are_standard_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """(They wrote files named ``-``.)"""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["plan", *SMALL, "--gpus", "2", "--strategy", "data", "--save", "-"]) == 0
+    out, err = capsys.readouterr()
+    saved = tmp_path / "plan.json"
+    saved.write_text(out)
+    assert gc.load_plan(saved).strategy == "data" and "plan written to standard output" in err
+    assert cli.main(["trace", *SMALL, "--dot", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert out.lstrip().startswith("digraph") and "DOT written to standard output" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
 def test_version(capsys: Any) -> None:
     from importlib.metadata import version
 
