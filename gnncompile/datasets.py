@@ -29,7 +29,7 @@ import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -179,9 +179,7 @@ def load(
         When the name is found nowhere; the message lists the available names and every directory
         searched.
     """
-    if not isinstance(name_or_path, (str, os.PathLike)):
-        raise ArgumentError(f"name_or_path: expected a dataset name or a path, got {type(name_or_path).__name__} "
-                            f"{name_or_path!r}")
+    _check_name(name_or_path)
     text = os.fspath(name_or_path)
     path = Path(text)
     looks_like_path = isinstance(name_or_path, os.PathLike) or os.sep in text or text.endswith(".npz")
@@ -330,11 +328,16 @@ def _read_header(name: str, path: Path) -> DatasetInfo:
     )
 
 
-def locate(name_or_path: PathLike, *, root: Optional[PathLike] = None) -> Optional[Path]:
-    """The file or folder :func:`load` would read for ``name_or_path``, or ``None`` if there is none."""
+def _check_name(name_or_path: Any) -> None:
+    """Raise :class:`ArgumentError` unless ``name_or_path`` is a dataset name or a path."""
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise ArgumentError(f"name_or_path: expected a dataset name or a path, got {type(name_or_path).__name__} "
                             f"{name_or_path!r}")
+
+
+def locate(name_or_path: PathLike, *, root: Optional[PathLike] = None) -> Optional[Path]:
+    """The file or folder :func:`load` would read for ``name_or_path``, or ``None`` if there is none."""
+    _check_name(name_or_path)
     text = os.fspath(name_or_path)
     path = Path(text)
     if isinstance(name_or_path, os.PathLike) or os.sep in text or text.endswith(".npz"):

@@ -369,9 +369,9 @@ def pipeline_sources(tp: TPGraph, staged: StagedModel, labels: dict[int, str], s
                 raise PlanningError(f"strategy {strategy!r}: {op!r} reads {src.name!r} on the source side from inside "
                                     f"its own {unit}; its other chunks would not be computed yet")
             sources.setdefault(st.index, set()).add(name)
-    for u, made, read in crossing_values(tp, staged):
+    for u, made, read, space in crossing_values(tp, staged):
         info = nodes[u].meta["tp"]
-        if info.space == "-":  # no per-vertex or per-edge rows: a tuple of several values (one op's outputs)
+        if space == "-":  # no per-vertex or per-edge rows: a tuple of several values (one op's outputs)
             raise PlanningError(f"strategy {strategy!r}: {u!r} ({info.op or 'an op'}) is a tuple of several values, "
                                 f"computed in {unit} {made} and read in {unit} {read}; only tensors with one row "
                                 f"per vertex can cross {unit}s (index the tuple where it is computed)")
@@ -382,10 +382,10 @@ def pipeline_sources(tp: TPGraph, staged: StagedModel, labels: dict[int, str], s
     return sources
 
 
-def crossing_values(tp: TPGraph, staged: StagedModel) -> list[tuple[str, int, int]]:
+def crossing_values(tp: TPGraph, staged: StagedModel) -> list[tuple[str, int, int, str]]:
     """The values that are no per-vertex tensor (``V``-space) but cross stages: ``(value, producing
-    stage, reading stage)`` — edge values, and tuples (``-``: a recomputed segment's outputs before
-    their ``getitem``)."""
+    stage, reading stage, row space)`` — edge values, and tuples (``-``: a recomputed segment's
+    outputs before their ``getitem``)."""
     nodes = {n.name: n for n in tp.graph.nodes}
     producer = {o: s.index for s in staged.stages for o in s.outputs}
     out = []
@@ -394,15 +394,8 @@ def crossing_values(tp: TPGraph, staged: StagedModel) -> list[tuple[str, int, in
             node = nodes.get(u)
             info = node.meta.get("tp") if node is not None else None
             if u in producer and info is not None and getattr(info, "space", "V") != "V":
-                out.append((u, producer[u], st.index))
+                out.append((u, producer[u], st.index, info.space))
     return out
-
-
-def tp_space(tp: TPGraph, value: str) -> str:
-    """The row space of ``value`` in ``tp`` (``V``, ``E``..., ``-`` for none: a tuple or the graph)."""
-    node = next((n for n in tp.graph.nodes if n.name == value), None)
-    info = node.meta.get("tp") if node is not None else None
-    return getattr(info, "space", "V") if info is not None else "V"
 
 
 #: a stage pipeline's split of one model: the staged model, each stage's label (``rows``: T ops,
@@ -424,7 +417,7 @@ def split_pipeline(job: Job, decide: Callable[[TPGraph], Decisions], strategy: s
         return d, split_stages(tp, d)
 
     def tuple_crosses(tp: TPGraph, st: StagedModel) -> bool:
-        return any(tp_space(tp, u) == "-" for u, _, _ in crossing_values(tp, st))
+        return any(space == "-" for _, _, _, space in crossing_values(tp, st))
 
     def split(tp: TPGraph, d: Decisions, st: StagedModel) -> PipelineSplit:
         labels = {s: ("rows" if lab == "rows" else "cols") for s, lab in stage_groups(st, d.layout_of).items()}
