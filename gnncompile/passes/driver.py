@@ -232,11 +232,18 @@ def row_mixing_relaxations(tp: TPGraph, strategy: str, semantics: str, each: str
                    if (op, why) not in mixing]
     if not mixing:
         return []
+    what = "; ".join(f"{op}: {why}" for op, why in mixing)
+    return _refuse_or_record(strategy, semantics, f"{what}. Each {each} would use its own rows only; pass "
+                             f"semantics='relaxed' to accept per-{unit} statistics",
+                             f"per-{unit} statistics ({', '.join(op for op, _ in mixing)})")
+
+
+def _refuse_or_record(strategy: str, semantics: str, why: str, relaxation: str) -> list[str]:
+    """``[relaxation]``, what a relaxed plan records; under ``semantics="exact"`` a
+    :class:`PlanningError` saying why ``strategy`` is not exact for the model."""
     if semantics == "exact":
-        what = "; ".join(f"{op}: {why}" for op, why in mixing)
-        raise PlanningError(f"strategy {strategy!r} is not exact for this model: {what}. Each {each} would use its "
-                            f"own rows only; pass semantics='relaxed' to accept per-{unit} statistics")
-    return [f"per-{unit} statistics ({', '.join(op for op, _ in mixing)})"]
+        raise PlanningError(f"strategy {strategy!r} is not exact for this model: {why}")
+    return [relaxation]
 
 
 def _unreplicated_draws(tp: TPGraph, strategy: str, semantics: str) -> list[str]:
@@ -246,13 +253,12 @@ def _unreplicated_draws(tp: TPGraph, strategy: str, semantics: str) -> list[str]
     ops = unreplicated_draws(tp)
     if not ops:
         return []
-    if semantics == "exact":
-        raise PlanningError(f"strategy {strategy!r} is not exact for this model: {', '.join(ops)} draw(s) random "
-                            "numbers that dropout='replicated' does not replicate (it replicates F.dropout and "
-                            "nn.Dropout masks), so ranks seeded alike would draw the same numbers for different "
-                            "rows; use F.dropout, or pass dropout='local' (each rank its own stream) or "
-                            "semantics='relaxed'")
-    return [f"unreplicated random draws ({', '.join(ops)}): ranks seeded alike draw the same numbers"]
+    return _refuse_or_record(strategy, semantics,
+                             f"{', '.join(ops)} draw(s) random numbers that dropout='replicated' does not replicate "
+                             "(it replicates F.dropout and nn.Dropout masks), so ranks seeded alike would draw the "
+                             "same numbers for different rows; use F.dropout, or pass dropout='local' (each rank its "
+                             "own stream) or semantics='relaxed'",
+                             f"unreplicated random draws ({', '.join(ops)}): ranks seeded alike draw the same numbers")
 
 
 def _evaluation_draws(tp_eval: TPGraph, strategy: str, semantics: str) -> list[str]:
@@ -262,15 +268,14 @@ def _evaluation_draws(tp_eval: TPGraph, strategy: str, semantics: str) -> list[s
     ops = drawing_ops(tp_eval)
     if not ops:
         return []
-    if semantics == "exact":
-        dropout = any("dropout" in op for op in ops)
-        raise PlanningError(f"strategy {strategy!r} is not exact for this model: {', '.join(ops)} draw(s) random "
-                            "numbers in eval mode too" + (" (F.dropout(x, p) drops out unless given "
-                                                          "training=self.training)" if dropout else "")
-                            + ", and the ranks would evaluate with their own random streams; "
-                            + ("use training=self.training (nn.Dropout does), or " if dropout else "")
-                            + "pass dropout='local' (each rank its own stream) or semantics='relaxed'")
-    return [f"random draws in evaluation ({', '.join(ops)}): each rank draws its own"]
+    dropout = any("dropout" in op for op in ops)
+    return _refuse_or_record(strategy, semantics,
+                             f"{', '.join(ops)} draw(s) random numbers in eval mode too"
+                             + (" (F.dropout(x, p) drops out unless given training=self.training)" if dropout else "")
+                             + ", and the ranks would evaluate with their own random streams; "
+                             + ("use training=self.training (nn.Dropout does), or " if dropout else "")
+                             + "pass dropout='local' (each rank its own stream) or semantics='relaxed'",
+                             f"random draws in evaluation ({', '.join(ops)}): each rank draws its own")
 
 
 def lower(strategy: Strategy, tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module,
