@@ -109,6 +109,9 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
         raise PlanningError(f"unknown semantics {semantics!r}; valid: 'exact', 'relaxed'")
     if not isinstance(model, torch.nn.Module):
         raise PlanningError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise PlanningError(f"model: {type(model).__name__} has no trainable parameters, so there is nothing to "
+                            "train (plans are training plans)")
     if not isinstance(graph, (Graph, GraphStats)):
         raise PlanningError(f"graph: expected a gnncompile Graph or GraphStats, got {type(graph).__name__}")
     if options.get("batch_size") is not None and options.get("dropout") == "replicated":
@@ -171,6 +174,9 @@ def _check_picture(path: Union[str, Path]) -> None:
         image_path(path)
     except ValueError as exc:
         raise ArgumentError(f"path: {exc}") from None
+    parent = Path(path).expanduser().parent
+    if not parent.is_dir():
+        raise ArgumentError(f"path: cannot write {str(path)!r}: directory {str(parent)!r} does not exist")
 
 
 # --------------------------------------------------------------------------- runnable plans

@@ -1423,6 +1423,9 @@ class Prediction:
 
     @property
     def peak_memory(self) -> list[int]:
+        """Peak bytes per rank of a steady training step, resident data (graph, features,
+        parameters, optimizer state) included; a run measures the first step above what is
+        resident before it (:meth:`first_step_above_resident`)."""
         return [r.peak_memory for r in self.simulation.ranks]
 
     @property

@@ -72,9 +72,8 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
-import linecache
 import operator
-import traceback
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -85,7 +84,7 @@ from torch import nn
 
 from ..errors import TraceError
 from ..nn import layers as gnn
-from .tracer import bound_arguments, mode_difference
+from .tracer import bound_arguments, mode_difference, node_source, user_frame
 
 __all__ = ["from_pyg", "PygConverted", "SUPPORTED_CONVS"]
 
@@ -333,35 +332,10 @@ class _PygTracer(torch.fx.Tracer):
         return isinstance(m, self.message_passing) or super().is_leaf_module(m, module_qualified_name)
 
 
-def _user_frame(tb: Any) -> str:
-    """``file:line in fn: code`` of the innermost traceback frame outside torch and gnncompile."""
-    best = ""
-    for frame in traceback.extract_tb(tb):
-        f = frame.filename.replace("\\", "/")
-        if "/torch/" in f or "/gnncompile/" in f or f.startswith("<"):
-            continue
-        line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
-        best = f"{frame.filename}:{frame.lineno} in {frame.name}: {line}"
-    return best
-
-
-def _node_source(node: torch.fx.Node) -> str:
-    """The user's source line that created ``node`` (from fx's recorded stack trace), or ``""``."""
-    st = node.stack_trace or node.meta.get("stack_trace") or ""
-    lines = [ln for ln in st.strip().splitlines() if ln.strip()]
-    for i in range(len(lines) - 1, -1, -1):
-        line = lines[i].strip()
-        # fx may record its own frames after the user's; skip torch's and gnncompile's.
-        if line.startswith("File ") and "/torch/" not in line and "/gnncompile/" not in line:
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{line}: {code}"
-    return ""
-
-
 def _describe(node: torch.fx.Node) -> str:
     target = node.target if isinstance(node.target, str) else getattr(
         node.target, "__qualname__", getattr(node.target, "__name__", repr(node.target)))
-    src = _node_source(node)
+    src = node_source(node)
     return f"node {node.name!r} ({node.op} {target})" + (f", {src}" if src else "")
 
 
@@ -373,7 +347,7 @@ def _trace(root: nn.Module, tracer: _PygTracer, concrete: dict[str, Any]) -> tor
         raise
     except Exception as exc:  # fx's own errors, or PyG/user code misusing a Proxy
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        where = _user_frame(exc.__traceback__)
+        where = user_frame(exc.__traceback__)
         raise TraceError(
             f"cannot trace {name}.forward with torch.fx (PyG convs as leaves): {msg}"
             + (f" at {where}" if where else "")
@@ -447,6 +421,10 @@ def _mode_independent(train: torch.fx.Graph, evalg: torch.fx.Graph, root: nn.Mod
     hint = ("the converted model must compute the same graph of operations in both modes: use torch.nn.Dropout "
             "modules or F.dropout(x, p, training=self.training), not branches on self.training")
     diff = mode_difference(train, evalg)
+    if diff.kind == "graph" and re.search(r"\bdropout_(edge|adj|node|path)\(", diff.where):
+        raise TraceError(f"{model_name}.forward drops edges or nodes at random in training mode (first difference: "
+                         f"{diff.where}): the graph would change every step, and a plan partitions and propagates "
+                         "over one fixed graph; remove the edge dropout from forward")
     if diff.kind == "graph":
         raise TraceError(f"{model_name}.forward runs different operations in training and eval mode "
                          f"(first difference: {diff.where}); {hint}")

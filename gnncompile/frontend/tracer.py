@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import inspect
 import itertools
 import linecache
@@ -131,8 +132,12 @@ _REJECTED_METHODS: dict[str, tuple[str, str]] = {
 # gnncompile for errors raised while tracing.
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
-_TRACING_DIRS = (_TORCH_DIR, os.path.dirname(__file__) + os.sep, os.path.join(_PACKAGE_DIR, "ir") + os.sep)
-_LIBRARY_DIRS = (_TORCH_DIR, _PACKAGE_DIR)
+# PyTorch Geometric's frames are not the user's either (a PyG utility called from forward, traced
+# by from_pyg): found without importing it.
+_PYG_SPEC = importlib.util.find_spec("torch_geometric")
+_PYG_DIRS = tuple(os.path.join(d, "") for d in (_PYG_SPEC.submodule_search_locations or [])) if _PYG_SPEC else ()
+_TRACING_DIRS = (_TORCH_DIR, os.path.dirname(__file__) + os.sep, os.path.join(_PACKAGE_DIR, "ir") + os.sep) + _PYG_DIRS
+_LIBRARY_DIRS = (_TORCH_DIR, _PACKAGE_DIR) + _PYG_DIRS
 
 
 class GNNTracer(torch.fx.Tracer):
@@ -167,8 +172,9 @@ class GNNTracer(torch.fx.Tracer):
 
 
 # --------------------------------------------------------------------------- errors with context
-def _user_frame(tb: Any) -> str:
-    """The innermost frame of the traceback that is user code (not torch, not gnncompile)."""
+def user_frame(tb: Any) -> str:
+    """``file:line in fn: code`` of the innermost frame of the traceback that is user code (not
+    torch, PyG or gnncompile), or ``""``."""
     best = ""
     for frame in traceback.extract_tb(tb):
         f = frame.filename
@@ -182,8 +188,10 @@ def _user_frame(tb: Any) -> str:
 _FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
 
 
-def _node_source(node: torch.fx.Node) -> str:
-    """``file:line in fn: code`` of the user line that created ``node`` (same form as _user_frame)."""
+def node_source(node: torch.fx.Node) -> str:
+    """``file:line in fn: code`` of the user line that created ``node`` (same form as
+    :func:`user_frame`): the innermost frame of its recorded stack trace outside torch, PyG and
+    gnncompile's tracing (fx's own ``record_stack_traces`` ends in fx's frames), or ``""``."""
     st = node.stack_trace or node.meta.get("stack_trace")
     if not st:
         return ""
@@ -191,14 +199,14 @@ def _node_source(node: torch.fx.Node) -> str:
     # fx stack traces end with: File "...", line N, in fn \n    code
     for i in range(len(lines) - 1, -1, -1):
         m = _FRAME_RE.search(lines[i])
-        if m:
+        if m and not m["file"].startswith(_TRACING_DIRS):
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             return f"{m['file']}:{m['line']} in {m['fn']}: {code}"
-    return lines[-1].strip()
+    return ""
 
 
 def _trace_error(node: torch.fx.Node, what: str, fix: str) -> TraceError:
-    src = _node_source(node)
+    src = node_source(node)
     where = f" at {src}" if src else ""
     return TraceError(f"node {node.name!r} ({node.op} {_target_name(node)}): {what}{where}; {fix}")
 
@@ -288,7 +296,7 @@ def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
                     what = _graph_misuse(node, holders[0])
                     if what is not None:
                         raise _trace_error(node, what, _GRAPH_FIX) from exc
-        where = _user_frame(exc.__traceback__)
+        where = user_frame(exc.__traceback__)
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         lowered = msg.lower()
         code = where.split(": ", 1)[1] if ": " in where else ""
@@ -565,6 +573,10 @@ def _row_mixing(node: torch.fx.Node, rows: Optional[Lin], samples: list, probe: 
         return ""
     name = _ROW_NAMES["V" if "V" in spaces else "E"]
     if space not in _SAMPLE_ROWS:
+        if _stacks_on_dim0(node):
+            return (f"stacks values on the {name} along dim 0, which puts the {name} on dim 1: a rank holds only "
+                    f"its own {name}, on dim 0; stack along dim=-1 and reduce over dim=-1 instead (as PyG's "
+                    f"JumpingKnowledge does)")
         return f"takes its output rows from the {name} as a whole (output rows {space}: a reduction, slice or " \
                f"index over dim 0)"
     n0, e0, _ = samples[0]
@@ -579,6 +591,14 @@ def _row_mixing(node: torch.fx.Node, rows: Optional[Lin], samples: list, probe: 
     if not row_inputs or _elementwise(node, probe):
         return ""
     return _mixes_rows(probe, node, values, _SAMPLE_ROWS[space](n0, e0), row_inputs, _ROW_NAMES[space])
+
+
+def _stacks_on_dim0(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is ``torch.stack(values, dim=0)`` (the default dim)."""
+    if node.op != "call_function" or node.target is not torch.stack:
+        return False
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    return dim == 0
 
 
 #: functions, tensor methods and modules whose output elements each depend on the inputs' elements
@@ -868,7 +888,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _describe_node(node: torch.fx.Node) -> str:
-    src = _node_source(node)
+    src = node_source(node)
     return f"{node.op} {_target_name(node)} ({node.name})" + (f" at {src}" if src else "")
 
 

@@ -215,7 +215,9 @@ def _run(passes: list[GraphPass], tp: TPGraph, semantics: str, instruments: Iter
         return PassManager(passes, semantics=semantics, instruments=instruments)(tp)
     except PassError as e:
         cause = e.__cause__
-        raise PlanningError(str(cause) if isinstance(cause, PlanningError) else str(e)) from None
+        err = PlanningError(str(cause) if isinstance(cause, PlanningError) else str(e))
+        err.inexact = getattr(cause, "inexact", None)
+        raise err from None
 
 
 def row_mixing_relaxations(tp: TPGraph, strategy: str, semantics: str, each: str = "rank",
@@ -235,14 +237,21 @@ def row_mixing_relaxations(tp: TPGraph, strategy: str, semantics: str, each: str
     what = "; ".join(f"{op}: {why}" for op, why in mixing)
     return _refuse_or_record(strategy, semantics, f"{what}. Each {each} would use its own rows only; pass "
                              f"semantics='relaxed' to accept per-{unit} statistics",
-                             f"per-{unit} statistics ({', '.join(op for op, _ in mixing)})")
+                             f"per-{unit} statistics ({', '.join(op for op, _ in mixing)})",
+                             inexact=f"{what}. Each rank or chunk would use its own rows only; pass "
+                                     "semantics='relaxed' to accept its own statistics")
 
 
-def _refuse_or_record(strategy: str, semantics: str, why: str, relaxation: str) -> list[str]:
+def _refuse_or_record(strategy: str, semantics: str, why: str, relaxation: str,
+                      inexact: Optional[str] = None) -> list[str]:
     """``[relaxation]``, what a relaxed plan records; under ``semantics="exact"`` a
-    :class:`PlanningError` saying why ``strategy`` is not exact for the model."""
+    :class:`PlanningError` saying why ``strategy`` is not exact for the model, whose ``inexact``
+    attribute says it without naming the strategy (``inexact``, by default ``why``), so that a
+    search can say once what every strategy refused."""
     if semantics == "exact":
-        raise PlanningError(f"strategy {strategy!r} is not exact for this model: {why}")
+        err = PlanningError(f"strategy {strategy!r} is not exact for this model: {why}")
+        err.inexact = inexact or why
+        raise err
     return [relaxation]
 
 

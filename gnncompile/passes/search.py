@@ -98,6 +98,9 @@ class Evaluated:
     plan: Optional[Plan] = None
     prediction: Optional[Prediction] = None
     rejected: str = ""
+    #: why the model is not exact under the candidate's strategy, in words that do not name it
+    #: (``""`` when it was rejected for another reason)
+    inexact: str = ""
 
     @property
     def ok(self) -> bool:
@@ -682,6 +685,7 @@ def _evaluate(cand: Candidate, model: torch.nn.Module, graph: Union[Graph, Graph
         return ev
     except GnnCompileError as e:
         ev.rejected = f"cannot lower: {e}"
+        ev.inexact = getattr(e, "inexact", None) or ""
         return ev
     if semantics == "exact" and ev.plan.relaxations:
         ev.rejected = f"relaxed ({'; '.join(ev.plan.relaxations)}) but semantics='exact'"
@@ -741,12 +745,31 @@ def evaluate(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: C
     return ev
 
 
+def _reasons(rejected: list[Evaluated], shown: int = 6) -> str:
+    """Why the candidates ``rejected`` were: each distinct reason once, after the candidates it
+    rejected (the first ``shown`` reasons, then how many more)."""
+    by_reason: dict[str, list[Evaluated]] = {}
+    for e in rejected:
+        by_reason.setdefault(f"\0{e.inexact}" if e.inexact else e.rejected, []).append(e)
+    parts = []
+    for why, evs in list(by_reason.items())[:shown]:
+        cands = [e.candidate.describe() for e in evs]
+        who = cands[0] if len(cands) == 1 else f"{cands[0]} and {len(cands) - 1} more candidates"
+        if why.startswith("\0"):   # one strategy: its own words; several: once, naming them
+            names = list(dict.fromkeys(e.candidate.strategy for e in evs))
+            why = evs[0].rejected if len(names) == 1 else \
+                f"strategies {', '.join(map(repr, names))} are not exact for this model: {why[1:]}"
+        parts.append(f"{who}: {why}")
+    if len(by_reason) > shown:
+        parts.append(f"{len(by_reason) - shown} more reasons")
+    return "; ".join(parts)
+
+
 def _nothing_fits(result: SearchResult) -> str:
     """The error when no candidate fits: the closest one, by how much it overflows, and what would help."""
     measured = [e for e in result.rejected if e.prediction is not None]
     if not measured:
-        reasons = "; ".join(f"{e.candidate.describe()}: {e.rejected}" for e in result.rejected[:6])
-        return f"no candidate plan could be built: {reasons}"
+        return f"no candidate plan could be built: {_reasons(result.rejected)}"
     cap = result.cluster.rank_device(0).memory
     closest = min(measured, key=lambda e: e.peak_memory)
     over = closest.peak_memory - cap
