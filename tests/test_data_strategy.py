@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import time
 from typing import Callable
 
@@ -234,6 +235,33 @@ def test_functional_row_mixing_refused_by_every_strategy_under_exact(sbm: gc.Gra
     assert plan.semantics == "relaxed" and any(mix in r for r in plan.relaxations)
 
 
+class _JumpingKnowledgeMax(torch.nn.Module):
+    def __init__(self, fin: int, fout: int, dim: int) -> None:
+        super().__init__()
+        self.l1, self.l2, self.out, self.dim = torch.nn.Linear(fin, 8), torch.nn.Linear(8, 8), \
+            torch.nn.Linear(8, fout), dim
+
+    def forward(self, g, x):
+        h1 = ops.propagate(g, self.l1(x), norm="gcn").relu()
+        h2 = ops.propagate(g, self.l2(h1), norm="gcn").relu()
+        return self.out(torch.stack([h1, h2], dim=self.dim).max(dim=self.dim)[0])
+
+
+def test_stacking_layers_on_dim0_is_refused_once_with_the_form_that_plans(sbm: gc.Graph) -> None:
+    """``torch.stack(hs, dim=0)`` puts the vertices on dim 1: refused under exact with the
+    row-local form as a hint, said once for every candidate (not once per candidate), and that
+    form (stack and reduce on dim -1) plans exact."""
+    model = _JumpingKnowledgeMax(sbm.num_features, sbm.num_classes, 0).to(DT)
+    with pytest.raises(PlanningError) as info:
+        gc.plan(model, sbm, gpus=2)
+    msg = str(info.value)
+    assert re.search(r"no candidate plan could be built: \S+.* and \d+ more candidates: strategies 'data', 'tensor', "
+                     r"'mop', 'task', 'layer' are not exact for this model: stack: stacks values on the vertices along dim 0.*stack along dim=-1", msg), msg
+    assert msg.count("stacks values") == 1, msg
+    plan = gc.plan(_JumpingKnowledgeMax(sbm.num_features, sbm.num_classes, -1).to(DT), sbm, gpus=2)
+    assert plan.semantics == "exact"
+
+
 class _ScalesByVertexCount(torch.nn.Module):
     def __init__(self, fin: int, fout: int, how: str) -> None:
         super().__init__()
@@ -271,6 +299,9 @@ def test_planning_errors(sbm: gc.Graph) -> None:
         gc.plan(model, sbm, gpus=2, partitioner="nope")
     with pytest.raises(PlanningError, match="at least one rank"):
         gc.plan(model, sbm, gpus=0)
+    # planned, then every rank died in torch.optim.Adam ("empty parameter list")
+    with pytest.raises(PlanningError, match="has no trainable parameters"):
+        gc.plan(gc.nn.SGC(sbm.num_features, sbm.num_classes).requires_grad_(False), sbm, gpus=2)
     with pytest.raises(PlanningError, match="exceeds"):
         gc.plan(model, sbm, gpus=10_000)
     with pytest.raises(PlanningError, match="split: needs batch_size and fanouts"):
@@ -370,3 +401,13 @@ def test_measured_timeline_picture(sbm: gc.Graph, tmp_path) -> None:
     assert out.exists() and out.stat().st_size > 1000
     with pytest.raises(ValueError, match="step 7"):
         res.timeline(tmp_path / "x.png", step=7)
+
+
+def test_run_result_repr_is_one_line(sbm: gc.Graph) -> None:
+    """repr(result) was a dataclass dump of every rank's timeline (45 KB after 2 epochs, growing
+    with each): now one line saying what ran and how it went."""
+    res = gc.plan(model_for("gcn", sbm), sbm, gpus=2, strategy="data").run(3, progress=False)
+    text = repr(res)
+    assert "\n" not in text and len(text) < 300, text
+    assert text.startswith("RunResult(strategy='data', ranks=2, epochs=3, loss=") and "gloo" in text
+    assert repr(res.ranks[0]).endswith(f"timeline=<{len(res.ranks[0].timeline)} events>)")

@@ -289,3 +289,14 @@ def _ancestor(pid: int, ancestor: int) -> bool:
         if pid == ancestor:
             return True
     return False
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), "60", True, 0, -1])
+def test_timeout_that_is_not_a_finite_positive_number_is_refused_before_any_rank(timeout: object) -> None:
+    """NaN was a bare ValueError from int(nan) and a string a TypeError, after the ranks started."""
+    g = gc.datasets.synthetic("sbm", num_nodes=40, avg_degree=4, num_features=4, num_classes=2, seed=0)
+    plan = gc.plan(gc.nn.GCN(4, 4, 2), g, gpus=2, strategy="data")
+    with pytest.raises(gc.ArgumentError, match="timeout must be a finite number of seconds > 0"):
+        plan.run(1, timeout=timeout, progress=False)
+    with pytest.raises(gc.ArgumentError, match="timeout must be a finite number of seconds > 0"):
+        launch(lambda ctx: None, 1, timeout=timeout)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 pytest.importorskip("torch_geometric")
 
 import torch_geometric.nn as pnn  # noqa: E402
+import torch_geometric.utils as pyg_utils  # noqa: E402
 
 import gnncompile as gc  # noqa: E402
 from gnncompile import nn as gnn  # noqa: E402
@@ -494,8 +495,28 @@ class BranchesOnTraining(nn.Module):
 
 
 def test_mode_dependent_branch() -> None:
-    with pytest.raises(gc.TraceError, match="different operations in training and eval mode"):
+    """The message points at the user's line (fx's recorded stack ends in fx's own frames)."""
+    with pytest.raises(gc.TraceError, match="different operations in training and eval mode") as info:
         from_pyg(BranchesOnTraining())
+    assert f"{__file__}:" in str(info.value) and "x = x + torch.randn_like(x)" in str(info.value)
+    assert "torch/fx" not in str(info.value)
+
+
+class DropsEdges(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = pnn.GCNConv(D_IN, 4)
+
+    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
+        edge_index, _ = pyg_utils.dropout_edge(edge_index, p=0.2, training=self.training)
+        return self.conv(x, edge_index)
+
+
+def test_edge_dropout_is_named_at_the_users_line() -> None:
+    """PyG's dropout_edge changes the graph each step: refused as such, at the line calling it."""
+    with pytest.raises(gc.TraceError, match=r"drops edges or nodes at random.*one fixed graph") as info:
+        from_pyg(DropsEdges())
+    assert "pyg_utils.dropout_edge(edge_index" in str(info.value) and "torch_geometric/" not in str(info.value)
 
 
 class DataDependent(nn.Module):

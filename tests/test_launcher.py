@@ -388,6 +388,40 @@ def test_torchrun_main_tears_the_group_down_before_returning() -> None:
     assert r.stdout.strip() == "", f"gloo threads alive after torchrun_main returned: {r.stdout.strip()}"
 
 
+_LOST_PEER_SCRIPT = """
+import os, socket, sys
+from gnncompile.errors import RuntimeFailure
+from gnncompile.runtime.launcher import torchrun_main
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+def fn(ctx, message):
+    raise RuntimeError(message)
+
+for message in ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5",
+                "the rank's own bug"):
+    try:
+        torchrun_main(fn, (message,), backend="gloo", timeout=30)
+    except Exception as exc:
+        print(type(exc).__name__, "|", exc)
+"""
+
+
+def test_torchrun_rank_that_lost_its_peers_says_so() -> None:
+    """Under torchrun a surviving rank saw gloo's raw RuntimeError ("Connection closed by peer"):
+    a failed collective is now a RuntimeFailure saying another rank most likely failed; the
+    rank's own errors pass through unchanged."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", _LOST_PEER_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lost, own = r.stdout.strip().splitlines()
+    assert lost.startswith("RuntimeFailure | rank 0 of 1: a collective failed") and "another rank" in lost, lost
+    assert own == "RuntimeError | the rank's own bug", own
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and getrusage page faults")
 def test_launched_ranks_keep_their_heap() -> None:
     """A rank reuses the memory its last step freed: glibc's defaults return 4 MiB blocks to the

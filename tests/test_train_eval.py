@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -495,3 +496,44 @@ def test_data_plan_evaluates_like_gc_train() -> None:
     assert train_mode != [hist.train_acc[-1], hist.val_acc[-1]]
     for a, b in zip(res.history.loss, hist.loss):
         assert abs(a - b) < 1e-9
+
+
+class BatchNormPlanModel(nn.Module):
+    """A BatchNorm between two propagations: its running statistics are buffers the plan updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.bn, self.l2 = nn.Linear(F_IN + 1, HID), nn.BatchNorm1d(HID), nn.Linear(HID, C)
+
+    def forward(self, g, x):
+        h = torch.relu(self.bn(ops.propagate(g, self.l1(x), norm="gcn", add_self_loops=True)))
+        return ops.propagate(g, self.l2(h), norm="gcn", add_self_loops=True)
+
+
+@pytest.mark.parametrize("strategy", ["data", "mop"])
+def test_relaxed_plan_returns_and_checkpoints_buffers(tmp_path, strategy: str) -> None:
+    """BatchNorm's running statistics (relaxed plans: per-rank statistics) reach the user's model
+    after the run and the best state, and a resumed run continues from the checkpointed ones: its
+    evaluation and buffers equal an uninterrupted run's (they were the initial statistics before)."""
+    g = gc.datasets.synthetic("sbm", num_nodes=80, avg_degree=5, num_features=F_IN + 1, num_classes=C, seed=1)
+    g = g.replace(x=g.x.to(DT))
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return BatchNormPlanModel().to(DT)
+
+    m1 = model()
+    straight = gc.plan(m1, g, gpus=2, strategy=strategy, semantics="relaxed").run(
+        6, seed=0, progress=False, timeout=120, checkpoint_dir=tmp_path / "s", checkpoint_every=3)
+    assert int(m1.bn.num_batches_tracked) == 6 and not torch.equal(m1.bn.running_var, torch.ones(HID, dtype=DT))
+    best = straight.best_state_dict()
+    assert {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"} <= set(best)
+    assert int(best["bn.num_batches_tracked"]) == straight.history.best_epoch + 1
+    (tmp_path / "r").mkdir()
+    shutil.copytree(tmp_path / "s" / "epoch-3", tmp_path / "r" / "epoch-3")
+    m2 = model()
+    resumed = gc.plan(m2, g, gpus=2, strategy=strategy, semantics="relaxed").run(
+        6, seed=0, progress=False, timeout=120, checkpoint_dir=tmp_path / "r", resume=True)
+    assert resumed.history.val_acc == straight.history.val_acc and resumed.history.loss == straight.history.loss
+    for name, buf in m1.named_buffers():
+        assert torch.equal(dict(m2.named_buffers())[name], buf), name

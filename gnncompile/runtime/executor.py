@@ -54,7 +54,8 @@ from ..ir.rules import register_execute, rule
 from . import checkpoint as ckpt
 from .comm import Communicator, HaloSpec, Pending, note_progress, polls_by_default
 from .inputs import StepInputProvider, StepView
-from .launcher import Placement, RankContext, RankFailure, launch, resolve_placement, visible_gpus
+from .launcher import (Placement, RankContext, RankFailure, check_timeout, launch, resolve_placement,
+                       visible_gpus)
 from .memory import PeakMemory
 from .probe import probe
 from .trainer import History, ProgressLines, adam, check_training_args
@@ -112,6 +113,11 @@ class RankResult:
     #: everything derived from them and cached: :meth:`gnncompile.Graph.structure_bytes`)
     topology_bytes: int = 0
 
+    def __repr__(self) -> str:   # (the timeline holds every instruction of every step)
+        return (f"RankResult(rank={self.rank}, bytes_sent={self.bytes_sent}, bytes_received={self.bytes_received}, "
+                f"peak_memory={self.peak_memory}, num_owned={self.num_owned}, epochs={len(self.epoch_time)}, "
+                f"timeline=<{len(self.timeline)} events>)")
+
     def time_by_kind(self) -> dict[str, float]:
         """Total time per instruction kind (``F``, ``B``, ``HALO``, ``AR``...) over all steps."""
         out: dict[str, float] = {}
@@ -134,10 +140,22 @@ class RunResult:
     #: where the ranks ran and how they communicated (backend, rank -> device, host staging)
     placement: Optional[Placement] = None
 
+    def __repr__(self) -> str:   # one line: the plan, history and timelines print in full elsewhere
+        h = self.history
+        last = f", loss={h.loss[-1]:.4g}" if h.loss else ""
+        best = f", best_val_acc={h.best_val_acc:.4g} at epoch {h.best_epoch}" if h.best_epoch is not None else ""
+        where = f", {self.placement.describe()}" if self.placement is not None else ""
+        return (f"RunResult(strategy={self.plan.strategy!r}, ranks={len(self.ranks)}, epochs={len(h.loss)}"
+                f"{last}{best}{where})")
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:   # IPython
+        printer.text(repr(self))
+
     def best_state_dict(self) -> dict[str, torch.Tensor]:
-        """The parameters (by the model's names) at the epoch of the best validation accuracy
-        (``history.best_epoch``; on a resumed run, over all its epochs): ``model.load_state_dict(
-        result.best_state_dict(), strict=False)``. See :meth:`History.best_state_dict`."""
+        """The parameters and buffers (by the model's names; buffers as :func:`combine_buffers`
+        makes them) at the epoch of the best validation accuracy (``history.best_epoch``; on a
+        resumed run, over all its epochs): ``model.load_state_dict(result.best_state_dict(),
+        strict=False)``. See :meth:`History.best_state_dict`."""
         return self.history.best_state_dict()
 
     def describe_placement(self) -> str:
@@ -152,9 +170,15 @@ class RunResult:
         (Gantt chart: compute, communication, idle gaps; see :mod:`gnncompile.viz.timeline`)."""
         from ..viz.timeline import draw_timeline
 
-        return draw_timeline([r.timeline for r in self.ranks], path, step=step,
-                             title=f"{self.plan.strategy} plan on {self.plan.num_ranks} ranks: measured step "
-                                   f"{'last' if step is None else step}")
+        parent = Path(path).expanduser().parent
+        if not parent.is_dir():
+            raise ArgumentError(f"timeline: cannot write {str(path)!r}: directory {str(parent)!r} does not exist")
+        try:
+            return draw_timeline([r.timeline for r in self.ranks], path, step=step,
+                                 title=f"{self.plan.strategy} plan on {self.plan.num_ranks} ranks: measured step "
+                                       f"{'last' if step is None else step}")
+        except ValueError as exc:   # (viz raises ValueError: an unknown picture type, a step not run)
+            raise ArgumentError(f"timeline: {exc}") from None
 
     def comm_table(self) -> str:
         head = f"{'rank':>4}  {'owned':>8}  {'sent/step':>12}  {'recv/step':>12}  {'peak mem':>10}  {'step ms':>8}"
@@ -248,6 +272,8 @@ class _Rank:
 
     def __init__(self, prog: RankProgram, ctx: RankContext, provider: StepInputProvider) -> None:
         self.prog = prog
+        #: this rank's buffers (:func:`run_buffers`) at the best validation epoch so far
+        self.best_buffers: dict[str, torch.Tensor] = {}
         self.ctx = ctx
         self.provider = provider
         self.comm = Communicator(ctx.rank, ctx.world_size, stage_through_host=ctx.stage_through_host,
@@ -1103,6 +1129,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
             if do_eval and not math.isnan(val) and val > best["val"]:  # the first epoch of the best accuracy
                 best.update(val=val, epoch=epoch, params={n: p.detach().cpu().clone()
                                                           for n, p in zip(prog.param_names, params) if n in owned})
+                rank.best_buffers = {n: b.detach().cpu().clone() for n, b in run_buffers(prog).items()}
             if patience is not None and do_eval and \
                     epoch - (-1 if best["epoch"] is None else best["epoch"]) >= patience:
                 stopped_at = epoch  # every rank sees the same (reduced) accuracies, so all stop here
@@ -1129,7 +1156,8 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
         int(prog.step.inputs["g"].num_nodes),
         "pid": os.getpid(), "stopped_at": stopped_at, "checkpoint_time": checkpoint_time,
         "restore_time": restore_time,
-        "best": {"epoch": best["epoch"], "val": best["val"], "params": best["params"]},
+        "best": {"epoch": best["epoch"], "val": best["val"], "params": best["params"], "buffers": rank.best_buffers},
+        "buffers": {n: b.detach().cpu().clone() for n, b in run_buffers(prog).items()},
     }
     if capture:
         out["captured"] = captured
@@ -1152,6 +1180,53 @@ def _restore_stale(rank: "_Rank", tensors: dict[str, torch.Tensor]) -> None:
 
 # relaxed plans' stale reads: the historical embeddings (and gradients) of chunks not computed yet
 ckpt.register_rank_state("stale", _stale_state, _restore_stale)
+
+
+def run_buffers(prog: RankProgram) -> dict[str, torch.Tensor]:
+    """The model's buffers (BatchNorm's running statistics...) that this rank's training step
+    updates, by their names in the user's model: those of the stage modules its ``Forward`` and
+    ``Recompute`` instructions run (stage modules keep the model's module paths). Each rank that
+    runs a module holds its own values of its buffers (only relaxed plans normalize by a rank's or
+    a chunk's rows)."""
+    stages = sorted({i.stage for i in prog.instructions if isinstance(i, (Forward, Recompute))})
+    out: dict[str, torch.Tensor] = {}
+    for s in stages:
+        for n, b in prog.modules[s].named_buffers():
+            out.setdefault(n, b)
+    return out
+
+
+def combine_buffers(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One value per buffer from the ranks that run its module (``per_rank``: each rank's
+    :func:`run_buffers` values): the mean over them for floating buffers (running statistics), the
+    first rank's for others (``num_batches_tracked``, the same on each)."""
+    names: dict[str, list[torch.Tensor]] = {}
+    for bufs in per_rank:
+        for n, t in bufs.items():
+            names.setdefault(n, []).append(t)
+    return {n: torch.stack(ts).mean(0).to(ts[0].dtype) if ts[0].is_floating_point() else ts[0].clone()
+            for n, ts in names.items()}
+
+
+def _buffer_state(rank: "_Rank") -> dict[str, torch.Tensor]:
+    return {**{f"now/{n}": b for n, b in run_buffers(rank.prog).items()},
+            **{f"best/{n}": b for n, b in rank.best_buffers.items()}}
+
+
+def _restore_buffers(rank: "_Rank", tensors: dict[str, torch.Tensor]) -> None:
+    now = run_buffers(rank.prog)
+    rank.best_buffers = {}
+    with torch.no_grad():
+        for key, t in tensors.items():
+            kind, name = key.split("/", 1)
+            if kind == "best":
+                rank.best_buffers[name] = t.cpu()
+            elif name in now:
+                now[name].copy_(t)
+
+
+# the model's buffers this rank updates (its own running statistics) and their values at the best epoch
+ckpt.register_rank_state("buffers", _buffer_state, _restore_buffers)
 
 
 def _save_rank(rank: "_Rank", optimizer: torch.optim.Optimizer, options: ckpt.CheckpointOptions, done: int,
@@ -1276,9 +1351,20 @@ def plan_placement(plan: Plan, device: Any = None, backend: Optional[str] = None
     before anything starts; raises :class:`~gnncompile.RuntimeFailure` for an impossible request).
     See :func:`~gnncompile.runtime.launcher.resolve_placement`; a ``device`` left ``None`` is
     ``$GNNCOMPILE_DEVICE`` when set (e.g. ``cpu`` on a GPU machine), else chosen automatically."""
-    if device is None:
-        device = default_device()
-    return resolve_placement(plan.num_ranks, visible_gpus(), device, backend, stage_through_host)
+    return _placement(plan.num_ranks, device, backend, stage_through_host)
+
+
+def _placement(num_ranks: int, device: Any, backend: Optional[str], stage_through_host: Optional[Any] = None
+               ) -> Placement:
+    """:func:`~gnncompile.runtime.launcher.resolve_placement` on this machine's GPUs, ``device``
+    ``None`` read from ``$GNNCOMPILE_DEVICE`` (a refusal then names the variable)."""
+    if device is not None or default_device() is None:
+        return resolve_placement(num_ranks, visible_gpus(), device, backend, stage_through_host)
+    try:
+        return resolve_placement(num_ranks, visible_gpus(), default_device(), backend, stage_through_host)
+    except RuntimeFailure as exc:
+        raise RuntimeFailure(f"$GNNCOMPILE_DEVICE={default_device()!r} (the device of runs that name none): {exc}; "
+                             "or unset GNNCOMPILE_DEVICE") from None
 
 
 def default_device() -> Optional[str]:
@@ -1334,11 +1420,13 @@ def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: floa
     :class:`~gnncompile.RuntimeFailure` naming why. On another number of ranks the parameters and
     optimizer state are re-sharded (stored by name); random streams follow rank 0's for plans with
     replicated dropout masks and are fresh for other ranks, and checkpoints with per-rank state
-    (stale chunks) are refused. When a rank fails, the :class:`RankFailure`'s message ends with a
+    (stale chunks; the model's buffers, such as BatchNorm's running statistics, which each rank
+    keeps for the rows it normalizes) are refused. When a rank fails, the :class:`RankFailure`'s message ends with a
     line saying how to resume. ``patience``: stop after this many epochs without a higher
     validation accuracy (``history.stopped_at`` says where). ``result.best_state_dict()`` gives
     the parameters at the best validation accuracy.
     """
+    check_timeout(timeout)
     options, run_options = _prepare_run(plan, epochs, lr, weight_decay, capture=capture,
                                         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                                         resume=resume, patience=patience)
@@ -1410,12 +1498,14 @@ def _run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: flo
     operations (see :class:`~gnncompile.runtime.comm.Communicator`; for tests).
     ``timeout`` bounds every collective and receive: a rank that raises or dies makes the run
     raise :class:`~gnncompile.RuntimeFailure` naming it, and no process is left behind.
-    With ``update_model`` the user's model receives the trained parameters. ``capture`` returns the
+    With ``update_model`` the user's model receives the trained parameters and buffers (a buffer
+    updated on several ranks: :func:`combine_buffers`, the mean of running statistics). ``capture`` returns the
     first step's logits and gradients (for checks against the single-device reference).
     ``fail_at=(rank, epoch)`` injects a failure (for testing fault handling). ``progress``: rank 0
     prints a progress line to stderr about every 10 s (runs shorter than that print nothing).
     """
     check_training_args(epochs, lr, weight_decay)
+    check_timeout(timeout)
     placement = plan_placement(plan, device, backend, stage_through_host)
     programs: list[RankProgram] = plan.program
     if placement.device_type == "cpu":
@@ -1441,6 +1531,7 @@ def _run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: flo
     if results[0]["best"]["epoch"] is not None:  # each parameter from its owner
         history._best_state = {n: results[p0.placement.holder(n)]["best"]["params"][n]
                                for n in p0.param_names}
+        history._best_state.update(combine_buffers([r["best"]["buffers"] for r in results]))
     ranks = []
     for r in results:
         ranks.append(RankResult(
@@ -1457,6 +1548,15 @@ def _run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: flo
                 owner = programs[0].placement.holder(name)
                 if name in results[owner].get("params", {}):
                     p.copy_(results[owner]["params"][name])
+            # the stage modules share the user's modules (and buffers) in this process
+            targets: dict[str, torch.Tensor] = {}
+            for prog in programs:
+                for m in (*prog.modules.values(), *prog.eval_modules.values()):
+                    for n, b in m.named_buffers():
+                        targets.setdefault(n, b)
+            for n, t in combine_buffers([r["buffers"] for r in results]).items():
+                if n in targets:
+                    targets[n].copy_(t)
     return RunResult(history=history, ranks=ranks, plan=plan, captured=captured, placement=placement)
 
 
@@ -1510,6 +1610,7 @@ def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_de
     from .launcher import torchrun_main
 
     check_training_args(epochs, lr, weight_decay)
+    check_timeout(timeout)
     world = int(os.environ.get("WORLD_SIZE", "0"))
     if not world:
         raise RuntimeFailure(f"not started by torchrun (WORLD_SIZE is unset): launch this under torchrun with "
@@ -1524,7 +1625,7 @@ def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_de
                                         create=False, missing_note=ckpt.SHARED_FS)
     programs: list[RankProgram] = plan.program
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    placement = resolve_placement(local_world, visible_gpus(), default_device() if device is None else device, backend)
+    placement = _placement(local_world, device, backend)
 
     def main(ctx: RankContext) -> dict:
         if options is not None:
@@ -1541,8 +1642,14 @@ def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_de
     last = None if options is None else ckpt.latest(options.directory)
     if last is not None and r["best"]["epoch"] is not None:  # each owner wrote its best parameters there
         names = programs[0].param_names
-        best = ckpt.load_tensors(last, lambda k: k.startswith("best/") and k[5:] in names, distributed=False)
+        best = ckpt.load_tensors(last, lambda k: (k.startswith("best/") and k[5:] in names)
+                                 or k.split("/")[1:3] == ["buffers", "best"], distributed=False)
         history._best_state = {n: best[f"best/{n}"] for n in names if f"best/{n}" in best}
+        per_rank: dict[str, dict[str, torch.Tensor]] = {}
+        for k, t in best.items():
+            if not k.startswith("best/"):   # rank<r>/buffers/best/<name>
+                per_rank.setdefault(k.split("/")[0], {})[k.split("/", 3)[3]] = t
+        history._best_state.update(combine_buffers(list(per_rank.values())))
         ckpt.write_best(options.directory, history._best_state, r["best"]["epoch"], r["best"]["val"])
     rank = RankResult(rank=0, bytes_sent=sum(r["sent_to"].values()), bytes_received=sum(r["received_from"].values()),
                       sent_to=r["sent_to"], received_from=r["received_from"], comm=r["comm"],

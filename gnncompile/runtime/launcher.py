@@ -81,6 +81,7 @@ import contextlib
 import ctypes
 import faulthandler
 import importlib
+import math
 import multiprocessing.connection
 import multiprocessing.util
 import os
@@ -174,6 +175,13 @@ class RankFailure(RuntimeFailure):
         self.stopped = stopped
 
 
+def check_timeout(timeout: Any) -> None:
+    """Refuse a ``timeout`` that is not a finite number of seconds > 0 (:class:`ArgumentError`)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        raise ArgumentError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+
+
 def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: Optional[str] = None,
            device: Optional[str] = None, placement: Optional[Placement] = None, timeout: float = 300.0,
            threads_per_rank: Optional[int] = None, inline: bool = False,
@@ -201,8 +209,7 @@ def launch(fn: Callable[..., T], world_size: int, args: tuple = (), *, backend: 
     """
     if world_size < 1:
         raise ArgumentError(f"world_size must be >= 1, got {world_size}")
-    if timeout <= 0:
-        raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
+    check_timeout(timeout)
     if threads_per_rank is not None and threads_per_rank < 1:
         raise ArgumentError(f"threads_per_rank must be >= 1, got {threads_per_rank}")
     if inline:
@@ -299,12 +306,16 @@ def torchrun_main(fn: Callable[..., T], args: tuple = (), *, backend: Optional[s
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (and ``LOCAL_WORLD_SIZE``), ``MASTER_ADDR`` and
     ``MASTER_PORT`` as torchrun sets them and joins the group with ``init_method="env://"``.
     ``backend``: ``None`` picks NCCL when this machine has a GPU per local rank, else gloo;
-    ``device`` and ``placement`` as for :func:`launch`, over this machine's local ranks. Exceptions propagate (torchrun tears the other processes down); the group is destroyed on
-    every path.
+    ``device`` and ``placement`` as for :func:`launch`, over this machine's local ranks.
+    Exceptions propagate (torchrun tears the other processes down), except that a failed
+    collective (a peer that exited or stopped, a lost connection: ``torch.distributed``'s
+    ``DistError`` or gloo's transport errors) becomes a :class:`RuntimeFailure` saying this rank
+    lost its peers and that their output names the cause; the group is destroyed on every path.
     """
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeFailure(f"not started by torchrun: environment variable(s) {', '.join(missing)} unset")
+    check_timeout(timeout)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
@@ -323,8 +334,22 @@ def torchrun_main(fn: Callable[..., T], args: tuple = (), *, backend: Optional[s
         # active exception", about one run in five of two gloo ranks)
         dist.barrier()
         return result
+    except RuntimeError as exc:
+        if not _lost_peers(exc):
+            raise
+        head = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RuntimeFailure(f"rank {rank} of {world_size}: a collective failed ({head}); another rank has most "
+                             f"likely failed or stopped (its output, or torchrun's summary, names the cause)") from exc
     finally:
         dist.destroy_process_group()
+
+
+def _lost_peers(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed collective rather than an error of the rank's own work:
+    ``torch.distributed``'s ``DistError`` (NCCL, stores, timeouts) or gloo's transport errors,
+    which reach Python as a plain ``RuntimeError`` naming gloo's source."""
+    return isinstance(exc, dist.DistError) or "gloo/transport" in str(exc) or "Connection reset by peer" in str(exc) \
+        or "Connection closed by peer" in str(exc)
 
 
 def _context() -> Any:

@@ -1,0 +1,41 @@
+"""Bad arguments to the result and plan objects' methods raise the project's own errors.
+
+A reviewer found built-in ``ValueError``/``FileNotFoundError`` escaping where the neighbouring
+methods raise :class:`gnncompile.ArgumentError`: a measured timeline with an unknown picture type
+or a step that never ran, and pictures into a directory that does not exist (the files were never
+written, after the drawing's work).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import gnncompile as gc
+
+
+@pytest.fixture(scope="module")
+def run() -> Any:
+    g = gc.datasets.synthetic("sbm", num_nodes=40, avg_degree=4, num_features=4, num_classes=2, seed=0)
+    plan = gc.plan(gc.nn.GCN(4, 4, 2), g, gpus=2, strategy="data")
+    return plan.run(2, progress=False)
+
+
+def test_measured_timeline_refuses_bad_arguments(run: Any, tmp_path: Path) -> None:
+    with pytest.raises(gc.ArgumentError, match="unsupported picture file type"):
+        run.timeline(str(tmp_path / "t.xyz"))
+    with pytest.raises(gc.ArgumentError, match="no events recorded for step 99"):
+        run.timeline(str(tmp_path / "t.png"), step=99)
+    with pytest.raises(gc.ArgumentError, match="does not exist"):
+        run.timeline(str(tmp_path / "missing" / "t.png"))
+    assert not (tmp_path / "missing").exists()
+    run.timeline(str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_plan_pictures_into_a_missing_directory_are_refused(run: Any, tmp_path: Path) -> None:
+    for draw in (run.plan.timeline, run.plan.memory_plot):
+        with pytest.raises(gc.ArgumentError, match="does not exist"):
+            draw(str(tmp_path / "missing" / "p.png"))
