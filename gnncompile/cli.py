@@ -23,8 +23,9 @@ import math
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from .errors import GnnCompileError
 
@@ -228,6 +229,15 @@ def _report_plan(p, args: argparse.Namespace) -> None:
             print(f"memory plot written to {p.memory_plot(args.memory_plot)}")
 
 
+def _vertices_held(p: Any, r: Any) -> int:
+    """The run table's "vertices" of rank ``r`` (a ``RankResult``): the whole graph's where the plan
+    has the rank work on all vertices (``RankSizes.all_nodes``: feature columns, tasks, stages),
+    else the rows it owns (the runtime's ``num_owned``: the vertices it scores, 0 on a rank that
+    scores none although it holds the whole graph)."""
+    sizes = p.ranks[r.rank].sizes
+    return max(r.num_owned, sizes.all_nodes or 0)
+
+
 def _cmd_trace(args: argparse.Namespace) -> int:
     from .frontend.tracer import trace
 
@@ -303,7 +313,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     halo = p.info.get("halo_rows", [])
     for r in res.ranks:
         ts = sorted(r.epoch_time[1:] or r.epoch_time)
-        comm.add_row(str(r.rank), f"{r.num_owned:,}", f"{halo[r.rank]:,}" if r.rank < len(halo) else "-",
+        comm.add_row(str(r.rank), f"{_vertices_held(p, r):,}", f"{halo[r.rank]:,}" if r.rank < len(halo) else "-",
                      f"{r.bytes_sent:,}", f"{r.bytes_received:,}", f"{p.predictions['bytes_sent'][r.rank]:,}",
                      f"{r.peak_memory / 2**20:.1f} MiB", f"{ts[len(ts) // 2] * 1e3:.1f} ms" if ts else "-")
     console.print(comm)
@@ -357,12 +367,13 @@ def _shown(target: Any) -> str:
 
 def _write_json(target: Any, data: dict) -> None:
     """``--json``: ``data`` written to the file ``target``, or to ``target`` itself when it is a stream
-    (``--json -``: :func:`main` passes the standard output, the other output going to standard error)."""
+    (``--json -``: :func:`main` passes the standard output, the other output going to standard error);
+    values JSON has no type for are written as their ``str``."""
     if isinstance(target, str):
         with _writing(target), open(target, "w") as f:
-            json.dump(data, f, indent=1)
+            json.dump(data, f, indent=1, default=str)
         return
-    json.dump(data, target, indent=1)
+    json.dump(data, target, indent=1, default=str)
     target.write("\n")
     target.flush()
 
@@ -455,9 +466,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         path = args.out or cluster.save(default_gpu_profile_path(cluster.calibration["model"]))
     print(cluster)
     cal = getattr(cluster, "calibration", None) or {}
-    if cal:
-        print(json.dumps(cal, indent=1, default=str))
+    if args.json:
+        _write_json(args.json, cal)
     if args.device == "cpu":
+        print("\n".join(_cpu_calibration_summary(cal)))
         if Path(path).expanduser().resolve() == default_profile_path().expanduser().resolve():
             print(f"profile written to {path}; plans for '<N>xcpu' clusters use it")
         else:
@@ -477,6 +489,29 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"profile written to {path}; plans for '<N>x{model}' clusters use it"
           + ("" if cal.get("preset") else f" when passed as their profile (no preset is a {model})"))
     return 0
+
+
+def _cpu_calibration_summary(cal: dict[str, Any]) -> list[str]:
+    """What ``calibrate`` measured on the CPU, in a few lines: the key rates at one thread and at
+    all cores, the per-op overhead and the collectives' fit (the whole record: ``--json``, or the
+    profile file)."""
+    rates, threads = cal["rates"], cal["threads"]
+
+    def pair(key: str, scale: float) -> str:  # (one thread / all cores)
+        return " / ".join(f"{v / scale:.3g}" for v in rates[key])
+
+    flops = ", ".join(f"{dtype} {' / '.join(f'{v / 1e9:.3g}' for v in values)} GFLOP/s"
+                      for dtype, values in rates["flops"].items())
+    comm = cal["collectives"]
+    return [f"measured{' (quick)' if cal.get('quick') else ''} on {cal['host']}, torch {cal['torch']}; rates at "
+            f"{' / '.join(str(t) for t in threads)} thread(s):",
+            f"  GEMM {flops}",
+            f"  memory {pair('mem_bandwidth', 1e9)} GB/s; SpMM {pair('spmm_bandwidth', 1e9)} GB/s, "
+            f"{pair('edge_rate', 1e9)} G edges/s",
+            f"  per op {cal['op_overhead']['seconds'] * 1e6:.3g} us; collectives ({comm['backend']}, "
+            f"{comm['world_size']} ranks): latency {comm['latency'] * 1e6:.3g} us, bandwidth "
+            f"{comm['bandwidth'] / 1e9:.3g} GB/s",
+            "  (every measurement: the profile file, or --json PATH)"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -514,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("trace", help="trace a model and print its T/P operator graph",
                         description="Trace the model with torch.fx into the annotated T/P/E operator graph; "
                                     "print the per-op table and the per-layer summary.")
-    _add_model_args(tr, MODELS)
+    _add_model_args(tr, MODELS, training=False)
     tr.add_argument("--dot", default=None, metavar="PATH",
                     help="also write Graphviz DOT to PATH (-: to standard output, the rest of the output then going "
                          "to standard error)")
@@ -522,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="plan parallel training and print the plan",
                         description="Trace the model, lower it with a strategy over N ranks, print the per-rank plan.")
-    _add_model_args(pl, MODELS)
+    _add_model_args(pl, MODELS, training=False)
     _add_plan_args(pl)
     pl.add_argument("--save", default=None, metavar="PATH",
                     help="also write the plan as JSON to PATH (-: to standard output, the rest of the output then "
@@ -562,6 +597,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default=None, metavar="PATH",
                    help="where to save the profile (default: ~/.cache/gnncompile/cpu_profile.json, or "
                         "$GNNCOMPILE_PROFILE; a GPU's: gpu_profile-<model>.json in that file's directory)")
+    c.add_argument("--json", default=None, metavar="PATH",
+                   help="also write every measurement as JSON to PATH (-: to standard output, the rest of the "
+                        "output then going to standard error)")
     c.set_defaults(func=_cmd_calibrate)
 
     d = sub.add_parser("datasets", help="list available datasets", description="List the datasets found locally.")
@@ -580,13 +618,42 @@ def _first_sentence(text: str) -> str:
     return text.split(". ")[0].rstrip(".")
 
 
+#: metavars of the strategies' integer options (others: N)
+_METAVARS = {"batch_size": "B", "chunks": "K", "subgraph_chunks": "K", "stages": "S"}
+#: a trailing note in a strategy's help that states its default: "(default 4 per rank)",
+#: "(default: one stage per rank)", "(...; half when not given)"
+_DEFAULT_NOTE = re.compile(r"^(?:default:?\s+(?P<lead>.+)|(?P<trail>.+?)\s+when not given)$")
+
+
+def _split_default(text: str) -> tuple[str, Optional[str]]:
+    """A strategy option's help ``text`` without the default its trailing parenthesis states, and
+    that default (``None``: it states none): ``"chunks (default 4 per rank)"`` ->
+    ``("chunks", "4 per rank")``; ``"ranks (the rest ...; half when not given)"`` -> ``("ranks (the rest ...)", "half")``."""
+    m = re.search(r"\s*\(([^()]*)\)$", text)
+    if m is None:
+        return text, None
+    kept, note = [], None
+    for part in m.group(1).split("; "):
+        d = _DEFAULT_NOTE.match(part)
+        if d is None:
+            kept.append(part)
+        else:
+            note = d.group("lead") or d.group("trail")
+    if note is None:
+        return text, None
+    return text[:m.start()] + (f" ({'; '.join(kept)})" if kept else ""), note
+
+
+def _strategy_flag(name: str) -> str:
+    """The command-line flag of the strategy option ``name`` (``partitioner`` -> ``--partitioner``)."""
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
 def _add_strategy_options(p: argparse.ArgumentParser) -> None:
     """One flag per strategy option the registered strategies declare (their declarations' kinds,
     choices and documentation); an option not given is searched (or, with a named strategy and a
-    pinned option, takes its default)."""
-    from .passes.registry import option_specs
-
-    from .passes.registry import STRATEGIES
+    pinned option, takes its default). Each flag's help states its default once."""
+    from .passes.registry import STRATEGIES, option_specs
 
     tried: dict[str, set] = {}  # what the strategies' search spaces vary
     for strat in STRATEGIES.values():
@@ -597,27 +664,31 @@ def _add_strategy_options(p: argparse.ArgumentParser) -> None:
         if name in _SHARED_OPTIONS:
             continue
         spec = owners[0][1]
-        docs: dict[str, list[str]] = {}
+        docs: dict[str, tuple[list[str], Optional[str]]] = {}  # text -> (strategies, the default it states)
         for who, s in owners:
-            docs.setdefault(s.cli or _first_sentence(s.doc), []).append(who)
-        text = "; ".join(f"{', '.join(who)}: {doc}" for doc, who in docs.items())
+            text, note = _split_default(s.cli or _first_sentence(s.doc))
+            docs.setdefault(text, ([], note))[0].append(who)
+        text = "; ".join(f"{', '.join(who)}: {doc}" for doc, (who, _) in docs.items())
+        notes = "; ".join(note if len(owners) == 1 else f"{', '.join(who)}: {note}"
+                          for who, note in docs.values() if note)
         if len(tried.get(name, ())) > 1:
             default = "searched" + (f", or {spec.default!r} with a named strategy" if spec.pinned else "")
+            default += f"; {notes}" if notes else ""
         else:
-            default = "the strategy's default"
+            values = {repr(s.default) for _, s in owners}
+            default = notes or (values.pop() if len(values) == 1 and spec.default is not None else "set by the strategy")
         kwargs: dict[str, Any] = {"default": None, "dest": f"strategy_{name}", "help": f"{text} (default: {default})"}
         if spec.kind == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction
         elif spec.kind == "choice":
             kwargs["choices"] = spec.choices
-        elif spec.kind == "int":
-            kwargs["type"] = non_negative_int
         elif spec.kind == "fanouts":
             kwargs["type"] = fanout_list
             kwargs["metavar"] = "F1,F2,..."
         else:
-            kwargs["type"] = positive_int
-        p.add_argument(_FLAGS.get(name, "--" + name.replace("_", "-")), **kwargs)
+            kwargs["type"] = non_negative_int if spec.kind == "int" else positive_int
+            kwargs["metavar"] = _METAVARS.get(name, "N")
+        p.add_argument(_strategy_flag(name), **kwargs)
 
 
 def _strategy_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -649,18 +720,23 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="draw the predicted memory per rank (file type as for --timeline)")
 
 
-def _add_model_args(t: argparse.ArgumentParser, MODELS: dict) -> None:
+def _add_model_args(t: argparse.ArgumentParser, MODELS: dict, *, training: bool = True) -> None:
+    """The dataset and model flags; with ``training``, also the optimizer's (``--epochs``, ``--lr``,
+    ``--weight-decay``: not for ``trace`` and ``plan``, which train nothing)."""
     t.add_argument("--dataset", default="sbm",
                    help="dataset name or path, or a synthetic kind (sbm, rmat, er); default: sbm")
     t.add_argument("--model", default="gcn", choices=sorted(MODELS), help="model (default: gcn)")
-    t.add_argument("--epochs", type=positive_int, default=200, help="training epochs (default: 200)")
+    if training:
+        t.add_argument("--epochs", type=positive_int, default=200, help="training epochs (default: 200)")
     t.add_argument("--hidden", type=positive_int, default=64, help="hidden width (per head for gat; default: 64)")
     t.add_argument("--layers", type=positive_int, default=2, help="number of layers (default: 2)")
     t.add_argument("--heads", type=positive_int, default=None,
                    help=f"attention heads ({', '.join(_models_taking('heads', MODELS))} only)")
     t.add_argument("--dropout", type=probability, default=0.5, help="dropout probability (default: 0.5)")
-    t.add_argument("--lr", type=positive_float, default=0.01, help="Adam learning rate (default: 0.01)")
-    t.add_argument("--weight-decay", type=non_negative_float, default=5e-4, help="Adam weight decay (default: 5e-4)")
+    if training:
+        t.add_argument("--lr", type=positive_float, default=0.01, help="Adam learning rate (default: 0.01)")
+        t.add_argument("--weight-decay", type=non_negative_float, default=5e-4,
+                       help="Adam weight decay (default: 5e-4)")
     t.add_argument("--seed", type=non_negative_int, default=0, help="seed for weights, dropout, partitioning and synthetic graphs")
     t.add_argument("--num-nodes", type=positive_int, default=None,
                    help="synthetic graphs (sbm, rmat, er) only: number of vertices")
@@ -699,6 +775,65 @@ def _error_text(exc: BaseException) -> str:
         names = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
         return f"{names}: {exc.strerror}"
     return str(exc)
+
+
+#: keyword arguments of the library whose flag (by command) is not ``--`` + the name with dashes
+#: (``plan.run(backend=)`` is ``run --dist-backend``; ``train --backend`` is the kernels')
+_KEYWORD_FLAGS = {"backend": {"run": "--dist-backend"}}
+
+
+def _keyword_flags(parser: argparse.ArgumentParser, command: str) -> dict[str, tuple[str, Optional[str]]]:
+    """Keyword argument (``checkpoint_dir``, ``recompute``) -> ``(flag, how a switch is turned off)``
+    for the flags of ``command``'s ``parser`` (``("--recompute", "--no-recompute")``, ``("--resume",
+    "without --resume")``; ``None`` for a flag taking a value): what :func:`_flag_spelling` translates."""
+    out: dict[str, tuple[str, Optional[str]]] = {}
+    for action in parser._actions:
+        flags = [f for f in action.option_strings if f.startswith("--")]
+        if not flags or action.dest == "help":
+            continue
+        off = next((f for f in flags if f.startswith("--no-")), f"without {flags[0]}") if action.nargs == 0 else None
+        out[action.dest.removeprefix("strategy_")] = (flags[0], off)
+    for name, by_command in _KEYWORD_FLAGS.items():
+        if command in by_command:
+            out[name] = (by_command[command], None)
+    return out
+
+
+def _flag_spelling(message: str, flags: dict[str, tuple[str, Optional[str]]]) -> str:
+    """``message`` (a library error) with the keyword arguments it names spelled as the flags the
+    user gave: ``resume=True needs checkpoint_dir`` -> ``--resume needs --checkpoint-dir``;
+    ``pass resume=True (CLI: --resume)`` -> ``pass --resume``; ``plan.run(..., resume=True) (CLI:
+    add --checkpoint-dir D --resume)`` -> ``add --checkpoint-dir D --resume``."""
+    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
+    if not names:
+        return message
+    # a Python spelling followed by its command-line one: keep the latter
+    message = re.sub(r"[\w.]+\(\.\.\.[^()]*\) \(CLI: ([^()]*)\)", r"\1", message)
+    message = re.sub(rf"\b(?:{names})=\S+ \(CLI: ([^()]*)\)", r"\1", message)
+
+    quotes = "'\""
+
+    def assignment(m: re.Match) -> str:
+        flag, off = flags[m.group(1)]
+        value = m.group(2)
+        if value == "True":
+            return flag
+        if value == "False" and off is not None:
+            return off
+        return f"{flag} {value.strip(quotes)}"
+
+    # (not inside a candidate's brackets, data[partitioner=metis, recompute=False]: plan vocabulary)
+    message = "".join(part if part.startswith("[") else
+                      re.sub(rf"(?<![\w.-])({names})=('[^']*'|\"[^\"]*\"|[^\s,;)]+)", assignment, part)
+                      for part in re.split(r"(\[[^\[\]]*\])", message))
+    # bare names: those no English word spells (checkpoint_dir), and switches after "without"
+    spelled = "|".join(sorted((re.escape(n) for n in flags if "_" in n), key=len, reverse=True))
+    if spelled:
+        message = re.sub(rf"(?<![\w./-])({spelled})(?![\w/=-])", lambda m: flags[m.group(1)][0], message)
+    switches = "|".join(sorted((re.escape(n) for n, (_, off) in flags.items() if off), key=len, reverse=True))
+    if not switches:
+        return message
+    return re.sub(rf"\bwithout ({switches})\b(?![=-])", lambda m: f"without {flags[m.group(1)][0]}", message)
 
 
 def _version() -> str:
@@ -793,6 +928,7 @@ def _check_combinations(error: Any, args: argparse.Namespace) -> None:
         batch, fanouts = args.batch_size, args.fanouts
         eval_fanouts = args.eval_fanouts
     elif args.command in ("plan", "run"):
+        _check_strategy_options(error, args)
         batch, fanouts = args.strategy_batch_size, args.strategy_fanouts
         eval_fanouts = None
         if args.strategy == "split" and batch is None and fanouts is None:
@@ -807,10 +943,46 @@ def _check_combinations(error: Any, args: argparse.Namespace) -> None:
         error("--batch-size needs --fanouts F1,F2,... (sampled in-edges per GNN layer, input layer first, e.g. 10,5)")
 
 
+def _check_strategy_options(error: Any, args: argparse.Namespace) -> None:
+    """Refuse a strategy option the named ``--strategy`` does not have (``--strategy tensor
+    --partitioner metis``), as :func:`gnncompile.plan` would after loading the dataset: a value other
+    than the option's neutral one (``--chunks 1`` means no chunking, which every strategy does)."""
+    from .passes.registry import STRATEGIES, neutral_values
+    from .passes.strategy import ANY
+
+    strategy = STRATEGIES.get(args.strategy)
+    if strategy is None:  # auto: the search takes the strategies the options allow
+        return
+    own = set(strategy.options.names())
+    neutral = neutral_values()
+    for name, value in _strategy_options(args).items():
+        if value is None or name in own or (neutral[name] is not ANY and value == neutral[name]):
+            continue
+        flags = ", ".join(_strategy_flag(n) for n in strategy.options.names() if n not in _SHARED_OPTIONS)
+        error(f"{_strategy_flag(name)}: --strategy {strategy.name} has no such option (its options: {flags})")
+
+
 def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What argparse cannot check flag by flag: combinations and output paths (usage errors, exit 2)."""
     _check_combinations(parser.error, args)
     _check_outputs(parser.error, args)
+
+
+@contextlib.contextmanager
+def _one_line_warnings() -> Iterator[None]:
+    """Warnings printed as ``gnncompile: warning: <message>`` on standard error, one line each (not
+    Python's ``file:line: Category:`` and the source line that warned, which mean nothing to a user
+    of the command)."""
+    def show(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        text = " ".join(str(message).split())
+        print(f"gnncompile: warning: {text}", file=sys.stderr if file is None else file)
+
+    saved = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = saved
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -826,7 +998,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for dest in dashes:
         setattr(args, dest, sys.stdout)
     try:
-        with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
+        with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext(), _one_line_warnings():
             return int(args.func(args) or 0)
     except BrokenPipeError:  # the reader of stdout went away (`gnncompile datasets | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (nothing more to flush at exit)
@@ -836,6 +1008,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         msg = lines[0] if lines else type(exc).__name__
         for ln in lines[1:]:
             msg += (" " if msg.endswith(":") else "; ") + ln
+        msg = _flag_spelling(msg, _keyword_flags(_command_parser(parser, args.command), args.command))
         print(f"gnncompile: error: {msg}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -676,8 +676,13 @@ KNOWN_STATS: dict[str, GraphStats] = {
 
 
 def stats(name: str) -> GraphStats:
-    """The :class:`GraphStats` of a dataset: a local one's (loaded), or one of :data:`KNOWN_STATS`."""
+    """The :class:`GraphStats` of a dataset: a local one's (loaded), or one of :data:`KNOWN_STATS`
+    (a :class:`DatasetError` for neither names both kinds)."""
     for key, value in KNOWN_STATS.items():
         if key.lower() == name.lower():
             return value
-    return load(name).stats()
+    try:
+        graph = load(name)
+    except DatasetError as exc:
+        raise DatasetError(f"{exc}\nstatistics only (for planning): {', '.join(KNOWN_STATS)}") from None
+    return graph.stats()

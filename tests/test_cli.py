@@ -3,8 +3,10 @@ messages that say what is wrong and with which file, and the planner's explanati
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -260,6 +262,11 @@ COMBOS = [
     (["train", "--dataset", "cora", "--num-nodes", "100", "--num-features", "3"],
      "--num-nodes, --num-features apply to synthetic graphs only (--dataset sbm, rmat, er), not to --dataset cora"),
     (["plan", "--dataset", "ogbn-products", "--avg-degree", "3"], "--avg-degree applies to synthetic graphs only"),
+    (["run", "--dataset", "cora", "--strategy", "tensor", "--partitioner", "metis"],
+     "--partitioner: --strategy tensor has no such option (its options: --dropout-masks, --backward, --recompute, "
+     "--decouple, --chunks)"),
+    (["plan", "--dataset", "cora", "--strategy", "data", "--chunks", "4"], "--chunks: --strategy data has no such option"),
+    (["plan", "--dataset", "cora", "--strategy", "mop", "--recompute"], "--recompute: --strategy mop has no such"),
 ]
 
 
@@ -275,6 +282,52 @@ def test_flags_that_do_not_go_together_are_usage_errors_before_loading(argv: lis
     assert out == ""
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"gnncompile {argv[0]}: error: ") and says in last, last
+
+
+def test_a_strategy_option_at_its_neutral_value_is_taken_with_any_strategy() -> None:
+    """(``--chunks 1`` is no chunking, which a strategy without chunks does: gc.plan accepts it too.)"""
+    parser = cli.build_parser()
+    for argv in (["plan", "--strategy", "data", "--chunks", "1"], ["run", "--strategy", "mop", "--no-recompute"],
+                 ["plan", "--chunks", "4", "--partitioner", "metis"]):
+        cli._check_arguments(parser, parser.parse_args(argv))  # no SystemExit
+
+
+def _help(command: str) -> dict[str, str]:
+    """``command``'s flags -> their help text as ``--help`` prints it (with metavar and defaults)."""
+    parser = cli._command_parser(cli.build_parser(), command)
+    out = {}
+    for action in parser._actions:
+        if action.option_strings:
+            text = parser._get_formatter()._expand_help(action) if action.help else ""
+            out[action.option_strings[0]] = " ".join(text.split())
+    return out
+
+
+@pytest.mark.parametrize("command", ["train", "trace", "plan", "run", "calibrate", "datasets"])
+def test_help_says_each_default_once_with_readable_metavars(command: str) -> None:
+    """``--batch-size STRATEGY_BATCH_SIZE`` leaked the option's destination; ``--chunks`` said
+    "(default 4 per rank) (default: searched)"."""
+    usage = cli._command_parser(cli.build_parser(), command).format_help()
+    assert "STRATEGY_" not in usage
+    for flag, text in _help(command).items():
+        assert text.count("default") <= 1, (flag, text)
+    if command in ("plan", "run"):
+        helps = _help(command)
+        assert helps["--chunks"].endswith("(default: searched; layer: 4 per rank)")
+        assert helps["--sparse-ranks"].endswith("ranks aggregating (the rest run the dense updates) (default: half)")
+        assert helps["--p-ranks"].endswith("(default: from the cost model, NeutronTask Eq 7)")
+        assert "--batch-size B" in usage and "--chunks K" in usage and "--stages S" in usage
+
+
+@pytest.mark.parametrize("command", ["trace", "plan"])
+def test_commands_that_train_nothing_take_no_training_flags(command: str, capsys: Any) -> None:
+    """``trace --epochs 5 --lr 0.1`` was accepted and ignored."""
+    assert not {"--epochs", "--lr", "--weight-decay"} & set(_help(command))
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, "--epochs", "5"])
+    assert exc.value.code == 2 and "unrecognized arguments: --epochs 5" in capsys.readouterr().err
+    for used in ("train", "run"):
+        assert {"--epochs", "--lr", "--weight-decay"} <= set(_help(used))
 
 
 def test_synthetic_flags_are_still_taken_on_synthetic_graphs() -> None:
@@ -378,6 +431,95 @@ def test_save_and_dot_dash_are_standard_output(tmp_path: Path, monkeypatch: pyte
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
 
+# --------------------------------------------------------------------------- errors name the flags given
+def test_checkpoint_errors_name_the_flags(tmp_path: Path, capsys: Any) -> None:
+    """The checkpoint errors said ``resume=True but checkpoint_dir '...'``: Python spellings of the
+    flags the user typed."""
+    missing, file = tmp_path / "none", tmp_path / "file"
+    file.write_text("not a directory")
+    assert cli.main(["train", *SMALL, "--epochs", "1", "--quiet", "--checkpoint-dir", str(missing), "--resume"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"gnncompile: error: --resume but --checkpoint-dir '{missing}' holds no complete checkpoint")
+    assert "run without --resume" in err and "resume=" not in err and "checkpoint_dir" not in err
+    assert cli.main(["train", *SMALL, "--epochs", "1", "--quiet", "--checkpoint-dir", str(file)]) == 1
+    assert capsys.readouterr().err == f"gnncompile: error: --checkpoint-dir '{file}' exists and is not a directory\n"
+
+
+def test_error_spelling_keeps_the_command_line_form_of_a_hint(tmp_path: Path) -> None:
+    from gnncompile.runtime.checkpoint import resume_hint
+
+    flags = cli._keyword_flags(cli._command_parser(cli.build_parser(), "run"), "run")
+    hint = cli._flag_spelling(resume_hint(tmp_path / "ck_1", "plan.run"), flags)
+    assert hint == f"no checkpoint was written before the failure: rerun from the start with --checkpoint-dir " \
+                   f"{tmp_path / 'ck_1'}, without --resume"
+    said = ("checkpoint_dir '/d' already holds checkpoints (newest: epoch-2); pass resume=True (CLI: --resume) to "
+            "continue; dropout='replicated' needs full-graph plans (batch_size), recompute=False; /data/batch_size.npz")
+    assert cli._flag_spelling(said, flags) == (
+        "--checkpoint-dir '/d' already holds checkpoints (newest: epoch-2); pass --resume to continue; "
+        "--dropout-masks replicated needs full-graph plans (--batch-size), --no-recompute; /data/batch_size.npz")
+    train = cli._keyword_flags(cli._command_parser(cli.build_parser(), "train"), "train")
+    assert cli._flag_spelling("dropout=0.5, backend='x'", train) == "--dropout 0.5, --backend x"
+    assert cli._flag_spelling("backend='x'", flags) == "--dist-backend x"
+    # a candidate's options are plan vocabulary, not flags the user gave
+    closest = "the closest, data[partitioner=metis, recompute=False] x2, needs 178.86 GiB per rank"
+    assert cli._flag_spelling(closest, flags) == closest
+
+
+# --------------------------------------------------------------------------- calibrate
+def _calibrated(path: Any = None, **kwargs: Any) -> Any:
+    """What ``gc.calibrate`` returns, without measuring: a cluster with a calibration record shaped
+    as the CPU's (and as long: curves of many points)."""
+    from gnncompile.cost_models.hardware import Cluster
+
+    cal = {"host": "box", "torch": "2.x", "quick": True, "cores": 2, "threads": [1, 2],
+           "rates": {"flops": {"float32": [183e9, 352e9], "float64": [85e9, 39e9]}, "mem_bandwidth": [9.2e9, 11.9e9],
+                     "spmm_bandwidth": [26.2e9, 28.6e9], "edge_rate": [1.17e9, 2.28e9]},
+           "spmm_curve": [{"working_set": 2**k, "bandwidth": [1e9, 2e9]} for k in range(200)],
+           "op_overhead": {"seconds": 3.1e-6},
+           "collectives": {"backend": "gloo", "world_size": 2, "latency": 219e-6, "bandwidth": 1.28e9}}
+    cluster = dataclasses.replace(Cluster.parse("1xcpu"), calibration=cal)
+    if path is not None:
+        cluster.save(path)
+    return cluster
+
+
+def test_calibrate_prints_a_summary_and_the_record_only_on_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: Any) -> None:
+    """``gnncompile calibrate`` printed its whole ~660-line record."""
+    monkeypatch.setattr("gnncompile.calibration.calibrate", _calibrated)
+    profile = tmp_path / "profile.json"
+    assert cli.main(["calibrate", "--quick", "--out", str(profile)]) == 0
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    assert len(lines) < 10 and "{" not in out
+    assert "GEMM float32 183 / 352 GFLOP/s" in out and "memory 9.2 / 11.9 GB/s" in out
+    assert "latency 219 us, bandwidth 1.28 GB/s" in out and "per op 3.1 us" in out
+    assert lines[-1].startswith(f"profile written to {profile}")
+    assert len(json.loads(profile.read_text())["calibration"]["spmm_curve"]) == 200
+    assert cli.main(["calibrate", "--quick", "--out", str(profile), "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert len(json.loads(out)["spmm_curve"]) == 200 and "GEMM float32" in err
+    assert cli.main(["calibrate", "--quick", "--out", str(profile), "--json", str(tmp_path / "cal.json")]) == 0
+    assert json.loads((tmp_path / "cal.json").read_text())["host"] == "box"
+
+
+# --------------------------------------------------------------------------- run table
+def test_run_table_vertices_of_ranks_holding_the_whole_graph() -> None:
+    """mop's sparse ranks (and most of task's) showed 0 vertices: they score none (the runtime's
+    ``num_owned``) though they hold every vertex."""
+    from types import SimpleNamespace
+
+    g = gc.datasets.synthetic("sbm", num_nodes=300, avg_degree=4, num_features=8, num_classes=3, seed=0)
+    torch.manual_seed(0)
+    p = gc.plan(gc.nn.GCN(8, 8, 3, num_layers=2), g, gpus=4, strategy="mop", chunks=2)
+    sparse = [dp.rank for dp in p.ranks if dp.sizes.all_nodes]
+    assert sparse and len(sparse) < 4
+    for dp in p.ranks:
+        owned = 0 if dp.rank in sparse else dp.sizes.nodes
+        shown = cli._vertices_held(p, SimpleNamespace(rank=dp.rank, num_owned=owned))
+        assert shown == (300 if dp.rank in sparse else dp.sizes.nodes) and shown > 0
+
+
 def test_version(capsys: Any) -> None:
     from importlib.metadata import version
 
@@ -386,3 +528,17 @@ def test_version(capsys: Any) -> None:
     assert exc.value.code == 0
     assert capsys.readouterr().out == f"gnncompile {version('gnncompile')}\n"
     assert version("gnncompile") == gc.__version__
+
+
+def test_warnings_print_as_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """`gnncompile datasets` with an unreadable file printed Python's warning form: the library's
+    file and line, the category and the source line that warned (``infos = datasets.list()``)."""
+    (tmp_path / "broken.npz").write_bytes(b"hello\n")
+    monkeypatch.setenv("GNNCOMPILE_DATA", str(tmp_path))
+    with warnings.catch_warnings():   # (still a warning: filters and -W apply)
+        warnings.simplefilter("always")
+        assert cli.main(["datasets"]) == 0
+    err = capsys.readouterr().err
+    line = next(ln for ln in err.splitlines() if "broken" in ln)
+    assert line.startswith("gnncompile: warning: datasets: skipped 'broken', not a readable graph"), err
+    assert "UserWarning" not in err and "datasets.py" not in err and "infos =" not in err, err

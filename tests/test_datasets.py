@@ -738,3 +738,11 @@ def test_planetoid_refuses_fractional_ids_and_says_which_features_it_drops(tmp_p
     with pytest.warns(UserWarning, match="ind.toy.tx is missing.*without x and ind.toy.allx, which is present"):
         g = from_planetoid(tmp_path / "t", "toy", allow_missing_features=True)
     assert g.x is None and g.num_nodes == 7
+
+
+def test_unknown_name_for_stats_lists_the_statistics_only_datasets_too() -> None:
+    """gc.datasets.stats plans from statistics of datasets not stored here; its error listed only
+    the local ones."""
+    with pytest.raises(DatasetError, match=r"unknown dataset 'bogus'(.|\n)*statistics only \(for planning\): "
+                                           r".*ogbn-papers100M"):
+        datasets.stats("bogus")

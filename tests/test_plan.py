@@ -574,6 +574,65 @@ def test_wide_plans_continue_in_blocks_of_columns() -> None:
     assert "SEND h c0 ->1" in "\n".join(table) and "RECV h c0 <-63" in "\n".join(table)
 
 
+def test_each_block_of_columns_has_only_its_own_steps() -> None:
+    """Ranks 0-3 of ``--gpus 2x4xA5000-ib200`` (41 steps) ended in blank rows 41-43, the length of
+    ranks 4-7's list in the block below."""
+    long_ranks = tuple(OPT if k == 9 else F(0, k) for k in range(10))
+    plan = dataclasses.replace(pipeline_plan(), ranks=[DevicePlan(0, (), (F(0, 0), OPT)), DevicePlan(1, (), long_ranks)])
+    table = plan.instruction_table(width=12)  # one column per block
+    heads = [i for i, line in enumerate(table) if line.split()[:1] == ["step"]]
+    assert [table[i].split() for i in heads] == [["step", "rank", "0"], ["step", "rank", "1"]]
+    first = table[heads[0] + 2:heads[1] - 1]
+    assert [line.split() for line in first] == [["0", "F0c0"], ["1", "OPT"]]
+    assert [line.split()[0] for line in table[heads[1] + 2:]] == [str(k) for k in range(10)]
+    both = plan.instruction_table()  # one block: the shorter column is blank below its end
+    assert len(both) == 2 + 10 and both[-1].split() == ["9", "OPT"]
+
+
+def test_schedule_says_chunk_or_chunks() -> None:
+    from gnncompile.ir.plan import Schedule
+
+    assert str(Schedule("chunk pipeline", 1, "list-scheduled")) == "chunk pipeline (1 chunk, list-scheduled)"
+    assert str(Schedule("chunk pipeline", 4)) == "chunk pipeline (4 chunks)"
+
+
+def test_plan_repr_is_one_line_and_pretty_prints_the_table() -> None:
+    """``repr(plan)`` was a ~29 KB dataclass dump (what a notebook shows for a plan)."""
+    plan = halo_plan()
+    text = repr(plan)
+    assert text == "<Plan data on 2 ranks, exact, schedule sequential; options: partitioner='metis'>"
+    predicted = dataclasses.replace(plan, prediction=type("P", (), {"step_time": 4.1e-3, "max_peak_memory": 3 << 20})())
+    assert repr(predicted).endswith("; predicted step 4.1 ms, peak memory 3.00 MiB (largest rank)>")
+
+    class Printer:
+        def __init__(self) -> None:
+            self.out = ""
+
+        def text(self, value: str) -> None:
+            self.out += value
+
+    printer = Printer()
+    plan._repr_pretty_(printer, cycle=False)
+    assert printer.out == str(plan)
+
+
+def test_a_plan_from_statistics_prints_unknown_degrees_as_unknown() -> None:
+    """``deg mean=14.55 max=-1 skew=nan``: -1 and NaN are how GraphStats stores "not known"."""
+    import torch
+
+    import gnncompile as gc
+    from gnncompile.graph.core import GraphStats
+
+    stats = GraphStats(num_nodes=10_000, num_edges=100_000, num_features=16, num_classes=4, name="big")
+    assert str(stats) == "big: |V|=10,000 |E|=100,000 d=16 classes=4 deg mean=10.00 max=? skew=?"
+    torch.manual_seed(0)
+    plan = gc.plan(gc.nn.GCN(16, 8, 4, num_layers=2), stats, gpus=2, strategy="data")
+    assert "  graph: big: |V|=10,000 |E|=100,000 d=16 classes=4 deg mean=10.00 max=? skew=?" in str(plan).splitlines()
+    known = GraphStats(num_nodes=3, num_edges=0, num_features=1, num_classes=1, degree_max=0, degree_skew=0.0)
+    assert str(known).endswith("deg mean=0.00 max=0 skew=0.00")
+    assert "max=168 skew=15.27" in str(GraphStats(2708, 10556, 1433, 7, 3.9, 168, 15.27))
+
+
 @pytest.mark.parametrize("ranks, label", [([5], "rank 5"), ([0, 1, 2, 3], "ranks 0-3"), ([0, 1, 2, 3, 8], "ranks 0-3,8"),
                                           ([1, 3, 5], "ranks 1,3,5")])
 def test_rank_label(ranks: list[int], label: str) -> None:

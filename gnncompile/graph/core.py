@@ -1143,8 +1143,11 @@ class GraphStats:
         return self.degree_mean
 
     def __str__(self) -> str:
+        """One line; a degree statistic not known (statistics of a dataset not stored here) prints as ``?``."""
+        mean = "?" if math.isnan(self.degree_mean) else f"{self.degree_mean:.2f}"
+        dmax = "?" if self.degree_max == -1 else f"{self.degree_max}"
+        skew = "?" if math.isnan(self.degree_skew) else f"{self.degree_skew:.2f}"
         return (
             f"{self.name}: |V|={self.num_nodes:,} |E|={self.num_edges:,} d={self.num_features} "
-            f"classes={self.num_classes} deg mean={self.degree_mean:.2f} max={self.degree_max} "
-            f"skew={self.degree_skew:.2f}"
+            f"classes={self.num_classes} deg mean={mean} max={dmax} skew={skew}"
         )

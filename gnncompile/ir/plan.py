@@ -791,7 +791,8 @@ class Schedule:
     def __str__(self) -> str:
         if self.kind == "sequential" and self.chunks == 1:
             return "sequential"
-        parts = [p for p in (self.regime, f"{self.chunks} chunks", self.communication) if p]
+        chunks = f"{self.chunks} chunk{'' if self.chunks == 1 else 's'}"
+        parts = [p for p in (self.regime, chunks, self.communication) if p]
         return f"{self.kind} ({', '.join(parts)})"
 
     def to_dict(self) -> dict[str, Any]:
@@ -906,7 +907,8 @@ class Plan:
 
         Ranks whose instruction lists print the same share one column (``ranks 0-7``); when the
         columns do not fit in ``width`` characters, they continue in further tables below, each
-        with the step column, so no line is much wider than ``width``.
+        with the step column and as many steps as its longest column, so no line is much wider
+        than ``width``.
         """
         groups: dict[tuple[str, ...], list[int]] = {}
         for dp in self.ranks:
@@ -914,8 +916,7 @@ class Plan:
         cols = list(groups)
         heads = [rank_label(ranks) for ranks in groups.values()]
         depth = max((len(c) for c in cols), default=0)
-        steps = [str(k) for k in range(depth)]
-        step_w = max([len("step")] + [len(x) for x in steps])
+        step_w = max(len("step"), len(str(depth - 1)))
         col_w = [max([len(h)] + [len(x) for x in c]) for h, c in zip(heads, cols)]
         blocks: list[list[int]] = [[]]
         used = 2 + step_w
@@ -932,7 +933,8 @@ class Plan:
             if lines:
                 lines.append("")
             lines += [fmt(["step"] + [heads[j] for j in block]), fmt(["-" * w for w in widths])]
-            lines += [fmt([steps[k]] + [cols[j][k] if k < len(cols[j]) else "" for j in block]) for k in range(depth)]
+            rows = max(len(cols[j]) for j in block)
+            lines += [fmt([str(k)] + [cols[j][k] if k < len(cols[j]) else "" for j in block]) for k in range(rows)]
         return lines
 
     def prediction_table(self) -> list[str]:
@@ -956,6 +958,25 @@ class Plan:
 
     def __str__(self) -> str:
         return "\n".join(self.header() + self.stage_table() + self.prediction_table() + self.instruction_table())
+
+    def __repr__(self) -> str:
+        """One line: strategy, ranks, semantics, schedule, the recorded options, the predicted step time
+        and peak memory when predicted (``str(plan)`` prints the whole plan)."""
+        options = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options.items())
+                            if v is not None and k not in ("strategy", "semantics"))
+        text = (f"<{type(self).__name__} {self.strategy} on {self.num_ranks} rank{'' if self.num_ranks == 1 else 's'}, "
+                f"{self.semantics}, schedule {self.schedule}; options: {options or 'none'}")
+        step = getattr(self.prediction, "step_time", None)
+        if step is not None:
+            text += f"; predicted step {step * 1e3:.3g} ms"
+        peak = getattr(self.prediction, "max_peak_memory", None)
+        if peak is not None:
+            text += f", peak memory {human_bytes(peak)} (largest rank)"
+        return text + ">"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """IPython shows ``str(plan)``, the per-rank table."""
+        printer.text(repr(self) if cycle else str(self))
 
     # ------------------------------------------------------------------ (de)serialization
     def to_dict(self) -> dict[str, Any]:

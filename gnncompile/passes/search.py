@@ -86,7 +86,8 @@ class Candidate:
 
     def describe(self) -> str:
         opts = ", ".join(f"{k}={v}" for k, v in self.options.items()
-                         if k not in ("semantics", "strategy", "seed") and (k, v) != ("dropout", "replicated"))
+                         if k not in ("semantics", "strategy", "seed") and v is not None
+                         and (k, v) != ("dropout", "replicated"))
         return f"{self.strategy}[{opts}] x{self.num_ranks}"
 
 
