@@ -9,8 +9,10 @@ history and the same final and best parameters, bit for bit (on the CPU).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -487,3 +489,157 @@ def test_a_fingerprint_difference_names_the_key_inside_a_long_dict() -> None:
                                                          "plan.ranks: checkpoint 2, this run 3"]
     assert ckpt.compare_fingerprints(saved, current, ignore=("plan.ranks",)) == [
         "plan.options.stages: checkpoint 2, this run 3"]
+
+
+def _no_space(*args: Any, **kwargs: Any) -> Any:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("what", ["tensors", "meta.json"])
+def test_a_failed_checkpoint_write_is_a_runtime_failure_and_keeps_the_previous_one(
+        sbm: gc.Graph, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        what: str) -> None:
+    """A full disk while torch.distributed.checkpoint writes (its CheckpointException is a
+    BaseException, which escaped gc.train and printed a traceback from the CLI) or while meta.json
+    is written: the project's error, naming the directory and the OS error (the cause); the
+    previous checkpoint stays the one to resume from."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from gnncompile.cli import main
+
+    straight = gc.train(_gcn(sbm), sbm, 3, verbose=False)
+    gc.train(_gcn(sbm), sbm, 1, verbose=False, checkpoint_dir=tmp_path)
+    with monkeypatch.context() as patch:
+        if what == "tensors":
+            create_stream = FileSystem.create_stream
+            patch.setattr(FileSystem, "create_stream",
+                          lambda fs, path, mode: _no_space() if "w" in mode else create_stream(fs, path, mode))
+        else:
+            patch.setattr(ckpt, "_write_atomic", _no_space)
+        with pytest.raises(RuntimeFailure, match=rf"checkpoint of epoch 2 could not be written to checkpoint_dir "
+                                                 rf"'{tmp_path}': \[Errno {errno.ENOSPC}\] No space left on device; "
+                                                 r"the previous checkpoint \(epoch-1\) is unchanged") as info:
+            gc.train(_gcn(sbm), sbm, 3, verbose=False, checkpoint_dir=tmp_path, checkpoint_every=1, resume=True)
+        assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
+        assert ckpt.latest(tmp_path) == tmp_path / "epoch-1"
+        assert not list(tmp_path.glob(".staging-*"))
+        small = ["--dataset", "sbm", "--num-nodes", "60", "--avg-degree", "4", "--num-features", "6",
+                 "--num-classes", "3", "--hidden", "6", "--quiet"]
+        capsys.readouterr()
+        assert main(["train", *small, "--epochs", "2", "--checkpoint-dir", str(tmp_path / "cli")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("gnncompile: error: checkpoint of epoch") and err.count("\n") == 1, err
+    resumed = gc.train(_gcn(sbm), sbm, 3, verbose=False, checkpoint_dir=tmp_path, resume=True)
+    assert resumed.loss == straight.loss
+
+
+def test_a_failed_best_parameters_write_is_a_runtime_failure(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RuntimeFailure, match=r"the best parameters could not be written to .*file/best\.pt"):
+        ckpt.write_best(tmp_path / "file", {"w": torch.zeros(2)}, 0, 0.5)
+
+
+def test_a_fingerprint_difference_names_the_rows_near_the_end_of_a_long_list(sbm: gc.Graph, tmp_path: Path) -> None:
+    """model.params (rows [name, shape, dtype]) was compared whole and cut at 160 characters, so a
+    3-layer checkpoint resumed with a 4-layer model showed only the first, equal, rows."""
+    def gcn(layers: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return gc.nn.GCN(sbm.num_features, 6, sbm.num_classes, num_layers=layers).double()
+
+    gc.train(gcn(3), sbm, 1, verbose=False, checkpoint_dir=tmp_path)
+    with pytest.raises(RuntimeFailure) as info:
+        gc.train(gcn(4), sbm, 2, verbose=False, checkpoint_dir=tmp_path, resume=True)
+    lines = str(info.value).splitlines()
+    assert "  model.params: only in this run: convs.3.bias [3] torch.float64, convs.3.lin.weight [3, 6] " \
+           "torch.float64" in lines
+    assert "  model.params[convs.2.lin.weight]: checkpoint [3, 6] torch.float64, this run [6, 6] torch.float64" in lines
+    rows = [[f"layer{i}.weight", [6, 6], "torch.float64"] for i in range(10)]
+    assert ckpt.compare_fingerprints({"model": {"params": rows}}, {"model": {"params": rows[:3]}}) == [
+        "model.params: only in the checkpoint: layer3.weight [6, 6] torch.float64, layer4.weight [6, 6] "
+        "torch.float64, layer5.weight [6, 6] torch.float64, layer6.weight [6, 6] torch.float64 and 3 more"]
+    assert ckpt.compare_fingerprints({"model": {"params": rows}}, {"model": {"params": rows[::-1]}}) == [
+        "model.params[0]: checkpoint layer0.weight [6, 6] torch.float64, this run layer9.weight [6, 6] torch.float64 "
+        "(the same rows in another order)"]
+    hashes = [f"{i:016x}" for i in range(20)]
+    assert ckpt.compare_fingerprints({"graph": {"structure": hashes}}, {"graph": {"structure": hashes[:18] + ["x"]}}) \
+        == ["graph.structure[18]: checkpoint \"0000000000000012\", this run \"x\"",
+            "graph.structure: checkpoint 20 entries, this run 19"]
+
+
+@pytest.mark.parametrize("change, what", [(dict(seed=7), "training.seed: checkpoint 0, this run 7"),
+                                          (dict(lr=0.02), "training.lr: checkpoint 0.01, this run 0.02"),
+                                          (dict(weight_decay=0.0), "training.weight_decay: checkpoint 0.0005, this "
+                                                                   "run 0.0"),
+                                          (dict(dropout=0.1), "model.modules[(root)]: checkpoint GCN dropout=0.5, "
+                                                              "num_layers=2, this run GCN dropout=0.1, num_layers=2")],
+                         ids=["seed", "lr", "weight_decay", "dropout"])
+def test_train_resume_refuses_other_training_settings(sbm: gc.Graph, tmp_path: Path, change: dict,
+                                                      what: str) -> None:
+    """gc.train's fingerprint holds the seed (mini-batches and dropout masks follow from it), lr,
+    weight_decay and the model's hyperparameters that are not parameter shapes (a dropout rate)."""
+    def gcn(dropout: float = 0.5) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return gc.nn.GCN(sbm.num_features, 6, sbm.num_classes, num_layers=2, dropout=dropout).double()
+
+    gc.train(gcn(), sbm, 1, verbose=False, checkpoint_dir=tmp_path, batch_size=16, fanouts=[3, 2])
+    model = gcn(change.pop("dropout", 0.5))
+    with pytest.raises(RuntimeFailure, match="was written by another run; what differs:\n  " + re.escape(what) + "\n"):
+        gc.train(model, sbm, 2, verbose=False, checkpoint_dir=tmp_path, resume=True, batch_size=16, fanouts=[3, 2],
+                 **change)
+
+
+def test_module_signature_carries_hyperparameters_that_are_not_shapes() -> None:
+    def net(p: float) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(p))
+
+    assert ckpt.module_signature(net(0.5)) == [["", "Sequential", "", ""],
+                                               ["0", "Linear", "in_features=3, out_features=4, bias=True", ""],
+                                               ["1", "Dropout", "p=0.5, inplace=False", ""]]
+    assert ckpt.compare_fingerprints({"model": {"modules": ckpt.module_signature(net(0.5))}},
+                                     {"model": {"modules": ckpt.module_signature(net(0.25))}}) == [
+        "model.modules[1]: checkpoint Dropout p=0.5, inplace=False, this run Dropout p=0.25, inplace=False"]
+    signature = ckpt.module_signature(gc.nn.GAT(6, 4, 3, heads=2))
+    assert json.loads(json.dumps(signature)) == signature
+
+
+def test_a_checkpoint_without_the_later_fingerprint_fields_still_resumes(sbm: gc.Graph, tmp_path: Path) -> None:
+    """Checkpoints written before the training settings and module signature were recorded resume."""
+    straight = gc.train(_gcn(sbm), sbm, 3, verbose=False)
+    gc.train(_gcn(sbm), sbm, 2, verbose=False, checkpoint_dir=tmp_path)
+    meta_file = tmp_path / "epoch-2" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["fingerprint"]["training"], meta["fingerprint"]["model"]["modules"]
+    meta_file.write_text(json.dumps(meta))
+    assert gc.train(_gcn(sbm), sbm, 3, verbose=False, checkpoint_dir=tmp_path, resume=True).loss == straight.loss
+
+
+@pytest.mark.parametrize("name", ["meta.json", ".metadata"])
+def test_a_newest_checkpoint_missing_a_file_is_skipped_with_a_warning(sbm: gc.Graph, tmp_path: Path,
+                                                                      name: str) -> None:
+    straight = gc.train(_gcn(sbm), sbm, 4, verbose=False)
+    gc.train(_gcn(sbm), sbm, 3, verbose=False, checkpoint_dir=tmp_path, checkpoint_every=1)
+    (tmp_path / "epoch-3" / name).unlink()
+    with pytest.warns(UserWarning, match=rf"checkpoint .*epoch-3 skipped: {re.escape(name)} missing \(it was damaged "
+                                         r"after it was written\); using epoch-2"):
+        resumed = gc.train(_gcn(sbm), sbm, 4, verbose=False, checkpoint_dir=tmp_path, resume=True)
+    assert resumed.loss == straight.loss
+
+
+@pytest.mark.parametrize("change,what", [(dict(lr=0.02), r"training.lr: checkpoint 0.01, this run 0.02"),
+                                          (dict(seed=3), r"training.seed: checkpoint 0, this run 3"),
+                                          (dict(dropout=0.1), r"model.traced: checkpoint \"\w+\", this run \"\w+\"")],
+                         ids=["lr", "seed", "dropout"])
+def test_plan_resume_refuses_other_training_settings(sbm: gc.Graph, tmp_path: Path, change: dict, what: str) -> None:
+    """A plan's checkpoint records lr, weight_decay and the seed, and a hash of the model's trace
+    (gc.nn.GCN's dropout rate is a constant in its code): a resume with another was accepted and
+    trained on silently (the reviewer's --dropout 0.1 and --lr 0.5 after --resume)."""
+    def plan(dropout: float = 0.5) -> Any:
+        torch.manual_seed(0)
+        model = gc.nn.GCN(sbm.num_features, 6, sbm.num_classes, num_layers=2, dropout=dropout).double()
+        return gc.plan(model, sbm, gpus=2, strategy="data")
+
+    plan().run(1, checkpoint_dir=tmp_path, progress=False, timeout=60)
+    p = plan(change.pop("dropout", 0.5))
+    with pytest.raises(RuntimeFailure, match="was written by another run; what differs:\n  " + what + "\n"):
+        p.run(2, checkpoint_dir=tmp_path, resume=True, progress=False, timeout=60, **change)
+    plan().run(2, checkpoint_dir=tmp_path, resume=True, progress=False, timeout=60)   # the same settings resume

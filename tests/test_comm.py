@@ -7,6 +7,7 @@ the volumes the layouts imply.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gnncompile.graph.shard import build_shards
@@ -116,6 +117,27 @@ def test_send_recv_counts_bytes() -> None:
     assert b["stats"]["sent"]["train"] == {0: 8} and b["stats"]["received"]["train"] == {0: 24}
 
 
+def _crossing_worker(ctx: RankContext) -> dict:
+    """Both ranks send to the other first, then receive, through a group per direction."""
+    comm = Communicator(ctx.rank, ctx.world_size)
+    comm.directional_groups([(0, 1), (1, 0), (0, 2)])   # (rank 1 is not in the last: it gets none)
+    peer = 1 - ctx.rank if ctx.rank < 2 else 0
+    if ctx.rank == 2:
+        return {"keys": sorted(comm.p2p), "got": comm.recv((3,), torch.float32, 0)}
+    work = comm.isend(torch.full((3,), float(ctx.rank)), peer)
+    got = comm.recv((3,), torch.float32, peer)
+    work.wait()
+    if ctx.rank == 0:
+        comm.send(torch.full((3,), 7.0), 2)
+    return {"keys": sorted(comm.p2p), "got": got}
+
+
+def test_directional_groups_carry_each_direction() -> None:
+    a, b, c = launch(_crossing_worker, 3, timeout=60)
+    assert a["keys"] == [(0, 1), (0, 2), (1, 0)] and b["keys"] == [(0, 1), (1, 0)] and c["keys"] == [(0, 2)]
+    assert a["got"].tolist() == [1.0] * 3 and b["got"].tolist() == [0.0] * 3 and c["got"].tolist() == [7.0] * 3
+
+
 # --------------------------------------------------------------------------- waiting by polling
 class _FakeWork:
     """A work handle that completes after ``polls`` calls of ``is_completed`` (never: ``None``)."""
@@ -187,3 +209,47 @@ def test_a_polling_communicator_gives_the_same_results() -> None:
     assert all(o["round_trip"] for o in out)
     assert all(o["total"] == [6.0, 6.0, 6.0] for o in out)
     assert out[1]["got"] == [0.0, 1.0, 2.0, 3.0]
+
+
+def _crossing_sends(plan) -> list[tuple[int, int]]:
+    """Pairs of ranks that reach a point where each one's next message with the other is a send
+    (the messages of a pair matched in program order, as they are)."""
+    from gnncompile.ir.plan import Recv, Send
+
+    progs = [p.instructions for p in plan.program]
+    out = []
+    for a in range(len(progs)):
+        for b in range(a + 1, len(progs)):
+            qa = [isinstance(i, Send) for i in progs[a] if isinstance(i, (Send, Recv)) and i.peer == b]
+            qb = [isinstance(i, Send) for i in progs[b] if isinstance(i, (Send, Recv)) and i.peer == a]
+            if any(x and y for x, y in zip(qa, qb)):
+                out.append((a, b))
+    return out
+
+
+@pytest.mark.parametrize("strategy,options", [("mop", {"chunks": 2, "reorder": "rcm"}), ("task", {})])
+def test_directional_groups_run_plans_whose_ranks_send_to_each_other_first(
+        strategy: str, options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In these plans two ranks each send to the other before receiving from it. Under NCCL a
+    pair's messages in one group run in order on one stream, so they would wait on each other once
+    messages outgrow NCCL's buffers: the ranks send through a group per direction there
+    (``directional_p2p``). Forced on gloo, the same code path is exact and equals the shared group."""
+    import gnncompile as gc
+    from gnncompile.runtime.executor import p2p_pairs
+    from gnncompile.testing import check_plan
+
+    g = gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=5, num_features=6, num_classes=3, seed=1)
+    g = g.replace(x=g.x.double())
+    torch.manual_seed(0)
+    model = gc.nn.GCN(6, 16, 3, num_layers=3, dropout=0.0).double()
+    plan = gc.plan(model, g, gpus=2, strategy=strategy, **options)
+    assert _crossing_sends(plan) == [(0, 1)]   # the hazard is there
+    assert {(0, 1), (1, 0)} <= set(p2p_pairs(plan.program))
+    shared = check_plan(model, g, 2, strategy=strategy, rtol=1e-9, atol=1e-11, timeout=60, **options)
+    monkeypatch.setenv("GNNCOMPILE_P2P_GROUPS", "directional")
+    directional = check_plan(model, g, 2, strategy=strategy, rtol=1e-9, atol=1e-11, timeout=60, **options)
+    assert directional.history.loss == shared.history.loss
+    assert [r.bytes_sent for r in directional.ranks] == [r.bytes_sent for r in shared.ranks]
+    monkeypatch.setenv("GNNCOMPILE_P2P_GROUPS", "sideways")
+    with pytest.raises(gc.ArgumentError, match="GNNCOMPILE_P2P_GROUPS"):
+        plan.run(1, progress=False)

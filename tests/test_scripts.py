@@ -24,13 +24,21 @@ import gnncompile as gc
 from gnncompile import ops
 print("BODY-RAN", flush=True)
 
+@torch.fx.wrap
+def clipped(h):
+    """A torch.fx.wrap leaf of __main__: the traced code imports it from __main__."""
+    return h.clamp(-30.0, 30.0) if h.shape[0] > 0 else h
+
 class TwoHop(torch.nn.Module):
     """The user's model: defined in __main__, which the ranks do not import."""
-    def __init__(self, d_in, d_hidden, d_out, lin=torch.nn.Linear):
+    def __init__(self, d_in, d_hidden, d_out, lin=torch.nn.Linear, wrap=False):
         super().__init__()
         self.lin1, self.lin2 = lin(d_in, d_hidden), torch.nn.Linear(d_hidden, d_out)
+        self.wrap = wrap
     def forward(self, g, x):
         x = torch.relu(ops.propagate(g, self.lin1(x), norm="gcn", add_self_loops=True))
+        if self.wrap:
+            x = clipped(x)
         return ops.propagate(g, self.lin2(x), norm="gcn", add_self_loops=True)
 
 class HalfLinear(torch.nn.Linear):
@@ -38,13 +46,13 @@ class HalfLinear(torch.nn.Linear):
     def forward(self, x):
         return super().forward(x) * 0.5
 
-def main(lin=torch.nn.Linear):
+def main(lin=torch.nn.Linear, wrap=False):
     graph = gc.datasets.synthetic("sbm", num_nodes=200, avg_degree=5, num_features=8, num_classes=3, seed=0)
     torch.manual_seed(0)
-    model = TwoHop(graph.num_features, 16, graph.num_classes, lin)
+    model = TwoHop(graph.num_features, 16, graph.num_classes, lin, wrap)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     result = gc.plan(model, graph, gpus=2, strategy="data").run(epochs=2)
-    reference = TwoHop(graph.num_features, 16, graph.num_classes, lin)
+    reference = TwoHop(graph.num_features, 16, graph.num_classes, lin, wrap)
     reference.load_state_dict(initial)
     history = gc.train(reference, graph, epochs=2)
     print("ACC", result.history.val_acc[-1], flush=True)
@@ -97,3 +105,10 @@ def test_plan_run_from_user_program(tmp_path: Path, how: str) -> None:
 def test_plan_run_with_a_leaf_module_class_from_main(tmp_path: Path) -> None:
     # the traced graph keeps torch.nn.Linear subclasses as modules: the programs hold a __main__ class
     _check(_run(tmp_path, "script", "main(HalfLinear)"))
+
+
+@pytest.mark.parametrize("how", ["guarded", "stdin"])
+def test_plan_run_with_a_wrapped_function_from_main(tmp_path: Path, how: str) -> None:
+    # the traced code imports a torch.fx.wrap function from __main__, which a rank's own __main__
+    # lacked ("cannot import name 'clipped' from '__main__'")
+    _check(_run(tmp_path, how, "main(wrap=True)"))

@@ -193,3 +193,23 @@ def test_a_model_built_for_another_input_width_is_refused_naming_both_widths() -
     with pytest.raises(gc.ArgumentError, match=r"Broken\(g, x\) failed on 'sbm-300' .*ZeroDivisionError: the "
                                                r"model's own bug$"):
         gc.train(Broken(), g, epochs=1, verbose=False)
+
+
+def test_a_model_without_parameters_and_a_non_floating_dtype_are_refused_up_front() -> None:
+    """They failed inside torch (the optimizer's "empty parameter list", Module.to's TypeError)."""
+    g = _small_graph()
+
+    class Propagate(torch.nn.Module):
+        def forward(self, g, x):
+            return gc.ops.propagate(g, x, norm="gcn")
+
+    with pytest.raises(gc.ArgumentError, match=r"^model: Propagate has no trainable parameters"):
+        gc.train(Propagate(), g, epochs=1, verbose=False)
+    frozen = gc.nn.GCN(g.num_features, 8, g.num_classes).requires_grad_(False)
+    with pytest.raises(gc.ArgumentError, match=r"^model: GCN has no trainable parameters"):
+        gc.train(frozen, g, epochs=1, verbose=False)
+    for dtype in (torch.int32, torch.bool, "float32"):
+        with pytest.raises(gc.ArgumentError, match=rf"^dtype must be a floating torch\.dtype .*got {dtype!r}"):
+            gc.train(gc.nn.GCN(g.num_features, 8, g.num_classes), g, epochs=1, dtype=dtype, verbose=False)
+    assert len(gc.train(gc.nn.GCN(g.num_features, 8, g.num_classes), g, epochs=1, dtype=torch.float64,
+                        verbose=False).loss) == 1

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
@@ -83,6 +84,8 @@ class Job:
     tp_unrecomputed: Optional[TPGraph] = None
     relaxations: list[str] = field(default_factory=list)
     dropout_inputs: dict[str, str] = field(default_factory=dict)
+    #: :func:`traced_hash` of the traces as the driver received them (the plan's ``info``)
+    model_hash: str = ""
 
     @property
     def concrete(self) -> bool:
@@ -287,6 +290,18 @@ def _evaluation_draws(tp_eval: TPGraph, strategy: str, semantics: str) -> list[s
                              f"random draws in evaluation ({', '.join(ops)}): each rank draws its own")
 
 
+def traced_hash(tp: TPGraph, tp_eval: TPGraph) -> str:
+    """A short SHA-256 of what the model computes as traced, before any pass: both modes' code
+    (constants such as ``F.dropout``'s ``p`` included) and every submodule's class and
+    ``extra_repr`` (``nn.Dropout(p=0.5)``); for checkpoints, whose resume it must match."""
+    h = hashlib.sha256()
+    for g in (tp, tp_eval):
+        h.update(g.code.encode())
+        for name, m in g.named_modules():
+            h.update(f"\n{name}:{type(m).__name__}({m.extra_repr()})".encode())
+    return h.hexdigest()[:16]
+
+
 def lower(strategy: Strategy, tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Module,
           graph: Union[Graph, GraphStats], num_ranks: int, options: StrategyOptions, *, device: Any = None,
           instruments: Iterable[PassInstrument] = ()) -> Plan:
@@ -300,6 +315,7 @@ def lower(strategy: Strategy, tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Mod
         raise PlanningError(f"strategy {strategy.name!r} takes {strategy.options.__name__}, got "
                             f"{type(options).__name__}")
     job = Job(strategy.name, tp, tp_eval, model, graph, num_ranks, device)
+    job.model_hash = traced_hash(tp, tp_eval)
     semantics = options.semantics
     if num_ranks > 1 or strategy.row_mixing_single:
         each, unit = strategy.row_mixing
@@ -395,7 +411,8 @@ def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lower
         ranks = insert_frees(ranks, keep={*job.inputs, staged.output})
     stats = job.stats
     info = {
-        "graph": str(stats), "model": type(job.model).__name__, "output": staged.output, "inputs": job.inputs,
+        "graph": str(stats), "model": type(job.model).__name__, "model_hash": job.model_hash,
+        "output": staged.output, "inputs": job.inputs,
         "params": job.numel, "param_tensors": sum(1 for p in job.params if p.requires_grad),
         "param_dtype": job.param_dtype, "features": stats.num_features, "classes": stats.num_classes,
         "halo_rows": [0] * job.num_ranks, "topology": _topology_info(job, out.ranks, options.backward), **out.info,

@@ -20,7 +20,9 @@ Atomicity: every rank writes into ``D/.staging-epochN``; after the collective sa
 rank 0 adds ``meta.json`` (written last) and ``plan.json``, renames the staging directory to
 ``D/epoch-N`` and replaces ``D/latest`` (temporary file + ``os.replace``). A crash before the
 rename leaves the previous checkpoint and ``latest`` untouched; a leftover staging directory is
-removed by the next run. The two newest checkpoints are kept.
+removed by the next run. The two newest checkpoints are kept. A write that fails (a full disk) is a
+:class:`~gnncompile.RuntimeFailure` and leaves the previous checkpoint too; a checkpoint that lost
+``meta.json`` or ``.metadata`` afterwards is skipped with a warning (:func:`latest`).
 
 Under ``torchrun`` on several machines ``D`` must be on a filesystem every machine shares (as
 ``torch.distributed.checkpoint``'s ``FileSystemWriter`` assumes): each rank writes its own files
@@ -35,6 +37,7 @@ back. ``tests/test_checkpoint.py::check_resume_matches_straight`` is the test to
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -51,7 +54,7 @@ from ..errors import ArgumentError, RuntimeFailure
 
 __all__ = ["CheckpointOptions", "Checkpoint", "RANK_STATE", "register_rank_state", "prepare", "make_directory", "save",
            "set_optimizer_state", "load_tensors", "write_best", "resume_hint", "tensor_hash", "compare_fingerprints",
-           "latest", "SHARED_FS"]
+           "latest", "SHARED_FS", "module_signature", "RECORDED_LATER"]
 
 _EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
 FORMAT_VERSION = 1
@@ -126,14 +129,36 @@ def tensor_hash(*tensors: Optional[torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+def module_signature(model: torch.nn.Module) -> list[list[str]]:
+    """The hyperparameters of ``model`` that are not parameter shapes, for fingerprints: a row
+    ``[qualified name, class name, extra_repr(), attributes]`` per module (the model itself first,
+    named ``""``), where ``extra_repr()`` carries what torch's modules print (``nn.Dropout``'s
+    ``p``, ``nn.Linear``'s sizes) and ``attributes`` the module's public attributes of type bool,
+    int, float, str or None as ``name=repr, ...`` (a model's ``dropout=0.5``, ``num_layers=2``)
+    that ``extra_repr()`` does not already show. Plain data: equal after a JSON round trip."""
+    rows = []
+    for name, module in model.named_modules():
+        shown = set(module.extra_repr().split(", "))
+        attrs = [f"{k}={v!r}" for k, v in sorted(vars(module).items()) if not k.startswith("_") and k != "training"
+                 and (v is None or isinstance(v, (bool, int, float, str)))]
+        rows.append([name, type(module).__name__, module.extra_repr(), ", ".join(a for a in attrs if a not in shown)])
+    return rows
+
+
+#: fingerprint fields added after checkpoints were first written: compared only when the
+#: checkpoint records them (an older checkpoint still resumes, unchecked in these)
+RECORDED_LATER = ("model.modules", "model.traced", "training.seed", "training.lr", "training.weight_decay")
+
+
 def compare_fingerprints(saved: dict[str, Any], current: dict[str, Any], *, ignore: tuple[str, ...] = ()) -> list[str]:
     """``section.field: checkpoint X, this run Y`` for each field that differs (sections: model,
-    graph, plan; fields in ``ignore``, as ``section.field``, are skipped)."""
+    graph, plan, training; fields in ``ignore``, as ``section.field``, are skipped, and so are
+    those of :data:`RECORDED_LATER` the checkpoint does not record)."""
     out = []
     for section in sorted(set(saved) | set(current)):
         a, b = saved.get(section, {}), current.get(section, {})
         for key in sorted(set(a) | set(b)):
-            if f"{section}.{key}" in ignore:
+            if f"{section}.{key}" in ignore or (f"{section}.{key}" in RECORDED_LATER and key not in a):
                 continue
             out += _differences(f"{section}.{key}", a.get(key), b.get(key))
     return out
@@ -141,13 +166,67 @@ def compare_fingerprints(saved: dict[str, Any], current: dict[str, Any], *, igno
 
 def _differences(where: str, a: Any, b: Any) -> list[str]:
     """``where: checkpoint a, this run b`` where they differ; two dicts by their differing keys
-    (``plan.options.stages: ...``: a long dict cut short would hide the key that differs)."""
+    (``plan.options.stages: ...``: a long dict cut short would hide the key that differs); two
+    lists of named rows (``[name, ...]``, e.g. ``model.params``) by the rows only one of them has
+    and the rows that changed (:func:`_row_differences`); other lists by their first differing
+    index and their lengths."""
     if a == b:
         return []
     if isinstance(a, dict) and isinstance(b, dict):
         return [d for key in sorted(set(a) | set(b), key=str) for d in _differences(f"{where}.{key}", a.get(key),
                                                                                      b.get(key))]
+    if isinstance(a, list) and isinstance(b, list):
+        if _named_rows(a) and _named_rows(b):
+            return _row_differences(where, a, b)
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        out = [] if first is None else _differences(f"{where}[{first}]", a[first], b[first])
+        if len(a) != len(b):
+            out.append(f"{where}: checkpoint {len(a)} entries, this run {len(b)}")
+        return out
     return [f"{where}: checkpoint {_short(a)}, this run {_short(b)}"]
+
+
+#: how many rows :func:`_row_differences` names of each kind before it counts the rest
+_ROWS_NAMED = 4
+
+
+def _named_rows(rows: list) -> bool:
+    """Whether ``rows`` is a list of rows ``[name, ...]`` with distinct string names."""
+    names = [r[0] for r in rows if isinstance(r, (list, tuple)) and r and isinstance(r[0], str)]
+    return len(names) == len(rows) and len(set(names)) == len(names)
+
+
+def _row_differences(where: str, a: list, b: list) -> list[str]:
+    """Two lists of named rows compared by name: ``where: only in this run: <rows>``, ``where: only
+    in the checkpoint: <rows>`` and ``where[name]: checkpoint <row>, this run <row>`` for changed
+    rows (the first few of each kind, then a count); the same rows in another order: the first
+    position that differs."""
+    old, new = {r[0]: r for r in a}, {r[0]: r for r in b}
+    added = [r for r in b if r[0] not in old]
+    removed = [r for r in a if r[0] not in new]
+    changed = [r[0] for r in a if r[0] in new and list(new[r[0]]) != list(r)]
+    out = []
+    for rows, side in ((added, "this run"), (removed, "the checkpoint")):
+        if rows:
+            out.append(f"{where}: only in {side}: " + ", ".join(_row(r) for r in rows[:_ROWS_NAMED])
+                       + (f" and {len(rows) - _ROWS_NAMED} more" if len(rows) > _ROWS_NAMED else ""))
+    for name in changed[:_ROWS_NAMED]:
+        out.append(f"{where}[{name or '(root)'}]: checkpoint {_row(old[name], named=False)}, "
+                   f"this run {_row(new[name], named=False)}")
+    if len(changed) > _ROWS_NAMED:
+        out.append(f"{where}: {len(changed) - _ROWS_NAMED} more rows changed")
+    if not out:  # the same rows, reordered
+        first = next(i for i, (x, y) in enumerate(zip(a, b)) if list(x) != list(y))
+        out.append(f"{where}[{first}]: checkpoint {_row(a[first])}, this run {_row(b[first])} (the same rows in "
+                   "another order)")
+    return out
+
+
+def _row(row: list, named: bool = True) -> str:
+    """A row ``[name, ...]`` as text: its name (``(root)`` when empty) and its other values,
+    strings as they are, the rest as JSON (cut short)."""
+    values = [v if isinstance(v, str) else _short(v, 80) for v in row[1:] if v != ""]
+    return " ".join(([row[0] or "(root)"] if named else []) + values)
 
 
 def _short(v: Any, limit: int = 160) -> str:
@@ -159,17 +238,31 @@ def _complete(path: Path) -> bool:
     return (path / "meta.json").is_file() and (path / ".metadata").is_file()
 
 
-def latest(directory: str | os.PathLike) -> Optional[Path]:
+def latest(directory: str | os.PathLike, *, warn: bool = True) -> Optional[Path]:
     """The newest complete checkpoint in ``directory``: the one ``latest`` names, or (when that
-    file is missing or names a removed directory) the highest complete ``epoch-N``; ``None``."""
+    file is missing or names a removed or incomplete directory) the highest complete ``epoch-N``;
+    ``None``. A newer ``epoch-N`` without ``meta.json`` or ``.metadata`` is skipped, with a
+    ``UserWarning`` (when ``warn``) naming it and the missing files: saves are atomic, so it was
+    damaged after it was written."""
     d = Path(directory)
+    epochs = sorted(((int(m.group(1)), p) for p in d.glob("epoch-*") if (m := _EPOCH_DIR.match(p.name))
+                     and p.is_dir()), reverse=True)
+    found = None
     pointer = d / "latest"
     if pointer.is_file():
         target = d / pointer.read_text().strip()
         if _EPOCH_DIR.match(target.name) and _complete(target):
-            return target
-    found = [(int(m.group(1)), p) for p in d.glob("epoch-*") if (m := _EPOCH_DIR.match(p.name)) and _complete(p)]
-    return max(found)[1] if found else None
+            found = target
+    if found is None:
+        found = next((p for _, p in epochs if _complete(p)), None)
+    newest = -1 if found is None else int(_EPOCH_DIR.match(found.name).group(1))
+    for epoch, path in epochs:
+        missing = [f for f in ("meta.json", ".metadata") if not (path / f).is_file()]
+        if warn and epoch > newest and missing:
+            warnings.warn(f"checkpoint {path} skipped: {' and '.join(missing)} missing (it was damaged after it was "
+                          "written); " + (f"using {found.name}" if found is not None else "no complete checkpoint "
+                                          "is left"), UserWarning, stacklevel=2)
+    return found
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -233,7 +326,8 @@ def prepare(options: CheckpointOptions, fingerprint: dict[str, Any], *,
     Refuses (:class:`~gnncompile.RuntimeFailure`): a fresh run (``resume=False``) into a directory
     that already holds checkpoints (they would be mixed with the new run's); ``resume=True`` with no
     checkpoint there (the message ends with ``missing_note``); a damaged checkpoint (a file missing
-    or of another size); a checkpoint of another model, graph or plan (each differing field named).
+    or of another size); a checkpoint of another model, graph, plan or training settings (each
+    differing field named: :func:`compare_fingerprints`).
     A different rank count (``plan.ranks``) is accepted when ``reshard(path, meta)`` returns
     ``None``, else refused with its reason.
     """
@@ -261,7 +355,8 @@ def prepare(options: CheckpointOptions, fingerprint: dict[str, Any], *,
     diffs = compare_fingerprints(saved, fingerprint, ignore=("plan.ranks", "graph.structure_by_rank"))
     if diffs:
         raise RuntimeFailure(f"checkpoint {found} was written by another run; what differs:\n  " + "\n  ".join(diffs)
-                             + "\nresume with the same model, graph and plan options, or use another checkpoint_dir")
+                             + "\nresume with the same model, graph, plan options and training settings, or use another "
+                             "checkpoint_dir")
     if saved.get("plan", {}).get("ranks") != fingerprint.get("plan", {}).get("ranks"):
         why = reshard(found, meta)
         if why is not None:
@@ -278,22 +373,67 @@ def save(options: CheckpointOptions, epoch: int, tensors: dict[str, torch.Tensor
          meta: Callable[[], dict[str, Any]], plan_json: Optional[str] = None, process_group: Any = None,
          distributed: bool = True) -> Path:
     """Write the checkpoint of ``epoch`` completed epochs (collective: every rank calls it with its
-    own ``tensors``; rank 0 also gives ``meta()`` and ``plan_json``). Returns ``D/epoch-N``."""
+    own ``tensors``; rank 0 also gives ``meta()`` and ``plan_json``). Returns ``D/epoch-N``.
+
+    A write that fails (a full disk, a directory that became unwritable) raises
+    :class:`~gnncompile.RuntimeFailure` naming ``D`` and the OS error (its ``__cause__``); the
+    staging directory is removed and the previous checkpoint and ``D/latest`` stay as they were."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     d = Path(options.directory)
     staging = d / f".staging-epoch{epoch}"
     final = d / f"epoch-{epoch}"
-    if rank == 0:  # the other ranks' FileSystemWriter creates it where they do not see it yet
-        staging.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu() for k, v in tensors.items()}
-    with warnings.catch_warnings():  # the single-process note of a no_dist save
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(staging)), process_group=process_group,
-                 no_dist=not distributed)
-    # dcp.save returns on every rank after rank 0 wrote .metadata: every rank's files are complete
-    if rank != 0:
-        return final
+    try:
+        if rank == 0:  # the other ranks' FileSystemWriter creates it where they do not see it yet
+            staging.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():  # the single-process note of a no_dist save
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(staging)), process_group=process_group,
+                     no_dist=not distributed)
+        # dcp.save returns on every rank after rank 0 wrote .metadata: every rank's files are complete
+        if rank != 0:
+            return final
+        return _publish(options, epoch, staging, final, meta, plan_json)
+    except (OSError, CheckpointException) as e:  # (CheckpointException is a BaseException)
+        cause = _os_error(e)
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        previous = latest(d, warn=False) if d.is_dir() else None
+        raise RuntimeFailure(f"checkpoint of epoch {epoch} could not be written to checkpoint_dir {str(d)!r}: "
+                             f"{_describe(cause)}; "
+                             + (f"the previous checkpoint ({previous.name}) is unchanged" if previous is not None
+                                else "no earlier checkpoint is there")) from cause
+
+
+def _os_error(e: BaseException) -> BaseException:
+    """The OS error behind ``e``: ``e`` itself, or the first one a rank of a
+    ``CheckpointException`` reports (``failures``: rank -> (exception, traceback)), else ``e``."""
+    for exc, *_ in getattr(e, "failures", {}).values():
+        if isinstance(exc, OSError):
+            return exc
+    return e
+
+
+def _describe(e: BaseException) -> str:
+    """``e`` in one line: an OS error as Python prints it (``[Errno 28] No space left on device:
+    'path'``), anything else as ``Type: first line``."""
+    text = str(e).strip().splitlines()
+    first = text[0][:300] if text else ""
+    if isinstance(e, OSError) and first:
+        return first
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _publish(options: CheckpointOptions, epoch: int, staging: Path, final: Path, meta: Callable[[], dict[str, Any]],
+             plan_json: Optional[str]) -> Path:
+    """Rank 0's part of :func:`save` once every rank's files are in ``staging``: check they are all
+    there, add ``plan.json`` and ``meta.json`` (last), rename ``staging`` to ``final``, point
+    ``latest`` at it and remove the checkpoints beyond ``options.keep``."""
+    import torch.distributed.checkpoint as dcp
+
+    d = Path(options.directory)
     written = {info.relative_path for info in dcp.FileSystemReader(str(staging)).read_metadata().storage_data.values()}
     unseen = sorted(name for name in written if not (staging / name).is_file())
     if unseen:
@@ -380,18 +520,24 @@ def load_tensors(path: Path, wanted: Callable[[str], bool], *, process_group: An
 def write_best(directory: str | os.PathLike, params: dict[str, torch.Tensor], epoch: Optional[int],
                val_acc: float) -> Path:
     """Write the best-validation parameters to ``D/best.pt`` (atomically): ``{"epoch", "val_acc",
-    "state_dict"}``; ``torch.load(path)["state_dict"]`` goes into ``model.load_state_dict``."""
+    "state_dict"}``; ``torch.load(path)["state_dict"]`` goes into ``model.load_state_dict``. A write
+    that fails raises :class:`~gnncompile.RuntimeFailure` naming the file (the previous one stays)."""
     path = Path(directory) / "best.pt"
     tmp = path.with_name(f".best.pt.tmp{os.getpid()}")
-    torch.save({"epoch": epoch, "val_acc": val_acc, "state_dict": {k: v.detach().cpu() for k, v in params.items()}},
-               tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save({"epoch": epoch, "val_acc": val_acc,
+                    "state_dict": {k: v.detach().cpu() for k, v in params.items()}}, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise RuntimeFailure(f"the best parameters could not be written to {str(path)!r}: {_describe(e)}") from e
     return path
 
 
 def resume_hint(directory: str | os.PathLike, call: str) -> str:
     """The one line a failed run's error ends with: how to continue from its last checkpoint."""
-    last = latest(directory)
+    last = latest(directory, warn=False)
     if last is None:
         return (f"no checkpoint was written before the failure: rerun from the start with {call}(..., "
                 f"checkpoint_dir={str(directory)!r}) (CLI: --checkpoint-dir {directory}, without --resume)")

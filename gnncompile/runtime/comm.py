@@ -310,6 +310,20 @@ class Communicator:
         self.poll = poll
         self.stats = CommStats()
         self.phase = "train"
+        #: ``(src, dst) -> process group`` for point-to-point messages from ``src`` to ``dst`` (empty:
+        #: ``group``). Under NCCL a pair's sends and receives in one group share a communicator and a
+        #: stream, so two ranks that each send before receiving from the other wait on each other;
+        #: a group per direction lets both sends progress (:meth:`directional_groups`).
+        self.p2p: dict[tuple[int, int], Any] = {}
+
+    def directional_groups(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Create a two-rank process group per ``(src, dst)`` of ``pairs`` for the messages from
+        ``src`` to ``dst`` (collective: every rank calls it with the same ``pairs``, in the same
+        order)."""
+        for src, dst in pairs:
+            pg = dist.new_group(sorted((src, dst)))
+            if self.rank in (src, dst):
+                self.p2p[(src, dst)] = pg
 
     def _host(self, op: str, t: torch.Tensor) -> torch.Tensor:
         """``t`` itself, or a host copy of it when ``op`` is staged."""
@@ -487,19 +501,20 @@ class Communicator:
     def send(self, t: torch.Tensor, peer: int) -> None:
         """Blocking send of ``t`` to rank ``peer`` (counted)."""
         t = t.detach().contiguous()
-        dist.send(self._host("send", t), dst=peer, group=self.group)
+        dist.send(self._host("send", t), dst=peer, group=self.p2p.get((self.rank, peer), self.group))
         self.stats.add(self.phase, peer, sent=t.numel() * t.element_size())
 
     @_tracked("recv")
     def recv(self, shape: Sequence[int], dtype: torch.dtype, peer: int, device: Any = "cpu") -> torch.Tensor:
         """Blocking receive of a ``shape``/``dtype`` tensor from rank ``peer`` onto ``device`` (counted)."""
         t = torch.empty(tuple(shape), dtype=dtype, device=device)
+        group = self.p2p.get((peer, self.rank), self.group)
         if "recv" in self.stage_through_host:
             host = torch.empty(tuple(shape), dtype=dtype)
-            complete(dist.irecv(host, src=peer, group=self.group), self.poll)
+            complete(dist.irecv(host, src=peer, group=group), self.poll)
             t.copy_(host)
         else:
-            complete(dist.irecv(t, src=peer, group=self.group), self.poll)
+            complete(dist.irecv(t, src=peer, group=group), self.poll)
         self.stats.add(self.phase, peer, received=t.numel() * t.element_size())
         return t
 
@@ -511,7 +526,7 @@ class Communicator:
         self.stats.add(self.phase, peer, sent=t.numel() * t.element_size())
         buf = self._host("send", t)
         held = buf._use_count()
-        return _SendWork(dist.isend(buf, dst=peer, group=self.group), buf, held)
+        return _SendWork(dist.isend(buf, dst=peer, group=self.p2p.get((self.rank, peer), self.group)), buf, held)
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], group: Any = None,
                     members: Optional[Sequence[int]] = None) -> None:

@@ -30,6 +30,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -1038,6 +1039,8 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     captured: Optional[dict] = {} if capture else None
     owned = {n for n in prog.param_names if prog.placement.holder(n) == ctx.rank}
     opts = run_options or {}
+    if ctx.world_size > 1 and directional_p2p(ctx.backend):
+        rank.comm.directional_groups(opts.get("p2p_pairs", ()))
     checkpoint: Optional[ckpt.CheckpointOptions] = opts.get("checkpoint")
     patience: Optional[int] = opts.get("patience")
     ck_group = None
@@ -1182,6 +1185,25 @@ def _restore_stale(rank: "_Rank", tensors: dict[str, torch.Tensor]) -> None:
 ckpt.register_rank_state("stale", _stale_state, _restore_stale)
 
 
+def p2p_pairs(programs: list[RankProgram]) -> list[tuple[int, int]]:
+    """Every ``(src, dst)`` of the programs' point-to-point messages (training and evaluation), sorted:
+    the same list on every rank, which creates a group per pair (:func:`directional_p2p`)."""
+    return sorted({(p.rank, i.peer) for p in programs for i in (*p.instructions, *p.eval_instructions)
+                   if isinstance(i, Send)})
+
+
+def directional_p2p(backend: str) -> bool:
+    """Whether ranks send point-to-point messages through a group per direction: under NCCL (two
+    ranks that each send to the other before receiving would otherwise wait on each other: NCCL
+    runs a pair's sends and receives of one group in order on one stream), or when
+    ``$GNNCOMPILE_P2P_GROUPS`` is ``directional`` (``shared``: never; for tests on gloo, whose
+    sends progress on the host either way)."""
+    mode = os.environ.get("GNNCOMPILE_P2P_GROUPS", "auto")
+    if mode not in ("auto", "directional", "shared"):
+        raise ArgumentError(f"$GNNCOMPILE_P2P_GROUPS must be auto, directional or shared, got {mode!r}")
+    return mode == "directional" or (mode == "auto" and backend == "nccl")
+
+
 def run_buffers(prog: RankProgram) -> dict[str, torch.Tensor]:
     """The model's buffers (BatchNorm's running statistics...) that this rank's training step
     updates, by their names in the user's model: those of the stage modules its ``Forward`` and
@@ -1314,8 +1336,9 @@ def _restore_rank(rank: "_Rank", optimizer: torch.optim.Optimizer, path: str, me
 
 def plan_fingerprint(plan: Plan) -> dict[str, Any]:
     """What a checkpoint of ``plan``'s run must match to be resumed: the model (class, parameter
-    names, shapes, dtypes), the graph (its description and a hash of each rank's structure) and the
-    plan (strategy, semantics, relaxations, options, ranks)."""
+    names, shapes, dtypes, and a hash of its trace: ``info["model_hash"]``), the graph (its
+    description and a hash of each rank's structure) and the plan (strategy, semantics,
+    relaxations, options, ranks); :func:`_prepare_run` adds the training settings."""
     programs: list[RankProgram] = plan.program
     p0 = programs[0]
 
@@ -1325,7 +1348,9 @@ def plan_fingerprint(plan: Plan) -> dict[str, Any]:
 
     options = json.loads(json.dumps(plan.options, sort_keys=True, default=str))
     return {"model": {"class": plan.info.get("model"),
-                      "params": [[n, list(p.shape), str(p.dtype)] for n, p in zip(p0.param_names, p0.params)]},
+                      "params": [[n, list(p.shape), str(p.dtype)] for n, p in zip(p0.param_names, p0.params)],
+                      # what it computes: code and hyperparameters (a dropout rate), as traced
+                      "traced": plan.info.get("model_hash")},
             "graph": {"description": plan.info.get("graph"), "structure_by_rank": [structure(p) for p in programs]},
             "plan": {"strategy": plan.strategy, "semantics": plan.semantics, "relaxations": list(plan.relaxations),
                      "options": options, "ranks": plan.num_ranks}}
@@ -1429,7 +1454,7 @@ def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: floa
     check_timeout(timeout)
     options, run_options = _prepare_run(plan, epochs, lr, weight_decay, capture=capture,
                                         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                                        resume=resume, patience=patience)
+                                        resume=resume, patience=patience, seed=seed)
     try:
         result = _run_plan(plan, epochs, lr, weight_decay, seed=seed, eval_every=eval_every, timeout=timeout,
                            capture=capture, update_model=update_model, fail_at=fail_at,
@@ -1447,7 +1472,7 @@ def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: floa
 
 def _prepare_run(plan: Plan, epochs: int, lr: float, weight_decay: float, *, capture: bool,
                  checkpoint_dir: Optional[str | os.PathLike], checkpoint_every: int, resume: bool,
-                 patience: Optional[int], create: bool = True, missing_note: str = "") \
+                 patience: Optional[int], seed: Optional[int] = 0, create: bool = True, missing_note: str = "") \
         -> tuple[Optional[ckpt.CheckpointOptions], dict[str, Any]]:
     """What :func:`run_plan` and :func:`run_plan_torchrun` do before any rank trains: check the
     arguments, fingerprint the plan and decide what to resume from (:func:`ckpt.prepare`; with
@@ -1470,6 +1495,8 @@ def _prepare_run(plan: Plan, epochs: int, lr: float, weight_decay: float, *, cap
         if capture and resume:
             raise ArgumentError("capture=True records the first step, which a resumed run does not take; drop one")
         fingerprint = plan_fingerprint(plan)
+        fingerprint["training"] = {"seed": None if seed is None else int(seed), "lr": float(lr),
+                                   "weight_decay": float(weight_decay)}
         found = ckpt.prepare(options, fingerprint, reshard=_reshard_refusal, create=create, missing_note=missing_note)
         if found is not None and found.epoch > epochs:
             raise RuntimeFailure(f"checkpoint {found.path} holds {found.epoch} epochs, more than epochs={epochs}; "
@@ -1507,6 +1534,7 @@ def _run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: flo
     check_training_args(epochs, lr, weight_decay)
     check_timeout(timeout)
     placement = plan_placement(plan, device, backend, stage_through_host)
+    directional_p2p(placement.backend)   # (a bad $GNNCOMPILE_P2P_GROUPS: refused before the ranks start)
     programs: list[RankProgram] = plan.program
     if placement.device_type == "cpu":
         # the native CPU kernels are built (a first build: ~30 s, more on a busy host) or loaded here,
@@ -1516,9 +1544,12 @@ def _run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: flo
     # process dies, the ranks delete it (launch's temp_paths)
     with tempfile.TemporaryDirectory(prefix="gnncompile-plan-", ignore_cleanup_errors=True) as tmp:
         # each rank loads only its own program (a rank's graph shard can be large)
+        run_options = {**(run_options or {}), "p2p_pairs": p2p_pairs(programs)}
+        main_fns = _MainFunctions(programs)
         for prog in programs:
-            # by value what ranks cannot import: model classes defined in __main__ (a script, a notebook)
-            torch.save(prog, os.path.join(tmp, f"rank{prog.rank}.pt"), pickle_module=cloudpickle)
+            # by value what ranks cannot import: model classes defined in __main__ (a script, a notebook),
+            # and the functions of __main__ the traced code calls, installed first (_MainFunctions)
+            torch.save((main_fns, prog), os.path.join(tmp, f"rank{prog.rank}.pt"), pickle_module=cloudpickle)
         results = launch(_rank_main, plan.num_ranks, (tmp, epochs, lr, weight_decay, seed, eval_every, capture,
                                                       fail_at, progress, run_options),
                          placement=placement, timeout=timeout, threads_per_rank=threads_per_rank, temp_paths=(tmp,))
@@ -1560,9 +1591,36 @@ def _run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: flo
     return RunResult(history=history, ranks=ranks, plan=plan, captured=captured, placement=placement)
 
 
+class _MainFunctions:
+    """The functions of the caller's ``__main__`` that the programs' traced code calls (a
+    ``torch.fx.wrap``-ped function of a script or notebook): fx pickles a graph module's code with
+    ``from __main__ import f``, which a rank's own ``__main__`` cannot satisfy. Unpickled before the
+    program (the first item of the rank's file), it sets them on the rank's ``__main__``, pickled
+    by value (cloudpickle)."""
+
+    def __init__(self, programs: list[RankProgram]) -> None:
+        self.functions: dict[str, Any] = {}
+        for prog in programs:
+            for m in (*prog.modules.values(), *prog.eval_modules.values()):
+                for node in getattr(getattr(m, "graph", None), "nodes", ()):
+                    target = node.target
+                    if node.op == "call_function" and getattr(target, "__module__", None) == "__main__":
+                        self.functions[target.__name__] = target
+
+    def __reduce__(self) -> tuple:
+        return _install_main_functions, (self.functions,)
+
+
+def _install_main_functions(functions: dict[str, Any]) -> None:
+    main = sys.modules["__main__"]
+    for name, fn in functions.items():
+        if not hasattr(main, name):
+            setattr(main, name, fn)
+
+
 def _rank_main(ctx: RankContext, program_dir: str, *args: Any) -> dict:
     path = os.path.join(program_dir, f"rank{ctx.rank}.pt")
-    prog = torch.load(path, weights_only=False)
+    _, prog = torch.load(path, weights_only=False)
     os.unlink(path)
     with contextlib.suppress(OSError):  # not empty: another rank has yet to load its program
         os.rmdir(program_dir)
@@ -1622,10 +1680,12 @@ def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_de
                              f"{plan.num_ranks}")
     options, run_options = _prepare_run(plan, epochs, lr, weight_decay, capture=False, checkpoint_dir=checkpoint_dir,
                                         checkpoint_every=checkpoint_every, resume=resume, patience=patience,
-                                        create=False, missing_note=ckpt.SHARED_FS)
+                                        seed=seed, create=False, missing_note=ckpt.SHARED_FS)
     programs: list[RankProgram] = plan.program
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     placement = _placement(local_world, device, backend)
+
+    run_options["p2p_pairs"] = p2p_pairs(programs)
 
     def main(ctx: RankContext) -> dict:
         if options is not None:

@@ -270,10 +270,18 @@ def adam(params: Any, lr: float, weight_decay: float) -> torch.optim.Adam:
 
 
 def check_training_args(epochs: Any, lr: Any, weight_decay: Any, patience: Any = None, resume: bool = False,
-                        checkpoint_dir: Any = None) -> None:
+                        checkpoint_dir: Any = None, *, model: Optional[torch.nn.Module] = None,
+                        dtype: Any = None) -> None:
     """Refuse training arguments no run can use (before any work or rank starts): ``epochs`` an
     int >= 0, ``lr`` finite and > 0, ``weight_decay`` finite and >= 0, ``patience`` ``None`` or an
-    int >= 1, ``resume`` only with a ``checkpoint_dir``; raises ``ValueError``."""
+    int >= 1, ``resume`` only with a ``checkpoint_dir``, a ``model`` (when given) with a trainable
+    parameter, ``dtype`` ``None`` or a floating ``torch.dtype``; raises
+    :class:`~gnncompile.ArgumentError` (a ``ValueError``)."""
+    if model is not None and not any(p.requires_grad for p in model.parameters()):
+        raise ArgumentError(f"model: {type(model).__name__} has no trainable parameters (nothing for Adam to "
+                            "update); give it a layer with weights, e.g. gnncompile.nn.GCN")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ArgumentError(f"dtype must be a floating torch.dtype (torch.float32, torch.float64, ...), got {dtype!r}")
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
         raise ArgumentError(f"epochs must be an int >= 0, got {epochs!r}")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
@@ -343,9 +351,11 @@ def train(
         torch's random streams, the history) into ``checkpoint_dir`` every ``checkpoint_every``
         epochs and after the last one, and the best-validation state to ``checkpoint_dir/best.pt``;
         ``resume=True`` continues from the newest checkpoint there up to ``epochs`` in total
-        (bit-identical to an uninterrupted run on the CPU). A checkpoint of another model or graph,
+        (bit-identical to an uninterrupted run on the CPU). A checkpoint of another model (its
+        hyperparameters included, e.g. a dropout rate), graph, ``seed``, ``lr`` or ``weight_decay``,
         a damaged one, none at all with ``resume``, or existing ones without it are refused with a
-        :class:`~gnncompile.errors.RuntimeFailure`.
+        :class:`~gnncompile.errors.RuntimeFailure` naming what differs. A failed checkpoint write
+        raises one too (the previous checkpoint stays valid).
     patience:
         Stop after this many epochs without a higher validation accuracy (``History.stopped_at``).
     batch_size, fanouts, eval_fanouts:
@@ -366,7 +376,7 @@ def train(
         Loss and accuracies per epoch, and per-epoch step times; ``best_state_dict()`` gives the
         model's state at the best validation accuracy.
     """
-    check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir)
+    check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir, model=model, dtype=dtype)
     minibatch = None
     if batch_size is not None or fanouts is not None or eval_fanouts is not None:
         if batch_size is None:
@@ -427,7 +437,7 @@ def train(
     start = 0
     fingerprint: dict[str, Any] = {}
     if options is not None:
-        fingerprint = _train_fingerprint(model, graph, minibatch)
+        fingerprint = _train_fingerprint(model, graph, minibatch, seed=seed, lr=lr, weight_decay=weight_decay)
         found = ckpt.prepare(options, fingerprint)
         if found is not None:
             if found.epoch > epochs:
@@ -552,21 +562,26 @@ def _sampled_evaluation(model: BlockModel, host: Graph, x: torch.Tensor, mb: Min
     return out
 
 
-def _train_fingerprint(model: torch.nn.Module, graph: Graph, minibatch: Optional[MiniBatch] = None
-                       ) -> dict[str, Any]:
+def _train_fingerprint(model: torch.nn.Module, graph: Graph, minibatch: Optional[MiniBatch] = None, *,
+                       seed: Optional[int] = None, lr: float = 0.01, weight_decay: float = 5e-4) -> dict[str, Any]:
     """What a checkpoint of :func:`train` must match: the model (class, state names, shapes,
-    dtypes), the graph (name, sizes, a hash of its structure) and the run (single device; the
-    mini-batches' size and fanouts: a step's batch and sample follow from them, the seed, the
-    epoch and the step, so nothing else of the sampler is saved)."""
+    dtypes, and its other hyperparameters, e.g. dropout rates: :func:`ckpt.module_signature`), the
+    graph (name, sizes, a hash of its structure), the run (single device; the mini-batches' size
+    and fanouts: a step's batch and sample follow from them, the seed, the epoch and the step, so
+    nothing else of the sampler is saved) and the training settings (``seed``, ``lr``,
+    ``weight_decay``)."""
     plan: dict[str, Any] = {"strategy": "single-device", "ranks": 1}
     if minibatch is not None:
         plan["minibatch"] = {"batch_size": minibatch.batch_size, "fanouts": list(minibatch.fanouts),
                              "eval_fanouts": None if minibatch.eval_fanouts is None else list(minibatch.eval_fanouts)}
     return {"model": {"class": type(model).__name__,
-                      "params": [[k, list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()]},
+                      "params": [[k, list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()],
+                      "modules": ckpt.module_signature(model)},
             "graph": {"name": graph.name, "num_nodes": int(graph.num_nodes), "num_edges": int(graph.num_edges),
                       "features": int(graph.x.shape[-1]), "structure": ckpt.tensor_hash(graph.indptr, graph.indices)},
-            "plan": plan}
+            "plan": plan,
+            "training": {"seed": None if seed is None else int(seed), "lr": float(lr),
+                         "weight_decay": float(weight_decay)}}
 
 
 def _save_train(options: ckpt.CheckpointOptions, done: int, model: torch.nn.Module,
