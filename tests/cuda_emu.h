@@ -32,7 +32,7 @@
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
 };
-struct float2 {
+struct alignas(8) float2 {
   float x, y;
 };
 struct alignas(16) float4 {
@@ -40,8 +40,12 @@ struct alignas(16) float4 {
 };
 inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+// A device load faults on an address not aligned to its type (float2: 8 bytes, float4: 16).
 template <typename T>
-inline T __ldg(const T* p) { return *p; }
+inline T __ldg(const T* p) {
+  if (reinterpret_cast<std::uintptr_t>(p) % alignof(T)) throw std::runtime_error("emulated load: misaligned address");
+  return *p;
+}
 inline float fmaf(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 inline float __int_as_float(int v) {

@@ -280,6 +280,29 @@ def test_chosen_product_through_backend_glue(emulator) -> None:
     assert cuda.choices()[-1].op == "sddmm" and cuda.choices()[-1].chosen.startswith("raw")
 
 
+def test_float2_loads_need_8_byte_aligned_rows(emulator) -> None:
+    """A contiguous view at an odd float offset (rows of a larger tensor) is 4-byte aligned: float2
+    configs were accepted for it (float4's alignment alone was checked), a misaligned-address fault
+    on a GPU, which the emulator now raises too. The launches refuse it, and the chosen product
+    copies such an operand to an aligned one for every vectorized config."""
+    csr = random_csr(16, 16, 2.0, seed=1)
+    x = torch.zeros(16 * 6 + 1)[1:].reshape(16, 6)
+    assert x.is_contiguous() and x.data_ptr() % 8 == 4
+    with pytest.raises(KernelError, match="float2 loads need 8-byte aligned operands"):
+        cuda.spmm_launches(device_csr(csr), None, 1, x, torch.zeros(16, 6), None, None, False, cuda.KernelConfig(2, 1))
+    with pytest.raises(KernelError, match="float2 loads need 8-byte aligned operands"):
+        cuda.sddmm_launches(device_csr(csr), x, x, 1, torch.empty(csr.nnz, 1), cuda.KernelConfig(2, 1))
+    csr = random_csr(50, 40, 3.0, seed=17)
+    x = randn(40 * 6 + 1, dtype=torch.float32, seed=18)[1:].reshape(40, 6)
+    baseline = kernels.BACKENDS["torch"][0]
+    slow_baseline = lambda *a: (time.sleep(0.05), baseline(*a))[1]  # noqa: E731: the own kernels must win
+    out = kernels._spmm_chosen(csr, None, x, None, None, False, baseline=slow_baseline, run=emulator,
+                               timer=cuda.wall_timer)
+    choice = cuda.choices()[-1]   # every float2 config ran (none rejected by a misaligned load)
+    assert not choice.rejected and any(k.startswith("raw v2") for k in choice.times_ms), choice
+    assert_close(out, reference_spmm(csr, None, x, None, None, False))
+
+
 # --------------------------------------------------------------------------- compiled for a GPU
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to compile for a GPU")
 def test_source_compiles_for_gpus(tmp_path) -> None:

@@ -1189,8 +1189,11 @@ def _backward_peak(w: _RankWalk, st: StageSpec, inputs: dict[str, float], receiv
 
 def _optimizer_cost(w: _RankWalk, i: int, inst: OptimizerStep) -> StepCost:
     info, dev = w.cost.plan.info, w.device
-    params = int(info.get("params", 0))
-    tensors = int(info.get("param_tensors", 1))
+    # this rank's parameters (a rank of mop's sparse group or a task rank holds some or none): Adam
+    # steps those, with the model's tensors in proportion
+    params = w.cost.static[w.index].parameters // _elsize(info.get("param_dtype", "float32"))
+    share = params / max(int(info.get("params", 0)), 1)
+    tensors = math.ceil(int(info.get("param_tensors", 1)) * min(share, 1.0))
     # the step's bookkeeping outside instructions (loss, zeroing gradients) is charged here
     seconds = params * _ADAM_BYTES_PER_PARAM / dev.mem_bandwidth + \
         tensors * dev.runtime.get("optimizer_tensor", dev.launch_overhead) + dev.runtime.get("step", 0.0) + w.switch(i)

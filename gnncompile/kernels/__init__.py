@@ -973,7 +973,7 @@ def _spmm_chosen(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, row_
     rows = csr.num_cols if transpose else csr.num_rows
 
     def own(cfg: cuda.KernelConfig) -> torch.Tensor:
-        xa = _aligned(x2) if cfg.vec == 4 else x2
+        xa = _aligned(x2) if cfg.vec > 1 else x2   # (float2 and float4 loads: 8- and 16-byte aligned rows)
         return cuda.run_spmm(dcsr, vals, xa, row_scale, col_scale, transpose, cfg, run)
 
     def decide() -> Optional[cuda.KernelConfig]:
@@ -1003,7 +1003,7 @@ def _sddmm_chosen(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int, *, bas
     width = a2.shape[1]
 
     def own(cfg: cuda.KernelConfig) -> torch.Tensor:
-        if cfg.vec == 4:
+        if cfg.vec > 1:   # (float2 and float4 loads: 8- and 16-byte aligned rows)
             return cuda.run_sddmm(dcsr, _aligned(a2), _aligned(b2), heads, cfg, run)
         return cuda.run_sddmm(dcsr, a2, b2, heads, cfg, run)
 

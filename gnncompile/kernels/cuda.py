@@ -204,8 +204,8 @@ def _check_vec(cfg: KernelConfig, width: int, head_width: int, *tensors: Optiona
     if width % cfg.vec or head_width % cfg.vec:
         raise KernelError(f"{cfg}: {cfg.vec} columns per lane do not divide the width {width} and head width "
                           f"{head_width}")
-    if cfg.vec == 4 and any(t is not None and t.data_ptr() % 16 for t in tensors):
-        raise KernelError(f"{cfg}: float4 loads need 16-byte aligned operands")
+    if cfg.vec > 1 and any(t is not None and t.data_ptr() % (4 * cfg.vec) for t in tensors):
+        raise KernelError(f"{cfg}: float{cfg.vec} loads need {4 * cfg.vec}-byte aligned operands")
 
 
 def spmm_launches(csr: DeviceCSR, values: Optional[torch.Tensor], heads: int, x: torch.Tensor, out: torch.Tensor,
@@ -425,7 +425,10 @@ def choose(op: str, shape: str, candidates: dict[str, Callable[[], torch.Tensor]
     Each candidate computes the product on the call's inputs. The reference runs first and must
     succeed (its error propagates); another candidate that raises or deviates beyond float32
     reordering (relative 1e-4 of the largest entry) is rejected. The choice is recorded
-    (:func:`choices`); the caller caches it per shape.
+    (:func:`choices`); the caller caches it per shape. On a GPU only errors raised at launch
+    (compilation, launch configuration) reject a candidate: a fault inside a kernel (an
+    out-of-bounds or misaligned access) is asynchronous and sticky, and every later CUDA call of
+    the process fails, so the launches check what they can first (:func:`spmm_launches`).
     """
     if reference not in candidates:
         raise KernelError(f"choose: reference {reference!r} is not a candidate")
@@ -505,8 +508,9 @@ def run_attention(csr: DeviceCSR, src: torch.Tensor, dst: torch.Tensor, slope: f
         raise KernelError(f"CUDA attention: {heads} heads is not a power of two up to 32")
     alpha = torch.empty((csr.nnz + (csr.num_rows if loops else 0),) + tuple(src.shape[1:]), dtype=src.dtype,
                         device=src.device)
-    for launch in attention_launches(csr, src.contiguous(), dst.contiguous(), alpha, heads, slope, loops, own_offset,
-                                     group):
+    # the launches hold raw pointers: the operands' contiguous copies stay referenced until they ran
+    src, dst = src.contiguous(), dst.contiguous()
+    for launch in attention_launches(csr, src, dst, alpha, heads, slope, loops, own_offset, group):
         run(launch)
     return alpha
 
@@ -521,7 +525,9 @@ def run_attention_backward(csr: DeviceCSR, src: torch.Tensor, dst: torch.Tensor,
         raise KernelError(f"CUDA attention: {heads} heads is not a power of two up to 32")
     gs = torch.empty_like(alpha)
     g_dst = torch.empty((csr.num_rows,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
-    for launch in attention_backward_launches(csr, src.contiguous(), dst.contiguous(), alpha.contiguous(),
-                                              grad.contiguous(), gs, g_dst, heads, slope, loops, own_offset, group):
+    # the launches hold raw pointers: the operands' contiguous copies stay referenced until they ran
+    src, dst, alpha, grad = src.contiguous(), dst.contiguous(), alpha.contiguous(), grad.contiguous()
+    for launch in attention_backward_launches(csr, src, dst, alpha, grad, gs, g_dst, heads, slope, loops, own_offset,
+                                              group):
         run(launch)
     return gs, g_dst
