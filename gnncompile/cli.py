@@ -752,7 +752,7 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="write checkpoints (torch.distributed.checkpoint) and the best model (best.pt) to DIR "
                         "(with --torchrun on several machines: a filesystem they all share)")
-    p.add_argument("--checkpoint-every", type=positive_int, default=10, metavar="N",
+    p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
                    help="checkpoint every N epochs and after the last one (default: 10)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir up to --epochs in total")
@@ -764,7 +764,8 @@ def _checkpointing(args: argparse.Namespace) -> dict:
     """The checkpoint and early-stopping keyword arguments of ``train`` / ``plan.run`` the user set."""
     out: dict = {"patience": args.patience}
     if args.checkpoint_dir is not None:
-        out.update(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume)
+        out.update(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 10,
+                   resume=args.resume)
     return out
 
 
@@ -916,6 +917,11 @@ def _check_combinations(error: Any, args: argparse.Namespace) -> None:
     from . import datasets
     from .nn import MODELS
 
+    if getattr(args, "checkpoint_every", None) is not None and args.checkpoint_dir is None:
+        error("--checkpoint-every needs --checkpoint-dir DIR (where the checkpoints go)")
+    if getattr(args, "checkpoint_dir", None) is not None and Path(args.checkpoint_dir).expanduser().exists() \
+            and not Path(args.checkpoint_dir).expanduser().is_dir():
+        error(f"argument --checkpoint-dir: {args.checkpoint_dir} exists and is not a directory")
     if hasattr(args, "dataset") and args.dataset not in datasets.SYNTHETIC_KINDS:
         given = [f"--{k.replace('_', '-')}" for k in SYNTHETIC_DEFAULTS if getattr(args, k, None) is not None]
         if given:
@@ -990,6 +996,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "resume", False) and args.checkpoint_dir is None:
         parser.error("--resume needs --checkpoint-dir DIR (the directory of the run's checkpoints)")
+
     _check_arguments(_command_parser(parser, args.command), args)
     # `--json -` (`--save -`, `--dot -`; a command has one of them): that output alone on standard
     # output, the rest on standard error

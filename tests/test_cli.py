@@ -249,6 +249,9 @@ def nothing_loads(monkeypatch: pytest.MonkeyPatch, nothing_runs: None) -> None:
 
 
 COMBOS = [
+    (["train", "--dataset", "cora", "--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+    (["run", "--dataset", "cora", "--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+    (["run", "--dataset", "cora", "--checkpoint-dir", __file__], "exists and is not a directory"),
     (["train", "--dataset", "cora", "--fanouts", "5,5"], "--fanouts needs --batch-size"),
     (["train", "--dataset", "cora", "--eval-fanouts", "5,5"], "--eval-fanouts needs --batch-size"),
     (["train", "--dataset", "cora", "--batch-size", "64"], "--batch-size needs --fanouts"),
@@ -441,8 +444,12 @@ def test_checkpoint_errors_name_the_flags(tmp_path: Path, capsys: Any) -> None:
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"gnncompile: error: --resume but --checkpoint-dir '{missing}' holds no complete checkpoint")
     assert "run without --resume" in err and "resume=" not in err and "checkpoint_dir" not in err
-    assert cli.main(["train", *SMALL, "--epochs", "1", "--quiet", "--checkpoint-dir", str(file)]) == 1
-    assert capsys.readouterr().err == f"gnncompile: error: --checkpoint-dir '{file}' exists and is not a directory\n"
+    # a directory that cannot be one is a usage error (exit 2) before anything loads, as unwritable outputs are
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", *SMALL, "--epochs", "1", "--quiet", "--checkpoint-dir", str(file)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"gnncompile train: error: argument --checkpoint-dir: {file} exists and is not a directory"
 
 
 def test_error_spelling_keeps_the_command_line_form_of_a_hint(tmp_path: Path) -> None:

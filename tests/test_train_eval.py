@@ -537,3 +537,36 @@ def test_relaxed_plan_returns_and_checkpoints_buffers(tmp_path, strategy: str) -
     assert resumed.history.val_acc == straight.history.val_acc and resumed.history.loss == straight.history.loss
     for name, buf in m1.named_buffers():
         assert torch.equal(dict(m2.named_buffers())[name], buf), name
+
+
+class ConstantBufferModel(nn.Module):
+    """A buffer training never changes (a fixed feature scale): not per-rank state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, F_IN + 1))
+        self.l1, self.l2 = nn.Linear(F_IN + 1, HID), nn.Linear(HID, C)
+
+    def forward(self, g, x):
+        h = torch.relu(ops.propagate(g, self.l1(x * self.scale), norm="gcn", add_self_loops=True))
+        return ops.propagate(g, self.l2(h), norm="gcn", add_self_loops=True)
+
+
+def test_only_buffers_training_changes_keep_a_checkpoint_on_its_rank_count(tmp_path) -> None:
+    """Running statistics are each rank's own (another rank count is refused naming them); a
+    constant buffer is the same everywhere and does not stop re-sharding."""
+    g = gc.datasets.synthetic("sbm", num_nodes=80, avg_degree=5, num_features=F_IN + 1, num_classes=C, seed=1)
+    g = g.replace(x=g.x.to(DT))
+    for make, ok in ((ConstantBufferModel, True), (BatchNormPlanModel, False)):
+        torch.manual_seed(0)
+        d = tmp_path / make.__name__
+        gc.plan(make().to(DT), g, gpus=2, strategy="data", semantics="relaxed").run(
+            2, progress=False, timeout=120, checkpoint_dir=d)
+        torch.manual_seed(0)
+        more = gc.plan(make().to(DT), g, gpus=3, strategy="data", semantics="relaxed")
+        if ok:
+            more.run(3, progress=False, timeout=120, checkpoint_dir=d, resume=True)
+        else:
+            with pytest.raises(gc.RuntimeFailure, match=r"written on 2 ranks, this plan has 3: .*per-rank state "
+                                                        r"\(buffers\)"):
+                more.run(3, progress=False, timeout=120, checkpoint_dir=d, resume=True)

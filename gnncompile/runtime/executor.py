@@ -273,8 +273,10 @@ class _Rank:
 
     def __init__(self, prog: RankProgram, ctx: RankContext, provider: StepInputProvider) -> None:
         self.prog = prog
-        #: this rank's buffers (:func:`run_buffers`) at the best validation epoch so far
+        #: this rank's buffers (:func:`run_buffers`) at the best validation epoch so far, and as
+        #: the run found them
         self.best_buffers: dict[str, torch.Tensor] = {}
+        self.initial_buffers = {n: b.detach().cpu().clone() for n, b in run_buffers(prog).items()}
         self.ctx = ctx
         self.provider = provider
         self.comm = Communicator(ctx.rank, ctx.world_size, stage_through_host=ctx.stage_through_host,
@@ -1231,8 +1233,11 @@ def combine_buffers(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.
 
 
 def _buffer_state(rank: "_Rank") -> dict[str, torch.Tensor]:
-    return {**{f"now/{n}": b for n, b in run_buffers(rank.prog).items()},
-            **{f"best/{n}": b for n, b in rank.best_buffers.items()}}
+    """The buffers training changed (running statistics; a constant buffer is not per-rank state,
+    so it does not keep a checkpoint from another rank count), now and at the best epoch."""
+    changed = {n for n, b in run_buffers(rank.prog).items() if not torch.equal(b.cpu(), rank.initial_buffers[n])}
+    return {**{f"now/{n}": b for n, b in run_buffers(rank.prog).items() if n in changed},
+            **{f"best/{n}": b for n, b in rank.best_buffers.items() if n in changed}}
 
 
 def _restore_buffers(rank: "_Rank", tensors: dict[str, torch.Tensor]) -> None:
