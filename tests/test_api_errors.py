@@ -2,8 +2,8 @@
 
 A reviewer found built-in ``ValueError``/``FileNotFoundError`` escaping where the neighbouring
 methods raise :class:`gnncompile.ArgumentError`: a measured timeline with an unknown picture type
-or a step that never ran, and pictures into a directory that does not exist (the files were never
-written, after the drawing's work).
+or a step that never ran, and pictures or a saved plan into a directory that does not exist (the
+files were never written, after the drawing's work).
 """
 
 from __future__ import annotations
@@ -39,3 +39,9 @@ def test_plan_pictures_into_a_missing_directory_are_refused(run: Any, tmp_path: 
     for draw in (run.plan.timeline, run.plan.memory_plot):
         with pytest.raises(gc.ArgumentError, match="does not exist"):
             draw(str(tmp_path / "missing" / "p.png"))
+
+
+def test_plan_save_into_a_missing_directory_is_refused(run: Any, tmp_path: Path) -> None:
+    with pytest.raises(gc.ArgumentError, match="plan.save: cannot write .*does not exist"):
+        run.plan.save(tmp_path / "missing" / "plan.json")
+    assert run.plan.save(tmp_path / "plan.json").stat().st_size > 0

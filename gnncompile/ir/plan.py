@@ -40,7 +40,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Mapping, Optional, Union
 
-from ..errors import PlanningError, VerificationError
+from ..errors import ArgumentError, PlanningError, VerificationError
 from .symbolic import Lin
 
 __all__ = [
@@ -1010,8 +1010,12 @@ class Plan:
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write the plan as JSON to ``path``; :func:`read_plan` reads it back as data,
-        :func:`gnncompile.load_plan` as a runnable plan."""
+        :func:`gnncompile.load_plan` as a runnable plan. A directory that does not exist is an
+        :class:`~gnncompile.ArgumentError` (before the plan is serialized)."""
         p = Path(path)
+        if not p.expanduser().parent.is_dir():
+            raise ArgumentError(f"plan.save: cannot write {str(path)!r}: directory {str(p.expanduser().parent)!r} "
+                                "does not exist")
         p.write_text(self.to_json())
         return p
 
