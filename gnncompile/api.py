@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .errors import ArgumentError, PlanningError, VerificationError
+from .paths import output_problem
 from .graph.core import Graph, GraphStats
 from .cost_models.hardware import Cluster
 from .ir.plan import Plan as PlanData
@@ -171,12 +172,12 @@ def _check_picture(path: Union[str, Path]) -> None:
     from .viz.timeline import image_path
 
     try:
-        image_path(path)
+        written = image_path(path)
     except ValueError as exc:
         raise ArgumentError(f"path: {exc}") from None
-    parent = Path(path).expanduser().parent
-    if not parent.is_dir():
-        raise ArgumentError(f"path: cannot write {str(path)!r}: directory {str(parent)!r} does not exist")
+    problem = output_problem(written)
+    if problem is not None:
+        raise ArgumentError(f"path: cannot write {str(written)!r}: {problem}")
 
 
 # --------------------------------------------------------------------------- runnable plans

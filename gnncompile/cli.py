@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
 
 from .errors import GnnCompileError
+from .paths import output_problem
 
 SYNTHETIC_DEFAULTS = dict(num_nodes=20_000, avg_degree=20, num_features=128, num_classes=8)
 
@@ -873,25 +874,6 @@ _PICTURES = ("timeline", "memory_plot")
 _PARENTS_MADE = ("out",)
 
 
-def _output_problem(path: str, *, parents_made: bool = False) -> Optional[str]:
-    """Why the file ``path`` cannot be written (a directory; in a directory that is missing or not
-    writable), or ``None``. Cheap: nothing is created. (Where the write fails anyway, ``/proc/version``
-    as root, :func:`main` reports the OSError in one line.)"""
-    p = Path(path).expanduser() if parents_made else Path(path)
-    if p.is_dir():
-        return f"{path} is a directory (give a file name)"
-    if parents_made:
-        return None
-    parent = p.parent
-    if not parent.is_dir():
-        return f"{parent} is not a directory" if parent.exists() else f"directory {parent} does not exist"
-    if p.exists() and not os.access(p, os.W_OK):
-        return f"{path} is not writable"
-    if not p.exists() and not os.access(parent, os.W_OK | os.X_OK):
-        return f"directory {parent} is not writable"
-    return None
-
-
 def _check_outputs(error: Any, args: argparse.Namespace) -> None:
     """Refuse an output path that cannot be written, or a picture of an unknown file type, before
     anything is loaded (a run was wasted to fail on ``--json /tmp`` at the end)."""
@@ -901,10 +883,10 @@ def _check_outputs(error: Any, args: argparse.Namespace) -> None:
         path = getattr(args, dest, None)
         if not isinstance(path, str) or (dest in _TO_STDOUT and path == "-"):  # (`datasets --json` is a switch)
             continue
-        problem = _output_problem(path, parents_made=dest in _PARENTS_MADE)
+        problem = output_problem(path, parents_made=dest in _PARENTS_MADE)
         if problem is None and dest in _PICTURES:
             try:
-                problem = _output_problem(str(image_path(path)))
+                problem = output_problem(str(image_path(path)))
             except ValueError as exc:
                 problem = str(exc)
         if problem is not None:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterable, Mapping, Optional, Union
 
 from ..errors import ArgumentError, PlanningError, VerificationError
+from ..paths import output_problem
 from .symbolic import Lin
 
 __all__ = [
@@ -1010,12 +1011,12 @@ class Plan:
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write the plan as JSON to ``path``; :func:`read_plan` reads it back as data,
-        :func:`gnncompile.load_plan` as a runnable plan. A directory that does not exist is an
-        :class:`~gnncompile.ArgumentError` (before the plan is serialized)."""
+        :func:`gnncompile.load_plan` as a runnable plan. A path that cannot be written (a missing directory...:
+        :func:`gnncompile.paths.output_problem`) is an :class:`~gnncompile.ArgumentError`."""
+        problem = output_problem(path)
+        if problem is not None:
+            raise ArgumentError(f"plan.save: cannot write {str(path)!r}: {problem}")
         p = Path(path)
-        if not p.expanduser().parent.is_dir():
-            raise ArgumentError(f"plan.save: cannot write {str(path)!r}: directory {str(p.expanduser().parent)!r} "
-                                "does not exist")
         p.write_text(self.to_json())
         return p
 

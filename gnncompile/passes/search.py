@@ -749,17 +749,18 @@ def evaluate(model: torch.nn.Module, graph: Union[Graph, GraphStats], cluster: C
 def _reasons(rejected: list[Evaluated], shown: int = 6) -> str:
     """Why the candidates ``rejected`` were: each distinct reason once, after the candidates it
     rejected (the first ``shown`` reasons, then how many more)."""
-    by_reason: dict[str, list[Evaluated]] = {}
+    by_reason: dict[tuple[bool, str], list[Evaluated]] = {}   # (not exact?, why) -> the candidates
     for e in rejected:
-        by_reason.setdefault(f"\0{e.inexact}" if e.inexact else e.rejected, []).append(e)
+        by_reason.setdefault((bool(e.inexact), e.inexact or e.rejected), []).append(e)
     parts = []
-    for why, evs in list(by_reason.items())[:shown]:
+    for (inexact, why), evs in list(by_reason.items())[:shown]:
         cands = [e.candidate.describe() for e in evs]
         who = cands[0] if len(cands) == 1 else f"{cands[0]} and {len(cands) - 1} more candidates"
-        if why.startswith("\0"):   # one strategy: its own words; several: once, naming them
-            names = list(dict.fromkeys(e.candidate.strategy for e in evs))
-            why = evs[0].rejected if len(names) == 1 else \
-                f"strategies {', '.join(map(repr, names))} are not exact for this model: {why[1:]}"
+        names = list(dict.fromkeys(e.candidate.strategy for e in evs))
+        if inexact and len(names) > 1:   # (one strategy: its own words)
+            why = f"strategies {', '.join(map(repr, names))} are not exact for this model: {why}"
+        elif inexact:
+            why = evs[0].rejected
         parts.append(f"{who}: {why}")
     if len(by_reason) > shown:
         parts.append(f"{len(by_reason) - shown} more reasons")

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch.autograd.graph import _engine_run_backward
 
 from ..errors import ArgumentError, GraphError, RuntimeFailure, VerificationError
+from ..paths import output_problem
 from .. import kernels
 from ..graph.core import Graph
 from ..frontend.ops import MaskCache, MaskDraw, drop_replay, prepare_graph, replay_pack, replay_unpack
@@ -171,9 +172,9 @@ class RunResult:
         (Gantt chart: compute, communication, idle gaps; see :mod:`gnncompile.viz.timeline`)."""
         from ..viz.timeline import draw_timeline
 
-        parent = Path(path).expanduser().parent
-        if not parent.is_dir():
-            raise ArgumentError(f"timeline: cannot write {str(path)!r}: directory {str(parent)!r} does not exist")
+        problem = output_problem(path)
+        if problem is not None:
+            raise ArgumentError(f"timeline: cannot write {str(path)!r}: {problem}")
         try:
             return draw_timeline([r.timeline for r in self.ranks], path, step=step,
                                  title=f"{self.plan.strategy} plan on {self.plan.num_ranks} ranks: measured step "
@@ -1235,8 +1236,8 @@ def combine_buffers(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.
 def _buffer_state(rank: "_Rank") -> dict[str, torch.Tensor]:
     """The buffers training changed (running statistics; a constant buffer is not per-rank state,
     so it does not keep a checkpoint from another rank count), now and at the best epoch."""
-    changed = {n for n, b in run_buffers(rank.prog).items() if not torch.equal(b.cpu(), rank.initial_buffers[n])}
-    return {**{f"now/{n}": b for n, b in run_buffers(rank.prog).items() if n in changed},
+    changed = {n: b for n, b in run_buffers(rank.prog).items() if not torch.equal(b.cpu(), rank.initial_buffers[n])}
+    return {**{f"now/{n}": b for n, b in changed.items()},
             **{f"best/{n}": b for n, b in rank.best_buffers.items() if n in changed}}
 
 
@@ -1388,12 +1389,14 @@ def _placement(num_ranks: int, device: Any, backend: Optional[str], stage_throug
                ) -> Placement:
     """:func:`~gnncompile.runtime.launcher.resolve_placement` on this machine's GPUs, ``device``
     ``None`` read from ``$GNNCOMPILE_DEVICE`` (a refusal then names the variable)."""
-    if device is not None or default_device() is None:
-        return resolve_placement(num_ranks, visible_gpus(), device, backend, stage_through_host)
+    from_env = default_device() if device is None else None
     try:
-        return resolve_placement(num_ranks, visible_gpus(), default_device(), backend, stage_through_host)
+        return resolve_placement(num_ranks, visible_gpus(), device if device is not None else from_env, backend,
+                                 stage_through_host)
     except RuntimeFailure as exc:
-        raise RuntimeFailure(f"$GNNCOMPILE_DEVICE={default_device()!r} (the device of runs that name none): {exc}; "
+        if from_env is None:
+            raise
+        raise RuntimeFailure(f"$GNNCOMPILE_DEVICE={from_env!r} (the device of runs that name none): {exc}; "
                              "or unset GNNCOMPILE_DEVICE") from None
 
 
