@@ -6,9 +6,11 @@
    mini-batch training (``gc.train(batch_size=1024, fanouts=[10, 5])``, evaluation on the whole
    graph); test accuracy at the best validation accuracy, mean over ``--seeds`` seeds.
 2. **split x4 against the mini-batch reference.** The same model and mini-batches (sampling seed 0)
-   trained by ``gc.train`` and by a 4-rank ``split`` plan: without dropout the two runs see the same
-   samples and must give the same losses (float32: equal up to reassociation); with dropout 0.5
-   (each rank draws its own masks) the test accuracies over the whole run.
+   trained by ``gc.train`` and by a 4-rank ``split`` plan: the two runs see the same samples and,
+   with dropout 0.5 too (replicated masks: the mini-batch's), must give the same losses (float32:
+   equal up to reassociation); the test accuracies over the whole run, also of mini-batch ``data``
+   and of ``split`` with ``dropout="local"`` (each rank its own masks), and what replicating the
+   masks costs a step.
 3. **What a step moves and loads.** For the 4-rank ``split`` and mini-batch ``data`` plans: per rank,
    mean input rows loaded, rows computed and edges aggregated per step (the plan's presampled
    means), bytes sent per step measured (mean over the run) against the plan's prediction.
@@ -74,26 +76,27 @@ def split_rows(gc: Any, torch: Any, name: str, args: argparse.Namespace) -> tupl
         ref = gc.train(copy.deepcopy(model), graph, epochs=args.split_epochs, lr=0.01, seed=0, verbose=False,
                        batch_size=args.batch_size, fanouts=args.fanouts)
         plans = {}
-        for strategy in ("split", "data"):
+        for strategy, masks in (("split", "replicated"), ("data", "replicated"), ("split", "local")):
+            if masks == "local" and dropout == 0.0:
+                continue
             t0 = time.perf_counter()
             plan = gc.plan(copy.deepcopy(model), graph, gpus=args.ranks, strategy=strategy,
-                           batch_size=args.batch_size, fanouts=args.fanouts)
+                           batch_size=args.batch_size, fanouts=args.fanouts, dropout=masks)
             t_plan = time.perf_counter() - t0
             res = plan.run(epochs=args.split_epochs, lr=0.01, seed=0, timeout=1800, progress=False)
-            plans[strategy] = (plan, res, t_plan)
-            print(f"{name} dropout {dropout} {strategy}: losses {res.history.loss}", flush=True)
+            plans[strategy if masks == "replicated" else f"{strategy} ({masks} masks)"] = (plan, res, t_plan)
+            print(f"{name} dropout {dropout} {strategy} {masks}: losses {res.history.loss}", flush=True)
         plan, res, _ = plans["split"]
-        if dropout == 0.0:
-            rel = max(abs(a - b) / abs(b) for a, b in zip(res.history.loss, ref.loss))
-            same.append(f"| {name} | {args.split_epochs} x {plan.info['steps_per_epoch']} | "
-                        f"{' / '.join(f'{v:.5f}' for v in ref.loss)} | "
-                        f"{' / '.join(f'{v:.5f}' for v in res.history.loss)} | {rel:.1e} | "
-                        f"{ref.test_acc_at_best_val:.4f} / {res.history.test_acc_at_best_val:.4f} |")
-        else:
-            data_res = plans["data"][1]
+        rel = max(abs(a - b) / abs(b) for a, b in zip(res.history.loss, ref.loss))
+        same.append(f"| {name} | {dropout} | {args.split_epochs} x {plan.info['steps_per_epoch']} | "
+                    f"{' / '.join(f'{v:.5f}' for v in ref.loss)} | "
+                    f"{' / '.join(f'{v:.5f}' for v in res.history.loss)} | {rel:.1e} | "
+                    f"{ref.test_acc_at_best_val:.4f} / {res.history.test_acc_at_best_val:.4f} |")
+        if dropout != 0.0:
+            data_res, local_res = plans["data"][1], plans["split (local masks)"][1]
             acc.append(f"| {name} | {ref.test_acc_at_best_val:.4f} | {res.history.test_acc_at_best_val:.4f} "
                        f"({(res.history.test_acc_at_best_val - ref.test_acc_at_best_val) * 100:+.2f}) | "
-                       f"{data_res.history.test_acc_at_best_val:.4f} |")
+                       f"{data_res.history.test_acc_at_best_val:.4f} | {local_res.history.test_acc_at_best_val:.4f} |")
             for strategy, (p, r, t_plan) in plans.items():
                 for k, rank in enumerate(r.ranks):
                     moved.append(
@@ -134,11 +137,14 @@ def main() -> None:
           "### Accuracy: sampled mini-batches against full-graph training", "",
           "| dataset | full graph | mini-batch | difference (points) |", "|---|---|---|---|", *acc_rows, "",
           f"### split x{args.ranks} against the single-device mini-batch reference (same samples)", "",
-          "Without dropout both runs train on the same mini-batches: losses per epoch (float32).", "",
-          "| dataset | epochs x steps | reference loss | split loss | max rel. difference | test acc (ref / split) |",
-          "|---|---|---|---|---|---|", *same, "",
-          "With dropout 0.5 (split's ranks draw their own masks; mini-batch data: each rank its own micro-batch):", "",
-          "| dataset | reference | split | mini-batch data |", "|---|---|---|---|", *acc, "",
+          "Both runs train on the same mini-batches, with the same dropout masks (replicated: the mini-batch's): "
+          "losses per epoch (float32).", "",
+          "| dataset | dropout | epochs x steps | reference loss | split loss | max rel. difference | "
+          "test acc (ref / split) |",
+          "|---|---|---|---|---|---|---|", *same, "",
+          "Test accuracy with dropout 0.5 (mini-batch data: each rank its own micro-batch; local masks: each rank "
+          "draws its own):", "",
+          "| dataset | reference | split | mini-batch data | split, local masks |", "|---|---|---|---|---|", *acc, "",
           f"### What a step loads, computes and sends ({args.split_dataset}, {args.ranks} ranks)", "",
           "Input rows, computed rows (all layers) and edges: the plan's means over 4 presampled steps; bytes "
           "sent: measured mean per step over the run, and the plan's prediction (from the same presampled means: "

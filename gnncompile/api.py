@@ -115,10 +115,6 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
                             "train (plans are training plans)")
     if not isinstance(graph, (Graph, GraphStats)):
         raise PlanningError(f"graph: expected a gnncompile Graph or GraphStats, got {type(graph).__name__}")
-    if options.get("batch_size") is not None and options.get("dropout") == "replicated":
-        raise ArgumentError("dropout='replicated' draws the whole graph's masks, for full-graph plans; a sampled "
-                            "mini-batch plan (batch_size) draws each rank's masks from its own stream "
-                            "(dropout='local', the default there)")
     fixed = _fixed_options(options, named)
     if devices not in ("all", "any"):
         raise PlanningError(f"devices: expected 'all' or 'any', got {devices!r}")

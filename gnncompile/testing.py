@@ -35,6 +35,7 @@ from .frontend.blocks import BlockModel
 from .frontend.ops import plan_dropout_draws
 from .graph.core import Graph
 from .graph.minibatch import SampledSteps
+from .graph.shard import slice_rows
 from .runtime.probe import PHASES, probing
 from .runtime.trainer import adam
 
@@ -85,12 +86,13 @@ def reference_step(model: torch.nn.Module, graph: Graph, lr: float = 0.01, weigh
 
 def sampled_reference_step(model: torch.nn.Module, graph: Graph, batch_size: int, fanouts: Any, *, ranks: int = 1,
                            micro: bool = False, lr: float = 0.01, weight_decay: float = 5e-4,
-                           seed: int = 0) -> tuple[ReferenceStep, torch.Tensor]:
+                           seed: int = 0, run_seed: int = 0) -> tuple[ReferenceStep, torch.Tensor]:
     """One single-device step on the first mini-batch of a sampled plan with sampling seed ``seed``
     (on the CPU): the whole batch's blocks, or with ``micro`` the ``ranks`` micro-batches of
     mini-batch data parallelism (the loss: their cross-entropy sums over the batch's seeds).
-    Returns the step (logits at the seeds) and the seeds' global ids."""
-    torch.manual_seed(0)
+    Returns the step (logits at the seeds) and the seeds' global ids. ``run_seed``: torch's seed
+    (a plan run's ``seed``); dropout draws its masks as plans do (as :func:`gnncompile.train`)."""
+    torch.manual_seed(run_seed)
     model.train()
     bound = BlockModel.trace(model, graph)
     targets = torch.nonzero(graph.train_mask).flatten()
@@ -107,8 +109,9 @@ def sampled_reference_step(model: torch.nn.Module, graph: Graph, batch_size: int
         else:
             b = src.sample(0, 0)
             blocks, seeds, total = b.blocks, b.seed_ids, b.seed_ids.numel()
-            x = graph.x.index_select(0, b.input_ids)
-        out = bound(blocks, x.to(next(iter(params.values())).dtype) if x.layout == torch.strided else x)
+            x = slice_rows(graph.x, b.input_ids)
+        with plan_dropout_draws():
+            out = bound(blocks, x.to(next(iter(params.values())).dtype) if x.layout == torch.strided else x)
         loss = loss + F.cross_entropy(out, graph.y.index_select(0, seeds), reduction="sum") / total
         outs.append(out.detach())
         ids.append(seeds)
@@ -147,7 +150,8 @@ def check_plan(model: torch.nn.Module, graph: Graph, gpus: int, *, rtol: float =
                                 f"{plan_options['batch_size']} (its history is the mean over the epoch's steps)")
         ref, seeds = sampled_reference_step(ref_model, graph, plan_options["batch_size"], plan_options["fanouts"],
                                             ranks=gpus, micro=plan_options.get("strategy") == "data", lr=lr,
-                                            weight_decay=weight_decay, seed=plan_options.get("seed", 0))
+                                            weight_decay=weight_decay, seed=plan_options.get("seed", 0),
+                                            run_seed=seed)
     else:
         ref = reference_step(ref_model.to(device), graph.to(device), lr, weight_decay, seed)
     ref = ReferenceStep(ref.loss, ref.logits.cpu(), {n: None if g is None else g.cpu() for n, g in ref.grads.items()},

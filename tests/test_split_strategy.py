@@ -1,5 +1,6 @@
 """Sampled mini-batch plans: ``split`` (GSPLIT) is exact with respect to the sample; mini-batch
-``data`` equals single-device training on its ranks' micro-batches; bytes, errors, search."""
+``data`` equals single-device training on its ranks' micro-batches (dropout included: replicated
+masks are the mini-batch's); bytes, errors, search."""
 
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ from gnncompile.ir.plan import Plan as PlanData
 from gnncompile.testing import check_plan
 from graph_strategies import DT, sbm_graph, seeded_model
 
+# with dropout: the plans replicate the mini-batch's masks (GAT's attention dropout: its edges')
 MODELS = {
-    "sage": lambda f, c: gc.nn.GraphSAGE(f, 5, c, num_layers=2, dropout=0.0),
-    "gcn": lambda f, c: gc.nn.GCN(f, 4, c, num_layers=2, dropout=0.0),
-    "gat": lambda f, c: gc.nn.GAT(f, 3, c, heads=2, num_layers=2, dropout=0.0),
-    "gcnii": lambda f, c: gc.nn.GCNII(f, 6, c, num_layers=3, dropout=0.0),
-    "gin": lambda f, c: gc.nn.GIN(f, 5, c, num_layers=2, dropout=0.0),
+    "sage": lambda f, c: gc.nn.GraphSAGE(f, 5, c, num_layers=2, dropout=0.5),
+    "gcn": lambda f, c: gc.nn.GCN(f, 4, c, num_layers=2, dropout=0.5),
+    "gat": lambda f, c: gc.nn.GAT(f, 3, c, heads=2, num_layers=2, dropout=0.5),
+    "gcnii": lambda f, c: gc.nn.GCNII(f, 6, c, num_layers=3, dropout=0.5),
+    "gin": lambda f, c: gc.nn.GIN(f, 5, c, num_layers=2, dropout=0.5),
 }
 FANOUTS = {"gcnii": [3, 2, 2]}
 
@@ -60,8 +62,10 @@ def test_split_is_exact_for_any_partition_and_sample(nodes: int, ranks: int, fan
 
 
 def test_minibatch_data_step_equals_single_device_on_the_ranks_micro_batches(sbm: gc.Graph) -> None:
-    res = check_plan(seeded_model(MODELS["gcn"], sbm), sbm, 3, strategy="data", batch_size=_one_step_batch(sbm),
+    # GAT: feature and attention dropout; each rank keeps its micro-batch's masks of the step's
+    res = check_plan(seeded_model(MODELS["gat"], sbm), sbm, 3, strategy="data", batch_size=_one_step_batch(sbm),
                      fanouts=[3, 2], rtol=1e-9, atol=1e-11, timeout=120, device="cpu")
+    assert res.plan.options["dropout"] == "replicated" and len(res.plan.program[1].dropout_draws) == 3 * 4
     # no exchange: the only traffic is the gradient all-reduce
     assert not any(isinstance(i, HaloExchange) for dp in res.plan.ranks for i in dp.instructions)
 
@@ -69,7 +73,7 @@ def test_minibatch_data_step_equals_single_device_on_the_ranks_micro_batches(sbm
 def test_split_trains_like_the_minibatch_reference_over_several_steps_and_epochs() -> None:
     g = gc.datasets.synthetic("sbm", num_nodes=300, avg_degree=8, num_features=12, num_classes=3, seed=4)
     torch.manual_seed(0)
-    model = gc.nn.GraphSAGE(g.num_features, 8, g.num_classes, num_layers=2, dropout=0.0).to(DT)
+    model = gc.nn.GraphSAGE(g.num_features, 8, g.num_classes, num_layers=2, dropout=0.5).to(DT)
     g = g.replace(x=g.x.to(DT))
     ref = gc.train(copy.deepcopy(model), g, epochs=2, lr=0.01, batch_size=40, fanouts=[4, 3], verbose=False)
     plan = gc.plan(copy.deepcopy(model), g, gpus=2, strategy="split", batch_size=40, fanouts=[4, 3])
@@ -77,6 +81,36 @@ def test_split_trains_like_the_minibatch_reference_over_several_steps_and_epochs
     res = plan.run(epochs=2, lr=0.01, timeout=120)
     torch.testing.assert_close(torch.tensor(res.history.loss), torch.tensor(ref.loss), rtol=1e-9, atol=1e-12)
     assert res.history.val_acc == ref.val_acc and res.history.test_acc == ref.test_acc
+
+
+def test_split_replicates_the_masks_of_sparse_input_features() -> None:
+    """GCNII drops out its (CSR) input features: a rank's mask entries are the stored values of its
+    input rows, at their positions among the mini-batch's values."""
+    g = sbm_graph(60)
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.rand(g.num_nodes, 30, generator=gen) < 0.1).to(DT)
+    x[:, 0] = 1.0
+    g = g.replace(x=x.to_sparse_csr())
+    res = check_plan(seeded_model(lambda f, c: gc.nn.GCNII(f, 6, c, num_layers=2, dropout=0.5), g), g, 3,
+                     strategy="split", batch_size=_one_step_batch(g), fanouts=[3, 2], rtol=1e-9, atol=1e-11,
+                     timeout=120, device="cpu")
+    assert "dropout_index_nnz0" in res.plan.info["inputs"] and res.plan.options["features"] == "csr"
+
+
+def test_sampled_replicated_masks_need_the_counter_based_generator(sbm: gc.Graph,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """GNNCOMPILE_DROPOUT_MASKS=torch draws whole masks, which a rank of a sampled plan cannot: refused
+    when planning, and by the ranks of a plan made without it (not silently other masks)."""
+    model = seeded_model(MODELS["sage"], sbm)
+    plan = gc.plan(copy.deepcopy(model), sbm, gpus=2, strategy="split", batch_size=16, fanouts=[2, 2])
+    monkeypatch.setenv("GNNCOMPILE_DROPOUT_MASKS", "torch")
+    with pytest.raises(PlanningError, match="GNNCOMPILE_DROPOUT_MASKS=torch draws whole masks: unset it, or pass "
+                                            "dropout='local'"):
+        gc.plan(copy.deepcopy(model), sbm, gpus=2, strategy="split", batch_size=16, fanouts=[2, 2])
+    assert gc.plan(copy.deepcopy(model), sbm, gpus=2, strategy="split", batch_size=16, fanouts=[2, 2],
+                   dropout="local").options["dropout"] == "local"
+    with pytest.raises(gc.RuntimeFailure, match="GNNCOMPILE_DROPOUT_MASKS=torch draws whole masks"):
+        plan.run(epochs=1, timeout=120)
 
 
 def test_split_bytes_of_a_step_are_the_shuffle_of_its_sample(sbm: gc.Graph) -> None:
@@ -120,10 +154,9 @@ def test_sampled_plans_refuse_what_they_cannot_do(sbm: gc.Graph) -> None:
         gc.plan(model, sbm, gpus=2, strategy="split", batch_size=16, fanouts=[0, 2])
     with pytest.raises(PlanningError):
         gc.plan(model, sbm, gpus=2, strategy="tensor", batch_size=16, fanouts=[2, 2])
-    for strategy in ("split", "data", None):  # was accepted and ignored (plan.options["dropout"] == "local")
-        with pytest.raises(gc.ArgumentError, match="dropout='replicated' draws the whole graph's masks, for "
-                                                   "full-graph plans; a sampled mini-batch plan"):
-            gc.plan(model, sbm, gpus=2, strategy=strategy, batch_size=16, fanouts=[2, 2], dropout="replicated")
+    for strategy in ("split", "data", None):
+        assert gc.plan(model, sbm, gpus=2, strategy=strategy, batch_size=16,
+                       fanouts=[2, 2]).options["dropout"] == "replicated"
     assert gc.plan(model, sbm, gpus=2, strategy="split", batch_size=16, fanouts=[2, 2],
                    dropout="local").options["dropout"] == "local"
 

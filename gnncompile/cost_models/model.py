@@ -498,14 +498,13 @@ _DROPOUTS = frozenset({"dropout", "feature_dropout"})
 
 def _identity_dropout(plan: Plan, op: OpCost) -> bool:
     """Whether ``op`` is a dropout that draws nothing and returns its input itself (``p == 0``, as
-    SGC's default input dropout): a plan that replicates masks (``dropout="replicated"``, not
-    sampled) rewrote every dropout that draws into ``dropout_rows``, so one still named ``dropout``
-    or ``feature_dropout`` draws nothing; elsewhere one that the lowering annotates with no draws
+    SGC's default input dropout): a plan that replicates masks (``dropout="replicated"``) rewrote
+    every dropout that draws into ``dropout_rows``, so one still named ``dropout`` or
+    ``feature_dropout`` draws nothing; elsewhere one that the lowering annotates with no draws
     (:attr:`OpCost.random`)."""
     if op.kind != "T" or _function_of(op) not in _DROPOUTS:
         return False
-    replicated = plan.options.get("dropout", "replicated") == "replicated" and "steps_per_epoch" not in plan.info
-    return replicated or op.random == Lin()
+    return plan.options.get("dropout", "replicated") == "replicated" or op.random == Lin()
 
 
 def _out_bytes(plan: Plan, op: OpCost, sizes: RankSizes) -> float:

@@ -47,8 +47,10 @@ BLOCK_META = "block"
 
 
 def _graph_inputs(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The graph inputs: inputs without rows or dtype (a tensor input without rows, such as a
+    sampled plan's dropout index, has a dtype)."""
     return [n for n in graph.nodes if n.op == "placeholder" and n.meta.get("tp") is not None
-            and n.meta["tp"].rows is None and n.meta["tp"].kind == "input"]
+            and n.meta["tp"].rows is None and n.meta["tp"].kind == "input" and n.meta["tp"].dtype is None]
 
 
 def _vertex(node: torch.fx.Node) -> bool:

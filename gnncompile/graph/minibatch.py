@@ -29,7 +29,7 @@ from .core import NormScales
 from .shard import LocalGraph, propagation_scales, segment_ranges, slice_rows
 
 __all__ = ["epoch_order", "batch_generator", "num_batches", "batch_seeds", "RankStep", "split_step",
-           "micro_step", "SampledSteps", "full_blocks"]
+           "micro_step", "SampledSteps", "full_blocks", "DropoutIndex", "batch_dropout_positions"]
 
 
 def _mix(*parts: int) -> int:
@@ -71,7 +71,9 @@ class RankStep:
     ``V_0``; ``seeds``/``labels``: the global ids and labels of the seeds it scores; ``halos``: per
     layer, ``(send_index per rank, recv_count per rank)`` of the exchange that completes that
     layer's sources (empty for a rank's own micro-batch); ``batch_size``: the seeds of the whole
-    step (the loss divides by it); ``rows``: its rows at every depth ``0..L``.
+    step (the loss divides by it); ``rows``: its rows at every depth ``0..L``; ``dropout_index``:
+    by model input name, the positions of its rows among the rows of the whole mini-batch it
+    computes a part of (:func:`batch_dropout_positions`: what replicated dropout masks read).
     """
 
     blocks: list[LocalGraph]
@@ -81,13 +83,52 @@ class RankStep:
     halos: list[tuple[tuple[torch.Tensor, ...], tuple[int, ...]]]
     batch_size: int
     rows: list[int] = field(default_factory=list)
+    dropout_index: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to(self, device: torch.device) -> "RankStep":
         def send(idx: tuple[tuple[torch.Tensor, ...], tuple[int, ...]]):
             return tuple(t.to(device) for t in idx[0]), idx[1]
         return RankStep([b.to(device) for b in self.blocks], self.x.to(device), self.seeds.to(device),
                         None if self.labels is None else self.labels.to(device), [send(h) for h in self.halos],
-                        self.batch_size, list(self.rows))
+                        self.batch_size, list(self.rows), {k: v.to(device) for k, v in self.dropout_index.items()})
+
+
+#: a replicated dropout's index input of a sampled plan: ``(input name, row space, level)``
+#: (``V``: depth ``0..L``; ``E``, ``E+V``: block; ``nnz``: the input features, level 0)
+DropoutIndex = tuple[str, str, int]
+
+
+def batch_dropout_positions(wanted: Sequence[DropoutIndex], batch: SampledBatch, graph: Graph,
+                      mine: Optional[Sequence[torch.Tensor]] = None,
+                      eids: Optional[Sequence[torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+    """The positions, among the whole mini-batch ``batch``'s rows, of the rows a rank holds, for
+    each index input in ``wanted``: ``mine[d]`` its positions in ``V_d`` (depth ``0..L``) and
+    ``eids[i]`` its edges' positions in block ``i`` (``None``: every row, as for a rank's own
+    micro-batch). ``E+V`` rows are a block's edges, then one per destination (the self loops a
+    propagation adds); ``nnz`` rows the stored values of the sparse input features' rows."""
+    out = {}
+    for name, space, level in wanted:
+        if space == "V":
+            rows = batch.src_ids[level].numel() if level < batch.num_layers else batch.seed_ids.numel()
+            out[name] = torch.arange(rows) if mine is None else mine[level]
+            continue
+        if space == "nnz":
+            crow = graph.x.crow_indices()
+            counts = (crow[1:] - crow[:-1]).index_select(0, batch.input_ids)
+            starts = torch.cumsum(counts, 0) - counts
+            out[name] = torch.arange(int(counts.sum())) if mine is None else \
+                segment_ranges(starts.index_select(0, mine[0]), counts.index_select(0, mine[0]))
+            continue
+        block = batch.blocks[level]
+        edges = torch.arange(block.num_edges) if eids is None else eids[level]
+        if space == "E":
+            out[name] = edges
+        elif space == "E+V":
+            dst = torch.arange(block.num_nodes) if mine is None else mine[level + 1]
+            out[name] = torch.cat([edges, block.num_edges + dst])
+        else:
+            raise GraphError(f"unknown dropout space {space!r} of input {name!r} (expected V, E, E+V or nnz)")
+    return out
 
 
 def _features(graph: Graph, ids: torch.Tensor) -> torch.Tensor:
@@ -97,12 +138,14 @@ def _features(graph: Graph, ids: torch.Tensor) -> torch.Tensor:
 
 
 def micro_step(graph: Graph, seeds: torch.Tensor, fanouts: Sequence[int], generator: torch.Generator,
-               norms: Sequence[tuple[str, bool]], batch_size: int) -> RankStep:
-    """A rank's own micro-batch (mini-batch data parallelism): ``seeds`` sampled on their own."""
+               norms: Sequence[tuple[str, bool]], batch_size: int, dropout: Sequence[DropoutIndex] = ()) -> RankStep:
+    """A rank's own micro-batch (mini-batch data parallelism): ``seeds`` sampled on their own;
+    ``dropout``: the index inputs to compute (every row of the micro-batch: the rank holds it whole)."""
     b = sample_blocks(graph, seeds, fanouts, generator=generator, norms=norms)
     return RankStep(b.blocks, _features(graph, b.input_ids), seeds,
                     None if graph.y is None else graph.y.index_select(0, seeds), [((), ())] * b.num_layers,
-                    batch_size, [int(t.numel()) for t in b.src_ids] + [int(seeds.numel())])
+                    batch_size, [int(t.numel()) for t in b.src_ids] + [int(seeds.numel())],
+                    batch_dropout_positions(dropout, b, graph))
 
 
 def _depth_owners(batch: SampledBatch, parts: torch.Tensor) -> list[torch.Tensor]:
@@ -110,15 +153,18 @@ def _depth_owners(batch: SampledBatch, parts: torch.Tensor) -> list[torch.Tensor
     return [parts.index_select(0, ids) for ids in batch.src_ids] + [parts.index_select(0, batch.seed_ids)]
 
 
-def split_step(graph: Graph, batch: SampledBatch, parts: torch.Tensor, num_parts: int, rank: int) -> RankStep:
+def split_step(graph: Graph, batch: SampledBatch, parts: torch.Tensor, num_parts: int, rank: int,
+               dropout: Sequence[DropoutIndex] = ()) -> RankStep:
     """Rank ``rank``'s split of the sampled mini-batch ``batch`` under the vertex -> rank map
     ``parts`` (module docstring). Every rank computes its own split from the same batch; the
-    shuffle index it sends by is the one its peers receive by."""
+    shuffle index it sends by is the one its peers receive by. ``dropout``: the index inputs to
+    compute (:func:`batch_dropout_positions`)."""
     L = batch.num_layers
     owners = _depth_owners(batch, parts)
     mine = [torch.nonzero(o == rank).flatten() for o in owners]  # positions of my rows at every depth
     blocks: list[LocalGraph] = []
     halos = []
+    edge_positions = []
     for i, block in enumerate(batch.blocks):
         n_src = block.num_src
         local = torch.full((n_src,), -1, dtype=torch.int64)
@@ -144,6 +190,7 @@ def split_step(graph: Graph, batch: SampledBatch, parts: torch.Tensor, num_parts
         starts = block.indptr.index_select(0, dst)
         counts = block.indptr.index_select(0, dst + 1) - starts
         eids = segment_ranges(starts, counts)
+        edge_positions.append(eids)
         indptr = torch.zeros(dst.numel() + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=indptr[1:])
         indices = local.index_select(0, block.indices.index_select(0, eids))
@@ -156,7 +203,8 @@ def split_step(graph: Graph, batch: SampledBatch, parts: torch.Tensor, num_parts
     seeds = batch.seed_ids.index_select(0, mine[L])
     x = _features(graph, batch.input_ids.index_select(0, mine[0]))
     return RankStep(blocks, x, seeds, None if graph.y is None else graph.y.index_select(0, seeds), halos,
-                    int(batch.seed_ids.numel()), [int(m.numel()) for m in mine])
+                    int(batch.seed_ids.numel()), [int(m.numel()) for m in mine],
+                    batch_dropout_positions(dropout, batch, graph, mine, edge_positions))
 
 
 def full_blocks(graph: Graph, targets: torch.Tensor, num_layers: int, norms: Sequence[tuple[str, bool]],
@@ -198,6 +246,8 @@ class SampledSteps:
     rank: int
     num_ranks: int
     parts: Optional[torch.Tensor] = None
+    #: the replicated dropouts' index inputs each step computes (:func:`batch_dropout_positions`)
+    dropout: tuple[DropoutIndex, ...] = ()
 
     @property
     def steps_per_epoch(self) -> int:
@@ -217,8 +267,8 @@ class SampledSteps:
         whole mini-batch when the caller has sampled it already (split)."""
         if self.parts is not None:
             batch = self.sample(epoch, step) if batch is None else batch
-            return split_step(self.graph, batch, self.parts, self.num_ranks, self.rank)
+            return split_step(self.graph, batch, self.parts, self.num_ranks, self.rank, self.dropout)
         seeds = self.seeds(epoch, step)
         mine = torch.tensor_split(seeds, self.num_ranks)[self.rank]
         return micro_step(self.graph, mine, self.fanouts, batch_generator(self.seed, epoch, step, 1 + self.rank),
-                          self.norms, int(seeds.numel()))
+                          self.norms, int(seeds.numel()), self.dropout)

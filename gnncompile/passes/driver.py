@@ -181,7 +181,9 @@ class Lowered:
     ``grad_groups``: ``(ranks, trainable elements)`` of every group that sums its parameter
     gradients with one all-reduce (ranks in no group only step their optimizer); ``frees``: insert
     FREE instructions; ``info``/``options``: plan data the strategy adds or overrides;
-    ``program``: :class:`~gnncompile.ir.plan.RankProgram` fields shared by every rank.
+    ``program``: :class:`~gnncompile.ir.plan.RankProgram` fields shared by every rank;
+    ``draw_rounds``: how many times the single-device reference runs the step's replicated
+    dropouts, rank ``r`` taking round ``r`` (mini-batch data: one round per rank's micro-batch).
     """
 
     staged: StagedModel
@@ -193,6 +195,7 @@ class Lowered:
     options: dict[str, Any] = field(default_factory=dict)
     frees: bool = False
     program: dict[str, Any] = field(default_factory=dict)
+    draw_rounds: int = 1
 
 
 def _decoupling_pass(job: Job, strategy: Strategy, semantics: str) -> GraphPass:
@@ -329,12 +332,13 @@ def lower(strategy: Strategy, tp: TPGraph, tp_eval: TPGraph, model: torch.nn.Mod
             raise PlanningError(f"strategy {strategy.name!r} cannot decouple this model: {e}") from None
     if strategy.check is not None:
         strategy.check(job, options)
-    # sampled mini-batch plans draw each rank's masks from its own stream (no whole-graph masks)
+    # sampled mini-batch plans: the masks of the mini-batch's tensors
     sampled = getattr(options, "batch_size", None) is not None
-    if options.dropout == "replicated" and not sampled:  # statistics too: a plan predicts what runs
+    if options.dropout == "replicated":  # statistics too: a plan predicts what runs
         allowed = strategy.dropout_spaces(options)
         job.tp = _run([replicate_dropout_masks.bind(graph=graph, strategy=strategy.name, allowed=allowed,
-                                                    share_parameters=True)], job.tp, semantics, instruments)
+                                                    sampled=sampled, share_parameters=True)],
+                      job.tp, semantics, instruments)
         job.dropout_inputs = dropout_inputs(job.tp)
         if num_ranks > 1 or strategy.row_mixing_single:
             job.relaxations += _unreplicated_draws(job.tp, strategy.name, semantics)
@@ -453,7 +457,7 @@ def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lower
             params=job.params, param_names=job.param_names, step=StepInputs(**by_rank[dp.rank].step),
             placement=ParamPlacement(owner, main, None if used[dp.rank] == every else
                                      tuple(n for n in job.param_names if n in used[dp.rank])),
-            dropout_draws=draws if any(_runs_some_dropouts(draws, dp.stages) for dp in ranks) else (),
+            dropout_draws=_rank_draws(draws, out.draw_rounds, dp.rank, ranks),
             **out.program, **by_rank[dp.rank].program)
             for dp in ranks]
     return plan
@@ -479,6 +483,16 @@ def _params_used(job: Job, staged: StagedModel, ranks: list[DevicePlan]) -> dict
     """The names of the parameters each rank's stages use."""
     by_stage = job.stage_parameters(staged)
     return {dp.rank: set().union(*(by_stage.get(st.index, set()) for st in dp.stages)) for dp in ranks}
+
+
+def _rank_draws(draws: tuple, rounds: int, rank: int, ranks: list[DevicePlan]) -> tuple:
+    """``RankProgram.dropout_draws`` of ``rank``: none where every rank runs all of the step's
+    dropouts in single-device order (each draws its masks as it goes), else every mask of the step
+    in that order (:func:`_runs_some_dropouts`); with ``rounds`` > 1 (``Lowered.draw_rounds``) the
+    step's masks ``rounds`` times, the rank keeping round ``rank`` only (stage ``-1``: drawn, not kept)."""
+    if rounds > 1 and draws:
+        return tuple((d[0] if q == rank else -1,) + tuple(d[1:]) for q in range(rounds) for d in draws)
+    return draws if any(_runs_some_dropouts(draws, dp.stages) for dp in ranks) else ()
 
 
 def _runs_some_dropouts(draws: tuple, stages: tuple[StageSpec, ...]) -> bool:

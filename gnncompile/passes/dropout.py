@@ -16,20 +16,41 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..errors import PlanningError
-from ..frontend.ops import dropout_rows
+from ..frontend.blocks import value_depths
+from ..frontend.ops import dropout_rows, mask_generator
 from ..graph.core import Graph
 from ..ir.symbolic import Lin
-from ..ir.tpgraph import TPGraph
+from ..ir.tpgraph import TPGraph, TPInfo
 from ..nn.functional import feature_dropout
 from .infra import graph_pass
 from .lower import StagedModel, _elsize, call_arguments
 from .recompute import Recompute, draws_random_numbers
 
-__all__ = ["replicate_dropout_masks", "dropout_inputs", "dropout_draws", "unreplicated_draws", "drawing_ops", "INDEX_INPUTS"]
+__all__ = ["replicate_dropout_masks", "dropout_inputs", "dropout_draws", "unreplicated_draws", "drawing_ops",
+           "INDEX_INPUTS", "INDEX_META", "sampled_index_input", "sampled_index_inputs"]
 
 #: row space -> the model input holding a rank's global rows of that space
 INDEX_INPUTS = {"V": "dropout_index_v", "E": "dropout_index_e", "E+V": "dropout_index_ev",
                 "nnz": "dropout_index_nnz"}
+
+
+def sampled_index_input(space: str, level: int) -> str:
+    """The model input of a sampled plan that holds a rank's positions in the whole mini-batch's
+    ``space`` rows at ``level`` (``V``: depth ``0..L``; ``E``, ``E+V``: the block's index;
+    ``nnz``: the input features, level 0): ``dropout_index_v2``, ``dropout_index_ev0``..."""
+    return f"{INDEX_INPUTS[space]}{level}"
+
+
+#: ``node.meta`` key of an index input :func:`replicate_dropout_masks` added: ``(space, level)``
+#: (level ``None`` for a whole-graph index)
+INDEX_META = "dropout_index"
+
+
+def sampled_index_inputs(tp: TPGraph) -> tuple[tuple[str, str, int], ...]:
+    """The sampled-plan index inputs of ``tp`` (:func:`sampled_index_input`) as ``(name, space,
+    level)``, what :class:`~gnncompile.graph.minibatch.SampledSteps` computes each step."""
+    return tuple((n.name, *n.meta[INDEX_META]) for n in tp.graph.nodes
+                 if n.op == "placeholder" and n.meta.get(INDEX_META, (None, None))[1] is not None)
 
 
 def _dropout_of(tp: TPGraph, n: torch.fx.Node) -> Optional[tuple[torch.fx.Node, float]]:
@@ -118,17 +139,19 @@ def _mark_replays(g: torch.fx.Graph, old: torch.fx.Node, new: torch.fx.Node, inp
 
 def dropout_inputs(tp: TPGraph) -> dict[str, str]:
     """The dropout-index inputs :func:`replicate_dropout_masks` added to ``tp``, with their row spaces."""
-    spaces = {name: space for space, name in INDEX_INPUTS.items()}
-    return {n.name: spaces[n.name] for n in tp.graph.nodes if n.op == "placeholder" and n.name in spaces}
+    return {n.name: n.meta[INDEX_META][0] for n in tp.graph.nodes if n.op == "placeholder" and INDEX_META in n.meta}
 
 
 @graph_pass(exact=True)
 def replicate_dropout_masks(tp: TPGraph, graph: Graph, strategy: str = "",
-                            allowed: Optional[tuple[str, ...]] = None) -> TPGraph:
+                            allowed: Optional[tuple[str, ...]] = None, sampled: bool = False) -> TPGraph:
     """Rewrite every training-mode dropout into :func:`~gnncompile.ops.dropout_rows` over the whole graph.
 
     ``allowed``: the row spaces (``V``, ``E``, ``E+V``, ``nnz``) whose masks ``strategy`` can hand
-    its ranks (default: all).
+    its ranks (default: all). ``sampled``: for a sampled mini-batch plan, whose "whole tensor" is
+    the mini-batch's: each dropout reads the input :func:`sampled_index_input` of its space and
+    level (a rank's positions among the mini-batch's rows there) and bounds its rows by the
+    graph's (a mask's row does not depend on the tensor's length).
 
     Requires:
         ``tp`` traced for ``graph``; every dropout of a space in ``allowed``, else
@@ -151,6 +174,7 @@ def replicate_dropout_masks(tp: TPGraph, graph: Graph, strategy: str = "",
     x = getattr(graph, "x", None)  # GraphStats: none (planned from statistics, dense features)
     if x is not None and x.layout == torch.sparse_csr:
         sizes["nnz"] = int(x.values().numel())
+    depths = value_depths(tp) if sampled else {}
     for n in list(g.nodes):
         found = _dropout_of(tp, n)
         if found is None:
@@ -162,10 +186,21 @@ def replicate_dropout_masks(tp: TPGraph, graph: Graph, strategy: str = "",
             raise PlanningError(f"op {n.name!r}: dropout of a value with rows {space!r} cannot draw the whole "
                                 "graph's mask; use dropout='local'")
         name = INDEX_INPUTS[space]
+        if sampled and mask_generator() == "torch":
+            raise PlanningError(f"op {n.name!r}: a sampled plan replicates dropout masks with the counter-based "
+                                "generator (a mask's rows on their own); GNNCOMPILE_DROPOUT_MASKS=torch draws whole "
+                                "masks: unset it, or pass dropout='local'")
+        level = None
+        if sampled:  # V: the value's depth; E, E+V: its layer's block; nnz: the input features
+            level = depths.get(inp.name, 0) if space == "V" else info.layer - 1 if space in ("E", "E+V") else 0
+            name = sampled_index_input(space, level)
         if name not in inputs:
             with g.inserting_after(placeholders[-1]):
                 ph = g.placeholder(name)
-            ph.meta["tp"] = placeholders[-1].meta.get("tp")
+            # a sampled plan's index is no vertex value of the model (block binding leaves it alone)
+            ph.meta["tp"] = TPInfo(kind="input", dtype="int64", op="placeholder") if sampled \
+                else placeholders[-1].meta.get("tp")
+            ph.meta[INDEX_META] = (space, level)
             placeholders.append(ph)
             inputs[name] = ph
             spaces[name] = space

@@ -292,7 +292,8 @@ def _op_cost(n: torch.fx.Node, t: TPInfo, modules: dict[str, torch.nn.Module], *
         # a dropout computes the mask of the rows it reads (a replicated one: only those rows of the
         # whole tensor's mask); a sparse input's replicated mask is one draw per stored value, counted
         # whole (``num_rows`` of them: a rank's share of them is not among its sizes), not per element
-        # of its dense width
+        # of its dense width; a sampled plan's (``dropout_index_nnz0``: its rows' values, at most its
+        # rows times the width) is counted per element
         args = call_arguments(n) if n.target is dropout_rows else {}
         sparse = getattr(args.get("index"), "name", "") == "dropout_index_nnz"  # passes.dropout.INDEX_INPUTS
         random = Lin.const(args["num_rows"]) if sparse else rows * width

@@ -17,8 +17,14 @@ global number of seeds, so the ranks' gradients add up (one all-reduce) to the m
 Evaluation (both): each rank evaluates the vertices it is given (``eval_targets``) on their whole
 neighbourhood with the whole graph's coefficients (:func:`~gnncompile.graph.minibatch.full_blocks`),
 so accuracies are those of the model on the whole graph; split's exchanges then carry no rows.
+
 The plan's row counts (:class:`~gnncompile.ir.plan.RankSizes`, exchange rows) are means over a few
 presampled steps: a step's own sizes vary around them.
+
+Replicated dropout (both): a mask is the one single-device training draws for the mini-batch's
+(or micro-batch's) tensor; each step a rank gets the positions of its rows there
+(:func:`~gnncompile.graph.minibatch.batch_dropout_positions`). Mini-batch data ranks draw the masks
+of every rank's micro-batch in turn and keep their own (``Lowered.draw_rounds``).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from ..graph.shard import propagation_scales, slice_rows
 from ..ir.plan import HaloExchange, Instruction, RankSizes, Schedule
 from ..ir.tpgraph import TPGraph
 from .driver import Job, Lowered, RankLowering
+from .dropout import sampled_index_inputs
 from .lower import Conversion, Decisions, StagedModel, propagation_norms, source_input, split_stages
 from .schedule import compute_deps, insert_collectives, list_schedule
 
@@ -165,7 +172,9 @@ def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: in
         graph = job.graph
         host = graph.replace(val_mask=None, test_mask=None) if graph.device.type == "cpu" else graph.to("cpu")
         targets = torch.nonzero(host.train_mask).flatten()
-        sources = [SampledSteps(host, targets, batch_size, tuple(fanouts), seed, norms, r, n, parts) for r in range(n)]
+        dropout = sampled_index_inputs(job.tp)
+        sources = [SampledSteps(host, targets, batch_size, tuple(fanouts), seed, norms, r, n, parts, dropout)
+                   for r in range(n)]
         sizes, shuffles = expected_step_sizes(sources)
         steps = sources[0].steps_per_epoch
     else:
@@ -212,7 +221,7 @@ def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: in
             eval_stages=tuple(staged_eval.stages),
             eval_instructions=tuple(insert_collectives(staged_eval, order_eval, convert_for(r, staged_eval, False))),
             step=step))
-    out_info = {"inputs": [*names, "x"], "batch_size": batch_size, "fanouts": list(fanouts),
+    out_info = {"inputs": [*names, "x", *job.dropout_inputs], "batch_size": batch_size, "fanouts": list(fanouts),
                 "steps_per_epoch": steps, "estimated": not job.concrete,
                 "sampled_rows": [sum(t[1] for t in s.layers[:-1]) for s in sizes],
                 "sampled_edges": [s.edges for s in sizes], "input_rows": [s.feature_rows for s in sizes],
@@ -220,5 +229,5 @@ def lower_sampled(job: Job, *, batch_size: int, fanouts: Sequence[int], seed: in
     if shuffles[0] is not None:
         out_info["shuffle_rows"] = [int(m.sum()) for m in shuffles]
     return Lowered(staged=staged, staged_eval=staged_eval, ranks=ranks, grad_groups=[(group, job.numel)],
-                   schedule=Schedule(), info=out_info, options={"dropout": "local"})
+                   schedule=Schedule(), info=out_info, draw_rounds=1 if exchange else n)
 

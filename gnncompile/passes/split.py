@@ -42,7 +42,7 @@ SPLIT_PARTITIONERS = ("presampled", "metis", "random")
 @dataclass(frozen=True)
 class SplitOptions(StrategyOptions):
     """Options of the ``split`` strategy (``seed``, ``semantics``, ``dropout``: :class:`StrategyOptions`;
-    sampled plans draw each rank's dropout masks from its own stream)."""
+    replicated masks are the mini-batch's, :func:`~gnncompile.passes.dropout.replicate_dropout_masks`)."""
 
     strategy = "split"
 

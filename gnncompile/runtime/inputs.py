@@ -14,6 +14,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from ..errors import RuntimeFailure
+from ..frontend.ops import mask_generator
 from ..graph.core import Graph
 from ..graph.shard import LocalGraph
 from ..ir.plan import StepInputs
@@ -97,6 +99,10 @@ class StepInputProvider:
         inputs ``g_0 ..``), feature rows, seeds and exchange lists (sampled now, on the CPU, then
         moved: part of the step's time)."""
         st = self.step.sampled.step(epoch, step)
+        if st.dropout_index and mask_generator() == "torch":
+            raise RuntimeFailure("this sampled plan replicates dropout masks with the counter-based generator (a "
+                                 "mask's rows on their own); GNNCOMPILE_DROPOUT_MASKS=torch draws whole masks: unset "
+                                 "it, or plan with dropout='local'")
         if self.device.type != "cpu":
             st = st.to(self.device)
         x = st.x
@@ -104,6 +110,7 @@ class StepInputProvider:
             x = x.to(self.dtype)
         inputs = {f"g_{k}": b for k, b in enumerate(st.blocks)}
         inputs["x"] = x
+        inputs.update(st.dropout_index)
         n = st.seeds.numel()
         train = torch.ones(n, dtype=torch.bool, device=self.device)
         return StepView({0: inputs}, (), st.labels, train, st.seeds, {},
