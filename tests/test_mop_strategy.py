@@ -226,8 +226,12 @@ def test_gather_output_is_an_identity_after_an_output_propagation(sbm: gc.Graph)
 # --------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("model, match", [
     (lambda: gc.nn.GAT(6, 4, 3, heads=2, num_layers=2, dropout=0.0), "edge-wise"),
+    # with attention dropout too: the edge-wise op is named, not the dropout's row space (the
+    # refusal a user would hit after removing the dropout)
+    (lambda: gc.nn.GAT(6, 4, 3, heads=2, num_layers=2, dropout=0.6), "does not support edge-wise ops 'edge_attention'"),
     (lambda: gc.nn.SGC(6, 3, K=2), "chained propagations"),
-    (lambda: gc.nn.GraphSAGE(6, 4, 3, aggr="max"), r"strategy 'mop' does not support edge-wise op 'aggregate'"),
+    (lambda: gc.nn.GraphSAGE(6, 4, 3, aggr="max"),
+     r"strategy 'mop' does not support edge-wise ops 'gather_src', 'aggregate', 'gather_src_1', 'aggregate_1'"),
 ])
 def test_unsupported_models_are_refused(sbm: gc.Graph, model: Callable, match: str) -> None:
     with pytest.raises(PlanningError, match=match):

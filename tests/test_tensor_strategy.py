@@ -409,6 +409,10 @@ def test_chunked_decoupled_equals_the_decoupled_model_on_one_rank(sbm: gc.Graph)
 def test_chunked_refusals(sbm: gc.Graph) -> None:
     with pytest.raises(PlanningError, match="edge-wise op .* use chunks=1"):
         gc.plan(model_for("gat", sbm), sbm, 2, strategy="tensor", chunks=2)
+    # with attention dropout: the same reason, not the dropout's row space (named before any pass)
+    gat = gc.nn.GAT(sbm.num_features, 4, sbm.num_classes, heads=2, dropout=0.6).to(DT)
+    with pytest.raises(PlanningError, match="edge-wise op 'edge_attention' .* use chunks=1"):
+        gc.plan(gat, sbm, 2, strategy="tensor", chunks=2)
     with pytest.raises(PlanningError, match="chunks must be a positive integer"):
         from gnncompile.passes.tensor import TensorOptions
         TensorOptions(chunks=0)

@@ -124,12 +124,6 @@ def _groups(num_ranks: int, options: MopOptions) -> TwoGroups:
 def _check_model(tp: TPGraph, staged: StagedModel, groups: dict[int, str]) -> dict[int, set[str]]:
     """Refusals of the module docstring; returns each cols stage's converted source inputs."""
     nodes = {n.name: n for n in tp.graph.nodes}
-    for n in tp.graph.nodes:
-        t = n.meta.get("tp")
-        if t is not None and t.kind == "E":
-            raise PlanningError(f"strategy 'mop' does not support edge-wise op {n.name!r}: MixGCN's MoP aggregates "
-                                "element-wise only (attention needs whole rows per edge, MixGCN §5); use strategy="
-                                "'tensor' or 'data'")
     req = requires_grad_values(tp)
     sources: dict[int, set[str]] = {}
     for st in staged.stages:
@@ -221,6 +215,14 @@ def _chunking(graph: Union[Graph, GraphStats], options: MopOptions) -> tuple[Chu
 
 
 def _check(job: Job, options: MopOptions) -> None:
+    """The refusals that do not depend on the lowering, before any pass runs (an edge-wise op
+    first: no other option would make the model plannable)."""
+    edge = [n.name for n in job.tp.graph.nodes if n.meta.get("tp") is not None and n.meta["tp"].kind == "E"]
+    if edge:
+        named = ", ".join(map(repr, edge[:4])) + (f" and {len(edge) - 4} more" if len(edge) > 4 else "")
+        raise PlanningError(f"strategy 'mop' does not support edge-wise op{'s' if len(edge) > 1 else ''} {named}: "
+                            "MixGCN's MoP aggregates element-wise only (attention needs whole rows per edge, MixGCN "
+                            "§5); use strategy='tensor' or 'data'")
     _groups(job.num_ranks, options)
 
 

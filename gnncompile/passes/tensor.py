@@ -269,8 +269,12 @@ def tensor_decisions(tp: TPGraph, strategy: str = "tensor") -> Decisions:
 
 
 def _check(job: Job, options: TensorOptions) -> None:
-    """Refuse what the strategy does not support, before any rewriting."""
-    tensor_decisions(job.tp)
+    """Refuse what the strategy does not support, before any rewriting (the chunked lowering's
+    refusal of edge-wise ops too, before an attention dropout's row space is refused)."""
+    if options.chunks > 1:
+        chunked_decisions(job.tp)
+    else:
+        tensor_decisions(job.tp)
 
 
 def _dropout_spaces(options: TensorOptions) -> tuple[str, ...]:
