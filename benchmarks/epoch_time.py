@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -212,8 +213,12 @@ def _spawn(system: str, model: str, graph: str, alloc: str, args: argparse.Names
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timeout after {args.timeout}s"}
+    if out.returncode < 0:  # killed by a signal: no message of its own (SIGKILL: the kernel's OOM killer)
+        name = signal.Signals(-out.returncode).name
+        why = " (most likely the out-of-memory killer)" if name == "SIGKILL" else ""
+        return {"error": f"killed by {name}{why}"}
     if out.returncode != 0:
-        err = (out.stderr.strip().splitlines() or ["?"])[-1]
+        err = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
         return {"error": err[:120]}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
