@@ -178,6 +178,19 @@ def test_free_releases_cuda_storage() -> None:
         (r, without.ranks[r].peak_memory, with_free.ranks[r].peak_memory, released)
 
 
+def test_split_with_dropout_on_cuda_trains_like_the_cpu_reference() -> None:
+    """Sampled steps are drawn on the CPU and moved (blocks, exchange lists, the replicated masks'
+    row positions); the masks are counter-based, so a CUDA run of split sees gc.train's masks."""
+    g = gc.datasets.synthetic("sbm", num_nodes=300, avg_degree=8, num_features=12, num_classes=3, seed=4)
+    g = g.replace(x=g.x.to(DT))
+    torch.manual_seed(0)
+    model = gc.nn.GAT(g.num_features, 4, g.num_classes, heads=2, num_layers=2, dropout=0.5).to(DT)
+    ref = gc.train(copy.deepcopy(model), g, epochs=2, lr=0.01, batch_size=40, fanouts=[4, 3], verbose=False)
+    plan = gc.plan(copy.deepcopy(model), g, gpus=2, strategy="split", batch_size=40, fanouts=[4, 3])
+    res = plan.run(epochs=2, lr=0.01, timeout=180, device="cuda")
+    torch.testing.assert_close(torch.tensor(res.history.loss), torch.tensor(ref.loss), **TOL)
+
+
 # --------------------------------------------------------------------------- single device
 def test_train_on_cuda_moves_everything(sbm: gc.Graph) -> None:
     model = seeded_model(MODELS["gcn_dropout"], sbm)
