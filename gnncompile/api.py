@@ -115,6 +115,11 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
                             "train (plans are training plans)")
     if not isinstance(graph, (Graph, GraphStats)):
         raise PlanningError(f"graph: expected a gnncompile Graph or GraphStats, got {type(graph).__name__}")
+    if (options.get("batch_size") is None) != (options.get("fanouts") is None):
+        given = "batch_size" if options.get("batch_size") is not None else "fanouts"
+        raise PlanningError(f"{given} without {'fanouts' if given == 'batch_size' else 'batch_size'}: sampled "
+                            "mini-batch training needs both batch_size and fanouts, e.g. batch_size=1024, "
+                            "fanouts=[10, 5]")
     fixed = _fixed_options(options, named)
     if devices not in ("all", "any"):
         raise PlanningError(f"devices: expected 'all' or 'any', got {devices!r}")

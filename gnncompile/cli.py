@@ -49,8 +49,11 @@ def _number(text: str, kind: type, what: str, *, low: float, strict: bool, high:
 
 def fanout_list(text: str) -> tuple[int, ...]:
     """``10,5`` -> ``(10, 5)``: sampled in-edges per GNN layer, input layer first (``-1``: all)."""
+    parts = text.split(",")
+    if any(not t.strip() for t in parts):
+        raise argparse.ArgumentTypeError(f"an empty fanout in {text!r}: give one number per GNN layer, e.g. 10,5")
     try:
-        values = tuple(int(t) for t in text.split(",") if t.strip())
+        values = tuple(int(t) for t in parts)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated fanouts such as 10,5, got {text!r}") from None
     if not values or any(v == 0 or v < -1 for v in values):
@@ -973,9 +976,29 @@ def _one_line_warnings() -> Iterator[None]:
         warnings.showwarning = saved
 
 
+#: flags whose value is a list of numbers that may start with ``-1`` (argparse takes ``-1,5`` for an option)
+_NUMBER_LIST_FLAGS = ("--fanouts", "--eval-fanouts")
+_NUMBER_LIST = re.compile(r"^-\d+(?:,\s*-?\d+)*$")
+
+
+def _attach_number_lists(argv: Sequence[str]) -> list[str]:
+    """``--fanouts -1,5`` as ``--fanouts=-1,5`` (what argparse reads as meant)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--":
+            return out + list(argv[i:])
+        if argv[i] in _NUMBER_LIST_FLAGS and i + 1 < len(argv) and _NUMBER_LIST.match(argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_number_lists(sys.argv[1:] if argv is None else list(argv)))
     if getattr(args, "resume", False) and args.checkpoint_dir is None:
         parser.error("--resume needs --checkpoint-dir DIR (the directory of the run's checkpoints)")
 

@@ -150,8 +150,7 @@ def check_plan(model: torch.nn.Module, graph: Graph, gpus: int, *, rtol: float =
                                 f"{plan_options['batch_size']} (its history is the mean over the epoch's steps)")
         ref, seeds = sampled_reference_step(ref_model, graph, plan_options["batch_size"], plan_options["fanouts"],
                                             ranks=gpus, micro=plan_options.get("strategy") == "data", lr=lr,
-                                            weight_decay=weight_decay, seed=plan_options.get("seed", 0),
-                                            run_seed=seed)
+                                            weight_decay=weight_decay, seed=seed, run_seed=seed)
     else:
         ref = reference_step(ref_model.to(device), graph.to(device), lr, weight_decay, seed)
     ref = ReferenceStep(ref.loss, ref.logits.cpu(), {n: None if g is None else g.cpu() for n, g in ref.grads.items()},

@@ -339,6 +339,21 @@ def test_synthetic_flags_are_still_taken_on_synthetic_graphs() -> None:
     assert cli._load_graph(args).num_nodes == 300
 
 
+def test_fanouts_may_start_with_minus_one_and_have_no_empty_entries(nothing_loads: None, capsys: Any) -> None:
+    """``--fanouts -1,5`` was "expected one argument" (argparse took -1,5 for a flag); ``3,,2`` was
+    silently 3,2."""
+    parser = cli.build_parser()
+    args = parser.parse_args(cli._attach_number_lists(["train", "--batch-size", "8", "--fanouts", "-1,5",
+                                                       "--eval-fanouts", "-1,-1"]))
+    assert args.fanouts == (-1, 5) and args.eval_fanouts == (-1, -1)
+    args = parser.parse_args(cli._attach_number_lists(["run", "--strategy", "split", "--batch-size", "8",
+                                                       "--fanouts", "-1,-1"]))
+    assert args.strategy_fanouts == (-1, -1)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", "--dataset", "cora", "--batch-size", "8", "--fanouts", "3,,2"])
+    assert exc.value.code == 2 and "an empty fanout in '3,,2'" in capsys.readouterr().err
+
+
 def _outputs(tmp: Path) -> list[tuple[list[str], str]]:
     return [
         (["train", *SMALL, "--json", str(tmp)], f"argument --json: {tmp} is a directory"),

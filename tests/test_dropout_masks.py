@@ -327,12 +327,14 @@ class _Noisy(torch.nn.Module):
             h = F.alpha_dropout(h, 0.3, training=self.training)
         elif self.how == "module":
             h = self.drop1d(h)
+        elif self.how == "aten_alpha":  # ATen's form of F.alpha_dropout
+            h = torch.alpha_dropout(h, 0.3, self.training)
         else:  # draws nothing as called: not refused
             h = F.rrelu(F.dropout(h, 0.3, training=False))
         return self.l2(h)
 
 
-@pytest.mark.parametrize("how", ["noise", "hand_mask", "alpha", "module"])
+@pytest.mark.parametrize("how", ["noise", "hand_mask", "alpha", "module", "aten_alpha"])
 def test_random_draws_that_are_not_replicated_are_refused_under_exact(how: str) -> None:
     """Ranks seeded alike (dropout='replicated') drew the same noise for different rows: plans
     labelled exact lost 6e-4 to 1e-2 of loss against gc.train. dropout='local' (a stream per rank)
@@ -347,6 +349,33 @@ def test_random_draws_that_are_not_replicated_are_refused_under_exact(how: str) 
     relaxed = gc.plan(model, g, gpus=2, strategy="data", semantics="relaxed")
     assert any(r.startswith("unreplicated random draws") for r in relaxed.relaxations)
     assert gc.plan(model, g, gpus=1, strategy="data").relaxations == ()  # one rank draws as gc.train does
+
+
+class _AtenAndCertainDropouts(torch.nn.Module):
+    """``torch.dropout`` (ATen's form of ``F.dropout``, in place too) and ``p=1`` (drops everything,
+    draws nothing)."""
+
+    def __init__(self, fin: int, fout: int) -> None:
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(fin, 8), torch.nn.Linear(8, fout)
+
+    def forward(self, g, x):
+        h = F.relu(gc.ops.propagate(g, self.l1(x), norm="gcn"))
+        h = torch.dropout(h, 0.5, self.training) + torch.dropout_(h * 2.0, 0.3, self.training)
+        return self.l2(h) + F.dropout(self.l2(h), 1.0, self.training)
+
+
+def test_aten_dropout_is_replicated_and_p_one_draws_nothing() -> None:
+    """torch.dropout drew from each rank's copy of one stream under an exact label (ranks dropped
+    the same entries of different rows); F.dropout(h, 1.0) planned, then every rank failed."""
+    from gnncompile.testing import check_plan
+
+    g = gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=6, num_features=8, num_classes=3, seed=0)
+    torch.manual_seed(0)
+    model = _AtenAndCertainDropouts(8, 3).double()
+    g = g.replace(x=g.x.double())
+    res = check_plan(model, g, 2, strategy="data", device="cpu", timeout=120)
+    assert res.plan.semantics == "exact" and res.plan.relaxations == ()
 
 
 def test_ops_that_draw_nothing_as_called_are_not_refused() -> None:

@@ -75,12 +75,36 @@ def test_split_trains_like_the_minibatch_reference_over_several_steps_and_epochs
     torch.manual_seed(0)
     model = gc.nn.GraphSAGE(g.num_features, 8, g.num_classes, num_layers=2, dropout=0.5).to(DT)
     g = g.replace(x=g.x.to(DT))
-    ref = gc.train(copy.deepcopy(model), g, epochs=2, lr=0.01, batch_size=40, fanouts=[4, 3], verbose=False)
+    # the run's seed draws the mini-batches, as gc.train's does (not the plan's seed, which was used)
+    ref = gc.train(copy.deepcopy(model), g, epochs=2, lr=0.01, batch_size=40, fanouts=[4, 3], verbose=False, seed=3)
     plan = gc.plan(copy.deepcopy(model), g, gpus=2, strategy="split", batch_size=40, fanouts=[4, 3])
     assert plan.info["steps_per_epoch"] == -(-int(g.train_mask.sum()) // 40) > 1
-    res = plan.run(epochs=2, lr=0.01, timeout=120)
+    res = plan.run(epochs=2, lr=0.01, timeout=120, seed=3)
     torch.testing.assert_close(torch.tensor(res.history.loss), torch.tensor(ref.loss), rtol=1e-9, atol=1e-12)
     assert res.history.val_acc == ref.val_acc and res.history.test_acc == ref.test_acc
+
+
+class _ChainedDropouts(torch.nn.Module):
+    """A dropout of a dropout's output (a block ending in dropout feeding one starting with
+    nn.Dropout), the first written as torch.dropout."""
+
+    def __init__(self, fin: int, fout: int) -> None:
+        super().__init__()
+        self.l1, self.l2, self.drop = torch.nn.Linear(fin, 6), torch.nn.Linear(6, fout), torch.nn.Dropout(0.3)
+
+    def forward(self, g, x):
+        h = torch.relu(gc.ops.propagate(g, self.l1(x), "gcn", add_self_loops=True))
+        h = self.drop(torch.dropout(h, 0.5, self.training))
+        return gc.ops.propagate(g, self.l2(h), "gcn", add_self_loops=True)
+
+
+@pytest.mark.parametrize("strategy", ["split", "data"])
+def test_chained_dropouts_read_their_value_s_depth(sbm: gc.Graph, strategy: str) -> None:
+    """The second dropout read the first one's replacement, whose depth was unknown: it took the
+    input layer's row positions and every rank failed."""
+    res = check_plan(seeded_model(_ChainedDropouts, sbm), sbm, 2, strategy=strategy, batch_size=_one_step_batch(sbm),
+                     fanouts=[3, 2], rtol=1e-9, atol=1e-11, timeout=120, device="cpu")
+    assert [n for n in res.plan.info["inputs"] if n.startswith("dropout_index")] == ["dropout_index_v1"]
 
 
 def test_split_replicates_the_masks_of_sparse_input_features() -> None:
@@ -150,6 +174,9 @@ def test_sampled_plans_refuse_what_they_cannot_do(sbm: gc.Graph) -> None:
         gc.plan(model, sbm, gpus=2, strategy="split", batch_size=16, fanouts=[2, 2, 2])
     with pytest.raises(PlanningError, match="needs both batch_size and fanouts"):
         gc.plan(model, sbm, gpus=2, strategy="data", batch_size=16)
+    # no strategy named: the message was split's ("split: needs ...")
+    with pytest.raises(PlanningError, match="^fanouts without batch_size: sampled mini-batch training needs both"):
+        gc.plan(model, sbm, gpus=2, fanouts=[2, 2])
     with pytest.raises(PlanningError, match="fanouts"):
         gc.plan(model, sbm, gpus=2, strategy="split", batch_size=16, fanouts=[0, 2])
     with pytest.raises(PlanningError):

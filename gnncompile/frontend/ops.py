@@ -874,8 +874,13 @@ class plan_dropout_draws(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        bound = None
         if func is torch.nn.functional.dropout:
             bound = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
+        elif func is torch.dropout or func is torch.dropout_:  # (what F.dropout calls; the tracer maps it to F.dropout)
+            bound = dict(zip(("input", "p", "training"), args), **kwargs)
+            bound["training"], bound["inplace"] = bound.pop("train", bound.get("training")), func is torch.dropout_
+        if bound is not None:
             x, p = bound["input"], bound.get("p", 0.5)
             if (bound.get("training", True) and 0.0 < p < 1.0 and isinstance(x, torch.Tensor)
                     and x.layout == torch.strided):
@@ -1140,7 +1145,7 @@ def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int, 
     masks as single-device training, in work and memory proportional to its rows. For a sparse CSR
     ``x`` the mask is over the stored values of the full matrix (``num_rows`` of them) and ``index``
     selects this matrix's values, as :func:`gnncompile.nn.functional.feature_dropout` draws it.
-    ``p == 0`` draws nothing, like ``F.dropout``. Used by the ``data`` strategy and every strategy
+    ``p == 0`` (the input) and ``p == 1`` (zeros) draw nothing, like ``F.dropout``. Used by the ``data`` strategy and every strategy
     with ``dropout="replicated"``. ``replay``: an op that saves the (dense) output for backward keeps
     ``x`` and the mask instead, computing the output again when backward reads it, under
     :func:`replay_dropout_outputs` (set by :func:`gnncompile.passes.replicate_dropout_masks` where
@@ -1152,6 +1157,11 @@ def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int, 
         return proxy.tracer.create_proxy("call_function", dropout_rows, (x, p, index, num_rows), kwargs)
     if p == 0.0:
         return x
+    if p == 1.0:  # every element dropped, nothing drawn (as F.dropout)
+        if x.layout == torch.sparse_csr:
+            return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), x.values() * 0.0, size=x.shape,
+                                           device=x.device, check_invariants=False)
+        return x * 0.0
     if index.device != x.device:
         raise KernelError(f"dropout_rows: index is on {index.device} but x is on {x.device}; move both to one device")
     if x.layout == torch.sparse_csr:

@@ -321,6 +321,7 @@ def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
     name = type(model).__name__
     graph = _canonical_inputs(graph)
     _out_of_place(graph, tracer.root)
+    _canonical_dropouts(graph)
     gm = torch.fx.GraphModule(tracer.root, graph, name)
     return gm
 
@@ -367,6 +368,18 @@ _AUGMENTED = {operator.iadd: operator.add, operator.isub: operator.sub, operator
 #: that are not computations (``x.requires_grad_()``)
 _NO_OUT_OF_PLACE = frozenset({"requires_grad_", "share_memory_", "retain_grad_", "bernoulli_", "resize_",
                               "as_strided_", "set_"})
+
+
+def _canonical_dropouts(graph: torch.fx.Graph) -> None:
+    """Rewrite ``torch.dropout(x, p, train)`` (what ``F.dropout`` calls) into ``F.dropout(x, p=p,
+    training=train)``: the same function, in the form whose masks plans replicate."""
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch.dropout:
+            bound = dict(zip(("input", "p", "train"), n.args), **n.kwargs)
+            if set(bound) != {"input", "p", "train"}:
+                continue  # (not a call torch accepts: it fails as written)
+            n.target = F.dropout
+            n.args, n.kwargs = (bound["input"],), {"p": bound["p"], "training": bound["train"]}
 
 
 def _is_view(node: torch.fx.Node) -> bool:

@@ -192,7 +192,9 @@ def replicate_dropout_masks(tp: TPGraph, graph: Graph, strategy: str = "",
                                 "masks: unset it, or pass dropout='local'")
         level = None
         if sampled:  # V: the value's depth; E, E+V: its layer's block; nnz: the input features
-            level = depths.get(inp.name, 0) if space == "V" else info.layer - 1 if space in ("E", "E+V") else 0
+            if space == "V" and inp.name not in depths:
+                raise PlanningError(f"op {n.name!r}: the depth of {inp.name!r} in the mini-batch is unknown")
+            level = depths[inp.name] if space == "V" else info.layer - 1 if space in ("E", "E+V") else 0
             name = sampled_index_input(space, level)
         if name not in inputs:
             with g.inserting_after(placeholders[-1]):
@@ -213,12 +215,17 @@ def replicate_dropout_masks(tp: TPGraph, graph: Graph, strategy: str = "",
             new.meta["tp"] = dataclasses.replace(t, saved_bytes=t.saved_bytes * (1.0 / _elsize(t.dtype)))
             if space != "nnz":
                 _mark_replays(g, n, new, inp)
+        if n.name in depths:  # (a dropout of this one's output reads it at the same depth)
+            depths[new.name] = depths[n.name]
         n.replace_all_uses_with(new)
         g.erase_node(n)
     tp.recompile()
     unsupported = sorted(sp for sp in spaces.values() if allowed is not None and sp not in allowed)
     if unsupported:
-        raise PlanningError(f"strategy {strategy!r}: dropout of {unsupported[0]}-space values is not supported")
+        what = {"E": " (edge values: attention dropout)", "E+V": " (edge values and self loops: attention dropout)"}
+        raise PlanningError(f"strategy {strategy!r} with these options cannot replicate the dropout masks of "
+                            f"{unsupported[0]}-space values{what.get(unsupported[0], '')}; pass dropout='local' (each "
+                            "rank draws its own masks) or remove that dropout")
     return tp
 
 
@@ -242,7 +249,7 @@ def dropout_draws(staged: StagedModel, spaces: dict[str, str], infos: dict[str, 
                 continue
             args = call_arguments(n)
             p = float(args["p"])
-            if p == 0.0:
+            if p in (0.0, 1.0):
                 continue  # draws nothing
             s = stage_of(n)
             k = ordinal.get(s, 0)

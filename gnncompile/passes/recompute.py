@@ -109,6 +109,9 @@ _RANDOM_FUNCTIONS = {
     torch.bernoulli, torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
     torch.randint_like, torch.randperm, torch.normal, torch.multinomial, torch.poisson,
     feature_dropout, ops.dropout_noise, ops.dropout_rows,
+    # ATen's (F.dropout & co. call them; a traced torch.dropout becomes F.dropout)
+    torch.dropout, torch.dropout_, torch.feature_dropout, torch.feature_dropout_, torch.alpha_dropout,
+    torch.alpha_dropout_, torch.feature_alpha_dropout, torch.feature_alpha_dropout_,
 }
 _RANDOM_METHODS = {"bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_", "geometric_",
                    "cauchy_", "log_normal_"}

@@ -9,6 +9,7 @@ mask. Evaluation always reads the program's inputs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -48,12 +49,17 @@ class StepView:
 
 
 class StepInputProvider:
-    """One rank's step inputs on ``device`` (in place of the lowering's, which stay on the host)."""
+    """One rank's step inputs on ``device`` (in place of the lowering's, which stay on the host).
+    ``sample_seed``: the seed a sampled plan's mini-batches are drawn with (the run's, as
+    :func:`gnncompile.train`'s; ``None``: the plan's)."""
 
-    def __init__(self, step: StepInputs, device: torch.device, dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, step: StepInputs, device: torch.device, dtype: Optional[torch.dtype] = None,
+                 sample_seed: Optional[int] = None) -> None:
         self.device = device
         self.dtype = dtype
         self.step = step.to(device) if device.type != "cpu" else step
+        self._sampled = step.sampled if step.sampled is None or sample_seed is None \
+            else dataclasses.replace(step.sampled, seed=int(sample_seed))
         self._cast([self.step.inputs, *self.step.chunk_inputs.values()])
 
     def _cast(self, stores: Any) -> None:
@@ -86,7 +92,7 @@ class StepInputProvider:
 
     @property
     def steps_per_epoch(self) -> int:
-        return self.step.sampled.steps_per_epoch if self.step.sampled is not None else 1
+        return self._sampled.steps_per_epoch if self._sampled is not None else 1
 
     def evaluation(self) -> StepView:
         """The program's own inputs (what evaluation, and training without regrouping, reads)."""
@@ -98,7 +104,7 @@ class StepInputProvider:
         """Training step ``step`` of epoch ``epoch`` of a sampled plan: the rank's blocks (graph
         inputs ``g_0 ..``), feature rows, seeds and exchange lists (sampled now, on the CPU, then
         moved: part of the step's time)."""
-        st = self.step.sampled.step(epoch, step)
+        st = self._sampled.step(epoch, step)
         if st.dropout_index and mask_generator() == "torch":
             raise RuntimeFailure("this sampled plan replicates dropout masks with the counter-based generator (a "
                                  "mask's rows on their own); GNNCOMPILE_DROPOUT_MASKS=torch draws whole masks: unset "
