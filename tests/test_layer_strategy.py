@@ -256,10 +256,16 @@ def test_metis_chunks_read_fewer_chunks(sbm: gc.Graph) -> None:
     assert reads(chunking="metis") < reads(chunking="contiguous")
 
 
-def test_metis_chunks_refuse_edge_space_dropout(sbm: gc.Graph) -> None:
+def test_reordered_chunks_refuse_edge_space_dropout_and_say_what_runs(sbm: gc.Graph) -> None:
+    """METIS chunks and hybrid stages renumber the edges: attention dropout's masks cannot be the
+    whole graph's. The refusal named neither a way out nor the kind of values."""
     gat = seeded_model(lambda f, c: gc.nn.GAT(f, 3, c, heads=2, num_layers=2, dropout=0.5), sbm)
-    with pytest.raises(PlanningError, match="dropout"):
-        gc.plan(gat, sbm, 2, strategy="layer", chunking="metis")
+    for gpus, options in ((2, dict(chunking="metis")), (4, dict(stages=2))):
+        with pytest.raises(PlanningError, match=r"strategy 'layer' with these options cannot replicate the dropout "
+                                                r"masks of E\+V-space values \(edge values and self loops: attention "
+                                                r"dropout\); pass dropout='local'"):
+            gc.plan(gat, sbm, gpus, strategy="layer", **options)
+        assert gc.plan(gat, sbm, gpus, strategy="layer", dropout="local", **options).semantics == "exact"
 
 
 def _seed_drawing(order: list[int], chunks: int) -> int:

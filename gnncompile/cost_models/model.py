@@ -1039,13 +1039,15 @@ def _stage_inputs_read(w: _RankWalk, st: StageSpec, j: int) -> float:
 
 
 def _saves_inputs(st: StageSpec, sizes: RankSizes) -> bool:
-    """Whether an op of ``st`` saves a stage input for backward: its first op saving anything (a
-    linear layer its input), an op reading one (:attr:`OpCost.reads`) that saves what it reads (no
-    dropout, which saves its mask, nor an op saving its result), or a propagation whose edge values
-    need a gradient (which reads the gathered input rows: GAT's; its ``saved`` may be none of its
-    own, the values replayed and the input counted as saved by the op that made it)."""
+    """Whether an op of ``st`` saves a stage input for backward: its first op saving anything but
+    its result (a linear layer its input; ``relu`` saves its output), an op reading one
+    (:attr:`OpCost.reads`) that saves what it reads (no dropout, which saves its mask, nor an op
+    saving its result), or a propagation whose edge values need a gradient (which reads the
+    gathered input rows: GAT's; its ``saved`` may be none of its own, the values replayed and the
+    input counted as saved by the op that made it)."""
     inputs = {v.split("@", 1)[0] for v in st.inputs}
-    return bool(st.costs) and op_value(st.costs[0], st.costs[0].saved, sizes) > 0 or \
+    first = st.costs[0] if st.costs else None
+    return first is not None and op_value(first, first.saved, sizes) > 0 and not _saves_result(first) or \
         any(op.kind == "P" and op_value(op, op.values, sizes) > 0 for op in st.costs) or \
         any(op.reads and inputs & set(op.reads) and op_value(op, op.saved, sizes) > 0 and not _saves_result(op)
             and op.random == Lin() for op in st.costs)

@@ -486,7 +486,8 @@ class ChunkInputs:
         space = self.job.dropout_inputs[name]
         if chunking.order is not None and space not in ("V", "nnz"):
             raise PlanningError(f"dropout over {space}-space values with a reordered chunking (edge ids are "
-                                "renumbered); use a vertex-space dropout or an unreordered chunking")
+                                "renumbered); pass dropout='local' (each rank draws its own masks), or use a "
+                                "vertex-space dropout or an unreordered chunking")
         edge_ids = chunk_edge_ids(graph, chunking, k) if space in ("E", "E+V") else None
         return dropout_positions(space, graph, ids, edge_ids)
 

@@ -346,8 +346,9 @@ class _Rank:
             freed[key] = torch.zeros((), dtype=v.dtype, device=v.device).expand(v.shape) if v.layout == torch.strided \
                 else v
         root = roots.pop(key, None)
-        if root is not None and key[0] != output and root.grad_fn is not None and root._base is None \
-                and root.layout == torch.strided:
+        if root is not None and key[0] != output and root.grad_fn is not None and root.layout == torch.strided:
+            if root._base is not None:  # a view of the stage's own intermediate: its storage too
+                root._base.data = torch.empty((1,), dtype=root.dtype, device=root.device)
             root.data = torch.empty((1,), dtype=root.dtype, device=root.device)
 
     def use(self, view: StepView) -> None:
@@ -628,8 +629,10 @@ class _Rank:
                 inner = _outputs_used_inside(modules[ins.stage])
                 for i, (o, v) in enumerate(outd.items()):
                     # an output another op of its stage also read may be saved by that op's backward:
-                    # only a pure output is a root whose storage Free may release
-                    if isinstance(v, torch.Tensor) and v.requires_grad and i not in inner:
+                    # only a pure output is a root whose storage Free may release; a view
+                    # (``lin(x).view(-1, H, C)``) only of an intermediate of the stage, released with it
+                    if isinstance(v, torch.Tensor) and v.requires_grad and i not in inner and \
+                            (v._base is None or _own_intermediate(v._base, outd.values(), args)):
                         roots[(o, ins.chunk)] = v
 
         def backward(ins: Backward) -> None:
@@ -773,6 +776,14 @@ def _execute_optimizer_step(st: _StepState, ins: OptimizerStep) -> None:
                                for n, p in zip(prog.param_names, prog.params)}
     st.optimizer.step()
     st.optimizer.zero_grad(set_to_none=True)
+
+
+def _own_intermediate(base: torch.Tensor, outputs: Any, inputs: Any) -> bool:
+    """Whether ``base`` (the base of a view a stage returned) is an intermediate of the stage only:
+    made by an op (not a leaf, input or parameter) and not itself returned or passed in. Its
+    storage may then go with the view's (a copy an op saved for backward keeps its own)."""
+    return base.grad_fn is not None and base.layout == torch.strided and \
+        not any(base is t for t in (*outputs, *inputs))
 
 
 def _outputs_used_inside(module: Any) -> frozenset[int]:
@@ -1018,7 +1029,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     if device.type != "cpu":
         _move_modules(prog, device)
     params = prog.params
-    provider = StepInputProvider(prog.step, device, params[0].dtype if params else None)
+    provider = StepInputProvider(prog.step, device, params[0].dtype if params else None, sample_seed=seed)
     _prepare_graphs(prog, provider, params[0].dtype if params else torch.get_default_dtype())
     labels, masks, counts = provider.step.labels, provider.step.masks, prog.counts
     n_train = max(counts["train"], 1)
