@@ -153,6 +153,27 @@ def requires_grad_values(tp: TPGraph) -> set[str]:
     return req
 
 
+def _segment_requires_grad(body: torch.fx.GraphModule, outer: dict[str, torch.fx.Node], req: set[str]) -> set[str]:
+    """Names of a checkpointed segment's nodes that need a gradient: its placeholders standing for
+    (``outer``) values in ``req``, its trainable parameters, and what depends on them."""
+    out: set[str] = set()
+    for m in body.graph.nodes:
+        if m.op == "placeholder":
+            if m.name in outer and outer[m.name].name in req:
+                out.add(m.name)
+        elif m.op == "get_attr":
+            obj = _get_attr(body, m.target)
+            if isinstance(obj, torch.Tensor) and obj.requires_grad:
+                out.add(m.name)
+        elif m.op == "call_module":
+            mod = body.get_submodule(m.target)
+            if any(p.requires_grad for p in mod.parameters()) or any(a.name in out for a in m.all_input_nodes):
+                out.add(m.name)
+        elif m.op in ("call_function", "call_method") and any(a.name in out for a in m.all_input_nodes):
+            out.add(m.name)
+    return out
+
+
 def _get_attr(root: torch.nn.Module, target: str) -> Any:
     obj: Any = root
     for part in target.split("."):
@@ -194,12 +215,22 @@ def op_costs(tp: TPGraph, nodes: list[torch.fx.Node], decisions: Optional[Decisi
             body_here = {m.name for m in body.graph.nodes if m.op not in ("placeholder", "get_attr", "output")}
             placeholders = [m.name for m in body.graph.nodes if m.op == "placeholder"]
             outer = {ph: a for ph, a in zip(placeholders, n.args) if isinstance(a, torch.fx.Node)}
+            body_req = _segment_requires_grad(body, outer, req)
             for k, m in enumerate(inner):
-                c = _op_cost(m, m.meta["tp"], body_modules, recompute=True, backward=2 if m.meta["tp"].params else 1)
-                c = dataclasses.replace(c, reads=_reads(m, body_here, req, f"{n.name}.", outer))
-                # the first op's saved: what the segment keeps; the others': what they save in the replay
-                out.append(dataclasses.replace(c, name=f"{n.name}.{m.name}", saved=t.saved_bytes if k == 0 else
-                                               m.meta["tp"].saved_bytes))
+                # its backward: its weights' gradient, and its input's where that needs one (a
+                # dropout of the features has none: autograd does not visit it)
+                weights = m.meta["tp"].params > 0 or any(a.op == "get_attr" and a.name in body_req
+                                                         for a in m.all_input_nodes)
+                inputs = any(a.op != "get_attr" and a.name in body_req for a in m.all_input_nodes)
+                c = _op_cost(m, m.meta["tp"], body_modules, recompute=True, backward=int(weights) + int(inputs))
+                c = dataclasses.replace(c, input_grad=inputs, reads=_reads(m, body_here, req, f"{n.name}.", outer))
+                # the first op's saved: what the segment keeps; the others': what they save in the
+                # replay (a replicated dropout's output they save: its input and mask, as outside)
+                mt = m.meta["tp"]
+                saved, replayed = (t.saved_bytes, Lin()) if k == 0 else (mt.saved_bytes, Lin())
+                if k and mt.replays and all(r in body_here for r in mt.replays):
+                    saved, replayed = mt.saved_bytes - mt.replay_saving, mt.replayed_bytes
+                out.append(dataclasses.replace(c, name=f"{n.name}.{m.name}", saved=saved, replayed=replayed))
             if inner:
                 continue
         weights = t.params > 0 or any(a.op == "get_attr" and a.name in req for a in n.all_input_nodes)
