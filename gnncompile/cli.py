@@ -982,12 +982,14 @@ _NUMBER_LIST = re.compile(r"^-\d+(?:,\s*-?\d+)*$")
 
 
 def _attach_number_lists(argv: Sequence[str]) -> list[str]:
-    """``--fanouts -1,5`` as ``--fanouts=-1,5`` (what argparse reads as meant)."""
+    """``--fanouts -1,5`` (or ``--fan -1,5``) as ``--fanouts=-1,5``: what argparse reads as meant."""
     out, i = [], 0
     while i < len(argv):
         if argv[i] == "--":
             return out + list(argv[i:])
-        if argv[i] in _NUMBER_LIST_FLAGS and i + 1 < len(argv) and _NUMBER_LIST.match(argv[i + 1]):
+        flag = argv[i].startswith("--") and len(argv[i]) > 2 and \
+            any(f.startswith(argv[i]) for f in _NUMBER_LIST_FLAGS)
+        if flag and i + 1 < len(argv) and _NUMBER_LIST.match(argv[i + 1]):  # (an abbreviation too)
             out.append(f"{argv[i]}={argv[i + 1]}")
             i += 2
             continue

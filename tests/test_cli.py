@@ -349,6 +349,7 @@ def test_fanouts_may_start_with_minus_one_and_have_no_empty_entries(nothing_load
     args = parser.parse_args(cli._attach_number_lists(["run", "--strategy", "split", "--batch-size", "8",
                                                        "--fanouts", "-1,-1"]))
     assert args.strategy_fanouts == (-1, -1)
+    assert parser.parse_args(cli._attach_number_lists(["train", "--fan", "-1,5"])).fanouts == (-1, 5)  # abbreviated
     with pytest.raises(SystemExit) as exc:
         cli.main(["train", "--dataset", "cora", "--batch-size", "8", "--fanouts", "3,,2"])
     assert exc.value.code == 2 and "an empty fanout in '3,,2'" in capsys.readouterr().err

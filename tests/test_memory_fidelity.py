@@ -540,3 +540,28 @@ def test_a_checkpointed_segment_of_feature_dropout_replays_it_and_makes_no_gradi
     pred = plan.prediction.first_step_above_resident()
     for r, p in zip(res.ranks, pred):
         assert 0.8 * r.peak_memory <= p <= 1.2 * r.peak_memory + 16 * 1024, (r.rank, r.peak_memory, p)
+
+
+class _ViewOfAReplayedInput(torch.nn.Module):
+    """``h`` feeds a replicated dropout (whose replay keeps ``h`` itself) and, viewed, leaves the stage."""
+
+    def __init__(self, fin: int, fout: int) -> None:
+        super().__init__()
+        self.lin, self.lin2, self.l2 = torch.nn.Linear(fin, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, fout)
+
+    def forward(self, g, x):
+        h = torch.relu(self.lin(x))
+        s = self.lin2(F_.dropout(h, 0.5, self.training))
+        y = gc.ops.propagate(g, h.view(-1, 2, 3).reshape(-1, 6), "gcn", add_self_loops=True)
+        return gc.ops.propagate(g, self.l2(F_.relu(y) + s), "gcn", add_self_loops=True)
+
+
+def test_a_viewed_stage_output_keeps_a_base_that_an_op_saved() -> None:
+    """Free released the base of a view output that a replayed dropout still read in backward
+    (every rank failed in its backward): a base an op of the stage saved stays."""
+    from gnncompile.testing import check_plan
+
+    g = datasets.synthetic("sbm", num_nodes=120, avg_degree=6, num_features=8, num_classes=3, seed=0)
+    torch.manual_seed(0)
+    check_plan(_ViewOfAReplayedInput(8, 3).double(), g.replace(x=g.x.double()), 2, strategy="task", device="cpu",
+               timeout=120)

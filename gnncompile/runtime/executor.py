@@ -348,7 +348,7 @@ class _Rank:
         root = roots.pop(key, None)
         if root is not None and key[0] != output and root.grad_fn is not None and root.layout == torch.strided:
             if root._base is not None:  # a view of the stage's own intermediate: its storage too
-                root._base.data = torch.empty((1,), dtype=root.dtype, device=root.device)
+                root._base.data = torch.empty((1,), dtype=root._base.dtype, device=root.device)
             root.data = torch.empty((1,), dtype=root.dtype, device=root.device)
 
     def use(self, view: StepView) -> None:
@@ -632,7 +632,7 @@ class _Rank:
                     # only a pure output is a root whose storage Free may release; a view
                     # (``lin(x).view(-1, H, C)``) only of an intermediate of the stage, released with it
                     if isinstance(v, torch.Tensor) and v.requires_grad and i not in inner and \
-                            (v._base is None or _own_intermediate(v._base, outd.values(), args)):
+                            (v._base is None or _own_intermediate(v._base, outd.values(), args, saved_storage)):
                         roots[(o, ins.chunk)] = v
 
         def backward(ins: Backward) -> None:
@@ -778,12 +778,13 @@ def _execute_optimizer_step(st: _StepState, ins: OptimizerStep) -> None:
     st.optimizer.zero_grad(set_to_none=True)
 
 
-def _own_intermediate(base: torch.Tensor, outputs: Any, inputs: Any) -> bool:
+def _own_intermediate(base: torch.Tensor, outputs: Any, inputs: Any, saved_storage: set[int]) -> bool:
     """Whether ``base`` (the base of a view a stage returned) is an intermediate of the stage only:
-    made by an op (not a leaf, input or parameter) and not itself returned or passed in. Its
-    storage may then go with the view's (a copy an op saved for backward keeps its own)."""
+    made by an op (not a leaf, input or parameter), not itself returned or passed in, and no op of
+    the stage saved its storage for backward (``saved_storage``: a replayed dropout keeps its input
+    tensor itself). Its storage may then go with the view's."""
     return base.grad_fn is not None and base.layout == torch.strided and \
-        not any(base is t for t in (*outputs, *inputs))
+        base.untyped_storage().data_ptr() not in saved_storage and not any(base is t for t in (*outputs, *inputs))
 
 
 def _outputs_used_inside(module: Any) -> frozenset[int]:
@@ -1029,7 +1030,9 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     if device.type != "cpu":
         _move_modules(prog, device)
     params = prog.params
-    provider = StepInputProvider(prog.step, device, params[0].dtype if params else None, sample_seed=seed)
+    # the run's seed draws the mini-batches, as gc.train's (None: 0, as there)
+    provider = StepInputProvider(prog.step, device, params[0].dtype if params else None,
+                                 sample_seed=0 if seed is None else seed)
     _prepare_graphs(prog, provider, params[0].dtype if params else torch.get_default_dtype())
     labels, masks, counts = provider.step.labels, provider.step.masks, prog.counts
     n_train = max(counts["train"], 1)
