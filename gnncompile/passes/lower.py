@@ -33,7 +33,7 @@ import inspect
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.fx
@@ -135,9 +135,10 @@ class StagedModel:
         return self.stage_of.get(conv.value, -1)
 
 
-def requires_grad_values(tp: TPGraph) -> set[str]:
-    """Names of the values that depend on a trainable parameter (their gradients are needed)."""
-    req: set[str] = set()
+def requires_grad_values(tp: Union[TPGraph, torch.fx.GraphModule], needing: Iterable[str] = ()) -> set[str]:
+    """Names of the values that depend on a trainable parameter or on an input named in
+    ``needing`` (a checkpointed segment's inputs that need a gradient): their gradients are needed."""
+    req: set[str] = set(needing)
     for n in tp.graph.nodes:
         if n.op == "get_attr":
             obj = _get_attr(tp, n.target)
@@ -151,27 +152,6 @@ def requires_grad_values(tp: TPGraph) -> set[str]:
             if any(a.name in req for a in n.all_input_nodes):
                 req.add(n.name)
     return req
-
-
-def _segment_requires_grad(body: torch.fx.GraphModule, outer: dict[str, torch.fx.Node], req: set[str]) -> set[str]:
-    """Names of a checkpointed segment's nodes that need a gradient: its placeholders standing for
-    (``outer``) values in ``req``, its trainable parameters, and what depends on them."""
-    out: set[str] = set()
-    for m in body.graph.nodes:
-        if m.op == "placeholder":
-            if m.name in outer and outer[m.name].name in req:
-                out.add(m.name)
-        elif m.op == "get_attr":
-            obj = _get_attr(body, m.target)
-            if isinstance(obj, torch.Tensor) and obj.requires_grad:
-                out.add(m.name)
-        elif m.op == "call_module":
-            mod = body.get_submodule(m.target)
-            if any(p.requires_grad for p in mod.parameters()) or any(a.name in out for a in m.all_input_nodes):
-                out.add(m.name)
-        elif m.op in ("call_function", "call_method") and any(a.name in out for a in m.all_input_nodes):
-            out.add(m.name)
-    return out
 
 
 def _get_attr(root: torch.nn.Module, target: str) -> Any:
@@ -215,7 +195,7 @@ def op_costs(tp: TPGraph, nodes: list[torch.fx.Node], decisions: Optional[Decisi
             body_here = {m.name for m in body.graph.nodes if m.op not in ("placeholder", "get_attr", "output")}
             placeholders = [m.name for m in body.graph.nodes if m.op == "placeholder"]
             outer = {ph: a for ph, a in zip(placeholders, n.args) if isinstance(a, torch.fx.Node)}
-            body_req = _segment_requires_grad(body, outer, req)
+            body_req = requires_grad_values(body, [ph for ph, a in outer.items() if a.name in req])
             for k, m in enumerate(inner):
                 # its backward: its weights' gradient, and its input's where that needs one (a
                 # dropout of the features has none: autograd does not visit it)
