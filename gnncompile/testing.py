@@ -86,13 +86,13 @@ def reference_step(model: torch.nn.Module, graph: Graph, lr: float = 0.01, weigh
 
 def sampled_reference_step(model: torch.nn.Module, graph: Graph, batch_size: int, fanouts: Any, *, ranks: int = 1,
                            micro: bool = False, lr: float = 0.01, weight_decay: float = 5e-4,
-                           seed: int = 0, run_seed: int = 0) -> tuple[ReferenceStep, torch.Tensor]:
-    """One single-device step on the first mini-batch of a sampled plan with sampling seed ``seed``
-    (on the CPU): the whole batch's blocks, or with ``micro`` the ``ranks`` micro-batches of
+                           seed: int = 0) -> tuple[ReferenceStep, torch.Tensor]:
+    """One single-device step on the first mini-batch of a sampled plan run with ``seed`` (which
+    seeds torch and draws the mini-batches, as in a run), on the CPU: the whole batch's blocks, or with ``micro`` the ``ranks`` micro-batches of
     mini-batch data parallelism (the loss: their cross-entropy sums over the batch's seeds).
-    Returns the step (logits at the seeds) and the seeds' global ids. ``run_seed``: torch's seed
-    (a plan run's ``seed``); dropout draws its masks as plans do (as :func:`gnncompile.train`)."""
-    torch.manual_seed(run_seed)
+    Returns the step (logits at the seeds) and the seeds' global ids; dropout draws its masks as
+    plans do (as :func:`gnncompile.train`)."""
+    torch.manual_seed(seed)
     model.train()
     bound = BlockModel.trace(model, graph)
     targets = torch.nonzero(graph.train_mask).flatten()
@@ -150,7 +150,7 @@ def check_plan(model: torch.nn.Module, graph: Graph, gpus: int, *, rtol: float =
                                 f"{plan_options['batch_size']} (its history is the mean over the epoch's steps)")
         ref, seeds = sampled_reference_step(ref_model, graph, plan_options["batch_size"], plan_options["fanouts"],
                                             ranks=gpus, micro=plan_options.get("strategy") == "data", lr=lr,
-                                            weight_decay=weight_decay, seed=seed, run_seed=seed)
+                                            weight_decay=weight_decay, seed=seed)
     else:
         ref = reference_step(ref_model.to(device), graph.to(device), lr, weight_decay, seed)
     ref = ReferenceStep(ref.loss, ref.logits.cpu(), {n: None if g is None else g.cpu() for n, g in ref.grads.items()},

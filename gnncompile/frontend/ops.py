@@ -831,6 +831,15 @@ def dropout_noise(x: torch.Tensor, p: float) -> torch.Tensor:
     return dropout_mask(draw_mask_seed(), float(p), rows, rest, dtype=x.dtype, device=x.device).reshape(shape)
 
 
+def torch_dropout_arguments(args: tuple, kwargs: dict) -> Optional[dict[str, Any]]:
+    """``torch.dropout(input, p, train)``'s arguments (what ``F.dropout`` calls) under ``F.dropout``'s
+    names (``input``, ``p``, ``training``), or ``None`` for a call that does not give all three."""
+    bound = dict(zip(("input", "p", "train"), args), **kwargs)
+    if set(bound) != {"input", "p", "train"}:
+        return None
+    return {"input": bound["input"], "p": bound["p"], "training": bound["train"]}
+
+
 class plan_dropout_draws(torch.overrides.TorchFunctionMode):
     """Context in which ``F.dropout`` (and so ``nn.Dropout``) draws its mask with :func:`dropout_noise`.
 
@@ -877,9 +886,10 @@ class plan_dropout_draws(torch.overrides.TorchFunctionMode):
         bound = None
         if func is torch.nn.functional.dropout:
             bound = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
-        elif func is torch.dropout or func is torch.dropout_:  # (what F.dropout calls; the tracer maps it to F.dropout)
-            bound = dict(zip(("input", "p", "training"), args), **kwargs)
-            bound["training"], bound["inplace"] = bound.pop("train", bound.get("training")), func is torch.dropout_
+        elif func is torch.dropout or func is torch.dropout_:  # (the tracer maps it to F.dropout)
+            bound = torch_dropout_arguments(args, kwargs)
+            if bound is not None:
+                bound["inplace"] = func is torch.dropout_
         if bound is not None:
             x, p = bound["input"], bound.get("p", 0.5)
             if (bound.get("training", True) and 0.0 < p < 1.0 and isinstance(x, torch.Tensor)
@@ -1145,8 +1155,8 @@ def dropout_rows(x: torch.Tensor, p: float, index: torch.Tensor, num_rows: int, 
     masks as single-device training, in work and memory proportional to its rows. For a sparse CSR
     ``x`` the mask is over the stored values of the full matrix (``num_rows`` of them) and ``index``
     selects this matrix's values, as :func:`gnncompile.nn.functional.feature_dropout` draws it.
-    ``p == 0`` (the input) and ``p == 1`` (zeros) draw nothing, like ``F.dropout``. Used by the ``data`` strategy and every strategy
-    with ``dropout="replicated"``. ``replay``: an op that saves the (dense) output for backward keeps
+    ``p == 0`` (the input) and ``p == 1`` (zeros) draw nothing, like ``F.dropout``. Used by the
+    ``data`` strategy and every strategy with ``dropout="replicated"``. ``replay``: an op that saves the (dense) output for backward keeps
     ``x`` and the mask instead, computing the output again when backward reads it, under
     :func:`replay_dropout_outputs` (set by :func:`gnncompile.passes.replicate_dropout_masks` where
     that holds less).

@@ -83,7 +83,7 @@ from ..graph.core import Graph, GraphStats
 from ..ir.symbolic import Lin, solve_lin
 from ..ir.tpgraph import TPGraph, TPInfo, ends_layer
 from ..kernels import torch_threads
-from .ops import PRIMITIVES, is_primitive
+from .ops import PRIMITIVES, is_primitive, torch_dropout_arguments
 
 __all__ = ["trace", "GNNTracer", "SAMPLE_SIZES", "ModeDifference", "mode_difference", "bound_arguments"]
 
@@ -374,12 +374,11 @@ def _canonical_dropouts(graph: torch.fx.Graph) -> None:
     """Rewrite ``torch.dropout(x, p, train)`` (what ``F.dropout`` calls) into ``F.dropout(x, p=p,
     training=train)``: the same function, in the form whose masks plans replicate."""
     for n in graph.nodes:
-        if n.op == "call_function" and n.target is torch.dropout:
-            bound = dict(zip(("input", "p", "train"), n.args), **n.kwargs)
-            if set(bound) != {"input", "p", "train"}:
-                continue  # (not a call torch accepts: it fails as written)
+        bound = torch_dropout_arguments(n.args, n.kwargs) if n.op == "call_function" and n.target is torch.dropout \
+            else None
+        if bound is not None:  # (a call torch does not accept fails as written)
             n.target = F.dropout
-            n.args, n.kwargs = (bound["input"],), {"p": bound["p"], "training": bound["train"]}
+            n.args, n.kwargs = (bound.pop("input"),), bound
 
 
 def _is_view(node: torch.fx.Node) -> bool:

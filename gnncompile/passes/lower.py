@@ -279,7 +279,7 @@ def _trained_edge_values(n: torch.fx.Node, req: set[str]) -> Lin:
     return _value_bytes(arg.meta.get("tp") if isinstance(arg, torch.fx.Node) and arg.name in req else None)
 
 
-def _dropout_p(n: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> Optional[float]:
+def dropout_p(n: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> Optional[float]:
     """The drop probability of a dropout node (``None`` for any other op, or when not a constant):
     a dropout with ``p == 0`` or ``p == 1`` draws no random numbers (``F.dropout``, ``dropout_rows``)."""
     if n.op == "call_module":
@@ -299,7 +299,7 @@ def _op_cost(n: torch.fx.Node, t: TPInfo, modules: dict[str, torch.nn.Module], *
     width = math.prod(t.dims) if t.dims else 1
     rows = t.rows if t.rows is not None else Lin()
     random = Lin()
-    if draws_random_numbers(n, modules) and _dropout_p(n, modules) not in (0.0, 1.0):
+    if draws_random_numbers(n, modules) and dropout_p(n, modules) not in (0.0, 1.0):
         # a dropout computes the mask of the rows it reads (a replicated one: only those rows of the
         # whole tensor's mask); a sparse input's replicated mask is one draw per stored value, counted
         # whole (``num_rows`` of them: a rank's share of them is not among its sizes), not per element

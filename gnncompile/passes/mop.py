@@ -45,7 +45,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import PlanningError
 from ..graph.core import Graph, GraphStats
@@ -54,12 +53,12 @@ from ..graph.shard import dropout_positions, slice_rows
 from ..ir.plan import RankSizes, Schedule, converted_name
 from ..ir.symbolic import Lin
 from ..ir.tpgraph import TPGraph, TPInfo
-from ..nn.functional import feature_dropout
 from .chunked import Chunking, Group, Placement, chunk_bounds, chunk_graph, chunk_reads, propagation_scales, \
     stage_groups, stage_reads, with_reads
 from .driver import Job, Lowered, RankLowering
 from .infra import graph_pass
-from .lower import StagedModel, propagation_norms, requires_grad_values, source_input, split_stages, value_dims
+from .lower import StagedModel, dropout_p, propagation_norms, requires_grad_values, source_input, split_stages, \
+    value_dims
 from .schedule import compute_deps, count_messages, insert_messages, list_schedule
 from .strategy import Strategy, StrategyOptions, option
 from .tensor import tensor_decisions
@@ -216,17 +215,12 @@ def _chunking(graph: Union[Graph, GraphStats], options: MopOptions) -> tuple[Chu
     return Chunking(bounds, chunk_reads(ordered, bounds), order), ordered, info
 
 
-def _is_dropout(n: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> bool:
-    return (n.op == "call_function" and n.target in (F.dropout, feature_dropout)) or \
-        (n.op == "call_module" and isinstance(modules.get(n.target), torch.nn.modules.dropout._DropoutNd))
-
-
 def _check(job: Job, options: MopOptions) -> None:
     """The refusals that do not depend on the lowering, before any pass runs (an edge-wise op
     first: no other option would make the model plannable)."""
     modules = dict(job.tp.named_modules())
     edge = [n.name for n in job.tp.graph.nodes if n.meta.get("tp") is not None and n.meta["tp"].kind == "E"
-            and not _is_dropout(n, modules)]  # (a dropout of edge values: named by what made them)
+            and dropout_p(n, modules) is None]  # (a dropout of edge values: named by what made them)
     if edge:
         named = ", ".join(map(repr, edge[:4])) + (f" and {len(edge) - 4} more" if len(edge) > 4 else "")
         raise PlanningError(f"strategy 'mop' does not support edge-wise op{'s' if len(edge) > 1 else ''} {named}: "

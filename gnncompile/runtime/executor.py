@@ -1030,9 +1030,7 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
     if device.type != "cpu":
         _move_modules(prog, device)
     params = prog.params
-    # the run's seed draws the mini-batches, as gc.train's (None: 0, as there)
-    provider = StepInputProvider(prog.step, device, params[0].dtype if params else None,
-                                 sample_seed=0 if seed is None else seed)
+    provider = StepInputProvider(prog.step, device, params[0].dtype if params else None, sample_seed=seed)
     _prepare_graphs(prog, provider, params[0].dtype if params else torch.get_default_dtype())
     labels, masks, counts = provider.step.labels, provider.step.masks, prog.counts
     n_train = max(counts["train"], 1)

@@ -51,15 +51,15 @@ class StepView:
 class StepInputProvider:
     """One rank's step inputs on ``device`` (in place of the lowering's, which stay on the host).
     ``sample_seed``: the seed a sampled plan's mini-batches are drawn with (the run's, as
-    :func:`gnncompile.train`'s; ``None``: the plan's)."""
+    :func:`gnncompile.train`'s; ``None``: 0, as there)."""
 
     def __init__(self, step: StepInputs, device: torch.device, dtype: Optional[torch.dtype] = None,
                  sample_seed: Optional[int] = None) -> None:
         self.device = device
         self.dtype = dtype
         self.step = step.to(device) if device.type != "cpu" else step
-        self._sampled = step.sampled if step.sampled is None or sample_seed is None \
-            else dataclasses.replace(step.sampled, seed=int(sample_seed))
+        self._sampled = None if step.sampled is None else \
+            dataclasses.replace(step.sampled, seed=0 if sample_seed is None else int(sample_seed))
         self._cast([self.step.inputs, *self.step.chunk_inputs.values()])
 
     def _cast(self, stores: Any) -> None:
