@@ -127,8 +127,9 @@ def chunk_graph(graph: Graph, chunking: Chunking, j: int, scales: dict[tuple[str
 
 
 def chunk_edge_ids(graph: Graph, chunking: Chunking, j: int) -> torch.Tensor:
-    """Ids of the in-edges of chunk ``j``'s destinations whose sources lie in ``reads[j]``."""
-    return chunk_edges(graph, chunking.bounds, j, chunking.reads[j])
+    """Ids in ``graph`` (its own vertex ids, which ``chunking.order`` orders) of the in-edges of chunk
+    ``j``'s destinations whose sources lie in ``reads[j]``, in the edge order of chunk ``j``'s graph."""
+    return chunk_edges(graph, chunking.bounds, j, chunking.reads[j], chunking.order)
 
 
 # --------------------------------------------------------------------------- placement
@@ -484,10 +485,6 @@ class ChunkInputs:
         if name == "x":
             return slice_rows(graph.x, ids) if graph.x is not None else None
         space = self.job.dropout_inputs[name]
-        if chunking.order is not None and space not in ("V", "nnz"):
-            raise PlanningError(f"dropout over {space}-space values with a reordered chunking (edge ids are "
-                                "renumbered); pass dropout='local' (each rank draws its own masks), or use a "
-                                "vertex-space dropout or an unreordered chunking")
         edge_ids = chunk_edge_ids(graph, chunking, k) if space in ("E", "E+V") else None
         return dropout_positions(space, graph, ids, edge_ids)
 

@@ -345,7 +345,7 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
             read = {m for k in mine for m in exact_chunking.reads[k]}
             edges = 0
             if propagates:
-                edges = sum(int(chunk_edge_ids(ordered, exact_chunking, k).numel()) for k in mine) \
+                edges = sum(int(chunk_edge_ids(graph, exact_chunking, k).numel()) for k in mine) \
                     if job.concrete else stats.num_edges // G
             sizes = RankSizes(nodes=rows, edges=edges, src=sum(exact_chunking.size(m) for m in read),
                               all_nodes=stats.num_nodes, chunks=K, feature_rows=rows if reads_x else 0,
@@ -375,7 +375,4 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
 
 
 STRATEGY = Strategy("layer", LayerOptions, lower_layer, summary="GNNPipe: runs of consecutive layers on separate "
-                    "ranks, chunk-pipelined", check=_check, row_mixing=("chunk", "chunk"), needs_device=True,
-                    # renumbered chunks renumber the edges: replicated masks over vertices or stored values only
-                    dropout_spaces=lambda options: ("V", "nnz")
-                    if options.chunking == "metis" or options.stages is not None else None)
+                    "ranks, chunk-pipelined", check=_check, row_mixing=("chunk", "chunk"), needs_device=True)
