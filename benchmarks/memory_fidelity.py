@@ -19,8 +19,8 @@ Usage::
     python benchmarks/memory_fidelity.py --graphs cora --models GCN --strategies data --setups "layer history"
 
 Beside the grid, :data:`SETUPS` runs other setups on cora (sampled mini-batches, a layer hybrid,
-historical embeddings, cached and regrouped task dependencies, SGC with a task group per rank) and
-reports the rank farthest from its prediction.
+historical embeddings, cached and regrouped task dependencies, SGC with a task group per rank,
+chunked tensor) and reports the rank farthest from its prediction.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ STRATEGIES: dict[str, dict[str, Any]] = {
 }
 #: setups outside the grid above, each with its own model and rank count, on cora: what a step makes
 #: itself (a sampled step's inputs, a regrouped epoch's, the first step's history tables), a layer
-#: hybrid's chunks, an identity dropout (SGC's, p = 0) and the logits' concatenation.
+#: hybrid's chunks, an identity dropout (SGC's, p = 0), the logits' concatenation and chunked
+#: ``tensor``'s posted all-to-alls.
 #: label (no commas: ``--setups`` lists them) -> (model, ranks, gc.plan keyword arguments; fanouts 5 and 5)
 SETUPS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "split b256 f5x5": ("SAGE", 2, {"strategy": "split", "batch_size": 256, "fanouts": [5, 5]}),
@@ -65,6 +66,9 @@ SETUPS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "task regrouped 2 chunks": ("GCN", 2, {"strategy": "task", "chunks": 2, "semantics": "relaxed",
                                             "dependencies": "regrouped"}),
     "task group per task": ("SGC", 4, {"strategy": "task"}),
+    # posted gradient all-to-alls in flight while the next chunk's backward runs
+    "tensor chunks=2": ("GCN", 4, {"strategy": "tensor", "chunks": 2}),
+    "tensor chunks=4": ("GCN", 4, {"strategy": "tensor", "chunks": 4}),
 }
 MIB = 2 ** 20
 

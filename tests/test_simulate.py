@@ -170,6 +170,20 @@ def test_zero_duration_alloc_counts_in_peak() -> None:
     assert r.peak_memory == 64 and r.memory_curve[-1] == (1, 0)
 
 
+def test_a_release_drops_right_after_the_allocation() -> None:
+    """``Cost.release``: bytes freed as soon as the instruction has allocated (a posted exchange's
+    copies), before anything that starts later; ``free`` waits for the instruction's end."""
+    stages = (StageSpec(index=0, inputs=("x",), outputs=("h",), ops=("h",)),
+              StageSpec(index=1, inputs=("h",), outputs=("o",), ops=("o",)))
+    plan = make_plan([[F(0), F(1)]], [stages])
+    costs = {"F0c0": Cost(2, alloc=50, release=30, free=20), "F1c0": Cost(1, alloc=10)}
+    r = simulate(plan, lambda r, i: costs[str(i)], base_memory=[100]).ranks[0]
+    assert r.memory_curve == [(0, 100), (0, 150), (0, 120), (2, 100), (2, 110)]
+    assert r.peak_memory == 150
+    with pytest.raises(ValueError, match="release"):
+        Cost(1, release=-1)
+
+
 def test_deadlock_receives_first() -> None:
     plan = make_plan([[Recv("h", 0, 1), Send("a", 0, 1)], [Recv("a", 0, 0), Send("h", 0, 0)]])
     with pytest.raises(VerificationError) as e:

@@ -72,7 +72,10 @@ indices on a CPU. A replicated dropout computes only the bool mask of the rows i
 (:class:`_RankMasks`); an op of its stage that saves its output (a linear layer) holds its input
 instead, computing the output again in backward (``OpCost.replayed``: a temporary of that backward,
 and one more pass over it). A send of a slice of columns copies
-it, held until the send is known complete (the value's ``Free``, else the optimizer step). Adam's
+it, held until the send is known complete (the value's ``Free``, else the optimizer step). A
+posted all-to-all allocates its result and a send buffer as it posts and drops what it copied
+(per-peer column slices) and the gradient it sends right then (``Cost.release``), not when its
+transfer ends: the next chunk's compute runs meanwhile (:func:`_all_to_all_cost`). Adam's
 update holds three temporaries of the largest parameter tensor. After the last instruction the
 step concatenates the logits of its chunks, and a sampled epoch of several steps samples the next
 step's inputs while this step's are held. A chunk's sizes are the rank's over the chunks it runs
@@ -674,8 +677,10 @@ class PlanCost:
             walk.release_at(last, nbytes)
         for i, nbytes in walk.frees.items():
             inst = dp.instructions[i]
-            c = costs[inst]
-            costs[inst] = Cost(seconds=c.seconds, stream=c.stream, alloc=c.alloc, free=c.free + int(nbytes))
+            costs[inst] = dataclasses.replace(costs[inst], free=costs[inst].free + int(nbytes))
+        for i, nbytes in walk.early.items():
+            inst = dp.instructions[i]
+            costs[inst] = dataclasses.replace(costs[inst], release=costs[inst].release + int(nbytes))
         if dp.instructions:
             # after the last instruction (the optimizer step, which released the gradients) the step
             # concatenates the logits of its chunks (:meth:`_Rank.step`) while every value it held is
@@ -688,8 +693,7 @@ class PlanCost:
             nxt = self.static[walk.index].loaded - c.free if steps > 1 else 0.0
             extra = max(0.0, logits, nxt)
             if extra:
-                costs[last] = Cost(seconds=c.seconds, stream=c.stream, alloc=c.alloc + int(extra),
-                                   free=c.free + int(extra))
+                costs[last] = dataclasses.replace(c, alloc=c.alloc + int(extra), free=c.free + int(extra))
         return costs
 
 
@@ -801,6 +805,7 @@ class _RankWalk:
         self.saved_cache: dict[tuple[int, bool], list[float]] = {}
         self.backward_temps: dict[int, list[float]] = {}
         self.frees: dict[int, float] = {}  # instruction index -> bytes released at its end
+        self.early: dict[int, float] = {}  # instruction index -> bytes released right after it starts
         #: bytes of the parameters' gradients each stage's first backward makes, and those not made yet
         self.index = dp.rank if dp.rank < len(plan.ranks) and plan.ranks[dp.rank] is dp else plan.ranks.index(dp)
         self.device = cost.devices[self.index]  # the rank's device (DeviceSpec)
@@ -825,6 +830,10 @@ class _RankWalk:
 
     def release_at(self, i: int, nbytes: float) -> None:
         self.frees[i] = self.frees.get(i, 0.0) + nbytes
+
+    def release_on_start(self, i: int, nbytes: float) -> None:
+        """Release ``nbytes`` right after instruction ``i`` starts and allocates (:attr:`Cost.release`)."""
+        self.early[i] = self.early.get(i, 0.0) + nbytes
 
     def switch(self, i: int) -> float:
         """What instruction ``i`` pays for following a wait for peers (0 if it does not)."""
@@ -1289,13 +1298,23 @@ def _halo_aliases(inst: Any) -> bool:
 
 
 def _all_to_all_cost(w: _RankWalk, i: int, inst: AllToAll) -> StepCost:
-    """An all-to-all: a conversion (:func:`_conversion_cost`) whose sent tensor (the value, or the
-    output's gradient) is copied per peer and then into one contiguous buffer, which the posted
-    exchange keeps until it is waited for, by the next ``Forward`` or ``Backward``."""
-    seconds, stream, alloc, transient = _conversion_cost(w, i, inst)
+    """An all-to-all, which the runtime posts: as it posts, it allocates its result and copies what it
+    sends (the value, or the output's gradient) into one contiguous buffer, through a copy per peer
+    where the peers' blocks are column slices (a ``rows -> cols`` transfer); then it drops those
+    copies and the gradient it sent. The buffer stays until the exchange is waited for, by the next
+    ``Forward`` or ``Backward``. Everything else as :func:`_conversion_cost`."""
+    seconds = w.cost.comm_time(w.dp.rank, inst)
     sent = w.value_bytes.get(inst.output if inst.grad else inst.value, 0.0)
+    if inst.grad:  # consumes the gradient of the output, makes the value's
+        w.release_on_start(i, w.grad_made.pop((inst.output, inst.chunk), 0.0))
+        w.grad_made[inst.value, inst.chunk] = result = w.value_bytes.get(inst.value, 0.0)
+    else:
+        result = w.value_bytes.get(inst.output, 0.0)
+        w.release_at(w.gone((inst.output, inst.chunk), i), result)
+    copies = sent if (inst.src_layout == "rows") != inst.grad else 0.0  # the gradient goes back
+    w.release_on_start(i, copies)
     w.release_at(max(i, w.next_compute[i + 1] - 1), sent)
-    return seconds, stream, alloc + sent, transient + sent
+    return seconds, "comm", result + sent + copies, 0.0
 
 
 def _p2p_transfer(pc: PlanCost, rank: int, inst: Union[Send, Recv]) -> float:

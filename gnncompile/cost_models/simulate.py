@@ -21,8 +21,8 @@ yet, e.g. receives posted ahead; the rank may be computing meanwhile).
 On top of the replay, this module accounts:
 
 - Memory: rank r starts at ``base_memory[r]``; ``alloc`` is added when an instruction starts,
-  ``free`` subtracted when it ends (at equal times, frees of instructions that started earlier come
-  first).
+  ``release`` subtracted right after, ``free`` when it ends (at equal times, frees of instructions
+  that started earlier come first).
 - Busy, wait and idle time per rank, the makespan (``step_time``) and the bubble fraction.
 - If no rank can advance while some have instructions left, the engine's
   :class:`~gnncompile.errors.VerificationError` lists every blocked rank, its step, its instruction
@@ -53,22 +53,25 @@ class Cost:
     """What one instruction costs on one rank.
 
     ``seconds``: its duration on its stream (for communication: the transfer time); ``stream``:
-    ``"compute"`` or ``"comm"``; ``alloc``: bytes allocated when it starts; ``free``: bytes released
-    when it ends.
+    ``"compute"`` or ``"comm"``; ``alloc``: bytes allocated when it starts; ``release``: bytes released
+    right after that allocation (a posted instruction drops what it copied into its send buffer as it
+    posts, long before its transfer ends); ``free``: bytes released when it ends.
     """
 
     seconds: float
     stream: str = "compute"
     alloc: int = 0
     free: int = 0
+    release: int = 0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.seconds, (int, float)) and math.isfinite(self.seconds) and self.seconds >= 0):
             raise ValueError(f"Cost.seconds must be a finite number >= 0, got {self.seconds!r}")
         if self.stream not in STREAMS:
             raise ValueError(f"Cost.stream must be one of {STREAMS}, got {self.stream!r}")
-        if self.alloc < 0 or self.free < 0:
-            raise ValueError(f"Cost.alloc and Cost.free must be >= 0, got {self.alloc!r} and {self.free!r}")
+        if self.alloc < 0 or self.free < 0 or self.release < 0:
+            raise ValueError(f"Cost.alloc, Cost.free and Cost.release must be >= 0, got {self.alloc!r}, "
+                             f"{self.free!r} and {self.release!r}")
 
 
 #: ``cost(rank, instruction) -> Cost``.
@@ -266,9 +269,11 @@ def simulate(plan: Plan, cost: CostFn, *, overlap: bool = False,
         for e in events:
             c = costs[r][e.index]
             # at equal times: earlier instructions' frees, then starts in program order (an instant
-            # instruction frees right after it allocates)
+            # instruction frees right after it allocates, as ``release`` always does)
             if c.alloc:
                 changes.append((e.start, 1, e.index, 0, c.alloc))
+            if c.release:
+                changes.append((e.start, 1, e.index, 1, -c.release))
             if c.free:
                 changes.append((e.end, 0, e.index, 0, -c.free) if e.end > e.start else (e.end, 1, e.index, 1, -c.free))
         changes.sort()

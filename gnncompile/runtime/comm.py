@@ -438,7 +438,7 @@ class Communicator:
         mine = col_splits[self.rank]
         return self._all_to_all_blocks(blocks, [(int(row_counts[q]),) + mid + (int(mine),)
                                                 for q in range(self.world_size)],
-                                       lambda got: torch.cat(got) if got else h[:0, ..., :mine])
+                                       torch.cat)  # not a closure over h: the rank drops it as the exchange posts
 
     def cols_to_rows(self, h: torch.Tensor, row_counts: Sequence[int], col_splits: Sequence[int]) -> torch.Tensor:
         """``cols`` -> ``rows`` layout, the inverse of :meth:`rows_to_cols`: ``[N, ..., d_r] -> [n_r, ..., D]``."""
@@ -456,7 +456,7 @@ class Communicator:
         mine = row_counts[self.rank]
         return self._all_to_all_blocks(blocks, [(int(mine),) + mid + (int(col_splits[q]),)
                                                 for q in range(self.world_size)],
-                                       lambda got: torch.cat(got, dim=-1) if got else h[:mine, ..., :0])
+                                       lambda got: torch.cat(got, dim=-1))  # not over h, as above
 
     def _ring_count(self, total_bytes: int, members: list[int]) -> None:
         """Count a ring all-gather / reduce-scatter of ``total_bytes`` (the gathered tensor)."""
