@@ -288,3 +288,19 @@ def test_sampled_plans_pay_for_loading_their_input_rows() -> None:
         assert loads[s] == pytest.approx(dp.sizes.feature_rows * 128 * 4 / dev.host_bandwidth)
     assert loads["data"] > loads["split"] > 0
     assert load_seconds(gc.plan(copy.deepcopy(model), stats, gpus=cluster, strategy="data"), dp, dev) == 0.0
+
+
+def test_fanouts_as_a_string_as_gc_train_takes_them() -> None:
+    """``gc.plan(fanouts="3,2")`` is ``fanouts=(3, 2)``, as ``gc.train`` and the CLI take them; an
+    empty entry or a fraction is refused, in ``gc.plan`` and in ``gc.train`` alike (``"3,,2"`` was
+    silently ``3,2`` in ``gc.train``; ``gc.plan`` refused strings)."""
+    g = gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=5, num_features=6, num_classes=3, seed=0)
+    sage = gc.nn.GraphSAGE(6, 8, 3)
+    plan = gc.plan(sage, g, 2, strategy="split", batch_size=32, fanouts="3, 2")
+    assert plan.options["fanouts"] == (3, 2)
+    for bad, why in (("3,,2", "fanouts '3,,2': an empty entry"), ("3.5,2", r"fanouts\[0\]: expected an int, got '3.5'"),
+                     ("0,2", r"fanouts\[0\] = 0: each fanout is"), ([2, 2.5], r"fanouts\[1\]: expected an int, got 2.5")):
+        with pytest.raises(PlanningError, match=why):
+            gc.plan(sage, g, 2, strategy="split", batch_size=32, fanouts=bad)
+    with pytest.raises(gc.ArgumentError, match="an empty entry"):
+        gc.train(sage, g, epochs=1, batch_size=32, fanouts="3,,2")

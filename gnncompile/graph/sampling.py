@@ -22,11 +22,11 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from ..errors import GraphError
+from ..errors import ArgumentError, GraphError
 from .core import Graph, NormScales
 from .shard import LocalGraph, segment_ranges
 
-__all__ = ["SampledBatch", "sample_blocks", "sample_in_edges"]
+__all__ = ["SampledBatch", "parse_fanouts", "sample_blocks", "sample_in_edges"]
 
 
 @dataclass
@@ -186,21 +186,42 @@ def _block_scales(block: LocalGraph, norms: Sequence[tuple[str, bool]]) -> dict[
             if nm in ("gcn", "mean")}
 
 
-def _check_fanouts(fanouts: Sequence[int]) -> list[int]:
+def parse_fanouts(value: Any, what: str = "fanouts") -> tuple[int, ...]:
+    """``value`` as fanouts: sampled in-edges per destination, one per GNN layer, input layer first,
+    each >= 1 or -1 (all in-edges). Takes a sequence of ints (whole numbers: 3.0, not 3.9) or a
+    comma-separated string (``"15,10,5"``). Raises :class:`ArgumentError` naming ``what``."""
+    if isinstance(value, str):
+        entries = value.replace(" ", "").split(",")
+        if "" in entries and value.strip():
+            raise ArgumentError(f"{what} {value!r}: an empty entry; give numbers separated by commas, e.g. '15,10,5'")
+        value = [e for e in entries if e]
     try:
-        values = list(fanouts)
+        values = list(value)
     except TypeError:
-        raise GraphError(f"fanouts: expected a sequence of ints (one per GNN layer), got {fanouts!r}") from None
+        raise ArgumentError(f"{what} must be a sequence of ints (one per GNN layer), got {value!r}") from None
     if not values:
-        raise GraphError("fanouts: empty; give one fanout per GNN layer, input layer first (-1 keeps all in-edges)")
+        raise ArgumentError(f"{what}: empty; give one fanout per GNN layer, input layer first (-1 keeps all in-edges)")
     out = []
     for i, f in enumerate(values):
-        if isinstance(f, (bool, np.bool_)) or not isinstance(f, (int, np.integer)):
-            raise GraphError(f"fanouts[{i}]: expected an int, got {f!r}")
-        if f == 0 or f < -1:
-            raise GraphError(f"fanouts[{i}] = {int(f)}: a fanout is a number of in-edges >= 1, or -1 for all of them")
-        out.append(int(f))
-    return out
+        try:
+            n = int(f)
+            whole = isinstance(f, str) or (not isinstance(f, (bool, np.bool_)) and float(f) == n)
+        except (TypeError, ValueError):
+            whole = False
+        if not whole:   # (3.9 is not silently 3)
+            raise ArgumentError(f"{what}[{i}]: expected an int, got {f!r}; {what} must be a sequence of ints (one "
+                                f"per GNN layer), got {value!r}")
+        if n == 0 or n < -1:
+            raise ArgumentError(f"{what}[{i}] = {n}: each fanout is a number of in-edges >= 1, or -1 for all of them")
+        out.append(n)
+    return tuple(out)
+
+
+def _check_fanouts(fanouts: Sequence[int]) -> list[int]:
+    try:
+        return list(parse_fanouts(fanouts))
+    except ArgumentError as e:
+        raise GraphError(str(e)) from None
 
 
 def _check_seeds(seeds: Any, num_nodes: int, device: torch.device) -> torch.Tensor:

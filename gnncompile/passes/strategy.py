@@ -22,8 +22,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, Optional, Sequence
 
-from ..errors import PlanningError
+from ..errors import ArgumentError, PlanningError
 from ..frontend.ops import BACKWARD_PRODUCTS
+from ..graph.sampling import parse_fanouts
 
 __all__ = ["option", "OptionSpec", "StrategyOptions", "Strategy", "SEMANTICS", "DROPOUT_MODES", "ANY"]
 
@@ -50,8 +51,8 @@ def option(default: Any, doc: str, *, kind: str, choices: Sequence[Any] = (), ne
     """Declare a strategy option (a dataclass field with its documentation and checks).
 
     ``kind``: ``int``, ``positive_int``, ``optional_positive_int``, ``bool``, ``choice`` (one of
-    ``choices``) or ``fanouts`` (``None`` or a sequence of sampled in-edges per GNN layer, each
-    ``>= 1`` or ``-1`` for all; kept as a tuple). ``neutral``: the value that means a strategy without this option is unaffected by
+    ``choices``) or ``fanouts`` (``None`` or sampled in-edges per GNN layer, each ``>= 1`` or ``-1`` for all:
+    a sequence or a string ``"15,10,5"``, kept as a tuple: :func:`~gnncompile.graph.sampling.parse_fanouts`). ``neutral``: the value that means a strategy without this option is unaffected by
     it (default: ``default``); :data:`ANY` when strategies without it ignore it. ``pinned``: with
     a named strategy (``gc.plan(strategy=...)``) the option takes its default when not given,
     instead of being searched. ``cli``: help text of the command-line flag (default: ``doc``).
@@ -88,10 +89,11 @@ class OptionSpec:
             return
         if self.kind == "bool":
             ok, want = isinstance(value, bool), "True or False"
-        elif self.kind == "fanouts":
-            ok = value is None or (isinstance(value, (tuple, list)) and len(value) > 0 and all(
-                isinstance(f, int) and not isinstance(f, bool) and (f >= 1 or f == -1) for f in value))
-            want = "a sequence of fanouts (one per GNN layer, input layer first; each >= 1, or -1 for all in-edges)"
+        elif self.kind == "fanouts":  # None, or what parse_fanouts takes; its message names the entry
+            try:
+                ok, want = value is None or bool(parse_fanouts(value, self.name)), ""
+            except ArgumentError as e:
+                raise PlanningError(f"{owner + ': ' if owner else ''}{e}") from None
         else:
             low = 0 if self.kind == "int" else 1
             ok = (value is None and self.kind == "optional_positive_int") or \
@@ -135,8 +137,8 @@ class StrategyOptions:
     def __post_init__(self) -> None:
         for spec in self.specs():
             spec.check(getattr(self, spec.name), self.strategy)
-            if spec.kind == "fanouts" and getattr(self, spec.name) is not None:
-                object.__setattr__(self, spec.name, tuple(getattr(self, spec.name)))
+            if spec.kind == "fanouts" and getattr(self, spec.name) is not None:  # "15,10,5" too
+                object.__setattr__(self, spec.name, parse_fanouts(getattr(self, spec.name), spec.name))
         self.check()
 
     def check(self) -> None:

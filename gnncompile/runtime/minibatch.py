@@ -20,7 +20,7 @@ from ..errors import ArgumentError, GraphError
 from ..frontend.blocks import BlockModel
 from ..graph.core import Graph
 from ..graph.minibatch import batch_generator
-from ..graph.sampling import sample_blocks
+from ..graph.sampling import parse_fanouts, sample_blocks
 from ..graph.shard import slice_rows
 
 __all__ = ["MiniBatch", "sampled_logits"]
@@ -44,8 +44,8 @@ class MiniBatch:
         if fanouts is None:
             raise ArgumentError("batch_size needs fanouts: one number of sampled in-edges per GNN layer, input layer "
                              "first (-1: all), e.g. fanouts=[15, 10, 5]")
-        return cls(int(batch_size), _fanouts(fanouts, "fanouts"),
-                   None if eval_fanouts is None else _fanouts(eval_fanouts, "eval_fanouts"))
+        return cls(int(batch_size), parse_fanouts(fanouts, "fanouts"),
+                   None if eval_fanouts is None else parse_fanouts(eval_fanouts, "eval_fanouts"))
 
     def check_layers(self, num_layers: int, model_name: str) -> None:
         """Refuse fanouts whose count is not the model's number of GNN layers."""
@@ -53,21 +53,6 @@ class MiniBatch:
             if f is not None and len(f) != num_layers:
                 raise ArgumentError(f"{what} has {len(f)} entries but {model_name} has {num_layers} GNN layers "
                                  "(propagations on the longest path); give one fanout per layer, input layer first")
-
-
-def _fanouts(v: Any, what: str) -> tuple[int, ...]:
-    if isinstance(v, str):
-        v = [s for s in v.replace(" ", "").split(",") if s]
-    try:
-        out = tuple(int(f) for f in v)
-        exact = all(isinstance(f, str) or float(f) == int(f) and not isinstance(f, bool) for f in v)
-    except (TypeError, ValueError):
-        exact, out = False, ()
-    if not exact:   # (3.9 is not silently 3)
-        raise ArgumentError(f"{what} must be a sequence of ints (one per GNN layer), got {v!r}")
-    if not out or any(f == 0 or f < -1 for f in out):
-        raise ArgumentError(f"{what} = {list(out)}: each fanout is a number of in-edges >= 1, or -1 for all of them")
-    return out
 
 
 @torch.no_grad()

@@ -363,7 +363,7 @@ def train(
         training vertices in a random order in batches of ``batch_size`` seeds, one Adam step per
         batch on the mean cross-entropy of its seeds; each batch runs on blocks sampled with
         ``fanouts`` (in-edges per destination, one per GNN layer, input layer first; ``-1``: all;
-        normalization from each block's sampled degrees, as PyG on a sampled subgraph). The model
+        a sequence or a string such as ``"15,10,5"``; normalization from each block's sampled degrees, as PyG on a sampled subgraph). The model
         runs unchanged: it is traced and bound to the blocks
         (:func:`~gnncompile.frontend.blocks.bind_blocks`). Evaluation runs the model on the whole
         graph, or, with ``eval_fanouts``, on blocks sampled with them. ``seed`` also seeds the
