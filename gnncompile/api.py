@@ -123,6 +123,9 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
     fixed = _fixed_options(options, named)
     if devices not in ("all", "any"):
         raise PlanningError(f"devices: expected 'all' or 'any', got {devices!r}")
+    for name, flag in (("overlap", overlap), ("verify", verify)):  # ("no" is truthy)
+        if not isinstance(flag, bool):
+            raise PlanningError(f"{name}: expected True or False, got {flag!r}")
     ranks = rank_counts(cluster) if devices == "any" else [cluster.num_devices]
     if max(ranks) > max(graph.num_nodes, 1) and devices == "all":
         raise PlanningError(f"gpus={cluster.num_devices} exceeds the graph's {graph.num_nodes} vertices")

@@ -60,6 +60,7 @@ from .cost_models.hardware import Cluster, _usable_cores, gpu_model_name, gpu_pr
 from .cost_models.model import checkpointed_segments, loss_time, stage_ops_time
 from .cost_models.specs import CPU_GAMMA, DEFAULT_INTRA, DEVICES, LINKS, DeviceSpec, LinkSpec
 from .errors import PlanningError
+from .paths import output_problem
 from .frontend.ops import propagate
 from .graph.core import Graph
 from .ir.plan import Backward, Forward, HaloExchange, OptimizerStep
@@ -69,7 +70,7 @@ from .runtime.comm import complete, polls_by_default
 from .runtime.executor import run_plan
 from .runtime.launcher import launch
 
-__all__ = ["calibrate", "runtime_overheads", "BACKENDS"]
+__all__ = ["calibrate", "runtime_overheads", "plausibility_warnings", "BACKENDS"]
 
 #: Backends whose collectives :func:`calibrate` can measure.
 BACKENDS = ("gloo", "nccl")
@@ -79,10 +80,16 @@ def _check_arguments(path: Any, quick: Any, backend: Any, world_size: Any) -> No
     """Raise :class:`PlanningError` for arguments :func:`calibrate` cannot use."""
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise PlanningError(f"calibrate: path must be a file path or None, got {type(path).__name__}")
+    problem = output_problem(path, parents_made=True) if path is not None else None
+    if problem is not None:  # (found before the measuring, not after it)
+        raise PlanningError(f"calibrate: path: {problem}")
     if not isinstance(quick, bool):
         raise PlanningError(f"calibrate: quick must be True or False, got {quick!r}")
     if backend is not None and backend not in BACKENDS:
         raise PlanningError(f"calibrate: unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise PlanningError("calibrate: backend='nccl' runs between GPUs and this machine has none "
+                            "(torch.cuda.is_available() is False); use backend='gloo' (or None)")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
         raise PlanningError(f"calibrate: world_size must be an integer >= 2 to measure a link, got {world_size!r}")
 
@@ -192,6 +199,7 @@ def calibrate(path: Union[str, os.PathLike, None] = None, *, quick: bool = False
         "collectives": comm,
         "runtime": {k: [runtime[k], runtime_all[k]] for k in runtime},
     }
+    calibration["warnings"] = plausibility_warnings(calibration)
     cluster = Cluster(1, 1, device, LinkSpec("shm", comm["bandwidth"], comm["latency"]),
                   name=f"cpu (calibrated {host})", cores=cores, calibration=calibration)
     if path is not None:
@@ -381,6 +389,49 @@ def _best_time(fn: Callable[[], Any], repeats: int, budget: float, sync: Callabl
         if time.perf_counter() - start > budget:
             break
     return best
+
+
+def _best_times(fns: Sequence[Callable[[], Any]], repeats: int, budget: float,
+                sync: Callable[[], None] = _no_sync) -> list[float]:
+    """:func:`_best_time` of each of ``fns``, their timed calls alternated (one of each per round;
+    ``budget`` for them all), so a ratio of two is not skewed by load that came and went."""
+    for fn in fns:
+        fn()
+    sync()
+    best, start = [math.inf] * len(fns), time.perf_counter()
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            best[i] = min(best[i], time.perf_counter() - t0)
+        if time.perf_counter() - start > budget:
+            break
+    return best
+
+
+def plausibility_warnings(calibration: dict[str, Any]) -> list[str]:
+    """What in a CPU ``calibration`` contradicts how hosts behave, most likely load from other
+    processes while it measured (the profile is kept; calibrating again on a quiet host fixes it):
+    an all-core rate below the single thread's, scattering (push) measured faster than pulling
+    through the transposed CSR, a fixed cost at all cores over 10x the single thread's."""
+    out = []
+    rates = calibration.get("rates", {})
+    threads = calibration.get("threads", [1, 1])
+    if threads[-1] > 1:
+        pairs = {f"{dtype} GEMM": v for dtype, v in rates.get("flops", {}).items()}
+        pairs.update({"memory bandwidth": rates.get("mem_bandwidth"), "SpMM bandwidth": rates.get("spmm_bandwidth")})
+        for what, v in pairs.items():
+            if v and v[1] < v[0]:
+                out.append(f"{what} at {threads[-1]} threads ({v[1]:.3g}/s) measured below 1 thread's ({v[0]:.3g}/s)")
+        for what, v in calibration.get("runtime", {}).items():
+            if v[0] > 0 and v[1] > 10 * v[0]:
+                out.append(f"runtime cost {what!r} at {threads[-1]} threads ({v[1] * 1e6:.3g} us) over 10x 1 thread's "
+                           f"({v[0] * 1e6:.3g} us)")
+    factor = calibration.get("push", {}).get("factor")
+    if factor is not None and factor < 1:
+        out.append(f"push_factor {factor:.2f} < 1: scattering measured faster than pulling through the transposed CSR")
+    return out
 
 
 def _total_memory() -> int:
@@ -650,8 +701,9 @@ def _push_seconds(case: dict[str, Any], repeats: int, budget: float, sync: Calla
     indptr_t, indices_t = g.transpose_structure()
     csr_t = CSR(indptr_t, indices_t, g.num_src, g.num_nodes)
     x = case["x"]
-    pulled = _best_time(lambda: spmm(csr_t, None, x), repeats, budget, sync)
-    pushed = _best_time(lambda: spmm(csr, None, x, transpose=True), repeats, budget, sync)
+    # alternated, so that a burst of load on a shared host slows both alike, not one of them
+    pulled, pushed = _best_times([lambda: spmm(csr_t, None, x), lambda: spmm(csr, None, x, transpose=True)],
+                                 repeats, budget, sync)
     return {"op": "A^T x, width 64: over the transposed CSR / scattered from A's CSR",
             "backend": default_backend(x.device), "threads": torch.get_num_threads(),
             "seconds": {"transposed": pulled, "push": pushed}, "factor": pushed / pulled}

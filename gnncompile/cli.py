@@ -515,7 +515,10 @@ def _cpu_calibration_summary(cal: dict[str, Any]) -> list[str]:
             f"  per op {cal['op_overhead']['seconds'] * 1e6:.3g} us; collectives ({comm['backend']}, "
             f"{comm['world_size']} ranks): latency {comm['latency'] * 1e6:.3g} us, bandwidth "
             f"{comm['bandwidth'] / 1e9:.3g} GB/s",
-            "  (every measurement: the profile file, or --json PATH)"]
+            "  (every measurement: the profile file, or --json PATH)",
+            *(f"warning: {w}" for w in cal.get("warnings", [])),
+            *(["  (the host was likely busy while measuring: calibrate again when it is quiet)"]
+              if cal.get("warnings") else [])]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -595,7 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "collectives' latency and bandwidth; save the CPU profile the cost models use. "
                                    "With --device cuda: the GPU's rates, launch and runtime costs and NCCL between "
                                    "GPUs; save the profile of that GPU model.")
-    c.add_argument("--quick", action="store_true", help="smaller, faster measurements (~10 s)")
+    c.add_argument("--quick", action="store_true", help="smaller problems, fewer repeats: about 10-20 s on 2 cores, noisier")
     c.add_argument("--device", type=device_name, default="cpu", metavar="DEVICE",
                    help="what to measure: cpu (default), cuda (GPU 0) or cuda:N")
     c.add_argument("--out", default=None, metavar="PATH",

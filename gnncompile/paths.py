@@ -19,6 +19,8 @@ def output_problem(path: Union[str, os.PathLike], *, parents_made: bool = False)
     writable), or ``None``. ``parents_made``: the writer creates missing directories itself (only
     a directory at ``path`` is a problem). Cheap: nothing is created. (Where the write fails anyway,
     ``/proc/version`` as root, the writer's ``OSError`` says why.)"""
+    if not os.fspath(path):
+        return "an empty path (give a file name)"
     p = Path(path).expanduser() if parents_made else Path(path)
     if p.is_dir():
         return f"{path} is a directory (give a file name)"

@@ -45,3 +45,12 @@ def test_plan_save_into_a_missing_directory_is_refused(run: Any, tmp_path: Path)
     with pytest.raises(gc.ArgumentError, match="plan.save: cannot write .*does not exist"):
         run.plan.save(tmp_path / "missing" / "plan.json")
     assert run.plan.save(tmp_path / "plan.json").stat().st_size > 0
+
+
+@pytest.mark.parametrize("flag", ["overlap", "verify"])
+def test_plan_switches_take_booleans_only(flag: str) -> None:
+    """``gc.plan(overlap="no")`` simulated overlap (a non-empty string is true) and ``verify="no"``
+    verified; every other option was checked."""
+    g = gc.datasets.synthetic("sbm", num_nodes=40, avg_degree=4, num_features=4, num_classes=2, seed=0)
+    with pytest.raises(gc.PlanningError, match=f"{flag}: expected True or False, got 'no'"):
+        gc.plan(gc.nn.GCN(4, 4, 2), g, gpus=2, strategy="data", **{flag: "no"})

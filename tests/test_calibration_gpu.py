@@ -187,7 +187,7 @@ def test_a_profile_of_another_model_is_an_error_when_given(tmp_path: Path) -> No
         Cluster.parse("2xH100", profile=path)
     with pytest.raises(PlanningError, match="calibrated on A100-80GB, not A100-40GB"):
         Cluster.parse("A100-40GB", profile=a100)
-    cpu = Cluster(1, 1, DEVICES["cpu"], LINKS["shm"], cores=2, calibration={"rates": {}})
+    cpu = Cluster(1, 1, DEVICES["cpu"], LINKS["shm"], cores=2, calibration={"quick": True})  # calibrated: a record
     with pytest.raises(PlanningError, match="calibrated on cpu, not H100"):
         Cluster.parse("2xH100", profile=cpu)
     with pytest.raises(PlanningError, match="not a CPU host"):

@@ -497,7 +497,7 @@ def _calibrated(path: Any = None, **kwargs: Any) -> Any:
     cal = {"host": "box", "torch": "2.x", "quick": True, "cores": 2, "threads": [1, 2],
            "rates": {"flops": {"float32": [183e9, 352e9], "float64": [85e9, 39e9]}, "mem_bandwidth": [9.2e9, 11.9e9],
                      "spmm_bandwidth": [26.2e9, 28.6e9], "edge_rate": [1.17e9, 2.28e9]},
-           "spmm_curve": [{"working_set": 2**k, "bandwidth": [1e9, 2e9]} for k in range(200)],
+           "spmm_curve": [{"working_set": 2**k, "bandwidth": [1e9, 2e9], "edge_rate": [1e9, 2e9]} for k in range(200)],
            "op_overhead": {"seconds": 3.1e-6},
            "collectives": {"backend": "gloo", "world_size": 2, "latency": 219e-6, "bandwidth": 1.28e9}}
     cluster = dataclasses.replace(Cluster.parse("1xcpu"), calibration=cal)

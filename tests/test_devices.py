@@ -123,6 +123,9 @@ def test_header_says_where_the_plan_was_planned_for_and_where_it_runs(sbm: gc.Gr
     assert text.startswith("2 ranks on CPU, gloo; planned for 1 node x 2 cpu") and "instead" not in text
     assert "runs on 2 GPUs instead" in describe_run(local, resolve_placement(2, 2))
     assert "\n" not in text
+    # a plan for CPU hosts on 2 nodes runs its 4 ranks on this machine (it said nothing of it)
+    two_hosts = gc.plan(_gcn(sbm), sbm, gpus="2x2xcpu", strategy="data")
+    assert "runs on this machine alone instead of 2 nodes" in describe_run(two_hosts, resolve_placement(4, 0))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a CPU-only machine")

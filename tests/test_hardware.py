@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from gnncompile.cost_models.hardware import (
     Cluster,
     DeviceSpec,
     LinkSpec,
+    _usable_cores,
     default_profile_path,
 )
 from gnncompile.calibration import calibrate
@@ -110,6 +113,82 @@ def test_parse_unreadable_profile_names_the_file(tmp_path: Path) -> None:
         Cluster.parse("cpu", profile=CLUSTERS["gnnpipe"])
 
 
+def _cpu_record() -> dict:
+    """A CPU calibration record shaped as :func:`calibrate` writes it (the fields the cost models read)."""
+    pair = [1e9, 2e9]
+    return {"host": socket.gethostname(), "cores": _usable_cores(), "threads": [1, 2],
+            "rates": {"flops": {"float32": [50e9, 90e9]}, "mem_bandwidth": pair, "spmm_bandwidth": pair,
+                      "edge_rate": pair},
+            "runtime": {"stage": [5e-5, 6e-5]},
+            "spmm_curve": [{"working_set": 1e6, "bandwidth": pair, "edge_rate": pair}],
+            "gemm_curve": [{"width": 16, "forward": pair, "weight_grad": pair, "input_grad": pair}],
+            "collectives": {"world_size": 2, "fits": {"all_reduce": {"bandwidth": 1e9, "latency": 1e-4}}},
+            "push": {"factor": 1.6}}
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda c: c["rates"]["flops"].update(float32="fast"), r"\['rates'\]\['flops'\]\['float32'\] must be \[single"),
+    (lambda c: c["rates"].update(mem_bandwidth=[0, 0]), r"\['mem_bandwidth'\]\[0\] must be a finite number > 0"),
+    (lambda c: c["runtime"].update(stage=1e-4), r"\['runtime'\]\['stage'\] must be \[single thread, all cores\]"),
+    (lambda c: c.update(spmm_curve=[{"x": 1}]), r"\['spmm_curve'\]\[0\]\['working_set'\] is missing"),
+    (lambda c: c["gemm_curve"][0].pop("forward"), r"\['gemm_curve'\]\[0\]\['forward'\] is missing"),
+    (lambda c: c["collectives"].update(fits="nope"), r"\['collectives'\]\['fits'\] must be a dict"),
+    (lambda c: c["collectives"].update(world_size=1), r"\['world_size'\] must be an integer >= 2"),
+])
+def test_a_damaged_calibration_record_names_its_field_and_the_file(tmp_path: Path, damage: Any,
+                                                                   fragment: str) -> None:
+    """A profile whose record holds what the cost models cannot read is refused when loaded, naming
+    the file, the field and how to write a new one (it leaked ValueError, TypeError or KeyError
+    from the first plan that used it, or the CLI printed "too many values to unpack")."""
+    good = dataclasses.replace(Cluster.parse("1xcpu"), calibration=_cpu_record())
+    path = good.save(tmp_path / "profile.json")
+    assert Cluster.load(path) == good
+    data = json.loads(path.read_text())
+    damage(data["calibration"])
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanningError, match=fragment) as info:
+        Cluster.parse("2xcpu", profile=path)
+    assert str(path) in str(info.value) and "`gnncompile calibrate` writes a new one" in str(info.value)
+
+
+def test_a_profile_argument_of_another_type_and_a_profile_directory_are_refused(
+        tmp_path: Path, no_saved_profile: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``profile=123`` leaked a TypeError; ``$GNNCOMPILE_PROFILE`` naming a directory planned with the
+    uncalibrated placeholder without a word."""
+    with pytest.raises(PlanningError, match="profile: expected a Cluster or the path of a saved profile, got int"):
+        Cluster.parse("2xcpu", profile=123)
+    monkeypatch.setenv("GNNCOMPILE_PROFILE", str(tmp_path))
+    with pytest.raises(PlanningError, match=f"the CPU profile {tmp_path} .* is not a file"):
+        Cluster.parse("2xcpu")
+
+
+def test_a_profile_of_another_host_says_so_in_every_prediction() -> None:
+    """A CPU profile measured on another host, or with other usable cores, costs this one's ranks
+    with that host's rates: predictions say so (they were labelled as calibrated here)."""
+    here = dataclasses.replace(Cluster.parse("2xcpu"), calibration=_cpu_record())
+    assert here.prediction_label == ""
+    other = dataclasses.replace(here, calibration={**_cpu_record(), "host": "elsewhere", "cores": 64})
+    assert other.prediction_label == (f" (CPU profile measured on elsewhere, 64 cores; this is {socket.gethostname()}, "
+                                      f"{_usable_cores()} cores: `gnncompile calibrate` here)")
+
+
+def test_plausibility_warnings_name_what_a_busy_host_got_wrong() -> None:
+    """A calibration taken while other processes ran can measure all cores below one thread, or
+    scattering faster than pulling; the record keeps warnings naming them (the CLI prints them)."""
+    from gnncompile.calibration import plausibility_warnings
+
+    assert plausibility_warnings(_cpu_record()) == []
+    busy = _cpu_record()
+    busy["rates"]["flops"]["float32"] = [50e9, 12e9]
+    busy["push"]["factor"] = 0.43
+    busy["runtime"]["stage"] = [5e-5, 6.4e-3]
+    warnings = plausibility_warnings(busy)
+    assert len(warnings) == 3
+    assert warnings[0] == "float32 GEMM at 2 threads (1.2e+10/s) measured below 1 thread's (5e+10/s)"
+    assert "'stage' at 2 threads (6.4e+03 us) over 10x 1 thread's (50 us)" in warnings[1]
+    assert warnings[2].startswith("push_factor 0.43 < 1")
+
+
 # --- links -------------------------------------------------------------------------------------------
 
 def test_link_intra_vs_inter() -> None:
@@ -185,6 +264,79 @@ def test_json_round_trip(tmp_path: Path) -> None:
         c = Cluster.parse(text)
         assert Cluster.from_dict(json.loads(json.dumps(c.to_dict()))) == c
         assert Cluster.load(c.save(tmp_path / "sub" / f"{text}.json")) == c
+
+
+def test_save_follows_links_writes_pipes_and_never_replaces_them(tmp_path: Path) -> None:
+    """A profile saved through a symbolic link replaces the link's target (the link stays: a shared
+    profile behind it is updated); a path that is neither a file nor a directory (a pipe, a device
+    such as /dev/null) is written as it is, not replaced by a file; a pipe nobody reads is an error,
+    not a hang. ``save`` renamed a temporary file over any of them."""
+    import os
+    import threading
+
+    c = Cluster.parse("4xA5000")
+    target, link = tmp_path / "shared.json", tmp_path / "link.json"
+    Cluster.parse("2xA5000").save(target)
+    link.symlink_to(target)
+    c.save(link)
+    assert link.is_symlink() and Cluster.load(target) == c
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(PlanningError, match="cannot write cluster profile .*fifo: no process reads the pipe"):
+        c.save(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo).read()))
+    reader.start()
+    for _ in range(200):   # until the reader has opened its end
+        try:
+            c.save(fifo)
+            break
+        except PlanningError:
+            threading.Event().wait(0.01)
+    reader.join(10)
+    assert fifo.is_fifo() and Cluster.from_dict(json.loads(got[0])) == c
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.json", "shared.json"]  # no temporaries
+    with pytest.raises(PlanningError, match="is a directory"):
+        c.save(tmp_path)
+
+
+def test_concurrent_saves_and_loads_see_whole_profiles(tmp_path: Path) -> None:
+    """Saves at once each write a temporary file of their own and rename it over the profile: every
+    save succeeds and a reader always loads one whole profile (with one fixed temporary name, a
+    save failed on the other's rename and readers saw empty or mixed files)."""
+    import threading
+
+    path = tmp_path / "profile.json"
+    profiles = [Cluster.parse("4xA5000"), Cluster.parse("2x4xA100-ib200")]
+    profiles[0].save(path)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def save(c: Cluster) -> None:
+        try:
+            for _ in range(150):
+                c.save(path)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def load() -> None:
+        while not done.is_set():
+            try:
+                assert Cluster.load(path) in profiles
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+                return
+
+    writers = [threading.Thread(target=save, args=(c,)) for c in profiles]
+    reader = threading.Thread(target=load)
+    for t in (*writers, reader):
+        t.start()
+    for t in writers:
+        t.join()
+    done.set()
+    reader.join()
+    assert not errors, errors[:3]
+    assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]
 
 
 def test_load_errors_name_the_file(tmp_path: Path) -> None:
@@ -335,6 +487,10 @@ def test_calibrate_needs_two_ranks() -> None:
     ({"backend": "mpi"}, "unknown backend 'mpi'; valid: gloo, nccl"),
     ({"quick": "yes"}, "quick must be True or False"),
     ({"path": 3}, "path must be a file path or None"),
+    ({"path": "/"}, "path: / is a directory"),          # (it measured for 20 s, then failed to write)
+    ({"path": ""}, "path: an empty path"),
+    pytest.param({"backend": "nccl"}, "backend='nccl' runs between GPUs and this machine has none",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without GPUs")),
 ])
 def test_calibrate_checks_its_arguments_before_measuring(kwargs: dict, fragment: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,10 +22,15 @@ from here too. Calibration (measuring a host, which launches the runtime) is abo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
+import math
 import os
 import re
+import socket
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -68,6 +73,77 @@ PROFILE_ENV = "GNNCOMPILE_PROFILE"
 _FORMAT = "gnncompile.cluster"
 _FORMAT_VERSION = 1
 _GRAMMAR = "[NODESx]DEVICESxMODEL[-LINK] (e.g. '4xA5000', '2x4xA5000-ib200', 'A100', '4xcpu') or a preset name"
+
+
+_RECALIBRATE = "`gnncompile calibrate` writes a new one (`--out PATH` for another file)"
+
+
+def _umask() -> int:
+    """The process's file-creation mask (read by setting it and back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _check_calibration(cal: dict, kind: str, what: str) -> None:
+    """Raise :class:`PlanningError` naming the field where ``cal`` (a cluster's ``calibration``)
+    holds what the cost models cannot use: the collectives' fits (every kind) and, on a CPU, the
+    rate pairs ``[single thread, all cores]`` and curves :meth:`Cluster.rank_device` reads."""
+
+    def fail(where: str, want: str, got: Any) -> None:
+        raise PlanningError(f"{what}: calibration{where} must be {want}, got {got!r}")
+
+    def number(v: Any, where: str, low: float = 0.0, strict: bool = True) -> None:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and \
+            (v > low if strict else v >= low)
+        if not ok:
+            fail(where, f"a finite number {'>' if strict else '>='} {low:g}", v)
+
+    def pair(v: Any, where: str, strict: bool = True) -> None:
+        if not isinstance(v, (list, tuple)) or len(v) != 2:
+            fail(where, "[single thread, all cores]: two numbers", v)
+        for i, x in enumerate(v):
+            number(x, f"{where}[{i}]", strict=strict)
+
+    def table(v: Any, where: str) -> dict:
+        if not isinstance(v, dict):
+            fail(where, "a dict", v)
+        return v
+
+    def points(key: str, fields: dict[str, str]) -> None:
+        curve = cal.get(key, [])
+        if not isinstance(curve, list):
+            fail(f"[{key!r}]", "a list of points", curve)
+        for i, p in enumerate(curve):
+            for name, form in fields.items():
+                where = f"[{key!r}][{i}][{name!r}]"
+                if name not in table(p, f"[{key!r}][{i}]"):
+                    raise PlanningError(f"{what}: calibration{where} is missing")
+                (number if form == "number" else pair)(p[name], where)
+
+    comm = table(cal.get("collectives", {}), "['collectives']")
+    for op, fit in table(comm.get("fits", {}), "['collectives']['fits']").items():
+        fit = table(fit, f"['collectives']['fits'][{op!r}]")
+        number(fit.get("bandwidth"), f"['collectives']['fits'][{op!r}]['bandwidth']")
+        number(fit.get("latency"), f"['collectives']['fits'][{op!r}]['latency']", strict=False)
+    if "world_size" in comm and (not isinstance(comm["world_size"], int) or comm["world_size"] < 2):
+        fail("['collectives']['world_size']", "an integer >= 2", comm["world_size"])
+    if kind != "cpu":
+        return
+    if "rates" in cal:
+        rates = table(cal["rates"], "['rates']")
+        for name, v in table(rates.get("flops"), "['rates']['flops']").items():
+            pair(v, f"['rates']['flops'][{name!r}]")
+        for name in ("mem_bandwidth", "spmm_bandwidth"):
+            pair(rates.get(name), f"['rates'][{name!r}]")
+        for name in ("edge_rate", "rng_rate", "loss_rate", "loss_grad_rate"):
+            if name in rates:
+                pair(rates[name], f"['rates'][{name!r}]")
+    for name, v in table(cal.get("runtime", {}), "['runtime']").items():
+        pair(v, f"['runtime'][{name!r}]", strict=False)
+    points("spmm_curve", {"working_set": "number", "bandwidth": "pair", "edge_rate": "pair"})
+    for key in ("gemm_curve", "gemm_deep_curve"):
+        points(key, {"width": "number", "forward": "pair", "weight_grad": "pair", "input_grad": "pair"})
 
 
 def default_profile_path() -> Path:
@@ -175,6 +251,7 @@ class Cluster:
             raise PlanningError(f"{what}: {self.nodes} nodes need an inter-node link")
         if not isinstance(self.calibration, dict):
             raise PlanningError(f"{what}: calibration must be a dict, got {type(self.calibration).__name__}")
+        _check_calibration(self.calibration, self.device.kind, what)
 
     # --- topology
     @property
@@ -382,15 +459,41 @@ class Cluster:
             raise PlanningError(f"cluster: {exc}") from exc
 
     def save(self, path: Union[str, Path]) -> Path:
-        """Write :meth:`to_dict` as JSON to ``path`` (parents created); return the path."""
+        """Write :meth:`to_dict` as JSON to ``path`` (parents created); return the path.
+
+        A regular file is replaced atomically (a temporary file of its own in the same directory,
+        then renamed over it): a process reading the profile meanwhile sees the old one or the new
+        one, never a mix, and saves at once do not disturb each other (the last one wins). A
+        symbolic link is followed (its target is replaced, the link stays); a path that is neither
+        a file nor a directory (``/dev/null``, a pipe) is written as it is. Raises
+        :class:`PlanningError` naming the path (a directory, no permission...)."""
         path = Path(path).expanduser()
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-            tmp.replace(path)
+            if path.is_dir():
+                raise PlanningError(f"cannot write cluster profile {path}: it is a directory (give a file name)")
+            if path.exists() and not path.is_file():  # a device or a pipe: written as it is, no rename over it
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # a pipe nobody reads: ENXIO, not a hang
+                os.set_blocking(fd, True)
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                return path
+            target = Path(os.path.realpath(path))  # a link stays a link: its target is replaced
+            target.parent.mkdir(parents=True, exist_ok=True)
+            mode = target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask()
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                os.chmod(tmp, mode)
+                os.replace(tmp, target)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
         except OSError as exc:
-            raise PlanningError(f"cannot write cluster profile {path}: {exc}") from exc
+            why = "no process reads the pipe" if exc.errno == errno.ENXIO else exc.strerror or exc
+            raise PlanningError(f"cannot write cluster profile {path}: {why}") from exc
         return path
 
     @classmethod
@@ -402,11 +505,11 @@ class Cluster:
         except OSError as exc:
             raise PlanningError(f"cannot read cluster profile {path}: {exc.strerror or exc}") from exc
         except json.JSONDecodeError as exc:
-            raise PlanningError(f"cluster profile {path} is not valid JSON: {exc}") from exc
+            raise PlanningError(f"cluster profile {path} is not valid JSON: {exc}; {_RECALIBRATE}") from exc
         try:
             return cls.from_dict(data)
         except PlanningError as exc:
-            raise PlanningError(f"cluster profile {path}: {exc}") from exc
+            raise PlanningError(f"cluster profile {path}: {exc}; {_RECALIBRATE}") from exc
 
     # --- construction
     @classmethod
@@ -464,10 +567,18 @@ class Cluster:
     @property
     def prediction_label(self) -> str:
         """What every time predicted on this cluster is printed with (plan explanations, the CLI,
-        timelines): ``""`` when :attr:`calibrated`, else :data:`UNCALIBRATED_LABEL` (a CPU) or
-        :data:`DATASHEET_LABEL` (a GPU preset) with a leading space."""
+        timelines): ``""`` when :attr:`calibrated` on this host, else :data:`UNCALIBRATED_LABEL` (a
+        CPU) or :data:`DATASHEET_LABEL` (a GPU preset) with a leading space; a CPU profile measured
+        on another host (``calibration["host"]``) or with other usable cores says so."""
         if self.calibrated:
-            return ""
+            host, cores = self.calibration.get("host"), self.calibration.get("cores")
+            if self.device.kind != "cpu" or host is None:
+                return ""
+            here, usable = socket.gethostname(), _usable_cores()
+            if host == here and cores in (None, usable):
+                return ""
+            return (f" (CPU profile measured on {host}" + (f", {cores} cores" if cores is not None else "") +
+                    f"; this is {here}, {usable} cores: `gnncompile calibrate` here)")
         return f" {UNCALIBRATED_LABEL if self.device.kind == 'cpu' else DATASHEET_LABEL}"
 
     @classmethod
@@ -495,6 +606,9 @@ class Cluster:
             profile that cannot be read, an explicit profile of another model than the spec's
             (a GPU's for ``cpu``, a CPU's or another GPU's for a GPU model).
         """
+        if profile is not None and not isinstance(profile, (Cluster, str, os.PathLike)):
+            raise PlanningError(f"profile: expected a Cluster or the path of a saved profile, got "
+                                f"{type(profile).__name__}")
         if profile is not None and not isinstance(profile, Cluster):
             profile = Cluster.load(profile)
         spec = text.strip() if isinstance(text, str) else ""
@@ -546,12 +660,17 @@ def _cpu_profile(profile: Union[Cluster, str, Path, None]) -> Optional[Cluster]:
     """The CPU profile :meth:`Cluster.parse` uses (see there), or ``None`` for the placeholder."""
     if profile is None:
         default = default_profile_path()
+        if default.exists() and not default.is_file():  # (a directory: not silently uncalibrated)
+            raise PlanningError(f"the CPU profile {default} (${PROFILE_ENV} or the default) is not a file; point "
+                                f"${PROFILE_ENV} at a profile file, or {_RECALIBRATE}")
         if not default.is_file():
             return None
         profile = default
     host = profile if isinstance(profile, Cluster) else Cluster.load(profile)
     if host.device.kind != "cpu":
-        raise PlanningError(f"profile {host.name!r} describes a {host.device.kind.upper()} cluster, not a CPU host")
+        source = "" if isinstance(profile, Cluster) else f" ({profile})"
+        raise PlanningError(f"profile {host.name!r}{source} describes a {host.device.kind.upper()} cluster, not a "
+                            "CPU host")
     return host
 
 

@@ -1442,6 +1442,9 @@ def describe_run(plan: Plan, placement: Placement) -> str:
     elif planned_kind == "cuda" and used != planned_devices:
         text += (f": runs on {used} GPU{'s' if used != 1 else ''} instead of {planned_devices} (predicted times and "
                  "memory are for the planned devices)")
+    elif planned_kind == "cpu" and int(devices["nodes"]) > 1:  # (the launcher's ranks are this machine's)
+        text += (f": runs on this machine alone instead of {devices['nodes']} nodes (predicted times are for the "
+                 "planned nodes and links)")
     return text
 
 
