@@ -19,8 +19,9 @@ Usage::
     python benchmarks/memory_fidelity.py --graphs cora --models GCN --strategies data --setups "layer history"
 
 Beside the grid, :data:`SETUPS` runs other setups on cora (sampled mini-batches, a layer hybrid,
-historical embeddings, cached and regrouped task dependencies, SGC with a task group per rank,
-chunked tensor) and reports the rank farthest from its prediction.
+historical embeddings with and without chunk shuffling, cached and regrouped task dependencies, SGC
+with a task group per rank, chunked tensor, chunked recomputation) and reports the rank farthest from
+its prediction.
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ SETUPS: dict[str, tuple[str, int, dict[str, Any]]] = {
     # posted gradient all-to-alls in flight while the next chunk's backward runs
     "tensor chunks=2": ("GCN", 4, {"strategy": "tensor", "chunks": 2}),
     "tensor chunks=4": ("GCN", 4, {"strategy": "tensor", "chunks": 4}),
+    # chunk shuffling builds every epoch's inputs in its step; checkpointed segments' outputs
+    "layer history shuffled": ("GCN-3", 2, {"strategy": "layer", "semantics": "relaxed", "history": True,
+                                            "shuffle": True}),
+    "layer recompute 24 chunks": ("GCN", 3, {"strategy": "layer", "recompute": True, "chunks": 24}),
+    "task recompute 8 chunks": ("GCN", 3, {"strategy": "task", "recompute": True, "chunks": 8}),
 }
 MIB = 2 ** 20
 

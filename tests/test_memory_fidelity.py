@@ -405,6 +405,15 @@ MADE_IN_STEP = {
                        dict(strategy="task", chunks=2, semantics="relaxed", dependencies="regrouped")),
     # SGC's input dropout (p = 0) returns x itself; the scoring rank concatenates its logits at the end
     "task SGC group per task": (lambda g: gc.nn.SGC(g.num_features, g.num_classes, K=2), 4, dict(strategy="task")),
+    # chunk shuffling regroups every epoch's inputs in its step, as task's regrouped dependencies do
+    "layer history shuffled": (lambda g: gc.nn.GCN(g.num_features, H, g.num_classes), 2,
+                               dict(strategy="layer", semantics="relaxed", history=True, shuffle=True)),
+    # a checkpointed segment's output (recompute_<k>) is a stage output held to its last reader; the
+    # replay draws no random number (the masks are cached), so no RNG state is saved per chunk
+    "layer recompute 24 chunks": (lambda g: gc.nn.GCN(g.num_features, H, g.num_classes, dropout=0.5), 3,
+                                  dict(strategy="layer", recompute=True, chunks=24)),
+    "task recompute 6 chunks": (lambda g: gc.nn.GCN(g.num_features, H, g.num_classes, dropout=0.5), 3,
+                                dict(strategy="task", recompute=True, chunks=6)),
 }
 
 

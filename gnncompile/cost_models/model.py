@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
@@ -453,7 +454,7 @@ def _with_step_inputs(plan: Plan, dp: DevicePlan, static: StaticMemory) -> Stati
     :attr:`StaticMemory.step_inputs`."""
     if "steps_per_epoch" in plan.info:
         return dataclasses.replace(static, loaded=static.topology + static.features + static.labels)
-    if plan.options.get("dependencies") == "regrouped":
+    if plan.info.get("regrouped") or plan.options.get("dependencies") == "regrouped":  # (plans saved before the key)
         s = dp.sizes
         vertices = int(plan.info.get("topology", {}).get("nodes") or s.all_nodes or s.nodes)
         ids = 8 * vertices + (8 * s.nodes if s.trains else 0)
@@ -697,6 +698,21 @@ class PlanCost:
         return costs
 
 
+def _segment_outputs(st: StageSpec, value_bytes: dict[str, float]) -> dict[str, float]:
+    """Bytes of the values of ``st``'s checkpointed segments (``recompute_<k>``, whose ops are named
+    ``recompute_<k>.<op>``): what the segment returns, its ops that no other op of it reads."""
+    ops: dict[str, list[OpCost]] = defaultdict(list)
+    for op in st.costs:
+        if op.recompute and "." in op.name:
+            ops[op.name.rsplit(".", 1)[0]].append(op)
+    out = {}
+    for segment, members in ops.items():
+        read = {r for k, op in enumerate(members)
+                for r in (op.reads if op.reads is not None else [members[k - 1].name] if k else [])}
+        out[segment] = sum(value_bytes[op.name] for op in members if op.name not in read)
+    return out
+
+
 def _step_logits(w: "_RankWalk") -> float:
     """Bytes of the concatenation of the model output's chunks a rank computes in a training step
     (every chunk a Forward of the output's stage makes, or a communication delivers as the output),
@@ -729,6 +745,7 @@ class _RankWalk:
         for s in dp.stages:
             for op in s.costs:
                 self.value_bytes[op.name] = _out_bytes(plan, op, sizes)
+            self.value_bytes.update(_segment_outputs(s, self.value_bytes))
         self.masks = _RankMasks(plan, dp, sizes, cost.masks)
         #: bytes of one chunk's rows of the input features, the rank's share of their columns where it
         #: has one (a stage reading several chunks concatenates them)

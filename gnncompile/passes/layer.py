@@ -363,6 +363,8 @@ def lower_layer(job: Job, options: LayerOptions) -> Lowered:
         "tasks": len(staged.stages), "groups": {g.name: list(g.members) for g in place.groups},
         "stage_seconds": {str(s): t for s, t in times.items()}, "task_order": [str(t) for _, t in order],
         "pipeline_lag": exact_chunking.lag(), "chunking": options.chunking,
+        # chunk shuffling: every epoch's inputs are built in its step (ChunkRegrouping)
+        "regrouped": bool(options.history and options.shuffle and K > 1),
         "chunk_rows": [exact_chunking.size(k) for k in range(K)],
         "owned_rows": owned_rows, "stages": S, "group_size": G,
     }

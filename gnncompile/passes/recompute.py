@@ -76,6 +76,12 @@ class Recompute(torch.nn.Module):
     def __init__(self, body: torch.fx.GraphModule) -> None:
         super().__init__()
         self.body = body
+        modules = dict(body.named_modules())
+        #: every draw of the body is a row dropout's seed: under a chunked executor's mask cache the
+        #: replay takes them from the cache and draws nothing, so the RNG state need not be saved
+        #: (``torch.get_rng_state()``, 5 KB on a CPU, per call: per segment and chunk)
+        self.cached_draws_only = all(n.op == "call_function" and n.target is ops.dropout_rows
+                                     for n in body.graph.nodes if draws_random_numbers(n, modules))
 
     def forward(self, *inputs: Any) -> Any:
         if not torch.is_grad_enabled() or any(isinstance(a, torch.fx.Proxy) for a in inputs):
@@ -101,7 +107,8 @@ class Recompute(torch.nn.Module):
                 ops._MASKS._count = base
             return self.body(*xs)
 
-        return checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
+        return checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=not self.cached_draws_only,
+                          context_fn=contexts)
 
 
 _RANDOM_FUNCTIONS = {

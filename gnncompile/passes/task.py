@@ -365,7 +365,7 @@ def lower_task(job: Job, options: TaskOptions) -> Lowered:
         "regime": regime, "t_ranks": n_t, "p_ranks": n_p, "tasks": len(staged.stages),
         "groups": {g.name: list(g.members) for g in place.groups},
         "task_seconds": {str(s): t for s, t in times.items()}, "task_order": [str(t) for _, t in order],
-        "pipeline_lag": chunking.lag(),
+        "pipeline_lag": chunking.lag(), "regrouped": regrouped,
         "owned_rows": [rl.sizes.nodes if place.stage_group.get(rl.stages[0].index) == out_group else 0
                        for rl in ranks],
     }
