@@ -526,6 +526,15 @@ def test_calibrate_prints_a_summary_and_the_record_only_on_request(tmp_path: Pat
     assert json.loads((tmp_path / "cal.json").read_text())["host"] == "box"
 
 
+def test_calibrate_prints_the_warnings_of_a_busy_host() -> None:
+    """The record's plausibility warnings (a busy host) end the summary, with what to do."""
+    cal = _calibrated().calibration | {"warnings": ["push_factor 0.43 < 1: scattering measured faster"]}
+    lines = cli._cpu_calibration_summary(cal)
+    assert lines[-2:] == ["warning: push_factor 0.43 < 1: scattering measured faster",
+                          "  (the host was likely busy while measuring: calibrate again when it is quiet)"]
+    assert not any("warning" in line for line in cli._cpu_calibration_summary(_calibrated().calibration))
+
+
 # --------------------------------------------------------------------------- run table
 def test_run_table_vertices_of_ranks_holding_the_whole_graph() -> None:
     """mop's sparse ranks (and most of task's) showed 0 vertices: they score none (the runtime's
