@@ -386,3 +386,20 @@ def test_stage_modules_generate_their_code_when_first_needed(sbm):
         outs.append(gm(sbm, sbm.x))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     assert lazy.code == eager.code
+
+
+@pytest.mark.parametrize("backward", ["push", "transposed"])
+def test_the_bound_holds_where_a_profile_measured_pushing_faster(backward):
+    """A calibrated ``push_factor`` below 1 (a busy host's calibration measured one) makes pushed
+    backward products cheaper than pulled ones: the pruning bound, which costed pulled products
+    only, then exceeded a pushed candidate's simulated step and could prune the winner."""
+    import dataclasses
+
+    from gnncompile.cost_models.model import predict
+
+    base = Cluster.parse("2x2xA100-ib200")
+    cluster = dataclasses.replace(base, device=dataclasses.replace(base.device, push_factor=0.3))
+    ev = evaluate(gcn(STATS.num_features, STATS.num_classes), STATS, cluster, "data", backward=backward,
+                  partitioner="random", recompute=False)
+    bound, _ = search_mod.plan_bound(ev.plan, cluster)
+    assert 0 < bound <= predict(ev.plan, cluster).step_time * (1 + 1e-9)

@@ -59,6 +59,7 @@ import torch
 from ..cost_models import formulas
 from ..cost_models.hardware import Cluster
 from ..cost_models.model import ELSIZE, Prediction, load_seconds, predict, stage_ops_time
+from ..cost_models.specs import PUSH_FACTOR
 from ..errors import ArgumentError, GnnCompileError, PlanningError
 from ..graph.core import Graph, GraphStats
 from ..ir.plan import AllGather, AllReduce, AllToAll, Backward, DevicePlan, Forward, HaloExchange, Plan, RankSizes, \
@@ -455,8 +456,10 @@ class _Bounds:
         key = (id(dev), sizes, id(stage), backward)
         t = self._stages.get(key)
         if t is None:
-            # the cost model's own stage time without the loss and with pulled backward products: not more
-            t = self._stages[key] = stage_ops_time(stage, sizes.per_chunk(), dev, backward)
+            # the cost model's own stage time without the loss and with the cheaper of pulled and pushed
+            # backward products (a profile may measure pushing faster): not more
+            push = backward and (dev.push_factor if dev.push_factor is not None else PUSH_FACTOR) < 1
+            t = self._stages[key] = stage_ops_time(stage, sizes.per_chunk(), dev, backward, push)
         return t
 
     def send(self, rank: int, peer: int, shape: tuple[int, ...], dtype: str) -> float:
