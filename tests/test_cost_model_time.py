@@ -252,7 +252,7 @@ def test_uncalibrated_predictions_are_labelled() -> None:
     assert placeholder.prediction_label == f" {UNCALIBRATED_LABEL}" and "uncalibrated" in str(placeholder)
     gpus = Cluster.parse("2xA100")  # datasheet rates: labelled as such
     assert not gpus.calibrated and gpus.prediction_label == f" {DATASHEET_LABEL}"
-    measured = dataclasses.replace(placeholder, calibration={"rates": {}})
+    measured = dataclasses.replace(placeholder, calibration={"quick": True})  # calibrated: a record
     assert measured.calibrated and measured.prediction_label == ""
     graph = gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=4, num_features=8, num_classes=3, seed=0)
     torch.manual_seed(0)

@@ -126,6 +126,7 @@ def test_header_says_where_the_plan_was_planned_for_and_where_it_runs(sbm: gc.Gr
     # a plan for CPU hosts on 2 nodes runs its 4 ranks on this machine (it said nothing of it)
     two_hosts = gc.plan(_gcn(sbm), sbm, gpus="2x2xcpu", strategy="data")
     assert "runs on this machine alone instead of 2 nodes" in describe_run(two_hosts, resolve_placement(4, 0))
+    assert "instead" not in describe_run(two_hosts, resolve_placement(2, 0))  # torchrun: this host's 2 of 4
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a CPU-only machine")

@@ -329,12 +329,16 @@ class _Noisy(torch.nn.Module):
             h = self.drop1d(h)
         elif self.how == "aten_alpha":  # ATen's form of F.alpha_dropout
             h = torch.alpha_dropout(h, 0.3, self.training)
+        elif self.how == "gumbel":
+            h = F.gumbel_softmax(h, tau=1.0)
+        elif self.how == "multinomial":
+            h = h * torch.softmax(h, -1).multinomial(1).to(h.dtype)
         else:  # draws nothing as called: not refused
             h = F.rrelu(F.dropout(h, 0.3, training=False))
         return self.l2(h)
 
 
-@pytest.mark.parametrize("how", ["noise", "hand_mask", "alpha", "module", "aten_alpha"])
+@pytest.mark.parametrize("how", ["noise", "hand_mask", "alpha", "module", "aten_alpha", "gumbel", "multinomial"])
 def test_random_draws_that_are_not_replicated_are_refused_under_exact(how: str) -> None:
     """Ranks seeded alike (dropout='replicated') drew the same noise for different rows: plans
     labelled exact lost 6e-4 to 1e-2 of loss against gc.train. dropout='local' (a stream per rank)

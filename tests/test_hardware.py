@@ -282,10 +282,10 @@ def test_save_follows_links_writes_pipes_and_never_replaces_them(tmp_path: Path)
     assert link.is_symlink() and Cluster.load(target) == c
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    with pytest.raises(PlanningError, match="cannot write cluster profile .*fifo: no process reads the pipe"):
+    with pytest.raises(PlanningError, match="cannot write cluster profile .*fifo: nothing reads it"):
         c.save(fifo)
     got: list[str] = []
-    reader = threading.Thread(target=lambda: got.append(open(fifo).read()))
+    reader = threading.Thread(target=lambda: got.append(open(fifo).read()), daemon=True)
     reader.start()
     for _ in range(200):   # until the reader has opened its end
         try:
@@ -294,6 +294,7 @@ def test_save_follows_links_writes_pipes_and_never_replaces_them(tmp_path: Path)
         except PlanningError:
             threading.Event().wait(0.01)
     reader.join(10)
+    assert got, "the reader got nothing"
     assert fifo.is_fifo() and Cluster.from_dict(json.loads(got[0])) == c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.json", "shared.json"]  # no temporaries
     with pytest.raises(PlanningError, match="is a directory"):

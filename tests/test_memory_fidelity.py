@@ -408,12 +408,15 @@ MADE_IN_STEP = {
     # chunk shuffling regroups every epoch's inputs in its step, as task's regrouped dependencies do
     "layer history shuffled": (lambda g: gc.nn.GCN(g.num_features, H, g.num_classes), 2,
                                dict(strategy="layer", semantics="relaxed", history=True, shuffle=True)),
-    # a checkpointed segment's output (recompute_<k>) is a stage output held to its last reader; the
-    # replay draws no random number (the masks are cached), so no RNG state is saved per chunk
+    # a checkpointed segment's output (recompute_<k>) is a stage output held to its last reader; each
+    # checkpointed call (per segment and chunk) keeps the CPU generator's state (5 KB)
     "layer recompute 24 chunks": (lambda g: gc.nn.GCN(g.num_features, H, g.num_classes, dropout=0.5), 3,
                                   dict(strategy="layer", recompute=True, chunks=24)),
     "task recompute 6 chunks": (lambda g: gc.nn.GCN(g.num_features, H, g.num_classes, dropout=0.5), 3,
                                 dict(strategy="task", recompute=True, chunks=6)),
+    # checkpointing keeps the CPU generator's state per call, random draws in the segment or not
+    "tensor recompute": (lambda g: gc.nn.GCN(g.num_features, H, g.num_classes), 2,
+                         dict(strategy="tensor", recompute=True)),
 }
 
 
@@ -471,6 +474,30 @@ def test_a_posted_all_to_all_drops_what_it_copied_as_it_posts(wide: gc.Graph) ->
     res = plan.run(epochs=1, seed=0, timeout=300)
     for r, p in zip(res.ranks, plan.prediction.first_step_above_resident()):
         assert 0.9 * r.peak_memory <= p <= 1.1 * r.peak_memory + 16 * 1024, (r.rank, r.peak_memory, p)
+
+
+@pytest.mark.parametrize("name", ["GIN", "ResGCN", "GAT"])
+def test_a_checkpointed_segment_is_what_it_returns(sbm: gc.Graph, name: str) -> None:
+    """The value of a checkpointed segment (``recompute_<k>``) is the outputs of the ops its body
+    returns (:attr:`OpCost.returned`); counting the ops no other op of it reads dropped a returned
+    value that is also read inside (GIN's dropout, ResGCN's residual sum, GAT's scores)."""
+    from gnncompile.cost_models.model import _segment_outputs
+
+    torch.manual_seed(0)
+    make = {"GIN": lambda: gc.nn.GIN(F, H, 4, dropout=0.5), "ResGCN": lambda: gc.nn.ResGCN(F, H, 4, num_layers=3),
+            "GAT": lambda: gc.nn.GAT(F, 4, 4, heads=2, dropout=0.5)}[name]
+    plan = gc.plan(make(), sbm, 2, strategy="task", recompute=True)
+    cost = PlanCost(plan, CLUSTER)
+    checked = 0
+    for dp in plan.ranks:
+        walk = _RankWalk(cost, dp)
+        for st in dp.stages:
+            for segment, nbytes in _segment_outputs(st, walk.value_bytes).items():
+                body = dp.modules[st.index].get_submodule(segment).body
+                returned = {n.name for n in body.graph.output_node().all_input_nodes}
+                assert returned and nbytes == sum(walk.value_bytes[f"{segment}.{r}"] for r in returned)
+                checked += len(returned) > 1
+    assert checked, "no segment returns several values"
 
 
 def test_layer_hybrid_chunks_are_the_ones_a_member_runs(wide: gc.Graph) -> None:

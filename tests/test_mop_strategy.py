@@ -278,3 +278,24 @@ def test_chunk_graph_self_loops_read_the_chunks_own_rows() -> None:
     assert out.squeeze(1).tolist() == [3.0 * v for v in range(4, 8)]
     with pytest.raises(gc.GraphError, match="do not fit"):
         gc.graph.LocalGraph(local.indptr, local.indices, 4, 12, own_offset=9)
+
+
+class _OneWide(torch.nn.Module):
+    """A propagation of a value one column wide: narrower than a group of two sparse ranks, one of
+    which holds none of its columns."""
+
+    def __init__(self, fin: int, fout: int) -> None:
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(fin, 1), torch.nn.Linear(1, fout)
+
+    def forward(self, g, x):
+        return self.l2(torch.relu(gc.ops.propagate(g, self.l1(x), norm="gcn")))
+
+
+@pytest.mark.parametrize("gpus, options", [(3, dict(sparse_ranks=2)), (5, {}), (3, dict(sparse_ranks=2, chunks=3))])
+def test_a_value_narrower_than_the_sparse_group_is_exact(gpus: int, options: dict) -> None:
+    """The member with no column sends an empty [rows, 0] block beside the other's [rows, 1]: the
+    reader concatenated them along the rows (the first block's slab) and every rank failed."""
+    g = sbm_graph(40)
+    check_plan(seeded_model(_OneWide, g), g, gpus, strategy="mop", rtol=1e-9, atol=1e-11, device="cpu", timeout=120,
+               **options)

@@ -299,7 +299,10 @@ def test_fanouts_as_a_string_as_gc_train_takes_them() -> None:
     plan = gc.plan(sage, g, 2, strategy="split", batch_size=32, fanouts="3, 2")
     assert plan.options["fanouts"] == (3, 2)
     for bad, why in (("3,,2", "fanouts '3,,2': an empty entry"), ("3.5,2", r"fanouts\[0\]: expected an int, got '3.5'"),
-                     ("0,2", r"fanouts\[0\] = 0: each fanout is"), ([2, 2.5], r"fanouts\[1\]: expected an int, got 2.5")):
+                     ("0,2", r"fanouts\[0\] = 0: each fanout is"), ([2, 2.5], r"fanouts\[1\]: expected an int, got 2.5"),
+                     ([float("inf"), 2], r"fanouts\[0\]: expected an int, got inf"),
+                     (b"\x03\x02", r"fanouts must be a sequence of ints .* got b'\\x03\\x02'"),
+                     ({3, 2}, r"fanouts must be a sequence of ints .* got \{2, 3\}")):
         with pytest.raises(PlanningError, match=why):
             gc.plan(sage, g, 2, strategy="split", batch_size=32, fanouts=bad)
     with pytest.raises(gc.ArgumentError, match="an empty entry"):

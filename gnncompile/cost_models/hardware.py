@@ -30,7 +30,7 @@ import math
 import os
 import re
 import socket
-import tempfile
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -76,13 +76,6 @@ _GRAMMAR = "[NODESx]DEVICESxMODEL[-LINK] (e.g. '4xA5000', '2x4xA5000-ib200', 'A1
 
 
 _RECALIBRATE = "`gnncompile calibrate` writes a new one (`--out PATH` for another file)"
-
-
-def _umask() -> int:
-    """The process's file-creation mask (read by setting it and back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _check_calibration(cal: dict, kind: str, what: str) -> None:
@@ -480,19 +473,23 @@ class Cluster:
                 return path
             target = Path(os.path.realpath(path))  # a link stays a link: its target is replaced
             target.parent.mkdir(parents=True, exist_ok=True)
-            mode = target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask()
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")  # this save's own
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # (the umask applies)
             try:
                 with os.fdopen(fd, "w") as f:
                     f.write(text)
-                os.chmod(tmp, mode)
+                    f.flush()
+                    os.fsync(f.fileno())  # on disk before it replaces the old one
+                if target.exists():
+                    os.chmod(tmp, target.stat().st_mode & 0o7777)
                 os.replace(tmp, target)
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
         except OSError as exc:
-            why = "no process reads the pipe" if exc.errno == errno.ENXIO else exc.strerror or exc
+            why = "nothing reads it (a pipe or socket without a reader)" if exc.errno == errno.ENXIO else \
+                exc.strerror or exc
             raise PlanningError(f"cannot write cluster profile {path}: {why}") from exc
         return path
 

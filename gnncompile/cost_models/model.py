@@ -96,6 +96,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
+import torch
+
 from ..errors import PlanningError
 from ..graph.core import topology_bytes
 from ..ir.dataflow import effects
@@ -401,8 +403,8 @@ def static_memory(plan: Plan, dp: DevicePlan, device: Optional[DeviceSpec] = Non
     normalizations' per-vertex scales (in the model's dtype, destinations and sources) from
     ``plan.info["topology"]``, and off the CPU what torch's CSR products add: those scales folded
     into edge values (an edge tensor per normalization, :func:`gnncompile.kernels._edge_factors`)
-    and int32 copies of the offsets. Features: ``float32`` rows of the input features
-    (sparse CSR features: their stored bytes per row, ``plan.info["feature_bytes_per_row"]``);
+    and int32 copies of the offsets. Features: rows of the input features in the model's dtype
+    (sparse CSR features: their stored bytes per row, :func:`_feature_bytes_per_row`);
     labels int64 plus three bool masks.
     Parameters are replicated on every rank that runs a stage (data parallelism) with their
     gradients and Adam's two moments; a rank whose sizes name its ``params`` (the ``task``
@@ -413,11 +415,10 @@ def static_memory(plan: Plan, dp: DevicePlan, device: Optional[DeviceSpec] = Non
     cpu = device is None or device.kind == "cpu"
     s = dp.sizes
     nodes, edges, src = s.nodes, s.edges, s.source_rows
-    features = int(plan.info.get("features", 0))
     params = s.params if s.params is not None else int(plan.info.get("params", 0)) if s.trains != 0 else 0
     pbytes = params * _elsize(plan.info.get("param_dtype", "float32"))
     rows = nodes if s.feature_rows is None else s.feature_rows  # a rank that runs no T op holds no features or labels
-    per_row = plan.info.get("feature_bytes_per_row", 4 * features)
+    per_row = _feature_bytes_per_row(plan)
     topo = plan.info.get("topology", {})
     held = topo.get("graphs")
     if held is not None and dp.rank < len(held):  # a concrete graph: the graphs the rank holds
@@ -474,6 +475,15 @@ def _chunk_sizes(dp: DevicePlan) -> RankSizes:
     if runs and runs < max(int(s.chunks or 1), 1):
         at = dataclasses.replace(at, nodes=-(-s.nodes // runs), edges=-(-s.edges // runs))
     return at
+
+
+def _feature_bytes_per_row(plan: Plan) -> float:
+    """Bytes of one row of the input features: sparse CSR ones' stored bytes
+    (``plan.info["feature_bytes_per_row"]``), else ``features`` values of the model's dtype."""
+    per_row = plan.info.get("feature_bytes_per_row")
+    if per_row is not None:
+        return float(per_row)
+    return _elsize(plan.info.get("param_dtype", "float32")) * int(plan.info.get("features", 0))
 
 
 def _sparse_row_value_bytes(plan: Plan) -> Optional[float]:
@@ -698,19 +708,21 @@ class PlanCost:
         return costs
 
 
+#: bytes of the CPU generator's state (``torch.get_rng_state()``), which ``torch.utils.checkpoint``
+#: keeps per call (``preserve_rng_state``; a CUDA generator's is as small and in host memory)
+CPU_RNG_STATE_BYTES = int(torch.get_rng_state().numel())
+
+
 def _segment_outputs(st: StageSpec, value_bytes: dict[str, float]) -> dict[str, float]:
     """Bytes of the values of ``st``'s checkpointed segments (``recompute_<k>``, whose ops are named
-    ``recompute_<k>.<op>``): what the segment returns, its ops that no other op of it reads."""
+    ``recompute_<k>.<op>``): the outputs of the ops it returns (:attr:`OpCost.returned`; a plan
+    saved without them: its last op's)."""
     ops: dict[str, list[OpCost]] = defaultdict(list)
     for op in st.costs:
         if op.recompute and "." in op.name:
             ops[op.name.rsplit(".", 1)[0]].append(op)
-    out = {}
-    for segment, members in ops.items():
-        read = {r for k, op in enumerate(members)
-                for r in (op.reads if op.reads is not None else [members[k - 1].name] if k else [])}
-        out[segment] = sum(value_bytes[op.name] for op in members if op.name not in read)
-    return out
+    return {segment: sum(value_bytes[op.name] for op in ([op for op in members if op.returned] or members[-1:]))
+            for segment, members in ops.items()}
 
 
 def _step_logits(w: "_RankWalk") -> float:
@@ -750,8 +762,7 @@ class _RankWalk:
         #: bytes of one chunk's rows of the input features, the rank's share of their columns where it
         #: has one (a stage reading several chunks concatenates them)
         share = sizes.col_share_ppm / 1e6 if sizes.col_share_ppm else 1.0
-        self.feature_chunk = sizes.nodes * share * plan.info.get("feature_bytes_per_row",
-                                                                 4 * int(plan.info.get("features", 0)))
+        self.feature_chunk = sizes.nodes * share * _feature_bytes_per_row(plan)
         src_rows = sizes.source_rows
         for inst in dp.instructions:
             output_bytes = rule(inst).cost_rule().output_bytes
@@ -886,8 +897,7 @@ def load_seconds(plan: Plan, dp: DevicePlan, device: DeviceSpec) -> float:
     if "steps_per_epoch" not in plan.info:
         return 0.0
     rows = dp.sizes.feature_rows if dp.sizes.feature_rows is not None else dp.sizes.nodes
-    per_row = plan.info.get("feature_bytes_per_row", 4 * int(plan.info.get("features", 0)))
-    return rows * per_row / device.host_bandwidth
+    return rows * _feature_bytes_per_row(plan) / device.host_bandwidth
 
 
 def _stage_gradients(dp: DevicePlan, total: float) -> dict[int, float]:
@@ -1038,12 +1048,21 @@ def _saved_per_op(w: _RankWalk, st: StageSpec, replay: bool = False) -> list[flo
     dropout mask (views), not a held stage input that the stage's first op saves (the input
     itself; a first dropout saves its mask), not a stage output that the op after it saves as its input (a linear layer's: an op
     with weights) or that the op itself saves as its result (:func:`_saves_result`). An op of a
-    checkpointed segment (:func:`_replayed`) saves only in its replay (``replay``)."""
+    checkpointed segment (:func:`_replayed`) saves only in its replay (``replay``); on a CPU the
+    segment's first op also holds the generator's state, which checkpointing keeps per call to
+    replay the segment's random draws (:data:`CPU_RNG_STATE_BYTES`)."""
     key = (st.index, replay)
     if key in w.saved_cache:
         return w.saved_cache[key]
     kept = w.saved_cache[key] = [0.0 if w.masks.viewed(op) or again != replay and (again or replay) else
                                  _saved_bytes(op, w.sizes) for op, again in zip(st.costs, _replayed(st))]
+    if not replay and w.device.kind == "cpu":  # each checkpointed call keeps the CPU generator's state
+        segment = None
+        for j, op in enumerate(st.costs):
+            here = op.name.rsplit(".", 1)[0] if op.recompute and "." in op.name else None
+            if here is not None and here != segment:
+                kept[j] += CPU_RNG_STATE_BYTES
+            segment = here
     if kept and not replay and st.costs[0].name not in w.masks.bytes:  # (a dropout saves its mask)
         for j, op in enumerate(st.costs):
             read = _stage_inputs_read(w, st, j)
@@ -1328,7 +1347,8 @@ def _all_to_all_cost(w: _RankWalk, i: int, inst: AllToAll) -> StepCost:
     else:
         result = w.value_bytes.get(inst.output, 0.0)
         w.release_at(w.gone((inst.output, inst.chunk), i), result)
-    copies = sent if (inst.src_layout == "rows") != inst.grad else 0.0  # the gradient goes back
+    # (the gradient goes back; one member's one block is its value as it is)
+    copies = sent if (inst.src_layout == "rows") != inst.grad and len(inst.group) > 1 else 0.0
     w.release_on_start(i, copies)
     w.release_at(max(i, w.next_compute[i + 1] - 1), sent)
     return seconds, "comm", result + sent + copies, 0.0

@@ -17,6 +17,7 @@ Python loop over vertices), runs on the graph's device and is reproducible from 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
@@ -190,15 +191,15 @@ def parse_fanouts(value: Any, what: str = "fanouts") -> tuple[int, ...]:
     """``value`` as fanouts: sampled in-edges per destination, one per GNN layer, input layer first,
     each >= 1 or -1 (all in-edges). Takes a sequence of ints (whole numbers: 3.0, not 3.9) or a
     comma-separated string (``"15,10,5"``). Raises :class:`ArgumentError` naming ``what``."""
+    given = value
     if isinstance(value, str):
         entries = value.replace(" ", "").split(",")
         if "" in entries and value.strip():
             raise ArgumentError(f"{what} {value!r}: an empty entry; give numbers separated by commas, e.g. '15,10,5'")
         value = [e for e in entries if e]
-    try:
-        values = list(value)
-    except TypeError:
-        raise ArgumentError(f"{what} must be a sequence of ints (one per GNN layer), got {value!r}") from None
+    if isinstance(value, (bytes, bytearray, set, frozenset, Mapping)) or not isinstance(value, Iterable):
+        raise ArgumentError(f"{what} must be a sequence of ints (one per GNN layer), got {given!r}")
+    values = list(value)
     if not values:
         raise ArgumentError(f"{what}: empty; give one fanout per GNN layer, input layer first (-1 keeps all in-edges)")
     out = []
@@ -206,11 +207,11 @@ def parse_fanouts(value: Any, what: str = "fanouts") -> tuple[int, ...]:
         try:
             n = int(f)
             whole = isinstance(f, str) or (not isinstance(f, (bool, np.bool_)) and float(f) == n)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # (inf)
             whole = False
         if not whole:   # (3.9 is not silently 3)
             raise ArgumentError(f"{what}[{i}]: expected an int, got {f!r}; {what} must be a sequence of ints (one "
-                                f"per GNN layer), got {value!r}")
+                                f"per GNN layer), got {given!r}")
         if n == 0 or n < -1:
             raise ArgumentError(f"{what}[{i}] = {n}: each fanout is a number of in-edges >= 1, or -1 for all of them")
         out.append(n)

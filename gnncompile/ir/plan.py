@@ -524,6 +524,9 @@ class OpCost:
     #: and masks (:func:`~gnncompile.frontend.ops.replay_dropout_outputs`; not in ``saved``): a
     #: temporary of its backward
     replayed: Lin = field(default_factory=Lin)
+    #: an op of a checkpointed segment (named ``<segment>.<op>``) whose output the segment returns:
+    #: the value ``<segment>`` is what they make
+    returned: bool = False
 
     _LINS: ClassVar[tuple[str, ...]] = ("flops", "bytes", "saved", "out", "random", "values", "replayed")
 
@@ -531,7 +534,7 @@ class OpCost:
         d: dict[str, Any] = {"name": self.name, "kind": self.kind, "width": self.width, "recompute": self.recompute,
                              "count": self.count, "backward": self.backward, "input_grad": self.input_grad,
                              "reads": None if self.reads is None else list(self.reads), "layout": self.layout,
-                             "layer": self.layer}
+                             "layer": self.layer, "returned": self.returned}
         d.update({k: _lin_to_json(getattr(self, k)) for k in self._LINS})
         return d
 

@@ -196,6 +196,7 @@ def op_costs(tp: TPGraph, nodes: list[torch.fx.Node], decisions: Optional[Decisi
             placeholders = [m.name for m in body.graph.nodes if m.op == "placeholder"]
             outer = {ph: a for ph, a in zip(placeholders, n.args) if isinstance(a, torch.fx.Node)}
             body_req = requires_grad_values(body, [ph for ph, a in outer.items() if a.name in req])
+            returned = {m.name for m in body.graph.output_node().all_input_nodes}
             for k, m in enumerate(inner):
                 # its backward: its weights' gradient, and its input's where that needs one (a
                 # dropout of the features has none: autograd does not visit it)
@@ -210,7 +211,8 @@ def op_costs(tp: TPGraph, nodes: list[torch.fx.Node], decisions: Optional[Decisi
                 saved, replayed = (t.saved_bytes, Lin()) if k == 0 else (mt.saved_bytes, Lin())
                 if k and mt.replays and all(r in body_here for r in mt.replays):
                     saved, replayed = mt.saved_bytes - mt.replay_saving, mt.replayed_bytes
-                out.append(dataclasses.replace(c, name=f"{n.name}.{m.name}", saved=saved, replayed=replayed))
+                out.append(dataclasses.replace(c, name=f"{n.name}.{m.name}", saved=saved, replayed=replayed,
+                                               returned=m.name in returned))
             if inner:
                 continue
         weights = t.params > 0 or any(a.op == "get_attr" and a.name in req for a in n.all_input_nodes)

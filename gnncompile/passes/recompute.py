@@ -76,12 +76,6 @@ class Recompute(torch.nn.Module):
     def __init__(self, body: torch.fx.GraphModule) -> None:
         super().__init__()
         self.body = body
-        modules = dict(body.named_modules())
-        #: every draw of the body is a row dropout's seed: under a chunked executor's mask cache the
-        #: replay takes them from the cache and draws nothing, so the RNG state need not be saved
-        #: (``torch.get_rng_state()``, 5 KB on a CPU, per call: per segment and chunk)
-        self.cached_draws_only = all(n.op == "call_function" and n.target is ops.dropout_rows
-                                     for n in body.graph.nodes if draws_random_numbers(n, modules))
 
     def forward(self, *inputs: Any) -> Any:
         if not torch.is_grad_enabled() or any(isinstance(a, torch.fx.Proxy) for a in inputs):
@@ -107,12 +101,13 @@ class Recompute(torch.nn.Module):
                 ops._MASKS._count = base
             return self.body(*xs)
 
-        return checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=not self.cached_draws_only,
-                          context_fn=contexts)
+        return checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
 
 
 _RANDOM_FUNCTIONS = {
-    F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.rrelu,
+    F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.rrelu, F.rrelu_,
+    F.gumbel_softmax, F.fractional_max_pool2d, F.fractional_max_pool3d, F.fractional_max_pool2d_with_indices,
+    F.fractional_max_pool3d_with_indices, torch.rrelu, torch.rrelu_,
     torch.bernoulli, torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
     torch.randint_like, torch.randperm, torch.normal, torch.multinomial, torch.poisson,
     feature_dropout, ops.dropout_noise, ops.dropout_rows,
@@ -121,7 +116,7 @@ _RANDOM_FUNCTIONS = {
     torch.alpha_dropout_, torch.feature_alpha_dropout, torch.feature_alpha_dropout_,
 }
 _RANDOM_METHODS = {"bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_", "geometric_",
-                   "cauchy_", "log_normal_"}
+                   "cauchy_", "log_normal_", "multinomial"}
 _DETERMINISTIC_MODULES = (torch.nn.Linear, torch.nn.Bilinear, torch.nn.LayerNorm, torch.nn.GroupNorm,
                           torch.nn.BatchNorm1d, torch.nn.Identity, torch.nn.ReLU, torch.nn.ELU, torch.nn.LeakyReLU,
                           torch.nn.GELU, torch.nn.SiLU, torch.nn.ReLU6, torch.nn.CELU, torch.nn.SELU,

@@ -499,6 +499,9 @@ class _Rank:
                 return v
             if key in pieces:  # blocks received from several ranks: concatenate them in place order
                 parts = sorted(pieces.pop(key), key=lambda pt: pt[0][1])
+                # an empty block adds nothing, and its slab may run the other way (a member holding
+                # none of the columns of a value narrower than its group sends a [rows, 0] block)
+                parts = [pt for pt in parts if pt[1].numel()] or parts
                 dim = 0 if parts[0][0][0] == 0 else -1
                 t = torch.cat([x.detach() for _, x in parts], dim=dim)
                 if any(x.requires_grad for _, x in parts):
@@ -1442,7 +1445,8 @@ def describe_run(plan: Plan, placement: Placement) -> str:
     elif planned_kind == "cuda" and used != planned_devices:
         text += (f": runs on {used} GPU{'s' if used != 1 else ''} instead of {planned_devices} (predicted times and "
                  "memory are for the planned devices)")
-    elif planned_kind == "cpu" and int(devices["nodes"]) > 1:  # (the launcher's ranks are this machine's)
+    elif planned_kind == "cpu" and int(devices["nodes"]) > 1 and placement.num_ranks == planned_devices:
+        # every rank on this machine (torchrun across hosts places only this host's ranks here)
         text += (f": runs on this machine alone instead of {devices['nodes']} nodes (predicted times are for the "
                  "planned nodes and links)")
     return text
