@@ -48,6 +48,8 @@ phases=("$@")
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   python3 -c "import torch, cupy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cupy', cupy.__version__, torch.cuda.get_device_name(0))"
   python3 -c "import gnncompile.kernels as k, torch; k._load_native(); print('native kernels built')"
+  # compile the CUDA kernels' module once (CuPy's disk cache), not in each test worker at once
+  python3 -c "import gnncompile.kernels as k; from gnncompile.kernels import cuda; r = k._raw_runner(); r.function(0, cuda.kernel_instances()[0]); print('CUDA kernels compiled')"
 } > "$OUT/setup.log" 2>&1
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 [ -d .gpu_data ] && export GNNCOMPILE_DATA=$PWD/.gpu_data

@@ -254,6 +254,19 @@ def test_choose_takes_fastest_correct_and_records() -> None:
         cuda.choose("spmm", "s", {"ref": broken, "fast": lambda: ref.clone()}, "ref", cuda.wall_timer)
 
 
+def test_a_fault_inside_a_candidate_kernel_is_not_a_rejection() -> None:
+    """A kernel's illegal access breaks the process's CUDA context: every later candidate would
+    fail too, cuSPARSE "win" and the process crash somewhere unrelated. ``choose`` re-raises it at
+    the candidate that faulted (it recorded "rejected ... CUDA error")."""
+    ref = torch.arange(6.0)
+
+    def faulty() -> torch.Tensor:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        cuda.choose("spmm", "s", {"ref": lambda: ref.clone(), "faulty": faulty}, "ref", cuda.wall_timer)
+
+
 def test_chosen_product_through_backend_glue(emulator) -> None:
     """The cupy backend's choice (baseline cuSPARSE vs own kernels), here with the torch CPU
     backend as the baseline and the emulator as the runner: correct whatever is chosen, chosen

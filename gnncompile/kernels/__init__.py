@@ -553,9 +553,10 @@ def attention_backward(csr: CSR, src: torch.Tensor, dst: torch.Tensor, alpha: to
     if src.device.type == "cuda":
         rows = csr.nnz + (csr.num_rows if loops else 0)
         if alpha.shape != (rows,) + src.shape[1:] or grad.shape != alpha.shape or grad.dtype != src.dtype \
-                or alpha.dtype != src.dtype:
-            raise KernelError(f"attention_backward: alpha and grad must be {src.dtype} {[rows, *src.shape[1:]]}, got "
-                              f"{alpha.dtype} {list(alpha.shape)} and {grad.dtype} {list(grad.shape)}")
+                or alpha.dtype != src.dtype or alpha.device != src.device or grad.device != src.device:
+            raise KernelError(f"attention_backward: alpha and grad must be {src.dtype} {[rows, *src.shape[1:]]} on "
+                              f"{src.device}, got {alpha.dtype} {list(alpha.shape)} on {alpha.device} and {grad.dtype} "
+                              f"{list(grad.shape)} on {grad.device}")
         _import_cupy()
         with torch.cuda.device(src.device):
             return cuda.run_attention_backward(_device_csr(csr, src.device), src, dst, alpha, grad,

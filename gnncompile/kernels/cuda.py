@@ -16,6 +16,7 @@ of the rest wins. Every choice is kept as a :class:`Choice` (:func:`choices`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -278,6 +279,12 @@ def sddmm_launches(csr: DeviceCSR, a: torch.Tensor, b: torch.Tensor, heads: int,
 Runner = Callable[[Launch], None]
 
 
+def _device_of(t: torch.Tensor) -> Any:
+    """A context making ``t``'s GPU the current device (kernels launch on the current one); nothing
+    for a tensor off the GPU (a runner that emulates the launches)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
 def run_spmm(csr: DeviceCSR, values: Optional[torch.Tensor], x: torch.Tensor, row_scale: Optional[torch.Tensor],
              col_scale: Optional[torch.Tensor], transpose: bool, cfg: KernelConfig, run: Runner) -> torch.Tensor:
     """The product of :func:`spmm_launches` into a new ``[rows, width]`` tensor, with ``values``
@@ -287,16 +294,18 @@ def run_spmm(csr: DeviceCSR, values: Optional[torch.Tensor], x: torch.Tensor, ro
     zero = transpose or cfg.split and csr.max_degree > cfg.split
     out = (torch.zeros if zero else torch.empty)((rows, x.shape[1]), dtype=x.dtype, device=x.device)
     vals = None if values is None else values.contiguous()
-    for launch in spmm_launches(csr, vals, heads, x, out, row_scale, col_scale, transpose, cfg):
-        run(launch)
+    with _device_of(x):
+        for launch in spmm_launches(csr, vals, heads, x, out, row_scale, col_scale, transpose, cfg):
+            run(launch)
     return out
 
 
 def run_sddmm(csr: DeviceCSR, a: torch.Tensor, b: torch.Tensor, heads: int, cfg: KernelConfig, run: Runner) -> torch.Tensor:
     """The SDDMM of :func:`sddmm_launches` into a new ``[E, heads]`` tensor."""
     out = torch.empty((csr.nnz, heads), dtype=a.dtype, device=a.device)
-    for launch in sddmm_launches(csr, a, b, heads, out, cfg):
-        run(launch)
+    with _device_of(a):
+        for launch in sddmm_launches(csr, a, b, heads, out, cfg):
+            run(launch)
     return out
 
 
@@ -341,7 +350,7 @@ class CupyRunner:
             return self._functions[key]
 
     def __call__(self, launch: Launch) -> None:
-        """Launch on the current CUDA device (callers enter ``torch.cuda.device(tensor.device)``)."""
+        """Launch on the current CUDA device (the ``run_*`` functions enter their operands')."""
         import cupy
 
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -445,11 +454,26 @@ def choose(op: str, shape: str, candidates: dict[str, Callable[[], torch.Tensor]
             else:
                 rejected[name] = why
         except Exception as exc:  # a kernel that does not compile or launch here: not a candidate
+            if _faulted(exc):  # ...but a fault inside a kernel breaks the process's CUDA context: say so here
+                raise
             rejected[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     chosen = min(times, key=times.__getitem__)
     with _choices_lock:
         _choices.append(Choice(op, shape, times, rejected, chosen))
     return chosen
+
+
+def _faulted(exc: BaseException) -> bool:
+    """Whether ``exc`` (or a synchronization after it) reports a fault of the CUDA context (an
+    illegal or misaligned access in a kernel), which no later CUDA call survives."""
+    if "CUDA error" in str(exc) or type(exc).__name__ == "AcceleratorError":
+        return True
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - the context is gone: the candidate's fault
+            return True
+    return False
 
 
 def attention_group(heads: int, avg_degree: float) -> Optional[int]:
@@ -510,8 +534,9 @@ def run_attention(csr: DeviceCSR, src: torch.Tensor, dst: torch.Tensor, slope: f
                         device=src.device)
     # the launches hold raw pointers: the operands' contiguous copies stay referenced until they ran
     src, dst = src.contiguous(), dst.contiguous()
-    for launch in attention_launches(csr, src, dst, alpha, heads, slope, loops, own_offset, group):
-        run(launch)
+    with _device_of(src):
+        for launch in attention_launches(csr, src, dst, alpha, heads, slope, loops, own_offset, group):
+            run(launch)
     return alpha
 
 
@@ -523,11 +548,13 @@ def run_attention_backward(csr: DeviceCSR, src: torch.Tensor, dst: torch.Tensor,
     group = attention_group(heads, csr.nnz / max(1, csr.num_rows))
     if group is None:
         raise KernelError(f"CUDA attention: {heads} heads is not a power of two up to 32")
-    gs = torch.empty_like(alpha)
+    # (contiguous: empty_like would copy a permuted alpha's strides)
+    gs = torch.empty(alpha.shape, dtype=alpha.dtype, device=alpha.device)
     g_dst = torch.empty((csr.num_rows,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
     # the launches hold raw pointers: the operands' contiguous copies stay referenced until they ran
     src, dst, alpha, grad = src.contiguous(), dst.contiguous(), alpha.contiguous(), grad.contiguous()
-    for launch in attention_backward_launches(csr, src, dst, alpha, grad, gs, g_dst, heads, slope, loops, own_offset,
-                                              group):
-        run(launch)
+    with _device_of(src):
+        for launch in attention_backward_launches(csr, src, dst, alpha, grad, gs, g_dst, heads, slope, loops,
+                                                  own_offset, group):
+            run(launch)
     return gs, g_dst
