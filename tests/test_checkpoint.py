@@ -608,7 +608,7 @@ def test_a_checkpoint_without_the_later_fingerprint_fields_still_resumes(sbm: gc
     gc.train(_gcn(sbm), sbm, 2, verbose=False, checkpoint_dir=tmp_path)
     meta_file = tmp_path / "epoch-2" / "meta.json"
     meta = json.loads(meta_file.read_text())
-    del meta["fingerprint"]["training"], meta["fingerprint"]["model"]["modules"]
+    del meta["fingerprint"]["training"], meta["fingerprint"]["model"]["modules"], meta["fingerprint"]["graph"]["data"]
     meta_file.write_text(json.dumps(meta))
     assert gc.train(_gcn(sbm), sbm, 3, verbose=False, checkpoint_dir=tmp_path, resume=True).loss == straight.loss
 
@@ -643,3 +643,80 @@ def test_plan_resume_refuses_other_training_settings(sbm: gc.Graph, tmp_path: Pa
     with pytest.raises(RuntimeFailure, match="was written by another run; what differs:\n  " + what + "\n"):
         p.run(2, checkpoint_dir=tmp_path, resume=True, progress=False, timeout=60, **change)
     plan().run(2, checkpoint_dir=tmp_path, resume=True, progress=False, timeout=60)   # the same settings resume
+
+
+def _same(a: list[float], b: list[float]) -> bool:
+    """Equal lists of floats, NaN equal to NaN."""
+    return len(a) == len(b) and all(x == y or (x != x and y != y) for x, y in zip(a, b))
+
+
+def test_a_run_continued_with_eval_every_equals_one_run_straight_through(sbm: gc.Graph, tmp_path: Path) -> None:
+    """The last epoch is evaluated off the ``eval_every`` schedule: a run of 5 epochs evaluated epoch
+    5, and that evaluation went into the best parameters, patience and the checkpoint, so the run
+    continued to 12 chose another best epoch and stopped elsewhere than one run of 12. It is
+    reported, not chosen, and checkpoints leave it out."""
+    kw = dict(eval_every=2, patience=3, lr=0.05, verbose=False)
+    straight = gc.train(_gcn(sbm), sbm, 12, **kw)
+    short = gc.train(_gcn(sbm), sbm, 5, checkpoint_dir=tmp_path / "t", **kw)
+    assert short.val_acc[4] == short.val_acc[4] and short.val_acc[3] == short.val_acc[3]  # both measured
+    resumed = gc.train(_gcn(sbm), sbm, 12, checkpoint_dir=tmp_path / "t", resume=True, **kw)
+    assert _same(resumed.val_acc, straight.val_acc) and resumed.loss == straight.loss
+    assert (resumed.best_epoch, resumed.stopped_at) == (straight.best_epoch, straight.stopped_at)
+    _assert_same(resumed.best_state_dict(), straight.best_state_dict())
+    assert (short.best_epoch + 1) % 2 == 0  # the scheduled evaluation, whatever the last one measured
+    def plan() -> Any:  # (a run trains the plan's model: each run its own)
+        return gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data")
+
+    run = dict(eval_every=2, patience=3, lr=0.05, progress=False, timeout=120)
+    straight = plan().run(12, **run).history
+    plan().run(5, checkpoint_dir=tmp_path / "p", **run)
+    resumed = plan().run(12, checkpoint_dir=tmp_path / "p", resume=True, **run).history
+    assert _same(resumed.val_acc, straight.val_acc) and resumed.loss == straight.loss
+    assert (resumed.best_epoch, resumed.stopped_at) == (straight.best_epoch, straight.stopped_at)
+
+
+def test_run_arguments_refused_before_any_rank_starts(sbm: gc.Graph, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plan.run(eval_every=0)`` failed in every rank (ZeroDivisionError); -3 and 1.5 ran; an empty
+    ``checkpoint_dir`` wrote checkpoints into the current directory."""
+    plan = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data")
+    for bad in (0, -3, 1.5, True):
+        with pytest.raises(gc.ArgumentError, match=rf"eval_every must be an int >= 1, got {bad!r}"):
+            plan.run(2, eval_every=bad, progress=False)
+        with pytest.raises(gc.ArgumentError, match="eval_every must be an int >= 1"):
+            gc.train(_gcn(sbm), sbm, 2, eval_every=bad, verbose=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(gc.ArgumentError, match="checkpoint_dir is an empty path"):
+        plan.run(2, checkpoint_dir="", progress=False)
+    with pytest.raises(gc.ArgumentError, match="checkpoint_dir is an empty path"):
+        gc.train(_gcn(sbm), sbm, 2, checkpoint_dir="", verbose=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_graph_with_other_features_labels_or_masks_is_refused(sbm: gc.Graph, tmp_path: Path) -> None:
+    """Same structure, other data (features scaled, labels rolled, train and val swapped) resumed
+    silently: the fingerprint hashed only the edges."""
+    plan = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data")
+    plan.run(2, checkpoint_dir=tmp_path / "p", progress=False, timeout=60)
+    gc.train(_gcn(sbm), sbm, 2, checkpoint_dir=tmp_path / "t", verbose=False)
+    for other in (sbm.replace(x=sbm.x * 2), sbm.replace(y=sbm.y.roll(1)),
+                  sbm.replace(train_mask=sbm.val_mask, val_mask=sbm.train_mask)):
+        with pytest.raises(RuntimeFailure, match=r"written for another graph \(the ranks' graph data \(features, "
+                                                 r"labels or masks\) differs\)"):
+            gc.plan(_gcn(other), other, gpus=2, strategy="data").run(4, checkpoint_dir=tmp_path / "p", resume=True,
+                                                                    progress=False)
+        with pytest.raises(RuntimeFailure, match=r"graph\.data: checkpoint"):
+            gc.train(_gcn(other), other, 4, checkpoint_dir=tmp_path / "t", resume=True, verbose=False)
+
+
+def test_a_checkpoint_renamed_into_place_but_not_published_says_so(sbm: gc.Graph, tmp_path: Path) -> None:
+    """A failure after the checkpoint was renamed into place (updating ``latest``) said the previous
+    checkpoint was unchanged, naming the new one, and left ``.latest.tmp<pid>`` behind."""
+    (tmp_path / "latest").mkdir()   # os.replace of the temporary file onto it fails
+    with pytest.raises(RuntimeFailure, match=r"checkpoint of epoch 1 is complete in .*epoch-1 but publishing it "
+                                             r"failed: .*a resume finds it"):
+        gc.train(_gcn(sbm), sbm, 2, checkpoint_dir=tmp_path, checkpoint_every=1, verbose=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-1", "latest"]
+    (tmp_path / "latest").rmdir()
+    straight = gc.train(_gcn(sbm), sbm, 2, verbose=False)
+    assert gc.train(_gcn(sbm), sbm, 2, checkpoint_dir=tmp_path, resume=True, verbose=False).loss == straight.loss

@@ -112,7 +112,8 @@ def register_rank_state(name: str, get: StateGetter, set_: StateSetter) -> None:
 
 
 def tensor_hash(*tensors: Optional[torch.Tensor]) -> str:
-    """A short SHA-256 of the tensors' bytes (a graph's ``indptr`` and ``indices``, for fingerprints).
+    """A short SHA-256 of the tensors' bytes (a graph's ``indptr`` and ``indices``, its features,
+    labels and masks, for fingerprints; a sparse CSR tensor by its structure and values).
 
     Integer tensors are hashed as int64, so a compact (int32) and a wide copy of one structure agree.
     """
@@ -120,6 +121,9 @@ def tensor_hash(*tensors: Optional[torch.Tensor]) -> str:
     for t in tensors:
         if t is None:
             h.update(b"none")
+            continue
+        if t.layout == torch.sparse_csr:  # (sparse features: their structure and values)
+            h.update(tensor_hash(t.crow_indices(), t.col_indices(), t.values()).encode())
             continue
         t = t.detach().cpu().contiguous()
         if t.dtype == torch.int32:
@@ -147,7 +151,8 @@ def module_signature(model: torch.nn.Module) -> list[list[str]]:
 
 #: fingerprint fields added after checkpoints were first written: compared only when the
 #: checkpoint records them (an older checkpoint still resumes, unchecked in these)
-RECORDED_LATER = ("model.modules", "model.traced", "training.seed", "training.lr", "training.weight_decay")
+RECORDED_LATER = ("model.modules", "model.traced", "training.seed", "training.lr", "training.weight_decay",
+                  "graph.data", "graph.data_by_rank")
 
 
 def compare_fingerprints(saved: dict[str, Any], current: dict[str, Any], *, ignore: tuple[str, ...] = ()) -> list[str]:
@@ -305,8 +310,8 @@ def _check_files(path: Path, meta: dict[str, Any]) -> None:
 
 
 def make_directory(options: CheckpointOptions) -> None:
-    """Create ``options.directory`` and remove the staging directories a crashed run left there
-    (the one process that writes: the launcher, or rank 0 under torchrun)."""
+    """Create ``options.directory`` and remove the staging directories (and the temporary ``latest``)
+    a crashed run left there (the one process that writes: the launcher, or rank 0 under torchrun)."""
     d = Path(options.directory)
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -314,6 +319,8 @@ def make_directory(options: CheckpointOptions) -> None:
         raise RuntimeFailure(f"checkpoint_dir {str(d)!r} cannot be created: {e.strerror or e}") from None
     for stale in [*d.glob(".staging-epoch*"), *d.glob(".replaced-epoch*")]:
         shutil.rmtree(stale, ignore_errors=True)
+    for stale in d.glob(".latest.tmp*"):  # a 'latest' being written when its run died
+        stale.unlink(missing_ok=True)
 
 
 def prepare(options: CheckpointOptions, fingerprint: dict[str, Any], *,
@@ -352,7 +359,8 @@ def prepare(options: CheckpointOptions, fingerprint: dict[str, Any], *,
     meta = _read_meta(found)
     _check_files(found, meta)
     saved = meta.get("fingerprint", {})
-    diffs = compare_fingerprints(saved, fingerprint, ignore=("plan.ranks", "graph.structure_by_rank"))
+    diffs = compare_fingerprints(saved, fingerprint, ignore=("plan.ranks", "graph.structure_by_rank",
+                                                             "graph.data_by_rank"))
     if diffs:
         raise RuntimeFailure(f"checkpoint {found} was written by another run; what differs:\n  " + "\n  ".join(diffs)
                              + "\nresume with the same model, graph, plan options and training settings, or use another "
@@ -364,8 +372,11 @@ def prepare(options: CheckpointOptions, fingerprint: dict[str, Any], *,
                                  f"{fingerprint['plan'].get('ranks')}: {why}; resume with a plan of "
                                  f"{saved['plan'].get('ranks')} ranks")
     elif compare_fingerprints(saved, fingerprint):  # same ranks: the per-rank structure must match too
-        raise RuntimeFailure(f"checkpoint {found} was written for another graph (the ranks' graph structure "
-                             "differs: same size, other edges); resume with the same graph")
+        what = "data (features, labels or masks)" if _differences("", saved.get("graph", {}).get(
+            "structure_by_rank"), fingerprint.get("graph", {}).get("structure_by_rank")) == [] else \
+            "structure (same size, other edges)"
+        raise RuntimeFailure(f"checkpoint {found} was written for another graph (the ranks' graph {what} "
+                             "differs); resume with the same graph")
     return Checkpoint(found, meta)
 
 
@@ -398,8 +409,13 @@ def save(options: CheckpointOptions, epoch: int, tensors: dict[str, torch.Tensor
         return _publish(options, epoch, staging, final, meta, plan_json)
     except (OSError, CheckpointException) as e:  # (CheckpointException is a BaseException)
         cause = _os_error(e)
+        published = rank == 0 and not staging.exists() and (final / "meta.json").is_file()  # renamed into place
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
+        if published:
+            raise RuntimeFailure(f"checkpoint of epoch {epoch} is complete in {final} but publishing it failed: "
+                                 f"{_describe(cause)}; a resume finds it (the newest complete checkpoint), "
+                                 "whatever 'latest' says") from cause
         previous = latest(d, warn=False) if d.is_dir() else None
         raise RuntimeFailure(f"checkpoint of epoch {epoch} could not be written to checkpoint_dir {str(d)!r}: "
                              f"{_describe(cause)}; "
@@ -471,11 +487,15 @@ def _json_default(v: Any) -> Any:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def set_optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, state: dict[str, torch.Tensor],

@@ -1116,7 +1116,10 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
         epoch_time.append(time.perf_counter() - t0)
         with probe("metrics", epoch):
             t1 = time.perf_counter()
-            do_eval = (epoch + 1) % eval_every == 0 or epoch == epochs - 1
+            # the last epoch is evaluated off the schedule too: reported, but neither the best
+            # parameters nor patience follow it, and checkpoints leave it out (History.best_epoch)
+            scheduled = (epoch + 1) % eval_every == 0
+            do_eval = scheduled or epoch == epochs - 1
             # the epoch's loss and correct predictions stay on the device until the one read below
             stats = torch.zeros(4, dtype=torch.float64, device=device)
             if loss is not None:
@@ -1147,17 +1150,19 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
             if lines is not None:
                 lines.update(epoch, history["loss"][-1], history["val_acc"][-1])
             val = history["val_acc"][-1]
-            if do_eval and not math.isnan(val) and val > best["val"]:  # the first epoch of the best accuracy
+            if scheduled and not math.isnan(val) and val > best["val"]:  # the first epoch of the best accuracy
                 best.update(val=val, epoch=epoch, params={n: p.detach().cpu().clone()
                                                           for n, p in zip(prog.param_names, params) if n in owned})
                 rank.best_buffers = {n: b.detach().cpu().clone() for n, b in run_buffers(prog).items()}
-            if patience is not None and do_eval and \
+            if patience is not None and scheduled and \
                     epoch - (-1 if best["epoch"] is None else best["epoch"]) >= patience:
                 stopped_at = epoch  # every rank sees the same (reduced) accuracies, so all stop here
             if checkpoint is not None and ((epoch + 1) % checkpoint.every == 0 or epoch == epochs - 1
                                            or stopped_at is not None):
                 t_save = time.perf_counter()
-                _save_rank(rank, optimizer, checkpoint, epoch + 1, owned, best, history, epoch_time, stopped_at,
+                kept = history if scheduled else {k: v[:-1] + [math.nan] if k.endswith("_acc") else v
+                                                  for k, v in history.items()}
+                _save_rank(rank, optimizer, checkpoint, epoch + 1, owned, best, kept, epoch_time, stopped_at,
                            opts, ck_group)
                 checkpoint_time.append(time.perf_counter() - t_save)
         if stopped_at is not None:
@@ -1358,7 +1363,7 @@ def _restore_rank(rank: "_Rank", optimizer: torch.optim.Optimizer, path: str, me
 def plan_fingerprint(plan: Plan) -> dict[str, Any]:
     """What a checkpoint of ``plan``'s run must match to be resumed: the model (class, parameter
     names, shapes, dtypes, and a hash of its trace: ``info["model_hash"]``), the graph (its
-    description and a hash of each rank's structure) and the plan (strategy, semantics,
+    description and a hash of each rank's structure and of its features, labels and masks) and the plan (strategy, semantics,
     relaxations, options, ranks); :func:`_prepare_run` adds the training settings."""
     programs: list[RankProgram] = plan.program
     p0 = programs[0]
@@ -1367,12 +1372,23 @@ def plan_fingerprint(plan: Plan) -> dict[str, Any]:
         graphs = [prog.step.inputs.get("g")] + [ci.get("g") for _, ci in sorted(prog.step.chunk_inputs.items())]
         return ckpt.tensor_hash(*[t for g in graphs if g is not None for t in (g.indptr, g.indices)])
 
+    def data(prog: RankProgram) -> str:
+        """The rank's features, labels and masks (a sampled or regrouped source: its graph's)."""
+        step = prog.step
+        sources = [getattr(step.sampled, "graph", None), getattr(getattr(step.regroup, "regrouping", None), "graph",
+                                                                 None)]
+        return ckpt.tensor_hash(step.inputs.get("x"), *[ci.get("x") for _, ci in sorted(step.chunk_inputs.items())],
+                                step.labels, *[step.masks.get(m) for m in ("train", "val", "test")],
+                                *[t for g in sources if g is not None
+                                  for t in (g.x, g.y, g.train_mask, g.val_mask, g.test_mask)])
+
     options = json.loads(json.dumps(plan.options, sort_keys=True, default=str))
     return {"model": {"class": plan.info.get("model"),
                       "params": [[n, list(p.shape), str(p.dtype)] for n, p in zip(p0.param_names, p0.params)],
                       # what it computes: code and hyperparameters (a dropout rate), as traced
                       "traced": plan.info.get("model_hash")},
-            "graph": {"description": plan.info.get("graph"), "structure_by_rank": [structure(p) for p in programs]},
+            "graph": {"description": plan.info.get("graph"), "structure_by_rank": [structure(p) for p in programs],
+                      "data_by_rank": [data(p) for p in programs]},
             "plan": {"strategy": plan.strategy, "semantics": plan.semantics, "relaxations": list(plan.relaxations),
                      "options": options, "ranks": plan.num_ranks}}
 
@@ -1481,7 +1497,7 @@ def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: floa
     check_timeout(timeout)
     options, run_options = _prepare_run(plan, epochs, lr, weight_decay, capture=capture,
                                         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                                        resume=resume, patience=patience, seed=seed)
+                                        resume=resume, patience=patience, seed=seed, eval_every=eval_every)
     try:
         result = _run_plan(plan, epochs, lr, weight_decay, seed=seed, eval_every=eval_every, timeout=timeout,
                            capture=capture, update_model=update_model, fail_at=fail_at,
@@ -1499,14 +1515,14 @@ def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: floa
 
 def _prepare_run(plan: Plan, epochs: int, lr: float, weight_decay: float, *, capture: bool,
                  checkpoint_dir: Optional[str | os.PathLike], checkpoint_every: int, resume: bool,
-                 patience: Optional[int], seed: Optional[int] = 0, create: bool = True, missing_note: str = "") \
-        -> tuple[Optional[ckpt.CheckpointOptions], dict[str, Any]]:
+                 patience: Optional[int], seed: Optional[int] = 0, create: bool = True, missing_note: str = "",
+                 eval_every: int = 1) -> tuple[Optional[ckpt.CheckpointOptions], dict[str, Any]]:
     """What :func:`run_plan` and :func:`run_plan_torchrun` do before any rank trains: check the
     arguments, fingerprint the plan and decide what to resume from (:func:`ckpt.prepare`; with
     ``create=False`` it only reads, for every torchrun process; ``missing_note`` ends the error for
     a missing checkpoint). Returns the checkpoint options (``None``: no checkpoints) and the
     ``run_options`` of :func:`execute_rank`."""
-    check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir)
+    check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir, eval_every=eval_every)
     programs: list[RankProgram] = plan.program
     counts = programs[0].counts
     if not counts.get("labels", 1):
@@ -1584,7 +1600,7 @@ def _run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: flo
     h0 = results[0]["history"]
     history = History(loss=h0["loss"], train_acc=h0["train_acc"], val_acc=h0["val_acc"], test_acc=h0["test_acc"],
                       epoch_time=[max(r["epoch_time"][e] for r in results) for e in range(len(h0["loss"]))],
-                      eval_time=h0["eval_time"], stopped_at=results[0].get("stopped_at"))
+                      eval_time=h0["eval_time"], stopped_at=results[0].get("stopped_at"), eval_every=eval_every)
     p0 = programs[0]
     if results[0]["best"]["epoch"] is not None:  # each parameter from its owner
         history._best_state = {n: results[p0.placement.holder(n)]["best"]["params"][n]
@@ -1707,7 +1723,7 @@ def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_de
                              f"{plan.num_ranks}")
     options, run_options = _prepare_run(plan, epochs, lr, weight_decay, capture=False, checkpoint_dir=checkpoint_dir,
                                         checkpoint_every=checkpoint_every, resume=resume, patience=patience,
-                                        seed=seed, create=False, missing_note=ckpt.SHARED_FS)
+                                        seed=seed, create=False, missing_note=ckpt.SHARED_FS, eval_every=eval_every)
     programs: list[RankProgram] = plan.program
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     placement = _placement(local_world, device, backend)
@@ -1725,7 +1741,8 @@ def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_de
         return None
     h = r["history"]
     history = History(loss=h["loss"], train_acc=h["train_acc"], val_acc=h["val_acc"], test_acc=h["test_acc"],
-                      epoch_time=r["epoch_time"], eval_time=h["eval_time"], stopped_at=r.get("stopped_at"))
+                      epoch_time=r["epoch_time"], eval_time=h["eval_time"], stopped_at=r.get("stopped_at"),
+                      eval_every=eval_every)
     last = None if options is None else ckpt.latest(options.directory)
     if last is not None and r["best"]["epoch"] is not None:  # each owner wrote its best parameters there
         names = programs[0].param_names

@@ -9,6 +9,7 @@ plan: for the same samples); relaxed plans report their distance from it.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import sys
@@ -38,9 +39,12 @@ class History:
     """Per-epoch record of a training run (one list entry per epoch).
 
     ``epoch_time`` is the wall time of the training step (forward, backward, optimizer step);
-    evaluation time is kept apart in ``eval_time``. ``best_epoch`` is the epoch with the highest
-    validation accuracy (first on ties) and ``test_acc_at_best_val`` the test accuracy there: the
-    number papers report. ``stopped_at``: the epoch after which ``patience`` stopped training
+    evaluation time is kept apart in ``eval_time``. Accuracies are measured every ``eval_every``
+    epochs (NaN in between) and at the last epoch. ``best_epoch`` is the scheduled evaluation (every
+    ``eval_every``-th epoch; the last one's extra evaluation is reported but not chosen, so a run
+    continued with ``resume`` chooses as one run straight through) with the highest validation
+    accuracy (first on ties) and ``test_acc_at_best_val`` the test accuracy there: the number papers
+    report. ``stopped_at``: the epoch after which ``patience`` stopped training
     (``None``: it ran every epoch). :meth:`best_state_dict` gives the parameters at ``best_epoch``
     when the run kept them (``gc.train`` and ``plan.run`` do).
     """
@@ -52,6 +56,7 @@ class History:
     epoch_time: list[float] = field(default_factory=list)
     eval_time: list[float] = field(default_factory=list)
     stopped_at: Optional[int] = None
+    eval_every: int = 1
 
     def best_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state (by parameter name) at ``best_epoch``, the epoch of the highest
@@ -70,10 +75,11 @@ class History:
 
     @property
     def best_epoch(self) -> int:
-        if not self.val_acc or all(math.isnan(v) for v in self.val_acc):
+        scheduled = [(i, v) for i, v in enumerate(self.val_acc) if (i + 1) % self.eval_every == 0 and not math.isnan(v)]
+        if not scheduled:
             return len(self.loss) - 1
-        best = max(v for v in self.val_acc if not math.isnan(v))
-        return next(i for i, v in enumerate(self.val_acc) if v == best)
+        best = max(v for _, v in scheduled)
+        return next(i for i, v in scheduled if v == best)
 
     @property
     def best_val_acc(self) -> float:
@@ -271,12 +277,12 @@ def adam(params: Any, lr: float, weight_decay: float) -> torch.optim.Adam:
 
 def check_training_args(epochs: Any, lr: Any, weight_decay: Any, patience: Any = None, resume: bool = False,
                         checkpoint_dir: Any = None, *, model: Optional[torch.nn.Module] = None,
-                        dtype: Any = None) -> None:
+                        dtype: Any = None, eval_every: Any = 1) -> None:
     """Refuse training arguments no run can use (before any work or rank starts): ``epochs`` an
     int >= 0, ``lr`` finite and > 0, ``weight_decay`` finite and >= 0, ``patience`` ``None`` or an
-    int >= 1, ``resume`` only with a ``checkpoint_dir``, a ``model`` (when given) with a trainable
-    parameter, ``dtype`` ``None`` or a floating ``torch.dtype``; raises
-    :class:`~gnncompile.ArgumentError` (a ``ValueError``)."""
+    int >= 1, ``eval_every`` an int >= 1, ``checkpoint_dir`` not empty, ``resume`` only with a
+    ``checkpoint_dir``, a ``model`` (when given) with a trainable parameter, ``dtype`` ``None`` or a
+    floating ``torch.dtype``; raises :class:`~gnncompile.ArgumentError` (a ``ValueError``)."""
     if model is not None and not any(p.requires_grad for p in model.parameters()):
         raise ArgumentError(f"model: {type(model).__name__} has no trainable parameters (nothing for Adam to "
                             "update); give it a layer with weights, e.g. gnncompile.nn.GCN")
@@ -291,6 +297,10 @@ def check_training_args(epochs: Any, lr: Any, weight_decay: Any, patience: Any =
         raise ArgumentError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
     if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
         raise ArgumentError(f"patience must be an int >= 1 or None, got {patience!r}")
+    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
+        raise ArgumentError(f"eval_every must be an int >= 1, got {eval_every!r}")
+    if checkpoint_dir is not None and not os.fspath(checkpoint_dir):  # ("" is the current directory)
+        raise ArgumentError("checkpoint_dir is an empty path; give a directory (it is created if missing)")
     if resume and checkpoint_dir is None:
         raise ArgumentError("resume=True needs checkpoint_dir (the directory of the run's checkpoints)")
 
@@ -376,14 +386,13 @@ def train(
         Loss and accuracies per epoch, and per-epoch step times; ``best_state_dict()`` gives the
         model's state at the best validation accuracy.
     """
-    check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir, model=model, dtype=dtype)
+    check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir, model=model, dtype=dtype,
+                        eval_every=eval_every)
     minibatch = None
     if batch_size is not None or fanouts is not None or eval_fanouts is not None:
         if batch_size is None:
             raise ArgumentError("fanouts / eval_fanouts need batch_size (sampled mini-batch training)")
         minibatch = MiniBatch.of(batch_size, fanouts, eval_fanouts)
-    if eval_every < 1:
-        raise ArgumentError(f"eval_every must be >= 1, got {eval_every}")
     _check_trainable(graph)
     if patience is not None and (graph.val_mask is None or int(graph.val_mask.sum()) == 0):
         raise ArgumentError("patience needs validation vertices (the graph's val_mask is empty)")
@@ -432,7 +441,7 @@ def train(
 
     # dropout draws its masks as plans do (see plan_dropout_draws)
     draws = plan_dropout_draws()
-    hist = History()
+    hist = History(eval_every=eval_every)
     best: dict[str, Any] = {"val": -math.inf, "epoch": None, "state": None}
     start = 0
     fingerprint: dict[str, Any] = {}
@@ -473,7 +482,11 @@ def train(
 
         with probe("metrics", epoch):
             t1 = time.perf_counter()
-            evaluated = (epoch + 1) % eval_every == 0 or epoch == epochs - 1
+            # the last epoch is evaluated off the schedule too: reported, but neither the best
+            # parameters nor patience follow it, and checkpoints leave it out, so that a run continued
+            # with resume equals one run straight through
+            scheduled = (epoch + 1) % eval_every == 0
+            evaluated = scheduled or epoch == epochs - 1
             if evaluated and (minibatch is None or minibatch.eval_fanouts is None):
                 # the epoch's one host synchronization: its loss and its evaluation, read together
                 stats = torch.cat([epoch_loss.to(torch.float64).reshape(1),
@@ -491,7 +504,7 @@ def train(
                 progress.set_postfix(loss=f"{hist.loss[-1]:.4f}", val=f"{hist.val_acc[-1]:.3f}")
             if lines is not None:
                 lines.update(epoch, hist.loss[-1], hist.val_acc[-1])
-            val = hist.val_acc[-1]
+            val = hist.val_acc[-1] if scheduled else math.nan
             if not math.isnan(val) and val > best["val"]:
                 best.update(val=val, epoch=epoch,
                             state={k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -500,7 +513,8 @@ def train(
                 hist.stopped_at = epoch
             if options is not None and ((epoch + 1) % options.every == 0 or epoch == epochs - 1
                                         or hist.stopped_at is not None):
-                _save_train(options, epoch + 1, model, optimizer, hist, best, fingerprint, device)
+                _save_train(options, epoch + 1, model, optimizer, hist if scheduled else _off_schedule_dropped(hist),
+                            best, fingerprint, device)
         if hist.stopped_at is not None:
             break
     if progress is not None:
@@ -562,11 +576,20 @@ def _sampled_evaluation(model: BlockModel, host: Graph, x: torch.Tensor, mb: Min
     return out
 
 
+def _off_schedule_dropped(hist: History) -> History:
+    """``hist`` with its last epoch's accuracies NaN (an evaluation off the ``eval_every`` schedule:
+    what a checkpoint records, :func:`train`)."""
+    out = copy.copy(hist)
+    for k in ("train_acc", "val_acc", "test_acc"):
+        setattr(out, k, getattr(hist, k)[:-1] + [math.nan])
+    return out
+
+
 def _train_fingerprint(model: torch.nn.Module, graph: Graph, minibatch: Optional[MiniBatch] = None, *,
                        seed: Optional[int] = None, lr: float = 0.01, weight_decay: float = 5e-4) -> dict[str, Any]:
     """What a checkpoint of :func:`train` must match: the model (class, state names, shapes,
     dtypes, and its other hyperparameters, e.g. dropout rates: :func:`ckpt.module_signature`), the
-    graph (name, sizes, a hash of its structure), the run (single device; the mini-batches' size
+    graph (name, sizes, a hash of its structure and one of its features, labels and masks), the run (single device; the mini-batches' size
     and fanouts: a step's batch and sample follow from them, the seed, the epoch and the step, so
     nothing else of the sampler is saved) and the training settings (``seed``, ``lr``,
     ``weight_decay``)."""
@@ -578,7 +601,8 @@ def _train_fingerprint(model: torch.nn.Module, graph: Graph, minibatch: Optional
                       "params": [[k, list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()],
                       "modules": ckpt.module_signature(model)},
             "graph": {"name": graph.name, "num_nodes": int(graph.num_nodes), "num_edges": int(graph.num_edges),
-                      "features": int(graph.x.shape[-1]), "structure": ckpt.tensor_hash(graph.indptr, graph.indices)},
+                      "features": int(graph.x.shape[-1]), "structure": ckpt.tensor_hash(graph.indptr, graph.indices),
+                      "data": ckpt.tensor_hash(graph.x, graph.y, graph.train_mask, graph.val_mask, graph.test_mask)},
             "plan": plan,
             "training": {"seed": None if seed is None else int(seed), "lr": float(lr),
                          "weight_decay": float(weight_decay)}}
