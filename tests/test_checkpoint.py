@@ -720,3 +720,19 @@ def test_a_checkpoint_renamed_into_place_but_not_published_says_so(sbm: gc.Graph
     (tmp_path / "latest").rmdir()
     straight = gc.train(_gcn(sbm), sbm, 2, verbose=False)
     assert gc.train(_gcn(sbm), sbm, 2, checkpoint_dir=tmp_path, resume=True, verbose=False).loss == straight.loss
+
+
+def test_a_second_run_into_a_directory_in_use_is_refused(sbm: gc.Graph, tmp_path: Path) -> None:
+    """Two runs started into one checkpoint_dir at once both passed the "already holds checkpoints"
+    check and wrote into it: mixed checkpoints (one run's files under the other's meta.json). A run
+    holds the directory (flock) from its start to its end."""
+    d = tmp_path / "ck"
+    plan = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data")
+    with ckpt.claimed(d):   # another run holds it
+        with pytest.raises(RuntimeFailure, match="is in use by another run writing checkpoints there"):
+            gc.train(_gcn(sbm), sbm, 2, checkpoint_dir=d, verbose=False)
+        with pytest.raises(RuntimeFailure, match="is in use by another run writing checkpoints there"):
+            plan.run(2, checkpoint_dir=d, progress=False)
+    assert list(d.iterdir()) == []
+    gc.train(_gcn(sbm), sbm, 2, checkpoint_dir=d, verbose=False)   # free again once it ended
+    assert sorted(p.name for p in d.iterdir()) == ["best.pt", "epoch-2", "latest"]

@@ -38,6 +38,7 @@ back. ``tests/test_checkpoint.py::check_resume_matches_straight`` is the test to
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -46,13 +47,13 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from ..errors import ArgumentError, RuntimeFailure
 
-__all__ = ["CheckpointOptions", "Checkpoint", "RANK_STATE", "register_rank_state", "prepare", "make_directory", "save",
+__all__ = ["CheckpointOptions", "Checkpoint", "RANK_STATE", "register_rank_state", "claimed", "prepare", "make_directory", "save",
            "set_optimizer_state", "load_tensors", "write_best", "resume_hint", "tensor_hash", "compare_fingerprints",
            "latest", "SHARED_FS", "module_signature", "RECORDED_LATER"]
 
@@ -321,6 +322,41 @@ def make_directory(options: CheckpointOptions) -> None:
         shutil.rmtree(stale, ignore_errors=True)
     for stale in d.glob(".latest.tmp*"):  # a 'latest' being written when its run died
         stale.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def claimed(directory: Optional[str | os.PathLike], resume: bool = False) -> Iterator[None]:
+    """Hold ``directory`` (a run's ``checkpoint_dir``; ``None``: nothing) for the run: an exclusive
+    ``flock`` of the directory, taken before the run decides what the directory holds and kept to
+    its end, so that a second run into it at the same time is refused (:class:`RuntimeFailure`
+    naming the process holding it) instead of mixing its checkpoints with the first's. A directory
+    that does not exist is created (not for ``resume``: :func:`prepare` refuses that). Local runs
+    only: a torchrun job's ranks on several machines decide from the shared files."""
+    if directory is None:
+        yield
+        return
+    d = Path(directory).expanduser()
+    if not d.is_dir():
+        if resume:
+            yield
+            return
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RuntimeFailure(f"checkpoint_dir {str(d)!r} cannot be created: {e.strerror or e}") from None
+    try:
+        fd = os.open(d, os.O_RDONLY)  # the directory itself: no file of its own in it
+    except OSError as e:
+        raise RuntimeFailure(f"checkpoint_dir {str(d)!r} cannot be opened: {e.strerror or e}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeFailure(f"checkpoint_dir {str(d)!r} is in use by another run writing checkpoints there; "
+                                 "wait for it to end, or use another directory") from None
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
 
 
 def prepare(options: CheckpointOptions, fingerprint: dict[str, Any], *,

@@ -1495,22 +1495,24 @@ def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: floa
     the parameters at the best validation accuracy.
     """
     check_timeout(timeout)
-    options, run_options = _prepare_run(plan, epochs, lr, weight_decay, capture=capture,
-                                        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                                        resume=resume, patience=patience, seed=seed, eval_every=eval_every)
-    try:
-        result = _run_plan(plan, epochs, lr, weight_decay, seed=seed, eval_every=eval_every, timeout=timeout,
-                           capture=capture, update_model=update_model, fail_at=fail_at,
-                           threads_per_rank=threads_per_rank, device=device, backend=backend,
-                           stage_through_host=stage_through_host, progress=progress, run_options=run_options)
-    except RankFailure as e:
-        if options is not None:
-            e.args = (f"{e}\n{ckpt.resume_hint(options.directory, 'plan.run')}",)
-        raise
-    if options is not None and getattr(result.history, "_best_state", None) is not None:
-        ckpt.write_best(options.directory, result.history._best_state, result.history.best_epoch,
-                        result.history.best_val_acc)
-    return result
+    check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir, eval_every=eval_every)
+    with ckpt.claimed(checkpoint_dir, resume):  # (a second run into it meanwhile is refused)
+        options, run_options = _prepare_run(plan, epochs, lr, weight_decay, capture=capture,
+                                            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                                            resume=resume, patience=patience, seed=seed, eval_every=eval_every)
+        try:
+            result = _run_plan(plan, epochs, lr, weight_decay, seed=seed, eval_every=eval_every, timeout=timeout,
+                               capture=capture, update_model=update_model, fail_at=fail_at,
+                               threads_per_rank=threads_per_rank, device=device, backend=backend,
+                               stage_through_host=stage_through_host, progress=progress, run_options=run_options)
+        except RankFailure as e:
+            if options is not None:
+                e.args = (f"{e}\n{ckpt.resume_hint(options.directory, 'plan.run')}",)
+            raise
+        if options is not None and getattr(result.history, "_best_state", None) is not None:
+            ckpt.write_best(options.directory, result.history._best_state, result.history.best_epoch,
+                            result.history.best_val_acc)
+        return result
 
 
 def _prepare_run(plan: Plan, epochs: int, lr: float, weight_decay: float, *, capture: bool,

@@ -388,6 +388,34 @@ def train(
     """
     check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir, model=model, dtype=dtype,
                         eval_every=eval_every)
+    with ckpt.claimed(checkpoint_dir, resume):  # (a second run into it meanwhile is refused)
+        return _train(model, graph, epochs, lr, weight_decay, seed=seed, device=device, dtype=dtype,
+                      eval_every=eval_every, verbose=verbose, checkpoint_dir=checkpoint_dir,
+                      checkpoint_every=checkpoint_every, resume=resume, patience=patience, batch_size=batch_size,
+                      fanouts=fanouts, eval_fanouts=eval_fanouts)
+
+
+def _train(
+    model: torch.nn.Module,
+    graph: Graph,
+    epochs: int = 200,
+    lr: float = 0.01,
+    weight_decay: float = 5e-4,
+    *,
+    seed: Optional[int] = 0,
+    device: str | torch.device = "cpu",
+    dtype: Optional[torch.dtype] = None,
+    eval_every: int = 1,
+    verbose: Optional[bool] = None,
+    checkpoint_dir: Optional[str | os.PathLike] = None,
+    checkpoint_every: int = 10,
+    resume: bool = False,
+    patience: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    fanouts: Optional[Sequence[int]] = None,
+    eval_fanouts: Optional[Sequence[int]] = None,
+) -> History:
+    """:func:`train` (its arguments checked), its checkpoint directory claimed."""
     minibatch = None
     if batch_size is not None or fanouts is not None or eval_fanouts is not None:
         if batch_size is None:
