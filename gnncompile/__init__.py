@@ -39,6 +39,7 @@ from .ir import TPGraph, verify_plan
 from .api import Plan, load_plan, plan
 from .calibration import calibrate
 from .cost_models.hardware import Cluster
+from .runtime.launcher import RankFailure
 from .runtime.trainer import History, train
 
 __version__ = "0.1.0"
@@ -66,6 +67,7 @@ __all__ = [
     "KernelError",
     "PlanningError",
     "RuntimeFailure",
+    "RankFailure",
     "TraceError",
     "datasets",
     "nn",

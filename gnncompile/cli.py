@@ -97,10 +97,20 @@ def device_name(text: str) -> str:
 
 
 def ranks_or_cluster(text: str) -> Union[int, str]:
-    """``--gpus``: a number of local ranks (>= 1), or a cluster description (``4xA5000``), which the
-    planner parses (and refuses, listing the valid names) before anything runs."""
+    """``--gpus``: a number of local ranks (>= 1), or a cluster description (``4xA5000``), parsed
+    here so that a bad one is a usage error (listing the valid names) before anything runs."""
     if text.strip().lstrip("+-").isdigit():
         return positive_int(text)
+    from .cost_models.hardware import DEVICES, Cluster
+    from .errors import PlanningError
+
+    try:
+        Cluster.parse(text)
+    except PlanningError as e:  # (one usage line: its first clause and the models or the grammar)
+        first = str(e).split("; ")[0]
+        hint = f"models: {', '.join(DEVICES)}" if "model" in first else \
+            "expected [NODESx]DEVICESxMODEL[-LINK], e.g. 4xA5000 or 2x4xA100-ib200"
+        raise argparse.ArgumentTypeError(f"{first}; {hint}") from None
     return text
 
 
@@ -284,6 +294,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from .runtime.executor import run_plan_torchrun
 
         graph, model, p = _make_plan(args, runnable=True)
+        if not args.quiet and os.environ.get("RANK", "0") == "0":
+            print(p)
+            print()
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{p.num_ranks} ranks under torchrun (world {os.environ.get('WORLD_SIZE', '?')}, "
+                  f"{os.environ.get('LOCAL_WORLD_SIZE', '?')} on this machine); planned for {p.cluster}")
         res = run_plan_torchrun(p, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                                 timeout=args.timeout, **placement, **_checkpointing(args))
         if res is None:  # not rank 0
@@ -310,26 +326,32 @@ def _cmd_run(args: argparse.Namespace) -> int:
                   f"{hist.test_acc_at_best_val:.4f}", f"{hist.final_test_acc:.4f}",
                   f"{hist.median_epoch_time() * 1e3:.1f} ms")
     console.print(table)
-    comm = Table(title="per rank, one training step (measured)")
-    for col in ("rank", "vertices", "halo rows", "bytes sent", "bytes received", "predicted sent", "peak tensor memory",
-                "step time (median)"):
-        comm.add_column(col, justify="right")
-    halo = p.info.get("halo_rows", [])
-    for r in res.ranks:
-        ts = sorted(r.epoch_time[1:] or r.epoch_time)
-        comm.add_row(str(r.rank), f"{_vertices_held(p, r):,}", f"{halo[r.rank]:,}" if r.rank < len(halo) else "-",
-                     f"{r.bytes_sent:,}", f"{r.bytes_received:,}", f"{p.predictions['bytes_sent'][r.rank]:,}",
-                     f"{r.peak_memory / 2**20:.1f} MiB", f"{ts[len(ts) // 2] * 1e3:.1f} ms" if ts else "-")
-    console.print(comm)
-    if p.prediction is not None:
-        measured = sorted(res.ranks[0].epoch_time[1:] or res.ranks[0].epoch_time)
-        med = measured[len(measured) // 2] if measured else float("nan")
-        pred = p.prediction
-        above = max(pred.first_step_above_resident())
-        print(f"step time: predicted {pred.step_time * 1e3:.1f} ms{pred.cluster.prediction_label} on {p.cluster}, "
-              f"measured {med * 1e3:.1f} ms "
-              f"(median); tensor memory of the first step above resident data, predicted peak {above / 2**20:.1f} "
-              f"MiB per rank (measured: the peak tensor memory column)")
+    if not any(r.timeline for r in res.ranks):  # a resumed run whose checkpoint had ended: nothing measured
+        print(f"no epoch trained in this run: its checkpoint holds {len(hist.loss)} epochs"
+              + (f" and stopped early at epoch {hist.stopped_at + 1}" if hist.stopped_at is not None else ""))
+    else:
+        comm = Table(title="per rank, one training step (measured)" if len(res.ranks) == p.num_ranks else
+                     f"rank 0 of {p.num_ranks}, one training step (measured; under torchrun each process has its own)")
+        for col in ("rank", "vertices", "halo rows", "bytes sent", "bytes received", "predicted sent",
+                    "peak tensor memory", "step time (median)"):
+            comm.add_column(col, justify="right")
+        halo = p.info.get("halo_rows", [])
+        for r in res.ranks:
+            ts = sorted(r.epoch_time[1:] or r.epoch_time)
+            comm.add_row(str(r.rank), f"{_vertices_held(p, r):,}",
+                         f"{halo[r.rank]:,}" if r.rank < len(halo) else "-", f"{r.bytes_sent:,}",
+                         f"{r.bytes_received:,}", f"{p.predictions['bytes_sent'][r.rank]:,}",
+                         f"{r.peak_memory / 2**20:.1f} MiB", f"{ts[len(ts) // 2] * 1e3:.1f} ms" if ts else "-")
+        console.print(comm)
+        if p.prediction is not None:
+            measured = sorted(res.ranks[0].epoch_time[1:] or res.ranks[0].epoch_time)
+            med = measured[len(measured) // 2] if measured else float("nan")
+            pred = p.prediction
+            above = max(pred.first_step_above_resident())
+            print(f"step time: predicted {pred.step_time * 1e3:.1f} ms{pred.cluster.prediction_label} on "
+                  f"{p.cluster}, measured {med * 1e3:.1f} ms "
+                  f"(median); tensor memory of the first step above resident data, predicted peak {above / 2**20:.1f} "
+                  f"MiB per rank (measured: the peak tensor memory column)")
     _report_plan(p, args)
     if args.json:
         _write_json(args.json, {"dataset": graph.name, "model": args.model, "strategy": p.strategy,
@@ -676,7 +698,7 @@ def _add_strategy_options(p: argparse.ArgumentParser) -> None:
             text, note = _split_default(s.cli or _first_sentence(s.doc))
             docs.setdefault(text, ([], note))[0].append(who)
         text = "; ".join(f"{', '.join(who)}: {doc}" for doc, (who, _) in docs.items())
-        notes = "; ".join(note if len(owners) == 1 else f"{', '.join(who)}: {note}"
+        notes = "; ".join(note if len(docs) == 1 else f"{', '.join(who)}: {note}"
                           for who, note in docs.values() if note)
         if len(tried.get(name, ())) > 1:
             default = "searched" + (f", or {spec.default!r} with a named strategy" if spec.pinned else "")
@@ -737,14 +759,18 @@ def _add_model_args(t: argparse.ArgumentParser, MODELS: dict, *, training: bool 
         t.add_argument("--epochs", type=positive_int, default=200, help="training epochs (default: 200)")
     t.add_argument("--hidden", type=positive_int, default=64, help="hidden width (per head for gat; default: 64)")
     t.add_argument("--layers", type=positive_int, default=2, help="number of layers (default: 2)")
+    with_heads = _models_taking("heads", MODELS)
     t.add_argument("--heads", type=positive_int, default=None,
-                   help=f"attention heads ({', '.join(_models_taking('heads', MODELS))} only)")
+                   help=f"attention heads ({', '.join(with_heads)} only; default: "
+                        + ", ".join(f"{inspect.signature(MODELS[m]).parameters['heads'].default} for {m}"
+                                    for m in with_heads) + ")")
     t.add_argument("--dropout", type=probability, default=0.5, help="dropout probability (default: 0.5)")
     if training:
         t.add_argument("--lr", type=positive_float, default=0.01, help="Adam learning rate (default: 0.01)")
         t.add_argument("--weight-decay", type=non_negative_float, default=5e-4,
                        help="Adam weight decay (default: 5e-4)")
-    t.add_argument("--seed", type=non_negative_int, default=0, help="seed for weights, dropout, partitioning and synthetic graphs")
+    t.add_argument("--seed", type=non_negative_int, default=0,
+                   help="seed for weights, dropout, partitioning and synthetic graphs (default: 0)")
     t.add_argument("--num-nodes", type=positive_int, default=None,
                    help="synthetic graphs (sbm, rmat, er) only: number of vertices")
     t.add_argument("--avg-degree", type=positive_float, default=None,
@@ -1003,11 +1029,14 @@ def _attach_number_lists(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(_attach_number_lists(sys.argv[1:] if argv is None else list(argv)))
+    args, extra = parser.parse_known_args(_attach_number_lists(sys.argv[1:] if argv is None else list(argv)))
+    command = _command_parser(parser, args.command)  # (its usage line on its errors)
+    if extra:
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "resume", False) and args.checkpoint_dir is None:
-        parser.error("--resume needs --checkpoint-dir DIR (the directory of the run's checkpoints)")
+        command.error("--resume needs --checkpoint-dir DIR (the directory of the run's checkpoints)")
 
-    _check_arguments(_command_parser(parser, args.command), args)
+    _check_arguments(command, args)
     # `--json -` (`--save -`, `--dot -`; a command has one of them): that output alone on standard
     # output, the rest on standard error
     dashes = [dest for dest in _TO_STDOUT if getattr(args, dest, None) == "-"]
@@ -1029,7 +1058,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"gnncompile: error: {msg}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("gnncompile: interrupted", file=sys.stderr)
+        d = getattr(args, "checkpoint_dir", None)
+        print("gnncompile: interrupted" + (f"; continue from the last checkpoint with --checkpoint-dir {d} --resume"
+                                           if d is not None else ""), file=sys.stderr)
         return 130
 
 

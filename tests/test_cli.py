@@ -56,6 +56,10 @@ BAD = [
     (["train", "--num-nodes", "0"], "--num-nodes", "positive integer"),
     (["train", "--device", "gpu"], "--device", "cpu, cuda or cuda:N"),
     (["run", "--dist-backend", "mpi"], "--dist-backend", "invalid choice"),
+    # a cluster description is parsed with the flags (it exited 1 after them)
+    (["run", "--gpus", "abc"], "--gpus", "unknown device model 'abc'"),
+    (["plan", "--gpus", "4x"], "--gpus", "cannot parse cluster spec '4x'"),
+    (["plan", "--gpus", "0x4xA5000"], "--gpus", "node and device counts must be >= 1"),
 ]
 
 
@@ -524,6 +528,29 @@ def test_calibrate_prints_a_summary_and_the_record_only_on_request(tmp_path: Pat
     assert len(json.loads(out)["spmm_curve"]) == 200 and "GEMM float32" in err
     assert cli.main(["calibrate", "--quick", "--out", str(profile), "--json", str(tmp_path / "cal.json")]) == 0
     assert json.loads((tmp_path / "cal.json").read_text())["host"] == "box"
+
+
+def test_usage_errors_of_a_command_print_its_usage(capsys: Any) -> None:
+    """An unknown flag and ``--resume`` without ``--checkpoint-dir`` printed the top-level usage."""
+    for argv, says in ((["plan", "--quiet"], "unrecognized arguments: --quiet"),
+                       (["train", "--resume"], "--resume needs --checkpoint-dir")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert f"usage: gnncompile {argv[0]} " in err and f"gnncompile {argv[0]}: error: {says}" in err
+
+
+def test_resuming_a_run_that_had_ended_says_nothing_was_trained(tmp_path: Path, capsys: Any) -> None:
+    """It printed a measured table of zeros beside the predictions, and a step time."""
+    argv = ["run", "--dataset", "sbm", "--num-nodes", "60", "--gpus", "2", "--epochs", "2", "--quiet",
+            "--checkpoint-dir", str(tmp_path / "ck")]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    assert cli.main(argv + ["--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "no epoch trained in this run: its checkpoint holds 2 epochs" in out
+    assert "one training step (measured)" not in out and "step time: predicted" not in out
 
 
 def test_calibrate_prints_the_warnings_of_a_busy_host() -> None:

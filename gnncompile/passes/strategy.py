@@ -132,7 +132,8 @@ class StrategyOptions:
                                          "a slower backward product). Exact either way. Not given, the planner "
                                          "takes 'push' for a candidate that fits only without the transposes.",
                            kind="choice", choices=BACKWARD_PRODUCTS, neutral=ANY,
-                           cli="backward product of propagations")
+                           cli="backward product of propagations (default: 'transposed', or 'push' for a plan "
+                               "that fits only without the transposes)")
 
     def __post_init__(self) -> None:
         for spec in self.specs():

@@ -1239,8 +1239,8 @@ def resolve_placement(num_ranks: int, num_gpus: int, device: Any = None, backend
         raise RuntimeFailure(f"device must be 'cpu', 'cuda', 'cuda:N' or None (auto), got {device!r}")
     if kind == "cuda" and num_gpus == 0:
         raise RuntimeFailure(f"device={text!r} requested but no CUDA GPU is visible (torch.cuda.is_available() is "
-                             "False or CUDA_VISIBLE_DEVICES hides them); use device='cpu', or None to run on the "
-                             "CPU when there is no GPU")
+                             "False or CUDA_VISIBLE_DEVICES hides them); use device='cpu' (or leave the device "
+                             "unset: the CPU where there is no GPU)")
     if index is not None and index >= num_gpus:
         raise RuntimeFailure(f"device={text!r} requested but this machine has {num_gpus} GPU(s) (cuda:0.."
                              f"cuda:{num_gpus - 1}); use one of those, or 'cuda' to spread the ranks over all")
