@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -101,15 +102,17 @@ def ranks_or_cluster(text: str) -> Union[int, str]:
     here so that a bad one is a usage error (listing the valid names) before anything runs."""
     if text.strip().lstrip("+-").isdigit():
         return positive_int(text)
-    from .cost_models.hardware import DEVICES, Cluster
+    from .cost_models.hardware import DEVICES, LINKS, Cluster
     from .errors import PlanningError
 
     try:
         Cluster.parse(text)
-    except PlanningError as e:  # (one usage line: its first clause and the models or the grammar)
+    except PlanningError as e:  # (one usage line: its first clause and the models, links or the grammar)
         first = str(e).split("; ")[0]
-        hint = f"models: {', '.join(DEVICES)}" if "model" in first else \
-            "expected [NODESx]DEVICESxMODEL[-LINK], e.g. 4xA5000 or 2x4xA100-ib200"
+        if "profile" in first:  # the spec parsed; a saved profile is unreadable: not a usage error
+            return text
+        hint = f"models: {', '.join(DEVICES)}" if "model" in first else f"links: {', '.join(LINKS)}" \
+            if "link" in first else "expected [NODESx]DEVICESxMODEL[-LINK], e.g. 4xA5000 or 2x4xA100-ib200"
         raise argparse.ArgumentTypeError(f"{first}; {hint}") from None
     return text
 
@@ -299,7 +302,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             print()
         if os.environ.get("RANK", "0") == "0":
             print(f"{p.num_ranks} ranks under torchrun (world {os.environ.get('WORLD_SIZE', '?')}, "
-                  f"{os.environ.get('LOCAL_WORLD_SIZE', '?')} on this machine); planned for {p.cluster}")
+                  f"{os.environ.get('LOCAL_WORLD_SIZE', '?')} on this machine); planned for "
+                  f"{str(p.cluster).split(' (')[0]}")
         res = run_plan_torchrun(p, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                                 timeout=args.timeout, **placement, **_checkpointing(args))
         if res is None:  # not rank 0
@@ -1058,9 +1062,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"gnncompile: error: {msg}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        from .runtime.checkpoint import latest
+
         d = getattr(args, "checkpoint_dir", None)
-        print("gnncompile: interrupted" + (f"; continue from the last checkpoint with --checkpoint-dir {d} --resume"
-                                           if d is not None else ""), file=sys.stderr)
+        found = latest(d, warn=False) if d is not None and Path(d).is_dir() else None
+        print("gnncompile: interrupted" + (f"; continue from {found.name} with --checkpoint-dir {shlex.quote(str(d))} "
+                                           "--resume" if found is not None else ""), file=sys.stderr)
         return 130
 
 

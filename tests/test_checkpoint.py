@@ -192,10 +192,9 @@ def test_refusals_before_any_rank_starts(sbm: gc.Graph, tmp_path: Path) -> None:
     with pytest.raises(RuntimeFailure, match=r"graph\.description"):
         gc.plan(_gcn(g2), g2, gpus=2, strategy="data").run(4, checkpoint_dir=tmp_path / "d", resume=True,
                                                           progress=False)
-    # the same graph renumbered: same name, sizes and degrees, other structure
+    # the edges renumbered, the data as it was: same name, sizes, degrees and data, other structure
     perm = torch.randperm(sbm.num_nodes, generator=torch.Generator().manual_seed(3))
-    data = {k: torch.empty_like(v).index_copy_(0, perm, v) for k, v in
-            dict(x=sbm.x, y=sbm.y, train_mask=sbm.train_mask, val_mask=sbm.val_mask, test_mask=sbm.test_mask).items()}
+    data = dict(x=sbm.x, y=sbm.y, train_mask=sbm.train_mask, val_mask=sbm.val_mask, test_mask=sbm.test_mask)
     renumbered = gc.Graph.from_edge_index(perm[sbm.edge_index()], sbm.num_nodes, name=sbm.name, **data)
     with pytest.raises(RuntimeFailure, match="written for another graph"):
         gc.plan(_gcn(renumbered), renumbered, gpus=2, strategy="data").run(
@@ -695,29 +694,54 @@ def test_run_arguments_refused_before_any_rank_starts(sbm: gc.Graph, tmp_path: P
 
 def test_a_graph_with_other_features_labels_or_masks_is_refused(sbm: gc.Graph, tmp_path: Path) -> None:
     """Same structure, other data (features scaled, labels rolled, train and val swapped) resumed
-    silently: the fingerprint hashed only the edges."""
+    silently: the fingerprint hashed only the edges. On another rank count too (re-sharding)."""
     plan = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data")
     plan.run(2, checkpoint_dir=tmp_path / "p", progress=False, timeout=60)
     gc.train(_gcn(sbm), sbm, 2, checkpoint_dir=tmp_path / "t", verbose=False)
     for other in (sbm.replace(x=sbm.x * 2), sbm.replace(y=sbm.y.roll(1)),
                   sbm.replace(train_mask=sbm.val_mask, val_mask=sbm.train_mask)):
-        with pytest.raises(RuntimeFailure, match=r"written for another graph \(the ranks' graph data \(features, "
-                                                 r"labels or masks\) differs\)"):
-            gc.plan(_gcn(other), other, gpus=2, strategy="data").run(4, checkpoint_dir=tmp_path / "p", resume=True,
-                                                                    progress=False)
+        for gpus in (2, 3):
+            with pytest.raises(RuntimeFailure, match=r"graph\.data: checkpoint"):
+                gc.plan(_gcn(other), other, gpus=gpus, strategy="data").run(4, checkpoint_dir=tmp_path / "p",
+                                                                           resume=True, progress=False)
         with pytest.raises(RuntimeFailure, match=r"graph\.data: checkpoint"):
             gc.train(_gcn(other), other, 4, checkpoint_dir=tmp_path / "t", resume=True, verbose=False)
 
 
+def test_eval_every_is_a_training_setting_of_a_checkpoint(sbm: gc.Graph, tmp_path: Path) -> None:
+    """Continued with another eval_every, the best epoch (recomputed on the new schedule) and the
+    best parameters (chosen on the old one) told of different epochs: refused."""
+    gc.train(_gcn(sbm), sbm, 6, eval_every=3, checkpoint_dir=tmp_path, verbose=False)
+    with pytest.raises(RuntimeFailure, match=r"training\.eval_every: checkpoint 3, this run 2"):
+        gc.train(_gcn(sbm), sbm, 8, eval_every=2, checkpoint_dir=tmp_path, resume=True, verbose=False)
+
+
+def test_without_a_scheduled_evaluation_the_last_one_chooses(sbm: gc.Graph, tmp_path: Path) -> None:
+    """eval_every above epochs: only the last epoch is evaluated; its parameters are the best (there
+    were none, and best_state_dict said no validation accuracy was measured)."""
+    model = _gcn(sbm)
+    hist = gc.train(model, sbm, 3, eval_every=10, checkpoint_dir=tmp_path / "t", verbose=False)
+    assert hist.best_epoch == 2 and hist.val_acc[-1] == hist.val_acc[-1]
+    _assert_same(hist.best_state_dict(), model.state_dict())
+    assert (tmp_path / "t" / "best.pt").is_file()
+    run = gc.plan(_gcn(sbm), sbm, gpus=2, strategy="data").run(3, eval_every=10, progress=False, timeout=60)
+    assert run.history.best_epoch == 2 and set(run.best_state_dict()) >= {n for n, _ in model.named_parameters()}
+
+
 def test_a_checkpoint_renamed_into_place_but_not_published_says_so(sbm: gc.Graph, tmp_path: Path) -> None:
     """A failure after the checkpoint was renamed into place (updating ``latest``) said the previous
-    checkpoint was unchanged, naming the new one, and left ``.latest.tmp<pid>`` behind."""
+    checkpoint was unchanged, naming the new one, and left ``.latest.tmp<pid>`` behind; a resume
+    then followed the stale ``latest`` back to the older checkpoint."""
+    gc.train(_gcn(sbm), sbm, 1, checkpoint_dir=tmp_path, verbose=False)
+    (tmp_path / "latest").unlink()
     (tmp_path / "latest").mkdir()   # os.replace of the temporary file onto it fails
-    with pytest.raises(RuntimeFailure, match=r"checkpoint of epoch 1 is complete in .*epoch-1 but publishing it "
-                                             r"failed: .*a resume finds it"):
-        gc.train(_gcn(sbm), sbm, 2, checkpoint_dir=tmp_path, checkpoint_every=1, verbose=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-1", "latest"]
+    with pytest.raises(RuntimeFailure, match=r"checkpoint of epoch 2 is complete in .*epoch-2 but updating 'latest' "
+                                             r"failed: .*a resume continues from it"):
+        gc.train(_gcn(sbm), sbm, 2, checkpoint_dir=tmp_path, resume=True, verbose=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "epoch-1", "epoch-2", "latest"]
     (tmp_path / "latest").rmdir()
+    (tmp_path / "latest").write_text("epoch-1\n")   # the pointer a run that died there left
+    assert ckpt.latest(tmp_path) == tmp_path / "epoch-2"
     straight = gc.train(_gcn(sbm), sbm, 2, verbose=False)
     assert gc.train(_gcn(sbm), sbm, 2, checkpoint_dir=tmp_path, resume=True, verbose=False).loss == straight.loss
 
@@ -735,4 +759,8 @@ def test_a_second_run_into_a_directory_in_use_is_refused(sbm: gc.Graph, tmp_path
             plan.run(2, checkpoint_dir=d, progress=False)
     assert list(d.iterdir()) == []
     gc.train(_gcn(sbm), sbm, 2, checkpoint_dir=d, verbose=False)   # free again once it ended
+    fresh = tmp_path / "refused"
+    with pytest.raises(gc.ArgumentError, match="fanouts / eval_fanouts need batch_size"):
+        gc.train(_gcn(sbm), sbm, 2, fanouts=[2, 2], checkpoint_dir=fresh, verbose=False)
+    assert not fresh.exists()   # a run refused before writing leaves no directory behind
     assert sorted(p.name for p in d.iterdir()) == ["best.pt", "epoch-2", "latest"]

@@ -26,6 +26,7 @@ layout's size, which the cost models charge; :meth:`Graph.structure_bytes` measu
 
 from __future__ import annotations
 
+import hashlib
 import math
 import operator
 import os
@@ -37,7 +38,7 @@ import torch
 
 from ..errors import ArgumentError, GraphError, RuntimeFailure
 
-__all__ = ["Graph", "GraphStats", "NormScales", "topology_bytes"]
+__all__ = ["Graph", "GraphStats", "NormScales", "topology_bytes", "tensor_hash"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -128,6 +129,37 @@ def _size(nbytes: int) -> str:
 def _compact_index(t: torch.Tensor, bound: int) -> torch.Tensor:
     """``t`` as int32 when every value is below ``bound`` and ``bound`` fits in int32, else as is."""
     return t.to(torch.int32) if bound <= _INT32_MAX else t
+
+
+#: tensors larger than this are hashed by a strided sample of their elements (:func:`tensor_hash`)
+HASHED_WHOLE_BYTES = 64 * 2**20
+
+
+def tensor_hash(*tensors: Optional[torch.Tensor], sample: bool = False) -> str:
+    """A short SHA-256 of the tensors (a graph's ``indptr`` and ``indices``, its features, labels
+    and masks, for fingerprints): shape, dtype and bytes; with ``sample``, a tensor over
+    :data:`HASHED_WHOLE_BYTES` by an evenly strided sample of about that many bytes of its elements
+    (a change confined to elements off the sample goes unseen). A sparse CSR tensor by its
+    structure and values. Integer tensors are hashed as int64, so a compact (int32) and a wide
+    copy of one structure agree."""
+    h = hashlib.sha256()
+    for t in tensors:
+        if t is None:
+            h.update(b"none")
+            continue
+        if t.layout == torch.sparse_csr:
+            h.update(tensor_hash(t.crow_indices(), t.col_indices(), t.values(), sample=sample).encode())
+            continue
+        t = t.detach()
+        h.update(str((torch.int64 if t.dtype == torch.int32 else t.dtype, tuple(t.shape))).encode())
+        flat = t.reshape(-1)
+        if sample and flat.numel() * 8 > HASHED_WHOLE_BYTES:
+            flat = flat[::-(-flat.numel() * 8 // HASHED_WHOLE_BYTES)]
+        flat = flat.cpu().contiguous()
+        if flat.dtype == torch.int32:
+            flat = flat.to(torch.int64)
+        h.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -849,6 +881,11 @@ class Graph:
             if key.startswith("scales:") or key in ("is_symmetric", "backward_product"):
                 g._cache[key] = value
         return g
+
+    def data_hash(self) -> str:
+        """A short hash of the graph's features, labels and masks (:func:`tensor_hash` with
+        ``sample``): what a checkpoint's fingerprint compares beside the structure's."""
+        return tensor_hash(self.x, self.y, self.train_mask, self.val_mask, self.test_mask, sample=True)
 
     def structure_bytes(self) -> int:
         """Bytes the topology holds now: ``indptr``, ``indices``, ``edge_weight`` and every tensor

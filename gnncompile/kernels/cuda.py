@@ -466,11 +466,13 @@ def choose(op: str, shape: str, candidates: dict[str, Callable[[], torch.Tensor]
 def _faulted(exc: BaseException) -> bool:
     """Whether ``exc`` (or a synchronization after it) reports a fault of the CUDA context (an
     illegal or misaligned access in a kernel), which no later CUDA call survives."""
-    if "CUDA error" in str(exc) or type(exc).__name__ == "AcceleratorError":
-        return True
+    text = str(exc)
+    if "CUDA error" in text or "CUDA_ERROR_" in text or type(exc).__name__ == "AcceleratorError":
+        return True   # (torch's "CUDA error: ..."; CuPy's "CUDA_ERROR_ILLEGAL_ADDRESS: ...")
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         try:
-            torch.cuda.synchronize()
+            for device in range(torch.cuda.device_count()):  # (the candidate's operands may be on any)
+                torch.cuda.synchronize(device)
         except Exception:  # noqa: BLE001 - the context is gone: the candidate's fault
             return True
     return False

@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from ..errors import ArgumentError, RuntimeFailure
+from ..graph.core import tensor_hash  # noqa: F401 (fingerprints' hashes; re-exported)
 
 __all__ = ["CheckpointOptions", "Checkpoint", "RANK_STATE", "register_rank_state", "claimed", "prepare", "make_directory", "save",
            "set_optimizer_state", "load_tensors", "write_best", "resume_hint", "tensor_hash", "compare_fingerprints",
@@ -112,28 +113,6 @@ def register_rank_state(name: str, get: StateGetter, set_: StateSetter) -> None:
     RANK_STATE[name] = (get, set_)
 
 
-def tensor_hash(*tensors: Optional[torch.Tensor]) -> str:
-    """A short SHA-256 of the tensors' bytes (a graph's ``indptr`` and ``indices``, its features,
-    labels and masks, for fingerprints; a sparse CSR tensor by its structure and values).
-
-    Integer tensors are hashed as int64, so a compact (int32) and a wide copy of one structure agree.
-    """
-    h = hashlib.sha256()
-    for t in tensors:
-        if t is None:
-            h.update(b"none")
-            continue
-        if t.layout == torch.sparse_csr:  # (sparse features: their structure and values)
-            h.update(tensor_hash(t.crow_indices(), t.col_indices(), t.values()).encode())
-            continue
-        t = t.detach().cpu().contiguous()
-        if t.dtype == torch.int32:
-            t = t.to(torch.int64)
-        h.update(str((t.dtype, tuple(t.shape))).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:16]
-
-
 def module_signature(model: torch.nn.Module) -> list[list[str]]:
     """The hyperparameters of ``model`` that are not parameter shapes, for fingerprints: a row
     ``[qualified name, class name, extra_repr(), attributes]`` per module (the model itself first,
@@ -153,7 +132,7 @@ def module_signature(model: torch.nn.Module) -> list[list[str]]:
 #: fingerprint fields added after checkpoints were first written: compared only when the
 #: checkpoint records them (an older checkpoint still resumes, unchecked in these)
 RECORDED_LATER = ("model.modules", "model.traced", "training.seed", "training.lr", "training.weight_decay",
-                  "graph.data", "graph.data_by_rank")
+                  "training.eval_every", "graph.data")
 
 
 def compare_fingerprints(saved: dict[str, Any], current: dict[str, Any], *, ignore: tuple[str, ...] = ()) -> list[str]:
@@ -245,22 +224,15 @@ def _complete(path: Path) -> bool:
 
 
 def latest(directory: str | os.PathLike, *, warn: bool = True) -> Optional[Path]:
-    """The newest complete checkpoint in ``directory``: the one ``latest`` names, or (when that
-    file is missing or names a removed or incomplete directory) the highest complete ``epoch-N``;
+    """The newest complete checkpoint in ``directory``: the highest complete ``epoch-N`` (``latest``
+    names it too, unless a run died between renaming it into place and updating ``latest``), else
     ``None``. A newer ``epoch-N`` without ``meta.json`` or ``.metadata`` is skipped, with a
     ``UserWarning`` (when ``warn``) naming it and the missing files: saves are atomic, so it was
     damaged after it was written."""
     d = Path(directory)
     epochs = sorted(((int(m.group(1)), p) for p in d.glob("epoch-*") if (m := _EPOCH_DIR.match(p.name))
                      and p.is_dir()), reverse=True)
-    found = None
-    pointer = d / "latest"
-    if pointer.is_file():
-        target = d / pointer.read_text().strip()
-        if _EPOCH_DIR.match(target.name) and _complete(target):
-            found = target
-    if found is None:
-        found = next((p for _, p in epochs if _complete(p)), None)
+    found = next((p for _, p in epochs if _complete(p)), None)
     newest = -1 if found is None else int(_EPOCH_DIR.match(found.name).group(1))
     for epoch, path in epochs:
         missing = [f for f in ("meta.json", ".metadata") if not (path / f).is_file()]
@@ -328,14 +300,16 @@ def make_directory(options: CheckpointOptions) -> None:
 def claimed(directory: Optional[str | os.PathLike], resume: bool = False) -> Iterator[None]:
     """Hold ``directory`` (a run's ``checkpoint_dir``; ``None``: nothing) for the run: an exclusive
     ``flock`` of the directory, taken before the run decides what the directory holds and kept to
-    its end, so that a second run into it at the same time is refused (:class:`RuntimeFailure`
-    naming the process holding it) instead of mixing its checkpoints with the first's. A directory
-    that does not exist is created (not for ``resume``: :func:`prepare` refuses that). Local runs
-    only: a torchrun job's ranks on several machines decide from the shared files."""
+    its end, so that a second run into it at the same time is refused (:class:`RuntimeFailure`)
+    instead of mixing its checkpoints with the first's (where the filesystem cannot lock a
+    directory, a warning says the run is unguarded). A directory that does not exist is created
+    (not for ``resume``: :func:`prepare` refuses that), and removed again if the run fails before
+    writing into it. Local runs only: a torchrun job's ranks decide from the shared files."""
     if directory is None:
         yield
         return
-    d = Path(directory).expanduser()
+    d = Path(directory)  # (as the run writes it: not expanded)
+    created = False
     if not d.is_dir():
         if resume:
             yield
@@ -344,6 +318,7 @@ def claimed(directory: Optional[str | os.PathLike], resume: bool = False) -> Ite
             d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise RuntimeFailure(f"checkpoint_dir {str(d)!r} cannot be created: {e.strerror or e}") from None
+        created = True
     try:
         fd = os.open(d, os.O_RDONLY)  # the directory itself: no file of its own in it
     except OSError as e:
@@ -354,7 +329,14 @@ def claimed(directory: Optional[str | os.PathLike], resume: bool = False) -> Ite
         except BlockingIOError:
             raise RuntimeFailure(f"checkpoint_dir {str(d)!r} is in use by another run writing checkpoints there; "
                                  "wait for it to end, or use another directory") from None
+        except OSError as e:  # a filesystem without locks on directories (NFS): run unguarded
+            warnings.warn(f"checkpoint_dir {str(d)!r} cannot be locked ({e.strerror or e}): a second run into it at "
+                          "the same time would not be refused", UserWarning, stacklevel=3)
         yield
+    except BaseException:
+        if created and not any(d.iterdir()):  # refused before anything was written: leave nothing behind
+            d.rmdir()
+        raise
     finally:
         os.close(fd)  # (releases the lock)
 
@@ -395,8 +377,7 @@ def prepare(options: CheckpointOptions, fingerprint: dict[str, Any], *,
     meta = _read_meta(found)
     _check_files(found, meta)
     saved = meta.get("fingerprint", {})
-    diffs = compare_fingerprints(saved, fingerprint, ignore=("plan.ranks", "graph.structure_by_rank",
-                                                             "graph.data_by_rank"))
+    diffs = compare_fingerprints(saved, fingerprint, ignore=("plan.ranks", "graph.structure_by_rank"))
     if diffs:
         raise RuntimeFailure(f"checkpoint {found} was written by another run; what differs:\n  " + "\n  ".join(diffs)
                              + "\nresume with the same model, graph, plan options and training settings, or use another "
@@ -408,11 +389,8 @@ def prepare(options: CheckpointOptions, fingerprint: dict[str, Any], *,
                                  f"{fingerprint['plan'].get('ranks')}: {why}; resume with a plan of "
                                  f"{saved['plan'].get('ranks')} ranks")
     elif compare_fingerprints(saved, fingerprint):  # same ranks: the per-rank structure must match too
-        what = "data (features, labels or masks)" if _differences("", saved.get("graph", {}).get(
-            "structure_by_rank"), fingerprint.get("graph", {}).get("structure_by_rank")) == [] else \
-            "structure (same size, other edges)"
-        raise RuntimeFailure(f"checkpoint {found} was written for another graph (the ranks' graph {what} "
-                             "differs); resume with the same graph")
+        raise RuntimeFailure(f"checkpoint {found} was written for another graph (the ranks' graph structure "
+                             "differs: same size, other edges); resume with the same graph")
     return Checkpoint(found, meta)
 
 
@@ -449,9 +427,9 @@ def save(options: CheckpointOptions, epoch: int, tensors: dict[str, torch.Tensor
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         if published:
-            raise RuntimeFailure(f"checkpoint of epoch {epoch} is complete in {final} but publishing it failed: "
-                                 f"{_describe(cause)}; a resume finds it (the newest complete checkpoint), "
-                                 "whatever 'latest' says") from cause
+            raise RuntimeFailure(f"checkpoint of epoch {epoch} is complete in {final} but updating 'latest' failed: "
+                                 f"{_describe(cause)}; a resume continues from it (the newest complete "
+                                 "checkpoint)") from cause
         previous = latest(d, warn=False) if d.is_dir() else None
         raise RuntimeFailure(f"checkpoint of epoch {epoch} could not be written to checkpoint_dir {str(d)!r}: "
                              f"{_describe(cause)}; "

@@ -1169,6 +1169,11 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
             break
     if lines is not None:
         lines.close()
+    if best["epoch"] is None and history["val_acc"] and not math.isnan(history["val_acc"][-1]):
+        # no scheduled evaluation (eval_every > epochs): the last one's parameters are the best
+        best.update(val=history["val_acc"][-1], epoch=len(history["val_acc"]) - 1,
+                    params={n: p.detach().cpu().clone() for n, p in zip(prog.param_names, params) if n in owned})
+        rank.best_buffers = {n: b.detach().cpu().clone() for n, b in run_buffers(prog).items()}
 
     cs = rank.comm.stats
     steps = max(train_steps, 1)
@@ -1363,7 +1368,8 @@ def _restore_rank(rank: "_Rank", optimizer: torch.optim.Optimizer, path: str, me
 def plan_fingerprint(plan: Plan) -> dict[str, Any]:
     """What a checkpoint of ``plan``'s run must match to be resumed: the model (class, parameter
     names, shapes, dtypes, and a hash of its trace: ``info["model_hash"]``), the graph (its
-    description and a hash of each rank's structure and of its features, labels and masks) and the plan (strategy, semantics,
+    description, a hash of each rank's structure and the planned graph's features, labels and masks:
+    ``info["data_hash"]``) and the plan (strategy, semantics,
     relaxations, options, ranks); :func:`_prepare_run` adds the training settings."""
     programs: list[RankProgram] = plan.program
     p0 = programs[0]
@@ -1372,23 +1378,13 @@ def plan_fingerprint(plan: Plan) -> dict[str, Any]:
         graphs = [prog.step.inputs.get("g")] + [ci.get("g") for _, ci in sorted(prog.step.chunk_inputs.items())]
         return ckpt.tensor_hash(*[t for g in graphs if g is not None for t in (g.indptr, g.indices)])
 
-    def data(prog: RankProgram) -> str:
-        """The rank's features, labels and masks (a sampled or regrouped source: its graph's)."""
-        step = prog.step
-        sources = [getattr(step.sampled, "graph", None), getattr(getattr(step.regroup, "regrouping", None), "graph",
-                                                                 None)]
-        return ckpt.tensor_hash(step.inputs.get("x"), *[ci.get("x") for _, ci in sorted(step.chunk_inputs.items())],
-                                step.labels, *[step.masks.get(m) for m in ("train", "val", "test")],
-                                *[t for g in sources if g is not None
-                                  for t in (g.x, g.y, g.train_mask, g.val_mask, g.test_mask)])
-
     options = json.loads(json.dumps(plan.options, sort_keys=True, default=str))
     return {"model": {"class": plan.info.get("model"),
                       "params": [[n, list(p.shape), str(p.dtype)] for n, p in zip(p0.param_names, p0.params)],
                       # what it computes: code and hyperparameters (a dropout rate), as traced
                       "traced": plan.info.get("model_hash")},
             "graph": {"description": plan.info.get("graph"), "structure_by_rank": [structure(p) for p in programs],
-                      "data_by_rank": [data(p) for p in programs]},
+                      "data": plan.info.get("data_hash")},
             "plan": {"strategy": plan.strategy, "semantics": plan.semantics, "relaxations": list(plan.relaxations),
                      "options": options, "ranks": plan.num_ranks}}
 
@@ -1541,7 +1537,7 @@ def _prepare_run(plan: Plan, epochs: int, lr: float, weight_decay: float, *, cap
             raise ArgumentError("capture=True records the first step, which a resumed run does not take; drop one")
         fingerprint = plan_fingerprint(plan)
         fingerprint["training"] = {"seed": None if seed is None else int(seed), "lr": float(lr),
-                                   "weight_decay": float(weight_decay)}
+                                   "weight_decay": float(weight_decay), "eval_every": int(eval_every)}
         found = ckpt.prepare(options, fingerprint, reshard=_reshard_refusal, create=create, missing_note=missing_note)
         if found is not None and found.epoch > epochs:
             raise RuntimeFailure(f"checkpoint {found.path} holds {found.epoch} epochs, more than epochs={epochs}; "

@@ -299,6 +299,8 @@ def check_training_args(epochs: Any, lr: Any, weight_decay: Any, patience: Any =
         raise ArgumentError(f"patience must be an int >= 1 or None, got {patience!r}")
     if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
         raise ArgumentError(f"eval_every must be an int >= 1, got {eval_every!r}")
+    if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
+        raise ArgumentError(f"checkpoint_dir must be a directory path, got {type(checkpoint_dir).__name__}")
     if checkpoint_dir is not None and not os.fspath(checkpoint_dir):  # ("" is the current directory)
         raise ArgumentError("checkpoint_dir is an empty path; give a directory (it is created if missing)")
     if resume and checkpoint_dir is None:
@@ -474,7 +476,8 @@ def _train(
     start = 0
     fingerprint: dict[str, Any] = {}
     if options is not None:
-        fingerprint = _train_fingerprint(model, graph, minibatch, seed=seed, lr=lr, weight_decay=weight_decay)
+        fingerprint = _train_fingerprint(model, graph, minibatch, seed=seed, lr=lr, weight_decay=weight_decay,
+                                         eval_every=eval_every)
         found = ckpt.prepare(options, fingerprint)
         if found is not None:
             if found.epoch > epochs:
@@ -549,6 +552,10 @@ def _train(
         progress.close()
     if lines is not None:
         lines.close()
+    if best["epoch"] is None and hist.val_acc and not math.isnan(hist.val_acc[-1]):
+        # no scheduled evaluation (eval_every > epochs): the last one's parameters are the best
+        best.update(val=hist.val_acc[-1], epoch=len(hist.val_acc) - 1,
+                    state={k: v.detach().clone() for k, v in model.state_dict().items()})
     if best["state"] is not None:
         hist._best_state = best["state"]
         if options is not None:
@@ -614,13 +621,14 @@ def _off_schedule_dropped(hist: History) -> History:
 
 
 def _train_fingerprint(model: torch.nn.Module, graph: Graph, minibatch: Optional[MiniBatch] = None, *,
-                       seed: Optional[int] = None, lr: float = 0.01, weight_decay: float = 5e-4) -> dict[str, Any]:
+                       seed: Optional[int] = None, lr: float = 0.01, weight_decay: float = 5e-4,
+                       eval_every: int = 1) -> dict[str, Any]:
     """What a checkpoint of :func:`train` must match: the model (class, state names, shapes,
     dtypes, and its other hyperparameters, e.g. dropout rates: :func:`ckpt.module_signature`), the
     graph (name, sizes, a hash of its structure and one of its features, labels and masks), the run (single device; the mini-batches' size
     and fanouts: a step's batch and sample follow from them, the seed, the epoch and the step, so
     nothing else of the sampler is saved) and the training settings (``seed``, ``lr``,
-    ``weight_decay``)."""
+    ``weight_decay``, ``eval_every``: the epochs whose evaluations choose the best)."""
     plan: dict[str, Any] = {"strategy": "single-device", "ranks": 1}
     if minibatch is not None:
         plan["minibatch"] = {"batch_size": minibatch.batch_size, "fanouts": list(minibatch.fanouts),
@@ -630,10 +638,10 @@ def _train_fingerprint(model: torch.nn.Module, graph: Graph, minibatch: Optional
                       "modules": ckpt.module_signature(model)},
             "graph": {"name": graph.name, "num_nodes": int(graph.num_nodes), "num_edges": int(graph.num_edges),
                       "features": int(graph.x.shape[-1]), "structure": ckpt.tensor_hash(graph.indptr, graph.indices),
-                      "data": ckpt.tensor_hash(graph.x, graph.y, graph.train_mask, graph.val_mask, graph.test_mask)},
+                      "data": graph.data_hash()},
             "plan": plan,
             "training": {"seed": None if seed is None else int(seed), "lr": float(lr),
-                         "weight_decay": float(weight_decay)}}
+                         "weight_decay": float(weight_decay), "eval_every": int(eval_every)}}
 
 
 def _save_train(options: ckpt.CheckpointOptions, done: int, model: torch.nn.Module,
