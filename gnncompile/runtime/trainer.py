@@ -10,12 +10,14 @@ plan: for the same samples); relaxed plans report their distance from it.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import math
 import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -307,6 +309,24 @@ def check_training_args(epochs: Any, lr: Any, weight_decay: Any, patience: Any =
         raise ArgumentError("resume=True needs checkpoint_dir (the directory of the run's checkpoints)")
 
 
+def _holding_checkpoint_dir(fn: Callable[..., History]) -> Callable[..., History]:
+    """``fn`` (:func:`train`) run with its ``checkpoint_dir`` claimed (:func:`ckpt.claimed`: a second
+    run into it meanwhile is refused), once its arguments are checked."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> History:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        check_training_args(a["epochs"], a["lr"], a["weight_decay"], a["patience"], a["resume"], a["checkpoint_dir"],
+                            model=a["model"], dtype=a["dtype"], eval_every=a["eval_every"])
+        with ckpt.claimed(a["checkpoint_dir"], a["resume"]):
+            return fn(*args, **kwargs)
+    return run
+
+
+@_holding_checkpoint_dir
 def train(
     model: torch.nn.Module,
     graph: Graph,
@@ -390,34 +410,6 @@ def train(
     """
     check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir, model=model, dtype=dtype,
                         eval_every=eval_every)
-    with ckpt.claimed(checkpoint_dir, resume):  # (a second run into it meanwhile is refused)
-        return _train(model, graph, epochs, lr, weight_decay, seed=seed, device=device, dtype=dtype,
-                      eval_every=eval_every, verbose=verbose, checkpoint_dir=checkpoint_dir,
-                      checkpoint_every=checkpoint_every, resume=resume, patience=patience, batch_size=batch_size,
-                      fanouts=fanouts, eval_fanouts=eval_fanouts)
-
-
-def _train(
-    model: torch.nn.Module,
-    graph: Graph,
-    epochs: int = 200,
-    lr: float = 0.01,
-    weight_decay: float = 5e-4,
-    *,
-    seed: Optional[int] = 0,
-    device: str | torch.device = "cpu",
-    dtype: Optional[torch.dtype] = None,
-    eval_every: int = 1,
-    verbose: Optional[bool] = None,
-    checkpoint_dir: Optional[str | os.PathLike] = None,
-    checkpoint_every: int = 10,
-    resume: bool = False,
-    patience: Optional[int] = None,
-    batch_size: Optional[int] = None,
-    fanouts: Optional[Sequence[int]] = None,
-    eval_fanouts: Optional[Sequence[int]] = None,
-) -> History:
-    """:func:`train` (its arguments checked), its checkpoint directory claimed."""
     minibatch = None
     if batch_size is not None or fanouts is not None or eval_fanouts is not None:
         if batch_size is None:
