@@ -296,8 +296,9 @@ def test_cli_plan_explains_on_a_named_cluster(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "Search over" in out and "wins" in out and "ranks=8" in out
     assert (tmp_path / "t.png").exists() and (tmp_path / "m.png").exists()
-    assert main(["plan", *small, "--gpus", "4xB9000"]) == 1
-    assert "unknown device model" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:   # a cluster description that does not parse: a usage error
+        main(["plan", *small, "--gpus", "4xB9000"])
+    assert exc.value.code == 2 and "argument --gpus: unknown device model 'B9000'" in capsys.readouterr().err
 
 
 def test_cli_plans_a_graph_known_by_its_statistics(capsys):
