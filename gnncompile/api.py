@@ -135,6 +135,8 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
     chosen = best.plan
     chosen.search = result
     chosen.prediction = best.prediction
+    if isinstance(graph, Graph):  # what a checkpoint of a run is compared with (once: not per candidate)
+        chosen.info["data_hash"] = graph.data_hash()
     if verify:
         verify_plan(chosen)
     return runnable(chosen)

@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
 
-from .errors import GnnCompileError
+from .errors import ArgumentError, GnnCompileError
 from .paths import output_problem
 
 SYNTHETIC_DEFAULTS = dict(num_nodes=20_000, avg_degree=20, num_features=128, num_classes=8)
@@ -50,16 +50,14 @@ def _number(text: str, kind: type, what: str, *, low: float, strict: bool, high:
 
 def fanout_list(text: str) -> tuple[int, ...]:
     """``10,5`` -> ``(10, 5)``: sampled in-edges per GNN layer, input layer first (``-1``: all)."""
-    parts = text.split(",")
-    if any(not t.strip() for t in parts):
+    from .graph.sampling import parse_fanouts
+
+    if any(not t.strip() for t in text.split(",")):
         raise argparse.ArgumentTypeError(f"an empty fanout in {text!r}: give one number per GNN layer, e.g. 10,5")
     try:
-        values = tuple(int(t) for t in parts)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated fanouts such as 10,5, got {text!r}") from None
-    if not values or any(v == 0 or v < -1 for v in values):
-        raise argparse.ArgumentTypeError(f"each fanout is >= 1 (or -1 for all in-edges), got {text!r}")
-    return values
+        return parse_fanouts(text)
+    except ArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def positive_int(text: str) -> int:

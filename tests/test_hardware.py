@@ -491,7 +491,8 @@ def test_calibrate_needs_two_ranks() -> None:
     ({"path": "/"}, "path: / is a directory"),          # (it measured for 20 s, then failed to write)
     ({"path": ""}, "path: an empty path"),
     pytest.param({"backend": "nccl"}, "backend='nccl' runs between GPUs and this machine has none",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without GPUs")),
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine "
+                                                                                     "without CUDA: this one has a GPU")),
 ])
 def test_calibrate_checks_its_arguments_before_measuring(kwargs: dict, fragment: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:

@@ -257,11 +257,17 @@ def stage_ops_time(stage: StageSpec, sizes: RankSizes, device: DeviceSpec, backw
     return t + device.runtime.get("segment", 0.0) * checkpointed_segments(stage)
 
 
+def _segment_of(op: OpCost) -> Optional[str]:
+    """The checkpointed segment ``op`` runs in (its ops are ``recompute`` and named ``<segment>.<op>``),
+    else ``None``."""
+    return op.name.rsplit(".", 1)[0] if op.recompute and "." in op.name else None
+
+
 def checkpointed_segments(stage: StageSpec) -> int:
-    """How many checkpointed segments ``stage`` runs (its ``recompute`` ops, named ``<segment>.<op>``):
-    each costs the runtime's ``segment`` in its forward and in its backward (saving and restoring
-    the random state, the saved-tensor hooks that replay it)."""
-    return len({op.name.rsplit(".", 1)[0] for op in stage.costs if op.recompute and "." in op.name})
+    """How many checkpointed segments ``stage`` runs (:func:`_segment_of` its ops): each costs the
+    runtime's ``segment`` in its forward and in its backward (saving and restoring the random
+    state, the saved-tensor hooks that replay it)."""
+    return len({_segment_of(op) for op in stage.costs} - {None})
 
 
 def loss_time(stage: StageSpec, sizes: RankSizes, device: DeviceSpec, backward: bool, output: Optional[str]) -> float:
@@ -719,8 +725,8 @@ def _segment_outputs(st: StageSpec, value_bytes: dict[str, float]) -> dict[str, 
     saved without them: its last op's)."""
     ops: dict[str, list[OpCost]] = defaultdict(list)
     for op in st.costs:
-        if op.recompute and "." in op.name:
-            ops[op.name.rsplit(".", 1)[0]].append(op)
+        if _segment_of(op) is not None:
+            ops[_segment_of(op)].append(op)
     return {segment: sum(value_bytes[op.name] for op in ([op for op in members if op.returned] or members[-1:]))
             for segment, members in ops.items()}
 
@@ -999,7 +1005,7 @@ def _replayed(st: StageSpec) -> list[bool]:
     seen: set[str] = set()
     out = []
     for op in st.costs:
-        segment = op.name.rsplit(".", 1)[0] if op.recompute and "." in op.name else None
+        segment = _segment_of(op)
         out.append(segment is not None and segment in seen)
         if segment is not None:
             seen.add(segment)
@@ -1054,15 +1060,13 @@ def _saved_per_op(w: _RankWalk, st: StageSpec, replay: bool = False) -> list[flo
     key = (st.index, replay)
     if key in w.saved_cache:
         return w.saved_cache[key]
+    replayed = _replayed(st)
     kept = w.saved_cache[key] = [0.0 if w.masks.viewed(op) or again != replay and (again or replay) else
-                                 _saved_bytes(op, w.sizes) for op, again in zip(st.costs, _replayed(st))]
+                                 _saved_bytes(op, w.sizes) for op, again in zip(st.costs, replayed)]
     if not replay and w.device.kind == "cpu":  # each checkpointed call keeps the CPU generator's state
-        segment = None
-        for j, op in enumerate(st.costs):
-            here = op.name.rsplit(".", 1)[0] if op.recompute and "." in op.name else None
-            if here is not None and here != segment:
+        for j, (op, again) in enumerate(zip(st.costs, replayed)):
+            if _segment_of(op) is not None and not again:  # (a segment's first op)
                 kept[j] += CPU_RNG_STATE_BYTES
-            segment = here
     if kept and not replay and st.costs[0].name not in w.masks.bytes:  # (a dropout saves its mask)
         for j, op in enumerate(st.costs):
             read = _stage_inputs_read(w, st, j)
@@ -1304,7 +1308,10 @@ def _recv_cost(w: _RankWalk, i: int, inst: Recv) -> StepCost:
     return seconds, "comm", alloc, 0.0
 
 
-def _conversion_cost(w: _RankWalk, i: int, inst: Union[HaloExchange, AllToAll, AllGather, ReduceScatter]) -> StepCost:
+def _conversion_cost(w: _RankWalk, i: int, inst: Union[HaloExchange, AllToAll, AllGather, ReduceScatter],
+                     posted: bool = False) -> StepCost:
+    """A layout conversion's time and memory; ``posted`` (an all-to-all): the gradient it consumes
+    is dropped as it posts (:attr:`Cost.release`), not when its transfer ends."""
     seconds = w.cost.comm_time(w.dp.rank, inst)
     if _halo_aliases(inst):  # the output is the value itself (its storage lives until both are gone:
         if inst.grad:        # _RankWalk.gone); the output's gradient becomes the value's
@@ -1315,7 +1322,7 @@ def _conversion_cost(w: _RankWalk, i: int, inst: Union[HaloExchange, AllToAll, A
     rows = sum(inst.send_rows) if isinstance(inst, HaloExchange) else 0
     transient = rows * inst.width * _elsize(inst.dtype) if rows else 0.0
     if inst.grad:  # consumes the gradient of the output, makes the value's
-        w.release_at(i, w.grad_made.pop((inst.output, inst.chunk), 0.0))
+        (w.release_on_start if posted else w.release_at)(i, w.grad_made.pop((inst.output, inst.chunk), 0.0))
         w.grad_made[inst.value, inst.chunk] = w.value_bytes.get(inst.value, 0.0)
         alloc = w.value_bytes.get(inst.value, 0.0)
     else:
@@ -1339,19 +1346,13 @@ def _all_to_all_cost(w: _RankWalk, i: int, inst: AllToAll) -> StepCost:
     where the peers' blocks are column slices (a ``rows -> cols`` transfer); then it drops those
     copies and the gradient it sent. The buffer stays until the exchange is waited for, by the next
     ``Forward`` or ``Backward``. Everything else as :func:`_conversion_cost`."""
-    seconds = w.cost.comm_time(w.dp.rank, inst)
+    seconds, stream, result, transient = _conversion_cost(w, i, inst, posted=True)
     sent = w.value_bytes.get(inst.output if inst.grad else inst.value, 0.0)
-    if inst.grad:  # consumes the gradient of the output, makes the value's
-        w.release_on_start(i, w.grad_made.pop((inst.output, inst.chunk), 0.0))
-        w.grad_made[inst.value, inst.chunk] = result = w.value_bytes.get(inst.value, 0.0)
-    else:
-        result = w.value_bytes.get(inst.output, 0.0)
-        w.release_at(w.gone((inst.output, inst.chunk), i), result)
     # (the gradient goes back; one member's one block is its value as it is)
     copies = sent if (inst.src_layout == "rows") != inst.grad and len(inst.group) > 1 else 0.0
     w.release_on_start(i, copies)
     w.release_at(max(i, w.next_compute[i + 1] - 1), sent)
-    return seconds, "comm", result + sent + copies, 0.0
+    return seconds, stream, result + sent + copies, transient
 
 
 def _p2p_transfer(pc: PlanCost, rank: int, inst: Union[Send, Recv]) -> float:

@@ -421,8 +421,6 @@ def _complete(job: Job, strategy: Strategy, options: StrategyOptions, out: Lower
         "param_dtype": job.param_dtype, "features": stats.num_features, "classes": stats.num_classes,
         "halo_rows": [0] * job.num_ranks, "topology": _topology_info(job, out.ranks, options.backward), **out.info,
     }
-    if job.concrete:  # what a checkpoint of a run of this plan is compared with, beside the structure
-        info["data_hash"] = job.graph.data_hash()
     x = job.graph.x if job.concrete else None
     if x is not None and x.layout == torch.sparse_csr and x.shape[0]:
         # sparse features stay sparse on every path: a row costs its stored entries and pointer

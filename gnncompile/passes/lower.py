@@ -208,7 +208,7 @@ def op_costs(tp: TPGraph, nodes: list[torch.fx.Node], decisions: Optional[Decisi
                 # the first op's saved: what the segment keeps; the others': what they save in the
                 # replay (a replicated dropout's output they save: its input and mask, as outside)
                 mt = m.meta["tp"]
-                saved, replayed = (t.saved_bytes, Lin()) if k == 0 else (mt.saved_bytes, Lin())
+                saved, replayed = t.saved_bytes if k == 0 else mt.saved_bytes, Lin()
                 if k and mt.replays and all(r in body_here for r in mt.replays):
                     saved, replayed = mt.saved_bytes - mt.replay_saving, mt.replayed_bytes
                 out.append(dataclasses.replace(c, name=f"{n.name}.{m.name}", saved=saved, replayed=replayed,

@@ -60,7 +60,7 @@ from .launcher import (Placement, RankContext, RankFailure, check_timeout, launc
                        visible_gpus)
 from .memory import PeakMemory
 from .probe import probe
-from .trainer import History, ProgressLines, adam, check_training_args
+from .trainer import History, ProgressLines, adam, check_training_args, off_schedule_dropped
 
 __all__ = ["TimelineEvent", "RankResult", "RunResult", "run_plan", "run_plan_torchrun", "execute_rank",
            "plan_placement", "describe_run", "plan_fingerprint"]
@@ -1160,10 +1160,9 @@ def execute_rank(ctx: RankContext, prog: RankProgram, epochs: int, lr: float, we
             if checkpoint is not None and ((epoch + 1) % checkpoint.every == 0 or epoch == epochs - 1
                                            or stopped_at is not None):
                 t_save = time.perf_counter()
-                kept = history if scheduled else {k: v[:-1] + [math.nan] if k.endswith("_acc") else v
-                                                  for k, v in history.items()}
-                _save_rank(rank, optimizer, checkpoint, epoch + 1, owned, best, kept, epoch_time, stopped_at,
-                           opts, ck_group)
+                _save_rank(rank, optimizer, checkpoint, epoch + 1, owned, best,
+                           history if scheduled else off_schedule_dropped(history), epoch_time, stopped_at, opts,
+                           ck_group)
                 checkpoint_time.append(time.perf_counter() - t_save)
         if stopped_at is not None:
             break
@@ -1519,8 +1518,8 @@ def _prepare_run(plan: Plan, epochs: int, lr: float, weight_decay: float, *, cap
     arguments, fingerprint the plan and decide what to resume from (:func:`ckpt.prepare`; with
     ``create=False`` it only reads, for every torchrun process; ``missing_note`` ends the error for
     a missing checkpoint). Returns the checkpoint options (``None``: no checkpoints) and the
-    ``run_options`` of :func:`execute_rank`."""
-    check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir, eval_every=eval_every)
+    ``run_options`` of :func:`execute_rank`. Its callers have checked the arguments
+    (:func:`check_training_args`)."""
     programs: list[RankProgram] = plan.program
     counts = programs[0].counts
     if not counts.get("labels", 1):
@@ -1571,9 +1570,8 @@ def _run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: flo
     first step's logits and gradients (for checks against the single-device reference).
     ``fail_at=(rank, epoch)`` injects a failure (for testing fault handling). ``progress``: rank 0
     prints a progress line to stderr about every 10 s (runs shorter than that print nothing).
+    :func:`run_plan` has checked the arguments.
     """
-    check_training_args(epochs, lr, weight_decay)
-    check_timeout(timeout)
     placement = plan_placement(plan, device, backend, stage_through_host)
     directional_p2p(placement.backend)   # (a bad $GNNCOMPILE_P2P_GROUPS: refused before the ranks start)
     programs: list[RankProgram] = plan.program
@@ -1708,7 +1706,7 @@ def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_de
     """
     from .launcher import torchrun_main
 
-    check_training_args(epochs, lr, weight_decay)
+    check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir, eval_every=eval_every)
     check_timeout(timeout)
     world = int(os.environ.get("WORLD_SIZE", "0"))
     if not world:

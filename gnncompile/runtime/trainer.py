@@ -9,7 +9,6 @@ plan: for the same samples); relaxed plans report their distance from it.
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import math
@@ -408,9 +407,7 @@ def train(
         Loss and accuracies per epoch, and per-epoch step times; ``best_state_dict()`` gives the
         model's state at the best validation accuracy.
     """
-    check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir, model=model, dtype=dtype,
-                        eval_every=eval_every)
-    minibatch = None
+    minibatch = None  # (the arguments were checked by _holding_checkpoint_dir)
     if batch_size is not None or fanouts is not None or eval_fanouts is not None:
         if batch_size is None:
             raise ArgumentError("fanouts / eval_fanouts need batch_size (sampled mini-batch training)")
@@ -536,7 +533,8 @@ def train(
                 hist.stopped_at = epoch
             if options is not None and ((epoch + 1) % options.every == 0 or epoch == epochs - 1
                                         or hist.stopped_at is not None):
-                _save_train(options, epoch + 1, model, optimizer, hist if scheduled else _off_schedule_dropped(hist),
+                _save_train(options, epoch + 1, model, optimizer,
+                            hist if scheduled else History(**off_schedule_dropped(hist.to_dict())),
                             best, fingerprint, device)
         if hist.stopped_at is not None:
             break
@@ -603,13 +601,11 @@ def _sampled_evaluation(model: BlockModel, host: Graph, x: torch.Tensor, mb: Min
     return out
 
 
-def _off_schedule_dropped(hist: History) -> History:
-    """``hist`` with its last epoch's accuracies NaN (an evaluation off the ``eval_every`` schedule:
-    what a checkpoint records, :func:`train`)."""
-    out = copy.copy(hist)
-    for k in ("train_acc", "val_acc", "test_acc"):
-        setattr(out, k, getattr(hist, k)[:-1] + [math.nan])
-    return out
+def off_schedule_dropped(history: dict[str, Any]) -> dict[str, Any]:
+    """``history`` (:meth:`History.to_dict`'s columns, or a rank's) with its last epoch's accuracies
+    NaN: an evaluation off the ``eval_every`` schedule, which checkpoints leave out (:func:`train`,
+    ``plan.run``)."""
+    return {k: v[:-1] + [math.nan] if k.endswith("_acc") else v for k, v in history.items()}
 
 
 def _train_fingerprint(model: torch.nn.Module, graph: Graph, minibatch: Optional[MiniBatch] = None, *,
