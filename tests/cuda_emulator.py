@@ -25,7 +25,9 @@ from gnncompile.kernels import cuda
 
 HEADER = Path(__file__).with_name("cuda_emu.h")
 _CTYPES = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int64,
-           np.dtype(np.int32): ctypes.c_int32, np.dtype(np.float32): ctypes.c_float}
+           np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
+           np.dtype(np.uint8): ctypes.c_uint8, np.dtype(np.float32): ctypes.c_float,
+           np.dtype(np.float64): ctypes.c_double}
 
 
 def kernel_names() -> list[str]:
@@ -48,7 +50,7 @@ class Emulator:
             kind = _CTYPES.get(np.asarray(a).dtype)
             if kind is None:
                 raise TypeError(f"{launch.kernel}: argument {a!r} of type {type(a).__name__} is not a NumPy "
-                                "uint64/int64/int32/float32 scalar (CuPy would pack it with another size)")
+                                f"scalar of {sorted(str(t) for t in _CTYPES)} (CuPy would pack it with another size)")
             cargs.append(kind(a))
         params = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
         error = ctypes.create_string_buffer(512)

@@ -196,6 +196,45 @@ def test_launch_arguments_are_sized_numpy_scalars() -> None:
         assert len(launch.args) == (12 if launch.kernel.startswith("spmm_rows") else 13)
 
 
+# --------------------------------------------------------------------------- dropout masks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool], ids=["f32", "f64", "bool"])
+@pytest.mark.parametrize("width", [1, 3, 4, 5, 17])
+def test_dropout_mask_kernel_equals_the_torch_arithmetic(emulator, dtype: torch.dtype, width: int) -> None:
+    """The CUDA mask kernel, every row (a thread per Philox block) and chosen rows (a thread per
+    element), is the mask of kernels.dropout's torch arithmetic bit for bit: seeds past 32 and 63
+    bits, p at 0, rows whose counters pass 2^32 blocks (the counter's second word)."""
+    from gnncompile.kernels import dropout
+
+    far = torch.tensor([2**32 - 1, 7, 2**31 + 5, 0], dtype=torch.int64)  # row * width past 2^34 elements
+    for seed, p in ((0, 0.5), (2**40 + 3, 0.1), (2**64 - 5, 0.9), (11, 0.0)):
+        threshold = dropout.keep_threshold(p)
+        key = (seed & 0xFFFFFFFF, seed >> 32)
+        scale = float(torch.tensor(1 / (1 - p), dtype=torch.float64).to(dtype)) if dtype != torch.bool else 1.0
+        for num_rows, rows in ((13, None), (29, torch.tensor([28, 0, 5, 5, 17])), (2**32, far)):
+            if rows is None:
+                got = cuda.run_dropout_mask(None, num_rows, width, key, threshold, scale, dtype, torch.device("cpu"),
+                                            emulator)
+            else:
+                got = cuda.run_dropout_mask(rows, rows.numel(), width, key, threshold, scale, dtype,
+                                            torch.device("cpu"), emulator)
+            want = dropout._mask_torch(seed, p, num_rows, width, rows, dtype, torch.device("cpu"))
+            assert torch.equal(got, want), (seed, p, num_rows, width, dtype)
+    assert all(a.kernel == f"dropout_mask<{cuda._MASK_TYPES[dtype]}>" for a in emulator.launches[-3:])
+
+
+def test_dropout_launch_arguments_and_refusals() -> None:
+    out = torch.empty(6, 5)
+    (launch,) = cuda.dropout_launches(None, 5, (1, 2), 7, 2.0, out)
+    assert [type(a) for a in launch.args] == [np.uint64, np.int64, np.int64, np.uint32, np.uint32, np.uint32,
+                                              np.float32, np.uint64]
+    assert launch.grid == (1, 1, 1)  # ceil(30 / 4) blocks of Philox: one thread block
+    assert cuda.dropout_launches(None, 5, (1, 2), 7, 2.0, torch.empty(0, 5)) == []
+    with pytest.raises(KernelError, match="contiguous"):
+        cuda.dropout_launches(None, 5, (1, 2), 7, 2.0, torch.empty(6, 5, dtype=torch.float16))
+    with pytest.raises(KernelError, match="rows must be int64"):
+        cuda.dropout_launches(torch.arange(6, dtype=torch.int32), 5, (1, 2), 7, 2.0, out)
+
+
 # --------------------------------------------------------------------------- attention
 @pytest.mark.parametrize("loops", [False, True], ids=["edges", "loops"])
 @pytest.mark.parametrize("heads,deg,int64", [(1, 3.0, False), (4, 5.0, False), (8, 2.0, True), (2, 40.0, False)])

@@ -158,18 +158,20 @@ def test_peak_memory_from_the_cuda_allocator_and_timelines_from_events(sbm: gc.G
 
 def test_free_releases_cuda_storage() -> None:
     """The task plan's Free instructions lower the propagation rank's CUDA peak by at least the bytes
-    of the stage outputs it sent, and change no result (as on the CPU, tests/test_task_memory.py)."""
+    of the stage outputs it sent, and change no result (as on the CPU, tests/test_task_memory.py;
+    float64 and within rounding, not bit for bit: on the GPU, freed storage moves later tensors,
+    and cuBLAS picks its kernels by the operands' alignment)."""
     from test_task_memory import _released_output_bytes, _without_frees
 
     g = gc.datasets.synthetic("rmat", num_nodes=4096, avg_degree=8, num_features=32, num_classes=4, seed=0)
     torch.manual_seed(0)
-    model = gc.nn.GCN(g.num_features, 64, g.num_classes, num_layers=2, dropout=0.5)
+    model = gc.nn.GCN(g.num_features, 64, g.num_classes, num_layers=2, dropout=0.5).to(DT)
     plan = gc.plan(copy.deepcopy(model), g, _cluster(4), strategy="task", chunks=4)
     bare = _without_frees(plan)
     with_free = plan.run(epochs=1, capture=True, update_model=False, device="cuda", timeout=120)
     without = bare.run(epochs=1, capture=True, update_model=False, device="cuda", timeout=120)
-    assert with_free.history.loss == without.history.loss
-    assert torch.equal(with_free.captured["logits"], without.captured["logits"])
+    torch.testing.assert_close(torch.tensor(with_free.history.loss), torch.tensor(without.history.loss), **TOL)
+    torch.testing.assert_close(with_free.captured["logits"], without.captured["logits"], **TOL)
     p_ranks = [dp for dp in plan.ranks if any(s.kinds.startswith("P") for s in dp.stages)]
     dp = max(p_ranks, key=_released_output_bytes)
     released, r = _released_output_bytes(dp), dp.rank

@@ -49,6 +49,8 @@ __all__ = [
     "attention_backward_launches",
     "run_attention",
     "run_attention_backward",
+    "dropout_launches",
+    "run_dropout_mask",
     "choose",
     "choices",
     "cuda_timer",
@@ -279,6 +281,45 @@ def sddmm_launches(csr: DeviceCSR, a: torch.Tensor, b: torch.Tensor, heads: int,
 Runner = Callable[[Launch], None]
 
 
+#: the dropout mask kernel's instances per output dtype (a bool mask is written as bytes 0 and 1)
+_MASK_TYPES = {torch.float32: "float", torch.float64: "double", torch.bool: "unsigned char"}
+_MASK_SCALARS = {torch.float32: np.float32, torch.float64: np.float64, torch.bool: np.uint8}
+#: the dropout kernel's most blocks (its threads loop over the rest)
+_MASK_MAX_BLOCKS = 8192
+
+
+def dropout_launches(rows: Optional[torch.Tensor], width: int, key: tuple[int, int], threshold: int,
+                     scale: float, out: torch.Tensor) -> list[Launch]:
+    """The launch writing ``out`` (``[n, width]`` contiguous, float32, float64 or bool) with the
+    dropout mask of :mod:`gnncompile.kernels.dropout` under Philox key ``key`` (two 32-bit words):
+    rows ``rows`` (int64 ``[n]`` on ``out``'s device) of the whole tensor's mask, or its first ``n``
+    rows when ``rows`` is None. ``scale`` is the kept elements' value (ignored for bool)."""
+    if out.dtype not in _MASK_TYPES or not out.is_contiguous() or out.dim() != 2 or out.shape[1] != width:
+        raise KernelError(f"CUDA dropout_mask: out must be a contiguous [n, {width}] tensor of "
+                          f"{list(_MASK_TYPES)}, got {out.dtype} {list(out.shape)}")
+    if rows is not None and (rows.dtype != torch.int64 or rows.dim() != 1 or rows.numel() != out.shape[0]):
+        raise KernelError(f"CUDA dropout_mask: rows must be int64 [{out.shape[0]}], got {rows.dtype} {list(rows.shape)}")
+    total = out.numel()
+    if total == 0:
+        return []
+    units = total if rows is not None else -(-total // 4)
+    value = _MASK_SCALARS[out.dtype](1 if out.dtype == torch.bool else scale)
+    return [Launch(f"dropout_mask<{_MASK_TYPES[out.dtype]}>", (min(-(-units // BLOCK), _MASK_MAX_BLOCKS), 1, 1),
+                   (BLOCK, 1, 1),
+                   (_ptr(rows), np.int64(out.shape[0]), np.int64(width), np.uint32(key[0]), np.uint32(key[1]),
+                    np.uint32(threshold), value, _ptr(out)))]
+
+
+def run_dropout_mask(rows: Optional[torch.Tensor], num: int, width: int, key: tuple[int, int], threshold: int,
+                     scale: float, dtype: torch.dtype, device: torch.device, run: Runner) -> torch.Tensor:
+    """A new ``[num, width]`` mask of :func:`dropout_launches` (``num`` rows: ``rows``'s, or the first)."""
+    out = torch.empty((num, width), dtype=dtype, device=device)
+    with _device_of(out):
+        for launch in dropout_launches(rows, width, key, threshold, scale, out):
+            run(launch)
+    return out
+
+
 def _device_of(t: torch.Tensor) -> Any:
     """A context making ``t``'s GPU the current device (kernels launch on the current one); nothing
     for a tensor off the GPU (a runner that emulates the launches)."""
@@ -320,6 +361,7 @@ def kernel_instances() -> tuple[str, ...]:
                 names += [f"sddmm_rows<{it}, {vec}, {group}>", f"sddmm_chunks<{it}, {vec}, {group}>"]
         for group in _GROUPS:
             names += [f"attention_forward<{it}, {group}>", f"attention_backward<{it}, {group}>"]
+    names += [f"dropout_mask<{t}>" for t in _MASK_TYPES.values()]
     return tuple(names)
 
 

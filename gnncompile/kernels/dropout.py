@@ -9,7 +9,9 @@ whole tensor's mask, in work proportional to its rows, and the result does not d
 thread count, the device or which rows are asked for together.
 
 :func:`dropout_mask` runs the native CPU kernel (``csrc/spmm.cpp``, parallel over rows) when the
-extension builds, else the same arithmetic in torch operations (any device; much slower on a CPU).
+extension builds, the CUDA kernel (``csrc/spmm.cu``, through CuPy) for masks on a GPU when CuPy is
+installed, else the same arithmetic in torch operations (any device; about 150 elementwise
+operations over int64 words: much slower than either kernel).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import KernelError
-from . import _load_native, _memo_for, native_edge_ops
+from . import _import_cupy, _load_native, _memo_for, _raw_runner, cuda, native_edge_ops
 
 __all__ = ["dropout_mask", "philox4x32", "keep_threshold", "keep_times"]
 
@@ -94,6 +96,32 @@ def _mask_torch(seed: int, p: float, num_rows: int, width: int, rows: Optional[t
     return keep.to(dtype).mul_(scale).reshape(r.numel(), width)  # where(keep, scale, 0), faster
 
 
+def _cupy_installed() -> bool:
+    global _cupy
+    if _cupy is None:
+        try:
+            _import_cupy()
+            _cupy = True
+        except KernelError:
+            _cupy = False
+    return _cupy
+
+
+_cupy: Optional[bool] = None
+
+
+def _mask_cuda(seed: int, p: float, n: int, width: int, rows: Optional[torch.Tensor], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """:func:`dropout_mask` by the CUDA kernel (one launch); other float dtypes are the kernel's
+    bool mask cast and scaled as :func:`_mask_torch` does, bit for bit."""
+    idx = None if rows is None else rows.to(device, torch.int64).contiguous()
+    kind = dtype if dtype in (torch.float32, torch.float64, torch.bool) else torch.bool
+    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float64).to(dtype)  # the multiplier in the mask's dtype
+    out = cuda.run_dropout_mask(idx, n, width, (seed & _MASK32, (seed >> 32) & _MASK32), keep_threshold(p),
+                                float(scale) if kind != torch.bool else 1.0, kind, device, _raw_runner())
+    return out if kind == dtype else out.to(dtype).mul_(scale)
+
+
 #: the row tensors whose bounds :func:`dropout_mask` checked, per row count (:func:`_memo_for`)
 _checked: dict = {}
 
@@ -121,7 +149,8 @@ def dropout_mask(seed: int, p: float, num_rows: int, row_shape: Sequence[int] = 
 
     ``seed`` is any integer in ``[0, 2^64)`` (see the module docstring for the exact rule).
     ``native``: force (``True``) or forbid (``False``) the native CPU kernel; by default it is used
-    for CPU outputs when it builds. Raises :class:`KernelError` for ``p`` outside ``[0, 1)``, rows
+    for CPU outputs when it builds, and CUDA outputs come from the CUDA kernel when CuPy is
+    installed (``native=False``: from torch operations there too). Raises :class:`KernelError` for ``p`` outside ``[0, 1)``, rows
     outside ``[0, num_rows)`` or a negative size.
     """
     if not 0.0 <= p < 1.0:
@@ -155,6 +184,8 @@ def dropout_mask(seed: int, p: float, num_rows: int, row_shape: Sequence[int] = 
             return mod.dropout_mask(signed, float(p), int(num_rows), width, idx, dtype).reshape((n,) + shape)
     if n == 0 or width == 0:
         return torch.empty((n,) + shape, dtype=dtype, device=device)
+    if device.type == "cuda" and native is None and _cupy_installed():
+        return _mask_cuda(seed, float(p), n, width, rows, dtype, device).reshape((n,) + shape)
     return _mask_torch(seed, float(p), int(num_rows), width, rows, dtype, device).reshape((n,) + shape)
 
 

@@ -327,3 +327,48 @@ __global__ void attention_backward(const i64* __restrict__ indptr, const I* __re
   sum = head_sum<GROUP>(mask, sum, heads);
   if (lane < heads) g_dst[row * heads + h] = sum;
 }
+
+// Dropout masks (gnncompile/kernels/dropout.py has the rule): element e of the whole
+// [num_rows, width] tensor is kept iff word e % 4 of Philox4x32-10 at counter (e / 4, 0) under key
+// (key0, key1) is at least `threshold`; kept elements get `scale`, the others 0. `rows` null: the
+// mask of every row, one thread per Philox block (its four elements, consecutive in the output);
+// else the mask of rows rows[0..n), one thread per element. Grid-stride loops over the units.
+__device__ __forceinline__ void philox4x32_10(u32 c[4], u32 k0, u32 k1) {
+  for (int r = 0; r < 10; ++r) {
+    if (r) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    const unsigned long long p0 = (unsigned long long)0xD2511F53u * c[0];
+    const unsigned long long p1 = (unsigned long long)0xCD9E8D57u * c[2];
+    const u32 n0 = (u32)(p1 >> 32) ^ c[1] ^ k0;
+    const u32 n2 = (u32)(p0 >> 32) ^ c[3] ^ k1;
+    c[0] = n0;
+    c[1] = (u32)p1;
+    c[2] = n2;
+    c[3] = (u32)p0;
+  }
+}
+
+template <typename T>
+__global__ void dropout_mask(const i64* __restrict__ rows, i64 n, i64 width, u32 key0, u32 key1, u32 threshold,
+                             T scale, T* __restrict__ out) {
+  const i64 total = n * width;
+  const i64 stride = (i64)gridDim.x * blockDim.x;
+  const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (rows == nullptr) {
+    for (i64 b = first; 4 * b < total; b += stride) {
+      u32 c[4] = {(u32)b, (u32)((unsigned long long)b >> 32), 0u, 0u};
+      philox4x32_10(c, key0, key1);
+      for (int w = 0; w < 4 && 4 * b + w < total; ++w) out[4 * b + w] = c[w] >= threshold ? scale : (T)0;
+    }
+    return;
+  }
+  for (i64 i = first; i < total; i += stride) {
+    const i64 row = i / width;
+    const unsigned long long e = (unsigned long long)rows[row] * width + (i - row * width);
+    u32 c[4] = {(u32)(e >> 2), (u32)(e >> 34), 0u, 0u};
+    philox4x32_10(c, key0, key1);
+    out[i] = c[e & 3] >= threshold ? scale : (T)0;
+  }
+}
