@@ -1,7 +1,7 @@
 """The native CPU kernels' build key (`gnncompile.kernels.native_extension_name`) and build line.
 
 Two checkouts or virtual environments must never share (and so rebuild) one extension build: the
-extension name is a hash of the source, the torch build, the interpreter and the flags. Nothing
+extension name is a hash of the source and its path, the torch build, the interpreter and the flags. Nothing
 here compiles: the loader is exercised with torch's ``load`` replaced by a stub.
 """
 
@@ -33,12 +33,14 @@ CHANGES = {
     "torch_version": "2.13.0 /venv-b/lib/python3.11/site-packages/torch",  # another venv, same torch version
     "interpreter": "/venv-b/bin/python 3.11.9 (main) [GCC 12]",
     "flags": ("-O2",),
+    "source_path": "/checkout-b/gnncompile/kernels/csrc/spmm.cpp",  # another checkout of the same source
 }
 
 
 @pytest.mark.parametrize("changed", sorted(CHANGES))
 def test_name_changes_with_every_input(changed: str) -> None:
-    args: dict[str, Any] = dict(source=SOURCE, torch_version=TORCH, interpreter=PY, flags=("-O3",))
+    args: dict[str, Any] = dict(source=SOURCE, torch_version=TORCH, interpreter=PY, flags=("-O3",),
+                                source_path="/checkout-a/gnncompile/kernels/csrc/spmm.cpp")
     base = kernels.native_extension_name(**args)
     args[changed] = CHANGES[changed]
     assert kernels.native_extension_name(**args) != base
@@ -50,9 +52,11 @@ def test_parts_are_delimited() -> None:
 
 
 def test_build_key_describes_this_environment() -> None:
-    source, torch_id, interpreter = kernels._native_build_key()
+    key = kernels._native_build_key()
+    source, torch_id, interpreter = key["source"], key["torch_version"], key["interpreter"]
     with open(kernels._NATIVE_SOURCE, "rb") as f:
         assert source == f.read()
+    assert key["source_path"] == os.path.realpath(kernels._NATIVE_SOURCE)
     assert torch.__version__ in torch_id and os.path.dirname(torch.__file__) in torch_id
     assert sys.executable in interpreter and sys.version in interpreter
 
@@ -78,7 +82,7 @@ def fake_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[dict[str, 
 def test_loader_builds_under_the_keyed_name_and_says_so_once(fake_load: list[dict[str, Any]], tmp_path: Any,
                                                              capsys: pytest.CaptureFixture[str],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    name = kernels.native_extension_name(*kernels._native_build_key())
+    name = kernels.native_extension_name(**kernels._native_build_key())
     kernels._load_native()
     (call,) = fake_load
     assert call["name"] == name
@@ -110,7 +114,7 @@ def test_gpu_extras_pick_the_cupy_build_by_cuda_major_and_cpu_setup_installs_non
 
 def test_a_killed_builds_lock_does_not_hang_the_next_load(fake_load: list[dict[str, Any]], tmp_path: Any) -> None:
     """torch's build lock left by a killed build is removed (our flock shows nobody is building)."""
-    name = kernels.native_extension_name(*kernels._native_build_key())
+    name = kernels.native_extension_name(**kernels._native_build_key())
     build_dir = os.path.join(str(tmp_path), name)
     os.makedirs(build_dir)
     with open(os.path.join(build_dir, "lock"), "w"):

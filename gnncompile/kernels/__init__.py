@@ -224,29 +224,32 @@ _NATIVE_LDFLAGS = ("-fopenmp",)
 
 
 def native_extension_name(source: bytes, torch_version: str, interpreter: str,
-                          flags: tuple[str, ...] = _NATIVE_CFLAGS + _NATIVE_LDFLAGS) -> str:
+                          flags: tuple[str, ...] = _NATIVE_CFLAGS + _NATIVE_LDFLAGS, source_path: str = "") -> str:
     """The torch-extension name the native kernels are built under: a key of everything the build depends on.
 
-    ``source`` is the C++ source, ``torch_version`` and ``interpreter`` identify the torch build
-    and the Python that load it (:func:`_native_build_key` passes torch's version and install
-    path, and the interpreter's path and version), ``flags`` the compiler and linker flags. Two
-    checkouts or virtual environments whose builds differ get different names, so they never
-    rebuild each other's extension in the shared torch extension cache; identical ones share it.
+    ``source`` is the C++ source and ``source_path`` where it lies, ``torch_version`` and
+    ``interpreter`` identify the torch build and the Python that load it (:func:`_native_build_key`
+    passes torch's version and install path, and the interpreter's path and version), ``flags`` the
+    compiler and linker flags. Two checkouts or virtual environments get different names, so they
+    never rebuild each other's extension in the shared torch extension cache (torch's build file
+    names the source's path: two checkouts of one source in one folder rebuilt it in turn).
     """
     h = hashlib.sha256()
-    for part in (source, torch_version.encode(), interpreter.encode(), "\0".join(flags).encode()):
+    for part in (source, torch_version.encode(), interpreter.encode(), "\0".join(flags).encode(),
+                 source_path.encode()):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return f"gnncompile_native_{h.hexdigest()[:12]}"
 
 
-def _native_build_key() -> tuple[bytes, str, str]:
-    """``(source, torch_version, interpreter)`` of this environment for :func:`native_extension_name`."""
+def _native_build_key() -> dict[str, Any]:
+    """The arguments of :func:`native_extension_name` for this environment and checkout."""
     with open(_NATIVE_SOURCE, "rb") as f:
         source = f.read()
     torch_id = f"{torch.__version__} {os.path.dirname(torch.__file__)}"
     interpreter = f"{sys.executable} {sys.version}"
-    return source, torch_id, interpreter
+    return dict(source=source, torch_version=torch_id, interpreter=interpreter,
+                source_path=os.path.realpath(_NATIVE_SOURCE))
 
 
 def _load_native() -> Any:
@@ -263,7 +266,7 @@ def _load_native() -> Any:
     try:
         from torch.utils.cpp_extension import get_default_build_root, load
 
-        name = native_extension_name(*_native_build_key())
+        name = native_extension_name(**_native_build_key())
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
         build_dir = os.path.join(root, name)
         os.makedirs(build_dir, exist_ok=True)
