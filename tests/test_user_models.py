@@ -13,6 +13,7 @@ dropout reading ``self.training``, Python loops over constructor-time lists), wi
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -298,6 +299,25 @@ class InPlace(nn.Module):
         return self.l3(a)
 
 
+class SharedScalar(nn.Module):
+    """GIN-style ``(1 + eps) h`` with one 0-dim learnable ``eps`` for both rounds (a 0-dim value
+    crossing stages), and a buffer read in every step (a temperature: plans read its value then)."""
+
+    def __init__(self, d_in: int, hidden: int, d_out: int, dropout: float = 0.5) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(d_in, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, d_out)
+        self.eps = nn.Parameter(torch.tensor(0.3))
+        self.register_buffer("temp", torch.tensor(2.0))
+        self.dropout = dropout
+
+    def forward(self, g, x):
+        h = F.dropout(torch.relu(self.l1(x)), self.dropout, self.training)
+        c = 1 + self.eps
+        for _ in range(2):
+            h = torch.relu(self.l2(c * h + ops.propagate(g, h, "sum")))
+        return self.l3(h) * (1.0 / self.temp)
+
+
 HID = 4
 MODELS = {
     "edge_weighted_gcn": lambda: EdgeWeightedGCN(F_IN, HID, C),
@@ -315,6 +335,7 @@ MODELS = {
     "layer_spec_loop": lambda: LayerSpecLoop(F_IN, HID, C),
     "dgl_names": lambda: DGLNames(F_IN, HID, C),
     "in_place": lambda: InPlace(F_IN, HID, C),
+    "shared_scalar": lambda: SharedScalar(F_IN, HID, C),
 }
 
 
@@ -374,7 +395,7 @@ DATA_REFUSED = {  # model -> what the data strategy's refusal must say
     "jk_lstm": r"lstm: takes its output rows from the vertices as a whole.*" + _NOT_EXACT,
 }
 TENSOR_MODELS = ["edge_weighted_gcn", "gatv2", "jk_cat", "jk_max", "mixhop", "teleport_appnp", "two_tower",
-                 "branch_dropout", "mode_dependent_rate", "layer_spec_loop", "dgl_names", "in_place"]
+                 "branch_dropout", "mode_dependent_rate", "layer_spec_loop", "dgl_names", "in_place", "shared_scalar"]
 TENSOR_REFUSED = {
     "prenorm_batchnorm": DATA_REFUSED["prenorm_batchnorm"],
     "jk_lstm": DATA_REFUSED["jk_lstm"],
@@ -498,6 +519,54 @@ def test_in_place_ops_on_computed_values_become_out_of_place(sbm: gc.Graph) -> N
     assert make("in_place").act.inplace  # (the model's own module is left as it is)
     for strategy in ("task", "layer"):
         check_plan(make("in_place"), sbm, 2, strategy=strategy, rtol=1e-9, atol=1e-11, timeout=60)
+
+
+def test_a_buffer_is_read_when_the_step_runs(sbm: gc.Graph) -> None:
+    """fx evaluated ``1.0 / self.temp`` once at trace time into a constant, so a plan kept the
+    temperature it was planned with: a schedule or a loaded checkpoint changed gc.train's result
+    and not the plan's. Buffers are graph inputs now, read by each step."""
+    model = make("shared_scalar").eval()
+    tp = gc.trace(model, sbm)
+    assert "temp" in [n.target for n in tp.graph.nodes if n.op == "get_attr"]
+    planned = copy.deepcopy(model).train()
+    plan = gc.plan(planned, sbm, 2, strategy="data")
+    planned.temp.fill_(5.0)  # after planning: a schedule, or load_state_dict
+    model.temp.fill_(5.0)
+    ref = gc.train(model.train(), sbm, epochs=1, seed=4, verbose=False)
+    got = plan.run(epochs=1, seed=4, timeout=60)
+    assert got.history.loss == pytest.approx(ref.loss, rel=1e-9)
+
+
+class CountsSteps(nn.Module):
+    """A step counter kept in a buffer, updated in forward: assigned, or changed in place."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.lin, self.in_place = nn.Linear(F_IN, C), in_place
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, g, x):
+        if self.training:
+            if self.in_place:
+                self.steps.add_(1)
+            else:
+                self.steps += 1
+        return ops.propagate(g, self.lin(x), "gcn") * (1 + self.steps)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["assigned", "in_place"])
+def test_a_forward_that_updates_its_buffers_is_refused(sbm: gc.Graph, in_place: bool) -> None:
+    """A plan runs forward per chunk and again when it recomputes: it cannot replay an update of
+    the model's state. The update was dropped silently (the plan trained another function than
+    gc.train, under an exact label), and tracing left a Proxy in the model's own buffer."""
+    model = CountsSteps(in_place).to(DT)
+    if in_place:
+        what = rf"changes the model's buffer 'steps' in place at .*{_line_of(CountsSteps, 'self.steps.add_(1)')}"
+    else:
+        what = r"forward assigns the buffer\(s\) \['steps'\]"
+    with pytest.raises(gc.TraceError, match=rf"{what}.*outside forward"):
+        gc.plan(model, sbm, 2, strategy="data")
+    assert type(model.steps) is torch.Tensor and float(model.steps) == 0.0  # the model is as it was
 
 
 class UnusedHead(nn.Module):

@@ -147,6 +147,10 @@ class GNNTracer(torch.fx.Tracer):
     layers and models, is traced through so its primitives appear in the graph.
     """
 
+    #: a buffer read in forward is a graph input (``get_attr``), so each step reads its value then;
+    #: else fx evaluates expressions of buffers alone once, at trace time, into constants
+    proxy_buffer_attributes = True
+
     def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
         node = super().create_node(*args, **kwargs)
         if node.op in ("placeholder", "output"):
@@ -278,52 +282,81 @@ def _graph_misuse(node: torch.fx.Node, g_node: torch.fx.Node) -> Optional[str]:
             f"({node.op} {_target_name(node)})")
 
 
+def _state_entries(model: torch.nn.Module) -> list[tuple[dict, str, Any]]:
+    """Every ``(buffer dict, name, value)`` of ``model``'s modules (a view shares the model's dicts)."""
+    return [(m._buffers, k, v) for m in model.modules() for k, v in m._buffers.items()]
+
+
 def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
     _check_signature(model)
     tracer = GNNTracer()
+    state = _state_entries(model)
     try:
         graph = tracer.trace(model)
     except TraceError:
         raise
-    except Exception as exc:  # fx's own TraceError, or a Proxy misused by user code
-        # A graph attribute read is the usual cause of a failing trace (``range(g.num_nodes)``,
-        # ``if g.num_nodes > k``): report it as such when the partial graph shows one.
-        partial = getattr(tracer, "graph", None)
-        if partial is not None:
-            holders = [n for n in partial.nodes if n.op == "placeholder"]
-            if holders:
-                for node in partial.nodes:
-                    what = _graph_misuse(node, holders[0])
-                    if what is not None:
-                        raise _trace_error(node, what, _GRAPH_FIX) from exc
-        where = user_frame(exc.__traceback__)
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        lowered = msg.lower()
-        code = where.split(": ", 1)[1] if ": " in where else ""
-        g_name = next(iter(inspect.signature(model.forward).parameters), "g")
-        if f"{g_name}." in code:
-            hint = f"; the line reads an attribute of the graph input {g_name!r}: {_GRAPH_FIX}"
-        elif "item assignment" in lowered:
-            hint = ("; item assignment (h[...] = v) changes a traced value in place, which the operator graph "
-                    "cannot express: compute the new value instead (torch.where, masked_fill, torch.cat of slices)")
-        elif _FACTORY_CALL.search(code) and ("got (proxy" in lowered or "positional argument" in lowered):
-            hint = ("; a torch factory (torch.ones, zeros, rand...) was given a size read from a tensor: make the "
-                    "tensor from one instead (h.new_ones(h.shape[0], 1), torch.ones_like(h[:, :1]))")
-        elif "control flow" in lowered and _SIZE_READ.search(code):
-            hint = ("; the line compares a size in Python: the features' width is a constant of the model, so take "
-                    "it from the constructor (in_channels), and make per-vertex choices with tensor ops "
-                    "(torch.where)")
-        elif any(k in lowered for k in ("control flow", "iterate", "bool", "proxy", "interpreted as an integer")):
-            hint = f"; {_DATA_DEPENDENT_FIX}"
-        else:
-            hint = ""
-        raise TraceError(f"cannot trace {type(model).__name__}: {msg}" + (f" at {where}" if where else "") + hint) from exc
+    except Exception as exc:
+        _restore_buffers(state)
+        raise _untraceable(model, tracer, exc) from exc
+    _restore_buffers(state, model)
     name = type(model).__name__
     graph = _canonical_inputs(graph)
     _out_of_place(graph, tracer.root)
     _canonical_dropouts(graph)
     gm = torch.fx.GraphModule(tracer.root, graph, name)
     return gm
+
+
+def _restore_buffers(state: list[tuple[dict, str, Any]], model: Optional[torch.nn.Module] = None) -> None:
+    """Put back every buffer the traced forward assigned (``self.b = self.b + 1`` during tracing
+    stores a Proxy in the model's own buffer dict); with ``model``, refuse such a forward: a plan
+    runs forward per chunk and again when it recomputes, so it cannot replay an update of the
+    model's state."""
+    changed = [name for buffers, name, value in state if buffers.get(name) is not value]
+    for buffers, name, value in state:
+        buffers[name] = value
+    if changed and model is not None:
+        raise TraceError(f"cannot trace {type(model).__name__}: forward assigns the buffer(s) {changed} "
+                         f"(self.{changed[0]} = ... or +=); a plan runs forward once per chunk and again when it "
+                         "recomputes, so it cannot replay updates of the model's state: update buffers outside "
+                         "forward (between steps), or keep them in a torch.nn module (BatchNorm's statistics)")
+
+
+def _untraceable(model: torch.nn.Module, tracer: torch.fx.Tracer, exc: Exception) -> TraceError:
+    """The error of a trace that failed inside fx or user code (fx's own TraceError, or a Proxy
+    misused by user code), with the likely cause and its fix."""
+    # A graph attribute read is the usual cause of a failing trace (``range(g.num_nodes)``,
+    # ``if g.num_nodes > k``): report it as such when the partial graph shows one.
+    partial = getattr(tracer, "graph", None)
+    if partial is not None:
+        holders = [n for n in partial.nodes if n.op == "placeholder"]
+        if holders:
+            for node in partial.nodes:
+                what = _graph_misuse(node, holders[0])
+                if what is not None:
+                    return _trace_error(node, what, _GRAPH_FIX)
+    where = user_frame(exc.__traceback__)
+    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    lowered = msg.lower()
+    code = where.split(": ", 1)[1] if ": " in where else ""
+    g_name = next(iter(inspect.signature(model.forward).parameters), "g")
+    if f"{g_name}." in code:
+        hint = f"; the line reads an attribute of the graph input {g_name!r}: {_GRAPH_FIX}"
+    elif "item assignment" in lowered:
+        hint = ("; item assignment (h[...] = v) changes a traced value in place, which the operator graph "
+                "cannot express: compute the new value instead (torch.where, masked_fill, torch.cat of slices)")
+    elif _FACTORY_CALL.search(code) and ("got (proxy" in lowered or "positional argument" in lowered):
+        hint = ("; a torch factory (torch.ones, zeros, rand...) was given a size read from a tensor: make the "
+                "tensor from one instead (h.new_ones(h.shape[0], 1), torch.ones_like(h[:, :1]))")
+    elif "control flow" in lowered and _SIZE_READ.search(code):
+        hint = ("; the line compares a size in Python: the features' width is a constant of the model, so take "
+                "it from the constructor (in_channels), and make per-vertex choices with tensor ops "
+                "(torch.where)")
+    elif any(k in lowered for k in ("control flow", "iterate", "bool", "proxy", "interpreted as an integer")):
+        hint = f"; {_DATA_DEPENDENT_FIX}"
+    else:
+        hint = ""
+    return TraceError(f"cannot trace {type(model).__name__}: {msg}" + (f" at {where}" if where else "") + hint)
 
 
 #: the names of forward's inputs in a traced graph, whatever the model calls them
@@ -384,6 +417,24 @@ def _canonical_dropouts(graph: torch.fx.Graph) -> None:
 def _is_view(node: torch.fx.Node) -> bool:
     return (node.op == "call_method" and node.target in _VIEW_METHODS) or \
         (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
+
+
+def _changed_attribute(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> Optional[torch.fx.Node]:
+    """The ``get_attr`` node (a parameter or buffer) that ``node`` changes in place, directly or
+    through views, else None."""
+    if node.op == "call_method":
+        inplace = isinstance(node.target, str) and node.target.endswith("_") and not node.target.startswith("_") \
+            and node.target not in ("requires_grad_", "retain_grad_", "share_memory_")
+    elif node.op == "call_function":
+        inplace = node.target in _AUGMENTED or node.kwargs.get("inplace") is True or (
+            getattr(node.target, "__name__", "").endswith("_")
+            and getattr(node.target, "__module__", None) in ("torch", "torch._C._VariableFunctions"))
+    else:
+        inplace = node.op == "call_module" and getattr(modules.get(node.target), "inplace", False) is True
+    changed = node.args[0] if inplace and node.args else None
+    while isinstance(changed, torch.fx.Node) and _is_view(changed):
+        changed = changed.args[0] if changed.args else None
+    return changed if isinstance(changed, torch.fx.Node) and changed.op == "get_attr" else None
 
 
 def _out_of_place(graph: torch.fx.Graph, root: torch.nn.Module) -> None:
@@ -463,6 +514,15 @@ def _check(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
                     f"the sparse tensor attribute {node.target!r} (a precomputed adjacency?) is used by "
                     f"{users}; sparse products cannot be classified as T/P/E work",
                     "use gnncompile.ops.propagate with the graph input instead")
+    modules = dict(model.named_modules())
+    for node in gm.graph.nodes:
+        root = _changed_attribute(node, modules)
+        if root is not None:
+            value = _fetch_attr(gm, root.target)
+            kind = "parameter" if isinstance(value, torch.nn.Parameter) else "buffer"
+            raise _trace_error(node, f"changes the model's {kind} {root.target!r} in place", (
+                "a plan runs forward once per chunk and again when it recomputes, so it cannot replay updates "
+                "of the model's state: update it outside forward (between steps), or compute a new value"))
     outputs = [n for n in gm.graph.nodes if n.op == "output"]
     result = outputs[0].args[0] if len(outputs) == 1 else None
     if len(outputs) != 1 or not isinstance(result, torch.fx.Node):

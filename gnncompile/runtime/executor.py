@@ -577,7 +577,7 @@ class _Rank:
                         concat[key] = v
                 if track and optimizer is not None and isinstance(v, torch.Tensor) and v.requires_grad \
                         and v.is_leaf:
-                    leaves[name] = (v, read, [p.shape[0] for p in parts], stale_here)
+                    leaves[name] = (v, read, [p.shape[0] if p.dim() else 1 for p in parts], stale_here)  # (0-dim: one part)
                 if len(parts) > 1 and key in concat_uses:
                     concat_uses[key] -= 1
                     if concat_uses[key] == 0:
