@@ -10,6 +10,7 @@ hub; hypothesis checks the structural properties on random small edge lists.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 
 import networkx as nx
@@ -540,3 +541,58 @@ def test_float_masks_are_refused_for_their_dtype() -> None:
     assert "non-0/1" not in msg
     raises("val_mask|non-0/1|2 at vertex 1", Graph, ip, ix, val_mask=[0, 2, 1])
     assert Graph(ip, ix, test_mask=[0, 1, 1]).test_mask.tolist() == [False, True, True]
+
+
+def test_numpy_arrays_of_non_numeric_dtypes_are_refused_naming_the_field() -> None:
+    """They raised torch.from_numpy's raw TypeError (only object arrays were checked)."""
+    ei = [[0, 1], [1, 0]]
+    raises("x: numpy dtype <U1 is not supported", Graph.from_edge_index, ei, x=np.array([["a"], ["b"]]))
+    raises("y: numpy dtype <U1", Graph.from_edge_index, ei, y=np.array(["a", "b"]))
+    raises("train_mask: numpy dtype <U1", Graph.from_edge_index, ei, train_mask=np.array(["1", "0"]))
+    raises("x: numpy dtype datetime64", Graph.from_edge_index, ei, x=np.zeros((2, 1), dtype="datetime64[s]"))
+    if np.dtype(np.longdouble).itemsize > 8:  # longdouble is float64 on some platforms
+        raises("x: numpy dtype float128", Graph.from_edge_index, ei, x=np.zeros((2, 1), dtype=np.longdouble))
+
+
+def test_ids_past_int64_are_reported_as_given() -> None:
+    """uint64 ids from 2**63 up wrapped to negative int64 before the range check, and a list holding
+    2**63 (numpy makes it float64) was called a float64 input."""
+    raises("edge_index: value 9223372036854775813 at (0, 1) does not fit in int64",
+           Graph.from_edge_index, np.array([[0, 2**63 + 5], [1, 0]], dtype=np.uint64))
+    raises("indptr: value 18446744073709551615 at 2 does not fit in int64",
+           Graph, np.array([0, 1, 2**64 - 1], dtype=np.uint64), [1, 0])
+    raises("edge_index: 9223372036854775808 does not fit in int64", Graph.from_edge_index, [[0, 2**63], [1, 0]])
+    g = Graph.from_edge_index(np.array([[0, 1], [1, 0]], dtype=np.uint64))  # small uint64 ids still work
+    assert edge_list(g) == [(1, 0), (0, 1)]
+
+
+def test_sparse_coo_features_need_two_sparse_dimensions() -> None:
+    """A 3-d or hybrid COO tensor raised torch's RuntimeError from the CSR conversion."""
+    ei = [[0, 1], [1, 0]]
+    raises("x: expected shape [num_nodes, num_features]|sparse COO of shape [2, 2, 2]|sparse_dim=3",
+           Graph.from_edge_index, ei, x=torch.ones(2, 2, 2).to_sparse())
+    raises("x: expected shape [num_nodes, num_features]|sparse_dim=1",
+           Graph.from_edge_index, ei, x=torch.ones(2, 2).to_sparse(1))
+
+
+def test_overlapping_masks_warn_naming_the_masks_and_counts() -> None:
+    """A test mask overlapping the training mask inflated the reported test accuracy silently; it is
+    a warning, not an error (some runs do it on purpose)."""
+    ei = [[0, 1, 2, 3], [1, 2, 3, 0]]
+    train = np.array([1, 1, 0, 0], dtype=bool)
+    with pytest.warns(UserWarning, match=r"train_mask and test_mask share 1 vertices"):
+        g = Graph.from_edge_index(ei, train_mask=train, val_mask=~train, test_mask=np.array([0, 1, 1, 0], bool))
+    assert g.test_mask.tolist() == [False, True, True, False]
+    with pytest.warns(UserWarning, match=r"train_mask and val_mask share 2 vertices; val_mask and test_mask share 2"):
+        Graph.from_edge_index(ei, train_mask=train, val_mask=np.ones(4, bool), test_mask=~train)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Graph.from_edge_index(ei, train_mask=train, val_mask=np.array([0, 0, 1, 0], bool),
+                              test_mask=np.array([0, 0, 0, 1], bool))
+
+
+def test_out_of_range_edge_says_the_bound_came_from_the_rows_of_x() -> None:
+    msg = raises("edge_index: edge 1 = (1, 2) has a vertex id outside [0, 2)|number of rows of x",
+                 Graph.from_edge_index, [[0, 1], [1, 2]], x=np.zeros((2, 1), np.float32))
+    assert "rows of x" not in raises("outside [0, 2)", Graph.from_edge_index, [[0, 1], [1, 2]], 2)
+    assert msg

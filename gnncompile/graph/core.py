@@ -52,12 +52,22 @@ def _as_tensor(value: ArrayLike, field: str, dtype: Optional[torch.dtype] = None
     elif isinstance(value, np.ndarray):
         if value.dtype == np.object_:
             raise GraphError(f"{field}: object arrays are not supported (got dtype=object)")
-        t = torch.from_numpy(np.ascontiguousarray(value))
+        try:
+            t = torch.from_numpy(np.ascontiguousarray(value))
+        except TypeError:  # strings, datetimes, longdouble, ...: dtypes torch has no counterpart of
+            raise GraphError(f"{field}: numpy dtype {value.dtype} is not supported; pass numbers (an integer, "
+                             f"floating or bool dtype)") from None
     else:
         try:
-            t = torch.as_tensor(np.asarray(value))
+            arr = np.asarray(value)
+            t = torch.as_tensor(arr)
         except (TypeError, ValueError) as exc:
             raise GraphError(f"{field}: cannot convert {type(value).__name__} to a tensor: {exc}") from exc
+        if arr.dtype.kind == "f":  # numpy makes a list holding an int past int64 floats: name that int
+            big = next((v for v in np.asarray(value, dtype=object).flat
+                        if isinstance(v, int) and not -(2**63) <= v < 2**63), None)
+            if big is not None:
+                raise GraphError(f"{field}: {big} does not fit in int64")
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     return t
@@ -69,6 +79,12 @@ def _check_index_dtype(t: torch.Tensor, field: str, keep_int32: bool = False) ->
         return t.to(torch.int32 if keep_int32 and t.dtype == torch.int32 else torch.int64)
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise GraphError(f"{field}: expected an integer dtype, got {t.dtype}")
+    if t.dtype == torch.uint64:  # values from 2**63 up would wrap to negative ids in int64
+        wide = t.view(torch.int64) < 0
+        if bool(wide.any()):
+            pos = tuple(int(i) for i in torch.nonzero(wide, as_tuple=False)[0])
+            value = int(t.view(torch.int64)[pos]) + 2**64
+            raise GraphError(f"{field}: value {value} at {pos[0] if len(pos) == 1 else pos} does not fit in int64")
     return t if keep_int32 and t.dtype == torch.int32 else t.to(torch.int64)
 
 
@@ -387,8 +403,11 @@ class Graph:
         if t.is_complex():
             raise GraphError(f"x: expected real features, got dtype {t.dtype} (the imaginary part would be lost)")
         if t.layout == torch.sparse_coo:
+            if t.dim() != 2 or t.sparse_dim() != 2:
+                raise GraphError(f"x: expected shape [num_nodes, num_features], got sparse COO of shape {list(t.shape)} "
+                                 f"(sparse_dim={t.sparse_dim()}; 2 needed)")
             idx = t._indices()
-            if t.dim() == 2 and idx.numel():
+            if idx.numel():
                 bound = torch.tensor(t.shape[:2], device=idx.device).unsqueeze(1)
                 bad = ((idx < 0) | (idx >= bound)).any(dim=0)
                 if bool(bad.any()):
@@ -426,9 +445,11 @@ class Graph:
         if ei.dim() != 2 or ei.shape[0] != 2:
             raise GraphError(f"edge_index: expected shape [2, E], got {list(ei.shape)}")
         x = node_data.get("x")
+        bound_from = ""
         if num_nodes is None:
             if x is not None:
                 num_nodes = int(x.shape[0]) if hasattr(x, "shape") else len(x)
+                bound_from = " (num_nodes was not given: it is the number of rows of x)"
             else:
                 num_nodes = int(ei.max()) + 1 if ei.numel() else 0
                 if num_nodes > 0:
@@ -444,7 +465,7 @@ class Graph:
                 flat = _first_true(bad.any(dim=0))
                 raise GraphError(
                     f"edge_index: edge {flat} = ({int(ei[0, flat])}, {int(ei[1, flat])}) has a vertex id "
-                    f"outside [0, {num_nodes})"
+                    f"outside [0, {num_nodes}){bound_from}"
                 )
         src, dst = ei[0], ei[1]
         ew = None
@@ -637,7 +658,20 @@ class Graph:
                     raise GraphError(f"{field}: vertex {i} is in the mask but has no label (y=-1)")
         if self._num_classes is not None and self._num_classes < 0:
             raise GraphError(f"num_classes: must be >= 0, got {self._num_classes}")
+        self._warn_overlapping_masks()
         return self
+
+    def _warn_overlapping_masks(self) -> None:
+        """Warn (a ``UserWarning``, not an error: some runs overlap the sets on purpose) when two of the
+        train / val / test masks share vertices, naming the masks and how many: the accuracy of one
+        then partly measures the other (a test accuracy over training vertices is inflated)."""
+        masks = [(f, m) for f in ("train_mask", "val_mask", "test_mask") if (m := getattr(self, f)) is not None]
+        shared = [(a, b, int((ma & mb).sum())) for i, (a, ma) in enumerate(masks) for b, mb in masks[i + 1:]]
+        shared = [f"{a} and {b} share {k:,} vertices" for a, b, k in shared if k]
+        if shared:
+            from .io import _warn
+            _warn(f"graph {self.name!r}: {'; '.join(shared)}, so the accuracy on one partly measures the other "
+                  f"(a test accuracy over training vertices is inflated)")
 
     # ------------------------------------------------------------------ basic properties
     @property
