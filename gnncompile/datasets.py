@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import numpy as np
 
 from .errors import ArgumentError, DatasetError, GraphError
-from .graph.core import Graph, GraphStats
+from .graph.core import Graph, GraphStats, _as_count
 from .graph.io import from_npz, from_planetoid
 
 __all__ = ["DatasetInfo", "SYNTHETIC_KINDS", "KNOWN_STATS", "list_datasets", "load", "locate", "search_paths",
@@ -124,7 +124,7 @@ def _planetoid_name(folder: Path) -> Optional[str]:
     return names[0] if names else None
 
 
-def _load_path(path: Path, symmetrize: Optional[bool], split: int) -> Graph:
+def _load_path(path: Path, symmetrize: Optional[bool], split: int, allow_missing_features: bool = False) -> Graph:
     if path.is_file():
         if path.suffix != ".npz":
             raise DatasetError(f"{path}: not an .npz file (load reads the shared/datasets npz format)")
@@ -138,7 +138,7 @@ def _load_path(path: Path, symmetrize: Optional[bool], split: int) -> Graph:
             if pname is not None:
                 if split != 0:
                     raise GraphError(f"split: {split} requested but Planetoid data has one split (use split=0)")
-                return from_planetoid(folder, pname)
+                return from_planetoid(folder, pname, allow_missing_features=allow_missing_features)
         npz = sorted(path.glob("*.npz"))
         if len(npz) == 1:
             return from_npz(npz[0], split=split, symmetrize=symmetrize)
@@ -154,6 +154,7 @@ def load(
     symmetrize: Optional[bool] = None,
     split: int = 0,
     root: Optional[PathLike] = None,
+    allow_missing_features: bool = False,
 ) -> Graph:
     """Load a dataset by name (searching the dataset directories) or by path.
 
@@ -170,28 +171,34 @@ def load(
         Which stored split to use for datasets with several (squirrel, chameleon, tolokers: 0-9).
     root:
         A directory searched before ``$GNNCOMPILE_DATA`` and the shared datasets folder.
+    allow_missing_features:
+        Raw Planetoid data only (see :func:`gnncompile.graph.io.from_planetoid`): build a graph
+        without ``x`` when ``ind.<name>.allx`` or ``ind.<name>.tx`` is absent instead of raising.
 
     Raises
     ------
     ArgumentError
-        When ``name_or_path`` is neither a string nor a path.
+        When ``name_or_path`` is neither a string nor a path, or is empty.
+    GraphError
+        When ``split`` is not an int or not one the dataset stores.
     DatasetError
         When the name is found nowhere; the message lists the available names and every directory
         searched.
     """
     _check_name(name_or_path)
+    split = _as_count(split, "split")
     text = os.fspath(name_or_path)
     path = Path(text)
     looks_like_path = isinstance(name_or_path, os.PathLike) or os.sep in text or text.endswith(".npz")
     if looks_like_path:
-        return _load_path(path, symmetrize, split)
+        return _load_path(path, symmetrize, split, allow_missing_features)
     dirs = search_paths(root)
     for directory in dirs:
         hit = _find_in(directory, text)
         if hit is not None:
-            return _load_path(hit, symmetrize, split)
+            return _load_path(hit, symmetrize, split, allow_missing_features)
     if path.exists():
-        return _load_path(path, symmetrize, split)
+        return _load_path(path, symmetrize, split, allow_missing_features)
     available = sorted({n for d in dirs for n in _names_in(d)})
     searched = "\n  ".join(f"{d}{'' if d.is_dir() else ' (missing)'}" for d in dirs) or "(none)"
     raise DatasetError(
@@ -329,10 +336,13 @@ def _read_header(name: str, path: Path) -> DatasetInfo:
 
 
 def _check_name(name_or_path: Any) -> None:
-    """Raise :class:`ArgumentError` unless ``name_or_path`` is a dataset name or a path."""
+    """Raise :class:`ArgumentError` unless ``name_or_path`` is a dataset name or a path (an empty
+    string is neither: as a path it would be the current directory)."""
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise ArgumentError(f"name_or_path: expected a dataset name or a path, got {type(name_or_path).__name__} "
                             f"{name_or_path!r}")
+    if isinstance(name_or_path, str) and not name_or_path:
+        raise ArgumentError("name_or_path: is empty; give a dataset name (e.g. 'cora') or a path")
 
 
 def locate(name_or_path: PathLike, *, root: Optional[PathLike] = None) -> Optional[Path]:
@@ -382,6 +392,16 @@ def _check(cond: bool, message: str) -> None:
         raise GraphError(message)
 
 
+def _is_int(value: Any) -> bool:
+    """Whether ``value`` is an int or a numpy integer (not a bool, not an integral float)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value: Any) -> bool:
+    """Whether ``value`` is a real number (an int or a float, numpy ones included; not a bool)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
 def _unique_pairs(
     draw: Callable[[int], tuple[np.ndarray, np.ndarray]], n: int, m: int, max_rounds: int = 64
 ) -> np.ndarray:
@@ -415,10 +435,17 @@ def _unique_pairs(
     return keys[:m]
 
 
-def _drawn_enough(keys: np.ndarray, pairs: int, kind: str) -> np.ndarray:
+def _drawn_enough(keys: np.ndarray, pairs: int, kind: str, rmat_probs: Optional[builtins.list] = None) -> np.ndarray:
     """``keys`` when :func:`_unique_pairs` found all ``pairs`` requested; otherwise an
     :class:`ArgumentError` (the sampler gives up only when the request is too close to the number
-    of pairs the model can produce; a shorter graph than asked would change every size downstream)."""
+    of pairs the model can produce, or, for ``"rmat"``, when ``rmat_probs`` rarely draw distinct
+    pairs inside ``[0, num_nodes)``; a shorter graph than asked would change every size downstream)."""
+    if keys.shape[0] < pairs and rmat_probs is not None:
+        raise ArgumentError(
+            f"rmat_probs / avg_degree / num_edges: {kind!r} drew only {keys.shape[0]:,} distinct pairs of the "
+            f"{pairs:,} requested ({2 * pairs:,} directed edges): rmat_probs={rmat_probs} cannot draw enough distinct "
+            f"pairs with both endpoints below num_nodes (or the request is too close to the number of pairs they can "
+            f"produce); spread rmat_probs (default (0.57, 0.19, 0.19, 0.05)) or ask for fewer edges")
     if keys.shape[0] < pairs:
         raise ArgumentError(
             f"avg_degree / num_edges: {kind!r} drew only {keys.shape[0]:,} distinct pairs of the {pairs:,} requested "
@@ -456,10 +483,11 @@ def _random_masks(rng: np.random.Generator, n: int, train: float, val: float) ->
 
 def _pair_target(num_nodes: int, avg_degree: float, num_edges: Optional[int]) -> int:
     if num_edges is None:
-        _check(avg_degree >= 0 and math.isfinite(avg_degree), f"avg_degree: must be a finite number >= 0, got {avg_degree}")
+        _check(_is_real(avg_degree) and avg_degree >= 0 and math.isfinite(avg_degree),
+               f"avg_degree: must be a finite number >= 0, got {avg_degree!r}")
         pairs = int(round(num_nodes * avg_degree / 2))
     else:
-        _check(num_edges >= 0, f"num_edges: must be >= 0, got {num_edges}")
+        _check(_is_int(num_edges) and num_edges >= 0, f"num_edges: must be an int >= 0, got {num_edges!r}")
         pairs = int(num_edges) // 2
     possible = num_nodes * (num_nodes - 1) // 2
     _check(
@@ -562,9 +590,9 @@ def synthetic(
     for param, value, owner in (("homophily", homophily, "sbm"), ("feature_noise", feature_noise, "sbm"),
                                 ("rmat_probs", rmat_probs, "rmat")):
         _check(value is None or kind == owner, f"{param}: applies to kind {owner!r} only, not {kind!r}")
-    _check(isinstance(num_nodes, (int, np.integer)) and num_nodes >= 1, f"num_nodes: must be an int >= 1, got {num_nodes!r}")
-    _check(num_features >= 0, f"num_features: must be >= 0, got {num_features}")
-    _check(num_classes >= 1, f"num_classes: must be >= 1, got {num_classes}")
+    _check(_is_int(num_nodes) and num_nodes >= 1, f"num_nodes: must be an int >= 1, got {num_nodes!r}")
+    _check(_is_int(num_features) and num_features >= 0, f"num_features: must be an int >= 0, got {num_features!r}")
+    _check(_is_int(num_classes) and num_classes >= 1, f"num_classes: must be an int >= 1, got {num_classes!r}")
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ArgumentError(f"seed: expected an int >= 0, got {seed!r}")
     _check(
@@ -638,7 +666,7 @@ def synthetic(
             def draw(k: int) -> tuple[np.ndarray, np.ndarray]:
                 return rng.integers(0, n, k), rng.integers(0, n, k)
 
-        keys = _drawn_enough(_unique_pairs(draw, n, pairs), pairs, kind)
+        keys = _drawn_enough(_unique_pairs(draw, n, pairs), pairs, kind, probs.tolist() if kind == "rmat" else None)
         if kind == "rmat":
             perm = rng.permutation(n).astype(np.int64)
             lo, hi = np.divmod(keys, n)
@@ -675,11 +703,13 @@ KNOWN_STATS: dict[str, GraphStats] = {
 }
 
 
-def stats(name: str) -> GraphStats:
-    """The :class:`GraphStats` of a dataset: a local one's (loaded), or one of :data:`KNOWN_STATS`
-    (a :class:`DatasetError` for neither names both kinds)."""
+def stats(name: PathLike) -> GraphStats:
+    """The :class:`GraphStats` of a dataset: a local one's (loaded; a name or a path, as for
+    :func:`load`), or one of :data:`KNOWN_STATS` (a :class:`DatasetError` for neither names both
+    kinds, an :class:`ArgumentError` for neither a name nor a path)."""
+    _check_name(name)
     for key, value in KNOWN_STATS.items():
-        if key.lower() == name.lower():
+        if isinstance(name, str) and key.lower() == name.lower():
             return value
     try:
         graph = load(name)

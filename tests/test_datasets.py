@@ -746,3 +746,112 @@ def test_unknown_name_for_stats_lists_the_statistics_only_datasets_too() -> None
     with pytest.raises(DatasetError, match=r"unknown dataset 'bogus'(.|\n)*statistics only \(for planning\): "
                                            r".*ogbn-papers100M"):
         datasets.stats("bogus")
+
+
+def test_npz_members_that_are_not_npy_arrays_are_corrupt_not_pickles(tmp_path: Path) -> None:
+    """A member that is not in .npy format came back as bytes (raw AttributeError), and a corrupt .npy
+    header was reported as "holds Python objects (pickled data)"."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    np.save(buf, np.array([[0, 1, 1, 2], [1, 0, 2, 1]], dtype=np.int64))
+    raw = buf.getvalue()
+    for name, blob in (("garbage", b"garbage"), ("shape", raw.replace(b"'shape': (2, 4)", b"'shape': (2, 9)")),
+                       ("descr", raw.replace(b"'descr': '<i8'", b"'descr': 'XXX'"))):
+        p = tmp_path / f"{name}.npz"
+        with zipfile.ZipFile(p, "w") as z:
+            z.writestr("edge_index.npy", blob)
+        with pytest.raises(DatasetError, match=rf"{name}.npz: array 'edge_index' is corrupt") as info:
+            from_npz(p)
+        assert "pickle" not in str(info.value)
+    p = tmp_path / "objects.npz"
+    np.savez(p, edge_index=np.array([[0], [1]], dtype=object))
+    gerr("objects.npz: array 'edge_index' holds Python objects", from_npz, p)
+
+
+def test_npz_feature_shape_too_large_for_a_tensor_is_named(tmp_path: Path) -> None:
+    """An x_shape whose rows * cols overflow int64 raised torch's RuntimeError or an OverflowError."""
+    for shape in (np.array([2, 2**62]), np.array([2, 2**64 - 1], dtype=np.uint64)):
+        p = write_npz(tmp_path / "big.npz", edge_index=np.array([[0], [1]]), num_nodes=2, x_data=np.ones(1),
+                      x_indices=np.array([0]), x_indptr=np.array([0, 1, 1]), x_shape=shape)
+        gerr(f"big.npz: x_shape: [2, {int(shape[1])}] is too large", from_npz, p)
+
+
+def test_from_pyg_num_nodes_x_as_a_list_and_split_are_checked() -> None:
+    """x as a list raised AttributeError; num_nodes 3.7 or '3' were coerced and a num_nodes
+    contradicting x's rows ignored; a split that is not an int raised IndexError."""
+    ei = torch.tensor([[0, 1, 2], [1, 2, 0]])
+    g = from_pyg(SimpleNamespace(edge_index=ei, x=[[1.0], [2.0], [3.0]]))
+    assert g.num_nodes == 3 and g.x.tolist() == [[1.0], [2.0], [3.0]]
+    gerr("data.num_nodes: expected an int, got float 3.7", from_pyg, SimpleNamespace(edge_index=ei, num_nodes=3.7))
+    gerr("data.num_nodes: expected an int, got str '3'", from_pyg, SimpleNamespace(edge_index=ei, num_nodes="3"))
+    gerr("x: has 3 rows but the graph has num_nodes=5", from_pyg,
+         SimpleNamespace(edge_index=ei, num_nodes=5, x=torch.zeros(3, 1)))
+    assert from_pyg(SimpleNamespace(edge_index=ei, num_nodes=np.int64(4))).num_nodes == 4
+    masks = SimpleNamespace(edge_index=ei, num_nodes=3, train_mask=torch.ones(3, 2, dtype=torch.bool))
+    assert from_pyg(masks, split=np.int64(1)).train_mask.tolist() == [True] * 3
+    for split in (1.0, "1", True):
+        gerr(f"split: expected an int, got {type(split).__name__}", from_pyg, masks, split=split)
+
+
+def test_split_must_be_an_int_for_npz_and_load(tmp_path: Path) -> None:
+    p = write_npz(tmp_path / "tiny.npz", **tiny_arrays())
+    for split in (1.0, "1", True):
+        gerr(f"split: expected an int, got {type(split).__name__}", from_npz, p, split=split)
+        gerr(f"split: expected an int, got {type(split).__name__}", datasets.load, p, split=split)
+
+
+def test_an_empty_dataset_name_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """load("") read the current directory (Path("") is ".")."""
+    write_npz(tmp_path / "unrelated.npz", **tiny_arrays())
+    monkeypatch.chdir(tmp_path)
+    for fn in (datasets.load, datasets.locate, datasets.stats):
+        with pytest.raises(gc.ArgumentError, match="name_or_path: is empty"):
+            fn("")
+
+
+@needs_shared
+def test_load_forwards_allow_missing_features_to_planetoid_folders() -> None:
+    """The error told datasets.load users to pass allow_missing_features=True, which load refused."""
+    with pytest.raises(DatasetError, match="ind.pubmed.allx.*pass allow_missing_features=True"):
+        datasets.load(SHARED / "pubmed" / "raw")
+    with pytest.warns(UserWarning, match="ind.pubmed.allx is missing"):
+        g = datasets.load(SHARED / "pubmed" / "raw", allow_missing_features=True)
+    assert g.x is None and g.num_nodes == 19717
+
+
+def test_synthetic_sizes_must_be_ints_and_degree_a_number() -> None:
+    """num_features=4.0 and avg_degree='2' raised raw TypeErrors; num_classes=2.5 and num_edges=6.7
+    were truncated silently."""
+    gerr("num_features: must be an int >= 0, got 4.0", datasets.synthetic, "er", num_nodes=10, num_features=4.0)
+    gerr("avg_degree: must be a finite number >= 0, got '2'", datasets.synthetic, "er", num_nodes=10, avg_degree="2")
+    gerr("num_classes: must be an int >= 1, got 2.5", datasets.synthetic, "er", num_nodes=10, num_classes=2.5)
+    gerr("num_edges: must be an int >= 0, got 6.7", datasets.synthetic, "er", num_nodes=10, num_edges=6.7)
+    gerr("num_nodes: must be an int >= 1, got True", datasets.synthetic, "er", num_nodes=True)
+    g = datasets.synthetic("er", num_nodes=np.int64(10), num_edges=np.int64(6), num_features=np.int32(2),
+                           num_classes=np.int64(2), avg_degree=np.float32(1.0))
+    assert (g.num_nodes, g.num_edges, g.num_features, g.num_classes) == (10, 6, 2, 2)
+
+
+def test_rmat_probabilities_that_cannot_draw_enough_pairs_are_named() -> None:
+    """The shortfall blamed the request size ("ask for fewer edges") when rmat_probs was the cause."""
+    from gnncompile import ArgumentError
+
+    with pytest.raises(ArgumentError, match=r"'rmat' drew only 0 distinct pairs of the 1 requested.*"
+                                            r"rmat_probs=\[0.0, 1.0, 0.0, 0.0\] cannot draw enough"):
+        datasets.synthetic("rmat", num_nodes=3, num_edges=2, num_features=1, rmat_probs=(0, 1, 0, 0))
+
+
+def test_from_scipy_dense_dtypes_scipy_cannot_hold_are_named() -> None:
+    gerr("matrix: dtype float16 is not supported by scipy.sparse", from_scipy, np.eye(3, dtype=np.float16))
+    gerr("matrix: expected real values, got dtype object", from_scipy, np.eye(3).astype(object))
+    assert from_scipy(np.eye(3, dtype=np.float32)[::-1].copy()).num_edges == 3
+
+
+def test_stats_takes_what_load_takes() -> None:
+    """stats(5) and stats(Path(...)) raised AttributeError ('lower')."""
+    with pytest.raises(gc.ArgumentError, match="name_or_path: expected a dataset name or a path, got int 5"):
+        datasets.stats(5)
+    if SHARED is not None:
+        assert datasets.stats(SHARED / "cora" / "cora.npz").num_nodes == 2708

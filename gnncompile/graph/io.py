@@ -32,7 +32,7 @@ import scipy.sparse as sp
 import torch
 
 from ..errors import DatasetError, GraphError
-from .core import Graph
+from .core import Graph, _as_count
 
 __all__ = ["from_scipy", "from_networkx", "from_pyg", "from_npz", "from_planetoid"]
 
@@ -61,6 +61,8 @@ def _csr_from_parts(
     if shape_arr.shape != (2,) or not np.issubdtype(shape_arr.dtype, np.integer) or (shape_arr < 0).any():
         raise GraphError(f"{where}_shape: expected two non-negative ints, got {shape_arr.tolist()!r}")
     rows, cols = (int(v) for v in shape_arr)
+    if rows * cols >= 2**63:
+        raise GraphError(f"{where}_shape: [{rows}, {cols}] is too large: rows * cols must fit in int64")
     indptr = np.asarray(indptr)
     indices = np.asarray(indices)
     data = np.asarray(data)
@@ -142,7 +144,13 @@ def from_scipy(matrix: Any, **node_data: Any) -> Graph:
     elif isinstance(matrix, np.ndarray):
         if matrix.ndim != 2:
             raise GraphError(f"matrix: expected a 2-d adjacency matrix, got shape {list(matrix.shape)}")
-        mat = sp.csr_matrix(matrix)
+        if matrix.dtype.kind not in "biuf":
+            raise GraphError(f"matrix: expected real values, got dtype {matrix.dtype}")
+        try:
+            mat = sp.csr_matrix(matrix)
+        except ValueError as exc:  # float16: scipy.sparse has no such dtype
+            raise GraphError(f"matrix: dtype {matrix.dtype} is not supported by scipy.sparse; pass "
+                             f"matrix.astype(np.float32) ({exc})") from None
     else:
         raise GraphError(f"matrix: expected a scipy sparse matrix or a 2-d numpy array, got {type(matrix).__name__}")
     if mat.ndim != 2 or mat.shape[0] != mat.shape[1]:
@@ -289,7 +297,7 @@ def _pyg_get(data: Any, key: str) -> Any:
 def from_pyg(data: Any, split: int = 0) -> Graph:
     """Build a graph from a PyTorch Geometric ``Data`` object (``torch_geometric`` is not imported).
 
-    Reads ``edge_index`` (required), ``num_nodes``, ``x``, ``y`` (``[N]`` or ``[N, 1]``),
+    Reads ``edge_index`` (required), ``num_nodes`` (an int; with ``x``, its row count), ``x``, ``y`` (``[N]`` or ``[N, 1]``),
     ``edge_weight`` or else a floating 1-d (or ``[E, 1]``) ``edge_attr`` as weights (any other
     ``edge_attr``, integer edge types or ``[E, F]`` features, is not used, with a warning), and
     ``train_mask``/``val_mask``/``test_mask``. Masks of shape ``[N, K]`` (PyG's way of storing
@@ -306,14 +314,13 @@ def from_pyg(data: Any, split: int = 0) -> Graph:
     edge_index = _pyg_get(data, "edge_index")
     if edge_index is None:
         raise GraphError(f"data.edge_index: missing on {type(data).__name__} (SparseTensor adj_t is not supported)")
+    split = _as_count(split, "split")
     x = _pyg_get(data, "x")
-    num_nodes = None
-    if x is None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # PyG warns when it has to infer num_nodes
-            num_nodes = _pyg_get(data, "num_nodes")
-    else:
-        num_nodes = int(x.shape[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyG warns when it has to infer num_nodes
+        num_nodes = _pyg_get(data, "num_nodes")
+    if num_nodes is not None:
+        num_nodes = _as_count(num_nodes, "data.num_nodes")
     y = _pyg_get(data, "y")
     if y is not None:
         y = torch.as_tensor(y)
@@ -352,7 +359,7 @@ def from_pyg(data: Any, split: int = 0) -> Graph:
     name = _pyg_get(data, "name")
     return Graph.from_edge_index(
         edge_index,
-        None if num_nodes is None else int(num_nodes),
+        num_nodes,
         edge_weight=weight,
         x=x,
         y=y,
@@ -431,6 +438,7 @@ def from_npz(path: PathLike, split: int = 0, symmetrize: Optional[bool] = None) 
         When an array is missing, malformed or inconsistent; the message starts with the file name
         and names the array and the first bad index.
     """
+    split = _as_count(split, "split")
     p = Path(path)
     if not p.is_file():
         raise DatasetError(f"{p}: no such npz file")
@@ -447,13 +455,18 @@ def from_npz(path: PathLike, split: int = 0, symmetrize: Optional[bool] = None) 
 
         def get(key: str) -> np.ndarray:
             try:
-                return archive[key]
-            except ValueError as exc:  # object arrays need pickles, which are never loaded
-                raise GraphError(f"{where}: array {key!r} holds Python objects (pickled data), which gnncompile never "
-                                 f"loads: this file is not a graph in the npz format (plain arrays: {_NPZ_ARRAYS})"
-                                 ) from exc
+                arr = archive[key]
+            except ValueError as exc:
+                if "allow_pickle" in str(exc):  # object arrays need pickles, which are never loaded
+                    raise GraphError(f"{where}: array {key!r} holds Python objects (pickled data), which gnncompile "
+                                     f"never loads: this file is not a graph in the npz format (plain arrays: "
+                                     f"{_NPZ_ARRAYS})") from exc
+                raise DatasetError(f"{where}: array {key!r} is corrupt: {exc}") from exc  # e.g. its .npy header
             except (OSError, zipfile.BadZipFile, EOFError, zlib.error) as exc:
                 raise DatasetError(f"{where}: array {key!r} is corrupt: {exc}") from exc
+            if not isinstance(arr, np.ndarray):  # a member without the .npy suffix comes back as raw bytes
+                raise DatasetError(f"{where}: array {key!r} is corrupt: the archive member is not a .npy array")
+            return arr
 
         if "edge_index" not in files:
             raise GraphError(f"{where}: required array 'edge_index' is missing (arrays: {sorted(files)})")
