@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
 
-from .errors import ArgumentError, GnnCompileError
+from .errors import ArgumentError, DatasetError, GnnCompileError
 from .paths import output_problem
 
 SYNTHETIC_DEFAULTS = dict(num_nodes=20_000, avg_degree=20, num_features=128, num_classes=8)
@@ -146,7 +146,13 @@ def _load_graph(args: argparse.Namespace):
             if value is not None:
                 kw[key] = value
         return datasets.synthetic(args.dataset, seed=args.seed, **kw)
-    return datasets.load(args.dataset)
+    try:
+        return datasets.load(args.dataset)
+    except DatasetError as exc:
+        if datasets.locate(args.dataset) is None:  # not found: say what --dataset takes besides files
+            raise DatasetError(f"{exc}\nsynthetic graphs (built in, any case): "
+                                f"{', '.join(datasets.SYNTHETIC_KINDS)}") from None
+        raise
 
 
 def _require_trainable(graph, args: argparse.Namespace) -> None:
@@ -933,6 +939,8 @@ def _check_combinations(error: Any, args: argparse.Namespace) -> None:
     from . import datasets
     from .nn import MODELS
 
+    if isinstance(getattr(args, "dataset", None), str) and args.dataset.lower() in datasets.SYNTHETIC_KINDS:
+        args.dataset = args.dataset.lower()  # the kinds, like dataset names, in any case ("SBM")
     if getattr(args, "checkpoint_every", None) is not None and args.checkpoint_dir is None:
         error("--checkpoint-every needs --checkpoint-dir DIR (where the checkpoints go)")
     if getattr(args, "checkpoint_dir", None) is not None and Path(args.checkpoint_dir).expanduser().exists() \

@@ -601,3 +601,20 @@ def test_warnings_print_as_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     line = next(ln for ln in err.splitlines() if "broken" in ln)
     assert line.startswith("gnncompile: warning: datasets: skipped 'broken', not a readable graph"), err
     assert "UserWarning" not in err and "datasets.py" not in err and "infos =" not in err, err
+
+
+def test_synthetic_kinds_are_accepted_in_any_case_and_listed_for_unknown_datasets(nothing_runs: None,
+                                                                                   capsys: Any) -> None:
+    """--dataset SBM said "unknown dataset 'SBM'" and the list of names never mentioned the kinds."""
+    args = cli.build_parser().parse_args(["train", "--dataset", "SBM", "--num-nodes", "40"])
+    cli._check_combinations(pytest.fail, args)
+    assert args.dataset == "sbm" and cli._load_graph(args).num_nodes == 40
+    assert cli.main(["train", "--dataset", "no_such_dataset", "--epochs", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown dataset 'no_such_dataset'" in err and "synthetic graphs (built in, any case): sbm, rmat, er" in err
+
+
+def test_an_empty_dataset_name_is_refused(nothing_runs: None, capsys: Any) -> None:
+    """--dataset "" loaded the current directory."""
+    assert cli.main(["train", "--dataset", "", "--epochs", "1"]) == 1
+    assert "name_or_path: is empty" in capsys.readouterr().err

@@ -282,13 +282,14 @@ def check_training_args(epochs: Any, lr: Any, weight_decay: Any, patience: Any =
     """Refuse training arguments no run can use (before any work or rank starts): ``epochs`` an
     int >= 0, ``lr`` finite and > 0, ``weight_decay`` finite and >= 0, ``patience`` ``None`` or an
     int >= 1, ``eval_every`` an int >= 1, ``checkpoint_dir`` not empty, ``resume`` only with a
-    ``checkpoint_dir``, a ``model`` (when given) with a trainable parameter, ``dtype`` ``None`` or a
-    floating ``torch.dtype``; raises :class:`~gnncompile.ArgumentError` (a ``ValueError``)."""
+    ``checkpoint_dir``, a ``model`` (when given) with a trainable parameter, ``dtype`` ``None``,
+    ``torch.float32`` or ``torch.float64``; raises :class:`~gnncompile.ArgumentError` (a ``ValueError``)."""
     if model is not None and not any(p.requires_grad for p in model.parameters()):
         raise ArgumentError(f"model: {type(model).__name__} has no trainable parameters (nothing for Adam to "
                             "update); give it a layer with weights, e.g. gnncompile.nn.GCN")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ArgumentError(f"dtype must be a floating torch.dtype (torch.float32, torch.float64, ...), got {dtype!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.float64)):
+        raise ArgumentError(f"dtype must be a floating torch.dtype the kernels compute in (torch.float32 or "
+                            f"torch.float64), got {dtype!r}")
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
         raise ArgumentError(f"epochs must be an int >= 0, got {epochs!r}")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
