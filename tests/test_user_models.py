@@ -318,6 +318,23 @@ class SharedScalar(nn.Module):
         return self.l3(h) * (1.0 / self.temp)
 
 
+class NewTensors(nn.Module):
+    """Constants made with ``h.new_*`` (they take only ``h``'s dtype and device): a row of scales, a
+    per-column offset, a filled tensor expanded over the rows, zeros of ``h``'s shape."""
+
+    def __init__(self, d_in: int, hidden: int, d_out: int, dropout: float = 0.5) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(d_in, hidden), nn.Linear(hidden, d_out)
+        self.hidden, self.dropout = hidden, dropout
+
+    def forward(self, g, x):
+        h = F.dropout(torch.relu(ops.propagate(g, self.l1(x), "gcn", add_self_loops=True)), self.dropout,
+                      self.training)
+        h = h * h.new_ones(1, self.hidden) * 0.5 + h.new_tensor([float(i) for i in range(self.hidden)])
+        h = h + h.new_full((1, self.hidden), 2.0).expand_as(h) + h.new_zeros(h.shape)
+        return ops.propagate(g, self.l2(h), "mean")
+
+
 HID = 4
 MODELS = {
     "edge_weighted_gcn": lambda: EdgeWeightedGCN(F_IN, HID, C),
@@ -336,6 +353,7 @@ MODELS = {
     "dgl_names": lambda: DGLNames(F_IN, HID, C),
     "in_place": lambda: InPlace(F_IN, HID, C),
     "shared_scalar": lambda: SharedScalar(F_IN, HID, C),
+    "new_tensors": lambda: NewTensors(F_IN, HID, C),
 }
 
 
@@ -395,7 +413,7 @@ DATA_REFUSED = {  # model -> what the data strategy's refusal must say
     "jk_lstm": r"lstm: takes its output rows from the vertices as a whole.*" + _NOT_EXACT,
 }
 TENSOR_MODELS = ["edge_weighted_gcn", "gatv2", "jk_cat", "jk_max", "mixhop", "teleport_appnp", "two_tower",
-                 "branch_dropout", "mode_dependent_rate", "layer_spec_loop", "dgl_names", "in_place", "shared_scalar"]
+                 "branch_dropout", "mode_dependent_rate", "layer_spec_loop", "dgl_names", "in_place", "shared_scalar", "new_tensors"]
 TENSOR_REFUSED = {
     "prenorm_batchnorm": DATA_REFUSED["prenorm_batchnorm"],
     "jk_lstm": DATA_REFUSED["jk_lstm"],

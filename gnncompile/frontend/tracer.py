@@ -621,6 +621,11 @@ def _leaves(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+#: tensor methods making a new tensor of their arguments, taking only the dtype and device of the
+#: tensor they are called on
+_NEW_TENSOR_METHODS = frozenset({"new_ones", "new_zeros", "new_empty", "new_full", "new_tensor"})
+
+
 def _row_mixing(node: torch.fx.Node, rows: Optional[Lin], samples: list, probe: torch.fx.Interpreter,
                 values: dict[str, Any]) -> str:
     """Why the output rows of the (non-primitive) op ``node`` depend on other rows of an input on the
@@ -632,7 +637,10 @@ def _row_mixing(node: torch.fx.Node, rows: Optional[Lin], samples: list, probe: 
     out = values[node.name]
     if not _leaves(out):    # sizes, dtypes...: judged where a tensor is made of them
         return ""
-    spaces = {a.meta["tp"].space for a in node.all_input_nodes if "tp" in a.meta} & _SAMPLE_ROWS.keys()
+    inputs = node.all_input_nodes
+    if node.op == "call_method" and node.target in _NEW_TENSOR_METHODS:
+        inputs = [a for a in inputs if a is not node.args[0]]  # (h.new_ones: h gives only its dtype and device)
+    spaces = {a.meta["tp"].space for a in inputs if "tp" in a.meta} & _SAMPLE_ROWS.keys()
     # inputs other than tensors (sizes, scalars) whose values differ between the sample graphs: made
     # from the number of vertices or edges
     sized = [values[a.name] for a in node.all_input_nodes if not _leaves(values[a.name])

@@ -670,8 +670,9 @@ class Graph:
         shared = [f"{a} and {b} share {k:,} vertices" for a, b, k in shared if k]
         if shared:
             from .io import _warn
-            _warn(f"graph {self.name!r}: {'; '.join(shared)}, so the accuracy on one partly measures the other "
-                  f"(a test accuracy over training vertices is inflated)")
+            inflated = " (an accuracy over training vertices is inflated)" if "train_mask" in shared[0] else ""
+            _warn(f"graph {self.name!r}: {'; '.join(shared)}, so the accuracy on one partly measures the "
+                  f"other{inflated}")
 
     # ------------------------------------------------------------------ basic properties
     @property
