@@ -42,7 +42,7 @@ def _number(text: str, kind: type, what: str, *, low: float, strict: bool, high:
         value = kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-    if not math.isfinite(value) or value < low or (strict and value == low) or value > high \
+    if (kind is not int and not math.isfinite(value)) or value < low or (strict and value == low) or value > high \
             or (high_strict and value == high):
         raise argparse.ArgumentTypeError(f"{text!r}: must be {what}")
     return value
@@ -61,13 +61,13 @@ def fanout_list(text: str) -> tuple[int, ...]:
 
 
 def positive_int(text: str) -> int:
-    """An integer >= 1 (epochs, widths, counts)."""
-    return _number(text, int, "a positive integer", low=0, strict=True)
+    """An integer in ``[1, 2^63)`` (epochs, widths, counts)."""
+    return _number(text, int, "a positive integer below 2^63", low=0, strict=True, high=2**63, high_strict=True)
 
 
 def non_negative_int(text: str) -> int:
-    """An integer >= 0 (seeds)."""
-    return _number(text, int, "an integer >= 0", low=0, strict=False)
+    """An integer in ``[0, 2^63)`` (seeds, as gc.plan and gc.train take them)."""
+    return _number(text, int, "an integer in [0, 2^63)", low=0, strict=False, high=2**63, high_strict=True)
 
 
 def positive_float(text: str) -> float:

@@ -37,7 +37,7 @@ from .graph.core import Graph
 from .graph.minibatch import SampledSteps
 from .graph.shard import slice_rows
 from .runtime.probe import PHASES, probing
-from .runtime.trainer import adam
+from .runtime.trainer import _first_forward, adam
 
 __all__ = ["ReferenceStep", "reference_step", "sampled_reference_step", "check_plan", "check_trace", "HostSync",
            "HostSyncs", "HostSyncError", "count_host_syncs", "forbid_host_syncs", "train_host_syncs",
@@ -72,10 +72,7 @@ def reference_step(model: torch.nn.Module, graph: Graph, lr: float = 0.01, weigh
     opt = adam(model.parameters(), lr, weight_decay)
     opt.zero_grad(set_to_none=True)
     with plan_dropout_draws():
-        logits = model(graph, x)
-    if not isinstance(logits, torch.Tensor):
-        raise ArgumentError(f"model: {type(model).__name__} returned {type(logits).__name__}; the reference step "
-                            "needs one tensor of logits (as gc.train and gc.plan do)")
+        logits = _first_forward(model, graph, x)  # (a failing forward is an ArgumentError naming the model)
     loss = F.cross_entropy(logits[graph.train_mask], graph.y[graph.train_mask])
     loss.backward()
     grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in params.items()}

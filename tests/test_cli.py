@@ -52,7 +52,8 @@ BAD = [
     (["run", "--gpus", "-4"], "--gpus", "positive integer"),
     (["run", "--timeout", "0"], "--timeout", "> 0"),
     (["run", "--chunks", "0"], "--chunks", "positive integer"),
-    (["train", "--seed", "-1"], "--seed", ">= 0"),
+    (["train", "--seed", "-1"], "--seed", "in [0, 2^63)"),
+    (["run", "--seed", str(2**64)], "--seed", "in [0, 2^63)"),  # (it ended in a raw overflow)
     (["train", "--num-nodes", "0"], "--num-nodes", "positive integer"),
     (["train", "--device", "gpu"], "--device", "cpu, cuda or cuda:N"),
     (["run", "--dist-backend", "mpi"], "--dist-backend", "invalid choice"),

@@ -123,7 +123,10 @@ def test_cli_help_and_datasets_via_module() -> None:
 
 @pytest.mark.parametrize("kwargs, what", [(dict(lr=-1.0), "lr"), (dict(lr=float("nan")), "lr"),
                                           (dict(epochs=-1), "epochs"), (dict(epochs=2.5), "epochs"),
-                                          (dict(weight_decay=-1e-4), "weight_decay")])
+                                          (dict(weight_decay=-1e-4), "weight_decay"),
+                                          # seeds gc.plan refuses: past int64 they overflowed in a rank
+                                          (dict(seed=2**64), r"seed must be None or an int in \[0, 2\^63\)"),
+                                          (dict(seed=-1), "seed"), (dict(seed=True), "seed")])
 def test_bad_training_arguments_are_refused_before_any_work(kwargs: dict, what: str, monkeypatch) -> None:
     g = _small_graph()
     model = gc.nn.GCN(g.num_features, 8, g.num_classes)
@@ -138,6 +141,17 @@ def test_bad_training_arguments_are_refused_before_any_work(kwargs: dict, what: 
     monkeypatch.setattr(executor, "launch", no_launch)
     with pytest.raises(gc.ArgumentError, match=what):
         plan.run(**{"epochs": 1, **kwargs})
+
+
+def test_plan_seeds_are_ints_below_2_63_and_metis_takes_any_of_them() -> None:
+    """pymetis takes a C int: seed=2**40 raised its raw TypeError; past 2^63 the options refuse."""
+    g = _small_graph()
+    model = gc.nn.GCN(g.num_features, 8, g.num_classes)
+    with pytest.raises(gc.PlanningError, match=r"seed.*an integer in \[0, 2\^63\).*got 18446744073709551616"):
+        gc.plan(model, g, gpus=2, strategy="data", partitioner="metis", seed=2**64)
+    far = gc.plan(model, g, gpus=2, strategy="data", partitioner="metis", seed=2**40 + 5)
+    near = gc.plan(model, g, gpus=2, strategy="data", partitioner="metis", seed=5)
+    assert far.info["partition"] == near.info["partition"] and far.info["owned_rows"] == near.info["owned_rows"]
 
 
 @pytest.mark.parametrize("field", ["y", "train_mask"])

@@ -631,6 +631,17 @@ def test_the_checking_helpers_refuse_what_they_cannot_compare_and_cast_features(
             h = ops.propagate(g, self.lin(x), "gcn")
             return h, h
 
-    with pytest.raises(gc.ArgumentError, match="returned tuple; the reference step needs one tensor"):
+    with pytest.raises(gc.ArgumentError, match=r"returned tuple on 'sbm.*'; training needs logits \[60, >= 3\]"):
         check_plan(Pair(), g, 2, strategy="data")
+
+    class ThirdInput(nn.Module):  # a raw TypeError from the reference step (gc.plan and gc.train named it)
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(F_IN, C)
+
+        def forward(self, g, x, edge_weight):
+            return ops.propagate(g, self.lin(x), "gcn")
+
+    with pytest.raises(gc.ArgumentError, match=r"ThirdInput\(g, x\) failed .*missing 1 required positional"):
+        check_plan(ThirdInput(), g, 2, strategy="data")
     check_trace(make("in_place").to(torch.float64), g.replace(x=g.x.float()))

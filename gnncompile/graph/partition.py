@@ -500,7 +500,7 @@ def _metis(graph: Graph, num_parts: int, seed: int, weights: Optional[Tensor],
         pymetis.CSRAdjacency(xadj.astype(idx, copy=False), adjncy.astype(idx, copy=False)),
         vweights=vweights,
         eweights=None if eweights is None else _fit_index_type(eweights, idx),
-        options=pymetis.Options(seed=int(seed)),
+        options=pymetis.Options(seed=int(seed) % 2**31),  # METIS takes a C int
         recursive=False,
     )
     parts = torch.from_numpy(np.asarray(result.vertex_part, dtype=np.int64))
@@ -530,8 +530,9 @@ def partition(
         ``"contiguous"``, ``"random"`` or ``"metis"`` (see the module docstring).
     seed:
         Seed of ``"random"`` (numpy ``default_rng``) and of METIS's internal randomization
-        (``METIS_OPTION_SEED``); the same seed gives the same partition. METIS seeds its C ``rand()``
-        with the value, and glibc treats seeds 0 and 1 alike, so those two give the same result.
+        (``METIS_OPTION_SEED``, a C int: ``seed mod 2^31``); the same seed gives the same partition.
+        METIS seeds its C ``rand()`` with the value, and glibc treats seeds 0 and 1 alike, so those
+        two give the same result.
         ``"contiguous"`` ignores it.
     vertex_weights:
         Optional non-negative integer ``[V]`` weights to balance instead of vertex counts: passed to

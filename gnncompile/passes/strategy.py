@@ -97,8 +97,8 @@ class OptionSpec:
         else:
             low = 0 if self.kind == "int" else 1
             ok = (value is None and self.kind == "optional_positive_int") or \
-                (isinstance(value, int) and not isinstance(value, bool) and value >= low)
-            want = "an integer >= 0" if low == 0 else "a positive integer"
+                (isinstance(value, int) and not isinstance(value, bool) and low <= value < 2**63)
+            want = "an integer in [0, 2^63)" if low == 0 else "a positive integer below 2^63"
         if ok:
             return
         if searched:

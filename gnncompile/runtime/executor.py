@@ -1490,7 +1490,7 @@ def run_plan(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_decay: floa
     the parameters at the best validation accuracy.
     """
     check_timeout(timeout)
-    check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir, eval_every=eval_every)
+    check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir, eval_every=eval_every, seed=seed)
     with ckpt.claimed(checkpoint_dir, resume):  # (a second run into it meanwhile is refused)
         options, run_options = _prepare_run(plan, epochs, lr, weight_decay, capture=capture,
                                             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
@@ -1706,7 +1706,7 @@ def run_plan_torchrun(plan: Plan, epochs: int = 200, lr: float = 0.01, weight_de
     """
     from .launcher import torchrun_main
 
-    check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir, eval_every=eval_every)
+    check_training_args(epochs, lr, weight_decay, patience, resume, checkpoint_dir, eval_every=eval_every, seed=seed)
     check_timeout(timeout)
     world = int(os.environ.get("WORLD_SIZE", "0"))
     if not world:

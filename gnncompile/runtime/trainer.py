@@ -278,12 +278,13 @@ def adam(params: Any, lr: float, weight_decay: float) -> torch.optim.Adam:
 
 def check_training_args(epochs: Any, lr: Any, weight_decay: Any, patience: Any = None, resume: bool = False,
                         checkpoint_dir: Any = None, *, model: Optional[torch.nn.Module] = None,
-                        dtype: Any = None, eval_every: Any = 1) -> None:
+                        dtype: Any = None, eval_every: Any = 1, seed: Any = None) -> None:
     """Refuse training arguments no run can use (before any work or rank starts): ``epochs`` an
     int >= 0, ``lr`` finite and > 0, ``weight_decay`` finite and >= 0, ``patience`` ``None`` or an
     int >= 1, ``eval_every`` an int >= 1, ``checkpoint_dir`` not empty, ``resume`` only with a
     ``checkpoint_dir``, a ``model`` (when given) with a trainable parameter, ``dtype`` ``None``,
-    ``torch.float32`` or ``torch.float64``; raises :class:`~gnncompile.ArgumentError` (a ``ValueError``)."""
+    ``torch.float32`` or ``torch.float64``, ``seed`` ``None`` or an int in ``[0, 2^63)`` (what
+    gc.plan takes); raises :class:`~gnncompile.ArgumentError` (a ``ValueError``)."""
     if model is not None and not any(p.requires_grad for p in model.parameters()):
         raise ArgumentError(f"model: {type(model).__name__} has no trainable parameters (nothing for Adam to "
                             "update); give it a layer with weights, e.g. gnncompile.nn.GCN")
@@ -307,6 +308,8 @@ def check_training_args(epochs: Any, lr: Any, weight_decay: Any, patience: Any =
         raise ArgumentError("checkpoint_dir is an empty path; give a directory (it is created if missing)")
     if resume and checkpoint_dir is None:
         raise ArgumentError("resume=True needs checkpoint_dir (the directory of the run's checkpoints)")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise ArgumentError(f"seed must be None or an int in [0, 2^63), got {seed!r}")
 
 
 def _holding_checkpoint_dir(fn: Callable[..., History]) -> Callable[..., History]:
@@ -320,7 +323,7 @@ def _holding_checkpoint_dir(fn: Callable[..., History]) -> Callable[..., History
         bound.apply_defaults()
         a = bound.arguments
         check_training_args(a["epochs"], a["lr"], a["weight_decay"], a["patience"], a["resume"], a["checkpoint_dir"],
-                            model=a["model"], dtype=a["dtype"], eval_every=a["eval_every"])
+                            model=a["model"], dtype=a["dtype"], eval_every=a["eval_every"], seed=a["seed"])
         with ckpt.claimed(a["checkpoint_dir"], a["resume"]):
             return fn(*args, **kwargs)
     return run
