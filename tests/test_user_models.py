@@ -587,6 +587,50 @@ def test_a_forward_that_updates_its_buffers_is_refused(sbm: gc.Graph, in_place: 
     assert type(model.steps) is torch.Tensor and float(model.steps) == 0.0  # the model is as it was
 
 
+class BufferUses(nn.Module):
+    """Buffers read as sizes (a loop over a buffer's rows), through ``.data``, as a Python value, and
+    a tensor made in forward and changed in place (eager code makes it afresh at each call)."""
+
+    def __init__(self, use: str) -> None:
+        super().__init__()
+        self.lin, self.use = nn.Linear(F_IN, C), use
+        self.register_buffer("w", torch.tensor([0.5, 0.25, 0.125], dtype=DT))
+        self.register_buffer("flag", torch.tensor(True))
+
+    def forward(self, g, x):
+        h = ops.propagate(g, self.lin(x), "gcn")
+        if self.use == "sizes":
+            for k in range(self.w.numel()):
+                h = h + self.w[k] * ops.propagate(g, h, "mean")
+        elif self.use == "data":
+            self.w.data.mul_(2)
+        elif self.use == "value" and self.flag:
+            h = h * 2
+        elif self.use == "made":
+            bias = torch.ones(C, dtype=DT)  # (no traced input: fx keeps it as a constant)
+            bias += self.lin.bias  # (a traced change of the constant)
+            h = h + bias
+        return h
+
+
+@pytest.mark.parametrize("use", ["sizes", "made"])
+def test_buffer_sizes_and_tensors_made_in_forward_trace(sbm: gc.Graph, use: str) -> None:
+    """Proxied buffers refused ``range(self.w.numel())``; an in-place change of a tensor made in
+    forward was refused as a change of 'the model's buffer _tensor_constant0' (before that, fx
+    changed its one constant at every call)."""
+    check_trace(BufferUses(use).to(DT), sbm, seed=1)
+    check_plan(BufferUses(use).to(DT), sbm, 2, strategy="data", rtol=1e-9, atol=1e-11, timeout=60)
+
+
+def test_buffer_values_in_python_and_changes_through_data_are_refused(sbm: gc.Graph) -> None:
+    with pytest.raises(gc.TraceError, match=r"reads the value of the buffer 'flag' as a Python value.*constructor "
+                                            r"attribute"):
+        gc.trace(BufferUses("value"), sbm)
+    with pytest.raises(gc.TraceError, match=rf"changes the model's buffer 'w' in place at .*"
+                                            rf"{_line_of(BufferUses, 'self.w.data.mul_(2)')}"):
+        gc.trace(BufferUses("data"), sbm)
+
+
 class UnusedHead(nn.Module):
     """A head the forward never calls, and one whose output is detached: neither gets a gradient."""
 

@@ -140,6 +140,56 @@ _TRACING_DIRS = (_TORCH_DIR, os.path.dirname(__file__) + os.sep, os.path.join(_P
 _LIBRARY_DIRS = (_TORCH_DIR, _PACKAGE_DIR) + _PYG_DIRS
 
 
+class _BufferProxy(torch.fx.Proxy):
+    """A buffer read in forward: a graph input whose sizes, dtype and device are the buffer's (fixed
+    for the model's life: ``load_state_dict`` keeps shapes), so they may steer Python code; its
+    values may not (a plan would fix them at planning time), and reading one is a :class:`TraceError`
+    naming the buffer."""
+
+    def __init__(self, node: torch.fx.Node, tracer: torch.fx.proxy.TracerBase, name: str,
+                 buffer: torch.Tensor) -> None:
+        super().__init__(node, tracer)
+        self.buffer, self.name = buffer, name
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.buffer.shape
+
+    def size(self, dim: Optional[int] = None) -> Any:
+        return self.buffer.size() if dim is None else self.buffer.size(dim)
+
+    def dim(self) -> int:
+        return self.buffer.dim()
+
+    @property
+    def ndim(self) -> int:
+        return self.buffer.ndim
+
+    def numel(self) -> int:
+        return self.buffer.numel()
+
+    def nelement(self) -> int:
+        return self.buffer.nelement()
+
+    def __len__(self) -> int:
+        return len(self.buffer)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buffer.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    def _value_read(self, *_: Any) -> Any:
+        raise TraceError(f"forward reads the value of the buffer {self.name!r} as a Python value (in control flow, "
+                         f"int(), range() or .item()): a plan would fix it at planning time; make it a constructor "
+                         f"attribute (a Python bool or int), or compute with tensor ops (torch.where)")
+
+    __bool__ = __int__ = __index__ = __float__ = item = tolist = _value_read
+
+
 class GNNTracer(torch.fx.Tracer):
     """fx tracer that records stack traces and traces through gnncompile layers.
 
@@ -150,6 +200,13 @@ class GNNTracer(torch.fx.Tracer):
     #: a buffer read in forward is a graph input (``get_attr``), so each step reads its value then;
     #: else fx evaluates expressions of buffers alone once, at trace time, into constants
     proxy_buffer_attributes = True
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, torch.fx.Proxy]) -> Any:
+        got = super().getattr(attr, attr_val, parameter_proxy_cache)
+        if isinstance(got, torch.fx.Proxy) and isinstance(attr_val, torch.Tensor) \
+                and not isinstance(attr_val, torch.nn.Parameter):
+            return _BufferProxy(got.node, self, str(got.node.target), attr_val)
+        return got
 
     def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
         node = super().create_node(*args, **kwargs)
@@ -282,9 +339,22 @@ def _graph_misuse(node: torch.fx.Node, g_node: torch.fx.Node) -> Optional[str]:
             f"({node.op} {_target_name(node)})")
 
 
-def _state_entries(model: torch.nn.Module) -> list[tuple[dict, str, Any]]:
-    """Every ``(buffer dict, name, value)`` of ``model``'s modules (a view shares the model's dicts)."""
-    return [(m._buffers, k, v) for m in model.modules() for k, v in m._buffers.items()]
+def _state_entries(model: torch.nn.Module) -> list[tuple[str, dict, dict]]:
+    """Every module's ``(qualified name, buffer dict, a copy of it)`` (a view shares the model's dicts)."""
+    return [(prefix, m._buffers, dict(m._buffers)) for prefix, m in model.named_modules()]
+
+
+def _restore_buffers(state: list[tuple[str, dict, dict]]) -> list[str]:
+    """Put every buffer dict back as it was (tracing a forward that assigns a buffer, ``self.b =
+    self.b + 1``, stores a Proxy in the model's own dict; one that registers a buffer adds one);
+    returns the qualified names of the buffers assigned or added."""
+    changed = []
+    for prefix, now, saved in state:
+        changed += [f"{prefix}.{k}" if prefix else k for k in {**saved, **now}
+                    if k not in saved or k not in now or now[k] is not saved[k]]
+        now.clear()
+        now.update(saved)
+    return changed
 
 
 def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
@@ -296,30 +366,22 @@ def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
     except TraceError:
         raise
     except Exception as exc:
-        _restore_buffers(state)
         raise _untraceable(model, tracer, exc) from exc
-    _restore_buffers(state, model)
+    finally:
+        changed = _restore_buffers(state)
+    if changed:
+        # a plan runs forward per chunk and again when it recomputes: it cannot replay such updates
+        raise TraceError(f"cannot trace {type(model).__name__}: forward assigns the buffer(s) {changed} "
+                         f"(self.{changed[0].rsplit('.', 1)[-1]} = ... or +=, or register_buffer); a plan runs forward "
+                         "once per chunk and again when it recomputes, so it cannot replay updates of the model's "
+                         "state: update buffers outside forward (between steps), or keep them in a torch.nn module "
+                         "(BatchNorm's statistics)")
     name = type(model).__name__
     graph = _canonical_inputs(graph)
     _out_of_place(graph, tracer.root)
     _canonical_dropouts(graph)
     gm = torch.fx.GraphModule(tracer.root, graph, name)
     return gm
-
-
-def _restore_buffers(state: list[tuple[dict, str, Any]], model: Optional[torch.nn.Module] = None) -> None:
-    """Put back every buffer the traced forward assigned (``self.b = self.b + 1`` during tracing
-    stores a Proxy in the model's own buffer dict); with ``model``, refuse such a forward: a plan
-    runs forward per chunk and again when it recomputes, so it cannot replay an update of the
-    model's state."""
-    changed = [name for buffers, name, value in state if buffers.get(name) is not value]
-    for buffers, name, value in state:
-        buffers[name] = value
-    if changed and model is not None:
-        raise TraceError(f"cannot trace {type(model).__name__}: forward assigns the buffer(s) {changed} "
-                         f"(self.{changed[0]} = ... or +=); a plan runs forward once per chunk and again when it "
-                         "recomputes, so it cannot replay updates of the model's state: update buffers outside "
-                         "forward (between steps), or keep them in a torch.nn module (BatchNorm's statistics)")
 
 
 def _untraceable(model: torch.nn.Module, tracer: torch.fx.Tracer, exc: Exception) -> TraceError:
@@ -419,22 +481,42 @@ def _is_view(node: torch.fx.Node) -> bool:
         (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
 
 
-def _changed_attribute(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> Optional[torch.fx.Node]:
-    """The ``get_attr`` node (a parameter or buffer) that ``node`` changes in place, directly or
-    through views, else None."""
+def _state_names(module: torch.nn.Module) -> set[str]:
+    """The qualified names of ``module``'s parameters and buffers (a ``get_attr`` of another name is
+    a constant fx made of a tensor built in forward)."""
+    return {n for n, _ in itertools.chain(module.named_parameters(), module.named_buffers())}
+
+
+def _changed_attribute(node: torch.fx.Node, modules: dict[str, torch.nn.Module],
+                       state: set[str]) -> Optional[torch.fx.Node]:
+    """The ``get_attr`` node of a parameter or buffer (of the names ``state``) that ``node``
+    changes in place, directly or through views, ``.data`` or ``detach()``, or as BatchNorm's
+    running statistics in training (``F.batch_norm(..., training=True)``), else None."""
     if node.op == "call_method":
         inplace = isinstance(node.target, str) and node.target.endswith("_") and not node.target.startswith("_") \
-            and node.target not in ("requires_grad_", "retain_grad_", "share_memory_")
+            and node.target not in ("requires_grad_", "share_memory_")
+    elif node.op == "call_function" and node.target in (F.batch_norm, torch.batch_norm):
+        training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else False)
+        stats = [a for a in node.args[1:3] if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
+        return stats[0] if training is True and stats and stats[0].target in state else None
     elif node.op == "call_function":
         inplace = node.target in _AUGMENTED or node.kwargs.get("inplace") is True or (
             getattr(node.target, "__name__", "").endswith("_")
             and getattr(node.target, "__module__", None) in ("torch", "torch._C._VariableFunctions"))
     else:
         inplace = node.op == "call_module" and getattr(modules.get(node.target), "inplace", False) is True
-    changed = node.args[0] if inplace and node.args else None
-    while isinstance(changed, torch.fx.Node) and _is_view(changed):
-        changed = changed.args[0] if changed.args else None
-    return changed if isinstance(changed, torch.fx.Node) and changed.op == "get_attr" else None
+    return _state_root(node.args[0] if inplace and node.args else None, state)
+
+
+def _state_root(value: Any, state: set[str]) -> Optional[torch.fx.Node]:
+    """The ``get_attr`` node of a parameter or buffer (of the names ``state``) whose storage
+    ``value`` shares (itself, a view, its ``.data`` or ``detach()``), else None."""
+    while isinstance(value, torch.fx.Node) and (
+            _is_view(value) or (value.op == "call_method" and value.target == "detach")
+            or (value.op == "call_function" and value.target is getattr and value.args[1:] == ("data",))):
+        value = value.args[0] if value.args else None
+    found = isinstance(value, torch.fx.Node) and value.op == "get_attr" and value.target in state
+    return value if found else None
 
 
 def _out_of_place(graph: torch.fx.Graph, root: torch.nn.Module) -> None:
@@ -443,9 +525,12 @@ def _out_of_place(graph: torch.fx.Graph, root: torch.nn.Module) -> None:
     changed value reading the new one: the function is the same, and a value no longer changes
     after it is made, so a plan may cut the graph between the change and a reader (a stage's input
     is a leaf of autograd, which refuses in-place changes). Changes through views, of views, of a
-    value a view was taken of, of the model's inputs, parameters and buffers stay as written."""
+    value a view was taken of, of the model's inputs, parameters and buffers stay as written (a
+    tensor made in forward, which fx keeps as a constant, is a computed value: eager code makes it
+    afresh at each call)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     modules = dict(root.named_modules())
+    state = _state_names(root)
     for n in list(graph.nodes):
         target: Any = None
         kwargs = dict(n.kwargs)
@@ -467,7 +552,8 @@ def _out_of_place(graph: torch.fx.Graph, root: torch.nn.Module) -> None:
         else:
             continue
         changed = n.args[0] if n.args else None
-        if not isinstance(changed, torch.fx.Node) or changed.op in ("placeholder", "get_attr") \
+        if not isinstance(changed, torch.fx.Node) or changed.op == "placeholder" \
+                or _state_root(changed, state) is not None \
                 or _is_view(changed) or any(_is_view(u) for u in changed.users):
             continue
         if op == "call_module":  # the traced graph's modules are its own copies (_module_view)
@@ -514,9 +600,9 @@ def _check(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
                     f"the sparse tensor attribute {node.target!r} (a precomputed adjacency?) is used by "
                     f"{users}; sparse products cannot be classified as T/P/E work",
                     "use gnncompile.ops.propagate with the graph input instead")
-    modules = dict(model.named_modules())
+    modules, state = dict(model.named_modules()), _state_names(model)
     for node in gm.graph.nodes:
-        root = _changed_attribute(node, modules)
+        root = _changed_attribute(node, modules, state)
         if root is not None:
             value = _fetch_attr(gm, root.target)
             kind = "parameter" if isinstance(value, torch.nn.Parameter) else "buffer"
