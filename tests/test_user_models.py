@@ -335,6 +335,21 @@ class NewTensors(nn.Module):
         return ops.propagate(g, self.l2(h), "mean")
 
 
+class SkipDropout(nn.Module):
+    """Three dropouts whose single-device order is not the plan's stage order: the skip branch's
+    dropout comes last in forward but runs in the first stage, with the input's."""
+
+    def __init__(self, d_in: int, hidden: int, d_out: int, dropout: float = 0.5) -> None:
+        super().__init__()
+        self.c1, self.c2 = gc.nn.SAGEConv(d_in, hidden), gc.nn.SAGEConv(hidden, d_out)
+        self.skip, self.dropout = nn.Linear(d_in, d_out), dropout
+
+    def forward(self, g, x):
+        x = F.dropout(x, self.dropout, self.training)
+        h = F.dropout(torch.relu(self.c1(g, x)), self.dropout, self.training)
+        return self.c2(g, h) + F.dropout(self.skip(x), self.dropout, self.training)
+
+
 HID = 4
 MODELS = {
     "edge_weighted_gcn": lambda: EdgeWeightedGCN(F_IN, HID, C),
@@ -354,6 +369,7 @@ MODELS = {
     "in_place": lambda: InPlace(F_IN, HID, C),
     "shared_scalar": lambda: SharedScalar(F_IN, HID, C),
     "new_tensors": lambda: NewTensors(F_IN, HID, C),
+    "skip_dropout": lambda: SkipDropout(F_IN, HID, C),
 }
 
 
@@ -413,7 +429,8 @@ DATA_REFUSED = {  # model -> what the data strategy's refusal must say
     "jk_lstm": r"lstm: takes its output rows from the vertices as a whole.*" + _NOT_EXACT,
 }
 TENSOR_MODELS = ["edge_weighted_gcn", "gatv2", "jk_cat", "jk_max", "mixhop", "teleport_appnp", "two_tower",
-                 "branch_dropout", "mode_dependent_rate", "layer_spec_loop", "dgl_names", "in_place", "shared_scalar", "new_tensors"]
+                 "branch_dropout", "mode_dependent_rate", "layer_spec_loop", "dgl_names", "in_place", "shared_scalar", "new_tensors",
+                 "skip_dropout"]
 TENSOR_REFUSED = {
     "prenorm_batchnorm": DATA_REFUSED["prenorm_batchnorm"],
     "jk_lstm": DATA_REFUSED["jk_lstm"],
@@ -435,6 +452,15 @@ def test_data_plan_equals_single_device(sbm: gc.Graph, name: str) -> None:
 @pytest.mark.parametrize("name", TENSOR_MODELS)
 def test_tensor_plan_equals_single_device(sbm: gc.Graph, name: str) -> None:
     check_plan(make(name), sbm, 2, strategy="tensor", rtol=1e-9, atol=1e-11, timeout=60)
+
+
+def test_masks_drawn_in_single_device_order_when_stages_reorder_the_dropouts(sbm: gc.Graph) -> None:
+    """Ranks running every dropout drew each mask as their stages reached it, so a later dropout in
+    an earlier stage took an earlier mask: data, tensor and split steps differed from single-device
+    training under an exact label (data and tensor: test_*_plan_equals_single_device)."""
+    train = int(sbm.train_mask.sum())
+    check_plan(make("skip_dropout"), sbm, 2, strategy="split", batch_size=train, fanouts=[3, 3], rtol=1e-9,
+               atol=1e-11, timeout=60)
 
 
 @pytest.mark.parametrize("name", sorted(DATA_REFUSED))

@@ -488,11 +488,13 @@ def _params_used(job: Job, staged: StagedModel, ranks: list[DevicePlan]) -> dict
 def _rank_draws(draws: tuple, rounds: int, rank: int, ranks: list[DevicePlan]) -> tuple:
     """``RankProgram.dropout_draws`` of ``rank``: none where every rank runs all of the step's
     dropouts in single-device order (each draws its masks as it goes), else every mask of the step
-    in that order (:func:`_runs_some_dropouts`); with ``rounds`` > 1 (``Lowered.draw_rounds``) the
+    in that order (:func:`_runs_some_dropouts`; or the stages run them in another order: a later
+    dropout in an earlier stage); with ``rounds`` > 1 (``Lowered.draw_rounds``) the
     step's masks ``rounds`` times, the rank keeping round ``rank`` only (stage ``-1``: drawn, not kept)."""
     if rounds > 1 and draws:
         return tuple((d[0] if q == rank else -1,) + tuple(d[1:]) for q in range(rounds) for d in draws)
-    return draws if any(_runs_some_dropouts(draws, dp.stages) for dp in ranks) else ()
+    reordered = any(a[0] > b[0] for a, b in zip(draws, draws[1:]))  # (single-device order: by stage)
+    return draws if reordered or any(_runs_some_dropouts(draws, dp.stages) for dp in ranks) else ()
 
 
 def _runs_some_dropouts(draws: tuple, stages: tuple[StageSpec, ...]) -> bool:
