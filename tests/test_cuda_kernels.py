@@ -14,6 +14,7 @@ import functools
 import shutil
 import subprocess
 import time
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -220,6 +221,42 @@ def test_dropout_mask_kernel_equals_the_torch_arithmetic(emulator, dtype: torch.
             want = dropout._mask_torch(seed, p, num_rows, width, rows, dtype, torch.device("cpu"))
             assert torch.equal(got, want), (seed, p, num_rows, width, dtype)
     assert all(a.kernel == f"dropout_mask<{cuda._MASK_TYPES[dtype]}>" for a in emulator.launches[-3:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool, torch.float16, torch.bfloat16])
+def test_dropout_masks_through_the_cuda_dispatch_equal_the_torch_arithmetic(emulator, monkeypatch,
+                                                                           dtype: torch.dtype) -> None:
+    """kernels.dropout's CUDA path (the kernel's float and bool masks; half precision cast from its
+    bool mask) run by the emulator, against the torch arithmetic, every row and chosen rows."""
+    from gnncompile.kernels import dropout
+
+    monkeypatch.setattr(dropout, "_raw_runner", lambda: emulator)
+    rows = torch.tensor([40, 2, 2, 0, 13])
+    for seed, p, width in ((2**63 + 9, 0.3, 6), (7, 0.99, 3), (1, 0.5, 1)):
+        for r in (None, rows):
+            n = 41 if r is None else r.numel()
+            got = dropout._mask_cuda(seed, p, n, width, r, dtype, torch.device("cpu"))
+            assert torch.equal(got, dropout._mask_torch(seed, p, 41, width, r, dtype, torch.device("cpu")))
+
+
+def test_a_cuda_mask_kernel_that_does_not_build_warns_once_and_falls_back(monkeypatch) -> None:
+    """CuPy installed but broken (another CUDA major, no NVRTC) failed every GPU step; now masks
+    come from torch operations (the same masks), with one warning naming the cause."""
+    from gnncompile.kernels import dropout
+
+    class Broken:
+        def function(self, device: int, kernel: str) -> None:
+            raise RuntimeError("NVRTC_ERROR_BUILTIN_OPERATION_FAILURE\nmore")
+
+    monkeypatch.setattr(dropout, "_import_cupy", lambda: (None, None))
+    monkeypatch.setattr(dropout, "_raw_runner", Broken)
+    monkeypatch.setattr(dropout, "_cuda_ready", {})
+    with pytest.warns(UserWarning, match=r"does not build on cuda:3 \(RuntimeError: NVRTC_ERROR_BUILTIN_OPERATION_"
+                                         r"FAILURE\); masks on the GPU are drawn with torch operations"):
+        assert not dropout._cuda_kernel(torch.device("cuda", 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: no second warning
+        assert not dropout._cuda_kernel(torch.device("cuda", 3))
 
 
 def test_dropout_launch_arguments_and_refusals() -> None:

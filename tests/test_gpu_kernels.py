@@ -317,8 +317,10 @@ def test_dropout_rows_and_noise_on_cuda() -> None:
 def test_dropout_masks_on_cuda_equal_the_cpu_masks(dtype: torch.dtype) -> None:
     """A mask drawn on the GPU (the CUDA kernel; torch operations with native=False) is the CPU's
     bit for bit, for every row and for chosen rows."""
-    from gnncompile.kernels.dropout import dropout_mask
+    from gnncompile.kernels.dropout import _cuda_kernel, dropout_mask
 
+    if "cupy" in kernels.available_backends("cuda"):  # (else both are torch operations)
+        assert _cuda_kernel(torch.device("cuda")), "the CUDA mask kernel did not build"
     rows = torch.tensor([70_000, 3, 3, 99_999, 0])
     for p, shape, seed in ((0.5, (130,), 2**40 + 1), (0.2, (3, 5), 9), (0.0, (1,), 2**64 - 1)):
         cpu_all = dropout_mask(seed, p, 100_000, shape, dtype=dtype)

@@ -17,6 +17,7 @@ operations over int64 words: much slower than either kernel).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -91,23 +92,38 @@ def _mask_torch(seed: int, p: float, num_rows: int, width: int, rows: Optional[t
     keep = word >= keep_threshold(p)
     if dtype == torch.bool:
         return keep.reshape(r.numel(), width)
-    # the multiplier in the mask's dtype, a host scalar (a 0-dim CPU tensor: no copy to the device)
-    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float64).to(dtype)
+    scale = _multiplier(p, dtype)
     return keep.to(dtype).mul_(scale).reshape(r.numel(), width)  # where(keep, scale, 0), faster
 
 
-def _cupy_installed() -> bool:
-    global _cupy
-    if _cupy is None:
+def _multiplier(p: float, dtype: torch.dtype) -> torch.Tensor:
+    """A kept element's value ``1 / (1 - p)`` rounded to ``dtype``, as a host scalar (a 0-dim CPU
+    tensor: no copy to the device)."""
+    return torch.tensor(1.0 / (1.0 - p), dtype=torch.float64).to(dtype)
+
+
+def _cuda_kernel(device: torch.device) -> bool:
+    """Whether the CUDA mask kernel runs on ``device`` (CuPy installed and the kernels' module
+    compiled there, once per process and device); if not, a warning says why, once, and masks on
+    the GPU come from torch operations."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _cuda_ready:
         try:
             _import_cupy()
-            _cupy = True
-        except KernelError:
-            _cupy = False
-    return _cupy
+            _raw_runner().function(index, f"dropout_mask<{cuda._MASK_TYPES[torch.bool]}>")
+            _cuda_ready[index] = True
+        except KernelError:  # CuPy not installed: torch operations, as documented
+            _cuda_ready[index] = False
+        except Exception as exc:  # installed but broken (another CUDA major, no NVRTC): say so
+            warnings.warn(f"gnncompile: the CUDA dropout-mask kernel does not build on {device} "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); masks on the GPU "
+                          "are drawn with torch operations (bit for bit the same, several times slower)", stacklevel=3)
+            _cuda_ready[index] = False
+    return _cuda_ready[index]
 
 
-_cupy: Optional[bool] = None
+#: per CUDA device index, whether the mask kernel runs there (:func:`_cuda_kernel`)
+_cuda_ready: dict[int, bool] = {}
 
 
 def _mask_cuda(seed: int, p: float, n: int, width: int, rows: Optional[torch.Tensor], dtype: torch.dtype,
@@ -116,7 +132,7 @@ def _mask_cuda(seed: int, p: float, n: int, width: int, rows: Optional[torch.Ten
     bool mask cast and scaled as :func:`_mask_torch` does, bit for bit."""
     idx = None if rows is None else rows.to(device, torch.int64).contiguous()
     kind = dtype if dtype in (torch.float32, torch.float64, torch.bool) else torch.bool
-    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float64).to(dtype)  # the multiplier in the mask's dtype
+    scale = _multiplier(p, dtype)
     out = cuda.run_dropout_mask(idx, n, width, (seed & _MASK32, (seed >> 32) & _MASK32), keep_threshold(p),
                                 float(scale) if kind != torch.bool else 1.0, kind, device, _raw_runner())
     return out if kind == dtype else out.to(dtype).mul_(scale)
@@ -184,7 +200,7 @@ def dropout_mask(seed: int, p: float, num_rows: int, row_shape: Sequence[int] = 
             return mod.dropout_mask(signed, float(p), int(num_rows), width, idx, dtype).reshape((n,) + shape)
     if n == 0 or width == 0:
         return torch.empty((n,) + shape, dtype=dtype, device=device)
-    if device.type == "cuda" and native is None and _cupy_installed():
+    if device.type == "cuda" and native is None and _cuda_kernel(device):
         return _mask_cuda(seed, float(p), n, width, rows, dtype, device).reshape((n,) + shape)
     return _mask_torch(seed, float(p), int(num_rows), width, rows, dtype, device).reshape((n,) + shape)
 
