@@ -230,9 +230,13 @@ def test_a_model_without_parameters_and_a_non_floating_dtype_are_refused_up_fron
 
 
 def test_a_dtype_the_kernels_cannot_compute_in_is_refused_naming_the_supported_ones() -> None:
-    """float16 failed inside the first forward, blamed on the model ("GCN(g, x) failed ...
-    gnncompile_spmm not implemented for 'Half'")."""
+    """float16 failed inside the first forward on the CPU, blamed on the model ("GCN(g, x) failed
+    ... gnncompile_spmm not implemented for 'Half'"); a device that is none raised torch's
+    RuntimeError."""
     g = _small_graph()
     for dtype in (torch.float16, torch.bfloat16):
-        with pytest.raises(gc.ArgumentError, match=rf"^dtype must be .*torch\.float32 or torch\.float64.*got {dtype!r}"):
+        with pytest.raises(gc.ArgumentError, match=rf"^dtype must be .*CPU kernels .*torch\.float32 or torch\.float64"
+                                                   rf".*got {dtype!r}"):
             gc.train(gc.nn.GCN(g.num_features, 8, g.num_classes), g, epochs=1, dtype=dtype, verbose=False)
+    with pytest.raises(gc.ArgumentError, match=r"^device must be a torch.device or its name .*got 'gpu'"):
+        gc.train(gc.nn.GCN(g.num_features, 8, g.num_classes), g, epochs=1, device="gpu", verbose=False)

@@ -278,18 +278,26 @@ def adam(params: Any, lr: float, weight_decay: float) -> torch.optim.Adam:
 
 def check_training_args(epochs: Any, lr: Any, weight_decay: Any, patience: Any = None, resume: bool = False,
                         checkpoint_dir: Any = None, *, model: Optional[torch.nn.Module] = None,
-                        dtype: Any = None, eval_every: Any = 1, seed: Any = None) -> None:
+                        dtype: Any = None, eval_every: Any = 1, seed: Any = None, device: Any = "cpu") -> None:
     """Refuse training arguments no run can use (before any work or rank starts): ``epochs`` an
     int >= 0, ``lr`` finite and > 0, ``weight_decay`` finite and >= 0, ``patience`` ``None`` or an
     int >= 1, ``eval_every`` an int >= 1, ``checkpoint_dir`` not empty, ``resume`` only with a
-    ``checkpoint_dir``, a ``model`` (when given) with a trainable parameter, ``dtype`` ``None``,
-    ``torch.float32`` or ``torch.float64``, ``seed`` ``None`` or an int in ``[0, 2^63)`` (what
+    ``checkpoint_dir``, a ``model`` (when given) with a trainable parameter, ``dtype`` ``None`` or
+    a floating ``torch.dtype`` (``torch.float32`` or ``torch.float64`` on the CPU, whose kernels
+    compute in those only), ``device`` a device name, ``seed`` ``None`` or an int in ``[0, 2^63)`` (what
     gc.plan takes); raises :class:`~gnncompile.ArgumentError` (a ``ValueError``)."""
     if model is not None and not any(p.requires_grad for p in model.parameters()):
         raise ArgumentError(f"model: {type(model).__name__} has no trainable parameters (nothing for Adam to "
                             "update); give it a layer with weights, e.g. gnncompile.nn.GCN")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.float64)):
-        raise ArgumentError(f"dtype must be a floating torch.dtype the kernels compute in (torch.float32 or "
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ArgumentError(f"dtype must be a floating torch.dtype (torch.float32, torch.float64, ...), got {dtype!r}")
+    try:
+        on_cpu = torch.device(device).type == "cpu"
+    except (RuntimeError, TypeError):
+        raise ArgumentError(f"device must be a torch.device or its name ('cpu', 'cuda', 'cuda:N'), got {device!r}"
+                            ) from None
+    if dtype is not None and on_cpu and dtype not in (torch.float32, torch.float64):
+        raise ArgumentError(f"dtype must be a floating torch.dtype the CPU kernels compute in (torch.float32 or "
                             f"torch.float64), got {dtype!r}")
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
         raise ArgumentError(f"epochs must be an int >= 0, got {epochs!r}")
@@ -323,7 +331,8 @@ def _holding_checkpoint_dir(fn: Callable[..., History]) -> Callable[..., History
         bound.apply_defaults()
         a = bound.arguments
         check_training_args(a["epochs"], a["lr"], a["weight_decay"], a["patience"], a["resume"], a["checkpoint_dir"],
-                            model=a["model"], dtype=a["dtype"], eval_every=a["eval_every"], seed=a["seed"])
+                            model=a["model"], dtype=a["dtype"], eval_every=a["eval_every"], seed=a["seed"],
+                            device=a["device"])
         with ckpt.claimed(a["checkpoint_dir"], a["resume"]):
             return fn(*args, **kwargs)
     return run
