@@ -52,12 +52,16 @@ def _is_gin(fp: dict[str, Any]) -> bool:
 
 
 def _gin_eps_as_constant(fp: dict[str, Any]) -> dict[str, Any]:
-    """GIN's stage ops without their ``add`` and ``mul`` ops (renumbered once ``1 + eps`` is an op)."""
+    """GIN's stage ops by kind (``add_2`` -> ``add``: numbers shift once ``1 + eps`` is an op)
+    without each ``add`` right before a ``mul`` (``(1 + eps) * x``: the ``add`` is new)."""
     if not _is_gin(fp):
         return fp
-    arith = re.compile(r"^(add|mul)(_\d+)?$")
-    ranks = [{k: [[op for op in ops if not arith.match(op)] for ops in v] if k == "stages" else v
-              for k, v in r.items()} for r in fp["ranks"]]
+
+    def kinds(ops: list[str]) -> list[str]:
+        base = [re.sub(r"_\d+$", "", op) for op in ops]
+        return [op for i, op in enumerate(base) if not (op == "add" and base[i + 1:i + 2] == ["mul"])]
+
+    ranks = [{k: [kinds(ops) for ops in v] if k == "stages" else v for k, v in r.items()} for r in fp["ranks"]]
     return {**fp, "ranks": ranks}
 
 

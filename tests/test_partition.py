@@ -146,6 +146,13 @@ def test_deterministic_for_a_seed(method):
     assert torch.equal(a.halo_matrix(), b.halo_matrix())
 
 
+@pytest.mark.parametrize("seed", [-1, 2**64, True, 1.0])
+def test_seeds_are_ints_below_2_63(seed):
+    """-1 raised numpy's ValueError for "random" and was taken mod 2^31 by METIS; 2^64 was taken."""
+    with pytest.raises(PlanningError, match=r"seed must be an int in \[0, 2\^63\)"):
+        partition(make_graph([(0, 1), (1, 2)], 3), 2, "random", seed=seed)
+
+
 def test_random_seed_changes_assignment():
     g = _load("cora")
     assert not torch.equal(partition(g, 4, "random", seed=0).parts, partition(g, 4, "random", seed=1).parts)

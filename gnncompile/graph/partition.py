@@ -577,6 +577,8 @@ def partition(
     """
     if method not in PARTITIONERS:
         raise PlanningError(f"partition: unknown method {method!r}; valid: {', '.join(map(repr, PARTITIONERS))}")
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
+        raise PlanningError(f"partition: seed must be an int in [0, 2^63), got {seed!r}")
     num_parts = _check_num_parts(num_parts)
     n = graph.num_nodes
     weights = _resolve_weights(graph, vertex_weights, balance)
