@@ -163,6 +163,7 @@ def _fixed_options(options: dict[str, Any], named: Any) -> dict[str, Any]:
             elif neutral[name] is _ANY or value != neutral[name]:   # (given for this strategy: not ignored)
                 raise PlanningError(f"strategy {named.name!r} has no option {name} (its options: "
                                     f"{', '.join(named.options.names())})")
+        value = spec.coerce(value)
         spec.check(value, searched=True)
         fixed[name] = value
     if named is not None:

@@ -340,19 +340,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         comm = Table(title="per rank, one training step (measured)" if len(res.ranks) == p.num_ranks else
                      f"rank 0 of {p.num_ranks}, one training step (measured; under torchrun each process has its own)")
+        # a sampled plan's epoch runs several steps (and its halo rows change with each sample)
+        steps = int(p.info.get("steps_per_epoch") or 1)
         for col in ("rank", "vertices", "halo rows", "bytes sent", "bytes received", "predicted sent",
-                    "peak tensor memory", "step time (median)"):
+                    "peak tensor memory", "step time (median)" if steps == 1 else f"step time (epoch / {steps})"):
             comm.add_column(col, justify="right")
-        halo = p.info.get("halo_rows", [])
+        halo = p.info.get("halo_rows", []) if "steps_per_epoch" not in p.info else []
         for r in res.ranks:
-            ts = sorted(r.epoch_time[1:] or r.epoch_time)
+            ts = sorted(t / steps for t in (r.epoch_time[1:] or r.epoch_time))
             comm.add_row(str(r.rank), f"{_vertices_held(p, r):,}",
                          f"{halo[r.rank]:,}" if r.rank < len(halo) else "-", f"{r.bytes_sent:,}",
                          f"{r.bytes_received:,}", f"{p.predictions['bytes_sent'][r.rank]:,}",
                          f"{r.peak_memory / 2**20:.1f} MiB", f"{ts[len(ts) // 2] * 1e3:.1f} ms" if ts else "-")
         console.print(comm)
         if p.prediction is not None:
-            measured = sorted(res.ranks[0].epoch_time[1:] or res.ranks[0].epoch_time)
+            measured = sorted(t / steps for t in (res.ranks[0].epoch_time[1:] or res.ranks[0].epoch_time))
             med = measured[len(measured) // 2] if measured else float("nan")
             pred = p.prediction
             above = max(pred.first_step_above_resident())

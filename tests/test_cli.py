@@ -580,6 +580,17 @@ def test_run_table_vertices_of_ranks_holding_the_whole_graph() -> None:
         assert shown == (300 if dp.rank in sparse else dp.sizes.nodes) and shown > 0
 
 
+def test_run_table_of_a_sampled_plan_shows_steps_not_epochs(capsys: Any) -> None:
+    """A sampled plan's "step time" column and line showed the whole epoch's time (23 steps of it
+    against a per-step prediction), and its halo rows 0 though each step exchanges rows."""
+    assert cli.main(["run", *SMALL, "--gpus", "2", "--strategy", "split", "--batch-size", "40", "--fanouts", "3,3",
+                     "--epochs", "2", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    steps = -(-int(gc.datasets.synthetic("sbm", num_nodes=300, avg_degree=4, num_features=8, num_classes=3,
+                                         seed=1).train_mask.sum()) // 40)
+    assert steps > 1 and f"step time (epoch / {steps})" in out.replace("\n", " ").replace("│", " ")
+
+
 def test_version(capsys: Any) -> None:
     from importlib.metadata import version
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -296,13 +297,17 @@ def test_fanouts_as_a_string_as_gc_train_takes_them() -> None:
     silently ``3,2`` in ``gc.train``; ``gc.plan`` refused strings)."""
     g = gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=5, num_features=6, num_classes=3, seed=0)
     sage = gc.nn.GraphSAGE(6, 8, 3)
-    plan = gc.plan(sage, g, 2, strategy="split", batch_size=32, fanouts="3, 2")
+    plan = gc.plan(sage, g, 2, strategy="split", batch_size=np.int64(32), fanouts="3, 2")
     assert plan.options["fanouts"] == (3, 2)
+    assert type(plan.options["batch_size"]) is int  # a NumPy int, as gc.train takes one (it was refused)
     for bad, why in (("3,,2", "fanouts '3,,2': an empty entry"), ("3.5,2", r"fanouts\[0\]: expected an int, got '3.5'"),
                      ("0,2", r"fanouts\[0\] = 0: each fanout is"), ([2, 2.5], r"fanouts\[1\]: expected an int, got 2.5"),
                      ([float("inf"), 2], r"fanouts\[0\]: expected an int, got inf"),
                      (b"\x03\x02", r"fanouts must be a sequence of ints .* got b'\\x03\\x02'"),
-                     ({3, 2}, r"fanouts must be a sequence of ints .* got \{2, 3\}")):
+                     ({3, 2}, r"fanouts must be a sequence of ints .* got \{2, 3\}"),
+                     # (an int past int64 overflowed in the sampler: OverflowError)
+                     ([2**63, 2], r"fanouts\[0\] = 9223372036854775808: each fanout is a number of in-edges in "
+                                  r"\[1, 2\^63\)")):
         with pytest.raises(PlanningError, match=why):
             gc.plan(sage, g, 2, strategy="split", batch_size=32, fanouts=bad)
     with pytest.raises(gc.ArgumentError, match="an empty entry"):

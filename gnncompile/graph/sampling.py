@@ -212,8 +212,9 @@ def parse_fanouts(value: Any, what: str = "fanouts") -> tuple[int, ...]:
         if not whole:   # (3.9 is not silently 3)
             raise ArgumentError(f"{what}[{i}]: expected an int, got {f!r}; {what} must be a sequence of ints (one "
                                 f"per GNN layer), got {given!r}")
-        if n == 0 or n < -1:
-            raise ArgumentError(f"{what}[{i}] = {n}: each fanout is a number of in-edges >= 1, or -1 for all of them")
+        if n == 0 or n < -1 or n >= 2**63:
+            raise ArgumentError(f"{what}[{i}] = {n}: each fanout is a number of in-edges in [1, 2^63), or -1 for all "
+                                f"of them")
         out.append(n)
     return tuple(out)
 

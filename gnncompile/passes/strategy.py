@@ -22,6 +22,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, Optional, Sequence
 
+import numpy as np
+
 from ..errors import ArgumentError, PlanningError
 from ..frontend.ops import BACKWARD_PRODUCTS
 from ..graph.sampling import parse_fanouts
@@ -77,6 +79,13 @@ class OptionSpec:
     neutral: Any
     pinned: bool
     cli: Optional[str]
+
+    def coerce(self, value: Any) -> Any:
+        """``value`` as the option holds it: a NumPy int of an integer option as an int (gc.train
+        takes them); anything else as it is (:meth:`check` judges it)."""
+        if isinstance(value, np.integer) and self.kind in ("int", "positive_int", "optional_positive_int"):
+            return int(value)
+        return value
 
     def check(self, value: Any, owner: str = "", *, searched: bool = False) -> None:
         """Raise :class:`PlanningError` unless ``value`` is acceptable; ``owner`` (a strategy name)
@@ -137,6 +146,7 @@ class StrategyOptions:
 
     def __post_init__(self) -> None:
         for spec in self.specs():
+            object.__setattr__(self, spec.name, spec.coerce(getattr(self, spec.name)))
             spec.check(getattr(self, spec.name), self.strategy)
             if spec.kind == "fanouts" and getattr(self, spec.name) is not None:  # "15,10,5" too
                 object.__setattr__(self, spec.name, parse_fanouts(getattr(self, spec.name), spec.name))

@@ -185,8 +185,9 @@ class RunResult:
     def comm_table(self) -> str:
         head = f"{'rank':>4}  {'owned':>8}  {'sent/step':>12}  {'recv/step':>12}  {'peak mem':>10}  {'step ms':>8}"
         lines = [head]
+        steps = int(self.plan.info.get("steps_per_epoch") or 1)  # (a sampled plan's epoch runs several)
         for r in self.ranks:
-            step = sorted(r.epoch_time[1:] or r.epoch_time)
+            step = sorted(t / steps for t in (r.epoch_time[1:] or r.epoch_time))
             med = step[len(step) // 2] * 1e3 if step else math.nan
             lines.append(f"{r.rank:>4}  {r.num_owned:>8,}  {_mib(r.bytes_sent):>12}  {_mib(r.bytes_received):>12}  "
                          f"{_mib(r.peak_memory):>10}  {med:>8.1f}")
