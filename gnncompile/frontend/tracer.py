@@ -490,15 +490,12 @@ def _state_names(module: torch.nn.Module) -> set[str]:
 def _changed_attribute(node: torch.fx.Node, modules: dict[str, torch.nn.Module],
                        state: set[str]) -> Optional[torch.fx.Node]:
     """The ``get_attr`` node of a parameter or buffer (of the names ``state``) that ``node``
-    changes in place, directly or through views, ``.data`` or ``detach()``, or as BatchNorm's
-    running statistics in training (``F.batch_norm(..., training=True)``), else None."""
+    changes in place, directly or through views, ``.data`` or ``detach()``, else None (a batch
+    norm's running statistics, ``F.batch_norm`` as ``nn.BatchNorm``, are the op's own state: exact
+    plans refuse their statistics over all vertices, relaxed ones record them)."""
     if node.op == "call_method":
         inplace = isinstance(node.target, str) and node.target.endswith("_") and not node.target.startswith("_") \
             and node.target not in ("requires_grad_", "share_memory_")
-    elif node.op == "call_function" and node.target in (F.batch_norm, torch.batch_norm):
-        training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else False)
-        stats = [a for a in node.args[1:3] if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
-        return stats[0] if training is True and stats and stats[0].target in state else None
     elif node.op == "call_function":
         inplace = node.target in _AUGMENTED or node.kwargs.get("inplace") is True or (
             getattr(node.target, "__name__", "").endswith("_")
