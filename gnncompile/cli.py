@@ -843,6 +843,10 @@ def _keyword_flags(parser: argparse.ArgumentParser, command: str) -> dict[str, t
     return out
 
 
+#: option names without an underscore that messages use only as names (spelled as their flags)
+_BARE_NAMES = frozenset({"fanouts"})
+
+
 def _flag_spelling(message: str, flags: dict[str, tuple[str, Optional[str]]]) -> str:
     """``message`` (a library error) with the keyword arguments it names spelled as the flags the
     user gave: ``resume=True needs checkpoint_dir`` -> ``--resume needs --checkpoint-dir``;
@@ -870,8 +874,8 @@ def _flag_spelling(message: str, flags: dict[str, tuple[str, Optional[str]]]) ->
     message = "".join(part if part.startswith("[") else
                       re.sub(rf"(?<![\w.-])({names})=('[^']*'|\"[^\"]*\"|[^\s,;)]+)", assignment, part)
                       for part in re.split(r"(\[[^\[\]]*\])", message))
-    # bare names: those no English word spells (checkpoint_dir), and switches after "without"
-    spelled = "|".join(sorted((re.escape(n) for n in flags if "_" in n), key=len, reverse=True))
+    # bare names: those no English word spells (checkpoint_dir, fanouts), and switches after "without"
+    spelled = "|".join(sorted((re.escape(n) for n in flags if "_" in n or n in _BARE_NAMES), key=len, reverse=True))
     if spelled:
         message = re.sub(rf"(?<![\w./-])({spelled})(?![\w/=-])", lambda m: flags[m.group(1)][0], message)
     switches = "|".join(sorted((re.escape(n) for n, (_, off) in flags.items() if off), key=len, reverse=True))

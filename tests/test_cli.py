@@ -591,6 +591,15 @@ def test_run_table_of_a_sampled_plan_shows_steps_not_epochs(capsys: Any) -> None
     assert steps > 1 and f"step time (epoch / {steps})" in out.replace("\n", " ").replace("│", " ")
 
 
+def test_fanouts_in_library_errors_are_named_by_their_flag() -> None:
+    """A wrong count of --fanouts was reported as 'fanouts has 1 entries' (--eval-fanouts by its flag)."""
+    parser = cli.build_parser()
+    flags = cli._keyword_flags(cli._command_parser(parser, "run"), "run")
+    msg = "split[batch_size=32, fanouts=(5,)] x2: cannot lower: fanouts has 1 entries but GraphSAGE has 2 GNN layers"
+    assert cli._flag_spelling(msg, flags) == ("split[batch_size=32, fanouts=(5,)] x2: cannot lower: --fanouts has 1 "
+                                              "entries but GraphSAGE has 2 GNN layers")
+
+
 def test_version(capsys: Any) -> None:
     from importlib.metadata import version
 

@@ -63,7 +63,9 @@ def _as_tensor(value: ArrayLike, field: str, dtype: Optional[torch.dtype] = None
             t = torch.as_tensor(arr)
         except (TypeError, ValueError) as exc:
             raise GraphError(f"{field}: cannot convert {type(value).__name__} to a tensor: {exc}") from exc
-        if arr.dtype.kind == "f":  # numpy makes a list holding an int past int64 floats: name that int
+        # numpy makes a list holding an int past int64 floats: name that int (looked for only when
+        # some value is that large: a scan of the list's Python objects costs 4x the conversion)
+        if arr.dtype.kind == "f" and arr.size and bool((np.abs(arr) >= 2.0**63).any()):
             big = next((v for v in np.asarray(value, dtype=object).flat
                         if isinstance(v, int) and not -(2**63) <= v < 2**63), None)
             if big is not None:
