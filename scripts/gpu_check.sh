@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 17's checks on a GPU, as one command for a lent GPU machine (the `device` tool's `run`).
 #
-# Nothing of gnncompile has run on a GPU yet; this runs, each phase under its own time limit, what
-# only a GPU can check, and leaves the logs, the GPU profile and the updated benchmark tables in
-# $OUT (at most 8 files come back):
+# This runs (first on an H200, 2026-11-28: benchmarks/RESULTS.md "GPU"), each phase under its own
+# time limit and all under one deadline, what only a GPU can check, and leaves in $OUT the GPU
+# profile, the updated benchmark tables and the logs, packed into logs.tar.gz at the end (at most
+# 8 files come back):
 #
 #   tests      pytest -m gpu: kernels and ops against the CPU, fused attention, every zoo model's
 #              step, every strategy on ranks sharing the GPU, GPU calibration end to end
@@ -14,16 +15,17 @@
 #              every config of the own kernels and the cupy backend's choices,
 #              PyG and every CUDA backend in the same run)
 #   epoch      benchmarks/epoch_time.py --device cuda: one training step of GCN, SAGE and GAT on
-#              cora and R-MAT 100k/2M, gnncompile (torch and cupy backends, and gc.train) against PyG (edge_index)
-#              in the same run
+#              cora and R-MAT 100k/2M, gc.train's against PyG's (edge_index) in the same run (each cell
+#              a process of about 10 s: the module-loop and cupy-backend systems took the first lease's
+#              whole phase for two rows; pass them by hand)
 #   profile    benchmarks/step_profile.py --device cuda: torch.profiler over gc.train's steps and PyG's
 #              on cora and R-MAT 100k/2M, GCN and GAT (wall vs device time per step, launches,
-#              the top operators; $OUT/profile.txt)
+#              the top operators)
 #   loops      benchmarks/self_loops.py --device cuda: GCN's A + I product with the loop term apart
 #              and in the product (torch: A + I folded; cupy) on R-MAT 100k/2M (not in the default
 #              set: about 40 s more than the 590 s a call may run; pass it alone)
 #
-# Usage: bash scripts/gpu_check.sh [PHASE...]     (default: tests main spmm epoch calibrate, in that order)
+# Usage: bash scripts/gpu_check.sh [PHASE...]     (default: tests main spmm epoch profile calibrate, in that order)
 #
 # GPU_CHECK_DEADLINE=SECONDS (default 570) bounds the whole script: a phase gets its own limit or
 # what is left of the deadline, whichever is less, so the call returns with every log written.
@@ -45,7 +47,7 @@ OUT=${OUT:-/tmp/gpu_check_out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(tests main spmm epoch calibrate)
+[ ${#phases[@]} -eq 0 ] && phases=(tests main spmm epoch profile calibrate)
 deadline=$((SECONDS + ${GPU_CHECK_DEADLINE:-570}))
 
 {
@@ -91,16 +93,16 @@ run_phase() {  # name, seconds, command...
 
 for phase in "${phases[@]}"; do
   case $phase in
-    tests) run_phase tests 220 python3 -m pytest -v -m gpu -p no:cacheprovider $parallel $per_test --tb=short -rfE \
+    tests) run_phase tests 180 python3 -m pytest -v -m gpu -p no:cacheprovider $parallel $per_test --tb=short -rfE \
              --durations=15 tests ;;
     main) run_phase main 90 bash -c "python3 -m gnncompile run --dataset sbm --model gcn --gpus 4 --strategy data \
              --epochs 100 --device cuda && python3 -m gnncompile train --dataset cora --epochs 100 --device cuda" ;;
     calibrate) run_phase calibrate 150 python3 -m gnncompile calibrate --device cuda --quick --out "$OUT/gpu_profile.json" ;;
     spmm) run_phase spmm 90 python3 benchmarks/spmm.py --device cuda --graphs rmat --dims 64,256 --out "$OUT/RESULTS.md" ;;
-    epoch) run_phase epoch 120 python3 benchmarks/epoch_time.py --device cuda --graphs cora rmat \
-             --models gcn sage gat --systems gnncompile gnncompile-train gnncompile-cupy pyg-edge_index --out "$OUT/RESULTS.md" ;;
+    epoch) run_phase epoch 150 python3 benchmarks/epoch_time.py --device cuda --graphs cora rmat --epochs 10 --warmup 3 \
+             --models gcn sage gat --systems gnncompile-train pyg-edge_index --out "$OUT/RESULTS.md" ;;
     profile) run_phase profile 100 python3 benchmarks/step_profile.py --device cuda --graphs cora rmat --models gcn gat \
-               --top 12 --out "$OUT/profile.txt" ;;
+               --top 12 ;;
     loops) run_phase loops 60 python3 benchmarks/self_loops.py --device cuda --graphs rmat --dims 64,256 \
              --backends torch cupy --repeat 10 --out "$OUT/RESULTS.md" ;;
     *) echo "unknown phase $phase (tests, main, calibrate, spmm, epoch, profile, loops)" | tee -a "$OUT/setup.log" ;;
@@ -114,3 +116,5 @@ for log in "$OUT"/tests.log "$OUT"/main.log "$OUT"/calibrate.log "$OUT"/spmm.log
   echo "== $(basename "$log") (last lines)"
   tail -n 25 "$log" | cut -c1-220
 done
+# at most 8 files come back from a lease: the logs travel as one archive (the summary above has their ends)
+(cd "$OUT" && tar czf logs.tar.gz ./*.log && rm -f ./*.log)
