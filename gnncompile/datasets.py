@@ -440,17 +440,14 @@ def _drawn_enough(keys: np.ndarray, pairs: int, kind: str, rmat_probs: Optional[
     :class:`ArgumentError` (the sampler gives up only when the request is too close to the number
     of pairs the model can produce, or, for ``"rmat"``, when ``rmat_probs`` rarely draw distinct
     pairs inside ``[0, num_nodes)``; a shorter graph than asked would change every size downstream)."""
-    if keys.shape[0] < pairs and rmat_probs is not None:
-        raise ArgumentError(
-            f"rmat_probs / avg_degree / num_edges: {kind!r} drew only {keys.shape[0]:,} distinct pairs of the "
-            f"{pairs:,} requested ({2 * pairs:,} directed edges): rmat_probs={rmat_probs} cannot draw enough distinct "
-            f"pairs with both endpoints below num_nodes (or the request is too close to the number of pairs they can "
-            f"produce); spread rmat_probs (default (0.57, 0.19, 0.19, 0.05)) or ask for fewer edges")
     if keys.shape[0] < pairs:
+        probs = "" if rmat_probs is None else (
+            f"rmat_probs={rmat_probs} cannot draw enough distinct pairs with both endpoints below num_nodes, or ")
         raise ArgumentError(
-            f"avg_degree / num_edges: {kind!r} drew only {keys.shape[0]:,} distinct pairs of the {pairs:,} requested "
-            f"({2 * pairs:,} directed edges): the request is too close to the number of pairs this model can produce; "
-            f"ask for fewer edges")
+            f"{'rmat_probs / ' if probs else ''}avg_degree / num_edges: {kind!r} drew only {keys.shape[0]:,} distinct "
+            f"pairs of the {pairs:,} requested ({2 * pairs:,} directed edges): {probs}the request is too close to the "
+            f"number of pairs {'they' if probs else 'this model'} can produce; "
+            f"{'spread rmat_probs (default (0.57, 0.19, 0.19, 0.05)) or ' if probs else ''}ask for fewer edges")
     return keys
 
 

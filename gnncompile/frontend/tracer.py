@@ -493,16 +493,21 @@ def _changed_attribute(node: torch.fx.Node, modules: dict[str, torch.nn.Module],
     changes in place, directly or through views, ``.data`` or ``detach()``, else None (a batch
     norm's running statistics, ``F.batch_norm`` as ``nn.BatchNorm``, are the op's own state: exact
     plans refuse their statistics over all vertices, relaxed ones record them)."""
+    return _state_root(node.args[0] if _changes_first_argument(node, modules) and node.args else None, state)
+
+
+def _changes_first_argument(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> bool:
+    """Whether ``node`` is an in-place op, changing its first argument: a tensor method ending in
+    ``_``, an augmented assignment (``h += r``), a torch function ending in ``_``, a call with
+    ``inplace=True``, or a module (of ``modules``) whose ``inplace`` is set."""
     if node.op == "call_method":
-        inplace = isinstance(node.target, str) and node.target.endswith("_") and not node.target.startswith("_") \
+        return isinstance(node.target, str) and node.target.endswith("_") and not node.target.startswith("_") \
             and node.target not in ("requires_grad_", "share_memory_")
-    elif node.op == "call_function":
-        inplace = node.target in _AUGMENTED or node.kwargs.get("inplace") is True or (
+    if node.op == "call_function":
+        return node.target in _AUGMENTED or node.kwargs.get("inplace") is True or (
             getattr(node.target, "__name__", "").endswith("_")
             and getattr(node.target, "__module__", None) in ("torch", "torch._C._VariableFunctions"))
-    else:
-        inplace = node.op == "call_module" and getattr(modules.get(node.target), "inplace", False) is True
-    return _state_root(node.args[0] if inplace and node.args else None, state)
+    return node.op == "call_module" and getattr(modules.get(node.target), "inplace", False) is True
 
 
 def _state_root(value: Any, state: set[str]) -> Optional[torch.fx.Node]:
@@ -529,31 +534,29 @@ def _out_of_place(graph: torch.fx.Graph, root: torch.nn.Module) -> None:
     modules = dict(root.named_modules())
     state = _state_names(root)
     for n in list(graph.nodes):
+        if not _changes_first_argument(n, modules):
+            continue
         target: Any = None
         kwargs = dict(n.kwargs)
-        if n.op == "call_method" and isinstance(n.target, str) and n.target.endswith("_") \
-                and not n.target.startswith("_") and n.target not in _NO_OUT_OF_PLACE \
-                and hasattr(torch.Tensor, n.target[:-1]):
-            op, target = "call_method", n.target[:-1]
+        if n.op == "call_method":
+            if n.target in _NO_OUT_OF_PLACE or not hasattr(torch.Tensor, n.target[:-1]):
+                continue
+            target = n.target[:-1]
         elif n.op == "call_function" and n.target in _AUGMENTED:
-            op, target = "call_function", _AUGMENTED[n.target]
-        elif n.op == "call_function" and getattr(n.target, "__name__", "").endswith("_") \
-                and getattr(n.target, "__module__", None) in ("torch", "torch._C._VariableFunctions") \
-                and callable(getattr(torch, n.target.__name__[:-1], None)):
-            op, target = "call_function", getattr(torch, n.target.__name__[:-1])
-        elif n.op == "call_function" and kwargs.get("inplace") is True:
-            op, target = "call_function", n.target
+            target = _AUGMENTED[n.target]
+        elif n.op == "call_function" and kwargs.get("inplace") is not True:  # torch.relu_ -> torch.relu
+            target = getattr(torch, n.target.__name__[:-1], None)
+            if not callable(target):
+                continue
+        elif n.op == "call_function":
+            target = n.target
             kwargs["inplace"] = False
-        elif n.op == "call_module" and getattr(modules.get(n.target), "inplace", False) is True:
-            op = "call_module"
-        else:
-            continue
         changed = n.args[0] if n.args else None
         if not isinstance(changed, torch.fx.Node) or changed.op == "placeholder" \
                 or _state_root(changed, state) is not None \
                 or _is_view(changed) or any(_is_view(u) for u in changed.users):
             continue
-        if op == "call_module":  # the traced graph's modules are its own copies (_module_view)
+        if n.op == "call_module":  # the traced graph's modules are its own copies (_module_view)
             modules[n.target].inplace = False
         else:
             n.target, n.kwargs = target, kwargs
