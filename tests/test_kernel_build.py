@@ -121,3 +121,36 @@ def test_a_killed_builds_lock_does_not_hang_the_next_load(fake_load: list[dict[s
         pass
     kernels._load_native()
     assert len(fake_load) == 1 and not os.path.exists(os.path.join(build_dir, "lock"))
+
+
+def test_a_loaded_build_is_imported_directly_by_later_processes(tmp_path: Any) -> None:
+    """Once torch's build has been loaded (the mark beside it), a new process imports the library
+    itself: without ``torch.utils.cpp_extension`` (which imports setuptools, a fifth of a second in
+    every rank) and with the same module."""
+    import subprocess
+
+    try:
+        module = kernels._load_native()
+    except kernels.KernelError as exc:
+        pytest.skip(f"the native C++ kernels did not build on this machine: {exc}")
+    code = ("import sys, gnncompile.kernels as k; m = k._load_native(); "
+            "print(m.__file__, 'torch.utils.cpp_extension' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.split() == [module.__file__, "False"]
+
+
+def test_a_missing_mark_or_a_broken_library_goes_through_torch(tmp_path: Any) -> None:
+    """Without the mark (a build not loaded yet, maybe unfinished) or with a library that does not
+    import, :func:`kernels._import_built` declines and the loader goes through torch's ``load``."""
+    name = "gnncompile_native_000000000000"
+    with open(tmp_path / f"{name}.so", "wb") as f:
+        f.write(b"\x7fELF truncated")
+    assert kernels._import_built(name, str(tmp_path)) is None
+    (tmp_path / kernels._BUILT_MARK).write_text(f"{name}.so\n")
+    assert kernels._import_built(name, str(tmp_path)) is None and name not in sys.modules
+
+
+def test_the_default_cache_is_torchs() -> None:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    assert kernels._default_extensions_root() == get_default_build_root()

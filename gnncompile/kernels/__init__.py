@@ -252,6 +252,43 @@ def _native_build_key() -> dict[str, Any]:
                 source_path=os.path.realpath(_NATIVE_SOURCE))
 
 
+#: written beside the extension once torch's build of it has been loaded: a later process imports
+#: the library directly (:func:`_import_built`)
+_BUILT_MARK = "gnncompile.built"
+
+
+def _default_extensions_root() -> str:
+    """torch's default extension cache, as ``torch.utils.cpp_extension.get_default_build_root``
+    computes it, without importing that module (it imports setuptools: a fifth of a second in every
+    rank that loads the kernels)."""
+    try:
+        from torch import _appdirs
+    except ImportError:  # pragma: no cover - torch without its vendored appdirs
+        from torch.utils.cpp_extension import get_default_build_root
+        return get_default_build_root()
+    return os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
+
+
+def _import_built(name: str, build_dir: str) -> Optional[Any]:
+    """The extension ``name`` imported from ``build_dir`` when a process loaded torch's build of it
+    there before (:data:`_BUILT_MARK`), else ``None`` (build or load it through torch)."""
+    import importlib.util
+
+    library = os.path.join(build_dir, f"{name}.so")
+    if not (os.path.exists(os.path.join(build_dir, _BUILT_MARK)) and os.path.exists(library)):
+        return None
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception:  # noqa: BLE001 - unreadable or stale: torch's load rebuilds it
+        return None
+    sys.modules[name] = module
+    return module
+
+
 def _load_native() -> Any:
     """Compile (once per source, torch and interpreter; cached by torch) and import the C++ kernels.
 
@@ -263,12 +300,16 @@ def _load_native() -> Any:
         return _native_module
     if _native_error is not None:
         raise KernelError(f"native backend unavailable: {_native_error}")
+    name = native_extension_name(**_native_build_key())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or _default_extensions_root()
+    build_dir = os.path.join(root, name)
+    built = _import_built(name, build_dir)
+    if built is not None:
+        _native_module = built
+        return built
     try:
-        from torch.utils.cpp_extension import get_default_build_root, load
+        from torch.utils.cpp_extension import load
 
-        name = native_extension_name(**_native_build_key())
-        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-        build_dir = os.path.join(root, name)
         os.makedirs(build_dir, exist_ok=True)
         # torch's build lock is a plain file that a killed build leaves behind, after which every
         # later load waits for it forever. An flock (released by the kernel when its holder dies)
@@ -282,6 +323,8 @@ def _load_native() -> Any:
                 print("gnncompile: building native CPU kernels (once, ~30 s)...", file=sys.stderr, flush=True)
             _native_module = load(name, [_NATIVE_SOURCE], extra_cflags=list(_NATIVE_CFLAGS),
                                   extra_ldflags=list(_NATIVE_LDFLAGS), build_directory=build_dir, verbose=False)
+            with open(os.path.join(build_dir, _BUILT_MARK), "w") as f:
+                f.write(f"{name}.so\n")
     except Exception as exc:  # compiler missing, ninja missing, ...
         _native_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         raise KernelError(f"native backend unavailable: {_native_error}") from exc
