@@ -18,6 +18,9 @@
 #              cora and R-MAT 100k/2M, gc.train's against PyG's (edge_index) in the same run (each cell
 #              a process of about 10 s: the module-loop and cupy-backend systems took the first lease's
 #              whole phase for two rows; pass them by hand)
+#   multihead  benchmarks/multihead.py --device cuda: GAT's multi-head SpMM (per-head loop vs the
+#              head-interleaved product) and SDDMM (gather vs sampled_addmm vs cupy) on cora and
+#              R-MAT 100k/2M, and the torch backend's measured SDDMM choice
 #   profile    benchmarks/step_profile.py --device cuda: torch.profiler over gc.train's steps and PyG's
 #              on cora and R-MAT 100k/2M, GCN and GAT (wall vs device time per step, launches,
 #              the top operators)
@@ -25,7 +28,8 @@
 #              and in the product (torch: A + I folded; cupy) on R-MAT 100k/2M (not in the default
 #              set: about 40 s more than the 590 s a call may run; pass it alone)
 #
-# Usage: bash scripts/gpu_check.sh [PHASE...]     (default: tests main spmm epoch profile calibrate, in that order)
+# Usage: bash scripts/gpu_check.sh [PHASE...]     (default: tests main multihead spmm epoch profile calibrate,
+#        in that order)
 #
 # GPU_CHECK_DEADLINE=SECONDS (default 570) bounds the whole script: a phase gets its own limit or
 # what is left of the deadline, whichever is less, so the call returns with every log written.
@@ -47,7 +51,7 @@ OUT=${OUT:-/tmp/gpu_check_out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(tests main spmm epoch profile calibrate)
+[ ${#phases[@]} -eq 0 ] && phases=(tests main multihead spmm epoch profile calibrate)
 deadline=$((SECONDS + ${GPU_CHECK_DEADLINE:-570}))
 
 {
@@ -98,6 +102,8 @@ for phase in "${phases[@]}"; do
     main) run_phase main 90 bash -c "python3 -m gnncompile run --dataset sbm --model gcn --gpus 4 --strategy data \
              --epochs 100 --device cuda && python3 -m gnncompile train --dataset cora --epochs 100 --device cuda" ;;
     calibrate) run_phase calibrate 150 python3 -m gnncompile calibrate --device cuda --quick --out "$OUT/gpu_profile.json" ;;
+    multihead) run_phase multihead 60 python3 benchmarks/multihead.py --device cuda --graphs cora rmat \
+                 --out "$OUT/RESULTS.md" ;;
     spmm) run_phase spmm 90 python3 benchmarks/spmm.py --device cuda --graphs rmat --dims 64,256 --out "$OUT/RESULTS.md" ;;
     epoch) run_phase epoch 150 python3 benchmarks/epoch_time.py --device cuda --graphs cora rmat --epochs 10 --warmup 3 \
              --models gcn sage gat --systems gnncompile-train pyg-edge_index --out "$OUT/RESULTS.md" ;;
@@ -105,13 +111,13 @@ for phase in "${phases[@]}"; do
                --top 12 ;;
     loops) run_phase loops 60 python3 benchmarks/self_loops.py --device cuda --graphs rmat --dims 64,256 \
              --backends torch cupy --repeat 10 --out "$OUT/RESULTS.md" ;;
-    *) echo "unknown phase $phase (tests, main, calibrate, spmm, epoch, profile, loops)" | tee -a "$OUT/setup.log" ;;
+    *) echo "unknown phase $phase (tests, main, multihead, calibrate, spmm, epoch, profile, loops)" | tee -a "$OUT/setup.log" ;;
   esac
 done
 
 echo "== summary"
 cat "$OUT/setup.log"
-for log in "$OUT"/tests.log "$OUT"/main.log "$OUT"/calibrate.log "$OUT"/spmm.log "$OUT"/epoch.log "$OUT"/profile.log "$OUT"/loops.log; do
+for log in "$OUT"/tests.log "$OUT"/main.log "$OUT"/multihead.log "$OUT"/calibrate.log "$OUT"/spmm.log "$OUT"/epoch.log "$OUT"/profile.log "$OUT"/loops.log; do
   [ -f "$log" ] || continue
   echo "== $(basename "$log") (last lines)"
   tail -n 25 "$log" | cut -c1-220

@@ -146,6 +146,76 @@ def test_torch_backend_matches_dense_product(heads: int) -> None:
                                torch.einsum("rc,c...->r...", dense(csr, ones), x))
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["int32", "int64"])
+@pytest.mark.parametrize("heads", [2, 3])
+def test_torch_backend_interleaves_heads_into_one_product(heads: int, wide: bool, monkeypatch) -> None:
+    """A multi-head product is one product over the head-interleaved structure: entry
+    ``(r*H + h, c*H + h)`` per edge and head, the edge values gathered by ``perm``; forward and
+    transposed equal the dense per-head products, duplicates and empty rows included. ``wide``:
+    the int64 arrays of structures past int32 (the limit lowered to reach them)."""
+    if wide:
+        monkeypatch.setattr(kernels, "_INT32_MAX", 10)
+    csr = random_csr(45, 33, 4.0, seed=heads, hub=True)
+    inter, perm = kernels._interleaved(csr, heads, torch.device("cpu"))
+    idt = torch.int64 if wide else torch.int32
+    assert inter.indptr.dtype == inter.indices.dtype == perm.dtype == idt
+    assert (inter.num_rows, inter.num_cols, inter.nnz) == (45 * heads, 33 * heads, csr.nnz * heads)
+    w = randn(csr.nnz, heads, dtype=torch.float64, seed=5)
+    a = dense(inter, w.reshape(-1)[perm.long()])
+    for h in range(heads):   # head h's block is the graph with head h's values; nothing across heads
+        torch.testing.assert_close(a[h::heads, h::heads], dense(csr, w[:, h]), rtol=0, atol=0)
+        for k in range(heads):
+            if k != h:
+                assert not a[h::heads, k::heads].any()
+    x = randn(33, heads, 6, dtype=torch.float64, seed=4)
+    expected = torch.einsum("rch,chd->rhd", dense(csr, w), x)
+    torch.testing.assert_close(kernels.spmm(csr, w, x, backend="torch"), expected)
+    y = randn(45, heads, 6, dtype=torch.float64, seed=6)
+    torch.testing.assert_close(kernels.spmm(csr, w, y, backend="torch", transpose=True),
+                               torch.einsum("rch,rhd->chd", dense(csr, w), y))
+    assert kernels._interleaved(csr, heads, torch.device("cpu"))[0] is inter   # built once per heads
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_torch_backend_sddmm_samples_the_dense_product(heads: int) -> None:
+    """The torch backend's SDDMM (``sampled_addmm`` over the structure, interleaved for several heads)
+    is ``<a[row], b[col]>`` per edge and head, duplicates and empty rows included; nothing per edge
+    is kept beside the structure."""
+    csr = random_csr(40, 30, 4.0, seed=9 + heads, hub=True)
+    a = randn(40, heads, 5, dtype=torch.float64, seed=1)
+    b = randn(30, heads, 5, dtype=torch.float64, seed=2)
+    rows = torch.repeat_interleave(torch.arange(40), csr.indptr[1:] - csr.indptr[:-1])
+    expected = (a[rows] * b[csr.indices]).sum(-1)
+    torch.testing.assert_close(kernels.sddmm(csr, a, b, heads, backend="torch"), expected)
+    assert not any(k.startswith("rows:") for k in csr.cache)
+
+
+def test_sddmm_measurement_keeps_the_faster_correct_formulation(monkeypatch) -> None:
+    """On CUDA the torch backend measures ``sampled_addmm`` against gathering (the reference) once per
+    structure and shape: the faster correct one is kept and recorded, a wrong one is rejected, and
+    the reference's per-edge rows are dropped when it loses (here on the CPU, by wall time)."""
+    import time
+
+    from gnncompile.kernels import cuda
+
+    csr = random_csr(50, 50, 4.0, seed=3)
+    a, b = randn(50, 8, dtype=torch.float32, seed=1), randn(50, 8, dtype=torch.float32, seed=2)
+    gather, sampled = kernels._sddmm_gather, kernels._sddmm_sampled
+    monkeypatch.setattr(kernels, "_sddmm_gather", lambda *args: (time.sleep(0.02), gather(*args))[1])
+    w = kernels._sddmm_measured(csr, a, b, 2, cuda.wall_timer)
+    choice = cuda.choices()[-1]
+    assert choice.op == "sddmm" and choice.chosen == "sampled_addmm" and "2 heads" in choice.shape, choice
+    assert not any(k.startswith("rows:") for k in csr.cache)
+    torch.testing.assert_close(w, gather(csr, a, b, 2))
+    csr2 = random_csr(50, 50, 4.0, seed=4)
+    monkeypatch.setattr(kernels, "_sddmm_gather", gather)
+    monkeypatch.setattr(kernels, "_sddmm_sampled", lambda *args: sampled(*args) + 1)
+    w = kernels._sddmm_measured(csr2, a, b, 2, cuda.wall_timer)
+    choice = cuda.choices()[-1]
+    assert choice.chosen == "gather" and "sampled_addmm" in choice.rejected, choice
+    torch.testing.assert_close(w, gather(csr2, a, b, 2))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_spmm_large_power_law_matrix(backend: str, dtype: torch.dtype) -> None:
     """Thousands of rows with a hub: exercises the edge-balanced row blocks of the parallel loop."""

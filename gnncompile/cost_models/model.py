@@ -372,7 +372,6 @@ def _graph_bytes(plan: Plan, nodes: int, edges: int, src: int, symmetric: bool, 
     # off the CPU the products are cuSPARSE's through torch: a normalization's scales folded into
     # edge values (kernels._edge_factors) and the offsets as int32 beside the int64 ones
     # (torch's CSR takes one index dtype), of the in-edge CSR and of a transpose where one is held;
-    # with edge values (attention), their gradient's SDDMM holds each edge's row (kernels._sddmm_gather)
     # propagations over A + L with fixed terms (``looped_norms``) join the loops to the matrix instead:
     # A + L with int32 offsets and indices per direction (the forward one scattered backward when
     # pushing, a symmetric graph's own), its entries per normalization and direction (kernels._looped_csr)
@@ -390,8 +389,13 @@ def _graph_bytes(plan: Plan, nodes: int, edges: int, src: int, symmetric: bool, 
             entries = edges + nodes
             torch_csr += 4 * entries + 4 * (nodes + 1) + (0 if symmetric or push else 4 * entries + 4 * (src + 1))
             torch_csr += len(folded) * per_value * entries * directions
-        if topo.get("edge_values"):
-            torch_csr += (4 if max(src, nodes) <= 2**31 - 1 else 8) * edges
+        for heads in topo.get("edge_heads", ()):
+            # a multi-head product's head-interleaved structure: offsets, columns and the entries'
+            # positions among the edge values, per structure it runs over (kernels._interleaved)
+            isz = 4 if max(edges, nodes, src) * heads <= 2**31 - 1 else 8
+            torch_csr += isz * (nodes * heads + 1 + 2 * edges * heads)
+            if not (symmetric or push):
+                torch_csr += isz * (src * heads + 1 + 2 * edges * heads)
     dst = topo.get("edge_dst")
     return scales + torch_csr + topology_bytes(nodes, edges, src, symmetric=symmetric, weighted=bool(topo.get("weighted")),
                                    edge_values=bool(topo.get("edge_values")), edge_loops=bool(topo.get("edge_loops")),

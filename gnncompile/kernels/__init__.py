@@ -28,7 +28,10 @@ Backends
             scheduled dynamically, whole-row register accumulation (all heads of a row at once),
             int32 indices, cross-row prefetching, huge pages for large outputs. CPU,
             float32/float64; deterministic whatever the thread count.
-``torch``   ``torch.sparse.mm`` on a CSR tensor (MKL on CPU, cuSPARSE on CUDA).
+``torch``   ``torch.sparse.mm`` on a CSR tensor (MKL on CPU, cuSPARSE on CUDA); all heads of a
+            multi-head product in one call, over a head-interleaved copy of the structure (cached).
+            SDDMM by ``torch.sparse.sampled_addmm`` (on CUDA cuSPARSE's, where it is measured
+            against gathering both operands on first use and the faster kept).
 ``scipy``   ``scipy.sparse.csr_matrix @ ndarray`` (single-threaded; CPU).
 ``cupy``    CUDA tensors, through CuPy. float32: per structure and shape, the fastest correct one
             (measured on the first call, :func:`cuda.choose`) of cuSPARSE's SpMM and gnncompile's
@@ -793,19 +796,99 @@ def _folded(fn: Callable[[CSR, Optional[torch.Tensor], torch.Tensor, bool], torc
 
 def _spmm_torch(csr: CSR, values: Optional[torch.Tensor], x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     x2, heads, tail = _split_heads(values, x)
-
-    def mat(v: Optional[torch.Tensor]) -> torch.Tensor:
-        a = _torch_csr(csr, v, x.dtype, x.device)
-        return a.t() if transpose else a  # transposed: a CSC view of the same arrays
-
+    rows = csr.num_cols if transpose else csr.num_rows
     if heads == 1:
-        out = torch.sparse.mm(mat(None if values is None else values.reshape(-1)), x2)
-    else:
-        c = x2.shape[1] // heads
-        outs = [torch.sparse.mm(mat(values[:, h].contiguous()), x2[:, h * c:(h + 1) * c].contiguous())
-                for h in range(heads)]
-        out = torch.stack(outs, dim=1)
-    return _shaped(out, csr.num_cols if transpose else csr.num_rows, tail)
+        a = _torch_csr(csr, None if values is None else values.reshape(-1), x.dtype, x.device)
+        return _shaped(torch.sparse.mm(a.t() if transpose else a, x2), rows, tail)  # transposed: a CSC view
+    # every head in one product, over the head-interleaved structure (x2 [N, H*C] viewed [N*H, C])
+    inter, perm = _interleaved(csr, heads, x.device)
+    a = _torch_csr(inter, values.reshape(-1).index_select(0, perm), x.dtype, x.device)
+    xi = x2.view(x2.shape[0] * heads, x2.shape[1] // heads)
+    return _shaped(torch.sparse.mm(a.t() if transpose else a, xi), rows, tail)
+
+
+def _interleaved(csr: CSR, heads: int, device: torch.device) -> tuple[CSR, torch.Tensor]:
+    """``csr``'s ``heads``-head product as one matrix, and where its entries come from.
+
+    The matrix is ``[rows * H, cols * H]`` with an entry ``(r*H + h, c*H + h)`` for each edge
+    ``(r, c)`` and head ``h`` (row ``r*H + h`` holds row ``r``'s edges in their order): with ``x``
+    ``[cols, H, C]`` viewed as ``[cols * H, C]``, its product is the multi-head product viewed as
+    ``[rows * H, C]``. ``perm`` (``[E * H]``) maps the matrix's entries, in order, to positions in a
+    flattened ``[E, H]`` edge tensor. Index arrays int32 where they fit; built on ``device`` once
+    per ``heads`` and cached on ``csr``."""
+    def build() -> tuple[CSR, torch.Tensor]:
+        indptr, indices = csr.on(device)
+        indptr = indptr.long()
+        deg = indptr[1:] - indptr[:-1]
+        n = csr.nnz * heads
+        idt = torch.int64 if max(n, csr.num_rows * heads, csr.num_cols * heads) > _INT32_MAX else torch.int32
+        offsets = torch.zeros(csr.num_rows * heads + 1, dtype=torch.int64, device=device)
+        torch.cumsum(deg.repeat_interleave(heads), 0, out=offsets[1:])
+        # edge e of row r (first edge s, degree d) goes, for head h, to entry H*s + h*d + (e - s)
+        edge = torch.arange(csr.nnz, device=device)
+        first = torch.repeat_interleave(indptr[:-1], deg, output_size=csr.nnz)
+        head = torch.arange(heads, device=device)
+        pos = (edge + first * (heads - 1)).unsqueeze(1) + head * deg.repeat_interleave(deg, output_size=csr.nnz
+                                                                                         ).unsqueeze(1)
+        del first
+        pos = pos.reshape(-1)
+        cols = torch.empty(n, dtype=idt, device=device)
+        cols[pos] = (indices.long().unsqueeze(1) * heads + head).reshape(-1).to(idt)
+        perm = torch.empty(n, dtype=idt, device=device)
+        perm[pos] = (edge.unsqueeze(1) * heads + head).reshape(-1).to(idt)
+        return CSR(offsets.to(idt), cols, csr.num_rows * heads, csr.num_cols * heads), perm
+    return csr.cached(f"interleaved:{heads}:{device}", build)
+
+
+def _sddmm_sampled(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> torch.Tensor:
+    """SDDMM by ``torch.sparse.sampled_addmm`` (cuSPARSE's SDDMM on CUDA) over ``csr``, or for
+    several heads over its head-interleaved structure (:func:`_interleaved`): each edge reads its
+    two rows once, no per-edge temporaries. ``[E, heads]``."""
+    width = math.prod(a.shape[1:]) // heads
+    dev = a.device
+    if csr.nnz == 0 or width == 0:
+        return torch.zeros(csr.nnz, heads, dtype=a.dtype, device=dev)
+    structure, perm = (csr, None) if heads == 1 else _interleaved(csr, heads, dev)
+    indptr, indices = structure.matched(dev)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
+        # the pattern's values are ignored (beta=0): one zero, expanded
+        pattern = torch.sparse_csr_tensor(indptr, indices, a.new_zeros(()).expand(structure.nnz),
+                                          size=(structure.num_rows, structure.num_cols), device=dev,
+                                          check_invariants=False)
+        w = torch.sparse.sampled_addmm(pattern, a.detach().reshape(structure.num_rows, width),
+                                       b.detach().reshape(structure.num_cols, width).t(), beta=0.0).values()
+    if perm is None:
+        return w.reshape(csr.nnz, 1)
+    return torch.empty_like(w).index_put_((perm,), w).view(csr.nnz, heads)
+
+
+def _sddmm_torch(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> torch.Tensor:
+    """The ``torch`` backend's SDDMM: :func:`_sddmm_sampled`; on CUDA, where cuSPARSE's SDDMM has
+    not been measured against gathering, the faster correct one of the two (:func:`cuda.choose`,
+    once per structure, device and shape, recorded in :func:`cuda.choices`)."""
+    if a.device.type != "cuda" or csr.nnz == 0 or a.numel() == 0:
+        return _sddmm_sampled(csr, a, b, heads)
+    return _sddmm_measured(csr, a, b, heads, cuda.cuda_timer)
+
+
+def _sddmm_measured(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int,
+                    timer: Callable[[Callable[[], Any]], float]) -> torch.Tensor:
+    """SDDMM by the faster correct one of :func:`_sddmm_sampled` and :func:`_sddmm_gather` (the
+    reference), chosen once per structure, device, dtype and shape; ``timer`` times a call."""
+    width = math.prod(a.shape[1:])
+
+    def decide() -> bool:
+        had_rows = f"rows:{a.device}" in csr.cache
+        chosen = cuda.choose("sddmm", f"{_shape_label(csr, width, heads)}, {str(a.dtype).removeprefix('torch.')}", {
+            "gather": lambda: _sddmm_gather(csr, a, b, heads),
+            "sampled_addmm": lambda: _sddmm_sampled(csr, a, b, heads)}, "gather", timer)
+        if chosen == "sampled_addmm" and not had_rows:
+            csr.cache.pop(f"rows:{a.device}", None)  # the reference's per-edge rows, made only to compare
+        return chosen == "sampled_addmm"
+
+    sampled = csr.cached(f"choice:sddmm-torch:{a.device}:{a.dtype}:{width}:{heads}", decide)
+    return (_sddmm_sampled if sampled else _sddmm_gather)(csr, a, b, heads)
 
 
 def _sddmm_gather(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> torch.Tensor:
@@ -1102,7 +1185,7 @@ def _sddmm_cupy_backend(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) 
 # --------------------------------------------------------------------------- dispatch
 BACKENDS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {
     "native": (_spmm_native, _sddmm_native),  # applies the scales inside the product
-    "torch": (_folded(_spmm_torch), _sddmm_gather),
+    "torch": (_folded(_spmm_torch), _sddmm_torch),
     "scipy": (_folded(_spmm_scipy), _sddmm_gather),
     "cupy": (_spmm_cupy_backend, _sddmm_cupy_backend),
 }

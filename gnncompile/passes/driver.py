@@ -374,6 +374,11 @@ def _topology_info(job: Job, ranks: list[RankLowering], backward: str) -> dict[s
     plain = not all(joined)
     edge_nodes = [n for n in job.tp.ops(("E",)) if n.op == "call_function" and is_primitive(n.target)]
     edge_values = bool(edge_nodes) or any(a["edge_weight"] is not None for _, a in calls)
+    # head counts of multi-head products (edge values [E, H]): off the CPU each runs as one product
+    # over a head-interleaved copy of its structure (kernels._interleaved), one per head count
+    edge_heads = sorted({w.meta["tp"].dims[0] for _, a in calls
+                         for w in [a["edge_weight"]] if isinstance(w, torch.fx.Node) and "tp" in w.meta
+                         and len(w.meta["tp"].dims) == 1 and w.meta["tp"].dims[0] > 1})
     # the loop-augmented structure: what an aggregation over A + I reads (edge_softmax needs none)
     edge_loops = any(n.target is aggregate and call_arguments(n).get("add_self_loops") for n in edge_nodes)
     # each edge's destination: what gather_dst and the edge reductions index by (prepare_graph); for
@@ -383,7 +388,8 @@ def _topology_info(job: Job, ranks: list[RankLowering], backward: str) -> dict[s
                                else "off_cpu" if edge_attention in targets else None)
     info = {"nodes": stats.num_nodes, "symmetric": symmetric, "weighted": weighted, "edge_values": edge_values,
             "edge_dst": edge_dst, "edge_loops": edge_loops, "norms": [[nm, loops] for nm, loops in sorted(norms)],
-            "looped_norms": sorted(folded), "plain_products": plain, "backward": backward}
+            "looped_norms": sorted(folded), "plain_products": plain, "backward": backward,
+            "edge_heads": edge_heads}
     if job.concrete:
         held = []
         for rl in sorted(ranks, key=lambda rl: rl.rank):
