@@ -4,8 +4,9 @@
   ``model`` and ``graph`` of earlier ones), from a temporary working directory (the blocks write
   ``step.png``, ``plan.json``, ``t.png``, ``m.png``). The only change: ``gc.train`` and
   ``Plan.run`` are wrapped to cap ``epochs`` at :data:`EPOCHS` (the text is not edited).
-* Every command of the "Command line" section runs as a smoke test through the installed
-  ``gnncompile`` entry point, with ``--epochs N`` cut to :data:`EPOCHS` (added where a training
+* Every command of the "Command line" section runs as a smoke test (the main job, ``--help`` and
+  ``torchrun`` through the installed entry points, the others by ``gnncompile.cli.main`` in the
+  test's process), with ``--epochs N`` cut to :data:`EPOCHS` (added where a training
   command relies on the default), ``calibrate`` made ``--quick`` and writing to a temporary profile
   (``$GNNCOMPILE_PROFILE`` points every command at it, so none reads or writes the user's cache),
   and the multi-machine ``torchrun`` command of "Several machines" in its single-machine form
@@ -186,22 +187,62 @@ def test_python_blocks_did_what_they_say(session: _Session) -> None:
 
 
 # --------------------------------------------------------------------------- commands
+def _through_the_entry_point(command: str) -> bool:
+    """Whether ``command`` runs as its own process through the installed console script: the
+    ``torchrun`` command (torchrun starts the ranks), ``gnncompile --help`` and the README's first
+    ``gnncompile run`` (the main job). The others run ``gnncompile.cli.main`` in the test's
+    process (the same parser and commands, without a second interpreter's start and a second
+    forkserver importing torch: the suite's time)."""
+    first_run = next(c for c in COMMANDS if c.startswith("gnncompile run "))
+    return command.startswith("torchrun ") or command in ("gnncompile --help", first_run)
+
+
+def _run_in_process(program: list[str], monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+                    ) -> tuple[int, str, str]:
+    """``gnncompile <program>`` by ``cli.main`` here: its exit status, standard output and error.
+    What a command may change in the process (torch's thread count, the default kernel backend)
+    is restored."""
+    import torch
+
+    from gnncompile import cli, kernels
+
+    threads, backend = torch.get_num_threads(), kernels._default_override
+    monkeypatch.setattr(sys, "argv", ["gnncompile", *program])   # the usage lines' program name
+    capfd.readouterr()
+    try:
+        rc = cli.main(program)
+    except SystemExit as exc:   # --help, usage errors
+        rc = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    finally:
+        torch.set_num_threads(threads)
+        kernels._default_override = backend
+    out, err = capfd.readouterr()
+    return rc, out, err
+
+
 @pytest.mark.parametrize("command", COMMANDS, ids=COMMANDS)
-def test_command(command: str, tmp_path: Path) -> None:
+def test_command(command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+                 ) -> None:
     import torch
 
     if "--device cuda" in command and not torch.cuda.is_available():
         pytest.skip("the command trains on a GPU and this machine has no CUDA device")
     profile = tmp_path / "cpu_profile.json"
     argv = runnable(command, profile)
-    env = {**os.environ, "GNNCOMPILE_PROFILE": str(profile)}
     users = Path.home() / ".cache" / "gnncompile" / "cpu_profile.json"
     before = users.stat().st_mtime_ns if users.exists() else None
-    r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{' '.join(argv)} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    assert r.stdout.strip()
+    if _through_the_entry_point(command):
+        env = {**os.environ, "GNNCOMPILE_PROFILE": str(profile)}
+        r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        rc, out, err = r.returncode, r.stdout, r.stderr
+    else:
+        monkeypatch.setenv("GNNCOMPILE_PROFILE", str(profile))
+        monkeypatch.chdir(tmp_path)
+        rc, out, err = _run_in_process(argv[1:], monkeypatch, capfd)
+    assert rc == 0, f"{' '.join(argv)} exited {rc}:\n{out[-3000:]}\n{err[-3000:]}"
+    assert out.strip()
     if "calibrate" in argv:
-        assert profile.is_file() and str(profile) in r.stdout
+        assert profile.is_file() and str(profile) in out
     assert (users.stat().st_mtime_ns if users.exists() else None) == before  # the user's cache untouched
     for flag in ("--save", "--timeline"):
         if flag in argv:
