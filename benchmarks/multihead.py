@@ -16,7 +16,13 @@ CSR of each graph, times:
   - ``gather``: both operands' rows gathered per edge, multiplied and summed (in edge blocks);
   - ``sampled_addmm``: ``torch.sparse.sampled_addmm`` over the interleaved structure (cuSPARSE's
     SDDMM on CUDA);
-  - the device's own backend (``native``; ``cupy``: its measured choice among its kernels).
+  - the device's own backend (``native``; ``cupy``: its measured choice among its kernels);
+* ``attention``: GAT's coefficients ``softmax_r(LeakyReLU(src[col] + dst[r]))`` with self loops
+  (the forward of ``gnncompile.ops.edge_attention``), by
+  - ``torch``: gathers, LeakyReLU and the softmax's segment reductions (what the ``torch``
+    backend ran on CUDA before it measured the fused kernels against it);
+  - ``fused``: :func:`gnncompile.kernels.attention_coefficients` (native on the CPU, the own CUDA
+    kernels where CuPy is installed).
 
 Each formulation's result is checked against the first's (max abs error column). Time = median of
 ``--repeat`` calls after ``--warmup`` (each call between two synchronizations on CUDA); one-time
@@ -46,6 +52,8 @@ sys.path.insert(0, str(HERE.parent))
 
 import gnncompile as gc  # noqa: E402
 from gnncompile import kernels  # noqa: E402
+from gnncompile.frontend import ops as fops  # noqa: E402
+from gnncompile.frontend.ops import _EdgeAttention  # noqa: E402
 from gnncompile.kernels import CSR, cuda  # noqa: E402
 
 sys.path.insert(0, str(HERE))
@@ -78,8 +86,8 @@ def load(name: str) -> gc.Graph:
     return gc.datasets.load(name)
 
 
-def formulations(csr: CSR, values: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
-                 ) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
+def formulations(g: gc.Graph, csr: CSR, values: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 src: torch.Tensor, dst: torch.Tensor) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
     """Per operation, the formulations to time (the first is the reference of the error column)."""
     heads = values.shape[1]
     dev = x.device
@@ -97,6 +105,9 @@ def formulations(csr: CSR, values: torch.Tensor, x: torch.Tensor, a: torch.Tenso
                     "sampled_addmm": lambda: kernels._sddmm_sampled(csr, a, b, heads)}
     if have_own:
         ops["sddmm"][own] = lambda: kernels.sddmm(csr, a, b, heads, own)
+    ops["attention"] = {"torch": lambda: _EdgeAttention._unfused(g, src, dst, 0.2, True)}
+    if dev.type == "cpu" and have_own or kernels.attention_fusable(src):
+        ops["attention"]["fused"] = lambda: kernels.attention_coefficients(fops._csr(g), src, dst, 0.2, loops=True)
     return ops
 
 
@@ -115,8 +126,11 @@ def measure(name: str, g: gc.Graph, heads: int, width: int, dev: torch.device, w
     x = torch.randn(g.num_src, heads, width, generator=gen).to(dev)
     a = torch.randn(g.num_nodes, heads * width, generator=gen).to(dev)
     b = torch.randn(g.num_src, heads * width, generator=gen).to(dev)
+    src = torch.randn(g.num_src, heads, generator=gen).to(dev)   # attention's per-vertex scores
+    dst = torch.randn(g.num_nodes, heads, generator=gen).to(dev)
     rows = []
-    for op, fns in formulations(csr, values, x, a, b).items():
+    g = g.to(dev)
+    for op, fns in formulations(g, csr, values, x, a, b, src, dst).items():
         ref: Optional[torch.Tensor] = None
         for label, fn in fns.items():
             try:

@@ -19,8 +19,9 @@
 #              a process of about 10 s: the module-loop and cupy-backend systems took the first lease's
 #              whole phase for two rows; pass them by hand)
 #   multihead  benchmarks/multihead.py --device cuda: GAT's multi-head SpMM (per-head loop vs the
-#              head-interleaved product) and SDDMM (gather vs sampled_addmm vs cupy) on cora and
-#              R-MAT 100k/2M, and the torch backend's measured SDDMM choice
+#              head-interleaved product), SDDMM (gather vs sampled_addmm vs cupy) and attention
+#              coefficients (torch formulation vs the own fused kernels) on cora and R-MAT 100k/2M,
+#              and the torch backend's measured choices
 #   profile    benchmarks/step_profile.py --device cuda: torch.profiler over gc.train's steps and PyG's
 #              on cora and R-MAT 100k/2M, GCN and GAT (wall vs device time per step, launches,
 #              the top operators)

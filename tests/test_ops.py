@@ -410,6 +410,45 @@ def edge_backend(backend: str):
     kernels.set_default_backend(None)
 
 
+@pytest.mark.parametrize("fused_wins", [True, False])
+def test_attention_measures_the_fused_kernels_against_torch_where_they_are_optional(fused_wins: bool,
+                                                                                  monkeypatch) -> None:
+    """Where the fused kernels can run but the backend does not mandate them (CUDA with the ``torch``
+    backend), the first ``edge_attention`` times them against the torch formulation on the
+    structure: the faster correct one runs forward and backward and is recorded; a fused result
+    that is wrong is rejected. (On the CPU: the native kernels as the fused ones, by wall time.)"""
+    import time
+
+    from gnncompile.frontend import ops as fops
+    from gnncompile.kernels import cuda
+
+    try:
+        kernels._load_native()
+    except KernelError as exc:
+        pytest.skip(f"the native kernels stand in for the fused ones: {exc}")
+    monkeypatch.setattr(kernels, "fused_attention", lambda t: False)
+    monkeypatch.setattr(kernels, "attention_fusable", lambda t: True)
+    unfused, fused = fops._EdgeAttention._unfused, kernels.attention_coefficients
+    if fused_wins:   # the torch formulation made slow
+        monkeypatch.setattr(fops._EdgeAttention, "_unfused", staticmethod(lambda *a: (time.sleep(0.02), unfused(*a))[1]))
+    else:            # the fused kernels made wrong
+        monkeypatch.setattr(kernels, "attention_coefficients", lambda *a, **k: fused(*a, **k) * 2)
+    backward = kernels.attention_backward
+    calls = []
+    monkeypatch.setattr(kernels, "attention_backward", lambda *a, **k: (calls.append(1), backward(*a, **k))[1])
+    g = make_graph("mixed")
+    _attention_both_ways(g, 4, True, 0.2, seed=5)
+    choice = cuda.choices()[-1]
+    assert choice.op == "attention" and "4 heads" in choice.shape, choice
+    if fused_wins:
+        assert choice.chosen == "fused" and calls, choice
+    else:
+        assert choice.chosen == "torch" and "fused" in choice.rejected and not calls, choice
+    before = len(cuda.choices())
+    _attention_both_ways(g, 4, True, 0.2, seed=6)   # decided once per structure
+    assert len(cuda.choices()) == before
+
+
 @pytest.mark.parametrize("graph", GRAPHS)
 @pytest.mark.parametrize("heads", [None, 1, 3, 8])
 @pytest.mark.parametrize("add_self_loops", [False, True])

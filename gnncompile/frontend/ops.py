@@ -674,8 +674,8 @@ class _EdgeAttention(torch.autograd.Function):
     """GAT's attention coefficients from per-vertex scores, fused: ``edge_softmax(LeakyReLU(
     src[src(e)] + dst[dst(e)]))`` (see :func:`edge_attention`). Saves the coefficients and the two
     score tensors (``[V, ...]``); the pre-activations are recomputed in the backward. Fused
-    (:func:`gnncompile.kernels.fused_attention`: the native CPU kernels, or the own CUDA kernels
-    with the ``cupy`` backend) the forward allocates its result only and the backward one edge
+    (:meth:`_fused`: the native CPU kernels, or the own CUDA kernels with the ``cupy`` backend or,
+    with another, where measured faster) the forward allocates its result only and the backward one edge
     tensor (the scores' gradient); the torch formulation holds one more edge tensor each way. The forward's values are those of the unfused ops bit for bit, the gradients up
     to rounding (fused multiply-adds)."""
 
@@ -685,18 +685,40 @@ class _EdgeAttention(torch.autograd.Function):
         return x.add_(_gather(g, dst, True, loops))
 
     @staticmethod
+    def _unfused(g: Graph, src: torch.Tensor, dst: torch.Tensor, slope: float, loops: bool) -> torch.Tensor:
+        """The coefficients by torch operations (gathers, LeakyReLU, the softmax's segment reductions)."""
+        s = torch.nn.functional.leaky_relu_(_EdgeAttention._preactivation(g, src, dst, loops), slope)
+        if s.numel():
+            m = _gather(g, _EdgeSoftmax._reduce(g, s, "max", loops), True, loops)
+            torch.sub(s, m, out=m).exp_()
+            s = m
+            s.div_(_gather(g, _EdgeSoftmax._reduce(g, s, "sum", loops), True, loops))
+        return s
+
+    @staticmethod
+    def _fused(g: Graph, src: torch.Tensor, dst: torch.Tensor, slope: float, loops: bool) -> bool:
+        """Whether the fused kernels run: always where :func:`kernels.fused_attention` holds (native
+        on the CPU, the ``cupy`` backend on CUDA); on CUDA with another backend where the own kernels
+        can run and were measured faster on this structure (:func:`kernels.attention_measured`)."""
+        if kernels.fused_attention(src):
+            return True
+        if not kernels.attention_fusable(src) or src.shape[0] == 0 or g.num_edges == 0:
+            return False
+        off = _own_offset(g)
+        return kernels.attention_measured(
+            _csr(g), src, lambda: _EdgeAttention._unfused(g, src, dst, slope, loops),
+            lambda: kernels.attention_coefficients(_csr(g), src, dst, slope, loops=loops, own_offset=off),
+            f"loops {loops}, offset {off}")
+
+    @staticmethod
     def forward(ctx: Any, g: Graph, src: torch.Tensor, dst: torch.Tensor, slope: float, loops: bool) -> torch.Tensor:
         ctx.g, ctx.slope, ctx.loops = g, slope, loops
         with torch.no_grad():
-            if kernels.fused_attention(src):
+            ctx.fused = _EdgeAttention._fused(g, src, dst, slope, loops)
+            if ctx.fused:
                 s = kernels.attention_coefficients(_csr(g), src, dst, slope, loops=loops, own_offset=_own_offset(g))
             else:
-                s = torch.nn.functional.leaky_relu_(_EdgeAttention._preactivation(g, src, dst, loops), slope)
-                if s.numel():
-                    m = _gather(g, _EdgeSoftmax._reduce(g, s, "max", loops), True, loops)
-                    torch.sub(s, m, out=m).exp_()
-                    s = m
-                    s.div_(_gather(g, _EdgeSoftmax._reduce(g, s, "sum", loops), True, loops))
+                s = _EdgeAttention._unfused(g, src, dst, slope, loops)
         ctx.save_for_backward(src, dst, s)
         return s
 
@@ -709,7 +731,7 @@ class _EdgeAttention(torch.autograd.Function):
             return None, None, None, None, None
         if s.numel() == 0:
             return None, torch.zeros_like(src), torch.zeros_like(dst), None, None
-        if kernels.fused_attention(src):
+        if ctx.fused:
             gs, g_dst = kernels.attention_backward(_csr(g), src, dst, s, grad.contiguous(), slope, loops=loops,
                                                    own_offset=_own_offset(g))
             g_src = (kernels.scatter_sum(_csr(g), gs[:e]) if kernels.native_edge_ops(gs)

@@ -20,7 +20,8 @@ prefetched), ``segment_sum`` (an edge tensor summed per row), ``scatter_sum`` (p
 backward without index copies or spread temporaries; ``attention_scores`` / ``attention_backward``
 (GAT's LeakyReLU scores and their softmax fused: no per-edge gathers, sums or pre-activations);
 on CUDA, with the ``cupy`` backend, ``attention_coefficients`` / ``attention_backward`` by
-gnncompile's own kernels (:func:`fused_attention`).
+gnncompile's own kernels (:func:`fused_attention`), with another backend where they are measured
+faster than the torch formulation on the structure (:func:`attention_measured`).
 
 Backends
 --------
@@ -84,6 +85,8 @@ __all__ = [
     "attention_backward",
     "attention_coefficients",
     "fused_attention",
+    "attention_fusable",
+    "attention_measured",
     "native_edge_ops",
     "prepare_native",
     "native_extension_name",
@@ -556,6 +559,41 @@ def fused_attention(t: torch.Tensor) -> bool:
         return True
     return (t.device.type == "cuda" and t.dtype == torch.float32 and default_backend(t.device) == "cupy"
             and cuda.attention_group(math.prod(t.shape[1:]), 1.0) is not None)
+
+
+def attention_fusable(t: torch.Tensor) -> bool:
+    """Whether gnncompile's CUDA attention kernels can run GAT's attention over scores like ``t``
+    whatever the default backend: ``t`` float32 on a CUDA device, its heads a power of two up to 32,
+    CuPy installed (:func:`attention_measured` decides whether they do)."""
+    return (t.device.type == "cuda" and t.dtype == torch.float32
+            and cuda.attention_group(math.prod(t.shape[1:]), 1.0) is not None and _cupy_importable())
+
+
+@functools.lru_cache(maxsize=None)
+def _cupy_importable() -> bool:
+    try:
+        _import_cupy()
+    except KernelError:
+        return False
+    return True
+
+
+def attention_measured(csr: CSR, t: torch.Tensor, unfused: Callable[[], torch.Tensor],
+                       fused: Callable[[], torch.Tensor], key: str,
+                       timer: Optional[Callable[[Callable[[], Any]], float]] = None) -> bool:
+    """Whether the ``fused`` attention coefficients (the own CUDA kernels) beat the ``unfused``
+    formulation (the reference) on ``csr`` for scores like ``t``: measured on first use
+    (:func:`cuda.choose`: the faster correct one; ``timer``: CUDA events by default) and cached on
+    ``csr`` under ``key`` (what else the result depends on: self loops, the own rows' offset)."""
+    heads = math.prod(t.shape[1:])
+
+    def decide() -> bool:
+        chosen = cuda.choose("attention", f"{csr.num_rows}x{csr.num_cols}, {csr.nnz} edges, {heads} heads, {key}",
+                             {"torch": unfused, "fused": fused}, "torch",
+                             timer or (cuda.cuda_timer if t.device.type == "cuda" else cuda.wall_timer))
+        return chosen == "fused"
+
+    return csr.cached(f"choice:attention:{t.device}:{t.dtype}:{heads}:{key}", decide)
 
 
 def attention_coefficients(csr: CSR, src: torch.Tensor, dst: torch.Tensor, negative_slope: float, *,
