@@ -16,18 +16,23 @@ CSR of each graph, times:
   - ``gather``: both operands' rows gathered per edge, multiplied and summed (in edge blocks);
   - ``sampled_addmm``: ``torch.sparse.sampled_addmm`` over the interleaved structure (cuSPARSE's
     SDDMM on CUDA);
+  - ``torch backend``: what ``kernels.sddmm(..., "torch")`` runs (on CUDA its measured choice of
+    the two above);
   - the device's own backend (``native``; ``cupy``: its measured choice among its kernels);
 * ``attention``: GAT's coefficients ``softmax_r(LeakyReLU(src[col] + dst[r]))`` with self loops
   (the forward of ``gnncompile.ops.edge_attention``), by
   - ``torch``: gathers, LeakyReLU and the softmax's segment reductions (what the ``torch``
     backend ran on CUDA before it measured the fused kernels against it);
   - ``fused``: :func:`gnncompile.kernels.attention_coefficients` (native on the CPU, the own CUDA
-    kernels where CuPy is installed).
+    kernels where CuPy is installed);
+  - ``torch backend`` (CUDA with CuPy): ``gnncompile.ops.edge_attention`` under the device's default
+    backend, the faster of the two by its own measurement (forward and backward).
 
 Each formulation's result is checked against the first's (max abs error column). Time = median of
 ``--repeat`` calls after ``--warmup`` (each call between two synchronizations on CUDA); one-time
-structures (the interleaved copy, the transposes) are built in the warm-up. On CUDA the ``torch``
-backend's own SDDMM choice (:func:`gnncompile.kernels.cuda.choices`) is printed after the table.
+structures (the interleaved copy, the transposes) are built in the warm-up. The choices measured
+in the run (:func:`gnncompile.kernels.cuda.choices`: the ``torch`` backend's on CUDA, the
+``cupy`` backend's per-shape kernels) are printed after the table.
 
 Usage::
 
@@ -102,12 +107,15 @@ def formulations(g: gc.Graph, csr: CSR, values: torch.Tensor, x: torch.Tensor, a
             fns[own] = lambda xx=xx, t=transpose: kernels.spmm(csr, values, xx, own, transpose=t)
         ops["spmm^T" if transpose else "spmm"] = fns
     ops["sddmm"] = {"gather": lambda: kernels._sddmm_gather(csr, a, b, heads),
-                    "sampled_addmm": lambda: kernels._sddmm_sampled(csr, a, b, heads)}
+                    "sampled_addmm": lambda: kernels._sddmm_sampled(csr, a, b, heads),
+                    "torch backend": lambda: kernels.sddmm(csr, a, b, heads, "torch")}
     if have_own:
         ops["sddmm"][own] = lambda: kernels.sddmm(csr, a, b, heads, own)
     ops["attention"] = {"torch": lambda: _EdgeAttention._unfused(g, src, dst, 0.2, True)}
     if dev.type == "cpu" and have_own or kernels.attention_fusable(src):
         ops["attention"]["fused"] = lambda: kernels.attention_coefficients(fops._csr(g), src, dst, 0.2, loops=True)
+    if kernels.attention_fusable(src):   # what the default backend runs on this structure (measured once)
+        ops["attention"]["torch backend"] = lambda: gc.ops.edge_attention(g, src, dst, 0.2, True)
     return ops
 
 
@@ -198,7 +206,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     md = [f"`{command_line()}` ({today()}; {where}), H = {args.heads}, C = {args.width}, float32, median of "
           f"{args.repeat} calls after {args.warmup} warm-up calls:", "", *lines]
     if chosen:
-        md += ["", "The `torch` backend's measured choices in this run:", ""] + [f"- {c}" for c in chosen]
+        md += ["", "Choices measured in this run (`kernels.cuda.choices()`):", ""] + [f"- {c}" for c in chosen]
     update_section(args.out, f"{SECTION}, {'CUDA' if dev.type == 'cuda' else 'CPU'}", "\n".join(md))
     return 0
 

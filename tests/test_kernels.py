@@ -176,11 +176,15 @@ def test_torch_backend_interleaves_heads_into_one_product(heads: int, wide: bool
     assert kernels._interleaved(csr, heads, torch.device("cpu"))[0] is inter   # built once per heads
 
 
+@pytest.mark.parametrize("blocked", [False, True], ids=["one_call", "row_blocks"])
 @pytest.mark.parametrize("heads", [1, 3])
-def test_torch_backend_sddmm_samples_the_dense_product(heads: int) -> None:
+def test_torch_backend_sddmm_samples_the_dense_product(heads: int, blocked: bool, monkeypatch) -> None:
     """The torch backend's SDDMM (``sampled_addmm`` over the structure, interleaved for several heads)
-    is ``<a[row], b[col]>`` per edge and head, duplicates and empty rows included; nothing per edge
-    is kept beside the structure."""
+    is ``<a[row], b[col]>`` per edge and head, duplicates and empty rows included, also in row
+    blocks (a bound of 7 entries: a hub row longer than that is a block alone); nothing per edge is
+    kept beside the structure."""
+    if blocked:
+        monkeypatch.setattr(kernels, "_SAMPLED_BLOCK", 7)
     csr = random_csr(40, 30, 4.0, seed=9 + heads, hub=True)
     a = randn(40, heads, 5, dtype=torch.float64, seed=1)
     b = randn(30, heads, 5, dtype=torch.float64, seed=2)
@@ -188,6 +192,10 @@ def test_torch_backend_sddmm_samples_the_dense_product(heads: int) -> None:
     expected = (a[rows] * b[csr.indices]).sum(-1)
     torch.testing.assert_close(kernels.sddmm(csr, a, b, heads, backend="torch"), expected)
     assert not any(k.startswith("rows:") for k in csr.cache)
+    structure = csr if heads == 1 else kernels._interleaved(csr, heads, torch.device("cpu"))[0]
+    blocks = kernels._row_blocks(structure, kernels._SAMPLED_BLOCK)
+    assert (len(blocks) > 1) == blocked and blocks[0][0] == 0 and blocks[-1][1] == structure.num_rows
+    assert all(b[1] == c[0] and b[3] == c[2] for b, c in zip(blocks, blocks[1:]))   # consecutive, covering
 
 
 def test_sddmm_measurement_keeps_the_faster_correct_formulation(monkeypatch) -> None:
@@ -769,3 +777,21 @@ def test_self_loops_join_unsorted_rows(backend: str, transpose: bool) -> None:
     for r in range(60):
         row = looped.indices[int(looped.indptr[r]): int(looped.indptr[r + 1])]
         assert torch.equal(row, row.sort().values) and (row == 15 + r).sum() >= 1
+
+
+def test_torch_backend_sddmm_of_blocks_denser_than_dense() -> None:
+    """Rows that repeat columns can hold more entries than a dense block of their rows has (torch's
+    ``sampled_addmm`` then fails): every entry still gets its product (random structures with
+    repeats, one call and row blocks)."""
+    for seed in range(60):
+        rows, cols = 1 + seed % 9, 1 + (seed * 7) % 5
+        csr = random_csr(rows, cols, 3.0, seed=seed, hub=seed % 2 == 0)
+        for heads in (1, 2):
+            a = randn(rows, heads * 3, dtype=torch.float64, seed=1)
+            b = randn(cols, heads * 3, dtype=torch.float64, seed=2)
+            expected = kernels._sddmm_gather(csr, a, b, heads)
+            torch.testing.assert_close(kernels.sddmm(csr, a, b, heads, backend="torch"), expected)
+    csr = CSR(torch.tensor([0, 4]), torch.tensor([2, 2, 0, 2]), 1, 3)   # one row of 4 entries, 3 columns
+    a, b = randn(1, 5, dtype=torch.float64, seed=1), randn(3, 5, dtype=torch.float64, seed=2)
+    torch.testing.assert_close(kernels.sddmm(csr, a, b, 1, backend="torch"),
+                               (a[[0, 0, 0, 0]] * b[[2, 2, 0, 2]]).sum(-1, keepdim=True))

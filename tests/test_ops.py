@@ -410,13 +410,14 @@ def edge_backend(backend: str):
     kernels.set_default_backend(None)
 
 
-@pytest.mark.parametrize("fused_wins", [True, False])
-def test_attention_measures_the_fused_kernels_against_torch_where_they_are_optional(fused_wins: bool,
-                                                                                  monkeypatch) -> None:
+@pytest.mark.parametrize("case", ["fused wins", "fused forward wrong", "fused backward wrong"])
+def test_attention_measures_the_fused_kernels_against_torch_where_they_are_optional(case: str, monkeypatch) -> None:
     """Where the fused kernels can run but the backend does not mandate them (CUDA with the ``torch``
-    backend), the first ``edge_attention`` times them against the torch formulation on the
-    structure: the faster correct one runs forward and backward and is recorded; a fused result
-    that is wrong is rejected. (On the CPU: the native kernels as the fused ones, by wall time.)"""
+    backend), the first ``edge_attention`` times them, forward and backward, against the torch
+    formulation on the structure: the faster correct one runs both and is recorded; fused kernels
+    whose coefficients or gradients are wrong are rejected. (On the CPU: the native kernels as the
+    fused ones, by wall time.)"""
+    fused_wins = case == "fused wins"
     import time
 
     from gnncompile.frontend import ops as fops
@@ -429,24 +430,28 @@ def test_attention_measures_the_fused_kernels_against_torch_where_they_are_optio
     monkeypatch.setattr(kernels, "fused_attention", lambda t: False)
     monkeypatch.setattr(kernels, "attention_fusable", lambda t: True)
     unfused, fused = fops._EdgeAttention._unfused, kernels.attention_coefficients
+    backward = kernels.attention_backward
     if fused_wins:   # the torch formulation made slow
         monkeypatch.setattr(fops._EdgeAttention, "_unfused", staticmethod(lambda *a: (time.sleep(0.02), unfused(*a))[1]))
-    else:            # the fused kernels made wrong
+    elif case == "fused forward wrong":
         monkeypatch.setattr(kernels, "attention_coefficients", lambda *a, **k: fused(*a, **k) * 2)
-    backward = kernels.attention_backward
     calls = []
-    monkeypatch.setattr(kernels, "attention_backward", lambda *a, **k: (calls.append(1), backward(*a, **k))[1])
+
+    def counted(*a, **k):
+        calls.append(1)
+        gs, g_dst = backward(*a, **k)
+        return (gs * 2, g_dst * 2) if case == "fused backward wrong" else (gs, g_dst)
+    monkeypatch.setattr(kernels, "attention_backward", counted)
     g = make_graph("mixed")
-    _attention_both_ways(g, 4, True, 0.2, seed=5)
+    _attention_both_ways(g, 4, True, 0.2, seed=5)   # measured here (forward and backward of each)
     choice = cuda.choices()[-1]
     assert choice.op == "attention" and "4 heads" in choice.shape, choice
-    if fused_wins:
-        assert choice.chosen == "fused" and calls, choice
-    else:
-        assert choice.chosen == "torch" and "fused" in choice.rejected and not calls, choice
-    before = len(cuda.choices())
+    assert choice.chosen == ("fused" if fused_wins else "torch"), choice
+    assert fused_wins or "fused" in choice.rejected, choice
+    before, measured = len(cuda.choices()), len(calls)
     _attention_both_ways(g, 4, True, 0.2, seed=6)   # decided once per structure
     assert len(cuda.choices()) == before
+    assert (len(calls) > measured) == fused_wins   # the fused backward runs only where it was chosen
 
 
 @pytest.mark.parametrize("graph", GRAPHS)

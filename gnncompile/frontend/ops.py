@@ -696,19 +696,63 @@ class _EdgeAttention(torch.autograd.Function):
         return s
 
     @staticmethod
+    def _unfused_backward(g: Graph, src: torch.Tensor, dst: torch.Tensor, s: torch.Tensor, grad: torch.Tensor,
+                          slope: float, loops: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scores' gradients by torch operations: at most two edge tensors at a time (and a bool one)."""
+        e = g.num_edges
+        positive = _EdgeAttention._preactivation(g, src, dst, loops) > 0  # LeakyReLU's derivative, as torch's
+        gs = s * grad
+        dot = _gather(g, _EdgeSoftmax._reduce(g, gs, "sum", loops), True, loops).mul_(s)
+        gs.sub_(dot)
+        del dot
+        gs.mul_(torch.where(positive, gs.new_tensor(1.0), gs.new_tensor(slope)))
+        del positive
+        g_dst = _EdgeSums.sums(g, gs[:e], True, dst.shape[0])
+        if loops:
+            g_dst += gs[e:]
+        g_src = _EdgeSums.sums(g, gs[:e], False, src.shape[0])
+        if loops:
+            _own_rows(g, g_src).add_(gs[e:])
+        return g_src, g_dst
+
+    @staticmethod
+    def _fused_backward(g: Graph, src: torch.Tensor, dst: torch.Tensor, s: torch.Tensor, grad: torch.Tensor,
+                        slope: float, loops: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scores' gradients by the fused kernels (:func:`kernels.attention_backward`)."""
+        e = g.num_edges
+        gs, g_dst = kernels.attention_backward(_csr(g), src, dst, s, grad.contiguous(), slope, loops=loops,
+                                               own_offset=_own_offset(g))
+        g_src = (kernels.scatter_sum(_csr(g), gs[:e]) if kernels.native_edge_ops(gs)
+                 else _EdgeSums.sums(g, gs[:e], False, src.shape[0]))
+        if loops:
+            _own_rows(g, g_src).add_(gs[e:])
+        return g_src, g_dst
+
+    @staticmethod
     def _fused(g: Graph, src: torch.Tensor, dst: torch.Tensor, slope: float, loops: bool) -> bool:
         """Whether the fused kernels run: always where :func:`kernels.fused_attention` holds (native
-        on the CPU, the ``cupy`` backend on CUDA); on CUDA with another backend where the own kernels
-        can run and were measured faster on this structure (:func:`kernels.attention_measured`)."""
+        on the CPU, the ``cupy`` backend on CUDA); on CUDA with the default backend chosen by device
+        (``torch``) where the own kernels can run and their forward and backward together were
+        measured faster than the torch formulation's on this structure (:func:`kernels.attention_measured`)."""
         if kernels.fused_attention(src):
             return True
         if not kernels.attention_fusable(src) or src.shape[0] == 0 or g.num_edges == 0:
             return False
         off = _own_offset(g)
-        return kernels.attention_measured(
-            _csr(g), src, lambda: _EdgeAttention._unfused(g, src, dst, slope, loops),
-            lambda: kernels.attention_coefficients(_csr(g), src, dst, slope, loops=loops, own_offset=off),
-            f"loops {loops}, offset {off}")
+        grad = torch.randn((g.num_edges + (g.num_nodes if loops else 0),) + tuple(src.shape[1:]),
+                           generator=torch.Generator().manual_seed(0), dtype=src.dtype).to(src.device)
+
+        def both(forward: Callable[..., torch.Tensor], backward: Callable[..., tuple]) -> Callable[[], torch.Tensor]:
+            def run() -> torch.Tensor:   # the coefficients and the scores' gradients, as one tensor
+                alpha = forward(g, src, dst, slope, loops)
+                return torch.cat([alpha.reshape(-1), *(t.reshape(-1) for t in backward(g, src, dst, alpha, grad,
+                                                                                       slope, loops))])
+            return run
+
+        fused = lambda g, src, dst, slope, loops: kernels.attention_coefficients(  # noqa: E731
+            _csr(g), src, dst, slope, loops=loops, own_offset=off)
+        return kernels.attention_measured(_csr(g), src, both(_EdgeAttention._unfused, _EdgeAttention._unfused_backward),
+                                          both(fused, _EdgeAttention._fused_backward), f"loops {loops}, offset {off}")
 
     @staticmethod
     def forward(ctx: Any, g: Graph, src: torch.Tensor, dst: torch.Tensor, slope: float, loops: bool) -> torch.Tensor:
@@ -726,30 +770,12 @@ class _EdgeAttention(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         src, dst, s = ctx.saved_tensors
         g: Graph = ctx.g
-        loops, slope, e = ctx.loops, ctx.slope, g.num_edges
         if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
             return None, None, None, None, None
         if s.numel() == 0:
             return None, torch.zeros_like(src), torch.zeros_like(dst), None, None
-        if ctx.fused:
-            gs, g_dst = kernels.attention_backward(_csr(g), src, dst, s, grad.contiguous(), slope, loops=loops,
-                                                   own_offset=_own_offset(g))
-            g_src = (kernels.scatter_sum(_csr(g), gs[:e]) if kernels.native_edge_ops(gs)
-                     else _EdgeSums.sums(g, gs[:e], False, src.shape[0]))
-        else:  # at most two edge tensors at a time (and a bool one)
-            positive = _EdgeAttention._preactivation(g, src, dst, loops) > 0  # LeakyReLU's derivative, as torch's
-            gs = s * grad
-            dot = _gather(g, _EdgeSoftmax._reduce(g, gs, "sum", loops), True, loops).mul_(s)
-            gs.sub_(dot)
-            del dot
-            gs.mul_(torch.where(positive, gs.new_tensor(1.0), gs.new_tensor(slope)))
-            del positive
-            g_dst = _EdgeSums.sums(g, gs[:e], True, dst.shape[0])
-            if loops:
-                g_dst += gs[e:]
-            g_src = _EdgeSums.sums(g, gs[:e], False, src.shape[0])
-        if loops:
-            _own_rows(g, g_src).add_(gs[e:])
+        backward = _EdgeAttention._fused_backward if ctx.fused else _EdgeAttention._unfused_backward
+        g_src, g_dst = backward(g, src, dst, s, grad, ctx.slope, ctx.loops)
         return None, g_src, g_dst, None, None
 
 

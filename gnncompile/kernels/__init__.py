@@ -283,8 +283,9 @@ def _import_built(name: str, build_dir: str) -> Optional[Any]:
     library = os.path.join(build_dir, f"{name}.so")
     if not (os.path.exists(os.path.join(build_dir, _BUILT_MARK)) and os.path.exists(library)):
         return None
-    if name in sys.modules:
-        return sys.modules[name]
+    loaded = sys.modules.get(name)
+    if loaded is not None and os.path.realpath(getattr(loaded, "__file__", "") or "") == os.path.realpath(library):
+        return loaded
     try:
         spec = importlib.util.spec_from_file_location(name, library)
         module = importlib.util.module_from_spec(spec)
@@ -329,8 +330,9 @@ def _load_native() -> Any:
                 print("gnncompile: building native CPU kernels (once, ~30 s)...", file=sys.stderr, flush=True)
             _native_module = load(name, [_NATIVE_SOURCE], extra_cflags=list(_NATIVE_CFLAGS),
                                   extra_ldflags=list(_NATIVE_LDFLAGS), build_directory=build_dir, verbose=False)
-            with open(os.path.join(build_dir, _BUILT_MARK), "w") as f:
-                f.write(f"{name}.so\n")
+            with contextlib.suppress(OSError):   # (without the mark, later loads go through torch's)
+                with open(os.path.join(build_dir, _BUILT_MARK), "w") as f:
+                    f.write(f"{name}.so\n")
     except Exception as exc:  # compiler missing, ninja missing, ...
         _native_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         raise KernelError(f"native backend unavailable: {_native_error}") from exc
@@ -562,10 +564,12 @@ def fused_attention(t: torch.Tensor) -> bool:
 
 
 def attention_fusable(t: torch.Tensor) -> bool:
-    """Whether gnncompile's CUDA attention kernels can run GAT's attention over scores like ``t``
-    whatever the default backend: ``t`` float32 on a CUDA device, its heads a power of two up to 32,
-    CuPy installed (:func:`attention_measured` decides whether they do)."""
-    return (t.device.type == "cuda" and t.dtype == torch.float32
+    """Whether gnncompile's CUDA attention kernels may run GAT's attention over scores like ``t``
+    under a default backend that does not mandate them: ``t`` float32 on a CUDA device, its heads a
+    power of two up to 32, CuPy installed, and the backend the device's choice (``torch``), not one
+    forced by :func:`set_default_backend` or ``GNNCOMPILE_BACKEND`` (a forced ``torch`` runs torch
+    operations only). :func:`attention_measured` decides whether they do."""
+    return (t.device.type == "cuda" and t.dtype == torch.float32 and not _forced_backend()
             and cuda.attention_group(math.prod(t.shape[1:]), 1.0) is not None and _cupy_importable())
 
 
@@ -581,17 +585,18 @@ def _cupy_importable() -> bool:
 def attention_measured(csr: CSR, t: torch.Tensor, unfused: Callable[[], torch.Tensor],
                        fused: Callable[[], torch.Tensor], key: str,
                        timer: Optional[Callable[[Callable[[], Any]], float]] = None) -> bool:
-    """Whether the ``fused`` attention coefficients (the own CUDA kernels) beat the ``unfused``
-    formulation (the reference) on ``csr`` for scores like ``t``: measured on first use
-    (:func:`cuda.choose`: the faster correct one; ``timer``: CUDA events by default) and cached on
-    ``csr`` under ``key`` (what else the result depends on: self loops, the own rows' offset)."""
+    """Whether the ``fused`` attention (the own CUDA kernels) beats the ``unfused`` formulation (the
+    reference) on ``csr`` for scores like ``t``: each callable computes the coefficients and the
+    scores' gradients; measured on first use (:func:`cuda.choose` on ``t``'s device: the faster
+    correct one; ``timer``: CUDA events by default) and cached on ``csr`` under ``key`` (what else
+    the result depends on: self loops, the own rows' offset)."""
     heads = math.prod(t.shape[1:])
 
     def decide() -> bool:
-        chosen = cuda.choose("attention", f"{csr.num_rows}x{csr.num_cols}, {csr.nnz} edges, {heads} heads, {key}",
-                             {"torch": unfused, "fused": fused}, "torch",
-                             timer or (cuda.cuda_timer if t.device.type == "cuda" else cuda.wall_timer))
-        return chosen == "fused"
+        with torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext():
+            return cuda.choose("attention", f"{csr.num_rows}x{csr.num_cols}, {csr.nnz} edges, {heads} heads, {key}",
+                               {"torch": unfused, "fused": fused}, "torch",
+                               timer or (cuda.cuda_timer if t.device.type == "cuda" else cuda.wall_timer)) == "fused"
 
     return csr.cached(f"choice:attention:{t.device}:{t.dtype}:{heads}:{key}", decide)
 
@@ -862,52 +867,93 @@ def _interleaved(csr: CSR, heads: int, device: torch.device) -> tuple[CSR, torch
         idt = torch.int64 if max(n, csr.num_rows * heads, csr.num_cols * heads) > _INT32_MAX else torch.int32
         offsets = torch.zeros(csr.num_rows * heads + 1, dtype=torch.int64, device=device)
         torch.cumsum(deg.repeat_interleave(heads), 0, out=offsets[1:])
-        # edge e of row r (first edge s, degree d) goes, for head h, to entry H*s + h*d + (e - s)
+        # edge e of row r (first edge s, degree d) goes, for head h, to entry H*s + h*d + (e - s):
+        # filled a head at a time (temporaries of E entries, not E * H)
         edge = torch.arange(csr.nnz, device=device)
-        first = torch.repeat_interleave(indptr[:-1], deg, output_size=csr.nnz)
-        head = torch.arange(heads, device=device)
-        pos = (edge + first * (heads - 1)).unsqueeze(1) + head * deg.repeat_interleave(deg, output_size=csr.nnz
-                                                                                         ).unsqueeze(1)
-        del first
-        pos = pos.reshape(-1)
+        base = torch.repeat_interleave(indptr[:-1], deg, output_size=csr.nnz).mul_(heads - 1).add_(edge)
+        degree = torch.repeat_interleave(deg, deg, output_size=csr.nnz)
+        col0, edge0 = indices.long() * heads, edge.mul_(heads)
         cols = torch.empty(n, dtype=idt, device=device)
-        cols[pos] = (indices.long().unsqueeze(1) * heads + head).reshape(-1).to(idt)
         perm = torch.empty(n, dtype=idt, device=device)
-        perm[pos] = (edge.unsqueeze(1) * heads + head).reshape(-1).to(idt)
+        for h in range(heads):
+            at = base + degree * h
+            cols[at] = (col0 + h).to(idt)
+            perm[at] = (edge0 + h).to(idt)
         return CSR(offsets.to(idt), cols, csr.num_rows * heads, csr.num_cols * heads), perm
     return csr.cached(f"interleaved:{heads}:{device}", build)
 
 
+#: entries per ``sampled_addmm`` call of :func:`_sddmm_sampled` (its temporaries, about 24 bytes per
+#: entry, stay under ~100 MB whatever the graph)
+_SAMPLED_BLOCK = 1 << 22
+
+
 def _sddmm_sampled(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> torch.Tensor:
     """SDDMM by ``torch.sparse.sampled_addmm`` (cuSPARSE's SDDMM on CUDA) over ``csr``, or for
-    several heads over its head-interleaved structure (:func:`_interleaved`): each edge reads its
-    two rows once, no per-edge temporaries. ``[E, heads]``."""
+    several heads over its head-interleaved structure (:func:`_interleaved`): each entry reads its
+    two rows, without per-edge copies of them. In row blocks of at most :data:`_SAMPLED_BLOCK`
+    entries (each call's index and value temporaries bounded; the blocks' bounds are found once
+    per structure). ``[E, heads]``."""
     width = math.prod(a.shape[1:]) // heads
     dev = a.device
+    out = torch.empty(csr.nnz, heads, dtype=a.dtype, device=dev)
     if csr.nnz == 0 or width == 0:
-        return torch.zeros(csr.nnz, heads, dtype=a.dtype, device=dev)
+        return out.zero_()
     structure, perm = (csr, None) if heads == 1 else _interleaved(csr, heads, dev)
+    blocks = _row_blocks(structure, _SAMPLED_BLOCK)
+    if any(e1 - e0 > (r1 - r0) * structure.num_cols for r0, r1, e0, e1 in blocks):
+        # more entries than a dense block has (repeated columns): torch's sampled_addmm then fails
+        return _sddmm_gather(csr, a, b, heads)
     indptr, indices = structure.matched(dev)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
-        # the pattern's values are ignored (beta=0): one zero, expanded
-        pattern = torch.sparse_csr_tensor(indptr, indices, a.new_zeros(()).expand(structure.nnz),
-                                          size=(structure.num_rows, structure.num_cols), device=dev,
-                                          check_invariants=False)
-        w = torch.sparse.sampled_addmm(pattern, a.detach().reshape(structure.num_rows, width),
-                                       b.detach().reshape(structure.num_cols, width).t(), beta=0.0).values()
-    if perm is None:
-        return w.reshape(csr.nnz, 1)
-    return torch.empty_like(w).index_put_((perm,), w).view(csr.nnz, heads)
+    a2 = a.detach().reshape(structure.num_rows, width).contiguous()   # cuSPARSE: row-major operands
+    b2t = b.detach().reshape(structure.num_cols, width).contiguous().t()
+    flat = out.view(-1)
+    zero = a.new_zeros(())  # the pattern's values are ignored (beta=0): one zero, expanded
+    for r0, r1, e0, e1 in blocks:
+        crow = indptr[r0:r1 + 1] if e0 == 0 else indptr[r0:r1 + 1] - e0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
+            pattern = torch.sparse_csr_tensor(crow, indices[e0:e1], zero.expand(e1 - e0),
+                                              size=(r1 - r0, structure.num_cols), device=dev, check_invariants=False)
+            w = torch.sparse.sampled_addmm(pattern, a2[r0:r1], b2t, beta=0.0).values()
+        if perm is None:
+            flat[e0:e1] = w
+        else:
+            flat.index_put_((perm[e0:e1],), w)
+    return out
+
+
+def _row_blocks(csr: CSR, entries: int) -> list[tuple[int, int, int, int]]:
+    """``(first row, end row, first entry, end entry)`` of consecutive row blocks of ``csr`` with at
+    most ``entries`` entries each (a longer row alone); one block, read from no array, when the
+    whole structure fits. Cached on ``csr``."""
+    if csr.nnz <= entries:
+        return [(0, csr.num_rows, 0, csr.nnz)]
+
+    def build() -> list[tuple[int, int, int, int]]:
+        ip = csr.indptr.cpu().long()
+        out, r0 = [], 0
+        while r0 < csr.num_rows:
+            e0 = int(ip[r0])
+            r1 = int(torch.searchsorted(ip, e0 + entries, right=True)) - 1
+            r1 = min(csr.num_rows, max(r1, r0 + 1))
+            out.append((r0, r1, e0, int(ip[r1])))
+            r0 = r1
+        return out
+    return csr.cached(f"row-blocks:{entries}", build)
 
 
 def _sddmm_torch(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> torch.Tensor:
-    """The ``torch`` backend's SDDMM: :func:`_sddmm_sampled`; on CUDA, where cuSPARSE's SDDMM has
-    not been measured against gathering, the faster correct one of the two (:func:`cuda.choose`,
-    once per structure, device and shape, recorded in :func:`cuda.choices`)."""
-    if a.device.type != "cuda" or csr.nnz == 0 or a.numel() == 0:
-        return _sddmm_sampled(csr, a, b, heads)
-    return _sddmm_measured(csr, a, b, heads, cuda.cuda_timer)
+    """The ``torch`` backend's SDDMM: :func:`_sddmm_sampled` on the CPU (float32, float64; other
+    dtypes and devices gather); on CUDA, where cuSPARSE's SDDMM has not been measured against
+    gathering, the faster correct one of the two (:func:`cuda.choose`, once per structure,
+    device, dtype and shape, recorded in :func:`cuda.choices`)."""
+    if a.device.type == "cuda" and csr.nnz and a.numel():
+        with torch.cuda.device(a.device):   # (the timer's events on a's device)
+            return _sddmm_measured(csr, a, b, heads, cuda.cuda_timer)
+    if a.device.type != "cpu" or a.dtype not in (torch.float32, torch.float64):
+        return _sddmm_gather(csr, a, b, heads)   # (torch's CPU sampled_addmm: float32 and float64 only)
+    return _sddmm_sampled(csr, a, b, heads)
 
 
 def _sddmm_measured(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int,
@@ -917,28 +963,24 @@ def _sddmm_measured(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int,
     width = math.prod(a.shape[1:])
 
     def decide() -> bool:
-        had_rows = f"rows:{a.device}" in csr.cache
-        chosen = cuda.choose("sddmm", f"{_shape_label(csr, width, heads)}, {str(a.dtype).removeprefix('torch.')}", {
+        return cuda.choose("sddmm", f"{_shape_label(csr, width, heads)}, {str(a.dtype).removeprefix('torch.')}", {
             "gather": lambda: _sddmm_gather(csr, a, b, heads),
-            "sampled_addmm": lambda: _sddmm_sampled(csr, a, b, heads)}, "gather", timer)
-        if chosen == "sampled_addmm" and not had_rows:
-            csr.cache.pop(f"rows:{a.device}", None)  # the reference's per-edge rows, made only to compare
-        return chosen == "sampled_addmm"
+            "sampled_addmm": lambda: _sddmm_sampled(csr, a, b, heads)}, "gather", timer) == "sampled_addmm"
 
     sampled = csr.cached(f"choice:sddmm-torch:{a.device}:{a.dtype}:{width}:{heads}", decide)
     return (_sddmm_sampled if sampled else _sddmm_gather)(csr, a, b, heads)
 
 
 def _sddmm_gather(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int) -> torch.Tensor:
-    """Reference SDDMM by gathering both endpoints, in edge blocks to bound memory (any device)."""
+    """Reference SDDMM by gathering both endpoints, in edge blocks to bound memory (any device).
+    Each edge's row is computed per call (an edge tensor of the indices' dtype, not kept)."""
     width = math.prod(a.shape[1:]) // heads
     a3 = a.reshape(a.shape[0], heads, width)
     b3 = b.reshape(b.shape[0], heads, width)
     dev = a.device
     indptr, indices = csr.on(dev)
-    # each edge's row, in the indices' dtype (int32 when they fit): an edge tensor held with the structure
-    rows = csr.cached(f"rows:{dev}", lambda: torch.repeat_interleave(
-        torch.arange(csr.num_rows, device=dev, dtype=indices.dtype), indptr[1:] - indptr[:-1], output_size=csr.nnz))
+    rows = torch.repeat_interleave(torch.arange(csr.num_rows, device=dev, dtype=indices.dtype),
+                                   indptr[1:] - indptr[:-1], output_size=csr.nnz)
     out = torch.empty(csr.nnz, heads, dtype=a.dtype, device=dev)
     block = max(1, (1 << 24) // max(1, a3.shape[1] * a3.shape[2]))
     for s in range(0, csr.nnz, block):
@@ -1181,11 +1223,7 @@ def _sddmm_chosen(csr: CSR, a: torch.Tensor, b: torch.Tensor, heads: int, *, bas
                                                          csr.nnz / max(1, csr.num_rows))}
         candidates: dict[str, Callable[[], torch.Tensor]] = {"gather": lambda: baseline(csr, a, b, heads)}
         candidates.update({name: functools.partial(own, c) for name, c in configs.items()})
-        had_rows = f"rows:{a.device}" in csr.cache
-        cfg = configs.get(cuda.choose("sddmm", _shape_label(csr, width, heads), candidates, "gather", timer))
-        if cfg is not None and not had_rows:
-            csr.cache.pop(f"rows:{a.device}", None)  # the reference's per-edge rows, made only to compare
-        return cfg
+        return configs.get(cuda.choose("sddmm", _shape_label(csr, width, heads), candidates, "gather", timer))
 
     cfg = csr.cached(f"choice:sddmm:{a.device}:{width}:{heads}", decide)
     return baseline(csr, a, b, heads) if cfg is None else own(cfg)
@@ -1265,12 +1303,17 @@ def available_backends(device: str | torch.device = "cpu") -> list[str]:
     return names
 
 
+def _forced_backend() -> Optional[str]:
+    """The backend :func:`set_default_backend` or ``GNNCOMPILE_BACKEND`` forces, if any."""
+    return _default_override or os.environ.get("GNNCOMPILE_BACKEND") or None
+
+
 def default_backend(device: str | torch.device = "cpu") -> str:
     """The backend used for tensors on ``device`` when a call names none: the one
     :func:`set_default_backend` forces, else ``GNNCOMPILE_BACKEND`` as it is now (read at each call:
     a rank forked from a server started before the variable was set sees it too), else by device."""
     global _warned_fallback
-    forced = _default_override or os.environ.get("GNNCOMPILE_BACKEND")
+    forced = _forced_backend()
     if forced:
         return _validate_name(forced)
     dev = torch.device(device)
