@@ -221,6 +221,17 @@ def _malformed(d: dict) -> list[tuple[str, Any]]:
         ("malformed rank", changed(lambda c: c["ranks"].append(7))),
         ("lacks the field 'instructions'", changed(lambda c: c["ranks"][1].pop("instructions"))),
         ("must be an object", [d]),
+        # hand-edited fields of the wrong type were raw AttributeErrors (or, printed, a ValueError)
+        ("schedule must be an object", changed(lambda c: c.update(schedule=[1, 2]))),
+        ("schedule must be an object", changed(lambda c: c.update(schedule=3))),
+        ("options must be an object", changed(lambda c: c.update(options=[1]))),
+        ("options must be an object", changed(lambda c: c.update(options=None))),
+        ("info must be an object", changed(lambda c: c.update(info=[1]))),
+        ("predictions must be an object", changed(lambda c: c.update(predictions=[1]))),
+        ("cluster must be a string", changed(lambda c: c.update(cluster=5))),
+        ("ranks must be a non-empty list", changed(lambda c: c.update(ranks=[]))),
+        ("ranks must be a non-empty list", changed(lambda c: c.update(ranks={"0": {}}))),
+        ("sizes must be an object", changed(lambda c: c["ranks"][0].update(sizes=[1, 2]))),
     ]
 
 
@@ -229,6 +240,31 @@ def _malformed(d: dict) -> list[tuple[str, Any]]:
 def test_malformed_plan_data_is_rejected(what: str, data: Any) -> None:
     with pytest.raises(VerificationError, match=what):
         Plan.from_dict(data)
+
+
+def test_read_plan_of_a_file_that_is_not_text_is_a_planning_error(tmp_path: Path) -> None:
+    """A binary file given as a plan (a picture, a checkpoint) raised UnicodeDecodeError."""
+    from gnncompile.errors import PlanningError
+
+    path = tmp_path / "plan.json"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    with pytest.raises(PlanningError, match="cannot read plan file .*not UTF-8 text"):
+        read_plan(path)
+
+
+def test_sampled_plan_data_round_trips_equal(tmp_path: Path) -> None:
+    """A sampled plan's ``fanouts`` option is a tuple; read back from JSON it was a list, so the
+    data read back (``read_plan``, ``gc.load_plan(path)``) no longer equalled the saved plan."""
+    import torch
+
+    import gnncompile as gc
+
+    graph = gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=4, num_features=6, num_classes=3, seed=0)
+    torch.manual_seed(0)
+    plan = gc.plan(gc.nn.GraphSAGE(6, 8, 3), graph, gpus=2, strategy="split", batch_size=32, fanouts=[3, 2])
+    loaded = read_plan(plan.save(tmp_path / "plan.json"))
+    assert loaded.options["fanouts"] == (3, 2)
+    assert loaded == plan and gc.load_plan(tmp_path / "plan.json") == plan
 
 
 def test_load_rejects_unknown_format_version(tmp_path: Path) -> None:

@@ -730,6 +730,8 @@ class DevicePlan:
     def from_dict(cls, d: dict[str, Any]) -> "DevicePlan":
         if not isinstance(d, dict):
             raise VerificationError(f"malformed rank {d!r}: expected an object")
+        if not isinstance(d.get("sizes", {}), dict):
+            raise VerificationError(f"malformed rank data: sizes must be an object, got {d['sizes']!r}")
         try:
             return cls(rank=int(d["rank"]), stages=tuple(StageSpec.from_dict(s) for s in d["stages"]),
                        instructions=tuple(Instruction.from_dict(i) for i in d["instructions"]),
@@ -807,6 +809,9 @@ class Schedule:
     def from_dict(cls, d: Any) -> "Schedule":
         if isinstance(d, str):  # plans saved before schedules were structured
             return cls(kind=d)
+        if not isinstance(d, dict):
+            raise VerificationError(f"malformed plan data: schedule must be an object (or a schedule kind's "
+                                    f"name), got {d!r}")
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -826,7 +831,8 @@ class Plan:
         ``"exact"`` or ``"relaxed"``; ``relaxations`` lists the relaxed transformations applied
         (empty for an exact plan).
     options:
-        The recorded decisions (strategy options, partitioner, seed, ...) as JSON data: lowering
+        The recorded decisions (strategy options, partitioner, seed, ...) as JSON data, sequences
+        as tuples (``fanouts=(10, 5)``; :meth:`from_dict` reads JSON's lists back as tuples): lowering
         the same model and graph with them gives this plan again.
     cluster:
         Description of the devices the plan is for.
@@ -999,9 +1005,16 @@ class Plan:
         if d.get("format") != PLAN_FORMAT_VERSION:
             raise VerificationError(f"plan format {d.get('format')!r} is not supported (this gnncompile "
                                     f"reads format {PLAN_FORMAT_VERSION})")
+        for key, kind, what in (("options", dict, "an object"), ("info", dict, "an object"),
+                                ("predictions", dict, "an object"), ("cluster", str, "a string"),
+                                ("ranks", list, "a non-empty list")):
+            if key in d and (not isinstance(d[key], kind) or (key == "ranks" and not d[key])):
+                raise VerificationError(f"malformed plan data: {key} must be {what}, got {_short(d[key])}")
         try:
+            # (options hold sequences as tuples, fanouts=(10, 5); JSON gives lists back)
             return cls(strategy=d["strategy"], semantics=d["semantics"], relaxations=tuple(d.get("relaxations", ())),
-                       options=d["options"], cluster=d["cluster"], schedule=Schedule.from_dict(d.get("schedule", "sequential")),
+                       options={k: _as_tuple(v) for k, v in d["options"].items()}, cluster=d["cluster"],
+                       schedule=Schedule.from_dict(d.get("schedule", "sequential")),
                        predictions=d.get("predictions", {}), info=d.get("info", {}),
                        ranks=[DevicePlan.from_dict(r) for r in d["ranks"]])
         except KeyError as e:
@@ -1041,6 +1054,9 @@ def read_plan(path: Union[str, Path]) -> Plan:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise PlanningError(f"cannot read plan file {str(path)!r}: {e}") from None
+    except UnicodeDecodeError:
+        raise PlanningError(f"cannot read plan file {str(path)!r}: it is not UTF-8 text (a plan is the JSON "
+                            "that Plan.save writes)") from None
     return Plan.from_dict(data)
 
 
