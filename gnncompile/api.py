@@ -221,7 +221,9 @@ class Plan(PlanData):
     def _require_prediction(self, what: str) -> Any:
         if self.prediction is None:
             raise PlanningError(f"plan.{what} needs the cost models' prediction, which this plan lacks (loaded "
-                                "from a file?); use gnncompile.cost_models.predict(plan, cluster)")
+                                "from a file without its model and graph?); gnncompile.load_plan(path, model, graph) "
+                                "plans it again, or set plan.prediction = "
+                                "gnncompile.cost_models.model.predict(plan, cluster)")
         return self.prediction
 
     def timeline(self, path: Union[str, Path], *, measured: Any = None) -> Path:

@@ -743,6 +743,26 @@ def test_load_plan_without_model_gives_the_data(tmp_path: Path) -> None:
         gc.load_plan(tmp_path / "absent.json")
 
 
+def test_a_loaded_plan_without_prediction_names_a_fix_that_exists(tmp_path: Path) -> None:
+    """``timeline`` and ``memory_plot`` of a plan read without its model told the user to call
+    ``gnncompile.cost_models.predict``, which does not exist (AttributeError); the fix it names works."""
+    import re
+
+    import gnncompile as gc
+    from gnncompile.cost_models.hardware import Cluster
+    from gnncompile.errors import PlanningError
+
+    loaded = gc.load_plan(halo_plan().save(tmp_path / "plan.json"))
+    for draw in (loaded.timeline, loaded.memory_plot):
+        with pytest.raises(PlanningError, match=r"plan\.prediction = gnncompile\.cost_models\.model\.predict") as info:
+            draw(tmp_path / "t.png")
+    call = re.search(r"(gnncompile[\w.]+)\(plan, cluster\)", str(info.value)).group(1)
+    module, name = call.rsplit(".", 1)
+    predict = getattr(__import__(module, fromlist=[name]), name)
+    loaded.prediction = predict(loaded, Cluster.parse("2xA100"))
+    assert loaded.timeline(tmp_path / "t.png").exists() and loaded.memory_plot(tmp_path / "m.png").exists()
+
+
 def test_load_plan_rebuilds_a_runnable_plan_and_plan_load_is_its_deprecated_alias(tmp_path: Path) -> None:
     import torch
 
