@@ -401,15 +401,28 @@ def _shown(target: Any) -> str:
     return target if isinstance(target, str) else "standard output"
 
 
+def _json_data(value: Any) -> Any:
+    """``value`` with every float that is not finite (a diverged run's NaN loss) as ``None``: JSON has
+    no NaN or infinity (Python writes ``NaN``, which strict parsers, ``jq`` and JavaScript refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_data(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_data(v) for v in value]
+    return value
+
+
 def _write_json(target: Any, data: dict) -> None:
     """``--json``: ``data`` written to the file ``target``, or to ``target`` itself when it is a stream
     (``--json -``: :func:`main` passes the standard output, the other output going to standard error);
-    values JSON has no type for are written as their ``str``."""
+    values JSON has no type for are written as their ``str``, numbers that are not finite as ``null``."""
+    data = _json_data(data)
     if isinstance(target, str):
         with _writing(target), open(target, "w") as f:
-            json.dump(data, f, indent=1, default=str)
+            json.dump(data, f, indent=1, default=str, allow_nan=False)
         return
-    json.dump(data, target, indent=1, default=str)
+    json.dump(data, target, indent=1, default=str, allow_nan=False)
     target.write("\n")
     target.flush()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import warnings
 from pathlib import Path
@@ -439,6 +440,20 @@ def test_json_dash_is_standard_output(tmp_path: Path, monkeypatch: pytest.Monkey
     for command in ("train", "run"):
         help_text = " ".join(cli._command_parser(cli.build_parser(), command).format_help().split())
         assert "(-: to standard output" in help_text
+
+
+def test_json_output_is_strict_json_when_values_are_not_finite(tmp_path: Path, capsys: Any) -> None:
+    """A diverged run's NaN losses were written as ``NaN``, which is not JSON (``jq``, JavaScript and
+    strict parsers refuse the whole file); they are ``null`` now, to a file and to standard output."""
+    def strict(text: str) -> Any:
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON output"))
+
+    args = ["train", *SMALL, "--epochs", "3", "--lr", "1e30", "--quiet"]
+    assert cli.main([*args, "--json", "-"]) == 0
+    data = strict(capsys.readouterr().out)
+    assert None in data["loss"] and all(v is None or math.isfinite(v) for v in data["loss"])
+    assert cli.main([*args, "--json", str(tmp_path / "h.json")]) == 0
+    assert strict((tmp_path / "h.json").read_text())["loss"] == data["loss"]
 
 
 def test_save_and_dot_dash_are_standard_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
