@@ -330,6 +330,13 @@ def load_plan(path: Union[str, Path], model: Optional[torch.nn.Module] = None,
         return runnable(saved)
     options = dict(saved.options)
     options.setdefault("features", "dense")  # plans saved before the layout was a decision held x as given
+    # plan()'s own arguments are not decisions a plan records (a hand-edited file: they were a TypeError,
+    # or turned the check of the rebuilt plan off)
+    foreign = sorted(set(options) & {"model", "graph", "gpus", "devices", "overlap", "verify"})
+    if foreign:
+        raise VerificationError(f"plan file {str(path)!r}: its options hold {', '.join(foreign)}, which a plan does "
+                                "not record (they are gnncompile.plan's arguments, not decisions); save the plan "
+                                "again with Plan.save")
     # the devices it was planned for (plans saved before they were recorded: as many local ranks)
     gpus = Cluster.from_dict(saved.info["cluster"]) if "cluster" in saved.info else saved.num_ranks
     try:

@@ -743,6 +743,27 @@ def test_load_plan_without_model_gives_the_data(tmp_path: Path) -> None:
         gc.load_plan(tmp_path / "absent.json")
 
 
+@pytest.mark.parametrize("edit", [{"gpus": 3}, {"model": 1}, {"graph": 1}, {"verify": False}, {"overlap": True},
+                                  {"devices": "any"}])
+def test_load_plan_refuses_options_that_are_not_recorded_decisions(edit: dict, tmp_path: Path) -> None:
+    """A hand-edited plan file whose options held ``gnncompile.plan``'s own arguments raised a raw
+    TypeError (``got multiple values for argument 'model'``) or was used with them (``verify=False``
+    planned again without the verifier)."""
+    import torch
+
+    import gnncompile as gc
+
+    graph = gc.datasets.synthetic("sbm", num_nodes=120, avg_degree=4, num_features=6, num_classes=3, seed=0)
+    torch.manual_seed(0)
+    model = gc.nn.GCN(6, 8, 3)
+    data = gc.plan(model, graph, gpus=2, strategy="data", partitioner="random").to_dict()
+    data["options"].update(edit)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(VerificationError, match=f"options hold {next(iter(edit))}, which a plan does not record"):
+        gc.load_plan(path, model, graph)
+
+
 def test_a_loaded_plan_without_prediction_names_a_fix_that_exists(tmp_path: Path) -> None:
     """``timeline`` and ``memory_plot`` of a plan read without its model told the user to call
     ``gnncompile.cost_models.predict``, which does not exist (AttributeError); the fix it names works."""
