@@ -267,6 +267,18 @@ def test_sampled_plan_data_round_trips_equal(tmp_path: Path) -> None:
     assert loaded == plan and gc.load_plan(tmp_path / "plan.json") == plan
 
 
+@pytest.mark.parametrize("data", [{"format": "gnncompile.cluster", "device": {}, "intra": {}},
+                                  {"dataset": "cora", "loss": [1.0]}, {}])
+def test_a_file_that_holds_no_plan_is_not_called_another_format(data: dict, tmp_path: Path) -> None:
+    """A calibration profile or a ``--json`` history given as a plan was refused as "plan format
+    'gnncompile.cluster' (or None) is not supported": a version mismatch, which it is not."""
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(VerificationError, match=r"not plan data: it has no strategy or ranks field") as info:
+        read_plan(path)
+    assert "format" not in str(info.value).split("(")[0]
+
+
 def test_load_rejects_unknown_format_version(tmp_path: Path) -> None:
     d = halo_plan().to_dict()
     d["format"] = 2

@@ -1002,6 +1002,11 @@ class Plan:
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         if not isinstance(d, dict):
             raise VerificationError(f"plan data must be an object, got {type(d).__name__}")
+        missing = [k for k in ("strategy", "ranks") if k not in d]
+        if d.get("format") != PLAN_FORMAT_VERSION and missing:  # another file (a history, a profile)
+            raise VerificationError(f"not plan data: it has no {' or '.join(missing)} field (its fields: "
+                                    f"{', '.join(map(str, list(d)[:8])) + (', ...' if len(d) > 8 else '') or 'none'}); a plan file is the JSON that Plan.save "
+                                    "writes")
         if d.get("format") != PLAN_FORMAT_VERSION:
             raise VerificationError(f"plan format {d.get('format')!r} is not supported (this gnncompile "
                                     f"reads format {PLAN_FORMAT_VERSION})")
