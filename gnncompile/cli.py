@@ -392,8 +392,9 @@ def _write_text(target: Any, text: str) -> None:
         with _writing(target), open(target, "w") as f:
             f.write(text)
         return
-    target.write(text if text.endswith("\n") else text + "\n")
-    target.flush()
+    with _writing("standard output"):
+        target.write(text if text.endswith("\n") else text + "\n")
+        target.flush()
 
 
 def _shown(target: Any) -> str:
@@ -422,9 +423,10 @@ def _write_json(target: Any, data: dict) -> None:
         with _writing(target), open(target, "w") as f:
             json.dump(data, f, indent=1, default=str, allow_nan=False)
         return
-    json.dump(data, target, indent=1, default=str, allow_nan=False)
-    target.write("\n")
-    target.flush()
+    with _writing("standard output"):
+        json.dump(data, target, indent=1, default=str, allow_nan=False)
+        target.write("\n")
+        target.flush()
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -1070,6 +1072,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # output, the rest on standard error
     dashes = [dest for dest in _TO_STDOUT if getattr(args, dest, None) == "-"]
     to_stdout = bool(dashes)
+    if dashes and sys.stdout is None:  # (`>&-`: the output would be skipped as if not asked for)
+        command.error(f"argument {_OUTPUTS[dashes[0]]}: -: standard output is closed; give a file name")
     for dest in dashes:
         setattr(args, dest, sys.stdout)
     try:

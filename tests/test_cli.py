@@ -4,9 +4,13 @@ messages that say what is wrong and with which file, and the planner's explanati
 from __future__ import annotations
 
 import dataclasses
+import errno
+import io
 import json
 import math
+import os
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -454,6 +458,28 @@ def test_json_output_is_strict_json_when_values_are_not_finite(tmp_path: Path, c
     assert None in data["loss"] and all(v is None or math.isfinite(v) for v in data["loss"])
     assert cli.main([*args, "--json", str(tmp_path / "h.json")]) == 0
     assert strict((tmp_path / "h.json").read_text())["loss"] == data["loss"]
+
+
+@pytest.mark.parametrize("args", [["plan", *SMALL, "--gpus", "2", "--strategy", "data", "--save", "-"],
+                                  ["trace", *SMALL, "--dot", "-"], ["train", *SMALL, "--epochs", "1", "--quiet", "--json", "-"]])
+def test_dash_outputs_to_a_standard_output_that_fails(args: list, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """With standard output closed (``>&-``: Python's ``sys.stdout`` is None) ``--save -`` wrote nothing and
+    exited 0; a write that failed (``>/dev/full``) said ``[Errno 28] No space left on device``, naming nothing."""
+    flag = args[-2]
+    monkeypatch.setattr(sys, "stdout", None)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(args)
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: -: standard output is closed" in capsys.readouterr().err
+
+    class Full(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(sys, "stdout", Full())
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "gnncompile: error: cannot write standard output: No space left on device"
 
 
 def test_save_and_dot_dash_are_standard_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
