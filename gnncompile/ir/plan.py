@@ -1004,9 +1004,9 @@ class Plan:
             raise VerificationError(f"plan data must be an object, got {type(d).__name__}")
         missing = [k for k in ("strategy", "ranks") if k not in d]
         if d.get("format") != PLAN_FORMAT_VERSION and missing:  # another file (a history, a profile)
+            names = ", ".join(map(str, list(d)[:8])) + (", ..." if len(d) > 8 else "")
             raise VerificationError(f"not plan data: it has no {' or '.join(missing)} field (its fields: "
-                                    f"{', '.join(map(str, list(d)[:8])) + (', ...' if len(d) > 8 else '') or 'none'}); a plan file is the JSON that Plan.save "
-                                    "writes")
+                                    f"{names or 'none'}); a plan file is the JSON that Plan.save writes")
         if d.get("format") != PLAN_FORMAT_VERSION:
             raise VerificationError(f"plan format {d.get('format')!r} is not supported (this gnncompile "
                                     f"reads format {PLAN_FORMAT_VERSION})")
