@@ -514,7 +514,7 @@ def test_a_failed_checkpoint_write_is_a_runtime_failure_and_keeps_the_previous_o
             patch.setattr(FileSystem, "create_stream",
                           lambda fs, path, mode: _no_space() if "w" in mode else create_stream(fs, path, mode))
         else:
-            patch.setattr(ckpt, "_write_atomic", _no_space)
+            patch.setattr(ckpt, "write_text", _no_space)
         with pytest.raises(RuntimeFailure, match=rf"checkpoint of epoch 2 could not be written to checkpoint_dir "
                                                  rf"'{tmp_path}': \[Errno {errno.ENOSPC}\] No space left on device; "
                                                  r"the previous checkpoint \(epoch-1\) is unchanged") as info:

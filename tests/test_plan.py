@@ -819,3 +819,25 @@ def test_load_plan_rebuilds_a_runnable_plan_and_plan_load_is_its_deprecated_alia
     gpu = gc.plan(model, graph, gpus="2x2xA100-ib200", strategy="data", partitioner="random")
     again = gc.load_plan(gpu.save(tmp_path / "gpu.json"), model, graph)
     assert again.cluster == gpu.cluster and "A100" in again.cluster and str(again) == str(gpu)
+
+
+def test_save_replaces_a_plan_file_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save that fails midway leaves the previous plan file whole and no temporary file behind (it
+    was truncated first: ``Path.write_text``); a link's target is replaced and the link kept."""
+    import gnncompile.paths as paths
+
+    plan = halo_plan()
+    path = plan.save(tmp_path / "plan.json")
+    before = path.read_text()
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(paths.os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="No space left"):
+        plan.save(path)
+    monkeypatch.undo()
+    assert path.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+    link = tmp_path / "link.json"
+    link.symlink_to(path)
+    assert read_plan(plan.save(link)) == plan and link.is_symlink()

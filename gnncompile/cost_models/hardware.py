@@ -22,7 +22,6 @@ from here too. Calibration (measuring a host, which launches the runtime) is abo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import json
@@ -30,7 +29,6 @@ import math
 import os
 import re
 import socket
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -38,6 +36,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from ..errors import PlanningError
+from ..paths import write_text
 from .specs import (CPU_GAMMA, DEFAULT_INTRA, DEFAULT_LAUNCH_OVERHEAD, DEVICES, GPU_GAMMA, LINKS,  # noqa: F401
                     SPMM_DERATE, DeviceSpec, GiB, LinkSpec, _fields_from_dict, _si)
 
@@ -465,28 +464,8 @@ class Cluster:
         try:
             if path.is_dir():
                 raise PlanningError(f"cannot write cluster profile {path}: it is a directory (give a file name)")
-            if path.exists() and not path.is_file():  # a device or a pipe: written as it is, no rename over it
-                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # a pipe nobody reads: ENXIO, not a hang
-                os.set_blocking(fd, True)
-                with os.fdopen(fd, "w") as f:
-                    f.write(text)
-                return path
-            target = Path(os.path.realpath(path))  # a link stays a link: its target is replaced
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")  # this save's own
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # (the umask applies)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(text)
-                    f.flush()
-                    os.fsync(f.fileno())  # on disk before it replaces the old one
-                if target.exists():
-                    os.chmod(tmp, target.stat().st_mode & 0o7777)
-                os.replace(tmp, target)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            Path(os.path.realpath(path)).parent.mkdir(parents=True, exist_ok=True)
+            write_text(path, text)
         except OSError as exc:
             why = "nothing reads it (a pipe or socket without a reader)" if exc.errno == errno.ENXIO else \
                 exc.strerror or exc

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterable, Mapping, Optional, Union
 
 from ..errors import ArgumentError, PlanningError, VerificationError
-from ..paths import output_problem
+from ..paths import output_problem, write_text
 from .symbolic import Lin
 
 __all__ = [
@@ -1033,13 +1033,13 @@ class Plan:
     def save(self, path: Union[str, Path]) -> Path:
         """Write the plan as JSON to ``path``; :func:`read_plan` reads it back as data,
         :func:`gnncompile.load_plan` as a runnable plan. A path that cannot be written (a missing directory...:
-        :func:`gnncompile.paths.output_problem`) is an :class:`~gnncompile.ArgumentError`."""
+        :func:`gnncompile.paths.output_problem`) is an :class:`~gnncompile.ArgumentError`; the file is
+        replaced atomically (:func:`gnncompile.paths.write_text`: a write that fails, a full disk,
+        raises its ``OSError`` and leaves the previous file whole)."""
         problem = output_problem(path)
         if problem is not None:
             raise ArgumentError(f"plan.save: cannot write {str(path)!r}: {problem}")
-        p = Path(path)
-        p.write_text(self.to_json())
-        return p
+        return write_text(path, self.to_json())   # atomically: a failed write leaves the old file whole
 
     def __eq__(self, other: object) -> bool:
         """Plans are equal when their data fields are: a runnable plan (:class:`gnncompile.Plan`,

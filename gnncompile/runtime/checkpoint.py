@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from ..errors import ArgumentError, RuntimeFailure
+from ..paths import write_text
 from ..graph.core import tensor_hash  # noqa: F401 (fingerprints' hashes; re-exported)
 
 __all__ = ["CheckpointOptions", "Checkpoint", "RANK_STATE", "register_rank_state", "claimed", "prepare", "make_directory", "save",
@@ -477,14 +478,14 @@ def _publish(options: CheckpointOptions, epoch: int, staging: Path, final: Path,
     files = [f for f in sorted(staging.iterdir()) if f.is_file()]
     info["files"] = {f.name: f.stat().st_size for f in files}
     info["digests"] = {f.name: _digest(f) for f in files}   # checked before a resume reads them
-    _write_atomic(staging / "meta.json", json.dumps(info, indent=1, default=_json_default))
+    write_text(staging / "meta.json", json.dumps(info, indent=1, default=_json_default))
     replaced = None
     if final.exists():  # a checkpoint of the same epoch (a resumed run that stopped where it began)
         replaced = d / f".replaced-epoch{epoch}"
         shutil.rmtree(replaced, ignore_errors=True)
         os.rename(final, replaced)
     os.rename(staging, final)
-    _write_atomic(d / "latest", final.name + "\n")
+    write_text(d / "latest", final.name + "\n")
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
     done = sorted((int(m.group(1)), p) for p in d.glob("epoch-*") if (m := _EPOCH_DIR.match(p.name)))
@@ -497,19 +498,6 @@ def _json_default(v: Any) -> Any:
     if isinstance(v, float):
         return v
     return str(v)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def set_optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, state: dict[str, torch.Tensor],
