@@ -145,6 +145,8 @@ def _load_path(path: Path, symmetrize: Optional[bool], split: int, allow_missing
         raise DatasetError(
             f"{path}: no dataset found (expected {path.name}.npz, a single .npz file or Planetoid ind.<name>.* files)"
         )
+    if path.exists():   # a device, a pipe, a socket
+        raise DatasetError(f"{path}: not a regular file or a directory (load reads an .npz file or a dataset folder)")
     raise DatasetError(f"{path}: no such file or directory")
 
 

@@ -54,3 +54,12 @@ def test_plan_switches_take_booleans_only(flag: str) -> None:
     g = gc.datasets.synthetic("sbm", num_nodes=40, avg_degree=4, num_features=4, num_classes=2, seed=0)
     with pytest.raises(gc.PlanningError, match=f"{flag}: expected True or False, got 'no'"):
         gc.plan(gc.nn.GCN(4, 4, 2), g, gpus=2, strategy="data", **{flag: "no"})
+
+
+@pytest.mark.parametrize("gpus, asked", [(11, "11"), ("3x4xA100", "3x4xA100")])
+def test_more_ranks_than_vertices_names_the_request_and_the_count(gpus: Any, asked: str) -> None:
+    """A cluster spec with more devices than vertices was reported by its device count alone
+    (``gpus=12``), which the CLI spelled as a ``--gpus 12`` the user never typed."""
+    g = gc.datasets.synthetic("sbm", num_nodes=10, avg_degree=2, num_features=3, num_classes=2, seed=0)
+    with pytest.raises(gc.PlanningError, match=rf"gpus={asked}: \d+ ranks exceed the graph's 10 vertices"):
+        gc.plan(gc.nn.GCN(3, 4, 2), g, gpus)

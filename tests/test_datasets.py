@@ -855,3 +855,19 @@ def test_stats_takes_what_load_takes() -> None:
         datasets.stats(5)
     if SHARED is not None:
         assert datasets.stats(SHARED / "cora" / "cora.npz").num_nodes == 2708
+
+
+def test_a_path_that_is_no_file_or_folder_is_named_so(tmp_path: Path) -> None:
+    """``/dev/null`` or a pipe given as a dataset exists: it was reported as "no such file or
+    directory"; a path that does not exist still is."""
+    import os
+
+    from gnncompile import DatasetError
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    for path in ("/dev/null", str(pipe)):
+        with pytest.raises(DatasetError, match="not a regular file or a directory"):
+            gc.datasets.load(path)
+    with pytest.raises(DatasetError, match="no such file or directory"):
+        gc.datasets.load(str(tmp_path / "absent.npz"))
