@@ -129,8 +129,8 @@ def plan(model: torch.nn.Module, graph: Union[Graph, GraphStats], gpus: Any = 4,
     ranks = rank_counts(cluster) if devices == "any" else [cluster.num_devices]
     if max(ranks) > max(graph.num_nodes, 1) and devices == "all":
         asked = gpus if isinstance(gpus, str) else cluster.num_devices   # (a spec as given: "64xA100")
-        raise PlanningError(f"gpus={asked}: {cluster.num_devices} ranks exceed the graph's {graph.num_nodes} vertices "
-                            "(each rank holds at least one)")
+        raise PlanningError(f"gpus={asked}: the rank count {cluster.num_devices} exceeds the graph's {graph.num_nodes} "
+                            "vertices (each rank holds at least one)")
     result = search(model, graph, cluster, semantics=semantics, strategies=None if named is None else [named.name],
                     fixed=fixed, ranks=ranks, overlap=overlap, features=features)
     best = result.best

@@ -61,5 +61,5 @@ def test_more_ranks_than_vertices_names_the_request_and_the_count(gpus: Any, ask
     """A cluster spec with more devices than vertices was reported by its device count alone
     (``gpus=12``), which the CLI spelled as a ``--gpus 12`` the user never typed."""
     g = gc.datasets.synthetic("sbm", num_nodes=10, avg_degree=2, num_features=3, num_classes=2, seed=0)
-    with pytest.raises(gc.PlanningError, match=rf"gpus={asked}: \d+ ranks exceed the graph's 10 vertices"):
+    with pytest.raises(gc.PlanningError, match=rf"gpus={asked}: the rank count \d+ exceeds the graph's 10 vertices"):
         gc.plan(gc.nn.GCN(3, 4, 2), g, gpus)
