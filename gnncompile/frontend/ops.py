@@ -739,13 +739,16 @@ class _EdgeAttention(torch.autograd.Function):
         if not kernels.attention_fusable(src) or src.shape[0] == 0 or g.num_edges == 0:
             return False
         off = _own_offset(g)
-        grad = torch.randn((g.num_edges + (g.num_nodes if loops else 0),) + tuple(src.shape[1:]),
-                           generator=torch.Generator().manual_seed(0), dtype=src.dtype).to(src.device)
+
+        @functools.lru_cache(maxsize=1)
+        def upstream() -> torch.Tensor:   # the gradient both candidates' backward get (made only to measure)
+            return torch.randn((g.num_edges + (g.num_nodes if loops else 0),) + tuple(src.shape[1:]),
+                               generator=torch.Generator().manual_seed(0), dtype=src.dtype).to(src.device)
 
         def both(forward: Callable[..., torch.Tensor], backward: Callable[..., tuple]) -> Callable[[], torch.Tensor]:
             def run() -> torch.Tensor:   # the coefficients and the scores' gradients, as one tensor
                 alpha = forward(g, src, dst, slope, loops)
-                return torch.cat([alpha.reshape(-1), *(t.reshape(-1) for t in backward(g, src, dst, alpha, grad,
+                return torch.cat([alpha.reshape(-1), *(t.reshape(-1) for t in backward(g, src, dst, alpha, upstream(),
                                                                                        slope, loops))])
             return run
 

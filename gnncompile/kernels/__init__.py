@@ -575,6 +575,7 @@ def attention_fusable(t: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _cupy_importable() -> bool:
+    """Whether CuPy imports here (asked once per process)."""
     try:
         _import_cupy()
     except KernelError:
@@ -1287,13 +1288,7 @@ def available_backends(device: str | torch.device = "cpu") -> list[str]:
     """The backends that can run on ``device`` in this environment."""
     dev = torch.device(device)
     if dev.type == "cuda":
-        names = ["torch"]
-        try:
-            _import_cupy()
-            names.insert(0, "cupy")
-        except KernelError:
-            pass
-        return names
+        return ["cupy", "torch"] if _cupy_importable() else ["torch"]
     names = ["torch", "scipy"]
     try:
         _load_native()
